@@ -1,0 +1,97 @@
+"""FLOP counts per sequence, exactly as ml_dataflow's README defines model FLOPs (causal
+attention at half; the head's forward and two backward matmuls; the embedding free), plus the
+hardware FLOPs that recompute adds, for HFU. See docs/flops.md. Never imports array libraries."""
+
+from __future__ import annotations
+
+import enum
+
+from models.config import ModelConfig
+
+FLOP_MODEL_VERSION = "mldf-1"
+"""Bumped whenever a formula here changes, and printed beside every MFU/HFU we report."""
+
+
+class SavedLevel(enum.Enum):
+    """What the forward pass keeps of one (layer, chunk) for the backward pass."""
+
+    INP_ONLY = "inp_only"
+    """Layer input, norm statistics, roped K and V: recompute Q, attention, O-proj and FFN."""
+    INP_ATTN = "inp_attn"
+    """INP_ONLY plus attention output and log-sum-exp: recompute everything but attention."""
+    FULL = "full"
+    """Every intermediate: recompute only elementwise work."""
+
+
+def layer_matmul_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Forward matmul FLOPs of one layer for `tokens` tokens: Q,O + K,V + 3 FFN matrices."""
+    d = cfg.model_dim
+    return 2 * tokens * d * (2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim)
+
+
+def causal_pairs(chunk_tokens: int, context_tokens: int) -> float:
+    """Query/key pairs a query chunk at offset `context_tokens` scores, counted as ml_dataflow
+    does (half of the chunk's own square, so the chunks of a sequence sum to S*S/2)."""
+    return chunk_tokens * context_tokens + chunk_tokens * chunk_tokens / 2
+
+
+def attn_fwd_flops(cfg: ModelConfig, chunk_tokens: int, context_tokens: int = 0) -> float:
+    """Two matmuls (QK^T, PV) over the causal pairs: .5 * 2 * (2 * S * S * D) for a whole seq."""
+    return 4 * causal_pairs(chunk_tokens, context_tokens) * cfg.q_dim
+
+
+def attn_bwd_flops(cfg: ModelConfig, chunk_tokens: int, context_tokens: int = 0) -> float:
+    """Four matmuls (dP, dS-to-dQ, dK, dV) over the causal pairs: .5 * 4 * (2 * S * S * D)."""
+    return 8 * causal_pairs(chunk_tokens, context_tokens) * cfg.q_dim
+
+
+def head_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Head forward, backward-x and backward-w matmuls: 3 * (2 * S * D * V)."""
+    return 3 * 2 * tokens * cfg.model_dim * cfg.vocab_size
+
+
+def model_flops_per_seq(cfg: ModelConfig, seqlen: int) -> float:
+    """ml_dataflow's per seq flops: L * (3 * layer matmul + attn fwd + attn bwd) + head."""
+    per_layer = (3 * layer_matmul_flops(cfg, seqlen) + attn_fwd_flops(cfg, seqlen)
+                 + attn_bwd_flops(cfg, seqlen))
+    return cfg.n_layers * per_layer + head_flops(cfg, seqlen)
+
+
+def model_flops_per_token(cfg: ModelConfig, seqlen: int) -> float:
+    return model_flops_per_seq(cfg, seqlen) / seqlen
+
+
+def flash_recompute_flops(cfg: ModelConfig, chunk_tokens: int, context_tokens: int = 0) -> float:
+    """The score matrix QK^T that fused attention rebuilds in its backward: .5 * 2 * S * S * D
+    per layer for a whole sequence, as ml_dataflow counts it."""
+    return 2 * causal_pairs(chunk_tokens, context_tokens) * cfg.q_dim
+
+
+def level_recompute_flops(cfg: ModelConfig, level: SavedLevel, chunk_tokens: int,
+                          context_tokens: int = 0) -> float:
+    """Extra forward FLOPs the backward of one (layer, chunk) repeats because of its level."""
+    d, t = cfg.model_dim, chunk_tokens
+    if level is SavedLevel.FULL:
+        return 0.0
+    q_and_o = 2 * t * d * 2 * cfg.q_dim
+    gate_up = 2 * t * d * 2 * cfg.ffn_dim
+    if level is SavedLevel.INP_ATTN:
+        return float(q_and_o + gate_up)
+    return q_and_o + gate_up + attn_fwd_flops(cfg, t, context_tokens)
+
+
+def hardware_flops_per_seq(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
+                           levels: list[SavedLevel] | tuple[SavedLevel, ...]) -> float:
+    """Model FLOPs plus every recompute, for one sequence split into chunks of `chunk_tokens`
+    (or packed into one chunk when shorter). `levels[i]` is layer i's level for the sequence's
+    chunks; HFU = hardware FLOPs / time / peak."""
+    if len(levels) != cfg.n_layers:
+        raise ValueError(f"need one level per layer ({cfg.n_layers}), got {len(levels)}")
+    t = min(chunk_tokens, seqlen)
+    extra = 0.0
+    for level in levels:
+        for start in range(0, seqlen, t):
+            n = min(t, seqlen - start)
+            extra += flash_recompute_flops(cfg, n, start)
+            extra += level_recompute_flops(cfg, level, n, start)
+    return model_flops_per_seq(cfg, seqlen) + extra

@@ -1,0 +1,107 @@
+"""Block layouts: where each tensor sits inside the one contiguous bf16 buffer of a layer (and of
+the embedding and the head). Grads, AdamW m and v share the layout, so a layer moves in one copy
+per direction. Pure offsets: views are made by slicing whatever 1-D array the caller holds
+(NumPy or CuPy), so this module never imports array libraries."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from models.config import ModelConfig
+
+ALIGN_ELEMS = 128
+"""Every tensor starts on a 256-byte boundary (128 bf16), so GPU kernels can load 16 bytes at a
+time from any tensor of a block and cuBLAS sees aligned pointers."""
+
+BF16_BYTES = 2
+
+
+class BlockKind(enum.Enum):
+    EMBED = "embed"
+    LAYER = "layer"
+    HEAD = "head"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSlot:
+    name: str
+    """Name relative to its block, in transformers' spelling ('self_attn.q_proj')."""
+    shape: tuple[int, ...]
+    """transformers' shape: linear weights are [out_features, in_features]."""
+    offset: int
+    """First element inside the block."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BlockLayout:
+    kind: BlockKind
+    tensors: tuple[TensorSlot, ...]
+    numel: int
+    """Elements in the block including alignment padding."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BF16_BYTES
+
+    def slot(self, name: str) -> TensorSlot:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor '{name}' in the {self.kind.value} block; "
+                       f"it holds {[t.name for t in self.tensors]}")
+
+    def view(self, block, name: str):
+        """The tensor `name` as a view into `block`, a 1-D array of this block's elements."""
+        t = self.slot(name)
+        return block[t.offset:t.offset + t.numel].reshape(t.shape)
+
+    def views(self, block) -> dict:
+        return {t.name: self.view(block, t.name) for t in self.tensors}
+
+    def full_name(self, name: str, layer: int | None = None) -> str:
+        """transformers' state_dict key for a tensor of this block."""
+        if self.kind is BlockKind.LAYER:
+            return f"model.layers.{layer}.{name}.weight"
+        if self.kind is BlockKind.EMBED:
+            return f"model.{name}.weight"
+        return f"model.{name}.weight" if name == "norm" else f"{name}.weight"
+
+
+def _pack(kind: BlockKind, named_shapes: list[tuple[str, tuple[int, ...]]]) -> BlockLayout:
+    tensors, offset = [], 0
+    for name, shape in named_shapes:
+        tensors.append(TensorSlot(name=name, shape=shape, offset=offset))
+        n = 1
+        for s in shape:
+            n *= s
+        offset += -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    return BlockLayout(kind=kind, tensors=tuple(tensors), numel=offset)
+
+
+LAYER_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+NORM_TENSORS = frozenset({"input_layernorm", "post_attention_layernorm", "norm"})
+
+
+def layer_layout(cfg: ModelConfig) -> BlockLayout:
+    d, q, kv, f = cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
+    shapes = [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f)]
+    return _pack(BlockKind.LAYER, list(zip(LAYER_TENSORS, shapes)))
+
+
+def embed_layout(cfg: ModelConfig) -> BlockLayout:
+    return _pack(BlockKind.EMBED, [("embed_tokens", (cfg.vocab_size, cfg.model_dim))])
+
+
+def head_layout(cfg: ModelConfig) -> BlockLayout:
+    return _pack(BlockKind.HEAD, [("norm", (cfg.model_dim,)),
+                                  ("lm_head", (cfg.vocab_size, cfg.model_dim))])
