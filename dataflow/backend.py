@@ -1,0 +1,89 @@
+"""The small interface the executor is written against: memory (slabs allocated once, viewed by
+offset), transfer (async copies), compute (launch an op from the backend's op table on a stream)
+and dependencies (record / wait events, synchronize). Backends implement it; the executor never
+sees CuPy or NumPy specifics beyond array views. Never decides placement."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any, Callable
+
+
+class Stream(enum.Enum):
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    HOST = "host"
+    """CPU work ordered with the device streams (host AdamW, embedding gather/scatter)."""
+
+
+class Place(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class BackendError(RuntimeError):
+    """A backend cannot do what was asked (no GPU, allocation refused, a schedule race)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slab:
+    """One allocation made at start; regions are views into it by byte offset."""
+
+    place: Place
+    nbytes: int
+    handle: Any
+    """The backend's buffer (a NumPy uint8 array, a CuPy memory pointer, ...)."""
+
+
+class Backend(abc.ABC):
+    name: str
+    ops: Any
+    """The op table: functions with the signatures of dataflow.ops_numpy."""
+    writes: dict[str, tuple[int, ...]]
+    """For each op name, the positions of the arguments it writes (the rest are read)."""
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, place: Place) -> Slab:
+        """One slab of exactly `nbytes`; called at start only, never in the hot loop."""
+
+    @abc.abstractmethod
+    def view(self, slab: Slab, offset: int, shape: tuple[int, ...], dtype: str):
+        """An array of `shape` and dtype ('bf16', 'f32', 'i32', 'u8') at `offset` in `slab`."""
+
+    @abc.abstractmethod
+    def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:
+        """Async copy of equal byte counts; the direction follows where the views live."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
+        """Enqueue op `op` of the op table on `stream` (HOST: a CPU function of the host ops)."""
+
+    @abc.abstractmethod
+    def host_call(self, stream: Stream, fn: Callable[[], None], *, reads=(), writes=(),
+                  name: str = "host") -> None:
+        """Enqueue a CPU function ordered on `stream`, touching only the given host arrays."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream) -> Any:
+        """An event marking everything enqueued on `stream` so far."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Stream, event: Any) -> None:
+        """Later work on `stream` starts only after `event` has passed."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until every stream is idle."""
+
+    @abc.abstractmethod
+    def to_numpy(self, array) -> Any:
+        """A host NumPy copy of a view (synchronous; for results and tests, not the hot loop)."""
+
+    def memory_used_bytes(self, place: Place) -> int:
+        return sum(s.nbytes for s in self._slabs if s.place is place)
+
+    def close(self) -> None:
+        self._slabs.clear()

@@ -1,0 +1,31 @@
+"""Token sources for training: the byte-level corpus shipped with the package (no network) and
+a resumable packer of pre-tokenised Parquet data. Produces int32 token rows only; never touches
+a model, a plan or a device."""
+
+from dataflow.data.shipped import (
+    BYTE_VOCAB,
+    decode,
+    encode,
+    shipped_text,
+    shipped_tokens,
+    token_stream,
+)
+
+__all__ = [
+    "BYTE_VOCAB",
+    "ArrowTokenDataset",
+    "decode",
+    "encode",
+    "shipped_text",
+    "shipped_tokens",
+    "token_stream",
+]
+
+
+def __getattr__(name: str):
+    # pyarrow takes a noticeable time to import; load it only when the Parquet loader is used
+    if name == "ArrowTokenDataset":
+        from dataflow.data.arrow import ArrowTokenDataset
+
+        return ArrowTokenDataset
+    raise AttributeError(f"module 'dataflow.data' has no attribute '{name}'")

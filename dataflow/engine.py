@@ -1,0 +1,287 @@
+"""The Engine: the API other trainers embed. Builds (or takes) a Plan, allocates the arenas once,
+initialises or loads the weights into their homes, and trains one step per call. Owns the
+hyperparameters and the step counter; the executor owns the schedule. Never decides placement."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dataflow.backend import Place, Stream
+from dataflow.backends import make_backend
+from dataflow.executor import Executor
+from dataflow.optimizer import AdamW, AdamWConfig
+from memplan.plan import Budget, Plan
+from models.config import ModelConfig, load_config
+from models.errors import ConfigError
+from models.flops import (flash_recompute_flops, level_recompute_flops, model_flops_per_seq,
+                          FLOP_MODEL_VERSION)
+from models.layout import BlockKind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    step: int
+    loss: float
+    """Mean next-token cross-entropy over the step's tokens."""
+    round_losses: tuple[float, ...]
+    tokens: int
+    step_time_s: float
+    tok_per_s: float
+    model_tflop_per_s: float
+    mfu: float
+    hfu: float
+    flop_model_version: str
+    h2d_bytes: int
+    d2h_bytes: int
+    lr: float
+    grad_norm: float | None
+
+
+class Engine:
+    """Train a model under host and device memory budgets.
+
+    >>> with Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=128, backend="numpy") as eng:
+    ...     result = eng.train_step(batch)   # batch: (eng.seqs_per_step, 129) token ids
+    """
+
+    def __init__(self, model: str | ModelConfig, *, host_gb: float, dev_gb: float, seqlen: int,
+                 backend: str = "auto", profile=None, seed: int = 0, weights=None,
+                 lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
+                 **plan_options):
+        from memplan import make_plan
+
+        cfg = model if isinstance(model, ModelConfig) else load_config(model)
+        be = make_backend(backend, **({"sanitize": True} if sanitize else {}))
+        if profile is None and be.name == "numpy":
+            profile = _cpu_profile()
+        plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, **plan_options)
+        self._setup(plan, be, seed, weights, AdamWConfig(
+            lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm), lr_schedule)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, backend: str = "auto", seed: int = 0, weights=None,
+                  optimizer: AdamWConfig | None = None, lr_schedule=None,
+                  sanitize: bool = False, sanitize_seed: int = 0) -> "Engine":
+        self = cls.__new__(cls)
+        opts = {"sanitize": True, "seed": sanitize_seed} if sanitize else {}
+        self._setup(plan, make_backend(backend, **opts), seed, weights,
+                    optimizer or AdamWConfig(), lr_schedule)
+        return self
+
+    def _setup(self, plan, be, seed, weights, opt_cfg, schedule) -> None:
+        self.plan, self.be = plan, be
+        self.ex = Executor(plan, be)
+        self.optimizer = AdamW(opt_cfg, schedule)
+        self._zero_state()
+        if weights is None:
+            self._init_weights(seed)
+        else:
+            if isinstance(weights, (str, Path)):
+                from models.storage import load_model
+
+                weights = load_model(weights)
+            self._load_weights(weights)
+        self.be.synchronize()
+        self._closed = False
+
+    # -- state ------------------------------------------------------------------------------
+    def _zero_state(self) -> None:
+        for b in self.ex.blocks.values():
+            for part in ("grads", "m", "v"):
+                for side in ("dev_", "home_"):
+                    view = b[side + part]
+                    if view is None:
+                        continue
+                    if side == "dev_":
+                        self.be.launch(Stream.COMPUTE, "fill_", view, 0.0, name="init.zero")
+                    else:
+                        self.be.synchronize()
+                        view[...] = 0
+
+    def _targets(self):
+        """(key, block kind, layer, block dict) for every block."""
+        out = [("embed", BlockKind.EMBED, None, self.ex.blocks["embed"])]
+        out += [(f"layer{i}", BlockKind.LAYER, i, self.ex.blocks[f"layer{i}"])
+                for i in range(self.plan.model.n_layers)]
+        out.append(("head", BlockKind.HEAD, None, self.ex.blocks["head"]))
+        return out
+
+    def _write_block(self, b: dict, array: np.ndarray, part: str = "weights") -> None:
+        home = b["home_" + part]
+        if home is not None:
+            self.be.synchronize()
+            home[...] = array
+        if b["dev_" + part] is not None and (home is None or part != "weights"
+                                             or b["place"].weights.value == "device"):
+            self.ex.upload(b["dev_" + part], array)
+
+    def _init_weights(self, seed: int) -> None:
+        from models import init
+
+        cfg = self.plan.model
+        for key, kind, layer, b in self._targets():
+            fn = {BlockKind.EMBED: lambda: init.init_embed_block(cfg, seed),
+                  BlockKind.LAYER: lambda: init.init_layer_block(cfg, layer, seed),
+                  BlockKind.HEAD: lambda: init.init_head_block(cfg, seed)}[kind]
+            self._write_block(b, fn())
+
+    def _load_weights(self, weights) -> None:
+        if weights.cfg != self.plan.model:
+            raise ConfigError(f"weights are for model '{weights.cfg.name}' but the plan is for "
+                              f"'{self.plan.model.name}'; load matching weights")
+        blocks = [weights.embed] + list(weights.layers) + [weights.head]
+        for (key, kind, layer, b), block in zip(self._targets(), blocks):
+            self._write_block(b, block)
+
+    def _read_block(self, b: dict, part: str) -> np.ndarray:
+        if b["place"].weights.value == "device" or b["home_" + part] is None:
+            return self.ex.download(b["dev_" + part])
+        self.be.synchronize()
+        return np.array(b["home_" + part], copy=True)
+
+    def weights(self):
+        """The current parameters as a models.init.ModelWeights (host copies)."""
+        from models.init import ModelWeights
+
+        blocks = {key: self._read_block(b, "weights") for key, _, _, b in self._targets()}
+        cfg = self.plan.model
+        return ModelWeights(cfg, blocks["embed"],
+                            [blocks[f"layer{i}"] for i in range(cfg.n_layers)], blocks["head"])
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters under transformers' names and shapes, plus AdamW state as
+        'optimizer.<name>.exp_avg' / '.exp_avg_sq' and 'optimizer.step'."""
+        out: dict[str, np.ndarray] = {}
+        for key, kind, layer, b in self._targets():
+            lay = self._layout(kind)
+            parts = {"": self._read_block(b, "weights"), ".exp_avg": self._read_block(b, "m"),
+                     ".exp_avg_sq": self._read_block(b, "v")}
+            for t in lay.tensors:
+                name = lay.full_name(t.name, layer)
+                for suffix, block in parts.items():
+                    prefix = "optimizer." if suffix else ""
+                    out[prefix + name + suffix] = lay.view(block, t.name).copy()
+        out["optimizer.step"] = np.array(self.optimizer.step_count, dtype=np.int64)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of state_dict; refuses missing keys or wrong shapes, naming them."""
+        for key, kind, layer, b in self._targets():
+            lay = self._layout(kind)
+            for suffix, part in (("", "weights"), (".exp_avg", "m"), (".exp_avg_sq", "v")):
+                block = np.zeros(lay.numel, dtype=self._read_block(b, "weights").dtype)
+                for t in lay.tensors:
+                    name = ("optimizer." if suffix else "") + lay.full_name(t.name, layer) + suffix
+                    if name not in state:
+                        raise ConfigError(f"state_dict has no '{name}'")
+                    value = np.asarray(state[name])
+                    if value.shape != t.shape:
+                        raise ConfigError(f"'{name}' has shape {value.shape}, expected {t.shape}")
+                    lay.view(block, t.name)[...] = value
+                self._write_block(b, block, part)
+        self.optimizer.step_count = int(state.get("optimizer.step", 0))
+        self.be.synchronize()
+
+    def _layout(self, kind):
+        ex = self.ex
+        return {BlockKind.EMBED: ex.emb_lay, BlockKind.LAYER: ex.lay, BlockKind.HEAD: ex.head_lay}[kind]
+
+    # -- training ---------------------------------------------------------------------------
+    @property
+    def seqs_per_step(self) -> int:
+        return self.plan.chunking.seqs_per_step
+
+    def train_step(self, tokens) -> StepResult:
+        """tokens: (seqs_per_step, seqlen + 1) int ids (NumPy, or anything with __array__ or
+        __dlpack__); inputs are tokens[:, :-1], targets tokens[:, 1:]."""
+        if self._closed:
+            raise ConfigError("this Engine is closed; create a new one")
+        batch = _as_numpy(tokens)
+        ch, cfg = self.plan.chunking, self.plan.model
+        want = (ch.seqs_per_step, ch.seqlen + 1)
+        if batch.shape != want:
+            raise ConfigError(f"train_step got tokens of shape {batch.shape}; this plan takes "
+                              f"{want} (seqs_per_step, seqlen + 1)")
+        if batch.min() < 0 or batch.max() >= cfg.vocab_size:
+            bad = batch[(batch < 0) | (batch >= cfg.vocab_size)][0]
+            raise ConfigError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        lr = self.optimizer.schedule(self.optimizer.step_count + 1) \
+            if self.optimizer.schedule else self.optimizer.config.lr
+        stats = self.ex.step(batch, self.optimizer)
+        return self._result(stats, lr)
+
+    def _result(self, stats, lr: float) -> StepResult:
+        plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
+        model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+        extra = 0.0
+        for layer in range(cfg.n_layers):
+            for c in range(ch.chunks_per_round):
+                ctxt = ch.chunk_context(c)
+                for _ in range(ch.seqs_per_chunk):
+                    n = min(ch.chunk_tokens, ch.seqlen)
+                    extra += flash_recompute_flops(cfg, n, ctxt) + level_recompute_flops(
+                        cfg, plan.activations[layer][c].level, n, ctxt)
+        hw_flops = model_flops + extra * ch.rounds_per_step
+        t = max(stats.step_time_s, 1e-12)
+        peak = plan.profile.peak_bf16_flop_per_s
+        return StepResult(
+            step=self.optimizer.step_count, loss=stats.loss,
+            round_losses=tuple(r.loss_sum / max(r.tokens, 1) for r in stats.rounds),
+            tokens=stats.tokens, step_time_s=stats.step_time_s, tok_per_s=stats.tokens / t,
+            model_tflop_per_s=model_flops / t / 1e12, mfu=model_flops / t / peak,
+            hfu=hw_flops / t / peak, flop_model_version=FLOP_MODEL_VERSION,
+            h2d_bytes=stats.h2d_bytes, d2h_bytes=stats.d2h_bytes, lr=lr,
+            grad_norm=self.optimizer.last_grad_norm)
+
+    def memory_used_bytes(self) -> dict[str, int]:
+        """Arena bytes per place (the budgets) and the bytes the plan's regions occupy."""
+        return {"device_arena": self.be.memory_used_bytes(Place.DEVICE),
+                "host_arena": self.be.memory_used_bytes(Place.HOST),
+                "device_regions": self.ex.dev.used_bytes, "host_regions": self.ex.host.used_bytes}
+
+    def close(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.be.synchronize()
+            self.be.close()
+            self._closed = True
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_numpy(tokens) -> np.ndarray:
+    if hasattr(tokens, "__dlpack__") and not isinstance(tokens, np.ndarray):
+        try:
+            tokens = np.from_dlpack(tokens)
+        except (TypeError, RuntimeError, BufferError):
+            tokens = tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)
+    arr = np.asarray(tokens)
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"tokens must be a 2-D integer array, got shape {arr.shape} dtype "
+                          f"{arr.dtype}")
+    return arr
+
+
+def _cpu_profile():
+    from memplan.profiles import get_profile
+
+    return get_profile("cpu") if _has_cpu_profile() else None
+
+
+def _has_cpu_profile() -> bool:
+    try:
+        from memplan.profiles import known_profiles
+
+        return "cpu" in known_profiles()
+    except ImportError:
+        return False

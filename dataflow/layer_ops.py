@@ -1,0 +1,183 @@
+"""One transformer layer on one chunk, forward and backward, as a sequence of op-table launches on
+the compute stream. Reads weights and saved activations from views the executor hands in, writes
+the next residual (forward) or the input gradient (backward), and recomputes whatever the saved
+level left out. Never decides placement and never issues copies between host and device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dataflow.backend import Backend, Stream
+from models.config import ModelConfig
+from models.flops import SavedLevel
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    index: int
+    rows: slice
+    """This chunk's rows in the round's token arrays and residual buffers."""
+    segments: tuple[tuple[int, int], ...]
+    """(start, end) rows inside the chunk of each packed sequence (one segment when split)."""
+    split: bool
+    """The chunk is part of a sequence spanning several chunks (attention uses the context)."""
+    context: int
+    """Tokens of its sequence before this chunk (the attention offset)."""
+    first_of_seq: bool
+    last_of_seq: bool
+
+
+class LayerCompute:
+    def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
+        self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
+
+    def _op(self, op: str, *args, tag: str = "") -> None:
+        self.be.launch(Stream.COMPUTE, op, *args, name=f"{self.tag}.{op}{tag}")
+
+    def _kv(self, chunk: ChunkInfo, t: int):
+        """Where this chunk's K and V are formed: the sequence context rows, or the workspace."""
+        if chunk.split:
+            a, b = chunk.context, chunk.context + t
+            return self.ctx["k_ctx"][a:b], self.ctx["v_ctx"][a:b]
+        return self.ws["k"][:t], self.ws["v"][:t]
+
+    def _attn_inputs(self, chunk: ChunkInfo, t: int, k, v):
+        """(q_offset, segments) pairs of attention calls with their key/value views."""
+        if chunk.split:
+            end = chunk.context + t
+            return [(0, t, self.ctx["k_ctx"][:end], self.ctx["v_ctx"][:end], chunk.context, 0)]
+        return [(a, b, k[a:b], v[a:b], 0, a) for a, b in chunk.segments]
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, tag: str, w: dict, x, out, pos, chunk: ChunkInfo, save: dict,
+                level: SavedLevel) -> None:
+        """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`."""
+        self.tag = tag
+        cfg, ws, op = self.cfg, self.ws, self._op
+        t, h, kh, e = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, o, lse = ws["q"][:t], ws["o"][:t], ws["lse"][:, :t]
+        k, v = self._kv(chunk, t)
+        self._qkv(w, x, ws["xn"][:t], ws["rstd"][:t], q, k, v, pos)
+        for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
+            op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse[:, a:b])
+        hres = ws["h"][:t]
+        op("cast", x, hres)
+        op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+        self._ffn_fwd(w, hres, tag="")
+        op("cast", hres, out)
+        op("linear_fwd", ws["act"][:t], w["mlp.down_proj"], out, True)
+        op("cast", x, save["x"])
+        op("cast", ws["rstd"][:t], save["rstd"])
+        op("cast", k, save["k"])
+        op("cast", v, save["v"])
+        if level is not SavedLevel.INP_ONLY:
+            op("cast", o, save["o"])
+            op("cast", lse, save["lse"])
+        if level is SavedLevel.FULL:
+            op("cast", q, save["q"])
+            op("cast", hres, save["h"])
+            op("cast", ws["rstd2"][:t], save["rstd2"])
+            op("cast", ws["gate"][:t], save["gate"])
+            op("cast", ws["up"][:t], save["up"])
+
+    def _qkv(self, w, x, xn, rstd, q, k, v, pos) -> None:
+        cfg, op = self.cfg, self._op
+        t = x.shape[0]
+        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, rstd)
+        op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
+        op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
+        op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+        op("rope_fwd", q, pos, cfg.rope_theta, q)
+        op("rope_fwd", k, pos, cfg.rope_theta, k)
+
+    def _ffn_fwd(self, w, hres, tag: str) -> None:
+        cfg, ws, op = self.cfg, self.ws, self._op
+        t = hres.shape[0]
+        op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, ws["xn2"][:t],
+           ws["rstd2"][:t])
+        op("linear_fwd", ws["xn2"][:t], w["mlp.gate_proj"], ws["gate"][:t])
+        op("linear_fwd", ws["xn2"][:t], w["mlp.up_proj"], ws["up"][:t])
+        op("swiglu_fwd", ws["gate"][:t], ws["up"][:t], ws["act"][:t])
+
+    # -- backward -------------------------------------------------------------------------------
+    def backward(self, tag: str, w: dict, g: dict, save: dict, level: SavedLevel, dy, dx, pos,
+                 chunk: ChunkInfo) -> None:
+        """dy (T, D) gradient of the layer output -> dx (T, D); weight grads accumulate into g.
+        For split chunks the caller has filled k_ctx/v_ctx with the sequence's K/V up to here."""
+        self.tag = tag
+        cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op
+        t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
+        x = save["x"]
+        xn = ws["xn"][:t]
+        k, v = (self._kv(chunk, t) if chunk.split else (save["k"], save["v"]))
+        # Recompute what the level did not keep. Same kernels as the forward: bit-identical.
+        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t])
+        if level is SavedLevel.FULL:
+            q, o, lse, hres = save["q"], save["o"], save["lse"], save["h"]
+            gate, up = save["gate"], save["up"]
+            op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, ws["xn2"][:t],
+               ws["rstd2"][:t])
+            op("swiglu_fwd", gate, up, ws["act"][:t])
+        else:
+            q = ws["q"][:t]
+            op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
+            op("rope_fwd", q, pos, cfg.rope_theta, q)
+            if level is SavedLevel.INP_ATTN:
+                o, lse = save["o"], save["lse"]
+            else:
+                o, lse = ws["o"][:t], ws["lse"][:, :t]
+                for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
+                    op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse[:, a:b], tag=".re")
+            hres = ws["h"][:t]
+            op("cast", x, hres)
+            op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+            self._ffn_fwd(w, hres, tag=".re")
+            gate, up = ws["gate"][:t], ws["up"][:t]
+        act, xn2 = ws["act"][:t], ws["xn2"][:t]
+        # FFN
+        dact, dgate, dup, dxn, dh = (ws["dact"][:t], ws["dgate"][:t], ws["dup"][:t],
+                                     ws["dxn"][:t], ws["dh"][:t])
+        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
+        op("linear_bwd_x", dy, w["mlp.down_proj"], dact, False)
+        op("swiglu_bwd", gate, up, dact, dgate, dup)
+        op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
+        op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
+        op("linear_bwd_x", dgate, w["mlp.gate_proj"], dxn, False)
+        op("linear_bwd_x", dup, w["mlp.up_proj"], dxn, True)
+        op("rms_norm_bwd", hres, w["post_attention_layernorm"], ws["rstd2"][:t], dxn, dh,
+           g["post_attention_layernorm"])
+        op("add_", dh, dy)
+        # attention
+        do, dq = ws["do"][:t], ws["dq"][:t]
+        op("linear_bwd_w", dh, o.reshape(t, h * e), g["self_attn.o_proj"], True)
+        op("linear_bwd_x", dh, w["self_attn.o_proj"], do.reshape(t, h * e), False)
+        dk_all, dv_all = ctx["dk_ctx"], ctx["dv_ctx"]
+        if chunk.split:
+            if chunk.last_of_seq:  # first chunk of its sequence in backward order
+                op("fill_", dk_all, 0.0)
+                op("fill_", dv_all, 0.0)
+            end = chunk.context + t
+            op("attention_bwd", q, self.ctx["k_ctx"][:end],
+               self.ctx["v_ctx"][:end], o, lse, do, chunk.context, dq, dk_all[:end], dv_all[:end])
+            dk_rows, dv_rows = dk_all[chunk.context:end], dv_all[chunk.context:end]
+        else:
+            op("fill_", dk_all[:t], 0.0)
+            op("fill_", dv_all[:t], 0.0)
+            for a, b in chunk.segments:
+                op("attention_bwd", q[a:b], k[a:b], v[a:b], o[a:b], lse[:, a:b], do[a:b], 0,
+                   dq[a:b], dk_all[a:b], dv_all[a:b])
+            dk_rows, dv_rows = dk_all[:t], dv_all[:t]
+        dk, dv = ws["dk"][:t], ws["dv"][:t]
+        op("cast", dk_rows, dk)
+        op("cast", dv_rows, dv)
+        op("rope_bwd", dq, pos, cfg.rope_theta, dq)
+        op("rope_bwd", dk, pos, cfg.rope_theta, dk)
+        op("linear_bwd_w", dq.reshape(t, -1), xn, g["self_attn.q_proj"], True)
+        op("linear_bwd_w", dk.reshape(t, -1), xn, g["self_attn.k_proj"], True)
+        op("linear_bwd_w", dv.reshape(t, -1), xn, g["self_attn.v_proj"], True)
+        op("linear_bwd_x", dq.reshape(t, -1), w["self_attn.q_proj"], dxn, False)
+        op("linear_bwd_x", dk.reshape(t, -1), w["self_attn.k_proj"], dxn, True)
+        op("linear_bwd_x", dv.reshape(t, -1), w["self_attn.v_proj"], dxn, True)
+        op("rms_norm_bwd", x, w["input_layernorm"], ws["rstd"][:t], dxn, dx,
+           g["input_layernorm"])
+        op("add_", dx, dh)

@@ -1,0 +1,140 @@
+"""The op table for the NumPy backend: every op writes into buffers the caller passes (views of
+the arenas), with the same signatures and semantics the CUDA op table implements. Each op wraps
+the reference kernel of the same name, so the NumPy backend computes exactly the definitions of
+truth. Never allocates arena memory; temporaries are NumPy scratch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kernels.reference as ref
+
+F32 = np.float32
+
+
+def _store(dst: np.ndarray, value, accumulate: bool) -> None:
+    """dst (=|+=) value, summing in fp32 and rounding once to dst's dtype."""
+    if accumulate:
+        dst[...] = (dst.astype(F32) + value.astype(F32, copy=False)).astype(dst.dtype)
+    else:
+        dst[...] = value
+
+
+def rms_norm_fwd(x, w, eps, y, rstd):
+    y[...], rstd[...] = ref.rms_norm_fwd(x, w, eps)
+
+
+def rms_norm_bwd(x, w, rstd, dy, dx, dw):
+    """dw accumulates (+=)."""
+    dx_, dw_ = ref.rms_norm_bwd(x, w, rstd, dy)
+    dx[...] = dx_
+    _store(dw, dw_, True)
+
+
+def linear_fwd(x, w, y, accumulate=False):
+    """y (=|+=) x @ w.T; with accumulate the sum is formed in fp32 (cuBLAS beta=1)."""
+    if accumulate:
+        _store(y, x.astype(F32) @ w.astype(F32).T, True)
+    else:
+        y[...] = ref.linear_fwd(x, w)
+
+
+def linear_bwd_x(dy, w, dx, accumulate=False):
+    _store(dx, dy.astype(F32) @ w.astype(F32), accumulate)
+
+
+def linear_bwd_w(dy, x, dw, accumulate=True):
+    _store(dw, dy.astype(F32).T @ x.astype(F32), accumulate)
+
+
+def rope_fwd(x, positions, theta, out):
+    out[...] = ref.rope_fwd(x, positions, theta)
+
+
+def rope_bwd(dy, positions, theta, out):
+    out[...] = ref.rope_bwd(dy, positions, theta)
+
+
+def swiglu_fwd(gate, up, out):
+    out[...] = ref.swiglu_fwd(gate, up)
+
+
+def swiglu_bwd(gate, up, dh, dgate, dup):
+    dgate[...], dup[...] = ref.swiglu_bwd(gate, up, dh)
+
+
+def embedding_fwd(ids, table, out):
+    out[...] = ref.embedding_fwd(ids, table)
+
+
+def embedding_bwd(ids, dx, dtable):
+    """dtable accumulates (+=), in fp32 per touched row, rounded once per row."""
+    ids = np.asarray(ids)
+    rows, inverse = np.unique(ids, return_inverse=True)
+    sums = np.zeros((rows.size, dx.shape[1]), dtype=F32)
+    np.add.at(sums, inverse, dx.astype(F32))
+    dtable[rows] = (dtable[rows].astype(F32) + sums).astype(dtable.dtype)
+
+
+def attention_fwd(q, k, v, q_offset, o, lse):
+    o[...], lse[...] = ref.attention_fwd(q, k, v, q_offset)
+
+
+def attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv):
+    """dq is overwritten; dk and dv (fp32, whole context) accumulate (+=)."""
+    dq_, dk_, dv_ = ref.attention_bwd(q, k, v, o, lse, do, q_offset)
+    dq[...] = dq_
+    dk += dk_.astype(dk.dtype)
+    dv += dv_.astype(dv.dtype)
+
+
+def head_loss_fwd_bwd(x, w, targets, logits, grad_scale, dx, dw, loss_acc):
+    """Sub-chunks of logits.shape[0] tokens; dw accumulates; loss_acc += [loss_sum, n_valid]."""
+    loss, n, dx_, dw_ = ref.head_loss_fwd_bwd(x, w, targets, sub_tokens=logits.shape[0],
+                                              grad_scale=grad_scale)
+    dx[...] = dx_
+    _store(dw, dw_, True)
+    loss_acc[0] += F32(loss)
+    loss_acc[1] += F32(n)
+
+
+def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
+    """grad_scale is a float or a 0-d/1-element fp32 array (device scalar for clipping)."""
+    ref.adamw_step(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, grad_scale=float(np.asarray(grad_scale).ravel()[0]))
+
+
+def add_(dst, src):
+    _store(dst, src, True)
+
+
+def cast(src, dst):
+    dst[...] = src.astype(dst.dtype)
+
+
+def fill_(x, value):
+    x[...] = value
+
+
+def sumsq(x, out, accumulate=True):
+    """out[0] (=|+=) sum(x^2) in fp32 (float64 partial sums, rounded once)."""
+    s = float(np.sum(np.square(x.astype(np.float64))))
+    out[0] = out[0] + F32(s) if accumulate else F32(s)
+
+
+def clip_scale(sq_norm, max_norm, base_scale, out):
+    """out[0] = base_scale * min(1, max_norm / (sqrt(sq_norm[0]) * base_scale + 1e-6)):
+    the gradient scale that clips the global norm, computed on the device with no host sync."""
+    norm = float(np.sqrt(np.float64(sq_norm[0]))) * base_scale
+    out[0] = F32(base_scale * min(1.0, max_norm / (norm + 1e-6)))
+
+
+WRITES: dict[str, tuple[int, ...]] = {
+    "rms_norm_fwd": (3, 4), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
+    "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
+    "swiglu_bwd": (3, 4), "embedding_fwd": (2,), "embedding_bwd": (2,),
+    "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9), "head_loss_fwd_bwd": (3, 5, 6, 7),
+    "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
+    "clip_scale": (3,),
+}
+"""Positions of the arguments each op writes (accumulated outputs count as writes)."""

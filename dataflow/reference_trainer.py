@@ -1,0 +1,136 @@
+"""The reference trainer: the whole model resident in host memory, one sequence at a time, no
+chunking, no rounds, no recompute: forward, loss, backward per sequence, gradient accumulation
+over the sequences of a step, then AdamW on every block. Slow and plain on purpose: it is the
+oracle the engine is compared against (DESIGN.md §5). Never plans, never touches a device, and
+computes only through kernels.reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+from kernels.reference import IGNORE, adamw_step
+from kernels.reference.model import forward_backward
+from models.config import ModelConfig
+from models.errors import ConfigError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CLIP_EPS = 1e-6
+"""Added to the gradient norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    step: int
+    """Optimizer steps taken including this one (AdamW's bias-correction step)."""
+    loss_mean: float
+    """Cross-entropy averaged over every valid target of the step, before the update."""
+    n_tokens: int
+    """Valid targets in the step (targets equal to IGNORE excluded)."""
+    grad_norm: float
+    """Global L2 norm of the mean-loss gradient over all blocks, before clipping."""
+    clip_coef: float
+    """Factor the gradient was multiplied by for AdamW: min(1, max_grad_norm / norm), or 1."""
+
+
+class ReferenceTrainer:
+    """Trains `weights` (models.init.ModelWeights or any object with `.embed`, `.layers`,
+    `.head` 1-D blocks laid out by models.layout) in place.
+
+    lr, betas, eps, weight_decay: AdamW's (decoupled decay, applied to every block, norms and
+    embedding included). grad_accum_dtype: dtype of the per-block gradient accumulators summed
+    over the sequences of a step (float32 by default; bf16 reproduces ml_dataflow's lossy
+    choice, float64 is the most precise). max_grad_norm: clip the global gradient norm to this
+    value (folded into AdamW's grad_scale), or None. AdamW's m and v have the weights' dtype
+    (bf16 for ModelWeights) and start at zero.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights, *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, grad_accum_dtype=np.float32,
+                 max_grad_norm: float | None = None):
+        if not lr > 0:
+            raise ConfigError(f"lr must be positive, got {lr!r}; try 3e-4")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {betas!r}; "
+                              "try (0.9, 0.95)")
+        if not eps > 0 or not weight_decay >= 0:
+            raise ConfigError(f"eps must be positive and weight_decay non-negative, got eps "
+                              f"{eps!r} and weight_decay {weight_decay!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}; "
+                              "try 1.0, or None for no clipping")
+        accum = np.dtype(grad_accum_dtype)
+        if accum not in (BF16, np.dtype(np.float32), np.dtype(np.float64)):
+            raise ConfigError(f"grad_accum_dtype {accum} is not supported; use float32, "
+                              "float64 or bfloat16")
+        if len(weights.layers) != cfg.n_layers:
+            raise ConfigError(f"model '{cfg.name}' has {cfg.n_layers} layers, weights hold "
+                              f"{len(weights.layers)}")
+        self.cfg = cfg
+        self.weights = weights
+        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
+        self.weight_decay = float(weight_decay)
+        self.grad_accum_dtype = accum
+        self.max_grad_norm = max_grad_norm
+        self.m = [np.zeros_like(b) for b in self.blocks()]
+        self.v = [np.zeros_like(b) for b in self.blocks()]
+        self.step = 0
+        """Optimizer steps taken so far."""
+
+    def blocks(self) -> list[np.ndarray]:
+        """The weight blocks, in file order (embed, layers..., head); updated in place."""
+        return [self.weights.embed, *self.weights.layers, self.weights.head]
+
+    def accumulate_grads(self, batch: np.ndarray) -> tuple[float, int, list[np.ndarray]]:
+        """Mean loss and its gradient over a batch, without updating anything.
+
+        batch (n_seqs, seqlen + 1) int: one sequence per row (inputs row[:-1], targets row[1:]).
+        Returns (loss_mean, n_tokens, grads): grads one 1-D block per weight block in
+        grad_accum_dtype, the gradient of the loss averaged over all n_tokens valid targets
+        (each sequence's backward is scaled by 1 / n_tokens, then summed)."""
+        batch = np.asarray(batch)
+        if batch.ndim != 2 or batch.shape[1] < 2:
+            raise ConfigError(f"batch must have shape (n_seqs, seqlen + 1) with seqlen >= 1, "
+                              f"got {batch.shape}")
+        n_tokens = int(np.count_nonzero(batch[:, 1:] != IGNORE))
+        if n_tokens == 0:
+            raise ConfigError("every target of the batch is IGNORE; a step needs at least one "
+                              "token to learn from")
+        grad_scale = 1.0 / n_tokens
+        accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks()]
+        loss_sum = 0.0
+        for row in batch:
+            seq_loss, _, grads = forward_backward(self.cfg, self.weights, row, grad_scale)
+            loss_sum += seq_loss
+            for acc, g in zip(accum, grads.blocks()):
+                _accumulate(acc, g)
+        return loss_sum / n_tokens, n_tokens, accum
+
+    def train_step(self, batch: np.ndarray) -> StepResult:
+        """One optimizer step on `batch` (n_seqs, seqlen + 1) int: accumulate the mean-loss
+        gradient over its sequences, clip it if asked, then AdamW on every block."""
+        loss_mean, n_tokens, grads = self.accumulate_grads(batch)
+        grad_norm = math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads))
+        clip_coef = 1.0
+        if self.max_grad_norm is not None:
+            clip_coef = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
+        self.step += 1
+        for param, grad, m, v in zip(self.blocks(), grads, self.m, self.v):
+            adamw_step(param, grad, m, v, step=self.step, lr=self.lr, beta1=self.betas[0],
+                       beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
+                       grad_scale=clip_coef)
+        return StepResult(step=self.step, loss_mean=loss_mean, n_tokens=n_tokens,
+                          grad_norm=grad_norm, clip_coef=clip_coef)
+
+
+def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
+    """acc += g, the sum formed in at least fp32 and rounded once to acc's dtype."""
+    if acc.dtype == g.dtype:
+        acc += g
+    else:
+        wide = np.promote_types(np.promote_types(acc.dtype, g.dtype), np.float32)
+        acc[...] = (acc.astype(wide) + g.astype(wide)).astype(acc.dtype)

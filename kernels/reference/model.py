@@ -1,0 +1,151 @@
+"""The whole Llama-style model for ONE sequence, forward and backward, composed only from the
+reference ops of this package: the slow, exact oracle that the engine's rounds and chunks must
+reproduce. No chunking, no recompute, no placement: every activation of the sequence is kept.
+Never imports anything of ours outside kernels.reference and models.layout.
+
+Per layer (transformers' LlamaDecoderLayer):
+    h   = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))),  n1 = norm1(x)
+    out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                       n2 = norm2(h)
+then the final norm, lm_head and the cross-entropy summed over the tokens.
+
+Dtypes: activations (and their gradients) are stored in `act_dtype`, the weights' dtype unless
+asked otherwise (bf16 weights -> bf16 activations as the engine stores them; float64 weights ->
+float64 throughout, for gradient checks). Every op computes in the acc dtype (fp32, or float64
+when an input is float64) and rounds its output once; the residual sums below do the same."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.reference._dtypes import acc_dtype
+from kernels.reference.attention import attention_bwd, attention_fwd
+from kernels.reference.embedding import embedding_bwd, embedding_fwd
+from kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
+from kernels.reference.linear import linear_bwd, linear_fwd
+from kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
+from kernels.reference.rope import rope_bwd, rope_fwd
+from kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
+from models.layout import embed_layout, head_layout, layer_layout
+
+
+class Grads:
+    """Gradients in the weights' block structure: `embed`, `layers` (one per layer), `head`,
+    each a 1-D array of the block's numel in the acc dtype, zero in the alignment padding."""
+
+    def __init__(self, embed: np.ndarray, layers: list[np.ndarray], head: np.ndarray):
+        self.embed, self.layers, self.head = embed, layers, head
+
+    def blocks(self) -> list[np.ndarray]:
+        """Every block, in file order (embed, layers..., head)."""
+        return [self.embed, *self.layers, self.head]
+
+
+def _add(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
+    """a + b computed in the acc dtype and rounded once to `dtype` (a residual sum)."""
+    dt = acc_dtype(a, b)
+    return (a.astype(dt) + b.astype(dt)).astype(dtype)
+
+
+def _layer_fwd(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict]:
+    """x (T, D) -> out (T, D) and everything the backward needs."""
+    t = x.shape[0]
+    n1, rstd1 = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
+    q = linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim)
+    k = linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
+    v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
+    q = rope_fwd(q, pos, cfg.rope_theta)
+    k = rope_fwd(k, pos, cfg.rope_theta)
+    o, lse = attention_fwd(q, k, v)                     # (T, H, E), (H, T)
+    o = o.reshape(t, cfg.q_dim)
+    h = _add(x, linear_fwd(o, w["self_attn.o_proj"]), x.dtype)
+    n2, rstd2 = rms_norm_fwd(h, w["post_attention_layernorm"], cfg.norm_eps)
+    gate = linear_fwd(n2, w["mlp.gate_proj"])           # (T, F)
+    up = linear_fwd(n2, w["mlp.up_proj"])
+    s = swiglu_fwd(gate, up)
+    out = _add(h, linear_fwd(s, w["mlp.down_proj"]), x.dtype)
+    saved = dict(x=x, n1=n1, rstd1=rstd1, q=q, k=k, v=v, o=o, lse=lse, h=h, n2=n2,
+                 rstd2=rstd2, gate=gate, up=up, s=s)
+    return out, saved
+
+
+def _layer_bwd(cfg, w: dict, a: dict, dout: np.ndarray, pos: np.ndarray,
+               dw: dict) -> np.ndarray:
+    """dout (T, D) -> dx (T, D); writes every weight gradient of the layer into `dw` (views)."""
+    t, act = dout.shape[0], dout.dtype
+    ds, dw["mlp.down_proj"][...] = linear_bwd(a["s"], w["mlp.down_proj"], dout)
+    dgate, dup = swiglu_bwd(a["gate"], a["up"], ds)
+    dn2_gate, dw["mlp.gate_proj"][...] = linear_bwd(a["n2"], w["mlp.gate_proj"], dgate)
+    dn2_up, dw["mlp.up_proj"][...] = linear_bwd(a["n2"], w["mlp.up_proj"], dup)
+    dn2 = _add(dn2_gate, dn2_up, act)
+    dh_ffn, dw["post_attention_layernorm"][...] = rms_norm_bwd(
+        a["h"], w["post_attention_layernorm"], a["rstd2"], dn2)
+    dh = _add(dout, dh_ffn, act)                         # residual: h feeds out directly too
+    do, dw["self_attn.o_proj"][...] = linear_bwd(a["o"], w["self_attn.o_proj"], dh)
+    do = do.reshape(t, cfg.n_heads, cfg.head_dim)
+    dq, dk, dv = attention_bwd(a["q"], a["k"], a["v"], a["o"].reshape(do.shape), a["lse"], do)
+    dq = rope_bwd(dq, pos, cfg.rope_theta).reshape(t, cfg.q_dim)
+    dk = rope_bwd(dk.astype(act), pos, cfg.rope_theta).reshape(t, cfg.kv_dim)
+    dv = dv.astype(act).reshape(t, cfg.kv_dim)
+    dn1_q, dw["self_attn.q_proj"][...] = linear_bwd(a["n1"], w["self_attn.q_proj"], dq)
+    dn1_k, dw["self_attn.k_proj"][...] = linear_bwd(a["n1"], w["self_attn.k_proj"], dk)
+    dn1_v, dw["self_attn.v_proj"][...] = linear_bwd(a["n1"], w["self_attn.v_proj"], dv)
+    dn1 = _add(_add(dn1_q, dn1_k, act), dn1_v, act)
+    dx_attn, dw["input_layernorm"][...] = rms_norm_bwd(
+        a["x"], w["input_layernorm"], a["rstd1"], dn1)
+    return _add(dh, dx_attn, act)                        # residual: x feeds h directly too
+
+
+def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, *,
+                     act_dtype=None) -> tuple[float, int, Grads]:
+    """Loss and gradients of one sequence.
+
+    cfg: models.config.ModelConfig. weights: any object with `.embed`, `.layers`, `.head`, 1-D
+    blocks laid out by models.layout (bf16, or float64 for gradient checks), e.g.
+    models.init.ModelWeights. tokens (S+1,) int: inputs tokens[:-1], targets tokens[1:] (a target
+    equal to kernels.reference.IGNORE is skipped). act_dtype: dtype activations are stored in
+    (default: the weights' dtype).
+
+    Returns (loss_sum, n_tokens, grads): loss_sum the cross-entropy summed over the n_tokens
+    valid targets (float, unscaled); grads the gradient of grad_scale * loss_sum in the acc dtype
+    (fp32 for bf16 weights, float64 for float64 weights), in the weights' block structure.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size < 2:
+        raise ValueError(f"tokens must be one sequence of shape (seqlen + 1,), got shape "
+                         f"{tokens.shape}; pass one row of the batch at a time")
+    inputs, targets = tokens[:-1], tokens[1:]
+    bad = (inputs < 0) | (inputs >= cfg.vocab_size)
+    bad_t = ((targets < 0) & (targets != IGNORE)) | (targets >= cfg.vocab_size)
+    if bad.any() or bad_t.any():
+        value = inputs[bad][0] if bad.any() else targets[bad_t][0]
+        raise ValueError(f"token id {value} is outside the vocabulary [0, {cfg.vocab_size}) of "
+                         f"model '{cfg.name}' (only targets may be IGNORE = {IGNORE}); "
+                         "check the tokenizer matches the model")
+    act = np.dtype(act_dtype) if act_dtype is not None else weights.embed.dtype
+    grad_dtype = acc_dtype(weights.embed)
+    lay_e, lay_l, lay_h = embed_layout(cfg), layer_layout(cfg), head_layout(cfg)
+    layer_w = [lay_l.views(b) for b in weights.layers]
+    norm_w, lm_head = lay_h.view(weights.head, "norm"), lay_h.view(weights.head, "lm_head")
+    table = lay_e.view(weights.embed, "embed_tokens")
+    pos = np.arange(inputs.size)
+
+    # Forward, keeping every layer's activations.
+    x = embedding_fwd(inputs, table).astype(act)         # (T, D)
+    saved = []
+    for w in layer_w:
+        x, a = _layer_fwd(cfg, w, x, pos)
+        saved.append(a)
+    xn, rstd = rms_norm_fwd(x, norm_w, cfg.norm_eps)
+    loss_sum, n_tokens, dxn, dlm = head_loss_fwd_bwd(xn, lm_head, targets, grad_scale=grad_scale)
+
+    # Backward, writing weight gradients straight into zeroed blocks (padding stays zero).
+    grads = Grads(np.zeros(lay_e.numel, grad_dtype),
+                  [np.zeros(lay_l.numel, grad_dtype) for _ in weights.layers],
+                  np.zeros(lay_h.numel, grad_dtype))
+    lay_h.view(grads.head, "lm_head")[...] = dlm
+    dx, lay_h.view(grads.head, "norm")[...] = rms_norm_bwd(x, norm_w, rstd, dxn)
+    for layer in reversed(range(len(layer_w))):
+        dx = _layer_bwd(cfg, layer_w[layer], saved[layer], dx, pos,
+                        lay_l.views(grads.layers[layer]))
+    lay_e.view(grads.embed, "embed_tokens")[...] = embedding_bwd(inputs, dx, cfg.vocab_size)
+    return loss_sum, n_tokens, grads

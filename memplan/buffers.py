@@ -1,0 +1,142 @@
+"""Exact byte sizes of every arena region the executor allocates for a plan: saved activations by
+level, the per-chunk workspace, K/V context, residual transitions, head buffers, optimizer
+staging. The planner's memory map and the executor's arenas are both built from these tables,
+so what the planner promises is what the executor takes. Pure Python: never imports arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ModelConfig
+from models.flops import SavedLevel
+from models.layout import embed_layout, head_layout, layer_layout
+
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
+ALIGN_BYTES = 256
+"""Every region and every tensor inside one starts on a 256-byte boundary."""
+
+
+MAX_ROUNDS_PER_STEP = 512
+SCALARS = 8 + 2 * MAX_ROUNDS_PER_STEP
+"""fp32 scalars on the device: [0] squared grad norm, [1] clip scale, [8 + 2r : 10 + 2r] the
+loss sum and token count of round r (read once per step, so no round waits on the host)."""
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """'bf16', 'f32' or 'i32'."""
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def packed_bytes(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> int:
+    """Bytes of a region holding `specs` back to back, each aligned."""
+    return sum(align(s.nbytes) for s in specs)
+
+
+def offsets(specs) -> dict[str, int]:
+    """Byte offset of each tensor inside a region laid out by `packed_bytes`."""
+    out, at = {}, 0
+    for s in specs:
+        out[s.name] = at
+        at += align(s.nbytes)
+    return out
+
+
+def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel) -> tuple[TensorSpec, ...]:
+    """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel)."""
+    t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32"),
+             TensorSpec("k", (t, k, e), "bf16"), TensorSpec("v", (t, k, e), "bf16")]
+    if level in (SavedLevel.INP_ATTN, SavedLevel.FULL):
+        specs += [TensorSpec("o", (t, h, e), "bf16"), TensorSpec("lse", (h, t), "f32")]
+    if level is SavedLevel.FULL:
+        specs += [TensorSpec("q", (t, h, e), "bf16"), TensorSpec("h", (t, d), "bf16"),
+                  TensorSpec("rstd2", (t,), "f32"), TensorSpec("gate", (t, f), "bf16"),
+                  TensorSpec("up", (t, f), "bf16")]
+    return tuple(specs)
+
+
+def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel) -> int:
+    return packed_bytes(saved_activation_specs(cfg, tokens, level))
+
+
+def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
+    """Scratch for one (layer, chunk) forward, recompute or backward; reused by every chunk."""
+    t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    bf = [("xn", (t, d)), ("q", (t, h, e)), ("k", (t, k, e)), ("v", (t, k, e)),
+          ("o", (t, h, e)), ("h", (t, d)), ("xn2", (t, d)), ("gate", (t, f)), ("up", (t, f)),
+          ("act", (t, f)), ("dact", (t, f)), ("dgate", (t, f)), ("dup", (t, f)), ("dh", (t, d)),
+          ("dxn", (t, d)), ("do", (t, h, e)), ("dq", (t, h, e)), ("dk", (t, k, e)),
+          ("dv", (t, k, e))]
+    f32 = [("lse", (h, t)), ("rstd", (t,)), ("rstd2", (t,))]
+    return tuple([TensorSpec(n, s, "bf16") for n, s in bf] + [TensorSpec(n, s, "f32") for n, s in f32])
+
+
+def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
+                  chunks_per_seq: int) -> tuple[TensorSpec, ...]:
+    """K/V of the whole sequence for split sequences (bf16), and fp32 accumulators for dK/dV over
+    the context (rows: the longer of a sequence and a chunk)."""
+    k, e = cfg.n_kv_heads, cfg.head_dim
+    rows = max(seqlen, chunk_tokens)
+    specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32")]
+    if chunks_per_seq > 1:
+        specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
+                  TensorSpec("v_ctx", (seqlen, k, e), "bf16")]
+    return tuple(specs)
+
+
+def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, ...]:
+    """Residual stream (forward) and its gradient (backward) for every chunk of a round,
+    ping-ponged between layers; token ids, targets and RoPE positions for the round; a few fp32
+    scalars (loss sums, squared gradient norm)."""
+    d = cfg.model_dim
+    return (TensorSpec("resid_a", (round_tokens, d), "bf16"),
+            TensorSpec("resid_b", (round_tokens, d), "bf16"),
+            TensorSpec("ids", (round_tokens,), "i32"),
+            TensorSpec("targets", (round_tokens,), "i32"),
+            TensorSpec("positions", (round_tokens,), "i32"),
+            TensorSpec("scalars", (SCALARS,), "f32"))
+
+
+def head_specs(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int) -> tuple[TensorSpec, ...]:
+    """Final norm output and gradient for a chunk, and one fp32 logits sub-chunk."""
+    d, v = cfg.model_dim, cfg.vocab_size
+    return (TensorSpec("xn", (chunk_tokens, d), "bf16"), TensorSpec("dxn", (chunk_tokens, d), "bf16"),
+            TensorSpec("rstd", (chunk_tokens,), "f32"),
+            TensorSpec("logits", (sub_tokens, v), "f32"),
+            TensorSpec("loss", (2,), "f32"))
+
+
+def block_elems(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of the embed, one layer and the head block (alignment padding included)."""
+    return {"embed": embed_layout(cfg).numel, "layer": layer_layout(cfg).numel,
+            "head": head_layout(cfg).numel}
+
+
+def grad_bytes_per_elem(grad_accum_value: str) -> int:
+    """2 for 'bf16' gradient accumulation, 4 for 'fp32'."""
+    return 2 if grad_accum_value == "bf16" else 4
+
+
+def opt_stage_specs(stage_elems: int, grad_elem_dtype: str) -> tuple[TensorSpec, ...]:
+    """Double-buffered staging for a STREAMED optimizer: param, grad, m, v pieces, twice."""
+    specs = []
+    for i in range(2):
+        specs += [TensorSpec(f"p{i}", (stage_elems,), "bf16"),
+                  TensorSpec(f"g{i}", (stage_elems,), grad_elem_dtype),
+                  TensorSpec(f"m{i}", (stage_elems,), "bf16"),
+                  TensorSpec(f"v{i}", (stage_elems,), "bf16")]
+    return tuple(specs)

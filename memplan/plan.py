@@ -1,0 +1,207 @@
+"""The Plan: every placement and schedule decision the executor obeys, as frozen dataclasses that
+round-trip through JSON with a stable hash. A Plan embeds the model, budget and hardware profile
+it was made from, so a plan file alone can be re-run and explained. Holds decisions only: never
+imports array libraries and never computes them (search.py does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from models.config import ModelConfig
+from models.flops import SavedLevel
+from models.serial import from_json, stable_hash, to_json
+
+GIB = 1 << 30
+
+
+class Where(enum.Enum):
+    DEVICE = "device"
+    """Lives on the GPU for the whole step (a resident working copy)."""
+    HOME = "home"
+    """Lives in pinned host memory and visits the device in a slot when needed."""
+
+
+class OptimizerWhere(enum.Enum):
+    DEVICE = "device"
+    """AdamW runs on the GPU over state resident there."""
+    STREAMED = "streamed"
+    """Param, grad, m and v live at home, visit the device for the update, and go back."""
+    HOST = "host"
+    """AdamW runs on the CPU over the home copies (numba, parallel)."""
+
+
+class GradAccum(enum.Enum):
+    BF16 = "bf16"
+    """Accumulate weight gradients across rounds in bf16, as ml_dataflow does."""
+    FP32 = "fp32"
+    """Accumulate in fp32: twice the gradient bytes, no precision lost over many rounds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Budget:
+    host_bytes: int
+    device_bytes: int
+
+    @classmethod
+    def from_gib(cls, host_gib: float, device_gib: float) -> "Budget":
+        return cls(host_bytes=int(host_gib * GIB), device_bytes=int(device_gib * GIB))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    name: str
+    peak_bf16_flop_per_s: float
+    """Datasheet dense bf16 peak: the denominator of MFU and HFU."""
+    gemm_efficiency: float
+    """Achieved fraction of peak for the layer GEMMs at large chunk sizes."""
+    attn_fwd_efficiency: float
+    attn_bwd_efficiency: float
+    h2d_bytes_per_s: float
+    """Pinned host->device copy rate when nothing else crosses PCIe."""
+    d2h_bytes_per_s: float
+    h2d_duplex_bytes_per_s: float
+    """Host->device rate while a device->host copy runs at the same time."""
+    d2h_duplex_bytes_per_s: float
+    host_mem_bytes_per_s: float
+    """Host DRAM bandwidth available to the CPU optimizer."""
+    device_mem_bytes_per_s: float
+    """HBM bandwidth (read + write counted), for memory-bound kernels and the optimizer."""
+    pcie_gen: int
+    device_mem_bytes: int
+    """Physical device memory, to warn when a budget exceeds it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Chunking:
+    seqlen: int
+    chunk_tokens: int
+    """Tokens one layer processes at once: seqs_per_chunk * seqlen, or seqlen / chunks_per_seq."""
+    seqs_per_chunk: int
+    """Short sequences packed into one chunk (1 when a sequence spans chunks)."""
+    chunks_per_seq: int
+    """Chunks one long sequence is split into (1 when sequences are packed); later chunks
+    attend to the K/V of earlier chunks of the same sequence."""
+    chunks_per_round: int
+    """A multiple of chunks_per_seq: a round holds whole sequences."""
+    rounds_per_step: int
+
+    @property
+    def seqs_per_round(self) -> int:
+        return self.chunks_per_round * self.seqs_per_chunk // self.chunks_per_seq
+
+    @property
+    def seqs_per_step(self) -> int:
+        return self.seqs_per_round * self.rounds_per_step
+
+    @property
+    def tokens_per_round(self) -> int:
+        return self.chunks_per_round * self.chunk_tokens
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_round * self.rounds_per_step
+
+    def chunk_context(self, chunk: int) -> int:
+        """Tokens of the same sequence that precede chunk `chunk` (its attention offset)."""
+        return (chunk % self.chunks_per_seq) * self.chunk_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LayerPlacement:
+    weights: Where
+    grads: Where
+    """DEVICE: gradients accumulate on the device all step. HOME: each round's backward fetches
+    the running sum into a grad slot (zeros in round 0), adds to it and sends it home."""
+    optimizer: OptimizerWhere
+    """DEVICE requires weights, grads and AdamW state on the device (state counted on device)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SavedActivation:
+    level: SavedLevel
+    home: Where
+    """DEVICE: kept in the device arena from forward to backward. HOME: sent to pinned host memory
+    after the forward and fetched back into an activation slot before the backward."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Slots:
+    weight_slots: int
+    """Device slots for streamed layer weight blocks (prefetch depth + the one in use)."""
+    grad_slots: int
+    """Device slots for streamed layer gradient blocks."""
+    act_slots: int
+    """Device slots for saved activations whose home is the host (fetch-ahead depth + one)."""
+    head_sub_tokens: int
+    """Tokens per head/cross-entropy sub-chunk (bounds the fp32 logits buffer)."""
+    opt_stage_elems: int
+    """Elements per piece when a block's AdamW is STREAMED through the device (0 if none is):
+    param, grad, m and v of one piece visit the device, double-buffered."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryMap:
+    device: tuple[tuple[str, int], ...]
+    """(category, bytes) on the device; categories: weights, grads, optimizer_state,
+    saved_activations, workspaces, buffers."""
+    host: tuple[tuple[str, int], ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b for _, b in self.device)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b for _, b in self.host)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    step_time_s: float
+    compute_s: float
+    recompute_s: float
+    exposed_h2d_s: float
+    exposed_d2h_s: float
+    optimizer_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+    tok_per_s: float
+    model_tflop_per_s: float
+    mfu: float
+    hfu: float
+    bottleneck: str
+    """What bounds the step: 'compute', 'h2d', 'd2h', 'optimizer' or 'host memory'."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    model: ModelConfig
+    budget: Budget
+    profile: HardwareProfile
+    chunking: Chunking
+    slots: Slots
+    layers: tuple[LayerPlacement, ...]
+    """One per transformer layer."""
+    activations: tuple[tuple[SavedActivation, ...], ...]
+    """activations[layer][chunk] for every chunk of a round."""
+    embed: LayerPlacement
+    """weights HOME: the host gathers embedding rows for each round and sends them, and
+    scatter-adds the first layer's input gradient into the home gradient (no device table)."""
+    head: LayerPlacement
+    """Final norm + lm_head."""
+    grad_accum: GradAccum
+    memory: MemoryMap
+    prediction: Prediction
+    planner_version: str
+
+    def to_json(self) -> str:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return from_json(cls, text)
+
+    @property
+    def hash(self) -> str:
+        return stable_hash(self)
