@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from dataflow import ops_numpy
+from kernels.host import adamw as host_adamw
 from dataflow.backend import Stream
 from memplan import buffers
 from memplan.plan import OptimizerWhere
@@ -114,7 +115,7 @@ class AdamW:
         # The device may still be reading the home weights (a prefetch): order after it.
         be.wait(Stream.HOST, be.record(Stream.H2D))
         p, g, m, v = b["home_weights"], b["home_grads"], b["home_m"], b["home_v"]
-        be.host_call(Stream.HOST, lambda: ops_numpy.adamw_step(p, g, m, v, *hp),
+        be.host_call(Stream.HOST, lambda: host_adamw.adamw_step(p, g, m, v, *hp),
                      reads=(g,), writes=(p, m, v), name=f"adamw.host.{key}")
         self._weights_written(ex, key, be.record(Stream.HOST))
         self._zero_home_grads(ex, key, b)

@@ -1,0 +1,81 @@
+"""AdamW over a whole block on the CPU, in parallel pieces: bf16 param/m/v (as uint16 bits), bf16
+or fp32 grad, fp32 math in exactly kernels.reference.adamw_step's order, so the host optimizer and
+the NumPy device path give identical bits. Updates in place; never allocates more than one
+piece of fp32 scratch per thread."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+
+_PIECE = 1 << 14
+_WORKERS = max(1, os.cpu_count() or 1)
+_POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="host-adamw")
+"""numba releases the GIL (nogil=True), so plain threads run the pieces in parallel."""
+
+
+@numba.njit(cache=True, inline="always")
+def _to_f32(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@numba.njit(cache=True, inline="always")
+def _to_bf16(x):
+    b = x.view(np.uint32)
+    one, sixteen = np.uint32(1), np.uint32(16)
+    out = ((b + np.uint32(0x7FFF) + ((b >> sixteen) & one)) >> sixteen).astype(np.uint16)
+    nan = x != x
+    out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+@numba.njit(cache=True)
+def _grad_bf16(g):
+    return _to_f32(g)
+
+
+@numba.njit(cache=True)
+def _grad_f32(g):
+    return g.astype(np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, eps, scale,
+           start, stop):
+    for a in range(start, stop, _PIECE):
+        z = min(stop, a + _PIECE)
+        gf = grad_f32(g[a:z]) * scale
+        mf = b1 * _to_f32(m[a:z]) + one_m_b1 * gf
+        vf = b2 * _to_f32(v[a:z]) + one_m_b2 * gf * gf
+        m_hat = mf / bc1
+        v_hat = vf / bc2
+        pf = _to_f32(p[a:z])
+        pf = pf - lr * (wd * pf + m_hat / (np.sqrt(v_hat) + eps))
+        p[a:z] = _to_bf16(pf)
+        m[a:z] = _to_bf16(mf)
+        v[a:z] = _to_bf16(vf)
+
+
+def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> None:
+    """Same arguments and result as dataflow.ops_numpy.adamw_step; param, m, v bf16 1-D arrays,
+    grad bf16 or fp32."""
+    if step < 1:
+        raise ValueError(f"AdamW step counts from 1, got {step}")
+    f = np.float32
+    g = grad if grad.dtype == np.float32 else grad.view(np.uint16)
+    scale = float(np.asarray(grad_scale).ravel()[0])
+    args = (_grad_f32 if grad.dtype == np.float32 else _grad_bf16, param.view(np.uint16), g,
+            m.view(np.uint16), v.view(np.uint16), f(beta1), f(beta2), f(1 - beta1),
+            f(1 - beta2), f(1 - beta1 ** step), f(1 - beta2 ** step), f(lr), f(weight_decay),
+            f(eps), f(scale))
+    n = param.size
+    if n <= _PIECE * 4:
+        _adamw(*args, 0, n)
+        return
+    per = -(-(-(-n // _WORKERS)) // _PIECE) * _PIECE
+    futures = [_POOL.submit(_adamw, *args, a, min(n, a + per)) for a in range(0, n, per)]
+    for fut in futures:
+        fut.result()
