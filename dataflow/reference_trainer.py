@@ -76,11 +76,12 @@ class ReferenceTrainer:
         self.weight_decay = float(weight_decay)
         self.grad_accum_dtype = accum
         self.max_grad_norm = max_grad_norm
-        self.m = [np.zeros_like(b) for b in self.blocks()]
-        self.v = [np.zeros_like(b) for b in self.blocks()]
+        self.m = [np.zeros_like(b) for b in self.blocks]
+        self.v = [np.zeros_like(b) for b in self.blocks]
         self.step = 0
         """Optimizer steps taken so far."""
 
+    @property
     def blocks(self) -> list[np.ndarray]:
         """The weight blocks, in file order (embed, layers..., head); updated in place."""
         return [self.weights.embed, *self.weights.layers, self.weights.head]
@@ -101,7 +102,7 @@ class ReferenceTrainer:
             raise ConfigError("every target of the batch is IGNORE; a step needs at least one "
                               "token to learn from")
         grad_scale = 1.0 / n_tokens
-        accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks()]
+        accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks]
         loss_sum = 0.0
         for row in batch:
             seq_loss, _, grads = forward_backward(self.cfg, self.weights, row, grad_scale)
@@ -119,7 +120,7 @@ class ReferenceTrainer:
         if self.max_grad_norm is not None:
             clip_coef = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         self.step += 1
-        for param, grad, m, v in zip(self.blocks(), grads, self.m, self.v):
+        for param, grad, m, v in zip(self.blocks, grads, self.m, self.v):
             adamw_step(param, grad, m, v, step=self.step, lr=self.lr, beta1=self.betas[0],
                        beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
                        grad_scale=clip_coef)

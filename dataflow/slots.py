@@ -96,10 +96,18 @@ class SlotRing:
                         self.be.wait(Stream.H2D, self.free_event[slot])
                     if use.key in self.host_ready:
                         self.be.wait(Stream.H2D, self.host_ready[use.key])
-                    self.be.copy(view, use.fetch, Stream.H2D, name=f"{self.name}.h2d{use.key}")
-                    self.bytes_h2d += view.nbytes
+                    dev = self._part(view, use.fetch)
+                    self.be.copy(dev, use.fetch, Stream.H2D, name=f"{self.name}.h2d{use.key}")
+                    self.bytes_h2d += dev.nbytes
                     self.fetched[j] = self.be.record(Stream.H2D)
             self.next_fetch += 1
+
+    def _part(self, slot_view, host_view):
+        """The leading bytes of a slot that hold a smaller item (activation slots are sized
+        for the largest saved level)."""
+        if host_view.nbytes == slot_view.nbytes:
+            return slot_view
+        return self.be.byte_slice(slot_view, 0, host_view.nbytes)
 
     def acquire(self, i: int):
         """The slot view for use i; compute waits for its fetch. Prefetches the next uses."""
@@ -122,9 +130,9 @@ class SlotRing:
             self.be.wait(Stream.D2H, done)
             if use.key in self.host_ready:
                 self.be.wait(Stream.D2H, self.host_ready[use.key])  # earlier readers of home
-            self.be.copy(use.writeback, self.slots[slot], Stream.D2H,
-                         name=f"{self.name}.d2h{use.key}")
-            self.bytes_d2h += self.slots[slot].nbytes
+            dev = self._part(self.slots[slot], use.writeback)
+            self.be.copy(use.writeback, dev, Stream.D2H, name=f"{self.name}.d2h{use.key}")
+            self.bytes_d2h += dev.nbytes
             done = self.be.record(Stream.D2H)
             self.host_ready[use.key] = done
         self.free_event[slot] = done

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan import build_plan
+from memplan import build_plan, get_profile
 from memplan.plan import (Budget, Chunking, GradAccum, LayerPlacement, OptimizerWhere,
                           SavedActivation, Slots, Where)
 from models.flops import SavedLevel
 
+PROFILE = get_profile("h100")
 RESIDENT = LayerPlacement(weights=Where.DEVICE, grads=Where.DEVICE, optimizer=OptimizerWhere.DEVICE)
 
 
@@ -36,13 +37,13 @@ def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1
     if stage is None:
         stage = 3000 if any(b.optimizer is OptimizerWhere.STREAMED for b in blocks) else 0
     slots = Slots(weight_slots=weight_slots, grad_slots=grad_slots, act_slots=act_slots,
-                  head_sub_tokens=head_sub_tokens or min(chunk_tokens, 48),
+                  head_sub_tokens=head_sub_tokens or min(chunk_tokens, 32),
                   opt_stage_elems=stage)
     kw = dict(chunking=ch, slots=slots, layers=tuple(layers), activations=acts, embed=embed,
               head=head, grad_accum=grad_accum)
-    big = build_plan(cfg, seqlen, Budget(host_bytes=1 << 32, device_bytes=1 << 32), None, **kw)
+    big = build_plan(cfg, seqlen, Budget(host_bytes=1 << 32, device_bytes=1 << 32), PROFILE, **kw)
     exact = Budget(host_bytes=big.memory.host_bytes, device_bytes=big.memory.device_bytes)
-    return build_plan(cfg, seqlen, exact, None, **kw)
+    return build_plan(cfg, seqlen, exact, PROFILE, **kw)
 
 
 def path_plans(cfg):

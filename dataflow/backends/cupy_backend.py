@@ -1,0 +1,137 @@
+"""CuPy backend: one cudaMalloc of exactly the device budget and one pinned host allocation of
+exactly the host budget (not through CuPy's pools, which round up), sub-allocated by offset;
+compute, H2D, D2H and HOST streams (HOST runs CPU callbacks in stream order); ordering only
+through CUDA events. Ops come from dataflow.ops_cuda. Never decides placement."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataflow.backend import Backend, BackendError, Place, Slab, Stream
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - the package imports without the gpu extra
+    cp = None
+
+_DT = {"bf16": "bfloat16", "f32": np.float32, "i32": np.int32, "u8": np.uint8}
+
+
+def gpu_available() -> bool:
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver, no device: not usable
+        return False
+
+
+def _dtype(name: str):
+    if name == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DT[name])
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+
+    def __init__(self, *, device: int = 0):
+        if cp is None:
+            raise BackendError("CuPy is not installed; pip install 'dataflow[gpu]'")
+        from dataflow import ops_cuda
+
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        self.ops = ops_cuda
+        self.writes = ops_cuda.WRITES
+        self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
+        self._slabs: list[Slab] = []
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) \
+            else str(props["name"])
+
+    def alloc(self, nbytes: int, place: Place) -> Slab:
+        try:
+            if place is Place.DEVICE:
+                mem = cp.cuda.Memory(nbytes)
+                handle = cp.cuda.MemoryPointer(mem, 0)
+            else:
+                mem = cp.cuda.PinnedMemory(nbytes)
+                handle = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, nbytes)
+        except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as exc:
+            raise BackendError(f"cannot allocate the {place.value} arena of "
+                               f"{nbytes / 2**30:.2f} GiB: {exc}; lower the budget") from None
+        slab = Slab(place=place, nbytes=nbytes, handle=(mem, handle))
+        self._slabs.append(slab)
+        return slab
+
+    def view(self, slab: Slab, offset: int, shape, dtype: str):
+        dt = _dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if offset < 0 or offset + n > slab.nbytes:
+            raise BackendError(f"view [{offset}, {offset + n}) outside a {slab.nbytes}-byte slab")
+        _, handle = slab.handle
+        if slab.place is Place.HOST:
+            return handle[offset:offset + n].view(dt).reshape(shape)
+        return cp.ndarray(tuple(shape), dtype=dt, memptr=handle + offset)
+
+    def byte_slice(self, array, start: int, nbytes: int):
+        if isinstance(array, np.ndarray):
+            return array.reshape(-1).view(np.uint8)[start:start + nbytes]
+        return cp.ndarray((nbytes,), dtype=np.uint8, memptr=array.data + start)
+
+    def typed_view(self, raw, byte_offset: int, shape, dtype: str):
+        dt = _dtype(dtype)
+        if isinstance(raw, np.ndarray):
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            return raw[byte_offset:byte_offset + n].view(dt).reshape(shape)
+        return cp.ndarray(tuple(shape), dtype=dt, memptr=raw.data + byte_offset)
+
+    def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:
+        if dst.nbytes != src.nbytes:
+            raise BackendError(f"copy '{name}': {src.nbytes} bytes into {dst.nbytes}")
+        s = self.streams[stream]
+        n = dst.nbytes
+        d_host, s_host = isinstance(dst, np.ndarray), isinstance(src, np.ndarray)
+        if d_host and s_host:
+            raise BackendError(f"copy '{name}': host to host copies belong on the HOST stream")
+        if d_host:
+            src.data.copy_to_host_async(dst.ctypes.data, n, s)
+        elif s_host:
+            dst.data.copy_from_host_async(src.ctypes.data, n, s)
+        else:
+            dst.data.copy_from_device_async(src.data, n, s)
+
+    def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
+        with self.streams[stream]:
+            getattr(self.ops, op)(*args)
+
+    def host_call(self, stream: Stream, fn, *, reads=(), writes=(), name: str = "host") -> None:
+        self.streams[stream].launch_host_func(lambda _arg: fn(), None)
+
+    def record(self, stream: Stream):
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(self.streams[stream])
+        return ev
+
+    def wait(self, stream: Stream, event) -> None:
+        if event is not None:
+            self.streams[stream].wait_event(event)
+
+    def synchronize(self) -> None:
+        for s in self.streams.values():
+            s.synchronize()
+
+    def to_numpy(self, array):
+        self.synchronize()
+        if isinstance(array, np.ndarray):
+            return np.array(array, copy=True)
+        out = np.empty(array.shape, dtype=array.dtype)
+        array.data.copy_to_host(out.ctypes.data, array.nbytes)
+        return out
+
+    def close(self) -> None:
+        self.synchronize()
+        self._slabs.clear()

@@ -1,0 +1,323 @@
+"""The run log: one row per training step (throughput from the engine's StepResult, the step's
+breakdown from dataflow.instrument, PCIe counter deltas when a GPU gives them) appended to a
+Parquet or CSV file chosen by extension, plus the run's metadata once (commit, package version,
+device, driver, CuPy/CUDA versions, plan hash, config). Several runs may share one file; rows
+carry their run_id. Never touches a device beyond reading version strings."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import enum
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from models.errors import ConfigError
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("run_id", "string", "the run this row belongs to (its entry in the run metadata)"),
+    ("time_unix_s", "float64", "when the row was written, seconds since the Unix epoch"),
+    ("step", "int64", "optimizer step, 1-based"),
+    ("loss", "float64", "mean next-token cross-entropy over the step's tokens"),
+    ("tokens", "int64", "tokens trained this step"),
+    ("step_time_s", "float64", "the engine's host-clock step time"),
+    ("tok_per_s", "float64", "tokens / step_time_s"),
+    ("model_tflop_per_s", "float64", "model FLOPs (FLOP model) / step_time_s / 1e12"),
+    ("mfu", "float64", "model FLOP/s over the profile's peak bf16 FLOP/s, fraction"),
+    ("hfu", "float64", "model + recompute FLOP/s over peak, fraction"),
+    ("flop_model_version", "string", "version of models/flops.py that counted the FLOPs"),
+    ("lr", "float64", "learning rate of this step"),
+    ("grad_norm", "float64", "global gradient norm when clipping is on, else empty"),
+    ("h2d_bytes", "int64", "bytes copied host to device this step (engine's count)"),
+    ("d2h_bytes", "int64", "bytes copied device to host this step (engine's count)"),
+    ("clock", "string", "breakdown time source: cuda_events or host"),
+    ("wall_s", "float64", "breakdown window: begin_step to the end-of-step sync"),
+    ("compute_busy_s", "float64", "union of compute-stream spans (part 1 of wall_s)"),
+    ("copy_exposed_s", "float64", "copy time with the compute stream idle (part 2)"),
+    ("host_exposed_s", "float64", "HOST-stream time with no compute or copy (part 3)"),
+    ("idle_s", "float64", "time nothing traced ran (part 4)"),
+    ("compute_idle_s", "float64", "compute-stream bubble: wall_s - compute_busy_s"),
+    ("h2d_busy_s", "float64", "union of H2D spans"),
+    ("d2h_busy_s", "float64", "union of D2H spans"),
+    ("host_busy_s", "float64", "union of HOST-stream spans"),
+    ("copy_busy_s", "float64", "union of H2D and D2H spans"),
+    ("copy_hidden_s", "float64", "copy time overlapping compute"),
+    ("copy_hidden_frac", "float64", "copy_hidden_s / copy_busy_s, fraction"),
+    ("h2d_exposed_s", "float64", "H2D time with the compute stream idle"),
+    ("d2h_exposed_s", "float64", "D2H time with the compute stream idle"),
+    ("h2d_bytes_per_s", "float64", "traced H2D bytes / h2d_busy_s"),
+    ("d2h_bytes_per_s", "float64", "traced D2H bytes / d2h_busy_s"),
+    ("recompute_s", "float64", "union of backward spans re-running forward ops"),
+    ("recompute_frac", "float64", "recompute_s / compute_busy_s, fraction"),
+    ("optimizer_s", "float64", "union of optimizer spans on any stream"),
+    ("optimizer_frac", "float64", "optimizer_s / wall_s, fraction"),
+    ("n_spans", "int64", "spans traced this step"),
+    ("pcie_h2d_bytes", "int64", "NVML PCIe RX byte delta over the step, empty without NVML"),
+    ("pcie_d2h_bytes", "int64", "NVML PCIe TX byte delta over the step, empty without NVML"),
+)
+"""(name, Arrow type, meaning) of every column, in file order; docs/instrumentation.md too."""
+
+COLUMN_NAMES = tuple(c[0] for c in COLUMNS)
+FORMATS = (".parquet", ".csv")
+_RESULT = ("step", "loss", "tokens", "step_time_s", "tok_per_s", "model_tflop_per_s", "mfu",
+           "hfu", "flop_model_version", "lr", "grad_norm", "h2d_bytes", "d2h_bytes")
+_BREAKDOWN = COLUMN_NAMES[COLUMN_NAMES.index("clock"):COLUMN_NAMES.index("pcie_h2d_bytes")]
+
+
+def make_row(result=None, *, breakdown=None, pcie=None, run_id: str = "",
+             time_unix_s: float | None = None) -> dict:
+    """One row: StepResult fields from `result`, breakdown fields from `breakdown` (default
+    result.breakdown), PCIe deltas from `pcie` (a PcieBytes or None). Missing values are None;
+    the engine's byte counts win over the breakdown's traced ones when both are present."""
+    if breakdown is None:
+        breakdown = getattr(result, "breakdown", None)
+    row = dict.fromkeys(COLUMN_NAMES)
+    row["run_id"] = run_id
+    row["time_unix_s"] = time.time() if time_unix_s is None else time_unix_s
+    for name in _BREAKDOWN:
+        row[name] = _plain(getattr(breakdown, name, None))
+    for name in ("step", "h2d_bytes", "d2h_bytes"):
+        row[name] = _plain(getattr(breakdown, name, None))
+    for name in _RESULT:
+        value = getattr(result, name, None)
+        if value is not None:
+            row[name] = _plain(value)
+    if pcie is not None:
+        row["pcie_h2d_bytes"], row["pcie_d2h_bytes"] = pcie.rx_bytes, pcie.tx_bytes
+    return row
+
+
+def _plain(value):
+    """Enums by value, NumPy scalars as Python numbers, the rest unchanged."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        return value.item()
+    return value
+
+
+# -- run metadata -----------------------------------------------------------------------------
+def run_metadata(*, backend=None, plan=None, config=None) -> dict:
+    """Facts about this run, stored once per run: run_id, start time, commit (or 'unknown'),
+    package version (or 'dev'), Python/NumPy versions, backend and device name, NVIDIA driver,
+    CuPy and CUDA runtime/driver versions (None where absent), plan hash and plan JSON, and
+    `config` (any JSON-able mapping, e.g. the CLI arguments)."""
+    meta = {"run_id": uuid.uuid4().hex[:12], "started_unix_s": time.time(),
+            "commit": _git_commit(), "package_version": _package_version(),
+            "python_version": platform.python_version(), "numpy_version": _version("numpy"),
+            "backend": getattr(backend, "name", None),
+            "device_name": getattr(backend, "device_name", None),
+            "driver_version": _driver_version(), **_cuda_versions(backend),
+            "plan_hash": getattr(plan, "hash", None),
+            "plan": json.loads(plan.to_json()) if hasattr(plan, "to_json") else None,
+            "config": _jsonable(config)}
+    return meta
+
+
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("dataflow")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no pynvml or no NVIDIA driver: unknown
+        return None
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _cuda_versions(backend) -> dict:
+    out = {"cupy_version": None, "cuda_runtime_version": None, "cuda_driver_version": None}
+    if getattr(backend, "name", None) != "cupy":
+        return out
+    try:
+        import cupy
+
+        out["cupy_version"] = cupy.__version__
+        out["cuda_runtime_version"] = int(cupy.cuda.runtime.runtimeGetVersion())
+        out["cuda_driver_version"] = int(cupy.cuda.runtime.driverGetVersion())
+    except Exception:  # noqa: BLE001 - versions are best effort
+        pass
+    return out
+
+
+def _jsonable(obj):
+    if obj is None:
+        return None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        from models.serial import to_dict
+
+        obj = to_dict(obj)
+    return json.loads(json.dumps(obj, default=str, sort_keys=True))
+
+
+# -- the log ----------------------------------------------------------------------------------
+def _format_of(path: Path) -> str:
+    ext = path.suffix.lower()
+    if ext not in FORMATS:
+        raise ConfigError(f"metrics file '{path}' has extension '{ext or '(none)'}'; use one of "
+                          f"{', '.join(FORMATS)}")
+    return ext
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, kind)()) for name, kind, _ in COLUMNS])
+
+
+def meta_path(path: str | Path) -> Path:
+    """Where a CSV log keeps its run metadata: '<path>.meta.json'."""
+    return Path(str(path) + ".meta.json")
+
+
+class MetricsLog:
+    """`with MetricsLog("run.parquet", run_metadata(...)) as log: log.append(step_result)`.
+    Appends to an existing file of the same columns (refusing one with other columns).
+    Parquet files are rewritten whole (atomically) at every append, so the file is always
+    readable even if the run dies; CSV rows are appended and flushed."""
+
+    def __init__(self, path: str | Path, metadata: dict | None = None):
+        self.path = Path(path)
+        self.format = _format_of(self.path)
+        self.metadata = metadata if metadata is not None else run_metadata()
+        self.run_id = self.metadata.setdefault("run_id", uuid.uuid4().hex[:12])
+        self.rows: list[dict] = []
+        if self.format == ".csv":
+            self._open_csv()
+        else:
+            self._open_parquet()
+
+    def _check_columns(self, found) -> None:
+        if tuple(found) != COLUMN_NAMES:
+            raise ConfigError(f"'{self.path}' has columns {list(found)}, not this version's "
+                              f"{list(COLUMN_NAMES)}; log to a new file")
+
+    def _open_csv(self) -> None:
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        if not new:
+            with open(self.path, newline="") as f:
+                self._check_columns(next(csv.reader(f), []))
+        runs = read_run_metadata(self.path) if meta_path(self.path).exists() else []
+        _atomic_write_text(meta_path(self.path), json.dumps({"runs": runs + [self.metadata]},
+                                                             indent=2, default=str))
+        self._f = open(self.path, "a", newline="")
+        self._csv = csv.writer(self._f)
+        if new:
+            self._csv.writerow(COLUMN_NAMES)
+            self._f.flush()
+
+    def _open_parquet(self) -> None:
+        self._existing = None
+        runs = []
+        if self.path.exists():
+            import pyarrow.parquet as pq
+
+            self._existing = pq.read_table(self.path)
+            self._check_columns(self._existing.column_names)
+            runs = read_run_metadata(self.path)
+        self._runs = runs + [self.metadata]
+        self._write_parquet()
+
+    def append(self, result=None, *, breakdown=None, pcie=None) -> dict:
+        """Write one step's row now; returns it."""
+        row = make_row(result, breakdown=breakdown, pcie=pcie, run_id=self.run_id)
+        self.rows.append(row)
+        if self.format == ".csv":
+            self._csv.writerow(["" if row[c] is None else _csv_text(row[c])
+                                for c in COLUMN_NAMES])
+            self._f.flush()
+        else:
+            self._write_parquet()
+        return row
+
+    def _write_parquet(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = _schema().with_metadata({"dataflow.runs": json.dumps(self._runs, default=str)})
+        table = pa.Table.from_pylist(self.rows, schema=schema)
+        if self._existing is not None:
+            table = pa.concat_tables([self._existing.cast(schema), table])
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if self.format == ".csv" and not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _csv_text(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str | Path):
+    """The log as a pyarrow.Table with exactly COLUMNS (names, order and types), either format."""
+    path = Path(path)
+    fmt = _format_of(path)
+    schema = _schema()
+    if fmt == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).cast(schema)
+    import pyarrow.csv as pcsv
+
+    opts = pcsv.ConvertOptions(column_types=schema, strings_can_be_null=True,
+                               null_values=[""], include_columns=list(COLUMN_NAMES))
+    return pcsv.read_csv(path, convert_options=opts).select(list(COLUMN_NAMES)).cast(schema)
+
+
+def read_run_metadata(path: str | Path) -> list[dict]:
+    """Every run's metadata stored with the log, oldest first."""
+    path = Path(path)
+    if _format_of(path) == ".csv":
+        return json.loads(meta_path(path).read_text())["runs"]
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta.get(b"dataflow.runs", b"[]"))

@@ -1,0 +1,83 @@
+"""Progress for long work (model init, training steps): a bar redrawn in place when stderr is a
+terminal, plain periodic lines otherwise (logs, CI). Log lines pass through `info` so they never
+tangle with the bar. No dependencies; never prints to stdout (that is for --json)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+
+class Progress:
+    """`with Progress(24, "steps") as bar: ...; bar.update(info="loss 3.2")`."""
+
+    def __init__(self, total: int, label: str, *, stream=None, width: int = 28,
+                 interval_s: float = 10.0, logger: logging.Logger | None = None):
+        self.total, self.label, self.width = max(1, total), label, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval_s = interval_s
+        """Seconds between plain lines when not on a terminal (the first and last always)."""
+        self.logger = logger
+        self.done = 0
+        self.info_text = ""
+        self._t0 = time.perf_counter()
+        self._last_line = None
+        self._drawn = False
+
+    def update(self, n: int = 1, info: str = "") -> None:
+        """Count `n` more units done; `info` is shown beside the count."""
+        self.done = min(self.total, self.done + n)
+        self.info_text = info or self.info_text
+        if self.tty:
+            self._draw()
+            return
+        now = time.perf_counter()
+        if (self._last_line is None or now - self._last_line >= self.interval_s
+                or self.done == self.total):
+            self._last_line = now
+            self.stream.write(self._text() + "\n")
+            self.stream.flush()
+
+    def _text(self) -> str:
+        elapsed = time.perf_counter() - self._t0
+        frac = self.done / self.total
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        head = f"{self.label}: {self.done}/{self.total} ({frac:.0%}) {elapsed:.1f} s"
+        if self.done < self.total and self.done:
+            head += f", eta {eta:.0f} s"
+        return head + (f"  {self.info_text}" if self.info_text else "")
+
+    def _draw(self) -> None:
+        filled = int(self.width * self.done / self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r\x1b[K[{bar}] {self._text()}")
+        self.stream.flush()
+        self._drawn = True
+
+    def _clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def info(self, msg: str, *args) -> None:
+        """Log `msg % args` at INFO through the logger (plain write when none), bar redrawn."""
+        self._clear()
+        if self.logger is not None:
+            self.logger.info(msg, *args)
+        else:
+            self.stream.write((msg % args if args else msg) + "\n")
+        if self.tty and self.done:
+            self._draw()
+
+    def close(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

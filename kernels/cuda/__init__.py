@@ -1,0 +1,29 @@
+"""CUDA implementations of every op in `kernels.reference`, for the CuPy backend: CuPy arrays in
+and out, OUTPUT BUFFERS PASSED IN (the engine preallocates everything in one arena), all work
+enqueued on the current CuPy stream (`cupy.cuda.get_current_stream()`), no host synchronisation
+inside any op. Elementwise and reduction ops are CUDA C++ templates (one `.cu` per op beside
+its launcher, compiled once per device by NVRTC, cached); GEMMs go through cuBLAS gemmEx;
+attention through cuDNN's fused SDPA (nvidia-cudnn-frontend). Importing this package needs
+CuPy; the NumPy backend never imports it. Shape legend in `kernels/__init__.py`.
+
+Scratch: the ops that need a reduction scratch (rms_norm_bwd, sumsq) or a cuDNN workspace
+(attention) take it as an argument; when none is passed they cache one per device and stream
+on first use (allocated once, outside the steady-state loop).
+"""
+
+from kernels.cuda.adamw import adamw_step
+from kernels.cuda.attention import attention_bwd, attention_fwd, attention_workspace_bytes
+from kernels.cuda.embedding import embedding_bwd, embedding_fwd
+from kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
+from kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
+from kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
+from kernels.cuda.rope import rope_bwd, rope_fwd
+from kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
+from kernels.cuda.utils import add_, cast, clip_scale, fill_, sumsq
+
+__all__ = [
+    "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes", "cast",
+    "clip_scale", "embedding_bwd", "embedding_fwd", "fill_", "head_loss_fwd_bwd", "IGNORE",
+    "linear_bwd_w", "linear_bwd_x", "linear_fwd", "rms_norm_bwd", "rms_norm_bwd_scratch_shape",
+    "rms_norm_fwd", "rope_bwd", "rope_fwd", "sumsq", "swiglu_bwd", "swiglu_fwd",
+]

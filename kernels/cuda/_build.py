@@ -1,0 +1,86 @@
+"""Compiles the CUDA C++ sources of this package once and hands out their kernels; checks the
+arrays each launcher receives. Never allocates device memory and never synchronises: launchers
+built on it stay safe inside the engine's hot loop.
+
+Each `.cu` is compiled by NVRTC (through `cupy.RawModule`) with `_common.cuh` pasted in front,
+once per device, with every template instantiation its launcher names (`name_expressions`):
+one NVRTC run per source instead of one per (op, dtype) keeps the first call cheap.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_OPTIONS = ("--std=c++17",)
+_MODULES: dict[tuple[str, int], cupy.RawModule] = {}
+_FUNCS: dict[tuple[str, str, int], cupy.RawKernel] = {}
+_SM_COUNT: dict[int, int] = {}
+
+
+def kernel(source: str, names: tuple[str, ...], name: str) -> cupy.RawKernel:
+    """The compiled kernel `name` (one of `names`, the instantiations listed for `source`)."""
+    dev = cupy.cuda.runtime.getDevice()
+    fn = _FUNCS.get((source, name, dev))
+    if fn is None:
+        if name not in names:
+            raise KeyError(f"{name} is not among the instantiations of {source}: {names}")
+        mod = _MODULES.get((source, dev))
+        if mod is None:
+            code = (_HERE / "_common.cuh").read_text() + "\n" + (_HERE / source).read_text()
+            mod = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
+            _MODULES[(source, dev)] = mod
+        fn = mod.get_function(name)
+        _FUNCS[(source, name, dev)] = fn
+    return fn
+
+
+def sm_count() -> int:
+    """Multiprocessors of the current device (cached; a host attribute query, no sync)."""
+    dev = cupy.cuda.runtime.getDevice()
+    n = _SM_COUNT.get(dev)
+    if n is None:
+        n = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+        _SM_COUNT[dev] = n
+    return n
+
+
+def ctype(dtype, what: str, allowed=(BF16, F32)) -> str:
+    """C++ storage type name for `dtype` ('bf16' or 'float'); raises for any other."""
+    dtype = np.dtype(dtype)
+    if dtype not in allowed:
+        names = ", ".join(str(a) for a in allowed)
+        raise TypeError(f"{what} has dtype {dtype}; this op takes {names}")
+    return "bf16" if dtype == BF16 else "float"
+
+
+def check(what: str, a, shape: tuple[int, ...] | None = None, dtypes=(BF16, F32)) -> None:
+    """Raise unless `a` is a C-contiguous CuPy array of `shape` (if given), of an allowed dtype."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{what} must be a cupy.ndarray, got {type(a).__name__}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(a.shape)}; expected {tuple(shape)}")
+    if np.dtype(a.dtype) not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{what} has dtype {a.dtype}; this op takes {names}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (strides {a.strides}); "
+                         "pass a contiguous view")
+
+
+def aligned16(*arrays) -> bool:
+    """True when every array starts on a 16-byte boundary (the 8-wide vector paths need it)."""
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def flat_grid(n_items: int, block: int, waves: int = 8) -> int:
+    """Blocks for a grid-stride loop over n_items: enough to fill the device, never more."""
+    return max(1, min(-(-n_items // block), sm_count() * waves))

@@ -1,0 +1,65 @@
+"""Row-major GEMMs through cuBLAS gemmEx (bf16 or fp32 operands, fp32 compute, bf16 or fp32
+output, beta = 1 to accumulate). One cuBLAS handle per device, created on first use and cached;
+CuPy's binding points the handle at the current CuPy stream before every call. Never
+synchronises; cuBLAS keeps its own workspace (library memory, outside the engine's arena)."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from kernels.cuda._build import BF16, F32
+
+_CUDA_R_32F = 0
+_CUDA_R_16BF = 14
+_COMPUTE_32F = 68          # CUBLAS_COMPUTE_32F: fp32 accumulation, no TF32 down-conversion
+_GEMM_DEFAULT = -1         # CUBLAS_GEMM_DEFAULT: cuBLAS picks the (tensor-core) algorithm
+_OP_N, _OP_T = 0, 1
+# alpha and beta live in host memory (the handle's default pointer mode): cuBLAS reads them
+# before gemmEx returns, so these module constants can be shared by every call.
+_ONE = np.ones(1, dtype=np.float32)
+_ZERO = np.zeros(1, dtype=np.float32)
+_HANDLES: dict[int, int] = {}
+
+
+def handle() -> int:
+    """This device's cuBLAS handle (created once)."""
+    dev = cupy.cuda.runtime.getDevice()
+    h = _HANDLES.get(dev)
+    if h is None:
+        h = _HANDLES[dev] = cublas.create()
+    return h
+
+
+def _dtype_code(dtype, what: str) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == BF16:
+        return _CUDA_R_16BF
+    if dtype == F32:
+        return _CUDA_R_32F
+    raise TypeError(f"{what} has dtype {dtype}; the GEMMs take bfloat16 or float32")
+
+
+def gemm(m: int, n: int, k: int,
+         a: int, a_dtype, lda: int, trans_a: bool,
+         b: int, b_dtype, ldb: int, trans_b: bool,
+         c: int, c_dtype, ldc: int, accumulate: bool) -> None:
+    """Row-major C (m, n) [+]= op(A) (m, k) @ op(B) (k, n), on the current CuPy stream.
+
+    a, b, c are device pointers; lda/ldb/ldc are row strides in elements of the stored
+    matrices (A is stored (m, k), or (k, m) when trans_a; B (k, n), or (n, k) when trans_b).
+    cuBLAS is column-major, so this computes C^T = op(B)^T op(A)^T: B goes first.
+    """
+    if m == 0 or n == 0:
+        return
+    ta, tb = _dtype_code(a_dtype, "A"), _dtype_code(b_dtype, "B")
+    if ta != tb:
+        raise TypeError(f"GEMM operands differ in dtype: {a_dtype} and {b_dtype}")
+    tc = _dtype_code(c_dtype, "C")
+    if ta == _CUDA_R_32F and tc != _CUDA_R_32F:
+        raise TypeError("fp32 GEMM operands need an fp32 output")
+    beta = _ONE if accumulate else _ZERO
+    cublas.gemmEx(handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
+                  n, m, k, _ONE.ctypes.data, b, tb, ldb, a, ta, lda,
+                  beta.ctypes.data, c, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)

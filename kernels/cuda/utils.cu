@@ -1,0 +1,96 @@
+// Small elementwise and reduction utilities the engine uses between the ops: gradient
+// accumulation (add_), dtype conversion (cast), buffer initialisation (fill), the global
+// gradient norm (sumsq, then clip_scale). No NumPy reference file: their truths are
+// dst + src, astype, full and sum(x^2), rounded to nearest even like ml_dtypes.
+//
+// add_kernel<D, S, V>:   dst = D(float(dst) + float(src))        flat, packs of V (8 or 1)
+// cast_kernel<S, D, V>:  dst = D(float(src))
+// fill_kernel<D, V>:     x = D(value)
+//   grid-stride loops over packs, then the n % V tail; 64-bit indices; D, S = bf16 or float.
+// sumsq_partial<S, V>:   block b of a fixed grid of P blocks (P depends on n only) sums x^2 of
+//   its grid-stride share in fp32 into part[b];
+// sumsq_finish:          one block adds part[0..P) in a fixed tree order into out[0]
+//   (out = s, or out += s when accumulate): deterministic, no atomics.
+// clip_scale_kernel:     out[0] = scale * min(1, max_norm / (sqrt(sumsq[0]) + 1e-6)), the
+//   clip-by-global-norm factor (torch.nn.utils.clip_grad_norm_), computed on the device so
+//   AdamW can read it without a host sync.
+
+template <typename D, typename S, int W>
+__device__ __forceinline__ void add_at(D* dst, const S* src, i64 off) {
+    float a[W], b[W];
+    vload(dst + off, a);
+    vload(src + off, b);
+#pragma unroll
+    for (int k = 0; k < W; k++) a[k] += b[k];
+    vstore(dst + off, a);
+}
+
+template <typename D, typename S, int V>
+__global__ void __launch_bounds__(256) add_kernel(D* dst, const S* src, i64 n) {
+    const i64 npacks = n / V, tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 p = tid; p < npacks; p += (i64)gridDim.x * blockDim.x) add_at<D, S, V>(dst, src, p * V);
+    if (V > 1 && npacks * V + tid < n) add_at<D, S, 1>(dst, src, npacks * V + tid);
+}
+
+template <typename S, typename D, int W>
+__device__ __forceinline__ void cast_at(const S* src, D* dst, i64 off) {
+    float a[W];
+    vload(src + off, a);
+    vstore(dst + off, a);
+}
+
+template <typename S, typename D, int V>
+__global__ void __launch_bounds__(256) cast_kernel(const S* src, D* dst, i64 n) {
+    const i64 npacks = n / V, tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 p = tid; p < npacks; p += (i64)gridDim.x * blockDim.x) cast_at<S, D, V>(src, dst, p * V);
+    if (V > 1 && npacks * V + tid < n) cast_at<S, D, 1>(src, dst, npacks * V + tid);
+}
+
+template <typename D, int V>
+__global__ void __launch_bounds__(256) fill_kernel(D* x, float value, i64 n) {
+    const i64 npacks = n / V, tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    float v[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) v[k] = value;
+    for (i64 p = tid; p < npacks; p += (i64)gridDim.x * blockDim.x) vstore(x + p * V, v);
+    if (V > 1 && npacks * V + tid < n) {
+        float one[1] = {value};
+        vstore(x + npacks * V + tid, one);
+    }
+}
+
+template <typename S, int V>
+__global__ void __launch_bounds__(256) sumsq_partial(const S* __restrict__ x, i64 n,
+                                                    float* __restrict__ part) {
+    __shared__ float red[32];
+    const i64 npacks = n / V, tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    float s = 0.0f;
+    for (i64 p = tid; p < npacks; p += (i64)gridDim.x * blockDim.x) {
+        float v[V];
+        vload(x + p * V, v);
+#pragma unroll
+        for (int k = 0; k < V; k++) s += v[k] * v[k];
+    }
+    if (V > 1 && npacks * V + tid < n) {
+        float v[1];
+        vload(x + npacks * V + tid, v);
+        s += v[0] * v[0];
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(1024) sumsq_finish(const float* __restrict__ part, int n_parts,
+                                                    float* out, int accumulate) {
+    __shared__ float red[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_parts; i += blockDim.x) s += part[i];
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) out[0] = accumulate ? out[0] + s : s;
+}
+
+__global__ void clip_scale_kernel(const float* __restrict__ sumsq, float max_norm, float scale,
+                                  float* out) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        out[0] = scale * fminf(1.0f, max_norm / (sqrtf(sumsq[0]) + 1e-6f));
+}

@@ -1,0 +1,112 @@
+"""Elementwise and reduction utilities on the GPU (kernels/cuda/utils.cu): add_ (gradient
+accumulation in any bf16/f32 combination), cast, fill_, sumsq (deterministic global grad-norm
+piece) and clip_scale (clip-by-global-norm factor on the device). Enqueued on the current CuPy
+stream; never synchronises; sumsq allocates only its tiny per-stream scratch on first use when
+the caller passes none."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from kernels.cuda import _build
+from kernels.cuda._build import F32
+
+_SRC = "utils.cu"
+_TYPES = ("bf16", "float")
+_NAMES = tuple(
+    [f"add_kernel<{d}, {s}, {v}>" for d in _TYPES for s in _TYPES for v in (1, 8)]
+    + [f"cast_kernel<{s}, {d}, {v}>" for d in _TYPES for s in _TYPES for v in (1, 8)]
+    + [f"fill_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
+    + [f"sumsq_partial<{s}, {v}>" for s in _TYPES for v in (1, 8)]
+    + ["sumsq_finish", "clip_scale_kernel"]
+)
+_THREADS = 256
+SUMSQ_PARTS = 1024
+"""Most first-stage blocks of sumsq; its scratch holds this many fp32 values."""
+_SCRATCH: dict[tuple, cupy.ndarray] = {}
+
+
+def _vec(*arrays) -> int:
+    return 8 if _build.aligned16(*arrays) else 1
+
+
+def _same_size(name_a: str, a, name_b: str, b) -> None:
+    _build.check(name_a, a)
+    _build.check(name_b, b)
+    if a.size != b.size:
+        raise ValueError(f"{name_a} and {name_b} differ in size: {a.shape} and {b.shape}")
+
+
+def add_(dst, src) -> None:
+    """dst += src elementwise (fp32 add, one rounding to dst's dtype); bf16|f32 in any mix.
+
+    Shapes may differ as long as sizes agree (flat views of the same layout).
+    """
+    _same_size("dst", dst, "src", src)
+    v = _vec(dst, src)
+    name = f"add_kernel<{_build.ctype(dst.dtype, 'dst')}, {_build.ctype(src.dtype, 'src')}, {v}>"
+    n = dst.size
+    if n:
+        _build.kernel(_SRC, _NAMES, name)((_build.flat_grid(-(-n // v), _THREADS),), (_THREADS,),
+                                          (dst, src, np.int64(n)))
+
+
+def cast(src, dst) -> None:
+    """dst = src converted to dst's dtype (round to nearest even for fp32 -> bf16)."""
+    _same_size("src", src, "dst", dst)
+    v = _vec(dst, src)
+    name = f"cast_kernel<{_build.ctype(src.dtype, 'src')}, {_build.ctype(dst.dtype, 'dst')}, {v}>"
+    n = dst.size
+    if n:
+        _build.kernel(_SRC, _NAMES, name)((_build.flat_grid(-(-n // v), _THREADS),), (_THREADS,),
+                                          (src, dst, np.int64(n)))
+
+
+def fill_(x, value: float) -> None:
+    """x[...] = value (rounded to x's dtype)."""
+    _build.check("x", x)
+    v = _vec(x)
+    n = x.size
+    if n:
+        _build.kernel(_SRC, _NAMES, f"fill_kernel<{_build.ctype(x.dtype, 'x')}, {v}>")(
+            (_build.flat_grid(-(-n // v), _THREADS),), (_THREADS,),
+            (x, np.float32(value), np.int64(n)))
+
+
+def sumsq(x, out, accumulate: bool = False, scratch=None) -> None:
+    """out (1,) f32 device = (out +) sum(x^2) over bf16|f32 x, fp32 accumulation.
+
+    Two deterministic stages through `scratch` (>= SUMSQ_PARTS fp32 values; a cached buffer
+    per stream when None): the same x gives the same bits every time.
+    """
+    _build.check("x", x)
+    _build.check("out", out, None, (F32,))
+    if out.size != 1:
+        raise ValueError(f"sumsq writes one fp32 value; out has shape {out.shape}")
+    if scratch is None:
+        key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+        scratch = _SCRATCH.get(key)
+        if scratch is None:
+            scratch = _SCRATCH[key] = cupy.empty(SUMSQ_PARTS, dtype=F32)
+    elif scratch.dtype != F32 or scratch.size < SUMSQ_PARTS:
+        raise ValueError(f"sumsq scratch must be fp32 with >= {SUMSQ_PARTS} values")
+    v = _vec(x)
+    n = x.size
+    # P depends on n only (not on the device), so the summation order is fixed for a given x.
+    parts = max(1, min(SUMSQ_PARTS, -(-n // (v * _THREADS * 4))))
+    _build.kernel(_SRC, _NAMES, f"sumsq_partial<{_build.ctype(x.dtype, 'x')}, {v}>")(
+        (parts,), (_THREADS,), (x, np.int64(n), scratch))
+    _build.kernel(_SRC, _NAMES, "sumsq_finish")(
+        (1,), (1024,), (scratch, np.int32(parts), out, np.int32(bool(accumulate))))
+
+
+def clip_scale(sumsq_value, max_norm: float, out, scale: float = 1.0) -> None:
+    """out (1,) f32 = scale * min(1, max_norm / (sqrt(sumsq_value) + 1e-6)), on the device.
+
+    Feed `out` to adamw_step(grad_scale_dev=out) to clip by global norm without a host sync.
+    """
+    _build.check("sumsq_value", sumsq_value, None, (F32,))
+    _build.check("out", out, None, (F32,))
+    _build.kernel(_SRC, _NAMES, "clip_scale_kernel")(
+        (1,), (32,), (sumsq_value, np.float32(max_norm), np.float32(scale), out))

@@ -1,0 +1,102 @@
+"""Chunk-size and chunks-per-round candidates for a model and sequence length: pack short
+sequences into one chunk, split long ones into ordered chunks that attend to earlier chunks' K/V.
+Never imports array libraries."""
+
+from __future__ import annotations
+
+from memplan.decisions import validate_chunking
+from memplan.plan import Chunking
+from models.config import ModelConfig
+from models.errors import ConfigError
+
+CHUNK_TARGET_TOKENS = 8192
+"""Smallest chunk with good arithmetic intensity on a large model (ml_dataflow's minimum)."""
+CHUNK_TARGET_FULL_DIM = 2048
+"""Models at least this wide use the full target; narrower ones scale it down in proportion."""
+MIN_CHUNK_TARGET_TOKENS = 128
+ROUND_MULTIPLES = (1, 2, 4)
+"""Chunks per round tried, as multiples of the fewest that hold whole sequences."""
+MAX_ROUND_TOKENS = 1 << 17
+"""Extra chunks per round are only tried while a round stays at most this many tokens."""
+HEAD_SUB_TARGET_TOKENS = 1024
+"""Head/cross-entropy sub-chunk: the smallest divisor of the chunk at least this long."""
+
+
+def chunk_target_tokens(cfg: ModelConfig) -> int:
+    """8192 for models at least 2048 wide, scaled down (to a power of two) for narrower ones."""
+    want = CHUNK_TARGET_TOKENS * cfg.model_dim // CHUNK_TARGET_FULL_DIM
+    target = MIN_CHUNK_TARGET_TOKENS
+    while target * 2 <= min(want, CHUNK_TARGET_TOKENS):
+        target *= 2
+    return target
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def chunk_candidates(cfg: ModelConfig, seqlen: int) -> tuple[int, ...]:
+    """Chunk sizes the search tries: the target (smallest multiple of seqlen, or divisor of it,
+    at least the target), one twice as large, and one about a quarter as large for tight
+    device budgets."""
+    target = chunk_target_tokens(cfg)
+    if seqlen <= target:
+        base = -(-target // seqlen)
+        spcs = sorted({max(1, base // 4), base, 2 * base})
+        return tuple(s * seqlen for s in spcs)
+    divs = _divisors(seqlen)
+    base = next(d for d in divs if d >= target)
+    out = {base, next((d for d in divs if d >= 2 * base), base)}
+    out.add(next((d for d in divs if d >= max(1, base // 4)), base))
+    return tuple(sorted(out))
+
+
+def make_chunking(seqlen: int, chunk_tokens: int, chunks_per_round: int | None = None,
+                  rounds_per_step: int = 1) -> Chunking:
+    """A valid Chunking; `chunks_per_round` defaults to the fewest holding whole sequences."""
+    if seqlen <= chunk_tokens:
+        if chunk_tokens % seqlen:
+            fit = -(-chunk_tokens // seqlen) * seqlen
+            raise ConfigError(f"chunk_tokens {chunk_tokens} must be a multiple of seqlen "
+                              f"{seqlen} to pack whole sequences; try {fit}")
+        spc, cps = chunk_tokens // seqlen, 1
+    else:
+        if seqlen % chunk_tokens:
+            raise ConfigError(f"chunk_tokens {chunk_tokens} must divide seqlen {seqlen} to split "
+                              "sequences into equal chunks")
+        spc, cps = 1, seqlen // chunk_tokens
+    ch = Chunking(seqlen=seqlen, chunk_tokens=chunk_tokens, seqs_per_chunk=spc,
+                  chunks_per_seq=cps, chunks_per_round=chunks_per_round or cps,
+                  rounds_per_step=rounds_per_step)
+    validate_chunking(ch)
+    return ch
+
+
+def chunking_candidates(cfg: ModelConfig, seqlen: int, *, chunk_tokens: int | None = None,
+                        chunks_per_round: int | None = None) -> tuple[Chunking, ...]:
+    """Every (chunk size, chunks per round) pair the search tries, rounds_per_step left at 1."""
+    sizes = (chunk_tokens,) if chunk_tokens else chunk_candidates(cfg, seqlen)
+    out = []
+    for t in sizes:
+        base = make_chunking(seqlen, t)
+        if chunks_per_round:
+            out.append(make_chunking(seqlen, t, chunks_per_round))
+            continue
+        for m in ROUND_MULTIPLES:
+            cpr = base.chunks_per_seq * m
+            if m == 1 or cpr * t <= MAX_ROUND_TOKENS:
+                out.append(make_chunking(seqlen, t, cpr))
+    return tuple(out)
+
+
+def head_sub_tokens(chunk_tokens: int) -> int:
+    return next(d for d in _divisors(chunk_tokens)
+                if d >= min(HEAD_SUB_TARGET_TOKENS, chunk_tokens))

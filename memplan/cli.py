@@ -1,0 +1,107 @@
+"""`dataflow-plan <host_gb> <dev_gb> <seqlen> <model> [--gpu NAME | --profile FILE] [--json]`:
+print the plan the planner would choose (or exactly one JSON document with --json). Exit 0 on
+success, 2 with one paragraph on stderr for bad input or infeasible budgets, 1 for an internal
+failure; tracebacks only with --debug. Never imports array libraries."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import traceback
+
+from models.errors import ConfigError
+
+PROG = "dataflow-plan"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one paragraph, no usage dump; main() returns 2
+        raise _UsageError(message)
+
+
+def _budget_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of GiB")
+    return value
+
+
+def _seqlen(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of tokens")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=(
+        "Plan where every byte of training state lives for MODEL at SEQLEN under the host and "
+        "device memory budgets, and predict the step. GB means GiB (2^30 bytes)."))
+    p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
+    p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
+    p.add_argument("seqlen", type=_seqlen, help="tokens per sequence")
+    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b) or a config path")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--gpu", metavar="NAME", default=None,
+                     help="built-in hardware profile (default h100; a measured profile cached by "
+                          "dataflow-probe replaces the built-in one of the same name)")
+    src.add_argument("--profile", metavar="FILE", help="hardware profile JSON to plan for")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _run(args) -> str:
+    from memplan.explain import explain
+    from memplan.plan import Budget
+    from memplan.profiles import get_profile, load_profile
+    from memplan.search import make_plan
+    from models.config import load_config
+
+    profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
+    cfg = load_config(args.model)
+    budget = Budget.from_gib(args.host_gb, args.dev_gb)
+    plan = make_plan(cfg, args.seqlen, budget, profile)
+    return plan.to_json() if args.json else explain(plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    try:
+        text = _run(args)
+    except ConfigError as exc:  # bad model, GPU or profile; budgets that nothing fits
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line of reason, traceback on --debug
+        if args.debug:
+            raise
+        print(f"{PROG}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",
+              file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

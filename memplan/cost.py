@@ -1,0 +1,253 @@
+"""The cost model: compute seconds from FLOPs, copy seconds from bytes, their overlap per layer
+window, the optimizer, and the predicted step (memplan.plan.Prediction). Every constant is named
+here and explained in docs/planner.md. Pure arithmetic: never imports array libraries, never reads
+the clock, never touches a device.
+
+A round is the window sequence F0..F(L-1), head, B(L-1)..B0. Copies run in need order on one
+host->device and one device->host stream (sim.py); a copy waits for its stream and for a free
+slot; a window waits for what it needs. Exposed copy time is the time compute waits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from memplan import buffers
+from memplan.decisions import decisions_of
+from memplan.memory import grad_bpe
+from memplan.plan import Chunking, HardwareProfile, OptimizerWhere, Prediction, Where
+from memplan.sim import RoundResult, Workload, simulate_round
+from models.config import ModelConfig
+from models.flops import (SavedLevel, attn_bwd_flops, attn_fwd_flops, flash_recompute_flops,
+                          head_flops, layer_matmul_flops, level_recompute_flops,
+                          model_flops_per_seq)
+
+LAUNCH_OVERHEAD_FRAC = 0.03
+"""Kernel launch gaps and small ops, as a fraction of all compute time."""
+ELEMENTWISE_FWD_WIDTHS = (12, 2, 2, 3)
+"""Memory-bound forward work per token and layer, in bf16 values moved through HBM, as
+multiples of (D, H*E, K*E, F): two RMSNorms, RoPE on Q and K, SwiGLU, two residual adds."""
+ELEMENTWISE_BWD_FACTOR = 2.0
+"""The backward moves about twice the forward's elementwise bytes; a recompute, once."""
+CROSS_ENTROPY_PASSES = 4
+"""fp32 logits are written, read for max/sum-exp, the gradient written, and read by the GEMM."""
+GEMM_REF_TOKENS, GEMM_HALF_TOKENS = 8192, 512
+"""GEMM efficiency scales as t / (t + HALF), normalised to the profile's value at REF tokens."""
+GEMM_REF_DIM, GEMM_HALF_DIM = 4096, 256
+"""... and likewise with the model width (narrow models run small, inefficient GEMMs)."""
+ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP = 8192, 1024, 1.1
+"""Attention efficiency scales with the keys a query chunk sees (its sequence so far), up to
+10% above the profile's value (measured at 8k) for very long contexts ..."""
+ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM = 128, 32
+"""... and with the head dim (the profile's value is for head_dim 128)."""
+ADAMW_STATE_BYTES_PER_ELEM = 12
+"""AdamW reads and writes bf16 param, m and v (2 B each, both ways); plus the grad read."""
+DEFAULT_OPT_TARGET_FRAC = 0.02
+"""Rounds per step: the fewest that keep the optimizer under this share of the step."""
+BOTTLENECK_FRAC = 0.05
+"""A non-compute part of the step is named the bottleneck when it takes at least this share."""
+MAX_ROUNDS_PER_STEP = getattr(buffers, "MAX_ROUNDS_PER_STEP", 512)
+
+
+def _scale(x: float, ref: float, half: float, cap: float = 1.0) -> float:
+    return min(cap, (x / (x + half)) / (ref / (ref + half)))
+
+
+def gemm_flop_per_s(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> float:
+    return (p.peak_bf16_flop_per_s * p.gemm_efficiency
+            * _scale(tokens, GEMM_REF_TOKENS, GEMM_HALF_TOKENS)
+            * _scale(cfg.model_dim, GEMM_REF_DIM, GEMM_HALF_DIM))
+
+
+def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, keys: int) -> float:
+    return (p.peak_bf16_flop_per_s * efficiency
+            * _scale(keys, ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP)
+            * _scale(cfg.head_dim, ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM))
+
+
+def elementwise_fwd_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """HBM bytes of one layer's memory-bound forward ops over `tokens` tokens."""
+    widths = (cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim)
+    return 2 * tokens * sum(m * w for m, w in zip(ELEMENTWISE_FWD_WIDTHS, widths))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkCosts:
+    """Seconds and FLOPs of one layer over one chunk of a round (all sequences it packs)."""
+
+    fwd_s: float
+    bwd_s: float
+    """Backward including the fused-attention score recompute."""
+    rec_s: tuple[float, float, float]
+    """Extra seconds by level: (FULL, INP_ATTN, INP_ONLY)."""
+    rec_flops: tuple[float, float, float]
+    flash_flops: float
+    head_s: float
+
+
+LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 2}
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile) -> tuple[ChunkCosts, ...]:
+    """Per chunk of a round (chunks differ by their context offset when a sequence is split)."""
+    t = ch.chunk_tokens
+    piece = t // ch.seqs_per_chunk  # one sequence's tokens in this chunk
+    over = 1.0 + LAUNCH_OVERHEAD_FRAC
+    gemm = gemm_flop_per_s(cfg, p, t)
+    hbm = p.device_mem_bytes_per_s
+    ew_s = elementwise_fwd_bytes(cfg, t) / hbm
+    mm = layer_matmul_flops(cfg, t)
+    rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
+    ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
+    head_s = (head_flops(cfg, t) / gemm + ce_bytes / hbm) * over
+    out = []
+    for c in range(ch.chunks_per_round):
+        ctx = ch.chunk_context(c)
+        n = ch.seqs_per_chunk
+        keys = piece + ctx
+        a_fwd = n * attn_fwd_flops(cfg, piece, ctx)
+        flash = n * flash_recompute_flops(cfg, piece, ctx)
+        a_bwd = n * attn_bwd_flops(cfg, piece, ctx) + flash
+        a_fwd_s = a_fwd / attn_flop_per_s(cfg, p, p.attn_fwd_efficiency, keys)
+        a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, p.attn_bwd_efficiency, keys)
+        fwd_s = (mm / gemm + a_fwd_s + ew_s) * over
+        bwd_s = (2 * mm / gemm + a_bwd_s + ELEMENTWISE_BWD_FACTOR * ew_s) * over
+        rec_a = (rec_attn / gemm + ew_s) * over
+        out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(0.0, rec_a, rec_a + a_fwd_s * over),
+                              rec_flops=(0.0, rec_attn, rec_attn + a_fwd), flash_flops=flash,
+                              head_s=head_s))
+    return tuple(out)
+
+
+def workload_of(plan, p: HardwareProfile) -> Workload:
+    """The per-round work of a Plan or Decisions, in the form the simulation reads."""
+    d = decisions_of(plan)
+    cfg, ch = d.model, d.chunking
+    costs = chunk_costs(cfg, ch, p)
+    elems = buffers.block_elems(cfg)
+    gbpe = grad_bpe(d.grad_accum)
+    act_size = {lv: buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv) for lv in SavedLevel}
+    fwd_s = sum(c.fwd_s for c in costs)
+    bwd0 = sum(c.bwd_s for c in costs)
+    bwd_s, act_k, act_b = [], [], []
+    rec_s = rec_flops = 0.0
+    for row in d.activations:
+        r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
+        rec_flops += sum(costs[c].rec_flops[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
+        bwd_s.append(bwd0 + r)
+        rec_s += r
+        home = [act_size[a.level] for a in row if a.home is Where.HOME]
+        act_k.append(len(home))
+        act_b.append(sum(home))
+    return make_workload(d, p, fwd_s=fwd_s, bwd_s=bwd_s, act_k=act_k, act_b=act_b, rec_s=rec_s,
+                         rec_flops=rec_flops, costs=costs, elems=elems, gbpe=gbpe)
+
+
+def make_workload(d, p, *, fwd_s, bwd_s, act_k, act_b, rec_s, rec_flops, costs, elems,
+                  gbpe) -> Workload:
+    """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head."""
+    cfg, ch, L = d.model, d.chunking, d.model.n_layers
+    head_s = sum(c.head_s for c in costs)
+    rows = ch.tokens_per_round * cfg.model_dim * 2
+    opt = {OptimizerWhere.DEVICE: 0, OptimizerWhere.STREAMED: 0, OptimizerWhere.HOST: 0}
+    for placement, n in ((q, elems["layer"]) for q in d.layers):
+        opt[placement.optimizer] += n
+    opt[d.embed.optimizer] += elems["embed"]
+    opt[d.head.optimizer] += elems["head"]
+    return Workload(
+        n_layers=L, fwd_s=fwd_s, bwd_s=bwd_s, head_s=head_s,
+        streamed=[q.weights is Where.HOME for q in d.layers],
+        grads_home=[q.grads is Where.HOME for q in d.layers], act_k=act_k, act_b=act_b,
+        layer_bytes=elems["layer"] * 2, grad_bytes=elems["layer"] * gbpe,
+        weight_slots=d.slots.weight_slots, grad_slots=d.slots.grad_slots,
+        act_slots=d.slots.act_slots,
+        head_w_bytes=elems["head"] * 2 if d.head.weights is Where.HOME else 0,
+        head_g_bytes=elems["head"] * gbpe if d.head.grads is Where.HOME else 0,
+        embed_rows_bytes=rows if d.embed.weights is Where.HOME else 0,
+        embed_grad_rows_bytes=rows if d.embed.grads is Where.HOME else 0,
+        compute_s=L * (fwd_s + sum(c.bwd_s for c in costs)) + head_s, recompute_s=rec_s,
+        extra_flops=rec_flops + L * sum(c.flash_flops for c in costs),
+        opt_device_elems=opt[OptimizerWhere.DEVICE],
+        opt_streamed_elems=opt[OptimizerWhere.STREAMED], opt_host_elems=opt[OptimizerWhere.HOST],
+        gbpe=gbpe)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimizerCost:
+    time_s: float
+    host_bound: bool
+    h2d_bytes: int
+    d2h_bytes: int
+
+
+def optimizer_cost(w: Workload, p: HardwareProfile) -> OptimizerCost:
+    return adamw_cost(w.opt_device_elems, w.opt_streamed_elems, w.opt_host_elems, w.gbpe, p)
+
+
+def adamw_cost(device_elems: int, streamed_elems: int, host_elems: int, gbpe: int,
+               p: HardwareProfile) -> OptimizerCost:
+    """Device AdamW is HBM bound; streamed AdamW is PCIe bound (param, grad, m, v in; param, m,
+    v out); host AdamW is host-memory bound. The three run one after another (the executor's
+    optimizer driver walks the blocks in turn)."""
+    per_elem = ADAMW_STATE_BYTES_PER_ELEM + gbpe
+    device_s = device_elems * per_elem / p.device_mem_bytes_per_s
+    h2d, d2h = streamed_elems * (6 + gbpe), streamed_elems * 6
+    streamed_s = max(h2d / p.h2d_duplex_bytes_per_s, d2h / p.d2h_duplex_bytes_per_s)
+    host_s = host_elems * per_elem / p.host_mem_bytes_per_s
+    gpu_s = device_s + streamed_s
+    return OptimizerCost(time_s=host_s + gpu_s, host_bound=host_s > gpu_s, h2d_bytes=h2d,
+                         d2h_bytes=d2h)
+
+
+def rounds_for_target(first_s: float, later_s: float, opt_s: float, target_frac: float) -> int:
+    """The fewest rounds per step for which the optimizer takes at most `target_frac`."""
+    if opt_s <= 0 or target_frac >= 1:
+        return 1
+    need = opt_s * (1 - target_frac) / target_frac - first_s
+    rounds = 1 + max(0, math.ceil(need / later_s - 1e-9)) if later_s > 0 else 1
+    return max(1, min(MAX_ROUNDS_PER_STEP, rounds))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundTimes:
+    first: RoundResult
+    later: RoundResult
+    optimizer: OptimizerCost
+
+
+def round_times(w: Workload, p: HardwareProfile) -> RoundTimes:
+    return RoundTimes(first=simulate_round(w, p, first=True),
+                      later=simulate_round(w, p, first=False), optimizer=optimizer_cost(w, p))
+
+
+def compose(cfg: ModelConfig, ch: Chunking, p: HardwareProfile, w: Workload,
+            rt: RoundTimes) -> Prediction:
+    """The step prediction for `ch.rounds_per_step` rounds."""
+    R, first, later, opt = ch.rounds_per_step, rt.first, rt.later, rt.optimizer
+    step = first.time_s + (R - 1) * later.time_s + opt.time_s
+    exp_h = first.exposed_h2d_s + (R - 1) * later.exposed_h2d_s
+    exp_d = first.exposed_d2h_s + (R - 1) * later.exposed_d2h_s
+    model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+    hw_flops = model_flops + R * w.extra_flops
+    compute, recompute = R * w.compute_s, R * w.recompute_s
+    opt_name = "host memory" if opt.host_bound else "optimizer"
+    parts = (("h2d", exp_h), ("d2h", exp_d), (opt_name, opt.time_s))
+    name, worst = max(parts, key=lambda kv: kv[1])
+    return Prediction(
+        step_time_s=step, compute_s=compute, recompute_s=recompute, exposed_h2d_s=exp_h,
+        exposed_d2h_s=exp_d, optimizer_s=opt.time_s,
+        h2d_bytes=first.h2d_bytes + (R - 1) * later.h2d_bytes + opt.h2d_bytes,
+        d2h_bytes=first.d2h_bytes + (R - 1) * later.d2h_bytes + opt.d2h_bytes,
+        tok_per_s=ch.tokens_per_step / step, model_tflop_per_s=model_flops / step / 1e12,
+        mfu=model_flops / step / p.peak_bf16_flop_per_s,
+        hfu=hw_flops / step / p.peak_bf16_flop_per_s,
+        bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
+
+
+def predict(plan, p: HardwareProfile) -> Prediction:
+    """The predicted step of a Plan or Decisions on hardware `p`."""
+    d = decisions_of(plan)
+    w = workload_of(d, p)
+    return compose(d.model, d.chunking, p, w, round_times(w, p))

@@ -1,0 +1,126 @@
+"""The decisions of a plan without its budget, memory map or prediction, and the rules every set
+of decisions must obey (chunking shapes, placement triples, slot counts). memory.py and cost.py
+read either a `Decisions` or a `Plan` (same field names). Never imports array libraries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memplan.plan import (Chunking, GradAccum, LayerPlacement, OptimizerWhere, SavedActivation,
+                          Slots, Where)
+from models.config import ModelConfig
+from models.errors import ConfigError
+
+ALLOWED_PLACEMENTS = (
+    (Where.DEVICE, Where.DEVICE, OptimizerWhere.DEVICE),
+    (Where.HOME, Where.HOME, OptimizerWhere.STREAMED),
+    (Where.HOME, Where.HOME, OptimizerWhere.HOST),
+)
+"""(weights, grads, optimizer) triples a layer, the embedding or the head may take."""
+
+RESIDENT = LayerPlacement(weights=Where.DEVICE, grads=Where.DEVICE, optimizer=OptimizerWhere.DEVICE)
+HOME_STREAMED = LayerPlacement(weights=Where.HOME, grads=Where.HOME,
+                               optimizer=OptimizerWhere.STREAMED)
+HOME_HOST = LayerPlacement(weights=Where.HOME, grads=Where.HOME, optimizer=OptimizerWhere.HOST)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Decisions:
+    """What the search decides; a Plan adds budget, profile, memory map and prediction."""
+
+    model: ModelConfig
+    chunking: Chunking
+    slots: Slots
+    layers: tuple[LayerPlacement, ...]
+    activations: tuple[tuple[SavedActivation, ...], ...]
+    """activations[layer][chunk] for every chunk of a round."""
+    embed: LayerPlacement
+    head: LayerPlacement
+    grad_accum: GradAccum
+
+
+def decisions_of(obj) -> Decisions:
+    """The Decisions of a Plan (or a Decisions itself)."""
+    if isinstance(obj, Decisions):
+        return obj
+    return Decisions(model=obj.model, chunking=obj.chunking, slots=obj.slots, layers=obj.layers,
+                     activations=obj.activations, embed=obj.embed, head=obj.head,
+                     grad_accum=obj.grad_accum)
+
+
+def _positive(where: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where} must be a positive integer, got {value!r}")
+
+
+def validate_chunking(ch: Chunking) -> None:
+    """Packing (seqlen <= chunk_tokens: whole sequences per chunk) or splitting (a sequence
+    spans chunks_per_seq chunks); a round holds whole sequences."""
+    for field in ("seqlen", "chunk_tokens", "seqs_per_chunk", "chunks_per_seq",
+                  "chunks_per_round", "rounds_per_step"):
+        _positive(f"chunking.{field}", getattr(ch, field))
+    if ch.seqlen <= ch.chunk_tokens:
+        if ch.chunks_per_seq != 1 or ch.chunk_tokens != ch.seqs_per_chunk * ch.seqlen:
+            raise ConfigError(
+                f"chunking packs sequences (seqlen {ch.seqlen} <= chunk_tokens "
+                f"{ch.chunk_tokens}) so chunk_tokens must equal seqs_per_chunk x seqlen and "
+                f"chunks_per_seq must be 1; got seqs_per_chunk {ch.seqs_per_chunk}, "
+                f"chunks_per_seq {ch.chunks_per_seq}")
+    else:
+        if ch.seqs_per_chunk != 1 or ch.seqlen != ch.chunks_per_seq * ch.chunk_tokens:
+            raise ConfigError(
+                f"chunking splits sequences (seqlen {ch.seqlen} > chunk_tokens "
+                f"{ch.chunk_tokens}) so seqlen must equal chunks_per_seq x chunk_tokens and "
+                f"seqs_per_chunk must be 1; got chunks_per_seq {ch.chunks_per_seq}, "
+                f"seqs_per_chunk {ch.seqs_per_chunk}; pick a chunk_tokens that divides "
+                f"{ch.seqlen}")
+        if ch.chunks_per_round % ch.chunks_per_seq:
+            raise ConfigError(
+                f"chunks_per_round {ch.chunks_per_round} must be a multiple of chunks_per_seq "
+                f"{ch.chunks_per_seq} (a round holds whole sequences)")
+
+
+def _check_placement(where: str, p: LayerPlacement) -> None:
+    if (p.weights, p.grads, p.optimizer) not in ALLOWED_PLACEMENTS:
+        allowed = "; ".join(f"({w.value}, {g.value}, {o.value})" for w, g, o in ALLOWED_PLACEMENTS)
+        raise ConfigError(f"{where} placement ({p.weights.value}, {p.grads.value}, "
+                          f"{p.optimizer.value}) is not allowed; (weights, grads, optimizer) "
+                          f"must be one of: {allowed}")
+
+
+def any_streamed_optimizer(d: Decisions) -> bool:
+    return any(p.optimizer is OptimizerWhere.STREAMED for p in (*d.layers, d.embed, d.head))
+
+
+def validate_decisions(d: Decisions) -> None:
+    """Raise ConfigError naming the first rule `d` breaks."""
+    cfg, ch, s = d.model, d.chunking, d.slots
+    validate_chunking(ch)
+    if len(d.layers) != cfg.n_layers:
+        raise ConfigError(f"plan has {len(d.layers)} layer placements; model '{cfg.name}' has "
+                          f"{cfg.n_layers} layers")
+    for i, p in enumerate(d.layers):
+        _check_placement(f"layer {i}", p)
+    _check_placement("embed", d.embed)
+    _check_placement("head", d.head)
+    if len(d.activations) != cfg.n_layers or any(len(row) != ch.chunks_per_round
+                                                 for row in d.activations):
+        raise ConfigError(f"activations must be {cfg.n_layers} rows (layers) of "
+                          f"{ch.chunks_per_round} entries (chunks per round)")
+    for field in ("weight_slots", "grad_slots", "act_slots", "opt_stage_elems"):
+        value = getattr(s, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"slots.{field} must be a non-negative integer, got {value!r}")
+    needs = (("weight_slots", any(p.weights is Where.HOME for p in d.layers), "layer weights"),
+             ("grad_slots", any(p.grads is Where.HOME for p in d.layers), "layer grads"),
+             ("act_slots", any(a.home is Where.HOME for row in d.activations for a in row),
+              "saved activations"),
+             ("opt_stage_elems", any_streamed_optimizer(d), "optimizer states STREAMED"))
+    for field, used, what in needs:
+        if used and getattr(s, field) < 1:
+            raise ConfigError(f"slots.{field} is 0 but some {what} live at home; use at least "
+                              "1 (1 means no prefetch overlap)")
+    _positive("slots.head_sub_tokens", s.head_sub_tokens)
+    if s.head_sub_tokens > ch.chunk_tokens or ch.chunk_tokens % s.head_sub_tokens:
+        raise ConfigError(f"slots.head_sub_tokens {s.head_sub_tokens} must divide chunk_tokens "
+                          f"{ch.chunk_tokens}")

@@ -1,0 +1,159 @@
+"""Terminal text for a Plan: its chunking, rounds, slots, saved-activation levels, placement,
+memory map against the budgets, predicted step, and one sentence of reason per decision. Reads
+the plan only (works for forced plans too). Never imports array libraries."""
+
+from __future__ import annotations
+
+from memplan import buffers
+from memplan.chunking import chunk_target_tokens
+from memplan.cost import DEFAULT_OPT_TARGET_FRAC
+from memplan.memory import CATEGORIES
+from memplan.plan import OptimizerWhere, Plan, Where
+from models.flops import FLOP_MODEL_VERSION, SavedLevel
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / MIB:.1f} MiB"
+
+
+def _chunking_lines(plan: Plan) -> list[str]:
+    ch = plan.chunking
+    if ch.chunks_per_seq > 1:
+        shape = (f"each sequence of {ch.seqlen:,} tokens is split into {ch.chunks_per_seq} "
+                 f"chunks of {ch.chunk_tokens:,}")
+    else:
+        shape = f"{ch.seqs_per_chunk} sequence(s) of {ch.seqlen:,} tokens packed per chunk of " \
+                f"{ch.chunk_tokens:,}"
+    return [f"Chunking: {shape}; {ch.chunks_per_round} chunk(s) per round "
+            f"({ch.tokens_per_round:,} tokens); {ch.rounds_per_step} round(s) per step "
+            f"({ch.seqs_per_step:,} sequences, {ch.tokens_per_step:,} tokens)"]
+
+
+def _activation_line(plan: Plan) -> str:
+    counts = {}
+    for row in plan.activations:
+        for a in row:
+            counts[(a.home, a.level)] = counts.get((a.home, a.level), 0) + 1
+    parts = []
+    for where in (Where.DEVICE, Where.HOME):
+        levels = ", ".join(f"{lv.value} {counts.get((where, lv), 0)}" for lv in SavedLevel)
+        parts.append(f"{where.value}: {levels}")
+    total = sum(counts.values())
+    return f"Saved activations ({total} per round): " + "; ".join(parts)
+
+
+def _placement_line(plan: Plan) -> str:
+    resident = sum(p.weights is Where.DEVICE for p in plan.layers)
+    home_opts = {p.optimizer.value for p in plan.layers if p.weights is Where.HOME}
+    layers = f"{resident}/{len(plan.layers)} layers resident"
+    if home_opts:
+        layers += f", the rest at home (optimizer {'/'.join(sorted(home_opts))})"
+    return (f"Placement: {layers}; embedding {_block(plan.embed)}; head {_block(plan.head)}")
+
+
+def _block(p) -> str:
+    return "on the device" if p.weights is Where.DEVICE else f"at home (optimizer {p.optimizer.value})"
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    dev, host = dict(plan.memory.device), dict(plan.memory.host)
+    out = [f"  {'memory (GiB)':<18}{'device':>10}{'host':>10}"]
+    for cat in CATEGORIES:
+        out.append(f"  {cat:<18}{dev.get(cat, 0) / GIB:>10.3f}{host.get(cat, 0) / GIB:>10.3f}")
+    out.append(f"  {'total':<18}{plan.memory.device_bytes / GIB:>10.3f}"
+               f"{plan.memory.host_bytes / GIB:>10.3f}")
+    out.append(f"  {'budget':<18}{plan.budget.device_bytes / GIB:>10.3f}"
+               f"{plan.budget.host_bytes / GIB:>10.3f}")
+    return out
+
+
+def _prediction_lines(plan: Plan) -> list[str]:
+    pr = plan.prediction
+    return [
+        f"Prediction on {plan.profile.name}: step {pr.step_time_s:.2f} s = compute "
+        f"{pr.compute_s:.2f} + recompute {pr.recompute_s:.2f} + exposed h2d "
+        f"{pr.exposed_h2d_s:.2f} + exposed d2h {pr.exposed_d2h_s:.2f} + optimizer "
+        f"{pr.optimizer_s:.2f}",
+        f"  {pr.tok_per_s:,.0f} tok/s, model {pr.model_tflop_per_s:.0f} TFLOP/s, MFU "
+        f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {FLOP_MODEL_VERSION}); bottleneck: "
+        f"{pr.bottleneck}",
+        f"  PCIe per step: h2d {_size(pr.h2d_bytes)}, d2h {_size(pr.d2h_bytes)}",
+    ]
+
+
+def _reasons(plan: Plan) -> list[str]:
+    cfg, ch, pr, s = plan.model, plan.chunking, plan.prediction, plan.slots
+    target = chunk_target_tokens(cfg)
+    out = []
+    if ch.chunks_per_seq > 1:
+        out.append(f"chunk: a sequence longer than the {target:,}-token chunk target for a "
+                   f"{cfg.model_dim}-wide model is split; later chunks attend to the K/V of "
+                   "earlier ones, so activations stay per chunk")
+    else:
+        out.append(f"chunk: whole sequences are packed to about the {target:,}-token target so "
+                   "GEMMs run at high arithmetic intensity")
+    out.append(f"chunks per round: every streamed block crosses PCIe once per round each way, so "
+               f"{ch.chunks_per_round} chunk(s) share each crossing; more would need more saved "
+               "activations per layer")
+    share = pr.optimizer_s / pr.step_time_s if pr.step_time_s else 0.0
+    out.append(f"rounds per step: {ch.rounds_per_step} keep the optimizer ({pr.optimizer_s:.2f} s) "
+               f"at {share:.1%} of the step (target {DEFAULT_OPT_TARGET_FRAC:.0%})")
+    resident = sum(p.weights is Where.DEVICE for p in plan.layers)
+    layer_b = buffers.block_elems(cfg)["layer"] * 2
+    if resident == cfg.n_layers:
+        out.append("layers: all state fits on the device, so no weight or gradient crosses PCIe")
+    else:
+        out.append(f"layers: {resident} resident (each costs {_size(4 * layer_b)} of device for "
+                   f"weights, grads, m and v); the others stream through {s.weight_slots} weight "
+                   f"and {s.grad_slots} grad slot(s) (prefetch depth {s.weight_slots - 1}), "
+                   f"{_size(layer_b)} per crossing")
+    home = [p for p in (*plan.layers, plan.embed, plan.head) if p.weights is Where.HOME]
+    if home:
+        opt = home[0].optimizer
+        how = ("streamed through the device (PCIe bound)" if opt is OptimizerWhere.STREAMED
+               else "on the host (host-memory bound, no PCIe traffic)")
+        out.append(f"optimizer: home blocks update {how}; device blocks update in HBM")
+    rows = ch.tokens_per_round * cfg.model_dim * 2
+    if plan.embed.weights is Where.HOME:
+        out.append(f"embedding: the host gathers {_size(rows)} of rows per round instead of the "
+                   f"device holding the table, its grads and AdamW state")
+    else:
+        out.append("embedding: on the device with its grads and AdamW state")
+    out.append("head: " + ("weights and grads visit the device each round"
+                           if plan.head.weights is Where.HOME else
+                           "resident with its AdamW state"))
+    out.append(_act_reason(plan))
+    out.append(f"bottleneck: {pr.bottleneck} (exposed copies {pr.exposed_h2d_s + pr.exposed_d2h_s:.2f}"
+               f" s, recompute {pr.recompute_s:.2f} s of {pr.step_time_s:.2f} s)")
+    return out
+
+
+def _act_reason(plan: Plan) -> str:
+    acts = [a for row in plan.activations for a in row]
+    home = [a for a in acts if a.home is Where.HOME]
+    if not home:
+        return ("activations: all kept on the device" +
+                (" at FULL: nothing is recomputed" if all(a.level is SavedLevel.FULL for a in acts)
+                 else "; lower levels trade recompute for device memory"))
+    return (f"activations: {len(acts) - len(home)} on the device, {len(home)} at home through "
+            f"{plan.slots.act_slots} slot(s); lower levels save host memory and PCIe bytes at the "
+            "cost of recompute in the backward")
+
+
+def explain(plan: Plan) -> str:
+    """A terminal overview of `plan` and the reason for each decision."""
+    cfg, b = plan.model, plan.budget
+    head = (f"Plan for {cfg.name} at seqlen {plan.chunking.seqlen:,} on {plan.profile.name}: "
+            f"budgets host {b.host_bytes / GIB:.1f} GiB, device {b.device_bytes / GIB:.1f} GiB "
+            f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}]")
+    s = plan.slots
+    lines = [head, *_chunking_lines(plan),
+             f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
+             f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
+             f"{s.opt_stage_elems:,} elements",
+             _placement_line(plan), _activation_line(plan), *_memory_lines(plan),
+             *_prediction_lines(plan), "Why:"]
+    lines += [f"  - {r}" for r in _reasons(plan)]
+    return "\n".join(lines)

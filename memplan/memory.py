@@ -1,0 +1,138 @@
+"""The memory map of a plan: the named device and host regions the executor allocates, in a fixed
+order, and their totals per category. Built only from memplan/buffers.py and the block layouts,
+so the planner's promise and the executor's arenas are the same list. The rules are written out
+in docs/planner.md. Never imports array libraries and never decides placement.
+
+Both `device_regions` and `host_regions` accept a Plan or a Decisions (the same field names)."""
+
+from __future__ import annotations
+
+from memplan import buffers
+from memplan.decisions import any_streamed_optimizer, decisions_of
+from memplan.plan import GradAccum, MemoryMap, OptimizerWhere, Where
+
+CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
+_FIXED_CATEGORY = {
+    "weight_slots": "weights", "grad_slots": "grads", "act_slots": "saved_activations",
+    "workspace": "workspaces", "context": "workspaces", "head_buffers": "workspaces",
+    "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
+    "tokens": "buffers", "embed_rows": "buffers",
+}
+TOKEN_ID_BYTES = 4
+
+
+def region_category(name: str) -> str:
+    """The memory-map category of a region name ('layer3.m' -> 'optimizer_state')."""
+    if name in _FIXED_CATEGORY:
+        return _FIXED_CATEGORY[name]
+    if name.startswith(("act.", "home.act.")):
+        return "saved_activations"
+    suffix = name.rsplit(".", 1)[-1]
+    return {"weights": "weights", "grads": "grads", "m": "optimizer_state",
+            "v": "optimizer_state"}[suffix]
+
+
+def grad_bpe(grad_accum: GradAccum) -> int:
+    """Bytes per gradient element: 2 for bf16 accumulation, 4 for fp32."""
+    return buffers.grad_bytes_per_elem(grad_accum.value)
+
+
+def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
+    """weights/grads/m/v regions of one block that live at `where`."""
+    out = []
+    if placement.weights is where:
+        out.append((f"{prefix}.weights", elems * 2))
+    if placement.grads is where:
+        out.append((f"{prefix}.grads", elems * gbpe))
+    opt_here = (placement.optimizer is OptimizerWhere.DEVICE) == (where is Where.DEVICE)
+    if opt_here:
+        out += [(f"{prefix}.m", elems * 2), (f"{prefix}.v", elems * 2)]
+    return out
+
+
+def device_regions(plan) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of every device region, each size aligned to 256 B, zero-sized ones left
+    out, in this order: resident layer state (layer{i}.weights/.grads/.m/.v), weight_slots,
+    grad_slots, embed.*, head.weights, head.grads (always present), head.m/.v, act.{layer}.{chunk}
+    (saved activations kept on the device), act_slots, workspace, context, transitions,
+    head_buffers, opt_stage."""
+    d = decisions_of(plan)
+    cfg, ch, s = d.model, d.chunking, d.slots
+    elems = buffers.block_elems(cfg)
+    gbpe = grad_bpe(d.grad_accum)
+    out: list[tuple[str, int]] = []
+    for i, p in enumerate(d.layers):
+        out += _state_regions(f"layer{i}", p, elems["layer"], gbpe, Where.DEVICE)
+    if any(p.weights is Where.HOME for p in d.layers):
+        out.append(("weight_slots", s.weight_slots * elems["layer"] * 2))
+    if any(p.grads is Where.HOME for p in d.layers):
+        out.append(("grad_slots", s.grad_slots * elems["layer"] * gbpe))
+    out += _state_regions("embed", d.embed, elems["embed"], gbpe, Where.DEVICE)
+    out.append(("head.weights", elems["head"] * 2))
+    out.append(("head.grads", elems["head"] * gbpe))
+    if d.head.optimizer is OptimizerWhere.DEVICE:
+        out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
+    t = ch.chunk_tokens
+    act_bytes = {}
+    home_max = 0
+    for layer, row in enumerate(d.activations):
+        for chunk, a in enumerate(row):
+            if a.level not in act_bytes:
+                act_bytes[a.level] = buffers.saved_activation_bytes(cfg, t, a.level)
+            if a.home is Where.DEVICE:
+                out.append((f"act.{layer}.{chunk}", act_bytes[a.level]))
+            else:
+                home_max = max(home_max, act_bytes[a.level])
+    out.append(("act_slots", s.act_slots * home_max))
+    out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
+    out.append(("context", buffers.packed_bytes(buffers.context_specs(
+        cfg, ch.seqlen, t, ch.chunks_per_seq))))
+    out.append(("transitions", buffers.packed_bytes(buffers.transition_specs(
+        cfg, ch.tokens_per_round))))
+    out.append(("head_buffers", buffers.packed_bytes(buffers.head_specs(
+        cfg, t, s.head_sub_tokens))))
+    if any_streamed_optimizer(d):
+        gdt = "bf16" if d.grad_accum is GradAccum.BF16 else "f32"
+        out.append(("opt_stage", buffers.packed_bytes(buffers.opt_stage_specs(
+            s.opt_stage_elems, gdt))))
+    return tuple((name, buffers.align(n)) for name, n in out if n > 0)
+
+
+def host_regions(plan) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of every pinned host region, aligned and in this order: home state of each
+    layer whose weights are HOME (home.layer{i}.weights/.grads/.m/.v), home.embed.*,
+    home.head.*, home.act.{layer}.{chunk}, io_staging, tokens, embed_rows."""
+    d = decisions_of(plan)
+    cfg, ch = d.model, d.chunking
+    elems = buffers.block_elems(cfg)
+    gbpe = grad_bpe(d.grad_accum)
+    out: list[tuple[str, int]] = []
+    for i, p in enumerate(d.layers):
+        out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME)
+    out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
+    out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
+    act_bytes = {}
+    for layer, row in enumerate(d.activations):
+        for chunk, a in enumerate(row):
+            if a.home is Where.HOME:
+                if a.level not in act_bytes:
+                    act_bytes[a.level] = buffers.saved_activation_bytes(cfg, ch.chunk_tokens,
+                                                                        a.level)
+                out.append((f"home.act.{layer}.{chunk}", act_bytes[a.level]))
+    out.append(("io_staging", max(elems.values()) * 2))
+    out.append(("tokens", 2 * ch.tokens_per_round * TOKEN_ID_BYTES))
+    if d.embed.weights is Where.HOME:
+        out.append(("embed_rows", 2 * ch.tokens_per_round * cfg.model_dim * 2))
+    return tuple((name, buffers.align(n)) for name, n in out if n > 0)
+
+
+def by_category(regions) -> tuple[tuple[str, int], ...]:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for name, nbytes in regions:
+        totals[region_category(name)] += nbytes
+    return tuple(totals.items())
+
+
+def memory_map(plan) -> MemoryMap:
+    """Bytes per category on device and host (all six categories, fixed order)."""
+    return MemoryMap(device=by_category(device_regions(plan)), host=by_category(host_regions(plan)))

@@ -1,0 +1,136 @@
+"""Hardware profiles: built-in defaults by GPU name, JSON load/save, and the cached profile that a
+future `dataflow-probe` measures on the current GPU (it overrides the default of the same name).
+Pure data: never imports array libraries, never touches a GPU.
+
+Efficiencies are fractions of the dense bf16 peak. Attention efficiencies count *hardware*
+FLOPs, as fused-attention benchmarks do: the backward counts the score recompute too (2.5x the
+forward's matmuls, where models.flops counts 2x for model FLOPs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from memplan.plan import GIB, HardwareProfile
+from models.errors import ConfigError
+from models.serial import from_json, to_json
+
+GB = 1e9
+DEFAULT_PROFILE_NAME = "h100"
+
+
+def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_alone: float,
+       pcie_duplex: float, host_mem: float, dev_mem: float, gen: int,
+       dev_gib: int) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, peak_bf16_flop_per_s=peak, gemm_efficiency=gemm, attn_fwd_efficiency=attn_f,
+        attn_bwd_efficiency=attn_b, h2d_bytes_per_s=pcie_alone, d2h_bytes_per_s=pcie_alone,
+        h2d_duplex_bytes_per_s=pcie_duplex, d2h_duplex_bytes_per_s=pcie_duplex,
+        host_mem_bytes_per_s=host_mem, device_mem_bytes_per_s=dev_mem, pcie_gen=gen,
+        device_mem_bytes=dev_gib * GIB)
+
+
+_BUILTIN = (
+    # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
+    # 620 fwd / 520 bwd TFLOP/s at 8k, PCIe 55 GB/s each way alone, 47 each way together,
+    # HBM copy 3.0 TB/s (read + write counted).
+    _p("h100", 989e12, 0.79, 0.627, 0.526, 55 * GB, 47 * GB, 100 * GB, 3.0e12, 5, 80),
+    # H200: same compute die as the H100; faster HBM (4.8 TB/s datasheet); PCIe 5 as measured
+    # on the H100 host.
+    _p("h200", 989e12, 0.79, 0.627, 0.526, 55 * GB, 47 * GB, 100 * GB, 4.3e12, 5, 141),
+    # A100 80GB SXM: 312 TFLOP/s datasheet; typical cuBLAS ~250, FlashAttention-2 ~60%/50%;
+    # PCIe 4 x16 ~25 GB/s alone, ~21 together; HBM2e 2.0 TB/s datasheet.
+    _p("a100", 312e12, 0.80, 0.60, 0.50, 25 * GB, 21 * GB, 100 * GB, 1.8e12, 4, 80),
+    # RTX 4090: 165 TFLOP/s dense bf16 with fp32 accumulation; PCIe 4; GDDR6X 1.0 TB/s.
+    _p("rtx4090", 165e12, 0.85, 0.70, 0.55, 25 * GB, 21 * GB, 60 * GB, 0.9e12, 4, 24),
+    # RTX 5090: 209.5 TFLOP/s dense bf16 (ml_dataflow's peak); PCIe 5; GDDR7 1.79 TB/s.
+    _p("rtx5090", 209.5e12, 0.85, 0.70, 0.55, 50 * GB, 43 * GB, 60 * GB, 1.6e12, 5, 32),
+    # RTX 3090: 71 TFLOP/s dense bf16; PCIe 4; GDDR6X 0.94 TB/s.
+    _p("rtx3090", 71e12, 0.85, 0.70, 0.55, 25 * GB, 21 * GB, 60 * GB, 0.85e12, 4, 24),
+    # The NumPy backend: the "device" is a host slab, copies are memcpy. Only for planning CPU
+    # runs (tests, CI); its predictions mean little.
+    _p("cpu", 2e11, 0.5, 0.3, 0.3, 10 * GB, 8 * GB, 20 * GB, 20 * GB, 0, 16),
+)
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in _BUILTIN}
+
+_ALIASES = {
+    "h100sxm": "h100", "h100sxm5": "h100", "h10080gb": "h100", "h200sxm": "h200",
+    "a10080gb": "a100", "a100sxm": "a100", "a10080gbsxm": "a100",
+    "4090": "rtx4090", "5090": "rtx5090", "3090": "rtx3090",
+    "geforcertx4090": "rtx4090", "geforcertx5090": "rtx5090", "geforcertx3090": "rtx3090",
+}
+
+
+def known_profiles() -> list[str]:
+    """Names `get_profile` accepts without a file (aliases such as 'H100 SXM' also work)."""
+    return list(BUILTIN_PROFILES)
+
+
+def _canonical(name: str) -> str | None:
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    key = key[len("nvidia"):] if key.startswith("nvidia") else key
+    if key in BUILTIN_PROFILES:
+        return key
+    return _ALIASES.get(key)
+
+
+def default_cache_path(environ: dict | None = None) -> Path:
+    """Where `dataflow-probe` writes the profile it measured:
+    $XDG_CACHE_HOME/dataflow/profile.json, else ~/.cache/dataflow/profile.json."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dataflow" / "profile.json"
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read hardware profile {path}: {exc.strerror}; "
+                          f"write one with save_profile or pick --gpu from "
+                          f"{', '.join(known_profiles())}") from None
+    profile = from_json(HardwareProfile, text)
+    validate_profile(profile)
+    return profile
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    validate_profile(profile)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(profile) + "\n")
+    return path
+
+
+def get_profile(name: str = DEFAULT_PROFILE_NAME, *,
+                cache_path: str | Path | None = None) -> HardwareProfile:
+    """The built-in profile for GPU `name`, replaced by the cached measured profile when one
+    exists at `cache_path` (default: `default_cache_path()`) and carries the same name."""
+    canonical = _canonical(name)
+    if canonical is None:
+        raise ConfigError(f"unknown GPU '{name}'; known: {', '.join(known_profiles())} "
+                          "(or pass a measured profile JSON with --profile FILE)")
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    if path.is_file():
+        try:
+            cached = load_profile(path)
+        except ConfigError:
+            cached = None  # a stale or broken cache must not stop planning; defaults apply
+        if cached is not None and _canonical(cached.name) == canonical:
+            return cached
+    return BUILTIN_PROFILES[canonical]
+
+
+def validate_profile(p: HardwareProfile) -> None:
+    rates = ("peak_bf16_flop_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+             "h2d_duplex_bytes_per_s", "d2h_duplex_bytes_per_s", "host_mem_bytes_per_s",
+             "device_mem_bytes_per_s")
+    for field in rates:
+        if not getattr(p, field) > 0:
+            raise ConfigError(f"profile '{p.name}': {field} must be positive, got "
+                              f"{getattr(p, field)!r}")
+    for field in ("gemm_efficiency", "attn_fwd_efficiency", "attn_bwd_efficiency"):
+        value = getattr(p, field)
+        if not 0 < value <= 1:
+            raise ConfigError(f"profile '{p.name}': {field} must be in (0, 1], got {value!r}")

@@ -1,0 +1,177 @@
+"""Chooses the fastest predicted Plan for a model, sequence length and budgets. Never imports
+array libraries, never touches a device, never reads the clock.
+
+The candidates (candidates.py) do not depend on the budgets: the answer for a budget is the
+fastest candidate that fits it, found exactly by scoring candidates in order of a lower bound
+on their time. So more memory never predicts less throughput, and the smallest budgets named in
+errors are exact over the same candidate set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memplan.build import build_plan, finish_plan, validate_budget
+from memplan.candidates import Candidate, Score, Table, candidate_table
+from memplan.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
+from memplan.errors import InfeasibleBudget, categories_text, gib_up, size_text
+from memplan.memory import memory_map
+from memplan.plan import Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
+from models.config import ModelConfig
+from models.errors import ConfigError
+
+__all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONSTRAINTS"]
+
+CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
+               "home_optimizer", "max_resident_layers")
+TIE_REL = 1e-9
+"""Predictions this close count as a tie (broken by fewer PCIe bytes, then less memory)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MinimumBudgets:
+    """The smallest budgets that work together, exactly and as messages name them.
+
+    `device_bytes`: no smaller device budget works with any host budget; `host_bytes`: no
+    smaller host budget works with a device budget of `device_bytes`. `device_gib`,
+    `host_gib`: the same at 0.1 GiB resolution (rounded up; the host minimum is taken within a
+    device budget of `device_gib`, so it may be smaller than `host_bytes`)."""
+
+    device_bytes: int
+    host_bytes: int
+    device_gib: float
+    host_gib: float
+
+
+def _options(cfg: ModelConfig, constraints: dict) -> tuple:
+    unknown = sorted(set(constraints) - set(CONSTRAINTS))
+    if unknown:
+        raise ConfigError(f"unknown plan constraints {unknown}; known: {', '.join(CONSTRAINTS)}")
+    opts = dict(constraints)
+    for key in ("chunk_tokens", "chunks_per_round", "rounds_per_step"):
+        v = opts.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"constraint {key} must be a positive integer, got {v!r}")
+    if opts.get("rounds_per_step", 1) > MAX_ROUNDS_PER_STEP:
+        raise ConfigError(f"rounds_per_step {opts['rounds_per_step']} exceeds "
+                          f"{MAX_ROUNDS_PER_STEP}; use longer chunks or more chunks per round")
+    frac = opts.get("target_optimizer_frac", DEFAULT_OPT_TARGET_FRAC)
+    if not isinstance(frac, (int, float)) or not 0 < frac < 1:
+        raise ConfigError(f"target_optimizer_frac must be in (0, 1), got {frac!r}")
+    opt = opts.get("home_optimizer")
+    if opt is not None:
+        opt = OptimizerWhere(opt) if not isinstance(opt, OptimizerWhere) else opt
+        if opt is OptimizerWhere.DEVICE:
+            raise ConfigError("home_optimizer must be 'streamed' or 'host' (home blocks cannot "
+                              "run AdamW over device-resident state)")
+        opts["home_optimizer"] = opt
+    cap = opts.get("max_resident_layers", cfg.n_layers)
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= cfg.n_layers:
+        raise ConfigError(f"max_resident_layers must be in 0..{cfg.n_layers}, got {cap!r}")
+    opts["max_resident_layers"], opts["target_optimizer_frac"] = cap, float(frac)
+    return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
+
+
+_SKELETON_MOVES = ("resident", "weight_slot", "grad_slot", "act_slot", "embed", "head", "opt")
+def _table(cfg, seqlen, profile, grad_accum, constraints) -> Table:
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen <= 0:
+        raise ConfigError(f"seqlen must be a positive integer, got {seqlen!r}")
+    return candidate_table(cfg, seqlen, profile, grad_accum, _options(cfg, constraints))
+
+
+def _profile(profile: HardwareProfile | None) -> HardwareProfile:
+    if profile is None:
+        from memplan.profiles import get_profile
+        return get_profile()
+    return profile
+
+
+def _decisions(table: Table, c: Candidate):
+    return table.spaces[c.space].decisions(c.state, table.score(c).rounds_per_step)
+
+
+def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile | None = None,
+              *, grad_accum: GradAccum = GradAccum.BF16, **constraints) -> Plan:
+    """The fastest predicted plan that fits `budget`. Constraints (all optional): chunk_tokens,
+    chunks_per_round, rounds_per_step, target_optimizer_frac (default 0.02), home_optimizer
+    ('streamed' or 'host'), max_resident_layers. Raises InfeasibleBudget naming the smallest
+    budgets that work."""
+    profile = _profile(profile)
+    validate_budget(budget)
+    table = _table(cfg, seqlen, profile, grad_accum, constraints)
+    fits = [c for c in table.candidates
+            if c.device_bytes <= budget.device_bytes and c.host_bytes <= budget.host_bytes]
+    if not fits:
+        raise _infeasible(cfg, seqlen, budget, table)
+    fits.sort(key=lambda c: (c.lower_bound_s, c.device_bytes + c.host_bytes))
+    best = best_score = None
+    for c in fits:  # exact best: stop once no lower bound can beat the best score found
+        if best_score is not None and c.lower_bound_s > best_score.sec_per_token * (1 + TIE_REL):
+            break
+        sc = table.score(c)
+        if best is None or _better(sc, c, best_score, best):
+            best, best_score = c, sc
+    d = table.spaces[best.space].decisions(best.state, best_score.rounds_per_step)
+    return finish_plan(d, budget, profile)
+
+
+def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate) -> bool:
+    """Faster wins; within TIE_REL, fewer PCIe bytes per token, then less memory."""
+    if sc.sec_per_token < best_sc.sec_per_token * (1 - TIE_REL):
+        return True
+    if sc.sec_per_token > best_sc.sec_per_token * (1 + TIE_REL):
+        return False
+    return ((sc.pcie_bytes_per_token, c.device_bytes + c.host_bytes)
+            < (best_sc.pcie_bytes_per_token, best.device_bytes + best.host_bytes))
+
+
+def _host_within(table: Table, device_bytes: int) -> int | None:
+    return min((c.host_bytes for c in table.candidates if c.device_bytes <= device_bytes),
+               default=None)
+
+
+def _minimum(table: Table) -> MinimumBudgets:
+    dev = min(c.device_bytes for c in table.candidates)
+    dev_gib = gib_up(dev)
+    host_gib = gib_up(_host_within(table, Budget.from_gib(1.0, dev_gib).device_bytes))
+    return MinimumBudgets(device_bytes=dev, host_bytes=_host_within(table, dev),
+                          device_gib=dev_gib, host_gib=host_gib)
+
+
+def minimum_budgets(cfg: ModelConfig, seqlen: int, profile: HardwareProfile | None = None, *,
+                    grad_accum: GradAccum = GradAccum.BF16, **constraints) -> MinimumBudgets:
+    """The smallest (host, device) budgets make_plan accepts for this model and seqlen: the
+    device minimum over all plans, then the host minimum within that device budget (in GiB
+    rounded up to 0.1, as messages name it)."""
+    return _minimum(_table(cfg, seqlen, _profile(profile), grad_accum, constraints))
+
+
+def _infeasible(cfg, seqlen, budget: Budget, table: Table) -> InfeasibleBudget:
+    mb = _minimum(table)
+    host_at_dev = _host_within(table, budget.device_bytes)
+    dev_at_host = min((c.device_bytes for c in table.candidates
+                       if c.host_bytes <= budget.host_bytes), default=None)
+    have = f"host {size_text(budget.host_bytes)} / device {size_text(budget.device_bytes)}"
+    if host_at_dev is not None:
+        closest = min((c for c in table.candidates if c.device_bytes <= budget.device_bytes),
+                      key=lambda c: (c.host_bytes, c.device_bytes))
+        mem = memory_map(_decisions(table, closest))
+        why = (f"within that device budget the smallest plan needs host {size_text(host_at_dev)} "
+               f"({categories_text(mem.host)})")
+        way = f"try host_gb {gib_up(host_at_dev)}"
+    else:
+        closest = min(table.candidates, key=lambda c: (c.device_bytes, c.host_bytes))
+        mem = memory_map(_decisions(table, closest))
+        why = (f"the smallest plan needs device {size_text(mb.device_bytes)} "
+               f"({categories_text(mem.device)})")
+        way = f"try dev_gb {mb.device_gib}"
+    if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes:
+        way += f", or dev_gb {gib_up(dev_at_host)} with your host budget"
+    msg = (f"{cfg.name} at seqlen {seqlen} does not fit {have}: {why}. The smallest budgets that "
+           f"work together are host {mb.host_gib:.1f} GiB with device {mb.device_gib:.1f} GiB; "
+           f"{way}; or a shorter seqlen.")
+    return InfeasibleBudget(msg, device_needed=mem.device, host_needed=mem.host,
+                            min_host_bytes=mb.host_bytes, min_device_bytes=mb.device_bytes,
+                            host_budget_bytes=budget.host_bytes,
+                            device_budget_bytes=budget.device_bytes,
+                            host_bytes_at_device_budget=host_at_dev,
+                            device_bytes_at_host_budget=dev_at_host)

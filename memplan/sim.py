@@ -1,0 +1,227 @@
+"""One round of the overlap model: compute windows F0..F(L-1), head, B(L-1)..B0 on one stream;
+copies in need order on an h2d and a d2h stream. A copy starts when its stream is free and its
+slot is free (weight slot: the use `weight_slots` uses back has ended; grad slot: the grads
+`grad_slots` layers back have gone home; activation slot: the item `act_slots` items back has been
+sent home or consumed). A window starts when its inputs have arrived. The home activations of a
+window are treated as evenly spread over its compute. Pure arithmetic, no arrays, no clock."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from memplan.plan import HardwareProfile
+
+
+@dataclasses.dataclass(slots=True)
+class Workload:
+    """What one round does, per layer; built by cost.workload_of or by the search."""
+
+    n_layers: int
+    fwd_s: float
+    """Forward seconds of one layer over the round's chunks."""
+    bwd_s: list[float]
+    """Backward seconds per layer, recompute included."""
+    head_s: float
+    streamed: list[bool]
+    grads_home: list[bool]
+    act_k: list[int]
+    """Saved activations of each layer that live at home."""
+    act_b: list[int]
+    """Their bytes."""
+    layer_bytes: int
+    grad_bytes: int
+    weight_slots: int
+    grad_slots: int
+    act_slots: int
+    head_w_bytes: int
+    head_g_bytes: int
+    embed_rows_bytes: int
+    embed_grad_rows_bytes: int
+    compute_s: float
+    """Model compute of the round (no recompute)."""
+    recompute_s: float
+    extra_flops: float
+    """Recompute plus fused-attention score recompute FLOPs of the round (for HFU)."""
+    opt_device_elems: int
+    opt_streamed_elems: int
+    opt_host_elems: int
+    gbpe: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundResult:
+    time_s: float
+    exposed_h2d_s: float
+    exposed_d2h_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+
+
+def duplex_rates(h2d_bytes: float, d2h_bytes: float, p: HardwareProfile) -> tuple[float, float]:
+    """Average rates of a phase: duplex rates while both directions run, alone rates after."""
+    if not h2d_bytes or not d2h_bytes:
+        return p.h2d_bytes_per_s, p.d2h_bytes_per_s
+    th, td = h2d_bytes / p.h2d_duplex_bytes_per_s, d2h_bytes / p.d2h_duplex_bytes_per_s
+    if th >= td:
+        rest = h2d_bytes - td * p.h2d_duplex_bytes_per_s
+        return h2d_bytes / (td + rest / p.h2d_bytes_per_s), p.d2h_duplex_bytes_per_s
+    rest = d2h_bytes - th * p.d2h_duplex_bytes_per_s
+    return p.h2d_duplex_bytes_per_s, d2h_bytes / (th + rest / p.d2h_bytes_per_s)
+
+
+class _Items:
+    """Windows of evenly spread items: (first index, count, time of first, time of last)."""
+
+    def __init__(self):
+        self.first, self.rows = [], []
+
+    def add(self, i0: int, k: int, t_first: float, t_last: float) -> None:
+        self.first.append(i0)
+        self.rows.append((i0, k, t_first, t_last))
+
+    def time(self, i: int) -> float:
+        i0, k, a, b = self.rows[bisect.bisect_right(self.first, i) - 1]
+        return b if k == 1 else a + (b - a) * (i - i0) / (k - 1)
+
+
+def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResult:
+    """Seconds of one round (`first`: the round after an optimizer step: no running gradient sums
+    to fetch, no weights left in slots) and the part of it compute waited for each stream."""
+    L, S, GS, AS = w.n_layers, w.weight_slots, w.grad_slots, w.act_slots
+    order = [i for i in range(L) if w.streamed[i]]
+    n = len(order)
+    fpos = {layer: j for j, layer in enumerate(order)}
+    held = min(S, n)
+    n_g = sum(w.grads_home)
+    acts = sum(w.act_b)
+    sums = 0 if first else 1
+    h_f = w.embed_rows_bytes + (n if first else n - held) * w.layer_bytes + w.head_w_bytes \
+        + sums * w.head_g_bytes
+    h_b = (n - held) * w.layer_bytes + sums * n_g * w.grad_bytes + acts
+    d_b = n_g * w.grad_bytes + w.head_g_bytes + w.embed_grad_rows_bytes
+    rhf, rdf = duplex_rates(h_f, acts, p)
+    rhb, rdb = duplex_rates(h_b, d_b, p)
+
+    t = hfree = dfree = exp_h = exp_d = 0.0
+    use_end: list[float] = []
+    fwd_items, bwd_items = _Items(), _Items()
+    n_items = sum(w.act_k)
+    hfree = w.embed_rows_bytes / rhf
+    fi = 0
+    for layer in range(L):  # forward
+        arr_w = slot_first = 0.0
+        if w.streamed[layer]:
+            j = fpos[layer]
+            if first or j >= S:
+                hfree = max(hfree, use_end[j - S] if j >= S else 0.0) + w.layer_bytes / rhf
+                arr_w = hfree
+        k = w.act_k[layer]
+        if k and fi - AS >= 0:
+            slot_first = fwd_items.time(fi - AS)
+        start = max(t, arr_w, slot_first)
+        if start > t:
+            if arr_w >= slot_first:
+                exp_h += start - t
+            else:
+                exp_d += start - t
+        c = w.fwd_s
+        end = start + c
+        if k:
+            item_s = w.act_b[layer] / k / rdf
+            begin = max(dfree, start + c / k)
+            last = fi + k - 1 - AS
+            if last >= fi:
+                slot_last = begin + (last - fi + 1) * item_s
+            else:
+                slot_last = fwd_items.time(last) if last >= 0 else 0.0
+            if slot_last + c / k > end:
+                exp_d += slot_last + c / k - end
+                end = slot_last + c / k
+            dfree = max(begin + k * item_s, end + item_s)
+            fwd_items.add(fi, k, begin + item_s, dfree)
+            fi += k
+        if w.streamed[layer]:
+            use_end.append(end)
+        t = end
+
+    arr = t  # head: its weights and running grad sum queue behind the forward's loads
+    if w.head_w_bytes or (sums and w.head_g_bytes):
+        hfree += (w.head_w_bytes + sums * w.head_g_bytes) / rhf
+        arr = max(arr, hfree)
+    exp_h += arr - t
+    t = arr + w.head_s
+    if w.head_g_bytes:
+        dfree = max(dfree, t) + w.head_g_bytes / rdb
+
+    g_done: list[float] = []
+    bj = 0
+    for layer in reversed(range(L)):  # backward
+        arr_w = arr_g = arr_a = 0.0
+        g_wait_is_d2h = False
+        if w.streamed[layer]:
+            j = fpos[layer]
+            pos = len(use_end)
+            if j < n - held:
+                hfree = max(hfree, use_end[pos - S]) + w.layer_bytes / rhb
+                arr_w = hfree
+        if w.grads_home[layer]:
+            q = len(g_done)
+            slot = g_done[q - GS] if q >= GS else 0.0
+            if first:
+                arr_g, g_wait_is_d2h = slot, True
+            else:
+                hfree = max(hfree, slot) + w.grad_bytes / rhb
+                arr_g = hfree
+        k = w.act_k[layer]
+        if k:
+            item_s = w.act_b[layer] / k / rhb
+            begin = max(hfree, _act_slot(bj - AS, bwd_items, fwd_items, n_items))
+            arr_a = begin + item_s
+            hfree = begin + k * item_s
+        start = max(t, arr_w, arr_g, arr_a)
+        if start > t:
+            if g_wait_is_d2h and arr_g >= max(arr_w, arr_a):
+                exp_d += start - t
+            else:
+                exp_h += start - t
+        c = w.bwd_s[layer]
+        end = start + c
+        if k:
+            last = bj + k - 1 - AS
+            if last >= bj:
+                slot_last = start + (last - bj + 1) * c / k
+            else:
+                slot_last = _act_slot(last, bwd_items, fwd_items, n_items)
+            hfree = max(hfree, slot_last + item_s)
+            if hfree + c / k > end:
+                exp_h += hfree + c / k - end
+                end = hfree + c / k
+            bwd_items.add(bj, k, start + c / k, end)
+            bj += k
+        if w.grads_home[layer]:
+            dfree = max(dfree, end) + w.grad_bytes / rdb
+            g_done.append(dfree)
+        if w.streamed[layer]:
+            use_end.append(end)
+        t = end
+    if w.embed_grad_rows_bytes:
+        dfree = max(dfree, t) + w.embed_grad_rows_bytes / rdb
+    tail = max(hfree, dfree) - t
+    if tail > 0:
+        if dfree >= hfree:
+            exp_d += tail
+        else:
+            exp_h += tail
+        t += tail
+    return RoundResult(time_s=t, exposed_h2d_s=exp_h, exposed_d2h_s=exp_d,
+                       h2d_bytes=round(h_f + h_b), d2h_bytes=round(acts + d_b))
+
+
+def _act_slot(i: int, bwd_items: _Items, fwd_items: _Items, n_items: int) -> float:
+    """When backward item `i`'s activation slot is free: item i-AS consumed, or for the first
+    AS items, the forward item that held the slot has gone home."""
+    if i >= 0:
+        return bwd_items.time(i)
+    i += n_items
+    return fwd_items.time(i) if i >= 0 else 0.0

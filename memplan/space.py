@@ -1,0 +1,206 @@
+"""The search space for one chunking: a compact State (how many layers are resident, slot
+counts, where embedding/head/optimizer live, how many saved activations sit in each (home, level)
+class) and the fixed patterns that turn it into full Decisions. Memory and work of a State are
+computed in O(layers), and agree exactly with memory.py and cost.py on the materialised plan
+(tested). Never imports array libraries."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from memplan import buffers
+from memplan.chunking import head_sub_tokens
+from memplan.cost import LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload
+from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
+from memplan.memory import TOKEN_ID_BYTES, grad_bpe
+from memplan.plan import (Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where)
+from memplan.sim import Workload
+from models.config import ModelConfig
+from models.flops import SavedLevel
+
+ACT_CLASSES = ((Where.DEVICE, SavedLevel.FULL), (Where.DEVICE, SavedLevel.INP_ATTN),
+               (Where.DEVICE, SavedLevel.INP_ONLY), (Where.HOME, SavedLevel.FULL),
+               (Where.HOME, SavedLevel.INP_ATTN), (Where.HOME, SavedLevel.INP_ONLY))
+"""Saved-activation classes in the order they are laid along the spread order (State.acts)."""
+OPT_STAGE_TARGET_ELEMS = 1 << 24
+"""Elements per piece of a STREAMED optimizer (param, grad, m, v double-buffered)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class State:
+    resident: int
+    """Layers whose state lives on the device (spread evenly over the stack)."""
+    embed_dev: bool
+    head_dev: bool
+    opt_streamed: bool
+    """Home blocks' AdamW runs STREAMED through the device (else on the host)."""
+    weight_slots: int
+    grad_slots: int
+    act_slots: int
+    acts: tuple[int, int, int, int, int, int]
+    """Counts per ACT_CLASSES entry; they sum to layers x chunks per round."""
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in bit-reversed order, so every prefix is spread evenly."""
+    bits = max(1, (n - 1).bit_length())
+    keys = [(int(format(i, f"0{bits}b")[::-1], 2), i) for i in range(1 << bits)]
+    return [i for _, i in sorted(keys) if i < n]
+
+
+class Space:
+    """Everything fixed for one (model, chunking, profile, grad accumulation)."""
+
+    def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum):
+        self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
+        self.L, self.C = cfg.n_layers, ch.chunks_per_round
+        self.N = self.L * self.C
+        self.order = spread_order(self.L)
+        self.rank = {layer: r for r, layer in enumerate(self.order)}
+        self.elems = buffers.block_elems(cfg)
+        self.gbpe = grad_bpe(grad_accum)
+        e = self.elems
+        self.layer_b, self.layer_g = e["layer"] * 2, e["layer"] * self.gbpe
+        self.block_state = {k: 3 * n * 2 + n * self.gbpe for k, n in e.items()}
+        t = ch.chunk_tokens
+        self.act_size = tuple(buffers.saved_activation_bytes(cfg, t, lv) for _, lv in ACT_CLASSES)
+        self.head_sub = head_sub_tokens(t)
+        self.fixed_device = sum(buffers.packed_bytes(s) for s in (
+            buffers.chunk_workspace_specs(cfg, t),
+            buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
+            buffers.transition_specs(cfg, ch.tokens_per_round),
+            buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
+        self.rows_b = buffers.align(2 * ch.tokens_per_round * cfg.model_dim * 2)
+        self.fixed_host = max(e.values()) * 2 + buffers.align(2 * ch.tokens_per_round
+                                                              * TOKEN_ID_BYTES)
+        self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
+        gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
+        self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))
+        self.costs = chunk_costs(cfg, ch, p)
+        # prefix sums over chunk index of recompute seconds/FLOPs per level index
+        self.rec_pre = [[0.0] for _ in range(3)]
+        self.recf_pre = [[0.0] for _ in range(3)]
+        for c in self.costs:
+            for i in range(3):
+                self.rec_pre[i].append(self.rec_pre[i][-1] + c.rec_s[i])
+                self.recf_pre[i].append(self.recf_pre[i][-1] + c.rec_flops[i])
+        self.fwd_s = sum(c.fwd_s for c in self.costs)
+        self.bwd0 = sum(c.bwd_s for c in self.costs)
+        self.compute_round_s = self.L * (self.fwd_s + self.bwd0) + sum(c.head_s for c in self.costs)
+        self.min_rec_s = tuple(min(c.rec_s[LEVEL_INDEX[lv]] for c in self.costs)
+                               for _, lv in ACT_CLASSES)
+        self.resident_set = functools.lru_cache(maxsize=None)(self._resident_set)
+
+    def _resident_set(self, k: int) -> frozenset[int]:
+        return frozenset(self.order[:k])
+
+    # -- memory ----------------------------------------------------------------------------
+    def _any_streamed_opt(self, s: State) -> bool:
+        return s.opt_streamed and (s.resident < self.L or not s.embed_dev or not s.head_dev)
+
+    def memory(self, s: State) -> tuple[int, int]:
+        """(device bytes, host bytes) of the materialised plan, computed in O(1)."""
+        e, L = self.elems, self.L
+        dev = self.fixed_device + s.resident * self.block_state["layer"]
+        host = self.fixed_host + (L - s.resident) * self.block_state["layer"]
+        if s.resident < L:
+            dev += s.weight_slots * self.layer_b + s.grad_slots * self.layer_g
+        if s.embed_dev:
+            dev += self.block_state["embed"]
+        else:
+            host += self.block_state["embed"] + self.rows_b
+        if s.head_dev:
+            dev += 2 * e["head"] * 2
+        else:
+            host += self.block_state["head"]
+        dev += sum(n * b for n, b in zip(s.acts[:3], self.act_size[:3]))
+        host += sum(n * b for n, b in zip(s.acts[3:], self.act_size[3:]))
+        home_max = max((b for n, b in zip(s.acts[3:], self.act_size[3:]) if n), default=0)
+        dev += s.act_slots * home_max
+        if self._any_streamed_opt(s):
+            dev += self.opt_stage_b
+        return dev, host
+
+    def optimizer(self, s: State) -> OptimizerCost:
+        e, L = self.elems, self.L
+        dev = s.resident * e["layer"] + s.embed_dev * e["embed"] + s.head_dev * e["head"]
+        home = (L - s.resident) * e["layer"] + (not s.embed_dev) * e["embed"] \
+            + (not s.head_dev) * e["head"]
+        return adamw_cost(dev, home * s.opt_streamed, home * (not s.opt_streamed), self.gbpe,
+                          self.p)
+
+    def round_lower_bound_s(self, s: State) -> float:
+        """A lower bound on a round's seconds: compute plus the least recompute of its levels."""
+        return self.compute_round_s + sum(n * r for n, r in zip(s.acts, self.min_rec_s))
+
+    # -- patterns --------------------------------------------------------------------------
+    def _layer_classes(self, layer: int, bounds: list[int]):
+        """(class index, first chunk, end chunk) ranges of `layer` for class bounds along the
+        spread order (column r holds chunk C-1-r; position r*L + rank)."""
+        rho, L, C = self.rank[layer], self.L, self.C
+        out = []
+        for k in range(6):
+            lo = max(0, -(-(bounds[k] - rho) // L))
+            hi = min(C, -(-(bounds[k + 1] - rho) // L))
+            if hi > lo:
+                out.append((k, C - hi, C - lo))
+        return out
+
+    @staticmethod
+    def _bounds(s: State) -> list[int]:
+        b = [0]
+        for n in s.acts:
+            b.append(b[-1] + n)
+        return b
+
+    def workload(self, s: State) -> Workload:
+        bounds = self._bounds(s)
+        bwd_s, act_k, act_b = [], [], []
+        rec_s = rec_f = 0.0
+        for layer in range(self.L):
+            r = rf = 0.0
+            k = b = 0
+            for cls, c0, c1 in self._layer_classes(layer, bounds):
+                li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
+                r += self.rec_pre[li][c1] - self.rec_pre[li][c0]
+                rf += self.recf_pre[li][c1] - self.recf_pre[li][c0]
+                if cls >= 3:
+                    k += c1 - c0
+                    b += (c1 - c0) * self.act_size[cls]
+            bwd_s.append(self.bwd0 + r)
+            rec_s += r
+            rec_f += rf
+            act_k.append(k)
+            act_b.append(b)
+        return make_workload(self._shell(s), self.p, fwd_s=self.fwd_s, bwd_s=bwd_s, act_k=act_k,
+                             act_b=act_b, rec_s=rec_s, rec_flops=rec_f, costs=self.costs,
+                             elems=self.elems, gbpe=self.gbpe)
+
+    def _shell(self, s: State, rounds_per_step: int = 1, activations=()) -> Decisions:
+        home = HOME_STREAMED if s.opt_streamed else HOME_HOST
+        res = self.resident_set(s.resident)
+        layers = tuple(RESIDENT if i in res else home for i in range(self.L))
+        streamed = s.resident < self.L
+        n_home = sum(s.acts[3:])
+        slots = Slots(weight_slots=s.weight_slots if streamed else 0,
+                      grad_slots=s.grad_slots if streamed else 0,
+                      act_slots=s.act_slots if n_home else 0, head_sub_tokens=self.head_sub,
+                      opt_stage_elems=self.opt_stage_elems if self._any_streamed_opt(s) else 0)
+        ch = dataclasses.replace(self.ch, rounds_per_step=rounds_per_step)
+        return Decisions(model=self.cfg, chunking=ch, slots=slots, layers=layers,
+                         activations=activations, embed=RESIDENT if s.embed_dev else home,
+                         head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum)
+
+    def decisions(self, s: State, rounds_per_step: int) -> Decisions:
+        """The full Decisions a State stands for."""
+        bounds = self._bounds(s)
+        rows = []
+        for layer in range(self.L):
+            row = [None] * self.C
+            for cls, c0, c1 in self._layer_classes(layer, bounds):
+                where, level = ACT_CLASSES[cls]
+                for c in range(c0, c1):
+                    row[c] = SavedActivation(level=level, home=where)
+            rows.append(tuple(row))
+        return self._shell(s, rounds_per_step, tuple(rows))
