@@ -81,14 +81,13 @@ def _run(args) -> int:
     backend = be_probe.name
     weights = args.model if not _is_zoo(args.model) else None
     log.info("backend: %s (%s)", backend, getattr(be_probe, "device_name", backend))
-    del be_probe
     if args.plan:
         with open(args.plan) as f:
             plan = Plan.from_json(f.read())
     else:
-        from dataflow.engine import _cpu_profile
+        from dataflow.engine import default_profile
 
-        profile = _cpu_profile() if backend == "numpy" else None
+        profile = default_profile(be_probe)
         plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile)
     log.info("%s", explain(plan))
     lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)

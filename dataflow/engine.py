@@ -58,8 +58,8 @@ class Engine:
 
         cfg = model if isinstance(model, ModelConfig) else load_config(model)
         be = make_backend(backend, **({"sanitize": True} if sanitize else {}))
-        if profile is None and be.name == "numpy":
-            profile = _cpu_profile()
+        if profile is None:
+            profile = default_profile(be)
         plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, **plan_options)
         self._setup(plan, be, seed, weights, AdamWConfig(
             lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
@@ -272,16 +272,19 @@ def _as_numpy(tokens) -> np.ndarray:
     return arr
 
 
-def _cpu_profile():
-    from memplan.profiles import get_profile
+def default_profile(be):
+    """The planner's hardware profile for this backend: 'cpu' for NumPy; for a GPU, the built-in
+    (or cached, measured) profile whose name the device name contains, else H100's."""
+    from memplan.profiles import get_profile, known_profiles
 
-    return get_profile("cpu") if _has_cpu_profile() else None
-
-
-def _has_cpu_profile() -> bool:
+    if be.name == "numpy":
+        return get_profile("cpu")
+    name = getattr(be, "device_name", "")
     try:
-        from memplan.profiles import known_profiles
-
-        return "cpu" in known_profiles()
-    except ImportError:
-        return False
+        return get_profile(name)
+    except ConfigError:
+        key = "".join(ch for ch in name.lower() if ch.isalnum())
+        for known in known_profiles():
+            if known != "cpu" and known in key:
+                return get_profile(known)
+        return get_profile("h100")

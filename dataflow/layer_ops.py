@@ -27,6 +27,14 @@ class ChunkInfo:
     last_of_seq: bool
 
 
+def lse_rows(lse, a: int, b: int):
+    """The log-sum-exp of rows [a, b) of a chunk as a contiguous (H, b - a) view: segment s of an
+    (H, T) buffer is stored at flat offset a*H, so every attention call gets dense stats (cuDNN
+    needs them dense; producer and consumer use this same view)."""
+    h = lse.shape[0]
+    return lse.reshape(-1)[a * h:b * h].reshape(h, b - a)
+
+
 class LayerCompute:
     def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
@@ -55,11 +63,11 @@ class LayerCompute:
         self.tag = tag
         cfg, ws, op = self.cfg, self.ws, self._op
         t, h, kh, e = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, o, lse = ws["q"][:t], ws["o"][:t], ws["lse"][:, :t]
+        q, o, lse = ws["q"][:t], ws["o"][:t], ws["lse"]
         k, v = self._kv(chunk, t)
         self._qkv(w, x, ws["xn"][:t], ws["rstd"][:t], q, k, v, pos)
         for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
-            op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse[:, a:b])
+            op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
         hres = ws["h"][:t]
         op("cast", x, hres)
         op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
@@ -125,9 +133,10 @@ class LayerCompute:
             if level is SavedLevel.INP_ATTN:
                 o, lse = save["o"], save["lse"]
             else:
-                o, lse = ws["o"][:t], ws["lse"][:, :t]
+                o, lse = ws["o"][:t], ws["lse"]
                 for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
-                    op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse[:, a:b], tag=".re")
+                    op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b),
+                       tag=".re")
             hres = ws["h"][:t]
             op("cast", x, hres)
             op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
@@ -164,7 +173,7 @@ class LayerCompute:
             op("fill_", dk_all[:t], 0.0)
             op("fill_", dv_all[:t], 0.0)
             for a, b in chunk.segments:
-                op("attention_bwd", q[a:b], k[a:b], v[a:b], o[a:b], lse[:, a:b], do[a:b], 0,
+                op("attention_bwd", q[a:b], k[a:b], v[a:b], o[a:b], lse_rows(lse, a, b), do[a:b], 0,
                    dq[a:b], dk_all[a:b], dv_all[a:b])
             dk_rows, dv_rows = dk_all[:t], dv_all[:t]
         dk, dv = ws["dk"][:t], ws["dv"][:t]

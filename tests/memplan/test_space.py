@@ -1,0 +1,51 @@
+"""The search's compact States agree exactly with the full plans they stand for: same memory as
+memory.py computes, same per-round work as cost.py derives."""
+
+import dataclasses
+
+import pytest
+
+from memplan.chunking import chunking_candidates
+from memplan.cost import workload_of
+from memplan.memory import memory_map
+from memplan.plan import GradAccum
+from memplan.space import Space, State, spread_order
+from models.config import load_config
+
+
+def _random_state(r, sp: Space) -> State:
+    N = sp.N
+    cuts = sorted(r.randint(0, N) for _ in range(5))
+    counts = [b - a for a, b in zip([0] + cuts, cuts + [N])]
+    return State(resident=r.randint(0, sp.L), embed_dev=r.random() < .5, head_dev=r.random() < .5,
+                 opt_streamed=r.random() < .5, weight_slots=r.randint(1, 4),
+                 grad_slots=r.randint(1, 3), act_slots=r.randint(1, 5), acts=tuple(counts))
+
+
+@pytest.mark.parametrize("model,seqlen", [("tiny", 256), ("small", 2048), ("8b", 65536),
+                                          ("1b", 512)])
+def test_state_memory_and_work_match_the_materialised_plan(prng, h100, model, seqlen):
+    """For random States, Space.memory equals memory_map and Space.workload equals
+    workload_of on the decisions the State materialises to."""
+    cfg = load_config(model)
+    for ch in chunking_candidates(cfg, seqlen):
+        for accum in GradAccum:
+            sp = Space(cfg, ch, h100, accum)
+            for _ in range(4):
+                s = _random_state(prng, sp)
+                d = sp.decisions(s, rounds_per_step=2)
+                mm = memory_map(d)
+                assert sp.memory(s) == (mm.device_bytes, mm.host_bytes), s
+                fast, full = sp.workload(s), workload_of(d, h100)
+                for f in dataclasses.fields(full):
+                    a, b = getattr(fast, f.name), getattr(full, f.name)
+                    assert a == pytest.approx(b, rel=1e-12), (f.name, s)
+                assert sp.round_lower_bound_s(s) <= full.compute_s + full.recompute_s + 1e-12
+
+
+def test_spread_order_prefixes_are_even():
+    """Every prefix of the spread order takes layers from across the whole stack."""
+    order = spread_order(32)
+    assert sorted(order) == list(range(32))
+    assert sorted(order[:4]) == [0, 8, 16, 24]
+    assert sorted(spread_order(5)) == list(range(5))
