@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning rate (default 1e-3 for tiny/small, 3e-4 otherwise)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--plan", metavar="FILE", help="run this plan JSON instead of planning")
+    p.add_argument("--rounds", type=_positive(int), default=None,
+                   help="rounds per step (default: the planner's, which keeps the optimizer "
+                        "under 2%% of the step)")
     p.add_argument("--json", action="store_true",
                    help="write one JSON document (the run's results) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
@@ -88,7 +91,9 @@ def _run(args) -> int:
         from dataflow.engine import default_profile
 
         profile = default_profile(be_probe)
-        plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile)
+        extra = {"rounds_per_step": args.rounds} if args.rounds else {}
+        plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,
+                         **extra)
     log.info("%s", explain(plan))
     lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)
     t0 = time.perf_counter()
@@ -114,6 +119,15 @@ def _run(args) -> int:
                      hfu, r.step_time_s, r.flop_model_version)
             results.append(r)
         mem = eng.memory_used_bytes()
+        if hasattr(eng.be, "memory_report"):
+            mem.update(eng.be.memory_report())
+            log.info("device memory: %.2f GiB used by the process = CUDA context %.2f + arena "
+                     "%.2f (the budget) + libraries/pool %.2f GiB",
+                     mem["device_used_bytes"] / 2**30, mem["context_baseline_bytes"] / 2**30,
+                     mem["arena_bytes"] / 2**30, mem["libraries_and_pool_bytes"] / 2**30)
+        import psutil
+
+        mem["host_rss_bytes"] = psutil.Process().memory_info().rss
     log.info("memory: device arena %.3f GiB (regions %.3f GiB), host arena %.3f GiB "
              "(regions %.3f GiB)", mem["device_arena"] / 2**30, mem["device_regions"] / 2**30,
              mem["host_arena"] / 2**30, mem["host_regions"] / 2**30)
@@ -121,6 +135,8 @@ def _run(args) -> int:
         from models.serial import to_dict
 
         json.dump({"plan_hash": plan.hash, "backend": backend, "memory": mem,
+                   "device": getattr(be_probe, "device_name", backend),
+                   "plan": json.loads(plan.to_json()),
                    "steps": [to_dict(r) for r in results]}, sys.stdout, indent=2)
         print()
     return 0

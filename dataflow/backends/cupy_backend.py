@@ -47,6 +47,9 @@ class CupyBackend(Backend):
         self.ops = ops_cuda
         self.writes = ops_cuda.WRITES
         self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
+        free, self.total_bytes = cp.cuda.runtime.memGetInfo()
+        self.baseline_used_bytes = self.total_bytes - free
+        """Device memory in use once the CUDA context exists, before any arena."""
         self._slabs: list[Slab] = []
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) \
@@ -131,6 +134,32 @@ class CupyBackend(Backend):
         out = np.empty(array.shape, dtype=array.dtype)
         array.data.copy_to_host(out.ctypes.data, array.nbytes)
         return out
+
+    def memory_report(self) -> dict[str, int]:
+        """What the process really uses on the device beside the budgeted arena: the CUDA
+        context (baseline), library workspaces (cuBLAS, cuDNN, kernel scratch, CuPy pool) and
+        the arena itself. Device-wide numbers from cudaMemGetInfo; NVML per process if present."""
+        self.synchronize()
+        free, total = cp.cuda.runtime.memGetInfo()
+        used = total - free
+        arena = self.memory_used_bytes(Place.DEVICE)
+        report = {"device_used_bytes": used, "context_baseline_bytes": self.baseline_used_bytes,
+                  "arena_bytes": arena,
+                  "libraries_and_pool_bytes": used - self.baseline_used_bytes - arena,
+                  "cupy_pool_used_bytes": cp.get_default_memory_pool().used_bytes()}
+        try:
+            import os
+
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(self.device.id)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    report["nvml_process_used_bytes"] = int(proc.usedGpuMemory)
+        except Exception:  # noqa: BLE001 - NVML is a cross-check, not a requirement
+            pass
+        return report
 
     def close(self) -> None:
         self.synchronize()

@@ -101,8 +101,8 @@ class StepBreakdown:
     def table(self) -> str:
         """A few lines for people: the partition of the wall, then streams and bytes."""
         w = self.wall_s or 1.0
-        rows = [f"step {self.step} breakdown ({self.clock.value} clock), wall "
-                f"{self.wall_s * 1e3:.1f} ms:"]
+        rows = [(f"step {self.step} breakdown ({self.clock.value} clock), wall "
+                 f"{self.wall_s * 1e3:.1f} ms:")]
         for label, t in (("compute busy", self.compute_busy_s),
                          ("exposed copy", self.copy_exposed_s),
                          ("exposed host", self.host_exposed_s), ("idle", self.idle_s)):

@@ -121,7 +121,8 @@ def expected_link_bytes(h2d_bytes: int, d2h_bytes: int) -> PcieBytes:
     RX = h2d (1 + 20/256); TX = d2h (1 + 24/256) + h2d 24/256."""
     p = LINK_PAYLOAD_BYTES
     rx = h2d_bytes * (p + LINK_HEADER_BYTES_PER_COMPLETION) // p
-    tx = (d2h_bytes * (p + LINK_HEADER_BYTES_PER_WRITE) + h2d_bytes * LINK_REQUEST_BYTES_PER_READ) // p
+    tx = (d2h_bytes * (p + LINK_HEADER_BYTES_PER_WRITE)
+          + h2d_bytes * LINK_REQUEST_BYTES_PER_READ) // p
     return PcieBytes(tx_bytes=tx, rx_bytes=rx)
 
 
