@@ -58,8 +58,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("optimizer_s", "float64", "union of optimizer spans on any stream"),
     ("optimizer_frac", "float64", "optimizer_s / wall_s, fraction"),
     ("n_spans", "int64", "spans traced this step"),
-    ("pcie_h2d_bytes", "int64", "NVML PCIe RX byte delta over the step, empty without NVML"),
-    ("pcie_d2h_bytes", "int64", "NVML PCIe TX byte delta over the step, empty without NVML"),
+    ("pcie_h2d_bytes", "int64", "NVML PCIe RX link bytes over the step (headers included), "
+     "empty without NVML"),
+    ("pcie_d2h_bytes", "int64", "NVML PCIe TX link bytes over the step (headers and H2D read "
+     "requests included), empty without NVML"),
 )
 """(name, Arrow type, meaning) of every column, in file order; docs/instrumentation.md too."""
 

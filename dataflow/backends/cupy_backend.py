@@ -148,6 +148,16 @@ class CupyBackend(Backend):
                   "libraries_and_pool_bytes": used - self.baseline_used_bytes - arena,
                   "cupy_pool_used_bytes": cp.get_default_memory_pool().used_bytes()}
         try:
+            from kernels.cuda import attention as _attn
+
+            from dataflow import ops_cuda
+
+            report["cudnn_workspace_bytes"] = sum(
+                int(v[1].nbytes) for v in _attn._GRAPHS.values() if v is not None)
+            report["op_scratch_bytes"] = ops_cuda.library_workspace_bytes()
+        except Exception:  # noqa: BLE001 - a breakdown of the pool, best effort
+            pass
+        try:
             import os
 
             import pynvml
