@@ -8,9 +8,20 @@ from memplan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
 from memplan.errors import InfeasibleBudget
 from memplan.explain import explain
 from memplan.memory import device_regions, host_regions, memory_map
-from memplan.plan import (Budget, Chunking, GradAccum, HardwareProfile, LayerPlacement,
-                          MemoryMap, OptimizerWhere, Plan, Prediction, SavedActivation, Slots,
-                          Where)
+from memplan.plan import (
+                          Budget,
+                          Chunking,
+                          GradAccum,
+                          HardwareProfile,
+                          LayerPlacement,
+                          MemoryMap,
+                          OptimizerWhere,
+                          Plan,
+                          Prediction,
+                          SavedActivation,
+                          Slots,
+                          Where,
+)
 from memplan.profiles import get_profile, known_profiles, load_profile, save_profile
 from memplan.search import MinimumBudgets, make_plan, minimum_budgets
 

@@ -8,8 +8,16 @@ from memplan.cost import predict
 from memplan.decisions import Decisions, validate_decisions
 from memplan.errors import InfeasibleBudget, categories_text, gib_text
 from memplan.memory import memory_map
-from memplan.plan import (Budget, Chunking, GradAccum, HardwareProfile, LayerPlacement, Plan,
-                          SavedActivation, Slots)
+from memplan.plan import (
+    Budget,
+    Chunking,
+    GradAccum,
+    HardwareProfile,
+    LayerPlacement,
+    Plan,
+    SavedActivation,
+    Slots,
+)
 from models.config import ModelConfig
 from models.errors import ConfigError
 

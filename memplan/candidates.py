@@ -34,7 +34,7 @@ MAX_CHAIN_MOVES = 1000
 class Candidate:
     device_bytes: int
     host_bytes: int
-    lower_bound_s: float
+    lower_bound_sec_per_token: float
     """A lower bound on the predicted seconds per token (compute, least recompute, optimizer)."""
     space: int
     state: State
@@ -100,7 +100,7 @@ def _moves(sp: Space, s: State, opts: dict, act_moves) -> list[tuple[str, State]
 def _scorer(sp: Space, opts: dict):
     p, tokens = sp.p, sp.ch.tokens_per_round
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def score(s: State) -> Score:
         w = sp.workload(s)
         rt = round_times(w, p)

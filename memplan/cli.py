@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - one line of reason, traceback on --debug
+    except Exception as exc:  # one line of reason; the traceback only with --debug
         if args.debug:
             raise
         print(f"{PROG}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",

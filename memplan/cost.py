@@ -19,9 +19,16 @@ from memplan.memory import grad_bpe
 from memplan.plan import Chunking, HardwareProfile, OptimizerWhere, Prediction, Where
 from memplan.sim import RoundResult, Workload, simulate_round
 from models.config import ModelConfig
-from models.flops import (SavedLevel, attn_bwd_flops, attn_fwd_flops, flash_recompute_flops,
-                          head_flops, layer_matmul_flops, level_recompute_flops,
-                          model_flops_per_seq)
+from models.flops import (
+    SavedLevel,
+    attn_bwd_flops,
+    attn_fwd_flops,
+    flash_recompute_flops,
+    head_flops,
+    layer_matmul_flops,
+    level_recompute_flops,
+    model_flops_per_seq,
+)
 
 LAUNCH_OVERHEAD_FRAC = 0.03
 """Kernel launch gaps and small ops, as a fraction of all compute time."""
@@ -36,9 +43,10 @@ GEMM_REF_TOKENS, GEMM_HALF_TOKENS = 8192, 512
 """GEMM efficiency scales as t / (t + HALF), normalised to the profile's value at REF tokens."""
 GEMM_REF_DIM, GEMM_HALF_DIM = 4096, 256
 """... and likewise with the model width (narrow models run small, inefficient GEMMs)."""
-ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP = 8192, 1024, 1.1
+ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP = 8192, 1024, 1.2
 """Attention efficiency scales with the keys a query chunk sees (its sequence so far), up to
-10% above the profile's value (measured at 8k) for very long contexts ..."""
+20% above the profile's value (measured causal at 8k, where masked diagonal blocks and tails
+cost most) when a chunk attends to a long unmasked context. A guess to be measured ..."""
 ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM = 128, 32
 """... and with the head dim (the profile's value is for head_dim 128)."""
 ADAMW_STATE_BYTES_PER_ELEM = 12
@@ -131,7 +139,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     act_size = {lv: buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv) for lv in SavedLevel}
     fwd_s = sum(c.fwd_s for c in costs)
     bwd0 = sum(c.bwd_s for c in costs)
-    bwd_s, act_k, act_b = [], [], []
+    bwd_s, act_count, act_bytes = [], [], []
     rec_s = rec_flops = 0.0
     for row in d.activations:
         r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
@@ -139,13 +147,14 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
         bwd_s.append(bwd0 + r)
         rec_s += r
         home = [act_size[a.level] for a in row if a.home is Where.HOME]
-        act_k.append(len(home))
-        act_b.append(sum(home))
-    return make_workload(d, p, fwd_s=fwd_s, bwd_s=bwd_s, act_k=act_k, act_b=act_b, rec_s=rec_s,
-                         rec_flops=rec_flops, costs=costs, elems=elems, gbpe=gbpe)
+        act_count.append(len(home))
+        act_bytes.append(sum(home))
+    return make_workload(d, p, fwd_s=fwd_s, bwd_s=bwd_s, act_count=act_count,
+                         act_bytes=act_bytes, rec_s=rec_s, rec_flops=rec_flops, costs=costs,
+                         elems=elems, gbpe=gbpe)
 
 
-def make_workload(d, p, *, fwd_s, bwd_s, act_k, act_b, rec_s, rec_flops, costs, elems,
+def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops, costs, elems,
                   gbpe) -> Workload:
     """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head."""
     cfg, ch, L = d.model, d.chunking, d.model.n_layers
@@ -159,7 +168,8 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_k, act_b, rec_s, rec_flops, costs, 
     return Workload(
         n_layers=L, fwd_s=fwd_s, bwd_s=bwd_s, head_s=head_s,
         streamed=[q.weights is Where.HOME for q in d.layers],
-        grads_home=[q.grads is Where.HOME for q in d.layers], act_k=act_k, act_b=act_b,
+        grads_home=[q.grads is Where.HOME for q in d.layers], act_count=act_count,
+        act_bytes=act_bytes,
         layer_bytes=elems["layer"] * 2, grad_bytes=elems["layer"] * gbpe,
         weight_slots=d.slots.weight_slots, grad_slots=d.slots.grad_slots,
         act_slots=d.slots.act_slots,

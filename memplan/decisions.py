@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan.plan import (Chunking, GradAccum, LayerPlacement, OptimizerWhere, SavedActivation,
-                          Slots, Where)
+from memplan.plan import (
+    Chunking,
+    GradAccum,
+    LayerPlacement,
+    OptimizerWhere,
+    SavedActivation,
+    Slots,
+    Where,
+)
 from models.config import ModelConfig
 from models.errors import ConfigError
 

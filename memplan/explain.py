@@ -18,6 +18,10 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / MIB:.1f} MiB"
 
 
+def _t(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.2f} ms"
+
+
 def _chunking_lines(plan: Plan) -> list[str]:
     ch = plan.chunking
     if ch.chunks_per_seq > 1:
@@ -26,9 +30,9 @@ def _chunking_lines(plan: Plan) -> list[str]:
     else:
         shape = f"{ch.seqs_per_chunk} sequence(s) of {ch.seqlen:,} tokens packed per chunk of " \
                 f"{ch.chunk_tokens:,}"
-    return [f"Chunking: {shape}; {ch.chunks_per_round} chunk(s) per round "
+    return [(f"Chunking: {shape}; {ch.chunks_per_round} chunk(s) per round "
             f"({ch.tokens_per_round:,} tokens); {ch.rounds_per_step} round(s) per step "
-            f"({ch.seqs_per_step:,} sequences, {ch.tokens_per_step:,} tokens)"]
+            f"({ch.seqs_per_step:,} sequences, {ch.tokens_per_step:,} tokens)")]
 
 
 def _activation_line(plan: Plan) -> str:
@@ -54,31 +58,33 @@ def _placement_line(plan: Plan) -> str:
 
 
 def _block(p) -> str:
-    return "on the device" if p.weights is Where.DEVICE else f"at home (optimizer {p.optimizer.value})"
+    if p.weights is Where.DEVICE:
+        return "on the device"
+    return f"at home (optimizer {p.optimizer.value})"
 
 
 def _memory_lines(plan: Plan) -> list[str]:
     dev, host = dict(plan.memory.device), dict(plan.memory.host)
-    out = [f"  {'memory (GiB)':<18}{'device':>10}{'host':>10}"]
-    for cat in CATEGORIES:
-        out.append(f"  {cat:<18}{dev.get(cat, 0) / GIB:>10.3f}{host.get(cat, 0) / GIB:>10.3f}")
-    out.append(f"  {'total':<18}{plan.memory.device_bytes / GIB:>10.3f}"
-               f"{plan.memory.host_bytes / GIB:>10.3f}")
-    out.append(f"  {'budget':<18}{plan.budget.device_bytes / GIB:>10.3f}"
-               f"{plan.budget.host_bytes / GIB:>10.3f}")
+    big = max(plan.budget.device_bytes, plan.budget.host_bytes) >= GIB
+    unit, scale = ("GiB", GIB) if big else ("MiB", MIB)
+    rows = [(cat, dev.get(cat, 0), host.get(cat, 0)) for cat in CATEGORIES]
+    rows += [("total", plan.memory.device_bytes, plan.memory.host_bytes),
+             ("budget", plan.budget.device_bytes, plan.budget.host_bytes)]
+    out = [f"  {'memory (' + unit + ')':<18}{'device':>10}{'host':>10}"]
+    out += [f"  {name:<18}{d / scale:>10.3f}{h / scale:>10.3f}" for name, d, h in rows]
     return out
 
 
 def _prediction_lines(plan: Plan) -> list[str]:
     pr = plan.prediction
     return [
-        f"Prediction on {plan.profile.name}: step {pr.step_time_s:.2f} s = compute "
-        f"{pr.compute_s:.2f} + recompute {pr.recompute_s:.2f} + exposed h2d "
-        f"{pr.exposed_h2d_s:.2f} + exposed d2h {pr.exposed_d2h_s:.2f} + optimizer "
-        f"{pr.optimizer_s:.2f}",
-        f"  {pr.tok_per_s:,.0f} tok/s, model {pr.model_tflop_per_s:.0f} TFLOP/s, MFU "
+        (f"Prediction on {plan.profile.name}: step {_t(pr.step_time_s)} = compute "
+        f"{_t(pr.compute_s)} + recompute {_t(pr.recompute_s)} + exposed h2d "
+        f"{_t(pr.exposed_h2d_s)} + exposed d2h {_t(pr.exposed_d2h_s)} + optimizer "
+        f"{_t(pr.optimizer_s)}"),
+        (f"  {pr.tok_per_s:,.0f} tok/s, model {pr.model_tflop_per_s:.0f} TFLOP/s, MFU "
         f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {FLOP_MODEL_VERSION}); bottleneck: "
-        f"{pr.bottleneck}",
+        f"{pr.bottleneck}"),
         f"  PCIe per step: h2d {_size(pr.h2d_bytes)}, d2h {_size(pr.d2h_bytes)}",
     ]
 
@@ -98,7 +104,7 @@ def _reasons(plan: Plan) -> list[str]:
                f"{ch.chunks_per_round} chunk(s) share each crossing; more would need more saved "
                "activations per layer")
     share = pr.optimizer_s / pr.step_time_s if pr.step_time_s else 0.0
-    out.append(f"rounds per step: {ch.rounds_per_step} keep the optimizer ({pr.optimizer_s:.2f} s) "
+    out.append(f"rounds per step: {ch.rounds_per_step} keep the optimizer ({_t(pr.optimizer_s)}) "
                f"at {share:.1%} of the step (target {DEFAULT_OPT_TARGET_FRAC:.0%})")
     resident = sum(p.weights is Where.DEVICE for p in plan.layers)
     layer_b = buffers.block_elems(cfg)["layer"] * 2
@@ -125,8 +131,9 @@ def _reasons(plan: Plan) -> list[str]:
                            if plan.head.weights is Where.HOME else
                            "resident with its AdamW state"))
     out.append(_act_reason(plan))
-    out.append(f"bottleneck: {pr.bottleneck} (exposed copies {pr.exposed_h2d_s + pr.exposed_d2h_s:.2f}"
-               f" s, recompute {pr.recompute_s:.2f} s of {pr.step_time_s:.2f} s)")
+    exposed = pr.exposed_h2d_s + pr.exposed_d2h_s
+    out.append(f"bottleneck: {pr.bottleneck} (exposed copies {_t(exposed)}, recompute "
+               f"{_t(pr.recompute_s)} of {_t(pr.step_time_s)})")
     return out
 
 
@@ -146,13 +153,13 @@ def explain(plan: Plan) -> str:
     """A terminal overview of `plan` and the reason for each decision."""
     cfg, b = plan.model, plan.budget
     head = (f"Plan for {cfg.name} at seqlen {plan.chunking.seqlen:,} on {plan.profile.name}: "
-            f"budgets host {b.host_bytes / GIB:.1f} GiB, device {b.device_bytes / GIB:.1f} GiB "
+            f"budgets host {_size(b.host_bytes)}, device {_size(b.device_bytes)} "
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}]")
     s = plan.slots
     lines = [head, *_chunking_lines(plan),
-             f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
+             (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
-             f"{s.opt_stage_elems:,} elements",
+             f"{s.opt_stage_elems:,} elements"),
              _placement_line(plan), _activation_line(plan), *_memory_lines(plan),
              *_prediction_lines(plan), "Why:"]
     lines += [f"  - {r}" for r in _reasons(plan)]

@@ -102,10 +102,11 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
             if c.device_bytes <= budget.device_bytes and c.host_bytes <= budget.host_bytes]
     if not fits:
         raise _infeasible(cfg, seqlen, budget, table)
-    fits.sort(key=lambda c: (c.lower_bound_s, c.device_bytes + c.host_bytes))
+    fits.sort(key=lambda c: (c.lower_bound_sec_per_token, c.device_bytes + c.host_bytes))
     best = best_score = None
     for c in fits:  # exact best: stop once no lower bound can beat the best score found
-        if best_score is not None and c.lower_bound_s > best_score.sec_per_token * (1 + TIE_REL):
+        bound = c.lower_bound_sec_per_token
+        if best_score is not None and bound > best_score.sec_per_token * (1 + TIE_REL):
             break
         sc = table.score(c)
         if best is None or _better(sc, c, best_score, best):

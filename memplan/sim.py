@@ -13,7 +13,7 @@ import dataclasses
 from memplan.plan import HardwareProfile
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Workload:
     """What one round does, per layer; built by cost.workload_of or by the search."""
 
@@ -25,9 +25,9 @@ class Workload:
     head_s: float
     streamed: list[bool]
     grads_home: list[bool]
-    act_k: list[int]
+    act_count: list[int]
     """Saved activations of each layer that live at home."""
-    act_b: list[int]
+    act_bytes: list[int]
     """Their bytes."""
     layer_bytes: int
     grad_bytes: int
@@ -94,7 +94,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     fpos = {layer: j for j, layer in enumerate(order)}
     held = min(S, n)
     n_g = sum(w.grads_home)
-    acts = sum(w.act_b)
+    acts = sum(w.act_bytes)
     sums = 0 if first else 1
     h_f = w.embed_rows_bytes + (n if first else n - held) * w.layer_bytes + w.head_w_bytes \
         + sums * w.head_g_bytes
@@ -106,17 +106,17 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     t = hfree = dfree = exp_h = exp_d = 0.0
     use_end: list[float] = []
     fwd_items, bwd_items = _Items(), _Items()
-    n_items = sum(w.act_k)
-    hfree = w.embed_rows_bytes / rhf
+    n_items = sum(w.act_count)
+    hfree = w.embed_rows_bytes / rhf  # the round's embedding rows, needed by layer 0
     fi = 0
     for layer in range(L):  # forward
-        arr_w = slot_first = 0.0
+        arr_w, slot_first = (hfree if layer == 0 else 0.0), 0.0
         if w.streamed[layer]:
             j = fpos[layer]
             if first or j >= S:
                 hfree = max(hfree, use_end[j - S] if j >= S else 0.0) + w.layer_bytes / rhf
                 arr_w = hfree
-        k = w.act_k[layer]
+        k = w.act_count[layer]
         if k and fi - AS >= 0:
             slot_first = fwd_items.time(fi - AS)
         start = max(t, arr_w, slot_first)
@@ -128,7 +128,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
         c = w.fwd_s
         end = start + c
         if k:
-            item_s = w.act_b[layer] / k / rdf
+            item_s = w.act_bytes[layer] / k / rdf
             begin = max(dfree, start + c / k)
             last = fi + k - 1 - AS
             if last >= fi:
@@ -173,9 +173,9 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
             else:
                 hfree = max(hfree, slot) + w.grad_bytes / rhb
                 arr_g = hfree
-        k = w.act_k[layer]
+        k = w.act_count[layer]
         if k:
-            item_s = w.act_b[layer] / k / rhb
+            item_s = w.act_bytes[layer] / k / rhb
             begin = max(hfree, _act_slot(bj - AS, bwd_items, fwd_items, n_items))
             arr_a = begin + item_s
             hfree = begin + k * item_s

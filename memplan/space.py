@@ -14,7 +14,7 @@ from memplan.chunking import head_sub_tokens
 from memplan.cost import LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import TOKEN_ID_BYTES, grad_bpe
-from memplan.plan import (Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where)
+from memplan.plan import Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where
 from memplan.sim import Workload
 from models.config import ModelConfig
 from models.flops import SavedLevel
@@ -90,7 +90,7 @@ class Space:
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) + sum(c.head_s for c in self.costs)
         self.min_rec_s = tuple(min(c.rec_s[LEVEL_INDEX[lv]] for c in self.costs)
                                for _, lv in ACT_CLASSES)
-        self.resident_set = functools.lru_cache(maxsize=None)(self._resident_set)
+        self.resident_set = functools.cache(self._resident_set)
 
     def _resident_set(self, k: int) -> frozenset[int]:
         return frozenset(self.order[:k])
@@ -156,7 +156,7 @@ class Space:
 
     def workload(self, s: State) -> Workload:
         bounds = self._bounds(s)
-        bwd_s, act_k, act_b = [], [], []
+        bwd_s, act_count, act_bytes = [], [], []
         rec_s = rec_f = 0.0
         for layer in range(self.L):
             r = rf = 0.0
@@ -171,11 +171,11 @@ class Space:
             bwd_s.append(self.bwd0 + r)
             rec_s += r
             rec_f += rf
-            act_k.append(k)
-            act_b.append(b)
-        return make_workload(self._shell(s), self.p, fwd_s=self.fwd_s, bwd_s=bwd_s, act_k=act_k,
-                             act_b=act_b, rec_s=rec_s, rec_flops=rec_f, costs=self.costs,
-                             elems=self.elems, gbpe=self.gbpe)
+            act_count.append(k)
+            act_bytes.append(b)
+        return make_workload(self._shell(s), self.p, fwd_s=self.fwd_s, bwd_s=bwd_s,
+                             act_count=act_count, act_bytes=act_bytes, rec_s=rec_s,
+                             rec_flops=rec_f, costs=self.costs, elems=self.elems, gbpe=self.gbpe)
 
     def _shell(self, s: State, rounds_per_step: int = 1, activations=()) -> Decisions:
         home = HOME_STREAMED if s.opt_streamed else HOME_HOST

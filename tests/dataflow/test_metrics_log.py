@@ -5,7 +5,6 @@ a bar on a terminal and plain lines elsewhere."""
 from __future__ import annotations
 
 import io
-import json
 import re
 from pathlib import Path
 
@@ -57,7 +56,7 @@ def test_log_reads_back_with_exactly_the_documented_columns(ext, tmp_path, rng):
         {"float64": "double"}.get(k, k) for _, k, _ in COLUMNS]
     back = table.to_pylist()
     assert len(back) == 2
-    for want, got in zip(rows, back):
+    for want, got in zip(rows, back, strict=True):
         for name in COLUMN_NAMES:
             if isinstance(want[name], float):
                 assert got[name] == pytest.approx(want[name], rel=1e-12), name

@@ -5,7 +5,7 @@ asked for appears, and the breakdown's parts add up to the wall time."""
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import subprocess
 import sys
@@ -24,58 +24,23 @@ from dataflow.optimizer import AdamWConfig
 from memplan.plan import OptimizerWhere, Where
 from models.config import load_config
 from models.flops import SavedLevel
+from tests.dataflow.plans import forced_plan, streamed
 
 STEPS = 2
 
 
 def _plan():
-    """tiny, 2 rounds of 2 chunks: every layer, the head and the embedding streamed (host AdamW
-    for the embedding, streamed AdamW for the rest), chunk 0's activations at home at INP_ONLY
-    (so the backward recomputes) and chunk 1's on the device at FULL."""
+    """tiny, 2 rounds of 2 chunks: every layer, the head and the embedding streamed with a
+    streamed AdamW (the embedding gathered and scattered on the host stream), chunk 0's
+    activations at home at INP_ONLY (so the backward recomputes) and chunk 1's on the device at
+    FULL."""
     cfg = load_config("tiny")
     n = cfg.n_layers
-    kw = dict(chunk_tokens=128, seqs_per_chunk=2, chunks_per_round=2, rounds=2,
-              weight_slots=2, grad_slots=2,
-              levels=[[SavedLevel.INP_ONLY, SavedLevel.FULL]] * n,
-              homes=[[Where.HOME, Where.DEVICE]] * n)
-    try:
-        from tests.dataflow.plans import forced_plan, streamed
-    except ImportError:  # memplan.build_plan not there yet: build the same plan by hand
-        return _hand_plan(cfg, **kw)
     strm = streamed(OptimizerWhere.STREAMED)
-    return forced_plan(cfg, 64, layers=(strm,) * n, embed=streamed(OptimizerWhere.HOST),
-                       head=strm, **kw)
-
-
-def _hand_plan(cfg, *, chunk_tokens, seqs_per_chunk, chunks_per_round, rounds, weight_slots,
-               grad_slots, levels, homes):
-    from memplan import memory
-    from memplan.plan import (Budget, Chunking, GradAccum, LayerPlacement, MemoryMap, Plan,
-                              Prediction, SavedActivation, Slots)
-    from memplan.profiles import get_profile
-
-    n = cfg.n_layers
-    strm = LayerPlacement(weights=Where.HOME, grads=Where.HOME,
-                          optimizer=OptimizerWhere.STREAMED)
-    host = dataclasses.replace(strm, optimizer=OptimizerWhere.HOST)
-    ch = Chunking(seqlen=64, chunk_tokens=chunk_tokens, seqs_per_chunk=seqs_per_chunk,
-                  chunks_per_seq=1, chunks_per_round=chunks_per_round, rounds_per_step=rounds)
-    acts = tuple(tuple(SavedActivation(level=levels[l][c], home=homes[l][c])
-                       for c in range(chunks_per_round)) for l in range(n))
-    pred = Prediction(step_time_s=1.0, compute_s=1.0, recompute_s=0.0, exposed_h2d_s=0.0,
-                      exposed_d2h_s=0.0, optimizer_s=0.0, h2d_bytes=0, d2h_bytes=0,
-                      tok_per_s=1.0, model_tflop_per_s=1.0, mfu=0.0, hfu=0.0,
-                      bottleneck="compute")
-    plan = Plan(model=cfg, budget=Budget(host_bytes=0, device_bytes=0),
-                profile=get_profile("cpu"), chunking=ch,
-                slots=Slots(weight_slots=weight_slots, grad_slots=grad_slots, act_slots=2,
-                            head_sub_tokens=48, opt_stage_elems=3000),
-                layers=(strm,) * n, activations=acts, embed=host, head=strm,
-                grad_accum=GradAccum.BF16, memory=MemoryMap(device=(), host=()),
-                prediction=pred, planner_version="test")
-    dev = sum(b for _, b in memory.device_regions(plan))
-    hst = sum(b for _, b in memory.host_regions(plan))
-    return dataclasses.replace(plan, budget=Budget(host_bytes=hst, device_bytes=dev))
+    return forced_plan(cfg, 64, chunk_tokens=128, seqs_per_chunk=2, chunks_per_round=2,
+                       rounds=2, layers=(strm,) * n, embed=strm, head=strm, weight_slots=2,
+                       grad_slots=2, levels=[[SavedLevel.INP_ONLY, SavedLevel.FULL]] * n,
+                       homes=[[Where.HOME, Where.DEVICE]] * n)
 
 
 class RecordingNumpy(NumpyBackend):
@@ -168,7 +133,7 @@ def test_spans_never_overlap_within_a_track(mode, request):
     for _, trace, _ in request.getfixturevalue(mode):
         for stream in Stream:
             spans = [s for s in trace.spans if s.stream is stream]
-            for a, b in zip(spans, spans[1:]):
+            for a, b in itertools.pairwise(spans):
                 assert b.start_s >= a.end_s, (a, b)
             assert all(trace.start_s <= s.start_s <= s.end_s <= trace.end_s for s in spans)
 
@@ -358,7 +323,7 @@ def test_gpu_spans_come_from_cuda_events_and_pcie_counters_agree(monkeypatch):
         be.host_call(Stream.HOST, lambda: None, name="tokens.stage")
         be.wait(Stream.H2D, be.record(Stream.HOST))
         be.copy(slots[rnd % 2], homes[rnd % 2], Stream.H2D, name=f"w.h2d{rnd}")
-        for i in range(20):                      # overlaps the next round's H2D
+        for _ in range(20):                      # overlaps the next round's H2D
             be.launch(Stream.COMPUTE, "matmul", a, b, c, name=f"f.L{rnd}.c0.linear_fwd")
         be.wait(Stream.COMPUTE, be.record(Stream.H2D))
         be.wait(Stream.D2H, be.record(Stream.COMPUTE))
@@ -369,7 +334,7 @@ def test_gpu_spans_come_from_cuda_events_and_pcie_counters_agree(monkeypatch):
     assert trace.clock is Clock.CUDA_EVENTS
     for stream in Stream:
         spans = [s for s in trace.spans if s.stream is stream]
-        assert all(y.start_s >= x.end_s - 1e-6 for x, y in zip(spans, spans[1:]))
+        assert all(y.start_s >= x.end_s - 1e-6 for x, y in itertools.pairwise(spans))
     bd = trace.breakdown()
     assert abs(sum(bd.parts().values()) - bd.wall_s) <= 0.05 * bd.wall_s
     assert bd.copy_hidden_s > 0 and bd.compute_busy_s > 0

@@ -9,7 +9,7 @@ from memplan.cost import predict, rounds_for_target
 from memplan.plan import Where
 from models.flops import FLOP_MODEL_VERSION, SavedLevel, model_flops_per_seq
 
-from .forced import HOME_HOST, HOME_STREAMED, acts, forced
+from .forced import HOME_HOST, HOME_STREAMED, RESIDENT, acts, forced
 
 
 def _parts(pr):
@@ -62,7 +62,8 @@ def test_home_activations_cost_pcie_and_lower_levels_cost_recompute(h100):
         return forced(h100, "small", 512, chunk_tokens=256, chunks_per_round=2,
                       activations=acts(4, 2, level, home), act_slots=2).prediction
     full_home, attn_home = plan(SavedLevel.FULL, Where.HOME), plan(SavedLevel.INP_ATTN, Where.HOME)
-    only_dev, full_dev = plan(SavedLevel.INP_ONLY, Where.DEVICE), plan(SavedLevel.FULL, Where.DEVICE)
+    only_dev = plan(SavedLevel.INP_ONLY, Where.DEVICE)
+    full_dev = plan(SavedLevel.FULL, Where.DEVICE)
     assert full_home.h2d_bytes > attn_home.h2d_bytes > 0 and full_dev.h2d_bytes == 0
     assert attn_home.recompute_s > full_home.recompute_s == 0
     assert only_dev.recompute_s > attn_home.recompute_s
@@ -104,3 +105,30 @@ def test_faster_pcie_never_predicts_a_slower_step(h100):
                                h2d_duplex_bytes_per_s=4 * h100.h2d_duplex_bytes_per_s,
                                d2h_duplex_bytes_per_s=4 * h100.d2h_duplex_bytes_per_s)
     assert predict(plan, fast).step_time_s < plan.prediction.step_time_s
+
+
+def test_random_forced_plans_predict_consistent_steps(prng, h100):
+    """For random decisions on small: the step is the sum of its parts, every part is
+    non-negative, HFU >= MFU, and bytes moved are zero exactly when nothing lives at home."""
+    from memplan.plan import GradAccum, SavedActivation
+
+    for _ in range(40):
+        placements = [prng.choice([RESIDENT, HOME_HOST, HOME_STREAMED]) for _ in range(4)]
+        cpr = prng.choice([1, 2, 4])
+        a = [[SavedActivation(level=prng.choice(list(SavedLevel)),
+                              home=prng.choice(list(Where))) for _ in range(cpr)]
+             for _ in range(4)]
+        embed, head = prng.choice([RESIDENT, HOME_HOST]), prng.choice([RESIDENT, HOME_STREAMED])
+        plan = forced(h100, "small", 256, chunk_tokens=prng.choice([256, 512]),
+                      chunks_per_round=cpr, rounds=prng.randint(1, 5), layers=tuple(placements),
+                      activations=a, embed=embed, head=head, weight_slots=prng.randint(1, 5),
+                      grad_slots=prng.randint(1, 3), act_slots=prng.randint(1, 6),
+                      opt_stage_elems=prng.choice([256, 65536]),
+                      grad_accum=prng.choice(list(GradAccum)))
+        pr = plan.prediction
+        assert pr.step_time_s == pytest.approx(_parts(pr), rel=1e-9)
+        assert min(pr.exposed_h2d_s, pr.exposed_d2h_s, pr.recompute_s, pr.optimizer_s) >= 0
+        assert pr.hfu >= pr.mfu
+        moves = (any(p.weights is Where.HOME for p in (*placements, embed, head))
+                 or any(x.home is Where.HOME for row in a for x in row))
+        assert (pr.h2d_bytes + pr.d2h_bytes > 0) == moves

@@ -26,3 +26,15 @@ def test_memplan_imports_no_array_gpu_or_downstream_package():
     assert len(files) >= 10
     bad = {f.name: sorted(_imports(f) & FORBIDDEN) for f in files}
     assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_importing_the_planner_loads_no_array_library():
+    """At run time too: importing memplan (and its CLI) pulls in no numpy or cupy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, memplan, memplan.cli, memplan.sanity; "
+            "bad = [m for m in ('numpy', 'cupy', 'ml_dtypes', 'numba') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -4,8 +4,14 @@ import dataclasses
 
 import pytest
 
-from memplan.profiles import (BUILTIN_PROFILES, default_cache_path, get_profile, known_profiles,
-                              load_profile, save_profile)
+from memplan.profiles import (
+    BUILTIN_PROFILES,
+    default_cache_path,
+    get_profile,
+    known_profiles,
+    load_profile,
+    save_profile,
+)
 from models.errors import ConfigError
 
 
@@ -17,7 +23,7 @@ def test_builtin_profiles_cover_the_issue_gpus_with_datasheet_peaks():
         assert get_profile(name).peak_bf16_flop_per_s == peak
     h100 = get_profile("h100")
     assert h100.h2d_bytes_per_s == 55e9 and h100.h2d_duplex_bytes_per_s == 47e9
-    assert h100.gemm_efficiency == pytest.approx(780 / 989, abs=0.01)
+    assert h100.gemm_efficiency == pytest.approx(680 / 989, abs=0.01)  # sustained, not burst
 
 
 @pytest.mark.parametrize("alias", ["H100 SXM", "h100-sxm", "NVIDIA H100", "A100 80GB", "4090"])

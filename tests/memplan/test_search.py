@@ -160,11 +160,42 @@ def test_constraints_are_obeyed_and_unknown_ones_refused(h100):
 
 
 def test_infeasible_message_names_value_limit_and_way_out(h100):
-    """8b at 64k with 64 GiB host: the message names the budgets, what is needed, and GiB."""
+    """8b at 64k with 40 GiB host: the message names the budgets, what is needed, and GiB."""
     cfg = load_config("8b")
     with pytest.raises(InfeasibleBudget) as exc:
-        make_plan(cfg, 65536, Budget.from_gib(64, 78), h100)
+        make_plan(cfg, 65536, Budget.from_gib(40, 24), h100)
     msg = str(exc.value)
-    assert "host 64.0 GiB" in msg and "try host_gb" in msg and "\n" not in msg
-    assert exc.value.host_bytes_at_device_budget > 64 * GIB
+    assert "host 40.0 GiB" in msg and "try host_gb" in msg and "\n" not in msg
+    assert exc.value.host_bytes_at_device_budget > 40 * GIB
     assert exc.value.host_needed_bytes >= exc.value.host_bytes_at_device_budget
+
+
+def test_random_models_and_seqlens_fit_or_name_working_minimums(prng, h100):
+    """Random (model, seqlen) pairs from 1b..32b and 512..1M tokens: a random budget either
+    yields a plan within it or an error whose named minimum budgets work."""
+    for _ in range(3):
+        model = prng.choice(["1b", "8b", "15b", "32b"])
+        seqlen = prng.choice([1, 3]) * 2 ** prng.randint(9, 20 if model in ("1b", "8b") else 18)
+        cfg = load_config(model)
+        mb = minimum_budgets(cfg, seqlen, h100)
+        budget = _random_budget(prng, mb)
+        print(model, seqlen, budget)
+        try:
+            plan = make_plan(cfg, seqlen, budget, h100)
+        except InfeasibleBudget as exc:
+            _check_minimums(cfg, seqlen, h100, exc, mb)
+            continue
+        assert plan.memory.device_bytes <= budget.device_bytes
+        assert plan.memory.host_bytes <= budget.host_bytes
+
+
+@pytest.mark.parametrize("model,seqlen,host_gib,dev_gib", [("8b", 8192, 75, 24),
+                                                           ("8b", 65536, 144, 78)])
+def test_search_beats_ml_dataflow_like_configuration(h100, model, seqlen, host_gib, dev_gib):
+    """The free search predicts at least the throughput of ml_dataflow's fixed choices (16k
+    chunks, all layer state at home, streamed AdamW) under the same cost model."""
+    cfg, budget = load_config(model), Budget.from_gib(host_gib, dev_gib)
+    ours = make_plan(cfg, seqlen, budget, h100).prediction.tok_per_s
+    fixed = make_plan(cfg, seqlen, budget, h100, chunk_tokens=16384, max_resident_layers=0,
+                      home_optimizer="streamed").prediction.tok_per_s
+    assert ours >= fixed

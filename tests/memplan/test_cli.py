@@ -1,0 +1,87 @@
+"""dataflow-plan: explain text or exactly one JSON document; exit 2 with one paragraph and no
+traceback for bad input and infeasible budgets."""
+
+import json
+
+import pytest
+
+from memplan.cli import main
+from memplan.plan import Plan
+from memplan.profiles import get_profile, save_profile
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_the_overview(capsys):
+    """A feasible request prints the explanation and exits 0."""
+    code, out, err = _run(capsys, "70", "24", "8192", "8b")
+    assert code == 0 and err == ""
+    for part in ("Chunking:", "Slots:", "Saved activations", "memory (GiB)", "MFU", "HFU",
+                 "bottleneck", "Why:"):
+        assert part in out
+
+
+def test_json_prints_exactly_one_plan_document(capsys):
+    """--json writes one JSON document that loads back into the same Plan."""
+    code, out, err = _run(capsys, "1", "0.5", "256", "tiny", "--json")
+    assert code == 0 and err == ""
+    plan = Plan.from_json(out)
+    assert json.loads(out)["model"]["name"] == "tiny"
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["x", "24", "8192", "8b"], "not a number"),
+    (["-1", "24", "8192", "8b"], "positive"),
+    (["70", "0", "8192", "8b"], "positive"),
+    (["70", "nan", "8192", "8b"], "positive"),
+    (["70", "24", "8k", "8b"], "whole number"),
+    (["70", "24", "-5", "8b"], "positive"),
+    (["70", "24", "8192", "llama8b"], "unknown model 'llama8b'; known: tiny"),
+    (["70", "24", "8192", "8b", "--gpu", "v100"], "unknown GPU 'v100'; known: h100"),
+    (["70", "24", "8192"], "required"),
+    (["1", "1", "65536", "32b"], "does not fit"),
+])
+def test_bad_input_and_infeasible_budgets_exit_2_with_one_paragraph(capsys, argv, needle):
+    """Each bad request exits 2, prints one paragraph naming the problem, no traceback."""
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert needle in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0
+
+
+def test_infeasible_message_names_smallest_budgets(capsys):
+    """The infeasible message names the smallest host and device budgets in GiB."""
+    code, _, err = _run(capsys, "1", "1", "65536", "32b")
+    assert code == 2 and "smallest budgets that work together are host" in err and "GiB" in err
+
+
+def test_profile_file_is_used(capsys, tmp_path):
+    """--profile FILE plans for the profile in FILE."""
+    path = save_profile(get_profile("rtx4090"), tmp_path / "p.json")
+    code, out, _ = _run(capsys, "64", "20", "4096", "1b", "--profile", str(path), "--json")
+    assert code == 0 and Plan.from_json(out).profile.name == "rtx4090"
+    code, _, err = _run(capsys, "64", "20", "4096", "1b", "--profile", str(tmp_path / "no.json"))
+    assert code == 2 and "cannot read" in err
+
+
+def test_gpu_and_profile_are_exclusive(capsys):
+    """--gpu and --profile together is a usage error (exit 2)."""
+    code, _, err = _run(capsys, "70", "24", "8192", "8b", "--gpu", "h100", "--profile", "x")
+    assert code == 2 and "not allowed" in err
+
+
+def test_help_says_gb_means_gib(capsys):
+    """--help explains that GB means GiB (2^30 bytes) and exits 0."""
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0 and "GiB (2^30 bytes)" in out.replace("\n", " ").replace("  ", " ")
+
+
+def test_debug_shows_the_traceback(capsys):
+    """--debug prints a traceback for an error that otherwise gets one line."""
+    code, _, err = _run(capsys, "1", "1", "65536", "32b", "--debug")
+    assert code == 2 and "Traceback" in err
