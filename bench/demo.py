@@ -28,6 +28,14 @@ def _positive(kind):
     return parse
 
 
+def _metrics_path(text: str) -> str:
+    from dataflow.metrics_log import FORMATS
+
+    if not text.lower().endswith(FORMATS):
+        raise argparse.ArgumentTypeError(f"'{text}' must end in one of {', '.join(FORMATS)}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dataflow-demo",
@@ -46,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_positive(int), default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write the steps' timeline as Chrome trace JSON (Perfetto, chrome://tracing)")
+    p.add_argument("--metrics", metavar="FILE", type=_metrics_path,
+                   help="append one row per step to this run log (.parquet or .csv)")
     p.add_argument("--json", action="store_true",
                    help="write one JSON document (the run's results) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
@@ -99,24 +111,46 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     from dataflow.optimizer import AdamWConfig
 
-    eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
-                           optimizer=AdamWConfig(lr=lr))
+    from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler, op_totals
+    from dataflow.metrics_log import MetricsLog, run_metadata
+    from dataflow.progress import Progress
+
+    with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar:
+        eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
+                               optimizer=AdamWConfig(lr=lr), trace=True, progress=init_bar)
     log.info("initialised %s in %.1f s", cfg.name, time.perf_counter() - t0)
     results = []
     start = 0
-    with eng:
+    device = getattr(eng.be, "device_name", backend)
+    trace_file = ChromeTraceWriter(args.trace, process_name=f"dataflow {cfg.name} on {device}") \
+        if args.trace else None
+    metrics = MetricsLog(args.metrics, run_metadata(backend=eng.be, plan=plan,
+                                                    config=vars(args))) if args.metrics else None
+    counter = PcieCounter.open(pci_bus_id=eng.be.device.pci_bus_id) \
+        if backend == "cupy" and args.metrics else None
+    pcie = PcieSampler(counter) if counter else None
+    with eng, Progress(args.steps, "steps", logger=log) as bar:
         for step in range(args.steps):
             batch = token_stream(args.seqlen, eng.seqs_per_step, cfg.vocab_size, start=start)
             start += eng.seqs_per_step * args.seqlen
+            if pcie:
+                pcie.start()
             r = eng.train_step(batch)
+            moved = pcie.stop() if pcie else None
             for i, loss in enumerate(r.round_losses):
-                log.info("step %d round %d: %d seqs, %d tokens, loss %.4f", r.step, i,
+                bar.info("step %d round %d: %d seqs, %d tokens, loss %.4f", r.step, i,
                          plan.chunking.seqs_per_round, plan.chunking.tokens_per_round, loss)
             mfu = f"{r.mfu:6.1%}" if backend != "numpy" else "   n/a"
             hfu = f"{r.hfu:6.1%}" if backend != "numpy" else "   n/a"
-            log.info("step %d: loss %.4f  %.0f tok/s  %.1f TFLOP/s  MFU %s  HFU %s  %.2f s "
+            bar.info("step %d: loss %.4f  %.0f tok/s  %.1f TFLOP/s  MFU %s  HFU %s  %.2f s "
                      "(FLOP model %s)", r.step, r.loss, r.tok_per_s, r.model_tflop_per_s, mfu,
                      hfu, r.step_time_s, r.flop_model_version)
+            bar.info("step %d: %s", r.step, r.breakdown.summary())
+            if trace_file:
+                trace_file.add(eng.last_trace)
+            if metrics:
+                metrics.append(r, pcie=moved)
+            bar.update(info=f"loss {r.loss:.3f}")
             results.append(r)
         mem = eng.memory_used_bytes()
         if hasattr(eng.be, "memory_report"):
@@ -128,6 +162,15 @@ def _run(args) -> int:
         import psutil
 
         mem["host_rss_bytes"] = psutil.Process().memory_info().rss
+    log.info("%s", results[-1].breakdown.table())
+    log.info("largest compute costs (last step): %s", ", ".join(
+        f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(eng.last_trace.spans)[:5]))
+    if trace_file:
+        trace_file.close()
+        log.info("trace: %s (%d events; open in ui.perfetto.dev)", args.trace,
+                 trace_file.n_events)
+    if metrics:
+        metrics.close()
     log.info("memory: device arena %.3f GiB (regions %.3f GiB), host arena %.3f GiB "
              "(regions %.3f GiB)", mem["device_arena"] / 2**30, mem["device_regions"] / 2**30,
              mem["host_arena"] / 2**30, mem["host_regions"] / 2**30)

@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     for name in args.only.split(","):
         cmd = [sys.executable, "-m", "bench.demo", *CONFIGS[name], "--steps", str(args.steps),
                "--json"]
+        if args.logdir:
+            cmd += ["--trace", str(Path(args.logdir, f"{name}.trace.json"))]
         if args.rounds:
             cmd += ["--rounds", str(args.rounds)]
         t0 = time.perf_counter()
@@ -49,9 +51,10 @@ def main(argv=None) -> int:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
-            out, err, rc = exc.stdout or "", (exc.stderr or "") + "\nTIMEOUT", 124
+            out, err = exc.stdout or "", exc.stderr or ""
             out = out.decode() if isinstance(out, bytes) else out
-            err = err.decode() if isinstance(err, bytes) else err
+            err = (err.decode() if isinstance(err, bytes) else err) + "\nTIMEOUT"
+            rc = 124
         wall = time.perf_counter() - t0
         if args.logdir:
             Path(args.logdir, f"{name}.log").write_text(err)

@@ -13,6 +13,7 @@ import numpy as np
 from dataflow.backend import Place, Stream
 from dataflow.backends import make_backend
 from dataflow.executor import Executor
+from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
 from memplan.plan import Budget, Plan
 from models.config import ModelConfig, load_config
@@ -39,6 +40,8 @@ class StepResult:
     d2h_bytes: int
     lr: float
     grad_norm: float | None
+    breakdown: StepBreakdown | None = None
+    """Where the step's time and bytes went; None unless the engine traces (trace=True)."""
 
 
 class Engine:
@@ -68,15 +71,22 @@ class Engine:
     @classmethod
     def from_plan(cls, plan: Plan, *, backend: str = "auto", seed: int = 0, weights=None,
                   optimizer: AdamWConfig | None = None, lr_schedule=None,
-                  sanitize: bool = False, sanitize_seed: int = 0) -> "Engine":
+                  sanitize: bool = False, sanitize_seed: int = 0, trace: bool = False,
+                  progress=None) -> "Engine":
+        """trace: wrap the backend in a TracingBackend, so every StepResult carries its
+        breakdown and `last_trace` holds the step's spans. progress: anything with update(),
+        called once per block initialised or loaded."""
         self = cls.__new__(cls)
         opts = {"sanitize": True, "seed": sanitize_seed} if sanitize else {}
-        self._setup(plan, make_backend(backend, **opts), seed, weights,
-                    optimizer or AdamWConfig(), lr_schedule)
+        be = make_backend(backend, **opts)
+        self._setup(plan, TracingBackend(be) if trace else be, seed, weights,
+                    optimizer or AdamWConfig(), lr_schedule, progress)
         return self
 
-    def _setup(self, plan, be, seed, weights, opt_cfg, schedule) -> None:
+    def _setup(self, plan, be, seed, weights, opt_cfg, schedule, progress=None) -> None:
         self.plan, self.be = plan, be
+        self.last_trace = None
+        self._progress = progress
         self.ex = Executor(plan, be)
         self.optimizer = AdamW(opt_cfg, schedule)
         self._zero_state()
@@ -131,6 +141,8 @@ class Engine:
                   BlockKind.LAYER: lambda: init.init_layer_block(cfg, layer, seed),
                   BlockKind.HEAD: lambda: init.init_head_block(cfg, seed)}[kind]
             self._write_block(b, fn())
+            if self._progress is not None:
+                self._progress.update()
 
     def _load_weights(self, weights) -> None:
         if weights.cfg != self.plan.model:
@@ -139,6 +151,8 @@ class Engine:
         blocks = [weights.embed] + list(weights.layers) + [weights.head]
         for (key, kind, layer, b), block in zip(self._targets(), blocks):
             self._write_block(b, block)
+            if self._progress is not None:
+                self._progress.update()
 
     def _read_block(self, b: dict, part: str) -> np.ndarray:
         if b["place"].weights.value == "device" or b["home_" + part] is None:
@@ -214,7 +228,11 @@ class Engine:
             raise ConfigError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
         lr = self.optimizer.schedule(self.optimizer.step_count + 1) \
             if self.optimizer.schedule else self.optimizer.config.lr
+        tracer = self.be if isinstance(self.be, TracingBackend) else None
+        if tracer is not None:
+            tracer.begin_step(self.optimizer.step_count + 1)
         stats = self.ex.step(batch, self.optimizer)
+        self.last_trace = tracer.end_step() if tracer is not None else None
         return self._result(stats, lr)
 
     def _result(self, stats, lr: float) -> StepResult:
@@ -238,7 +256,8 @@ class Engine:
             model_tflop_per_s=model_flops / t / 1e12, mfu=model_flops / t / peak,
             hfu=hw_flops / t / peak, flop_model_version=FLOP_MODEL_VERSION,
             h2d_bytes=stats.h2d_bytes, d2h_bytes=stats.d2h_bytes, lr=lr,
-            grad_norm=self.optimizer.last_grad_norm)
+            grad_norm=self.optimizer.last_grad_norm,
+            breakdown=self.last_trace.breakdown() if self.last_trace is not None else None)
 
     def memory_used_bytes(self) -> dict[str, int]:
         """Arena bytes per place (the budgets) and the bytes the plan's regions occupy."""

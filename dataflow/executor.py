@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from dataflow.arena import Arena
+from kernels.host import embedding as host_embedding
 from dataflow.backend import Backend, BackendError, Place, Stream
 from dataflow.layer_ops import ChunkInfo, LayerCompute
 from dataflow.slots import ZERO, SlotRing, Use
@@ -365,8 +366,7 @@ class Executor:
         be.wait(Stream.D2H, be.record(Stream.COMPUTE))
         self._copy(rows[1], dx, Stream.D2H, "embed.dx")
         be.wait(Stream.HOST, be.record(Stream.D2H))
-        from dataflow import ops_numpy
-        be.host_call(Stream.HOST, lambda: ops_numpy.embedding_bwd(ids_host.copy(), rows[1], grads),
+        be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids_host, rows[1], grads),
                      reads=(ids_host, rows[1]), writes=(grads,), name="embed.scatter")
         ev = be.record(Stream.HOST)
         self._embed_host_ready = ev

@@ -36,17 +36,25 @@ tokens) ran at 780 TFLOP/s in a short burst but 672-682 TFLOP/s over 50 s, the S
 at 1305-1455 MHz by the 700 W power cap (throttle reason 'SW power cap'). Training runs for
 minutes, so the H100/H200 efficiencies below are the burst measurements times this factor."""
 
+HOST_ADAMW_BYTES_PER_S = 4.2e9
+"""What the host optimizer really achieves on the lent H100 host (16 cores, numba AdamW over
+pinned memory, 14 bytes moved per parameter): 8b's 8.0e9 parameters took 27 s (instrumented
+run, 2026-11-22). The machines' DRAM is far faster, but this is the rate the planner must use
+to weigh a host optimizer against one streamed through the GPU."""
+
 _BUILTIN = (
     # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
     # 620 fwd / 520 bwd TFLOP/s at 8k in bursts (x SUSTAINED_POWER_FACTOR: 680, 540, 453;
     # torch SDPA forward held 534 over 15 s), PCIe 55 GB/s each way alone, 47 each way
     # together, HBM copy 3.0 TB/s (read + write counted).
     _p("h100", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
-       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, 100 * GB, 3.0e12, 5, 80),
+       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 3.0e12, 5,
+       80),
     # H200: same compute die and 700 W cap as the H100; faster HBM (4.8 TB/s datasheet);
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
-       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, 100 * GB, 4.3e12, 5, 141),
+       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 4.3e12, 5,
+       141),
     # A100 80GB SXM: 312 TFLOP/s datasheet; typical cuBLAS ~250, FlashAttention-2 ~60%/50%;
     # PCIe 4 x16 ~25 GB/s alone, ~21 together; HBM2e 2.0 TB/s datasheet.
     _p("a100", 312e12, 0.80, 0.60, 0.50, 25 * GB, 21 * GB, 100 * GB, 1.8e12, 4, 80),

@@ -45,18 +45,29 @@ def _grad_f32(g):
 @numba.njit(nogil=True, cache=True)
 def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, eps, scale,
            start, stop):
+    # One pass per piece: unpack to fp32 scratch, update element by element in registers (the
+    # reference's operation order, fp32 throughout), pack back.
+    pf = np.empty(_PIECE, dtype=np.float32)
+    mf = np.empty(_PIECE, dtype=np.float32)
+    vf = np.empty(_PIECE, dtype=np.float32)
     for a in range(start, stop, _PIECE):
         z = min(stop, a + _PIECE)
-        gf = grad_f32(g[a:z]) * scale
-        mf = b1 * _to_f32(m[a:z]) + one_m_b1 * gf
-        vf = b2 * _to_f32(v[a:z]) + one_m_b2 * gf * gf
-        m_hat = mf / bc1
-        v_hat = vf / bc2
-        pf = _to_f32(p[a:z])
-        pf = pf - lr * (wd * pf + m_hat / (np.sqrt(v_hat) + eps))
-        p[a:z] = _to_bf16(pf)
-        m[a:z] = _to_bf16(mf)
-        v[a:z] = _to_bf16(vf)
+        n = z - a
+        gf = grad_f32(g[a:z])
+        pf[:n] = _to_f32(p[a:z])
+        mf[:n] = _to_f32(m[a:z])
+        vf[:n] = _to_f32(v[a:z])
+        for i in range(n):
+            gi = gf[i] * scale
+            mi = b1 * mf[i] + one_m_b1 * gi
+            vi = b2 * vf[i] + one_m_b2 * gi * gi
+            pi = pf[i]
+            pf[i] = pi - lr * (wd * pi + (mi / bc1) / (np.sqrt(vi / bc2) + eps))
+            mf[i] = mi
+            vf[i] = vi
+        p[a:z] = _to_bf16(pf[:n])
+        m[a:z] = _to_bf16(mf[:n])
+        v[a:z] = _to_bf16(vf[:n])
 
 
 def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> None:
