@@ -37,13 +37,14 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(CONFIGS))
     p.add_argument("--timeout", type=int, default=540, help="seconds per configuration")
     p.add_argument("--logdir", default=None)
+    p.add_argument("--trace-dir", default=None, help="write each run's Chrome trace here")
     args = p.parse_args(argv)
     runs = {}
     for name in args.only.split(","):
         cmd = [sys.executable, "-m", "bench.demo", *CONFIGS[name], "--steps", str(args.steps),
                "--json"]
-        if args.logdir:
-            cmd += ["--trace", str(Path(args.logdir, f"{name}.trace.json"))]
+        if args.trace_dir:
+            cmd += ["--trace", str(Path(args.trace_dir, f"{name}.trace.json"))]
         if args.rounds:
             cmd += ["--rounds", str(args.rounds)]
         t0 = time.perf_counter()
