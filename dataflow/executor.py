@@ -63,6 +63,10 @@ class Executor:
         self._build_rings()
         self._load_positions()
         self.step_index = 0
+        spare = plan.budget.device_bytes - self.dev.used_bytes
+        if hasattr(be, "lend_workspace") and spare >= 1 << 20:
+            # Budgeted bytes no region uses: cuDNN's workspace comes from here, not outside.
+            be.lend_workspace(be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8"))
 
     # -- layout of blocks ---------------------------------------------------------------------
     def _block(self, arena: Arena, name: str, numel: int, dtype: str = "bf16"):

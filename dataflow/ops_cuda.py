@@ -24,7 +24,17 @@ swiglu_bwd = K.swiglu_bwd
 embedding_fwd = K.embedding_fwd
 embedding_bwd = K.embedding_bwd
 head_loss_fwd_bwd = K.head_loss_fwd_bwd
-attention_fwd = K.attention_fwd
+_ARENA_WORKSPACE: list = [None]
+"""The unused tail of the device arena, lent to cuDNN as its workspace (set by the executor);
+cuDNN allocates its own only for a graph that needs more than the tail holds."""
+
+
+def bind_arena_workspace(view) -> None:
+    _ARENA_WORKSPACE[0] = view
+
+
+def attention_fwd(q, k, v, q_offset, o, lse):
+    K.attention_fwd(q, k, v, q_offset, o, lse, workspace=_ARENA_WORKSPACE[0])
 add_ = K.add_
 cast = K.cast
 fill_ = K.fill_
@@ -55,7 +65,8 @@ def attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv):
     """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy."""
     dk16 = _scratch("dk", k.shape, k.dtype)
     dv16 = _scratch("dv", v.shape, v.dtype)
-    K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16)
+    K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16,
+                    workspace=_ARENA_WORKSPACE[0])
     K.add_(dk, dk16)
     K.add_(dv, dv16)
 

@@ -85,6 +85,19 @@ def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ..
     return tuple([TensorSpec(n, s, "bf16") for n, s in bf] + [TensorSpec(n, s, "f32") for n, s in f32])
 
 
+ATTN_WORKSPACE_BYTES_PER_QUERY_ELEM = 132
+"""cuDNN 9.19's deterministic fused-attention backward asked for 132 bytes of workspace per
+query element (tokens x heads x head_dim) at both shapes measured on the H100: 1.108e9 B for
+4096 x 32 x 64 and 4.430e9 B for 8192 x 32 x 128. The arena keeps this much for it, so the
+library's scratch lives inside the device budget. The NumPy backend leaves it unused."""
+
+
+def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
+    """Workspace the fused attention of one chunk needs (a chunk attends per sequence when
+    packed, so its queries are the shorter of chunk and sequence times the packed count)."""
+    return ATTN_WORKSPACE_BYTES_PER_QUERY_ELEM * min(chunk_tokens, seqlen) * cfg.q_dim
+
+
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
     """K/V of the whole sequence for split sequences (bf16), and fp32 accumulators for dK/dV over

@@ -11,7 +11,7 @@ import functools
 import math
 
 from memplan.chunking import chunking_candidates
-from memplan.cost import round_times, rounds_for_target
+from memplan.cost import round_times, max_rounds, rounds_for_target
 from memplan.plan import GradAccum, HardwareProfile, OptimizerWhere
 from memplan.space import Space, State
 from models.config import ModelConfig
@@ -105,7 +105,8 @@ def _scorer(sp: Space, opts: dict):
         w = sp.workload(s)
         rt = round_times(w, p)
         rounds = opts.get("rounds_per_step") or rounds_for_target(
-            rt.first.time_s, rt.later.time_s, rt.optimizer.time_s, opts["target_optimizer_frac"])
+            rt.first.time_s, rt.later.time_s, rt.optimizer.time_s, opts["target_optimizer_frac"],
+            max_rounds(tokens))
         step = rt.first.time_s + (rounds - 1) * rt.later.time_s + rt.optimizer.time_s
         pcie = (rt.first.h2d_bytes + rt.first.d2h_bytes
                 + (rounds - 1) * (rt.later.h2d_bytes + rt.later.d2h_bytes)
@@ -186,7 +187,7 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
             lb_round = sp.round_lower_bound_s(s)
             opt_s = sp.optimizer(s).time_s
             rounds = opts.get("rounds_per_step") or rounds_for_target(
-                lb_round, lb_round, opt_s, opts["target_optimizer_frac"])
+                lb_round, lb_round, opt_s, opts["target_optimizer_frac"], max_rounds(tokens))
             lb = (rounds * lb_round + opt_s) / (rounds * tokens)
             cands.append(Candidate(dev, host, lb, len(spaces), s))
         spaces.append(sp)

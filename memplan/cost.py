@@ -211,13 +211,25 @@ def adamw_cost(device_elems: int, streamed_elems: int, host_elems: int, gbpe: in
                          d2h_bytes=d2h)
 
 
-def rounds_for_target(first_s: float, later_s: float, opt_s: float, target_frac: float) -> int:
-    """The fewest rounds per step for which the optimizer takes at most `target_frac`."""
+MAX_TOKENS_PER_STEP = 1 << 20
+"""Rounds per step stop growing once a step holds this many tokens (a 1M-token global batch;
+ml_dataflow's recorded steps hold 0.4-0.6M). Without it a slow optimizer would be hidden by an
+absurd batch (a host AdamW on 1b asked for 329 rounds, 10.8M tokens per step)."""
+
+
+def max_rounds(tokens_per_round: int) -> int:
+    return max(1, min(MAX_ROUNDS_PER_STEP, MAX_TOKENS_PER_STEP // tokens_per_round))
+
+
+def rounds_for_target(first_s: float, later_s: float, opt_s: float, target_frac: float,
+                      cap: int = MAX_ROUNDS_PER_STEP) -> int:
+    """The fewest rounds per step for which the optimizer takes at most `target_frac`, but at
+    most `cap` (see max_rounds)."""
     if opt_s <= 0 or target_frac >= 1:
         return 1
     need = opt_s * (1 - target_frac) / target_frac - first_s
     rounds = 1 + max(0, math.ceil(need / later_s - 1e-9)) if later_s > 0 else 1
-    return max(1, min(MAX_ROUNDS_PER_STEP, rounds))
+    return max(1, min(cap, rounds))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "works
 _FIXED_CATEGORY = {
     "weight_slots": "weights", "grad_slots": "grads", "act_slots": "saved_activations",
     "workspace": "workspaces", "context": "workspaces", "head_buffers": "workspaces",
+    "attn_workspace": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
     "tokens": "buffers", "embed_rows": "buffers",
 }
@@ -85,6 +86,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
                 home_max = max(home_max, act_bytes[a.level])
     out.append(("act_slots", s.act_slots * home_max))
     out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
+    out.append(("attn_workspace", buffers.attention_workspace_bytes(cfg, t, ch.seqlen)))
     out.append(("context", buffers.packed_bytes(buffers.context_specs(
         cfg, ch.seqlen, t, ch.chunks_per_seq))))
     out.append(("transitions", buffers.packed_bytes(buffers.transition_specs(

@@ -135,6 +135,12 @@ class CupyBackend(Backend):
         array.data.copy_to_host(out.ctypes.data, array.nbytes)
         return out
 
+    def lend_workspace(self, view) -> None:
+        """Let library calls use `view` (spare arena bytes) as their workspace."""
+        from dataflow import ops_cuda
+
+        ops_cuda.bind_arena_workspace(view)
+
     def memory_report(self) -> dict[str, int]:
         """What the process really uses on the device beside the budgeted arena: the CUDA
         context (baseline), library workspaces (cuBLAS, cuDNN, kernel scratch, CuPy pool) and
@@ -153,7 +159,7 @@ class CupyBackend(Backend):
             from dataflow import ops_cuda
 
             report["cudnn_workspace_bytes"] = sum(
-                int(v[1].nbytes) for v in _attn._GRAPHS.values() if v is not None)
+                int(v[1].nbytes) for v in _attn._GRAPHS.values() if v and v[1] is not None)
             report["op_scratch_bytes"] = ops_cuda.library_workspace_bytes()
         except Exception:  # noqa: BLE001 - a breakdown of the pool, best effort
             pass

@@ -41,7 +41,7 @@ _NAMES = tuple(
 
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS, _UID_DO, _UID_DQ, _UID_DK, _UID_DV = range(1, 10)
 _HANDLES: dict[int, object] = {}
-_GRAPHS: dict[tuple, tuple] = {}          # key -> (graph, cached workspace array, its bytes)
+_GRAPHS: dict[tuple, list] = {}  # key -> [graph, own workspace array or None, its bytes]
 FALLBACKS: dict[tuple, str] = {}
 """Graph keys cuDNN refused, with its reason; those shapes run on the simple kernels."""
 
@@ -105,7 +105,9 @@ def _finish(cudnn, g):
     g.check_support()
     g.build_plans()
     ws = int(g.get_workspace_size())
-    return g, cupy.empty(max(ws, 16), dtype=np.uint8), ws
+    # [graph, own workspace (allocated on first use without a caller's workspace), bytes]: the
+    # engine passes a slice of its arena, so a full device budget need not leave room for it.
+    return [g, None, ws]
 
 
 def _build_fwd(t, s, h, kh, e, bottom_right, style):
@@ -192,11 +194,10 @@ def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int
 
 def _run(built, pack: dict, workspace) -> None:
     g, ws, ws_bytes = built
-    if workspace is not None:
-        if workspace.nbytes < ws_bytes:
-            raise ValueError(f"attention workspace has {workspace.nbytes} bytes; this graph needs "
-                             f"{ws_bytes} (attention_workspace_bytes)")
+    if workspace is not None and workspace.nbytes >= ws_bytes:
         ws = workspace
+    elif ws is None:
+        ws = built[1] = cupy.empty(max(ws_bytes, 16), dtype=np.uint8)
     g.execute(pack, ws.data.ptr, handle=_handle())
 
 
