@@ -65,8 +65,11 @@ def attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv):
     """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy."""
     dk16 = _scratch("dk", k.shape, k.dtype)
     dv16 = _scratch("dv", v.shape, v.dtype)
+    # Deterministic (bit-reproducible) when a chunk attends to itself only; a chunk attending
+    # to a longer context uses the atomic dQ algorithm, whose workspace does not grow with
+    # T*S (memplan.buffers.attention_workspace_bytes sizes the arena the same way).
     K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16,
-                    workspace=_ARENA_WORKSPACE[0])
+                    deterministic=k.shape[0] == q.shape[0], workspace=_ARENA_WORKSPACE[0])
     K.add_(dk, dk16)
     K.add_(dv, dv16)
 

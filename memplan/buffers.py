@@ -85,17 +85,30 @@ def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ..
     return tuple([TensorSpec(n, s, "bf16") for n, s in bf] + [TensorSpec(n, s, "f32") for n, s in f32])
 
 
-ATTN_WORKSPACE_BYTES_PER_QUERY_ELEM = 132
-"""cuDNN 9.19's deterministic fused-attention backward asked for 132 bytes of workspace per
-query element (tokens x heads x head_dim) at both shapes measured on the H100: 1.108e9 B for
-4096 x 32 x 64 and 4.430e9 B for 8192 x 32 x 128. The arena keeps this much for it, so the
-library's scratch lives inside the device budget. The NumPy backend leaves it unused."""
+ATTN_WORKSPACE_SCORE_BYTES = 2
+"""cuDNN 9.19's deterministic fused-attention backward keeps a bf16 score-sized buffer per head:
+its workspace measured on the H100 was 2*T*S*H + 4*T*H*E bytes (+ < 1 MiB) at all three shapes
+tried — (T = S = 4096, H 32, E 64): 1.108e9; (8192, 32, 64): 4.363e9; (8192, 32, 128): 4.430e9.
+The arena keeps this much, so the library's scratch lives inside the device budget."""
+ATTN_WORKSPACE_DQ_BYTES = 4
+ATTN_WORKSPACE_SLACK_BYTES = 1 << 20
+
+
+ATTN_NONDET_WORKSPACE_BYTES = 64 << 20
+"""Allowance for the non-deterministic backward used when a query chunk attends to a longer
+context (split sequences): its dQ accumulator (4*T*H*E) plus this; not yet measured."""
 
 
 def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
-    """Workspace the fused attention of one chunk needs (a chunk attends per sequence when
-    packed, so its queries are the shorter of chunk and sequence times the packed count)."""
-    return ATTN_WORKSPACE_BYTES_PER_QUERY_ELEM * min(chunk_tokens, seqlen) * cfg.q_dim
+    """Workspace of the largest fused-attention call of a chunk. Packed chunks attend per
+    sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E).
+    Split sequences would need 2*T*seqlen*H for that, which is hopeless at long context, so
+    their chunks use cuDNN's non-deterministic backward (dQ by atomics: 4*T*H*E + allowance)."""
+    t = min(chunk_tokens, seqlen)
+    dq = ATTN_WORKSPACE_DQ_BYTES * t * cfg.q_dim
+    if seqlen > chunk_tokens:
+        return dq + ATTN_NONDET_WORKSPACE_BYTES
+    return ATTN_WORKSPACE_SCORE_BYTES * t * t * cfg.n_heads + dq + ATTN_WORKSPACE_SLACK_BYTES
 
 
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
