@@ -63,10 +63,15 @@ class Executor:
         self._build_rings()
         self._load_positions()
         self.step_index = 0
-        spare = plan.budget.device_bytes - self.dev.used_bytes
-        if hasattr(be, "lend_workspace") and spare >= 1 << 20:
-            # Budgeted bytes no region uses: cuDNN's workspace comes from here, not outside.
-            be.lend_workspace(be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8"))
+        if hasattr(be, "lend_workspace"):
+            # cuDNN's workspace comes from the arena (the planner's attn_workspace region, or
+            # the budgeted bytes no region uses, whichever is larger), not from outside it.
+            spare = plan.budget.device_bytes - self.dev.used_bytes
+            region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
+            if region >= spare and region:
+                be.lend_workspace(self.dev.view("attn_workspace", (region,), "u8"))
+            elif spare >= 1 << 20:
+                be.lend_workspace(be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8"))
 
     # -- layout of blocks ---------------------------------------------------------------------
     def _block(self, arena: Arena, name: str, numel: int, dtype: str = "bf16"):
