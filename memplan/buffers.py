@@ -87,11 +87,12 @@ def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ..
 
 ATTN_WORKSPACE_SCORE_BYTES = 2
 """cuDNN 9.19's deterministic fused-attention backward keeps a bf16 score-sized buffer per head:
-its workspace measured on the H100 was 2*T*S*H + 4*T*H*E bytes (+ < 1 MiB) at all three shapes
+its workspace measured on the H100 was 2*T*S*H + 4*T*H*E bytes (+ ~1 MiB) at all three shapes
 tried — (T = S = 4096, H 32, E 64): 1.108e9; (8192, 32, 64): 4.363e9; (8192, 32, 128): 4.430e9.
 The arena keeps this much, so the library's scratch lives inside the device budget."""
 ATTN_WORKSPACE_DQ_BYTES = 4
-ATTN_WORKSPACE_SLACK_BYTES = 1 << 20
+ATTN_WORKSPACE_SLACK_BYTES = 32 << 20
+"""cuDNN asked for 0.5 MiB beyond the formula at T = 4096 and about 1 MiB at 8192; keep room."""
 
 
 ATTN_NONDET_WORKSPACE_BYTES = 64 << 20
