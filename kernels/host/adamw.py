@@ -11,30 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
+from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
+
 _PIECE = 1 << 14
 _WORKERS = max(1, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="host-adamw")
 """numba releases the GIL (nogil=True), so plain threads run the pieces in parallel."""
 
 
-@numba.njit(cache=True, inline="always")
-def _to_f32(bits):
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-@numba.njit(cache=True, inline="always")
-def _to_bf16(x):
-    b = x.view(np.uint32)
-    one, sixteen = np.uint32(1), np.uint32(16)
-    out = ((b + np.uint32(0x7FFF) + ((b >> sixteen) & one)) >> sixteen).astype(np.uint16)
-    nan = x != x
-    out[nan] = np.uint16(0x7FC0)
-    return out
-
-
 @numba.njit(cache=True)
 def _grad_bf16(g):
-    return _to_f32(g)
+    return bf16_to_f32(g)
 
 
 @numba.njit(cache=True)
@@ -54,9 +41,9 @@ def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, e
         z = min(stop, a + _PIECE)
         n = z - a
         gf = grad_f32(g[a:z])
-        pf[:n] = _to_f32(p[a:z])
-        mf[:n] = _to_f32(m[a:z])
-        vf[:n] = _to_f32(v[a:z])
+        pf[:n] = bf16_to_f32(p[a:z])
+        mf[:n] = bf16_to_f32(m[a:z])
+        vf[:n] = bf16_to_f32(v[a:z])
         for i in range(n):
             gi = gf[i] * scale
             mi = b1 * mf[i] + one_m_b1 * gi
@@ -65,9 +52,9 @@ def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, e
             pf[i] = pi - lr * (wd * pi + (mi / bc1) / (np.sqrt(vi / bc2) + eps))
             mf[i] = mi
             vf[i] = vi
-        p[a:z] = _to_bf16(pf[:n])
-        m[a:z] = _to_bf16(mf[:n])
-        v[a:z] = _to_bf16(vf[:n])
+        p[a:z] = f32_to_bf16(pf[:n])
+        m[a:z] = f32_to_bf16(mf[:n])
+        v[a:z] = f32_to_bf16(vf[:n])
 
 
 def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale) -> None:

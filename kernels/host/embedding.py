@@ -8,39 +8,27 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-
-@numba.njit(cache=True, inline="always")
-def _bf16_to_f32(bits):
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
 
 
-@numba.njit(cache=True, inline="always")
-def _f32_to_bf16(x):
-    b = x.view(np.uint32)
-    one, sixteen = np.uint32(1), np.uint32(16)
-    out = ((b + np.uint32(0x7FFF) + ((b >> sixteen) & one)) >> sixteen).astype(np.uint16)
-    out[x != x] = np.uint16(0x7FC0)
-    return out
+@numba.njit(cache=True)
+def _add_bf16(row_bits, acc):
+    return f32_to_bf16(bf16_to_f32(row_bits) + acc)
+
+
+@numba.njit(cache=True)
+def _add_f32(row, acc):
+    return row + acc
 
 
 @numba.njit(parallel=True, cache=True)
-def _scatter_bf16(order, starts, ids_sorted, dx, table):
+def _scatter(add, order, starts, ids_sorted, dx, table):
     for u in numba.prange(starts.size - 1):
         row = ids_sorted[starts[u]]
         acc = np.zeros(dx.shape[1], dtype=np.float32)
         for j in range(starts[u], starts[u + 1]):
-            acc += _bf16_to_f32(dx[order[j]])
-        table[row] = _f32_to_bf16(_bf16_to_f32(table[row]) + acc)
-
-
-@numba.njit(parallel=True, cache=True)
-def _scatter_f32(order, starts, ids_sorted, dx, table):
-    for u in numba.prange(starts.size - 1):
-        row = ids_sorted[starts[u]]
-        acc = np.zeros(dx.shape[1], dtype=np.float32)
-        for j in range(starts[u], starts[u + 1]):
-            acc += _bf16_to_f32(dx[order[j]])
-        table[row] = table[row] + acc
+            acc += bf16_to_f32(dx[order[j]])
+        table[row] = add(table[row], acc)
 
 
 def embedding_bwd(ids: np.ndarray, dx: np.ndarray, dtable: np.ndarray) -> None:
@@ -51,6 +39,6 @@ def embedding_bwd(ids: np.ndarray, dx: np.ndarray, dtable: np.ndarray) -> None:
     starts = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1], True]).astype(np.int64)
     dx16 = dx.view(np.uint16)
     if dtable.dtype == np.float32:
-        _scatter_f32(order, starts, ids_sorted, dx16, dtable)
+        _scatter(_add_f32, order, starts, ids_sorted, dx16, dtable)
     else:
-        _scatter_bf16(order, starts, ids_sorted, dx16, dtable.view(np.uint16))
+        _scatter(_add_bf16, order, starts, ids_sorted, dx16, dtable.view(np.uint16))
