@@ -299,7 +299,7 @@ class Executor:
                 self._release_act("f", layer, chunk.index)
             self._release_weights("f", layer)
             if layer == L - 2 and self.head_w_ring is not None:
-                self.head_w_ring._issue_fetches(0)                   # head weights arrive early
+                self.head_w_ring.prefetch(0)                        # head weights arrive early
             resid_in, resid_out = resid_out, resid_in
         self._head(rnd, resid_in, resid_out, grad_scale)
         dy, dx = resid_out, resid_in

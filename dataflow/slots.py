@@ -102,6 +102,11 @@ class SlotRing:
                     self.fetched[j] = self.be.record(Stream.H2D)
             self.next_fetch += 1
 
+    def prefetch(self, upto: int) -> None:
+        """Issue the fetches of uses up to `upto` now (e.g. the head's weights during the last
+        forward layers), as far as their slots are free."""
+        self._issue_fetches(upto)
+
     def _part(self, slot_view, host_view):
         """The leading bytes of a slot that hold a smaller item (activation slots are sized
         for the largest saved level)."""
