@@ -103,17 +103,14 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------
     def _zero_state(self) -> None:
+        self.be.synchronize()  # once: nothing is queued that touches home state yet
         for b in self.ex.blocks.values():
             for part in ("grads", "m", "v"):
-                for side in ("dev_", "home_"):
-                    view = b[side + part]
-                    if view is None:
-                        continue
-                    if side == "dev_":
-                        self.be.launch(Stream.COMPUTE, "fill_", view, 0.0, name="init.zero")
-                    else:
-                        self.be.synchronize()
-                        view[...] = 0
+                if b["dev_" + part] is not None:
+                    self.be.launch(Stream.COMPUTE, "fill_", b["dev_" + part], 0.0,
+                                   name="init.zero")
+                if b["home_" + part] is not None:
+                    b["home_" + part][...] = 0
 
     def _targets(self):
         """(key, block kind, layer, block dict) for every block."""

@@ -122,19 +122,11 @@ def sumsq(x, out, accumulate=True):
     out[0] = out[0] + F32(s) if accumulate else F32(s)
 
 
-def clip_scale(sq_norm, max_norm, base_scale, out):
-    """out[0] = base_scale * min(1, max_norm / (sqrt(sq_norm[0]) * base_scale + 1e-6)):
-    the gradient scale that clips the global norm, computed on the device with no host sync."""
-    norm = float(np.sqrt(np.float64(sq_norm[0]))) * base_scale
-    out[0] = F32(base_scale * min(1.0, max_norm / (norm + 1e-6)))
-
-
 WRITES: dict[str, tuple[int, ...]] = {
     "rms_norm_fwd": (3, 4), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
     "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
     "swiglu_bwd": (3, 4), "embedding_fwd": (2,), "embedding_bwd": (2,),
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
-    "clip_scale": (3,),
 }
 """Positions of the arguments each op writes (accumulated outputs count as writes)."""
