@@ -44,6 +44,23 @@ class StepResult:
     """Where the step's time and bytes went; None unless the engine traces (trace=True)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockRef:
+    """One block of the model: the embedding, layer `layer`, or the head (final norm + lm_head).
+    Weights, AdamW m and v of a block share its layout (`Engine.layout(ref)`)."""
+
+    kind: BlockKind
+    layer: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"layers.{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
+
+
+BLOCK_PARTS = ("weights", "m", "v")
+"""The parts of a block that persist across steps (gradients are cleared by every step)."""
+
+
 class Engine:
     """Train a model under host and device memory budgets.
 
@@ -198,6 +215,33 @@ class Engine:
                     lay.view(block, t.name)[...] = value
                 self._write_block(b, block, part)
         self.optimizer.step_count = int(state.get("optimizer.step", 0))
+        self.be.synchronize()
+
+    # -- block access (stable API for checkpoints and interop) ------------------------------
+    def block_refs(self) -> tuple[BlockRef, ...]:
+        """Every block in model order: embed, layers 0..L-1, head."""
+        return tuple(BlockRef(kind, layer) for _, kind, layer, _ in self._targets())
+
+    def layout(self, ref: BlockRef):
+        """The block's layout (tensors with transformers' names and shapes, numel, views)."""
+        return self._layout(ref.kind)
+
+    def _target(self, ref: BlockRef) -> dict:
+        key = f"layer{ref.layer}" if ref.kind is BlockKind.LAYER else ref.kind.value
+        return self.ex.blocks[key]
+
+    def read_block(self, ref: BlockRef, part: str = "weights") -> np.ndarray:
+        """A host copy of one block's weights, AdamW m or v (synchronous; one block at a time,
+        so saving a large model never holds more than a block beside the arenas)."""
+        if part not in BLOCK_PARTS:
+            raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+        return self._read_block(self._target(ref), part)
+
+    def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
+        """Overwrite one block's weights, AdamW m or v with `array` (numel elements, bf16)."""
+        if part not in BLOCK_PARTS:
+            raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+        self._write_block(self._target(ref), array, part)
         self.be.synchronize()
 
     def _layout(self, kind):
