@@ -109,21 +109,48 @@ def bf16_ulp(a: np.ndarray) -> np.ndarray:
 
 def test_adamw_on_bf16_state_is_within_one_ulp_of_float64_arithmetic(rng):
     """AdamW on bf16 param/m/v updates them in place as bf16, each within one bf16 ulp of the
-    same update done in float64 from the same bf16 values and rounded to bf16."""
+    same update done in float64 from the same bf16 values and rounded to bf16, plus the error
+    fp32 arithmetic must make where the update cancels.
+
+    Why the second term: m = b1 m + (1-b1) g (and p - lr (wd p + update)) can cancel to a value
+    thousands of times smaller than its terms. fp32 then carries an absolute error of a few fp32
+    ulps *of the terms* (two rounded products, the rounded constants float32(0.9) and
+    float32(0.1), the rounded g * grad_scale), which is several bf16 ulps *of the result*; a pure
+    ulp-of-result test failed about 1 seed in 130 (e.g. seed 1937: m -2.86e-8 from terms of
+    1.8e-2, 10 ulp off). The reference is right to compute in fp32 (DESIGN.md section 5, and the
+    CUDA and numba kernels match it bit for bit), so the measure is what was wrong."""
     n = 4096
     p, m, v = bf16(rng, n), bf16(rng, n, scale=1e-2), np.abs(bf16(rng, n, scale=1e-3))
     g = rng.standard_normal(n).astype(np.float32)
     lr, b1, b2, eps, wd, step, scale = 1e-2, 0.9, 0.95, 1e-8, 0.1, 7, 0.3
     p64, m64, v64, g64 = (a.astype(np.float64) for a in (p, m, v, g))
     g64 = g64 * scale
+    m_terms = np.abs(b1 * m64) + np.abs((1 - b1) * g64)
+    v_terms = np.abs(b2 * v64) + np.abs((1 - b2) * g64**2)
     m64 = b1 * m64 + (1 - b1) * g64
     v64 = b2 * v64 + (1 - b2) * g64**2
-    update = (m64 / (1 - b1**step)) / (np.sqrt(v64 / (1 - b2**step)) + eps)
+    denom = (1 - b1**step) * (np.sqrt(v64 / (1 - b2**step)) + eps)
+    update = m64 / denom
+    # fp32 error of each result, in absolute terms: FP32_SLACK unit roundoffs of the magnitudes
+    # that were summed (products, rounded constants, the scaled gradient), and for p also m's
+    # error carried through the update.
+    m_err = FP32_SLACK * FP32_UNIT_ROUNDOFF * m_terms
+    v_err = FP32_SLACK * FP32_UNIT_ROUNDOFF * v_terms
+    p_terms = np.abs(p64) + lr * (wd * np.abs(p64) + np.abs(update))
+    p_err = FP32_SLACK * FP32_UNIT_ROUNDOFF * p_terms + lr * m_err / denom
     p64 = p64 - lr * (wd * p64 + update)
     adamw_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
                grad_scale=scale)
-    for got, want, name in ((p, p64, "param"), (m, m64, "m"), (v, v64, "v")):
+    for got, want, err, name in ((p, p64, p_err, "param"), (m, m64, m_err, "m"),
+                                 (v, v64, v_err, "v")):
         assert got.dtype == BF16, name
         want_bf16 = want.astype(BF16).astype(np.float64)
-        ulps = np.abs(got.astype(np.float64) - want_bf16) / bf16_ulp(want)
-        assert np.all(ulps <= 1.0), f"{name}: {ulps.max()} ulp"
+        ulps = (np.abs(got.astype(np.float64) - want_bf16) - err) / bf16_ulp(want)
+        assert np.all(ulps <= 1.0), f"{name}: {ulps.max()} ulp beyond the fp32 error"
+        # The slack must stay a small share: most elements are checked at one bf16 ulp.
+        assert np.median(err / bf16_ulp(want)) < 0.05, name
+
+
+FP32_SLACK = 4
+"""fp32 roundings a term of AdamW's update passes through (constant, product, sum, the scaled
+gradient): the worst case seen for m over 20,000 seeds was 1.6 unit roundoffs of the terms."""
