@@ -1,0 +1,180 @@
+"""`dataflow-sweep run ...` and `dataflow-sweep plot DIR`: the sweep's command line. Parses and
+checks arguments, then hands a SweepConfig to sweep.run_sweep or a directory to plot.plot_sweep.
+Exit 0 when done (failed cells are results, not errors), 2 with one line for bad input, 1 for a
+failure while running; tracebacks only with --debug. Never decides anything itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from models.errors import ConfigError
+
+PROG = "dataflow-sweep"
+
+EPILOG = """\
+examples:
+  dataflow-sweep run --model tiny --seqlen 128 --host 1,2 --dev 0.25,0.5 --steps 2 \\
+      --backend numpy --out runs/tiny
+  dataflow-sweep run --model 8b --seqlen 8192 --host 60,80,100,120 --dev 16:40:8,78 \\
+      --steps 3 --backend cupy --out runs/8b-8k
+  dataflow-sweep run --predict-only --gpu h100 --model 1b,8b --seqlen 8192 \\
+      --host 20:120:20 --dev 8:80:8 --out runs/predicted
+  dataflow-sweep plot runs/8b-8k
+
+GB means GiB (2^30 bytes). A range start:stop:step includes stop when the steps land on it.
+Run again to resume: cells with a record in the directory are skipped (--redo runs them again).
+"""
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump; main() returns 2
+        raise _UsageError(message)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                description="Memory x throughput sweeps: run the demo's engine for every cell "
+                            "of a grid of host and device budgets (each in a fresh process), "
+                            "keep one resumable table (Parquet + CSV) and draw heatmaps.")
+    sub = p.add_subparsers(dest="command", metavar="{run,plot}", parser_class=_Parser)
+    run = sub.add_parser("run", help="run (or predict) a grid of cells into a sweep directory",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    run.add_argument("--model", required=True,
+                     help="zoo names or model dirs, comma-separated (e.g. 1b,8b)")
+    run.add_argument("--seqlen", required=True, help="tokens per sequence: list or range")
+    run.add_argument("--host", required=True,
+                     help="host budgets in GiB: a list (60,80,100) or a range (20:60:10)")
+    run.add_argument("--dev", required=True, help="device budgets in GiB: list or range")
+    run.add_argument("--out", required=True, metavar="DIR", help="sweep directory")
+    run.add_argument("--steps", type=_positive(int), default=3,
+                     help="optimizer steps per cell; means are over the steps after the first "
+                          "(default 3)")
+    run.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
+                     help="passed to every cell's demo (default auto: cupy when a GPU is usable)")
+    run.add_argument("--timeout", type=_positive(float), default=1800.0, metavar="SECONDS",
+                     help="per cell, model initialisation included (default 1800)")
+    run.add_argument("--redo", action="store_true", help="run cells that already have a record")
+    run.add_argument("--predict-only", action="store_true",
+                     help="fill the table from the planner alone, starting no process")
+    prof = run.add_mutually_exclusive_group()
+    prof.add_argument("--gpu", metavar="NAME",
+                      help="plan for this built-in profile (default: the local GPU's; h100 "
+                           "for --predict-only without a GPU; cpu for --backend numpy)")
+    prof.add_argument("--profile", metavar="FILE", help="plan for this hardware profile JSON")
+    run.add_argument("--executor", choices=("local", "submitit"), default="local",
+                     help="local: one cell after another here (default); submitit: one job per "
+                          "cell on a Slurm cluster (pip install 'dataflow[sweep-slurm]')")
+    run.add_argument("--cluster", choices=("slurm", "local", "debug"), default=None,
+                     help="submitit's cluster (default: Slurm when present)")
+    run.add_argument("--partition", metavar="NAME", help="Slurm partition for submitit jobs")
+    run.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
+    plot = sub.add_parser("plot", help="draw the heatmaps of a sweep directory as PNGs")
+    plot.add_argument("dir", metavar="DIR", help="sweep directory (holds sweep.parquet)")
+    plot.add_argument("--to", metavar="DIR", help="write the PNGs here (default: DIR)")
+    plot.add_argument("--util-range", metavar="LO,HI", default="0.35,0.7",
+                      help="colour range of MFU and HFU; TFLOP/s and tok/s follow from it "
+                           "(default 0.35,0.7, as ml_dataflow's H100 reports)")
+    plot.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
+    return p
+
+
+def _config(args):
+    from bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
+    from bench.sweep.sweep import SweepConfig
+
+    if args.executor == "local" and (args.cluster or args.partition):
+        raise ConfigError("--cluster and --partition apply to --executor submitit only")
+    cells = expand(parse_names(args.model, "--model"), parse_ints(args.seqlen, "--seqlen"),
+                   parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
+    return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
+                       timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,
+                       gpu=args.gpu, profile_file=args.profile)
+
+
+def _run(args) -> int:
+    from bench.sweep.sweep import run_sweep
+
+    config = _config(args)
+    executor = None
+    if args.executor == "submitit" and not args.predict_only:
+        from pathlib import Path
+
+        from bench.sweep.executors import SubmititExecutor
+        from bench.sweep.planning import resolve_backend
+
+        backend = resolve_backend(args.backend)
+        executor = SubmititExecutor(str(Path(args.out) / "submitit"), cluster=args.cluster,
+                                    timeout_s=args.timeout, partition=args.partition,
+                                    gpus_per_node=1 if backend == "cupy" else 0)
+    run_sweep(config, executor)
+    return 0
+
+
+def _plot(args) -> int:
+    try:
+        lo, hi = (float(v) for v in args.util_range.split(","))
+    except ValueError:
+        raise ConfigError(f"--util-range {args.util_range!r}: write two fractions LO,HI, "
+                          "e.g. 0.35,0.7") from None
+    if not 0 <= lo < hi:
+        raise ConfigError(f"--util-range {args.util_range!r}: need 0 <= LO < HI, e.g. 0.35,0.7")
+    try:
+        from bench.sweep.plot import plot_sweep
+    except ImportError as exc:
+        raise ConfigError(f"plotting needs matplotlib ({exc}); pip install 'dataflow[plot]'") \
+            from None
+    for path in plot_sweep(args.dir, args.to, util_range=(lo, hi)):
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    if args.command is None:
+        print(f"{PROG}: error: say run or plot (see {PROG} --help)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    try:
+        return _run(args) if args.command == "run" else _plot(args)
+    except (ConfigError, ImportError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line of reason unless --debug
+        if args.debug:
+            raise
+        print(f"{PROG}: failed while running: {type(exc).__name__}: {exc} (rerun with --debug)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

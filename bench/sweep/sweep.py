@@ -1,0 +1,161 @@
+"""Runs a sweep: skips the cells already finished in the sweep directory (unless redo), plans the
+rest in this process (recording refused and, with predict_only, all cells at once), hands the
+runnable cells to an executor and rewrites the table after every cell, with one progress line per
+cell. Never trains in its own process and never decides placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from bench.sweep.executors import Executor, LocalExecutor
+from bench.sweep.grid import Cell
+from bench.sweep.planning import plan_cell, resolve_backend, resolve_profile
+from bench.sweep.record import CellRecord, Status
+from bench.sweep.runner import REPO_ROOT, CellJob
+from bench.sweep.table import CSV, PARQUET, SweepStore
+
+log = logging.getLogger("dataflow.sweep")
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SweepConfig:
+    cells: tuple[Cell, ...]
+    out: str
+    """The sweep directory: records, logs, plans and the table."""
+    steps: int = 3
+    backend: str = "auto"
+    """'auto', 'numpy' or 'cupy', passed to every cell's demo once resolved."""
+    timeout_s: float = 1800.0
+    """Per cell, start-up and model initialisation included."""
+    redo: bool = False
+    """Run cells that already have a record."""
+    predict_only: bool = False
+    gpu: str | None = None
+    """Plan for this built-in hardware profile instead of the local device's."""
+    profile_file: str | None = None
+
+
+def git_commit(root: Path = REPO_ROOT) -> str | None:
+    """Short HEAD commit of the code that runs the cells, '+dirty' when tracked files differ."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def is_finished(record: CellRecord | None, predict_only: bool) -> bool:
+    """A cell with any record is finished, failures included (--redo runs it again), except that
+    a planner-only record does not finish a measuring sweep."""
+    return record is not None and (predict_only or record.state is not Status.PREDICTED)
+
+
+class _Progress:
+    """One line per cell: 'cell k of n', the outcome and an ETA from the cells run so far."""
+
+    def __init__(self, total: int, to_run: int):
+        self.total, self.to_run, self.done, self.ran, self.run_s = total, to_run, 0, 0, 0.0
+
+    def cell(self, r: CellRecord) -> None:
+        self.done += 1
+        if r.wall_s is not None:
+            self.ran += 1
+            self.run_s += r.wall_s
+        left = self.to_run - self.ran
+        eta = f"; eta {_duration(self.run_s / self.ran * left)}" if self.ran and left else ""
+        log.info("[%d/%d] %s: %s%s", self.done, self.total, r.cell.label, outcome(r), eta)
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.0f} MiB"
+
+
+def outcome(r: CellRecord) -> str:
+    """The record in a few words, for progress lines."""
+    if r.state is Status.INFEASIBLE:
+        return (f"infeasible (smallest budgets that work together: host "
+                f"{_size(r.min_host_bytes)}, dev {_size(r.min_device_bytes)})")
+    if r.state is Status.PREDICTED:
+        return (f"predicted {r.predicted_tok_per_s:,.0f} tok/s, MFU {r.predicted_mfu:.1%} "
+                f"({r.predicted_bottleneck}-bound)")
+    if r.state is Status.OK:
+        mem = f", peak RSS {r.peak_rss_bytes / GIB:.2f} GiB" if r.peak_rss_bytes else ""
+        if r.peak_device_minus_context_bytes is not None:
+            mem += f", device {r.peak_device_minus_context_bytes / GIB:.2f} GiB"
+        return (f"ok {r.tok_per_s:,.0f} tok/s (predicted {r.predicted_tok_per_s:,.0f}), MFU "
+                f"{r.mfu:.1%}{mem}, {r.wall_s:.1f} s")
+    return f"{r.status}: {r.error}" + (f" ({r.wall_s:.1f} s)" if r.wall_s is not None else "")
+
+
+def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[CellRecord]:
+    """Run (or predict) every unfinished cell of `config`; returns the records of its cells in
+    grid order. Each record is saved the moment its cell finishes."""
+    executor = executor or LocalExecutor()
+    store = SweepStore(config.out)
+    records = store.load()
+    backend = resolve_backend(config.backend)
+    profile = resolve_profile(backend, gpu=config.gpu, profile_file=config.profile_file,
+                              predict_only=config.predict_only)
+    todo = [c for c in config.cells
+            if config.redo or not is_finished(records.get(c), config.predict_only)]
+    skipped = len(config.cells) - len(todo)
+    log.info("sweep %s: %d cell(s), %d finished already%s; backend %s, planned for %s",
+             config.out, len(config.cells), skipped, " (redo)" if config.redo else "",
+             "none (predict only)" if config.predict_only else backend, profile.name)
+    common = dict(backend=backend, steps=config.steps, run_id=uuid.uuid4().hex[:12],
+                  commit=git_commit())
+    jobs, progress = [], _Progress(len(todo), 0)
+    for cell in todo:
+        plan, record = plan_cell(cell, profile, **common)
+        if plan is None or config.predict_only:
+            _keep(store, records, record)
+            progress.cell(record)
+            continue
+        plan_path = store.plans_dir / f"{plan.hash}.json"
+        if not plan_path.exists():
+            store.plans_dir.mkdir(parents=True, exist_ok=True)
+            plan_path.write_text(plan.to_json())
+        jobs.append(CellJob(planned=record, plan_path=str(plan_path.resolve()),
+                            out=str(store.root.resolve()), timeout_s=config.timeout_s))
+    progress.to_run = len(jobs)
+    if jobs:
+        log.info("running %d cell(s) through the %s executor, %d step(s) each, timeout %s",
+                 len(jobs), executor.name, config.steps, _duration(config.timeout_s))
+    t0 = time.monotonic()
+    for record in executor.run(jobs):
+        _keep(store, records, record)
+        progress.cell(record)
+    store.write_table(records.values())
+    mine = [records[c] for c in config.cells if c in records]
+    counts = {}
+    for r in mine:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    log.info("done in %s: %s; table %s and %s", _duration(time.monotonic() - t0),
+             ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+             store.root / PARQUET, store.root / CSV)
+    return mine
+
+
+def _keep(store: SweepStore, records: dict, record: CellRecord) -> None:
+    """Save the cell's record and rewrite the table, so a kill loses nothing finished."""
+    store.save(record)
+    records[record.cell] = record
+    store.write_table(records.values())

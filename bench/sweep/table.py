@@ -1,0 +1,109 @@
+"""The sweep directory on disk: one JSON record per finished cell under cells/ (the source of
+truth, written atomically the moment a cell finishes, so a killed sweep loses at most the cell in
+flight), and the table rebuilt from them as sweep.parquet and sweep.csv (with a header). Never
+runs or plans cells."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from bench.sweep.grid import Cell
+from bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, column_types
+from models.errors import ConfigError
+
+PARQUET = "sweep.parquet"
+CSV = "sweep.csv"
+SCHEMA_KEY = b"dataflow_sweep_schema_version"
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file and rename, so a reader (or a kill) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class SweepStore:
+    """A sweep directory: cells/<slug>.json, logs/, plans/, sweep.parquet, sweep.csv."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.cells_dir = self.root / "cells"
+        self.logs_dir = self.root / "logs"
+        self.plans_dir = self.root / "plans"
+
+    def record_path(self, cell: Cell) -> Path:
+        return self.cells_dir / f"{cell.slug}.json"
+
+    def save(self, record: CellRecord) -> None:
+        """Persist one finished cell now (idempotent: a later save of the same cell replaces it)."""
+        text = json.dumps(record.to_row(), indent=1, sort_keys=False)
+        _atomic_write(self.record_path(record.cell), lambda tmp: Path(tmp).write_text(text))
+
+    def load(self) -> dict[Cell, CellRecord]:
+        """Every record under cells/, by cell."""
+        out = {}
+        for path in sorted(self.cells_dir.glob("*.json")):
+            try:
+                record = CellRecord.from_row(json.loads(path.read_text()))
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{path}: not a sweep record of schema {SCHEMA_VERSION} "
+                                  f"({exc}); move it away or rerun that cell with --redo") from None
+            out[record.cell] = record
+        return out
+
+    def write_table(self, records) -> None:
+        """sweep.parquet and sweep.csv from these records, in grid order."""
+        rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.key)]
+        _atomic_write(self.root / PARQUET, lambda tmp: _write_parquet(tmp, rows))
+        _atomic_write(self.root / CSV, lambda tmp: _write_csv(tmp, rows))
+
+
+def _arrow_schema():
+    import pyarrow as pa
+
+    arrow = {int: pa.int64(), float: pa.float64(), str: pa.string()}
+    return pa.schema([(name, arrow[kind]) for name, kind in column_types().items()],
+                     metadata={SCHEMA_KEY: str(SCHEMA_VERSION).encode()})
+
+
+def _write_parquet(path: str, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _arrow_schema()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + list(DERIVED))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def read_table(root: str | os.PathLike) -> list[CellRecord]:
+    """The records of a sweep directory's sweep.parquet (refusing another schema version)."""
+    import pyarrow.parquet as pq
+
+    path = Path(root) / PARQUET
+    if not path.exists():
+        raise ConfigError(f"no {PARQUET} in {root}; run `dataflow-sweep run ... --out {root}` "
+                          "first")
+    table = pq.read_table(path)
+    version = (table.schema.metadata or {}).get(SCHEMA_KEY, b"?").decode()
+    if version != str(SCHEMA_VERSION):
+        raise ConfigError(f"{path}: sweep schema version {version}; this version reads "
+                          f"{SCHEMA_VERSION} (rerun the sweep to rebuild the table)")
+    return [CellRecord.from_row(row) for row in table.to_pylist()]
