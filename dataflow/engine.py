@@ -16,7 +16,8 @@ from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
 from memplan.plan import Budget, Plan
-from models.config import ModelConfig, load_config
+from models.config import ModelConfig
+from models.hf import is_hf_dir, model_config
 from models.errors import ConfigError
 from models.flops import (flash_recompute_flops, level_recompute_flops, model_flops_per_seq,
                           FLOP_MODEL_VERSION)
@@ -76,7 +77,9 @@ class Engine:
                  **plan_options):
         from memplan import make_plan
 
-        cfg = model if isinstance(model, ModelConfig) else load_config(model)
+        if weights is None and not isinstance(model, ModelConfig) and is_hf_dir(model):
+            weights = model  # a Hugging Face directory brings its weights
+        cfg = model if isinstance(model, ModelConfig) else model_config(model)
         be = make_backend(backend, **({"sanitize": True} if sanitize else {}))
         if profile is None:
             profile = default_profile(be)
@@ -111,9 +114,9 @@ class Engine:
             self._init_weights(seed)
         else:
             if isinstance(weights, (str, Path)):
-                from models.storage import load_model
+                from models.hf import open_weights
 
-                weights = load_model(weights)
+                weights = open_weights(weights)  # a model directory or a Hugging Face one
             self._load_weights(weights)
         self.be.synchronize()
         self._closed = False
@@ -162,7 +165,7 @@ class Engine:
         if weights.cfg != self.plan.model:
             raise ConfigError(f"weights are for model '{weights.cfg.name}' but the plan is for "
                               f"'{self.plan.model.name}'; load matching weights")
-        blocks = [weights.embed] + list(weights.layers) + [weights.head]
+        blocks = (blk[3] for blk in weights.blocks())  # lazy: HFWeights reads block by block
         for (key, kind, layer, b), block in zip(self._targets(), blocks):
             self._write_block(b, block)
             if self._progress is not None:
@@ -305,6 +308,31 @@ class Engine:
         return {"device_arena": self.be.memory_used_bytes(Place.DEVICE),
                 "host_arena": self.be.memory_used_bytes(Place.HOST),
                 "device_regions": self.ex.dev.used_bytes, "host_regions": self.ex.host.used_bytes}
+
+    # -- checkpoints and Hugging Face export (dataflow.checkpoint, models.hf) -----------------
+    def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
+                        extra: dict | None = None, keep: int | None = None):
+        """Save weights, AdamW m and v, step, schedule and the caller's data position, RNG
+        state and `extra` to `path/step_<step>` (atomic, one block in host memory at a time);
+        keep: afterwards delete all but the newest `keep`. Returns the checkpoint's path."""
+        from dataflow.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep)
+
+    def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
+        """Restore from a checkpoint directory (or the newest under a root); any plan of the
+        same model loads it. Returns a dataflow.checkpoint.CheckpointInfo (step, data, rng)."""
+        from dataflow.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, verify=verify, allow_changes=allow_changes)
+
+    def save_pretrained(self, path, *, overwrite: bool = False):
+        """Write the weights as a Hugging Face Llama directory in bf16 (config.json and
+        safetensors), one block in host memory at a time."""
+        from models.hf import save_pretrained
+
+        blocks = ((ref.kind, ref.layer, self.read_block(ref)) for ref in self.block_refs())
+        return save_pretrained(self.plan.model, blocks, path, overwrite=overwrite)
 
     def close(self) -> None:
         if not getattr(self, "_closed", True):

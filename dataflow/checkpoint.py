@@ -1,0 +1,421 @@
+"""Training checkpoints: weights, AdamW m and v, step, lr schedule, data position, RNG state,
+plan hash and config, written block by block through the Engine's public block API (so host
+memory grows by one block, never by the model) into a temporary directory that is renamed into
+place only when complete, with a sha256 per file. Never damages an existing checkpoint, never
+deletes a directory it did not name, and never loads bytes that disagree with their checksum.
+
+Layout of one checkpoint, `<root>/step_00000042/`:
+    embed.bin, layer_000.bin, ..., head.bin       weights: together with config.json and
+                                                  manifest.json a models.storage model directory
+    embed.m.bin, embed.v.bin, layer_000.m.bin ... AdamW m and v, same layout as the weights
+    checkpoint.json                               step, plan, optimizer, schedule, data, rng, and
+                                                  every file above with its size and sha256
+    checkpoint.json.sha256                        sha256 of checkpoint.json: written last, so a
+                                                  checkpoint without it was never sealed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dataflow.lr_schedule import schedule_from_dict, schedule_to_dict
+from dataflow.optimizer import AdamWConfig
+from models.config import ModelConfig
+from models.errors import ChecksumError, ConfigError
+from models.init import BF16
+from models.layout import BlockKind
+from models.serial import from_dict, to_dict, to_json
+from models.storage import FORMAT as MODEL_FORMAT
+from models.storage import FORMAT_VERSION as MODEL_FORMAT_VERSION
+from models.storage import block_file
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dataflow-checkpoint"
+FORMAT_VERSION = 1
+META = "checkpoint.json"
+SEAL = "checkpoint.json.sha256"
+_PIECE_BYTES = 64 << 20
+"""Files are written, read and hashed in 64 MiB pieces (hashlib releases the GIL on them)."""
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TEMP_DIR = re.compile(r"^\.step_\d{8,}\.(tmp|old)-(\d+)-[0-9a-f]+$")
+_DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """What a checkpoint holds besides the arrays (returned by load_checkpoint)."""
+
+    path: str
+    step: int
+    """Optimizer steps taken when it was saved; the next train_step is step + 1."""
+    plan_hash: str
+    """Hash of the plan it was saved under (a different plan may load it)."""
+    model: ModelConfig
+    optimizer: AdamWConfig
+    schedule: dict | None
+    """The lr schedule as dataflow.lr_schedule.schedule_to_dict wrote it, or None."""
+    data: dict | None
+    """The data source's position (its state()), as the caller passed it."""
+    rng: dict | None
+    """A NumPy bit generator's state, as the caller passed it."""
+    extra: dict | None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Sealed checkpoints under `root`, oldest step first (unsealed or temporary ones skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / SEAL).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the newest sealed one under a checkpoint root."""
+    path = Path(path)
+    if (path / META).is_file() or (path / SEAL).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(f"no checkpoint at {path}: it holds neither {META} nor sealed step_* "
+                          "directories; pass a directory written by save_checkpoint")
+    return latest
+
+
+# -- saving -------------------------------------------------------------------------------------
+def save_checkpoint(eng, root: str | Path, *, data: dict | None = None, rng=None,
+                    extra: dict | None = None, keep: int | None = None) -> Path:
+    """Write the engine's state to `root/step_<step>` and return that path.
+
+    data: the data source's state() (JSON-able). rng: a numpy Generator (its bit generator's
+    state is stored) or such a state dict. extra: any JSON-able dict. keep: afterwards delete
+    the oldest sealed checkpoints under root so that `keep` remain. A save that fails or is
+    killed leaves at most a hidden `.step_*.tmp-*` directory, removed by a later save."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"keep must be a positive integer or None, got {keep!r}")
+    if rng is not None and not isinstance(rng, dict):
+        rng = rng.bit_generator.state
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    step = eng.optimizer.step_count
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files, manifest_blocks = [], []
+        for ref in eng.block_refs():
+            lay = eng.layout(ref)
+            base = block_file(ref.kind, ref.layer)
+            for part in ("weights", "m", "v"):
+                array = eng.read_block(ref, part)  # one block at a time: bounded host memory
+                name = base if part == "weights" else base.replace(".bin", f".{part}.bin")
+                nbytes, sha = _write_file(tmp / name, array)
+                files.append({"file": name, "block": ref.name, "part": part,
+                              "dtype": _dtype_name(array.dtype, name), "numel": int(array.size),
+                              "nbytes": nbytes, "sha256": sha})
+                if part == "weights":
+                    manifest_blocks.append(_manifest_entry(lay, ref.layer, nbytes, sha))
+                del array
+        cfg = eng.plan.model
+        manifest = {"format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
+                    "byte_order": "little", "blocks": manifest_blocks}
+        for name, text in (("config.json", to_json(cfg) + "\n"),
+                           ("manifest.json", json.dumps(manifest, indent=1) + "\n")):
+            body = text.encode()
+            files.append({"file": name, "nbytes": len(body), "sha256": _write_bytes(tmp / name,
+                                                                                   body)})
+        meta = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+            "plan_hash": eng.plan.hash, "plan": json.loads(eng.plan.to_json()),
+            "model": to_dict(cfg), "optimizer": to_dict(eng.optimizer.config),
+            "schedule": _schedule_record(eng.optimizer.schedule),
+            "data": data, "rng": rng, "extra": extra, "files": files,
+        }
+        body = (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
+        sha = _write_bytes(tmp / META, body)
+        _write_bytes(tmp / SEAL, (sha + "\n").encode())  # last: the checkpoint is now whole
+        _fsync_dir(tmp)
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    if keep is not None:
+        for old in list_checkpoints(root)[:-keep]:
+            if old != final:
+                shutil.rmtree(old)
+    return final
+
+
+def _schedule_record(schedule) -> dict | None:
+    try:
+        return schedule_to_dict(schedule)
+    except ConfigError:
+        # A plain callable cannot be stored; record what it was so a resume can say so.
+        return {"kind": "callable", "repr": repr(schedule)}
+
+
+def _dtype_name(dtype, name: str) -> str:
+    for key, dt in _DTYPES.items():
+        if np.dtype(dtype) == dt:
+            return key
+    raise ConfigError(f"block file {name}: dtype {dtype} cannot be checkpointed; "
+                      f"supported: {sorted(_DTYPES)}")
+
+
+def _manifest_entry(lay, layer, nbytes: int, sha: str) -> dict:
+    """One block entry of models.storage's manifest.json (so the weights form a model dir)."""
+    return {"file": block_file(lay.kind, layer), "kind": lay.kind.value, "layer": layer,
+            "nbytes": nbytes, "sha256": sha,
+            "tensors": [{"name": lay.full_name(t.name, layer), "offset_bytes": 2 * t.offset,
+                         "shape": list(t.shape), "dtype": "bfloat16"} for t in lay.tensors]}
+
+
+def _write_file(path: Path, array: np.ndarray) -> tuple[int, str]:
+    """Write an array's bytes, fsync, and return (nbytes, sha256)."""
+    data = memoryview(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, len(data), _PIECE_BYTES):
+            piece = data[start:start + _PIECE_BYTES]
+            f.write(piece)
+            digest.update(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data), digest.hexdigest()
+
+
+def _write_bytes(path: Path, body: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(body).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename tmp to final; an existing checkpoint of the same step is moved aside first and
+    deleted only once the new one is in place."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Delete `.step_*.tmp-<pid>-*` / `.old-<pid>-*` left by a save whose process is gone."""
+    for p in root.iterdir():
+        m = _TEMP_DIR.match(p.name)
+        if m and p.is_dir() and not _alive(int(m.group(2))):
+            log.info("removing %s, left by an interrupted save", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """(directory, checkpoint.json contents) of a sealed checkpoint, the seal checked; the
+    listed files are checked for presence and size (not content: see verify_files)."""
+    path = resolve_checkpoint(path)
+    seal, meta_file = path / SEAL, path / META
+    for f in (seal, meta_file):
+        if not f.is_file():
+            raise ChecksumError(f"checkpoint file {f} is missing; the checkpoint was not "
+                                "completely written: load an older one", path=str(f),
+                                expected="present", actual="missing")
+    body = meta_file.read_bytes()
+    want = seal.read_text().strip()
+    got = hashlib.sha256(body).hexdigest()
+    if got != want:
+        raise ChecksumError(f"checkpoint file {meta_file} fails its checksum: sha256 {got}, "
+                            f"{SEAL} says {want}; the file is corrupt, load an older checkpoint",
+                            path=str(meta_file), expected=want, actual=got)
+    meta = json.loads(body)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"{meta_file} is format {meta.get('format')!r} version "
+                          f"{meta.get('format_version')!r}; this version reads {FORMAT} "
+                          f"{FORMAT_VERSION}")
+    for entry in meta["files"]:
+        f = path / entry["file"]
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise ChecksumError(f"checkpoint file {f} is missing (expected {entry['nbytes']} "
+                                "bytes); re-copy the checkpoint or load an older one",
+                                path=str(f), expected=f"{entry['nbytes']} bytes",
+                                actual="missing") from None
+        if size != entry["nbytes"]:
+            how = "truncated" if size < entry["nbytes"] else "oversized"
+            raise ChecksumError(f"checkpoint file {f} is {how}: {size} bytes, {META} says "
+                                f"{entry['nbytes']}; re-copy it or load an older checkpoint",
+                                path=str(f), expected=f"{entry['nbytes']} bytes",
+                                actual=f"{size} bytes")
+    return path, meta
+
+
+def verify_files(path: Path, meta: dict) -> None:
+    """Hash every listed file (on a thread pool) and refuse the first that disagrees."""
+    def check(entry):
+        f = path / entry["file"]
+        got = _hash_file(f)
+        if got != entry["sha256"]:
+            raise ChecksumError(f"checkpoint file {f} fails its checksum: sha256 {got}, {META} "
+                                f"says {entry['sha256']}; the file is corrupt, re-copy it or "
+                                "load an older checkpoint", path=str(f),
+                                expected=entry["sha256"], actual=got)
+
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        for fut in [pool.submit(check, e) for e in meta["files"]]:
+            fut.result()
+
+
+def _hash_file(f: Path) -> str:
+    digest = hashlib.sha256()
+    with open(f, "rb") as fh:
+        while piece := fh.read(_PIECE_BYTES):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def _read_array(f: Path, entry: dict) -> np.ndarray:
+    out = np.empty(entry["numel"], _DTYPES[entry["dtype"]])
+    view = memoryview(out.view(np.uint8))
+    with open(f, "rb", buffering=0) as fh:
+        for start in range(0, len(view), _PIECE_BYTES):
+            piece = view[start:start + _PIECE_BYTES]
+            if fh.readinto(piece) != len(piece):
+                raise ChecksumError(f"checkpoint file {f} ended early near byte {start}",
+                                    path=str(f), expected=f"{entry['nbytes']} bytes",
+                                    actual="fewer")
+    return out
+
+
+def iter_weight_blocks(path: str | Path, *, verify: bool = True):
+    """(kind, layer, array) for each weight block of a checkpoint, one at a time, in model order
+    (for export without an Engine)."""
+    path, meta = read_checkpoint(path)
+    cfg = from_dict(ModelConfig, meta["model"], where=f"{path / META} model")
+    weights = [e for e in meta["files"] if e.get("part") == "weights"]
+    if verify:
+        verify_files(path, {"files": weights})
+    kinds = [(BlockKind.EMBED, None)] + [(BlockKind.LAYER, i) for i in range(cfg.n_layers)]
+    kinds.append((BlockKind.HEAD, None))
+    for (kind, layer), entry in zip(kinds, weights):
+        yield kind, layer, _read_array(path / entry["file"], entry)
+
+
+def checkpoint_model(path: str | Path) -> ModelConfig:
+    _, meta = read_checkpoint(path)
+    return from_dict(ModelConfig, meta["model"], where="checkpoint model")
+
+
+# -- loading into an engine ---------------------------------------------------------------------
+def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
+                    allow_changes: bool = False) -> CheckpointInfo:
+    """Restore weights, m, v, step and schedule of `eng` from a checkpoint (a step directory, or
+    the newest under a root). The plan may differ (placement does not change values); the model
+    must match, and so must the optimizer settings and the schedule unless allow_changes. With
+    verify every file is hashed BEFORE anything is written into the engine, so a damaged
+    checkpoint is refused with the engine untouched. An engine built without a schedule adopts
+    the checkpoint's."""
+    path, meta = read_checkpoint(path)
+    where = str(path / META)
+    cfg = from_dict(ModelConfig, meta["model"], where=f"{where} model")
+    mine = eng.plan.model
+    if dataclasses.replace(cfg, name=mine.name) != mine:
+        raise ConfigError(f"checkpoint {path} is for model {to_dict(cfg)}, this engine runs "
+                          f"{to_dict(mine)}; build the Engine for the checkpoint's model")
+    opt = from_dict(AdamWConfig, meta["optimizer"], where=f"{where} optimizer")
+    changes = _differences(to_dict(opt), to_dict(eng.optimizer.config), "optimizer")
+    stored, schedule = meta.get("schedule"), eng.optimizer.schedule
+    adopt = None
+    if schedule is None and stored is not None and stored.get("kind") != "callable":
+        adopt = schedule_from_dict(stored)
+    elif stored is None or stored.get("kind") != "callable":
+        changes += _differences(stored, _schedule_record(schedule), "schedule")
+    else:
+        log.warning("checkpoint %s was trained with an lr schedule that could not be stored "
+                    "(%s); the engine's own schedule continues from step %d", path,
+                    stored.get("repr"), meta["step"])
+    if changes and not allow_changes:
+        raise ConfigError(f"checkpoint {path} was trained with different settings: "
+                          f"{'; '.join(changes)}; construct the Engine with the checkpoint's "
+                          "settings for an exact resume, or pass allow_changes=True")
+    by_name = {(e["block"], e["part"]): e for e in meta["files"] if "part" in e}
+    plan = []
+    for ref in eng.block_refs():
+        numel = eng.layout(ref).numel
+        for part in ("weights", "m", "v"):
+            entry = by_name.get((ref.name, part))
+            if entry is None or entry["numel"] != numel or entry["dtype"] not in _DTYPES:
+                raise ConfigError(f"checkpoint {path} has no valid {part} of block {ref.name} "
+                                  f"({numel} elements); {META} is inconsistent, re-save it")
+            plan.append((ref, part, entry))
+    if verify:
+        verify_files(path, meta)
+    for ref, part, entry in plan:
+        eng.write_block(ref, _read_array(path / entry["file"], entry), part)
+    eng.optimizer.step_count = int(meta["step"])
+    if adopt is not None:
+        eng.optimizer.schedule = adopt
+    if meta["plan_hash"] != eng.plan.hash:
+        log.info("checkpoint %s was saved under plan %s; resuming under plan %s", path,
+                 meta["plan_hash"], eng.plan.hash)
+    return CheckpointInfo(path=str(path), step=int(meta["step"]), plan_hash=meta["plan_hash"],
+                          model=cfg, optimizer=opt, schedule=stored, data=meta.get("data"),
+                          rng=meta.get("rng"), extra=meta.get("extra"))
+
+
+def _differences(a, b, label: str) -> list[str]:
+    if a == b:
+        return []
+    if isinstance(a, dict) and isinstance(b, dict) and "params" not in a | b:
+        return [f"{label}.{k}: checkpoint {a.get(k)!r}, engine {b.get(k)!r}"
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [f"{label}: checkpoint {a!r}, engine {b!r}"]
+

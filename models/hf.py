@@ -1,0 +1,247 @@
+"""Hugging Face Llama directories in and out: config.json in transformers' LlamaConfig spelling
+plus model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json.
+Reads lazily, one layer block at a time from memory-mapped files, converting to bf16; writes
+bf16 one block at a time into a temporary directory renamed into place when complete. Never
+holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling,
+biases, other activations are refused by name)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from models.config import ModelConfig, load_config
+from models.errors import ConfigError
+from models.init import BF16
+from models.layout import BlockKind, embed_layout, head_layout, layer_layout
+from models.safetensors_io import SafetensorsFile, SafetensorsWriter
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_SHARD_BYTES = 5 << 30
+"""transformers' default max_shard_size ("5GB"); a block larger than this gets a shard alone."""
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers some older exports carry; RoPE frequencies are recomputed from rope_theta."""
+
+
+def is_hf_dir(path) -> bool:
+    """True for a directory holding a transformers config.json and safetensors weights."""
+    p = Path(str(path))
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        return False
+    if not ((p / INDEX).is_file() or (p / SINGLE).is_file()):
+        return False
+    try:
+        data = json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
+
+
+def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Llama directory; refuses what our kernels would not
+    compute exactly as transformers does."""
+    path = Path(path)
+    where = path / "config.json"
+    data = json.loads(where.read_text())
+    if data.get("model_type") != "llama":
+        raise ConfigError(f"{where}: model_type {data.get('model_type')!r} is not supported; "
+                          "only 'llama' (LlamaForCausalLM) directories can be imported")
+    checks = {"hidden_act": ("silu", data.get("hidden_act", "silu")),
+              "attention_bias": (False, data.get("attention_bias", False)),
+              "mlp_bias": (False, data.get("mlp_bias", False)),
+              "rope_scaling": (None, data.get("rope_scaling"))}
+    for key, (want, got) in checks.items():
+        if got != want:
+            raise ConfigError(f"{where}: {key} = {got!r} is not supported (our kernels "
+                              f"implement {key} = {want!r}, plain RoPE theta ** (-2j/E)); "
+                              "import a model without it")
+    try:
+        heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
+        return ModelConfig(
+            name=name or path.resolve().name, vocab_size=int(data["vocab_size"]),
+            model_dim=dim, head_dim=int(data.get("head_dim") or dim // heads),
+            n_layers=int(data["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(data.get("num_key_value_heads") or heads),
+            ffn_dim=int(data["intermediate_size"]),
+            rope_theta=float(data.get("rope_theta", 10000.0)),
+            norm_eps=float(data.get("rms_norm_eps", 1e-6)))
+    except KeyError as exc:
+        raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
+                          "hidden_size, intermediate_size, num_hidden_layers, "
+                          "num_attention_heads") from None
+
+
+def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int = 8192) -> dict:
+    """transformers' LlamaConfig fields for `cfg` (untied head, no biases, no RoPE scaling)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.model_dim,
+        "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "rope_scaling": None, "initializer_range": 0.02,
+        "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
+    }
+
+
+def model_config(name_or_path) -> ModelConfig:
+    """Like models.config.load_config, but a Hugging Face directory is accepted too."""
+    return hf_config(name_or_path) if is_hf_dir(name_or_path) else load_config(name_or_path)
+
+
+def open_weights(path):
+    """Weights at `path`: a Hugging Face directory (HFWeights, read lazily) or a models.storage
+    model directory (read whole, verified)."""
+    if is_hf_dir(path):
+        return HFWeights(path)
+    from models.storage import load_model
+
+    return load_model(path)
+
+
+def _blocks_of(cfg: ModelConfig):
+    lay = layer_layout(cfg)
+    return ([(BlockKind.EMBED, None, embed_layout(cfg))]
+            + [(BlockKind.LAYER, i, lay) for i in range(cfg.n_layers)]
+            + [(BlockKind.HEAD, None, head_layout(cfg))])
+
+
+class HFWeights:
+    """A Hugging Face Llama directory as our blocks, read on demand: `blocks()` yields
+    (kind, layer, layout, 1-D bf16 block) one block at a time, each built from memory-mapped
+    tensors (converted to bf16 with round-to-nearest-even when stored wider)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.cfg = hf_config(self.path)
+        if (self.path / INDEX).is_file():
+            index = json.loads((self.path / INDEX).read_text())
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{self.path / INDEX} has no weight_map; re-save the model")
+        else:
+            weight_map = {n: SINGLE for n in SafetensorsFile(self.path / SINGLE).names()}
+        self._where = dict(weight_map)
+        self._files: dict[str, SafetensorsFile] = {}
+        known = {lay.full_name(t.name, layer) for _, layer, lay in _blocks_of(self.cfg)
+                 for t in lay.tensors}
+        unknown = sorted(n for n in self._where if n not in known
+                         and not n.endswith(_IGNORED_SUFFIXES))
+        if unknown:
+            raise ConfigError(f"{self.path}: tensors {unknown[:5]} are not part of a "
+                              f"LlamaForCausalLM with this config; expected names like "
+                              "model.layers.0.self_attn.q_proj.weight")
+        self.tied = "lm_head.weight" not in self._where
+        if self.tied and "model.embed_tokens.weight" in self._where:
+            # tie_word_embeddings: our head is untied, so it starts as a copy of the embedding.
+            self._where["lm_head.weight"] = self._where["model.embed_tokens.weight"]
+            self._alias = {"lm_head.weight": "model.embed_tokens.weight"}
+        else:
+            self._alias = {}
+
+    def _tensor(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ConfigError(f"{self.path} has no tensor '{name}'; the directory is incomplete")
+        file = self._where[name]
+        if file not in self._files:
+            self._files[file] = SafetensorsFile(self.path / file)
+        return self._files[file].tensor(self._alias.get(name, name))
+
+    def block(self, kind: BlockKind, layer: int | None, lay) -> np.ndarray:
+        out = np.zeros(lay.numel, BF16)  # alignment padding stays zero, as init leaves it
+        for t in lay.tensors:
+            name = lay.full_name(t.name, layer)
+            src = self._tensor(name)
+            if src.shape != t.shape:
+                raise ConfigError(f"{self.path}: '{name}' has shape {list(src.shape)}, the "
+                                  f"config implies {list(t.shape)}; config.json and the "
+                                  "weights disagree")
+            lay.view(out, t.name)[...] = src if src.dtype == BF16 else src.astype(BF16)
+        return out
+
+    def blocks(self):
+        for kind, layer, lay in _blocks_of(self.cfg):
+            yield kind, layer, lay, self.block(kind, layer, lay)
+
+
+def save_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
+                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write a Hugging Face Llama directory at `path` from `blocks`, an iterable of
+    (kind, layer, 1-D bf16 block) in model order (embed, layers 0..L-1, head), consumed one at
+    a time. One model.safetensors when it fits in max_shard_bytes, else shards plus
+    model.safetensors.index.json. Atomic: written beside `path` and renamed into place."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not (overwrite and path.is_dir() and is_hf_dir(path)):
+            raise ConfigError(f"{path} exists and is not empty; choose a new path (or pass "
+                              "overwrite=True to replace a Hugging Face model directory)")
+    layout = _blocks_of(cfg)
+    tensors = [(lay.full_name(t.name, layer), t) for _, layer, lay in layout for t in lay.tensors]
+    shards, current, size = [], [], 0
+    for name, t in tensors:
+        nbytes = 2 * t.numel
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    shards.append(current)
+    n = len(shards)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                     for i in range(n)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        shard_of = {name: i for i, shard in enumerate(shards) for name, _ in shard}
+        writers: list[SafetensorsWriter | None] = [None] * n
+        total = 0
+        it = iter(blocks)
+        for kind, layer, lay in layout:
+            try:
+                got_kind, got_layer, block = next(it)
+            except StopIteration:
+                raise ConfigError(f"save_pretrained got too few blocks: {kind.value} "
+                                  f"{layer} is missing") from None
+            if (got_kind, got_layer) != (kind, layer) or block.size != lay.numel:
+                raise ConfigError(f"save_pretrained expected block {kind.value} {layer} of "
+                                  f"{lay.numel} elements, got {got_kind} {got_layer} of "
+                                  f"{block.size}")
+            for t in lay.tensors:
+                name = lay.full_name(t.name, layer)
+                i = shard_of[name]
+                if writers[i] is None:
+                    if i and writers[i - 1] is not None:
+                        writers[i - 1].close()
+                    writers[i] = SafetensorsWriter(
+                        tmp / names[i], [(nm, BF16, tt.shape) for nm, tt in shards[i]],
+                        metadata={"format": "pt"})
+                writers[i].write(name, lay.view(block, t.name).astype(BF16, copy=False))
+                total += 2 * t.numel
+            del block
+        for w in writers:
+            if w is not None:
+                w.close()
+        if n > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: names[shard_of[name]] for name, _ in tensors}}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
