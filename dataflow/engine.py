@@ -18,7 +18,7 @@ from dataflow.optimizer import AdamW, AdamWConfig
 from memplan.plan import Budget, Plan
 from models.config import ModelConfig
 from models.hf import is_hf_dir, model_config
-from models.errors import ConfigError
+from models.errors import ConfigError, NonFiniteError, StepFailedError
 from models.flops import (flash_recompute_flops, level_recompute_flops, model_flops_per_seq,
                           FLOP_MODEL_VERSION)
 from models.layout import BlockKind
@@ -202,22 +202,62 @@ class Engine:
         out["optimizer.step"] = np.array(self.optimizer.step_count, dtype=np.int64)
         return out
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of state_dict; refuses missing keys or wrong shapes, naming them."""
+    def load_state_dict(self, state: dict, *, weights_only: bool = False) -> None:
+        """Inverse of state_dict. Every key, shape and dtype is checked before anything is
+        written, so a bad state leaves the engine as it was; the error lists each problem with
+        the tensor's name and the fix. Tensors may be any float dtype or bf16 (bf16 saved by
+        np.savez comes back as raw 2-byte void '|V2' and is read as ml_dtypes.bfloat16).
+        weights_only: load the parameters alone (e.g. weights from another trainer): AdamW
+        state is zeroed and the step count restarts at 0; 'optimizer.*' keys are ignored.
+        Loading also clears gradients and lets an engine whose step failed train again."""
+        import ml_dtypes
+
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        parts = (("", "weights"),) if weights_only else \
+            (("", "weights"), (".exp_avg", "m"), (".exp_avg_sq", "v"))
+        problems: list[str] = []
+        writes = []  # (block dict, part, layout, {tensor name: array}) once all are valid
+        expected = {"optimizer.step"}
         for key, kind, layer, b in self._targets():
             lay = self._layout(kind)
-            for suffix, part in (("", "weights"), (".exp_avg", "m"), (".exp_avg_sq", "v")):
-                block = np.zeros(lay.numel, dtype=self._read_block(b, "weights").dtype)
+            for suffix, part in parts:
+                arrays = {}
                 for t in lay.tensors:
                     name = ("optimizer." if suffix else "") + lay.full_name(t.name, layer) + suffix
-                    if name not in state:
-                        raise ConfigError(f"state_dict has no '{name}'")
-                    value = np.asarray(state[name])
-                    if value.shape != t.shape:
-                        raise ConfigError(f"'{name}' has shape {value.shape}, expected {t.shape}")
-                    lay.view(block, t.name)[...] = value
-                self._write_block(b, block, part)
-        self.optimizer.step_count = int(state.get("optimizer.step", 0))
+                    expected.add(name)
+                    value, problem = _checked_tensor(state, name, t.shape, bf16)
+                    if problem:
+                        problems.append(problem)
+                    else:
+                        arrays[t.name] = value
+                writes.append((b, part, lay, arrays))
+        unknown = sorted(k for k in state if k not in expected
+                         and not (weights_only and str(k).startswith("optimizer.")))
+        if unknown:
+            problems.append(f"unknown key(s) {', '.join(repr(k) for k in unknown[:5])}"
+                            f"{' ...' if len(unknown) > 5 else ''} (a state_dict of another "
+                            "model? drop them)")
+        step = 0
+        if not weights_only and "optimizer.step" in state:
+            raw = np.asarray(state["optimizer.step"])
+            if raw.ndim != 0 or raw.dtype.kind not in "iu" or int(raw) < 0:
+                problems.append(f"'optimizer.step' is {state['optimizer.step']!r}; it must be a "
+                                "whole number >= 0 (or load with weights_only=True)")
+            else:
+                step = int(raw)
+        if problems:
+            raise ConfigError(f"state_dict does not fit {self.plan.model.name} "
+                              f"({len(problems)} problem(s), nothing was loaded): "
+                              + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+        self._zero_state()  # grads (half-accumulated after a failed step), m and v
+        for b, part, lay, arrays in writes:
+            block = np.zeros(lay.numel, dtype=bf16)
+            for tensor, value in arrays.items():
+                lay.view(block, tensor)[...] = value
+            self._write_block(b, block, part)
+        self.optimizer.step_count = step
+        self.optimizer.last_grad_norm = None
+        self._failed_step = None
         self.be.synchronize()
 
     # -- block access (stable API for checkpoints and interop) ------------------------------
@@ -258,9 +298,21 @@ class Engine:
 
     def train_step(self, tokens) -> StepResult:
         """tokens: (seqs_per_step, seqlen + 1) int ids (NumPy, or anything with __array__ or
-        __dlpack__); inputs are tokens[:, :-1], targets tokens[:, 1:]."""
+        __dlpack__); inputs are tokens[:, :-1], targets tokens[:, 1:].
+
+        Raises models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
+        infinite. After that, or after any exception or interrupt inside the step, the engine
+        refuses further steps (StepFailedError) until load_state_dict reloads a state: the
+        step may have left gradients half-accumulated or the AdamW update half-applied."""
         if self._closed:
             raise ConfigError("this Engine is closed; create a new one")
+        failed = getattr(self, "_failed_step", None)
+        if failed is not None:
+            step, reason = failed
+            raise StepFailedError(
+                f"step {step} failed ({reason}), so gradients and AdamW state may be half-"
+                "updated; reload a saved state with load_state_dict(state) (or weights only "
+                "with weights_only=True), or create a new Engine", step=step, reason=reason)
         batch = _as_numpy(tokens)
         ch, cfg = self.plan.chunking, self.plan.model
         want = (ch.seqs_per_step, ch.seqlen + 1)
@@ -270,14 +322,34 @@ class Engine:
         if batch.min() < 0 or batch.max() >= cfg.vocab_size:
             bad = batch[(batch < 0) | (batch >= cfg.vocab_size)][0]
             raise ConfigError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        lr = self.optimizer.schedule(self.optimizer.step_count + 1) \
-            if self.optimizer.schedule else self.optimizer.config.lr
+        step = self.optimizer.step_count + 1
+        lr = self.optimizer.schedule(step) if self.optimizer.schedule else self.optimizer.config.lr
         tracer = self.be if isinstance(self.be, TracingBackend) else None
         if tracer is not None:
-            tracer.begin_step(self.optimizer.step_count + 1)
-        stats = self.ex.step(batch, self.optimizer)
+            tracer.begin_step(step)
+        try:
+            stats = self.ex.step(batch, self.optimizer)
+        except BaseException as exc:  # KeyboardInterrupt too: the step stopped part way
+            self._failed_step = (step, "interrupted" if isinstance(exc, KeyboardInterrupt)
+                                 else f"{type(exc).__name__}: {exc}")
+            self.last_trace = None
+            if tracer is not None:
+                try:
+                    tracer.end_step()  # close the window so a reloaded engine can trace again
+                except Exception:  # noqa: BLE001 - the step's own error is the one to report
+                    pass
+            raise
         self.last_trace = tracer.end_step() if tracer is not None else None
-        return self._result(stats, lr)
+        result = self._result(stats, lr)
+        for what, value in (("loss", result.loss), ("grad norm", result.grad_norm)):
+            if value is not None and not np.isfinite(value):
+                self._failed_step = (step, f"{what} {value}")
+                raise NonFiniteError(
+                    f"{what} became {_nonfinite_name(value)} at step {step} (lr {lr:g}); lower "
+                    "the learning rate or clip gradients (max_grad_norm), then reload a state "
+                    "saved before the blow-up (load_state_dict)",
+                    step=step, lr=lr, what=what, value=float(value), result=result)
+        return result
 
     def _result(self, stats, lr: float) -> StepResult:
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
@@ -345,6 +417,46 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _checked_tensor(state: dict, name: str, shape: tuple, bf16: np.dtype):
+    """(array, None) when state[name] can load into a tensor of `shape`, else (None, problem)."""
+    if name not in state:
+        return None, f"missing '{name}'"
+    value = state[name]
+    if not isinstance(value, np.ndarray):
+        try:
+            value = _as_numpy_any(value)
+        except (TypeError, ValueError, RuntimeError, BufferError) as exc:
+            return None, f"'{name}' is a {type(value).__name__} that NumPy cannot read ({exc})"
+    dt = value.dtype
+    if dt.kind == "V" and dt != bf16:
+        if dt.itemsize != 2 or dt.fields is not None:
+            return None, (f"'{name}' holds raw {dt.itemsize}-byte values ({dt.str}); save "
+                          "bf16 with its dtype (ml_dtypes.bfloat16) or as float32")
+        value = value.view(bf16)  # np.savez keeps bf16 as 2-byte void: same bits
+    elif dt != bf16 and dt.kind != "f":
+        return None, f"'{name}' has dtype {dt}; expected a float dtype (bf16, float16/32/64)"
+    if tuple(value.shape) != tuple(shape):
+        return None, f"'{name}' has shape {tuple(value.shape)}, expected {tuple(shape)}"
+    if not np.isfinite(value).all():
+        return None, f"'{name}' holds NaN or infinite values; load a healthy checkpoint"
+    return value, None
+
+
+def _as_numpy_any(value) -> np.ndarray:
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, RuntimeError, BufferError):
+            pass
+    if hasattr(value, "get"):  # CuPy arrays
+        value = value.get()
+    return np.asarray(value)
+
+
+def _nonfinite_name(value: float) -> str:
+    return "NaN" if np.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 
 def _as_numpy(tokens) -> np.ndarray:

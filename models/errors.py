@@ -14,3 +14,30 @@ class ChecksumError(ValueError):
         self.path = path
         self.expected = expected
         self.actual = actual
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced a NaN or infinite loss or gradient norm. Fields: `step` (1-based, the
+    step that produced it), `lr` (that step's learning rate), `what` ('loss' or 'grad norm'),
+    `value`, and `result` (the step's StepResult, so a log can record the bad row; may be None).
+    The engine refuses further steps until its state is reloaded."""
+
+    def __init__(self, message: str, *, step: int, lr: float, what: str, value: float,
+                 result=None):
+        super().__init__(message)
+        self.step = step
+        self.lr = lr
+        self.what = what
+        self.value = value
+        self.result = result
+
+
+class StepFailedError(RuntimeError):
+    """An Engine whose last step failed or was interrupted refuses to step again until its
+    state is reloaded (its gradients and AdamW state may be half-updated). Fields: `step` (the
+    step that failed) and `reason` (one line)."""
+
+    def __init__(self, message: str, *, step: int, reason: str):
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
