@@ -44,6 +44,9 @@ class Backend(abc.ABC):
     """The op table: functions with the signatures of dataflow.ops_numpy."""
     writes: dict[str, tuple[int, ...]]
     """For each op name, the positions of the arguments it writes (the rest are read)."""
+    device_is_host_memory: bool = False
+    """True when device views are host arrays (the NumPy backend): setup uploads write them
+    directly instead of staging through pinned memory."""
 
     @abc.abstractmethod
     def alloc(self, nbytes: int, place: Place) -> Slab:
@@ -81,6 +84,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def to_numpy(self, array) -> Any:
         """A host NumPy copy of a view (synchronous; for results and tests, not the hot loop)."""
+
+    def lend_workspace(self, view) -> None:
+        """Let library calls (cuDNN attention) use `view`, arena bytes, as their workspace.
+        Backends whose ops need no workspace ignore it."""
 
     def memory_used_bytes(self, place: Place) -> int:
         return sum(s.nbytes for s in self._slabs if s.place is place)

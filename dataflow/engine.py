@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from dataflow.backend import Place, Stream
+from dataflow.backend import Backend, Place, Stream
 from dataflow.backends import make_backend
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
@@ -70,45 +70,54 @@ class Engine:
     """
 
     def __init__(self, model: str | ModelConfig, *, host_gb: float, dev_gb: float, seqlen: int,
-                 backend: str = "auto", profile=None, seed: int = 0, weights=None,
-                 lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
-                 **plan_options):
+                 profile=None, plan_options: dict | None = None, **run):
+        """Plan `model` at `seqlen` under the budgets (GiB) with `profile` (default: this
+        backend's), then start it. `run` takes the options of `from_plan`."""
         from memplan import make_plan
 
-        if weights is None and not isinstance(model, ModelConfig) and is_hf_dir(model):
-            weights = model  # a Hugging Face directory brings its weights
+        if not isinstance(model, ModelConfig) and is_hf_dir(model):
+            run.setdefault("weights", model)  # a Hugging Face directory brings its weights
         cfg = model if isinstance(model, ModelConfig) else model_config(model)
-        be = make_backend(backend, **({"sanitize": True} if sanitize else {}))
-        if profile is None:
-            profile = default_profile(be)
-        plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, **plan_options)
-        self._setup(plan, be, seed, weights, AdamWConfig(
-            lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-            max_grad_norm=max_grad_norm), lr_schedule)
+        be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
+                      run.get("sanitize_seed", 0))
+        plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb),
+                         profile or default_profile(be), **(plan_options or {}))
+        self._start(plan, be, **run)
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, backend: str = "auto", seed: int = 0, weights=None,
-                  optimizer: AdamWConfig | None = None, lr_schedule=None,
-                  sanitize: bool = False, sanitize_seed: int = 0, trace: bool = False,
-                  progress=None) -> "Engine":
-        """trace: wrap the backend in a TracingBackend, so every StepResult carries its
-        breakdown and `last_trace` holds the step's spans. progress: anything with update(),
-        called once per block initialised or loaded."""
+    def from_plan(cls, plan: Plan, **run) -> "Engine":
+        """Start a plan you made or edited. Options (the same for the constructor):
+        backend ('auto', 'numpy', 'cupy', or a Backend instance); seed (initialisation); weights (ModelWeights or a
+        saved model directory); lr, betas, eps, weight_decay, max_grad_norm, or a whole
+        `optimizer` AdamWConfig; lr_schedule (step -> lr); sanitize, sanitize_seed (NumPy
+        schedule sanitizer); trace (wrap the backend in a TracingBackend, so every StepResult
+        carries its breakdown and `last_trace` the step's spans); progress (anything with
+        update(), called once per block initialised or loaded); schedule (a compiled
+        memplan.schedule.Schedule to run instead of compiling the plan's)."""
         self = cls.__new__(cls)
-        opts = {"sanitize": True, "seed": sanitize_seed} if sanitize else {}
-        be = make_backend(backend, **opts)
-        self._setup(plan, TracingBackend(be) if trace else be, seed, weights,
-                    optimizer or AdamWConfig(), lr_schedule, progress)
+        be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
+                      run.get("sanitize_seed", 0))
+        self._start(plan, be, **run)
         return self
 
-    def _setup(self, plan, be, seed, weights, opt_cfg, schedule, progress=None) -> None:
+    def _start(self, plan, be, *, backend: str = "auto", seed: int = 0, weights=None,
+               lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+               weight_decay: float = 0.0, max_grad_norm: float | None = None,
+               optimizer: AdamWConfig | None = None,
+               lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
+               sanitize_seed: int = 0, trace: bool = False, progress=None,
+               schedule=None) -> None:
+        opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                                       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self._setup(plan, TracingBackend(be) if trace else be, seed, weights, opt, lr_schedule,
+                    progress, schedule)
+
+    def _setup(self, plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule) -> None:
         self.plan, self.be = plan, be
         self.last_trace = None
         self._progress = progress
-        self.ex = Executor(plan, be)
-        self.optimizer = AdamW(opt_cfg, schedule)
+        self.ex = Executor(plan, be, schedule)
+        self.optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()
         if weights is None:
             self._init_weights(seed)
@@ -124,30 +133,26 @@ class Engine:
     # -- state ------------------------------------------------------------------------------
     def _zero_state(self) -> None:
         self.be.synchronize()  # once: nothing is queued that touches home state yet
-        for b in self.ex.blocks.values():
+        for b in self.ex.blocks():
             for part in ("grads", "m", "v"):
-                if b["dev_" + part] is not None:
-                    self.be.launch(Stream.COMPUTE, "fill_", b["dev_" + part], 0.0,
+                if b.device(part) is not None:
+                    self.be.launch(Stream.COMPUTE, "fill_", b.device(part), 0.0,
                                    name="init.zero")
-                if b["home_" + part] is not None:
-                    b["home_" + part][...] = 0
+                if b.home(part) is not None:
+                    b.home(part)[...] = 0
 
     def _targets(self):
-        """(key, block kind, layer, block dict) for every block."""
-        out = [("embed", BlockKind.EMBED, None, self.ex.blocks["embed"])]
-        out += [(f"layer{i}", BlockKind.LAYER, i, self.ex.blocks[f"layer{i}"])
-                for i in range(self.plan.model.n_layers)]
-        out.append(("head", BlockKind.HEAD, None, self.ex.blocks["head"]))
-        return out
+        """(key, block kind, layer, Block) for every block, in model order."""
+        return [(b.key, b.kind, b.layer, b) for b in self.ex.blocks()]
 
-    def _write_block(self, b: dict, array: np.ndarray, part: str = "weights") -> None:
-        home = b["home_" + part]
+    def _write_block(self, b, array: np.ndarray, part: str = "weights") -> None:
+        home, dev = b.home(part), b.device(part)
         if home is not None:
             self.be.synchronize()
             home[...] = array
-        if b["dev_" + part] is not None and (home is None or part != "weights"
-                                             or b["place"].weights.value == "device"):
-            self.ex.upload(b["dev_" + part], array)
+        # A HOME block's device weights region is only a slot (the head's): the home copy rules.
+        if dev is not None and (home is None or part != "weights" or b.resident):
+            self.ex.upload(dev, array)
 
     def _init_weights(self, seed: int) -> None:
         from models import init
@@ -171,11 +176,11 @@ class Engine:
             if self._progress is not None:
                 self._progress.update()
 
-    def _read_block(self, b: dict, part: str) -> np.ndarray:
-        if b["place"].weights.value == "device" or b["home_" + part] is None:
-            return self.ex.download(b["dev_" + part])
+    def _read_block(self, b, part: str) -> np.ndarray:
+        if b.resident or b.home(part) is None:
+            return self.ex.download(b.device(part))
         self.be.synchronize()
-        return np.array(b["home_" + part], copy=True)
+        return np.array(b.home(part), copy=True)
 
     def weights(self):
         """The current parameters as a models.init.ModelWeights (host copies)."""
@@ -269,9 +274,10 @@ class Engine:
         """The block's layout (tensors with transformers' names and shapes, numel, views)."""
         return self._layout(ref.kind)
 
-    def _target(self, ref: BlockRef) -> dict:
-        key = f"layer{ref.layer}" if ref.kind is BlockKind.LAYER else ref.kind.value
-        return self.ex.blocks[key]
+    def _target(self, ref: BlockRef):
+        ex = self.ex
+        return ex.layers[ref.layer] if ref.kind is BlockKind.LAYER else \
+            ex.embed if ref.kind is BlockKind.EMBED else ex.head
 
     def read_block(self, ref: BlockRef, part: str = "weights") -> np.ndarray:
         """A host copy of one block's weights, AdamW m or v (synchronous; one block at a time,
@@ -289,7 +295,8 @@ class Engine:
 
     def _layout(self, kind):
         ex = self.ex
-        return {BlockKind.EMBED: ex.emb_lay, BlockKind.LAYER: ex.lay, BlockKind.HEAD: ex.head_lay}[kind]
+        return {BlockKind.EMBED: ex.embed, BlockKind.LAYER: ex.layers[0],
+                BlockKind.HEAD: ex.head}[kind].layout
 
     # -- training ---------------------------------------------------------------------------
     @property
@@ -417,6 +424,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _backend(kind, sanitize: bool, sanitize_seed: int):
+    if isinstance(kind, Backend):
+        return kind  # the caller brought its own (a traced or recording backend, a ring rank's)
+    return make_backend(kind, **({"sanitize": True, "seed": sanitize_seed} if sanitize else {}))
 
 
 def _checked_tensor(state: dict, name: str, shape: tuple, bf16: np.dtype):

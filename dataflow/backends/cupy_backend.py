@@ -80,18 +80,6 @@ class CupyBackend(Backend):
             return handle[offset:offset + n].view(dt).reshape(shape)
         return cp.ndarray(tuple(shape), dtype=dt, memptr=handle + offset)
 
-    def byte_slice(self, array, start: int, nbytes: int):
-        if isinstance(array, np.ndarray):
-            return array.reshape(-1).view(np.uint8)[start:start + nbytes]
-        return cp.ndarray((nbytes,), dtype=np.uint8, memptr=array.data + start)
-
-    def typed_view(self, raw, byte_offset: int, shape, dtype: str):
-        dt = _dtype(dtype)
-        if isinstance(raw, np.ndarray):
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            return raw[byte_offset:byte_offset + n].view(dt).reshape(shape)
-        return cp.ndarray(tuple(shape), dtype=dt, memptr=raw.data + byte_offset)
-
     def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:
         if dst.nbytes != src.nbytes:
             raise BackendError(f"copy '{name}': {src.nbytes} bytes into {dst.nbytes}")

@@ -19,6 +19,7 @@ DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32),
 
 class NumpyBackend(Backend):
     name = "numpy"
+    device_is_host_memory = True
 
     def __init__(self, *, sanitize: bool = False, seed: int = 0):
         self.ops = ops_numpy
@@ -44,16 +45,6 @@ class NumpyBackend(Backend):
         if offset < 0 or offset + n > slab.nbytes:
             raise BackendError(f"view [{offset}, {offset + n}) outside a {slab.nbytes}-byte slab")
         return slab.handle[offset:offset + n].view(dt).reshape(shape)
-
-    def byte_slice(self, array, start: int, nbytes: int):
-        """Raw bytes [start, start + nbytes) of a contiguous view."""
-        return array.reshape(-1).view(np.uint8)[start:start + nbytes]
-
-    def typed_view(self, raw, byte_offset: int, shape, dtype: str):
-        """A typed view of `shape` at `byte_offset` inside a raw byte view."""
-        dt = DTYPES[dtype]
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        return raw[byte_offset:byte_offset + n].view(dt).reshape(shape)
 
     # -- ordering -----------------------------------------------------------------------------
     def _ranges(self, arrays, write: bool):

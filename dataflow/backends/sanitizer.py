@@ -107,6 +107,11 @@ class Sanitizer:
                 if any(self.queues.values()):
                     raise BackendError("schedule deadlock: every stream waits on an event "
                                        "that no queued op can reach")
+                # A synchronize orders everything done before it before everything after it.
+                top = [max(self.vc[s][i] for s in STREAMS) for i in range(len(STREAMS))]
+                for s in STREAMS:
+                    self.vc[s] = list(top)
+                self.history.clear()
                 return
             s = self.rng.choice(ready)
             kind, obj, clock = self.queues[s].popleft()

@@ -35,6 +35,7 @@ class TracingBackend(Backend):
         self.inner = inner
         self.name, self.ops, self.writes = inner.name, inner.ops, inner.writes
         self.device_name = getattr(inner, "device_name", inner.name)
+        self.device_is_host_memory = inner.device_is_host_memory
         self._epoch = time.perf_counter()
         self._step: int | None = None
         self._round: int | None = None
@@ -45,10 +46,13 @@ class TracingBackend(Backend):
             self._clock = _HostClock(self, inner)
 
     def __getattr__(self, attr):
-        # Backend-specific helpers (byte_slice, typed_view, streams, sanitizer) pass through.
+        # Backend-specific extras (streams, sanitizer, memory_report) pass through.
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
+
+    def lend_workspace(self, view) -> None:
+        self.inner.lend_workspace(view)
 
     @property
     def clock(self) -> Clock:

@@ -4,6 +4,8 @@ bit-identical, the arenas are exactly the budgets, and a removed event is caught
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -102,22 +104,25 @@ def test_small_model_split_and_packed_match_reference():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-2, err_msg=name)
 
 
-def test_sanitizer_catches_a_removed_event(monkeypatch):
-    """Dropping the compute stream's wait on a weight prefetch makes the sanitizer report a race
-    that names both ops."""
-    from dataflow import slots
+def test_sanitizer_catches_a_removed_event():
+    """Dropping the compute stream's wait on a weight prefetch from the compiled schedule makes
+    the sanitizer report a race that names both ops."""
+    from memplan.schedule import Fetch, Record, Wait, compile_schedule
 
     cfg = load_config("tiny")
     plan = path_plans(cfg)[2][1]
-    original = slots.SlotRing.acquire
-
-    def acquire_without_wait(self, i):
-        self._issue_fetches(i + len(self.slots) - 1)
-        self.fetched.pop(i, None)  # the event the compute stream should wait on, dropped
-        return self.slots[self.compiled[i][0]]
-
-    monkeypatch.setattr(slots.SlotRing, "acquire", acquire_without_wait)
-    with pytest.raises(ScheduleRace) as info:
-        _train(plan)
+    sch = compile_schedule(plan)
+    events = list(sch.events)
+    # The record right after the first weight fetch, and the compute stream's wait on it.
+    at = next(i for i, e in enumerate(events) if type(e) is Fetch and e.name.startswith("w.h2d"))
+    rec = events[at + 1]
+    assert type(rec) is Record and rec.stream == "h2d"
+    drop = next(i for i, e in enumerate(events)
+                if type(e) is Wait and e.id == rec.id and e.stream == "compute")
+    broken = dataclasses.replace(sch, events=tuple(events[:drop] + events[drop + 1:]),
+                                 optimizer_start=sch.optimizer_start - 1)
+    eng = Engine.from_plan(plan, backend="numpy", sanitize=True, schedule=broken,
+                           optimizer=AdamWConfig(lr=LR))
+    with eng, pytest.raises(ScheduleRace) as info:
+        eng.train_step(_batches(plan, 1)[0])
     assert "h2d" in str(info.value) and info.value.first and info.value.second
-    monkeypatch.setattr(slots.SlotRing, "acquire", original)

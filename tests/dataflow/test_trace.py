@@ -66,8 +66,7 @@ class RecordingNumpy(NumpyBackend):
 def _run(plan, sanitize: bool):
     inner = RecordingNumpy(sanitize=sanitize, seed=1)
     be = TracingBackend(inner)
-    eng = Engine.__new__(Engine)  # Engine.from_plan takes a backend name; we bring our own
-    eng._setup(plan, be, 0, None, AdamWConfig(lr=1e-3), None)
+    eng = Engine.from_plan(plan, backend=be, optimizer=AdamWConfig(lr=1e-3))
     cfg, ch = plan.model, plan.chunking
     out = []
     with eng:
@@ -361,8 +360,7 @@ def test_gpu_engine_step_traces_and_adds_up(plan):
         pytest.skip("no usable GPU")
     pytest.importorskip("dataflow.ops_cuda")
     be = TracingBackend(cb.CupyBackend())
-    eng = Engine.__new__(Engine)
-    eng._setup(plan, be, 0, None, AdamWConfig(lr=1e-3), None)
+    eng = Engine.from_plan(plan, backend=be, optimizer=AdamWConfig(lr=1e-3))
     ch, cfg = plan.chunking, plan.model
     with eng:
         result, trace = _traced_step(

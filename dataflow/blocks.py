@@ -1,0 +1,65 @@
+"""Typed blocks: the embedding, each layer and the head, with the device and home views of their
+weights, gradients and AdamW m / v bound to the arenas' regions. The engine reads and writes
+state through these; the executor's hot loop works on the schedule's byte ranges instead.
+Never decides placement (a view exists exactly where the plan put a region)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dataflow.arena import Arena
+from memplan.plan import LayerPlacement, Where
+from models.layout import BlockKind, embed_layout, head_layout, layer_layout
+
+PARTS = ("weights", "grads", "m", "v")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Block:
+    kind: BlockKind
+    layer: int | None
+    placement: LayerPlacement
+    numel: int
+    layout: Any
+    views: dict
+    """(part, 'device' | 'home') -> array view, for the copies that exist."""
+
+    @property
+    def key(self) -> str:
+        return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
+
+    def device(self, part: str):
+        """The device copy of `part`, or None (streamed through slots, or home only)."""
+        return self.views.get((part, "device"))
+
+    def home(self, part: str):
+        """The pinned host copy of `part`, or None."""
+        return self.views.get((part, "home"))
+
+    @property
+    def resident(self) -> bool:
+        """The weights live on the device for the whole step (not only in a slot)."""
+        return self.placement.weights is Where.DEVICE
+
+
+def _bind(kind, layer, placement, layout, dev: Arena, host: Arena, gdt: str) -> Block:
+    key = f"layer{layer}" if kind is BlockKind.LAYER else kind.value
+    views = {}
+    for part in PARTS:
+        dt = gdt if part == "grads" else "bf16"
+        for where, arena, name in (("device", dev, f"{key}.{part}"),
+                                   ("home", host, f"home.{key}.{part}")):
+            if arena.has(name):
+                views[(part, where)] = arena.view(name, (layout.numel,), dt)
+    return Block(kind, layer, placement, layout.numel, layout, views)
+
+
+def bind_blocks(plan, dev: Arena, host: Arena, gdt: str) -> tuple[Block, tuple[Block, ...], Block]:
+    """(embed, layers, head) bound to the arenas of `plan`."""
+    cfg = plan.model
+    lay = layer_layout(cfg)
+    layers = tuple(_bind(BlockKind.LAYER, i, p, lay, dev, host, gdt)
+                   for i, p in enumerate(plan.layers))
+    return (_bind(BlockKind.EMBED, None, plan.embed, embed_layout(cfg), dev, host, gdt), layers,
+            _bind(BlockKind.HEAD, None, plan.head, head_layout(cfg), dev, host, gdt))

@@ -1,0 +1,732 @@
+"""The step as data: `compile_schedule(plan)` turns a plan into one frozen list of typed events
+(fetch, write-back, fill, compute, host task, optimizer update, record, wait), each on its stream
+and naming the byte ranges it touches, plus the region table every one of those ranges lives in.
+The simulator (memplan/sim.py) times exactly this list and the executor (dataflow/executor.py)
+dispatches exactly this list, so the plan that is predicted is the plan that runs.
+
+Slot assignment (which slot a streamed block or saved activation visits, evicting the one needed
+farthest ahead) and fetch timing (a fetch is issued as soon as its slot is free) are decided here,
+once per plan. Pure Python: never imports array libraries, never touches a device."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Hashable, Union
+
+from memplan import buffers
+from memplan.decisions import decisions_of
+from memplan.memory import device_regions, grad_bpe, host_regions
+from memplan.plan import OptimizerWhere, Where
+from models.flops import SavedLevel
+from models.layout import embed_layout, head_layout, layer_layout
+
+STREAMS = ("compute", "h2d", "d2h", "host")
+COMPUTE, H2D, D2H, HOST = STREAMS
+
+
+# -- the region table ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+    name: str
+    place: str
+    """'device' or 'host'."""
+    offset: int
+    """First byte inside its place's arena."""
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegionTable:
+    """Every byte range a step touches, by place, laid out back to back (aligned) in the order
+    memplan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
+
+    device: tuple[Region, ...]
+    host: tuple[Region, ...]
+    device_budget: int
+    host_budget: int
+
+    def get(self, name: str) -> Region:
+        for r in self.device + self.host:
+            if r.name == name:
+                return r
+        raise KeyError(f"no region '{name}'")
+
+    def used_bytes(self, place: str) -> int:
+        regions = self.device if place == "device" else self.host
+        return regions[-1].offset + regions[-1].nbytes if regions else 0
+
+
+def region_table(plan) -> RegionTable:
+    d = decisions_of(plan)
+
+    def lay(place, regions):
+        out, at = [], 0
+        for name, nbytes in regions:
+            out.append(Region(name, place, at, nbytes))
+            at += buffers.align(nbytes)
+        return tuple(out)
+
+    budget = plan.budget if hasattr(plan, "budget") else None
+    return RegionTable(device=lay("device", device_regions(d)), host=lay("host", host_regions(d)),
+                       device_budget=budget.device_bytes if budget else 0,
+                       host_budget=budget.host_bytes if budget else 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ref:
+    """Bytes [offset, offset + nbytes) of region `region`."""
+
+    region: str
+    offset: int
+    nbytes: int
+
+
+# -- events ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fetch:
+    """Copy host bytes `src` to device bytes `dst` on the h2d stream."""
+
+    name: str
+    dst: Ref
+    src: Ref
+    stream: str = H2D
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteBack:
+    """Copy device bytes `src` to host bytes `dst` on the d2h stream."""
+
+    name: str
+    dst: Ref
+    src: Ref
+    stream: str = D2H
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fill:
+    """Zero `dst` (viewed as `dtype`) on `stream`."""
+
+    name: str
+    dst: Ref
+    dtype: str
+    stream: str = COMPUTE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compute:
+    """One unit of model work on the compute stream. op: 'embed_fwd' / 'embed_bwd' (device
+    table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk), 'head' (final norm, lm_head and
+    loss of one round, all chunks), 'ctx_cast' (copy a chunk's saved K/V into the sequence
+    context). x and y name the transition buffers read and written."""
+
+    name: str
+    op: str
+    round: int
+    layer: int = -1
+    chunk: int = -1
+    weights: Ref | None = None
+    grads: Ref | None = None
+    save: Ref | None = None
+    x: str = ""
+    y: str = ""
+    stream: str = COMPUTE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostTask:
+    """CPU work on the host stream. op: 'tokens_stage' (the round's ids and targets into the
+    pinned token buffer), 'embed_gather' / 'embed_scatter' (embedding rows of a HOME table),
+    'zero' (clear `dst`)."""
+
+    name: str
+    op: str
+    round: int = -1
+    dst: Ref | None = None
+    stream: str = HOST
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Update:
+    """AdamW over elements [start, start + count) of `block` ('embed', 'layer3', 'head'):
+    params, grads, m, v at the given refs (device refs on the compute stream, host refs on the
+    host stream)."""
+
+    name: str
+    block: str
+    start: int
+    count: int
+    params: Ref
+    grads: Ref
+    m: Ref
+    v: Ref
+    stream: str = COMPUTE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """Event `id` marks everything enqueued on `stream` so far."""
+
+    stream: str
+    id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wait:
+    """Later work on `stream` starts after event `id` has passed."""
+
+    stream: str
+    id: int
+
+
+Event = Union[Fetch, WriteBack, Fill, Compute, HostTask, Update, Record, Wait]
+EVENT_TYPES = {cls.__name__: cls for cls in (Fetch, WriteBack, Fill, Compute, HostTask, Update,
+                                             Record, Wait)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Schedule:
+    """One optimizer step: `events` in issue order (rounds, then the optimizer). Every step of a
+    plan runs the same list; the executor synchronises between steps."""
+
+    regions: RegionTable
+    events: tuple[Event, ...]
+    rounds: int
+    round_starts: tuple[int, ...]
+    """Index of the first event of each round; the optimizer starts at `optimizer_start`."""
+    optimizer_start: int
+    n_ids: int
+    """Record ids run 0..n_ids-1."""
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(host to device, device to host) bytes of one step."""
+        h2d = sum(e.dst.nbytes for e in self.events if type(e) is Fetch)
+        d2h = sum(e.dst.nbytes for e in self.events if type(e) is WriteBack)
+        return h2d, d2h
+
+    def to_json(self) -> str:
+        def enc(e):
+            out = {"type": type(e).__name__}
+            out.update({f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
+            return {k: (dataclasses.asdict(v) if isinstance(v, Ref) else v) for k, v in out.items()}
+
+        return json.dumps({"regions": dataclasses.asdict(self.regions), "rounds": self.rounds,
+                           "round_starts": list(self.round_starts),
+                           "optimizer_start": self.optimizer_start, "n_ids": self.n_ids,
+                           "events": [enc(e) for e in self.events]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        raw = json.loads(text)
+        regs = raw["regions"]
+        table = RegionTable(device=tuple(Region(**r) for r in regs["device"]),
+                            host=tuple(Region(**r) for r in regs["host"]),
+                            device_budget=regs["device_budget"], host_budget=regs["host_budget"])
+        events = []
+        for e in raw["events"]:
+            kind = EVENT_TYPES[e.pop("type")]
+            events.append(kind(**{k: Ref(**v) if isinstance(v, dict) else v
+                                  for k, v in e.items()}))
+        return cls(table, tuple(events), raw["rounds"], tuple(raw["round_starts"]),
+                   raw["optimizer_start"], raw["n_ids"])
+
+
+# -- compilation --------------------------------------------------------------------------------
+ZERO = "zero"
+"""A slot use whose fetch is a zero fill (the first round's gradient sums)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Use:
+    key: Hashable
+    fetch: Ref | str | None = None
+    """Host bytes to fetch, ZERO, or None (the compute writes the slot from scratch)."""
+    writeback: Ref | None = None
+    dtype: str = "bf16"
+
+
+class _Emitter:
+    def __init__(self):
+        self.events: list = []
+        self.n_ids = 0
+
+    def add(self, ev) -> None:
+        self.events.append(ev)
+
+    def record(self, stream: str) -> int:
+        i = self.n_ids
+        self.n_ids += 1
+        self.events.append(Record(stream, i))
+        return i
+
+    def wait(self, stream: str, ev: int | None) -> None:
+        if ev is not None:
+            self.events.append(Wait(stream, ev))
+
+
+class _Ring:
+    """A few device slots cycled over uses known in advance: Belady assignment compiled once,
+    fetches issued as soon as their slot is free, write-backs as soon as the compute is done."""
+
+    def __init__(self, em: _Emitter, slots: list[Ref], name: str):
+        if not slots:
+            raise ValueError(f"slot ring '{name}' needs at least one slot")
+        self.em, self.slots, self.name = em, slots, name
+        self.free: list[int | None] = [None] * len(slots)
+        self.host_ready: dict[Hashable, int] = {}
+        """Event after which the home copy of a key holds its latest bytes."""
+
+    def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
+        """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
+        one of the last len(slots) - 1 uses (they may still be in flight)."""
+        held: list[Hashable | None] = [None] * len(self.slots)
+        out: list[tuple[int, bool]] = []
+        for i, use in enumerate(uses):
+            if use.key in held:
+                out.append((held.index(use.key), False))
+                continue
+            recent = {s for s, _ in out[max(0, i - len(self.slots) + 1):]}
+
+            def next_use(slot: int) -> float:
+                for j in range(i + 1, len(uses)):
+                    if uses[j].key == held[slot]:
+                        return j
+                return float("inf")
+
+            candidates = [s for s in range(len(self.slots)) if s not in recent] or \
+                list(range(len(self.slots)))
+            slot = max(candidates, key=lambda s: (next_use(s), -s))
+            held[slot] = use.key
+            out.append((slot, use.fetch is not None))
+        return out
+
+    def begin(self, uses: list[_Use], assigned: list[tuple[int, bool]]) -> None:
+        self.uses, self.assigned = uses, assigned
+        self.prev = []
+        last: dict[int, int] = {}
+        for j, (slot, _) in enumerate(assigned):
+            self.prev.append(last.get(slot, -1))
+            last[slot] = j
+        self.fetched: dict[int, int] = {}
+        self.next_fetch = 0
+        self.released = -1
+
+    def _slot_part(self, slot: int, nbytes: int) -> Ref:
+        """The leading bytes of a slot that hold a smaller item (activation slots are sized for
+        the largest saved level)."""
+        s = self.slots[slot]
+        return s if nbytes == s.nbytes else Ref(s.region, s.offset, nbytes)
+
+    def prefetch(self, upto: int) -> None:
+        """Issue the fetches of uses up to `upto`, as far as their slots are free."""
+        em = self.em
+        while self.next_fetch <= min(upto, len(self.uses) - 1):
+            j = self.next_fetch
+            if self.prev[j] > self.released:
+                return  # its slot still holds a use that is not done
+            slot, needs = self.assigned[j]
+            use = self.uses[j]
+            if needs:
+                if use.fetch == ZERO:
+                    em.wait(COMPUTE, self.free[slot])
+                    em.add(Fill(f"{self.name}.zero{use.key}", self.slots[slot], use.dtype))
+                else:
+                    em.wait(H2D, self.free[slot])
+                    em.wait(H2D, self.host_ready.get(use.key))
+                    em.add(Fetch(f"{self.name}.h2d{use.key}",
+                                 self._slot_part(slot, use.fetch.nbytes), use.fetch))
+                    self.fetched[j] = em.record(H2D)
+            self.next_fetch += 1
+
+    def acquire(self, i: int) -> Ref:
+        """The slot of use i; compute waits for its fetch. Prefetches the next uses."""
+        self.prefetch(i + len(self.slots) - 1)
+        slot, needs = self.assigned[i]
+        if i in self.fetched:
+            self.em.wait(COMPUTE, self.fetched.pop(i))
+        elif not needs:
+            # The compute writes the slot from scratch or rereads it: order it after the last
+            # write-back or use of whatever the slot held.
+            self.em.wait(COMPUTE, self.free[slot])
+        return self.slots[slot]
+
+    def release(self, i: int) -> None:
+        """Use i's compute is enqueued: write back if asked, mark the slot free, prefetch on."""
+        em = self.em
+        slot = self.assigned[i][0]
+        done = em.record(COMPUTE)
+        use = self.uses[i]
+        if use.writeback is not None:
+            em.wait(D2H, done)
+            em.wait(D2H, self.host_ready.get(use.key))  # earlier readers of the home copy
+            em.add(WriteBack(f"{self.name}.d2h{use.key}", use.writeback,
+                             self._slot_part(slot, use.writeback.nbytes)))
+            done = em.record(D2H)
+            self.host_ready[use.key] = done
+        self.free[slot] = done
+        self.released = i
+        self.prefetch(i + len(self.slots))
+
+
+def block_key(kind: str, layer: int | None = None) -> str:
+    return f"layer{layer}" if kind == "layer" else kind
+
+
+class _Compiler:
+    def __init__(self, plan):
+        self.plan = plan
+        self.d = d = decisions_of(plan)
+        self.cfg, self.ch = d.model, d.chunking
+        self.table = region_table(plan)
+        self.em = _Emitter()
+        self.gdt = "bf16" if grad_bpe(d.grad_accum) == 2 else "f32"
+        self.numel = {"layer": layer_layout(self.cfg).numel,
+                      "embed": embed_layout(self.cfg).numel, "head": head_layout(self.cfg).numel}
+        self.L, self.C, self.T = self.cfg.n_layers, self.ch.chunks_per_round, self.ch.chunk_tokens
+        self.tokens_free: int | None = None
+        self.embed_host_ready: int | None = None
+        self.embed_grads_ready: int | None = None
+        self.stage_free: list[int | None] = [None, None]
+        self._names = {r.name for r in self.table.device + self.table.host}
+        self._build_rings()
+
+    # -- refs -------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def ref(self, name: str, offset: int = 0, nbytes: int | None = None) -> Ref:
+        r = self.table.get(name)
+        return Ref(name, offset, r.nbytes - offset if nbytes is None else nbytes)
+
+    def block(self, key: str, part: str, home: bool) -> Ref | None:
+        kind = "layer" if key.startswith("layer") else key
+        bpe = {"weights": 2, "grads": 2 if self.gdt == "bf16" else 4, "m": 2, "v": 2}[part]
+        name = ("home." if home else "") + f"{key}.{part}"
+        return self.ref(name, 0, self.numel[kind] * bpe) if self.has(name) else None
+
+    def placement(self, key: str):
+        if key.startswith("layer"):
+            return self.d.layers[int(key[5:])]
+        return self.d.embed if key == "embed" else self.d.head
+
+    def _slots(self, region: str, count: int, size: int) -> list[Ref]:
+        if count == 0 or not self.has(region):
+            return []
+        return [Ref(region, i * size, size) for i in range(count)]
+
+    # -- rings ------------------------------------------------------------------------------
+    def _build_rings(self) -> None:
+        d, L, em = self.d, self.L, self.em
+        n = self.numel["layer"]
+        gb = 2 if self.gdt == "bf16" else 4
+        self.wring = self.gring = self.aring = self.hw_ring = self.hg_ring = None
+        streamed = [i for i in range(L) if d.layers[i].weights is Where.HOME]
+        if streamed:
+            self.wring = _Ring(em, self._slots("weight_slots", d.slots.weight_slots, n * 2), "w")
+            home = {i: self.block(f"layer{i}", "weights", True) for i in streamed}
+            self.w_uses = [_Use(i, home[i]) for i in streamed]
+            self.w_uses += [_Use(i, home[i]) for i in reversed(streamed)]
+            self.w_assigned = self.wring.assign(self.w_uses)
+            self.w_index = {("f", i): j for j, i in enumerate(streamed)}
+            self.w_index.update({("b", i): len(streamed) + j
+                                 for j, i in enumerate(reversed(streamed))})
+        gstreamed = [i for i in reversed(range(L)) if d.layers[i].grads is Where.HOME]
+        if gstreamed:
+            self.gring = _Ring(em, self._slots("grad_slots", d.slots.grad_slots, n * gb), "g")
+            home = {i: self.block(f"layer{i}", "grads", True) for i in gstreamed}
+            self.g_uses = {first: [_Use(i, ZERO if first else home[i], home[i], self.gdt)
+                                   for i in gstreamed] for first in (True, False)}
+            self.g_assigned = {k: self.gring.assign(u) for k, u in self.g_uses.items()}
+            self.g_index = {i: j for j, i in enumerate(gstreamed)}
+        self.act_bytes = {}
+        home_acts = []
+        for layer in range(L):
+            for c in range(self.C):
+                a = d.activations[layer][c]
+                self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(self.cfg, self.T,
+                                                                            a.level)
+                if a.home is Where.HOME:
+                    home_acts.append((layer, c))
+        if home_acts:
+            size = max(self.act_bytes[k] for k in home_acts)
+            self.aring = _Ring(em, self._slots("act_slots", d.slots.act_slots, size), "act")
+            self.act_home = {k: self.ref(f"home.act.{k[0]}.{k[1]}", 0, self.act_bytes[k])
+                             for k in home_acts}
+            bwd = sorted(home_acts, key=lambda lc: (-lc[0], -lc[1]))
+            self.a_uses = [_Use(k, None, self.act_home[k]) for k in home_acts]
+            self.a_uses += [_Use(k, self.act_home[k], None) for k in bwd]
+            self.a_assigned = self.aring.assign(self.a_uses)
+            self.a_index = {("f",) + k: j for j, k in enumerate(home_acts)}
+            self.a_index.update({("b",) + k: len(home_acts) + j for j, k in enumerate(bwd)})
+        head = d.head
+        nh = self.numel["head"]
+        if head.weights is Where.HOME:
+            self.hw_ring = _Ring(em, [self.ref("head.weights", 0, nh * 2)], "headw")
+            self.hw_uses = [_Use("head", self.block("head", "weights", True))]
+            self.hw_assigned = self.hw_ring.assign(self.hw_uses)
+        if head.grads is Where.HOME:
+            self.hg_ring = _Ring(em, [self.ref("head.grads", 0, nh * gb)], "headg")
+            hg = self.block("head", "grads", True)
+            self.hg_uses = {f: [_Use("head", ZERO if f else hg, hg, self.gdt)]
+                            for f in (True, False)}
+            self.hg_assigned = {f: self.hg_ring.assign(u) for f, u in self.hg_uses.items()}
+
+    def weights(self, phase: str, layer: int) -> Ref:
+        dev = self.block(f"layer{layer}", "weights", False)
+        return dev if dev is not None else self.wring.acquire(self.w_index[(phase, layer)])
+
+    def release_weights(self, phase: str, layer: int) -> None:
+        if self.block(f"layer{layer}", "weights", False) is None:
+            self.wring.release(self.w_index[(phase, layer)])
+
+    def grads(self, layer: int) -> Ref:
+        dev = self.block(f"layer{layer}", "grads", False)
+        return dev if dev is not None else self.gring.acquire(self.g_index[layer])
+
+    def release_grads(self, layer: int) -> None:
+        if self.block(f"layer{layer}", "grads", False) is None:
+            self.gring.release(self.g_index[layer])
+
+    def act(self, phase: str, layer: int, chunk: int) -> Ref:
+        if self.d.activations[layer][chunk].home is Where.DEVICE:
+            return self.ref(f"act.{layer}.{chunk}", 0, self.act_bytes[(layer, chunk)])
+        slot = self.aring.acquire(self.a_index[(phase, layer, chunk)])
+        return Ref(slot.region, slot.offset, self.act_bytes[(layer, chunk)])
+
+    def release_act(self, phase: str, layer: int, chunk: int) -> None:
+        if self.d.activations[layer][chunk].home is Where.HOME:
+            self.aring.release(self.a_index[(phase, layer, chunk)])
+
+    # -- the step ---------------------------------------------------------------------------
+    def compile(self, rounds: int | None = None) -> Schedule:
+        em = self.em
+        rounds = self.ch.rounds_per_step if rounds is None else rounds
+        em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
+        starts = []
+        for rnd in range(rounds):
+            starts.append(len(em.events))
+            self.round(rnd)
+        opt_start = len(em.events)
+        self.optimizer()
+        return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
+
+    def _transition(self, name: str) -> tuple[int, int]:
+        specs = buffers.transition_specs(self.cfg, self.ch.tokens_per_round)
+        offs = buffers.offsets(specs)
+        spec = next(s for s in specs if s.name == name)
+        return offs[name], spec.nbytes
+
+    def round(self, rnd: int) -> None:
+        em, L, first = self.em, self.L, rnd == 0
+        for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),
+                                     (self.aring, "a_uses", "a_assigned"),
+                                     (self.hw_ring, "hw_uses", "hw_assigned")):
+            if ring is not None:
+                ring.begin(getattr(self, uses), getattr(self, assigned))
+        if self.gring is not None:
+            self.gring.begin(self.g_uses[first], self.g_assigned[first])
+        if self.hg_ring is not None:
+            self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
+        self.load_tokens(rnd)
+        x, y = "resid_a", "resid_b"
+        self.embed_fwd(rnd, x)
+        for layer in range(L):                                          # forward, layer-major
+            w = self.weights("f", layer)
+            for c in range(self.C):
+                save = self.act("f", layer, c)
+                em.add(Compute(f"f.L{layer}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
+                               save=save, x=x, y=y))
+                self.release_act("f", layer, c)
+            self.release_weights("f", layer)
+            if layer == L - 2 and self.hw_ring is not None:
+                self.hw_ring.prefetch(0)                              # head weights arrive early
+            x, y = y, x
+        self.head(rnd, x, y)
+        dy, dx = y, x
+        for layer in reversed(range(L)):                                # backward, reverse order
+            w = self.weights("b", layer)
+            g = self.grads(layer)
+            for c in reversed(range(self.C)):
+                if self.ch.chunks_per_seq > 1 and c % self.ch.chunks_per_seq == \
+                        self.ch.chunks_per_seq - 1:
+                    self.fill_context(rnd, layer, c)
+                save = self.act("b", layer, c)
+                em.add(Compute(f"b.L{layer}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
+                               grads=g, save=save, x=dy, y=dx))
+                self.release_act("b", layer, c)
+            self.release_grads(layer)
+            self.release_weights("b", layer)
+            dy, dx = dx, dy
+        self.embed_bwd(rnd, dy)
+
+    def load_tokens(self, rnd: int) -> None:
+        """Token ids and targets of the round: host staging, then one H2D each."""
+        em, n = self.em, self.ch.tokens_per_round
+        em.wait(HOST, self.tokens_free)
+        em.add(HostTask("tokens.stage", "tokens_stage", rnd, self.ref("tokens")))
+        em.wait(H2D, em.record(HOST))
+        # The compute stream may still read last round's ids/targets (head, embedding bwd).
+        em.wait(H2D, em.record(COMPUTE))
+        for i, name in enumerate(("ids", "targets")):
+            off, nb = self._transition(name)
+            em.add(Fetch(f"tokens.{name}", self.ref("transitions", off, nb),
+                         self.ref("tokens", i * n * 4, n * 4)))
+        ev = em.record(H2D)
+        self.tokens_free = ev
+        em.wait(COMPUTE, ev)
+
+    def embed_fwd(self, rnd: int, out: str) -> None:
+        em = self.em
+        dev = self.block("embed", "weights", False)
+        if dev is not None:
+            em.add(Compute("embed.fwd", "embed_fwd", rnd, weights=dev, y=out))
+            return
+        rows = self.ref("embed_rows", 0, self.ch.tokens_per_round * self.cfg.model_dim * 2)
+        em.wait(HOST, em.record(H2D))  # the token staging is free: the last upload is done
+        em.wait(HOST, self.embed_host_ready)
+        em.add(HostTask("embed.gather", "embed_gather", rnd, rows))
+        em.wait(H2D, em.record(HOST))
+        off, nb = self._transition(out)
+        em.add(Fetch("embed.rows", self.ref("transitions", off, nb), rows))
+        em.wait(COMPUTE, em.record(H2D))
+
+    def embed_bwd(self, rnd: int, dx: str) -> None:
+        em = self.em
+        dev = self.block("embed", "grads", False)
+        if dev is not None:
+            em.add(Compute("embed.bwd", "embed_bwd", rnd, grads=dev, x=dx))
+            return
+        nb = self.ch.tokens_per_round * self.cfg.model_dim * 2
+        rows = self.ref("embed_rows", nb, nb)
+        em.wait(D2H, em.record(COMPUTE))
+        off, n = self._transition(dx)
+        em.add(WriteBack("embed.dx", rows, self.ref("transitions", off, n)))
+        em.wait(HOST, em.record(D2H))
+        em.add(HostTask("embed.scatter", "embed_scatter", rnd, self.block("embed", "grads", True)))
+        ev = em.record(HOST)
+        self.embed_host_ready = ev
+        self.embed_grads_ready = ev
+
+    def head(self, rnd: int, final: str, dfinal: str) -> None:
+        w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
+        g = self.hg_ring.acquire(0) if self.hg_ring else self.block("head", "grads", False)
+        self.em.add(Compute("head", "head", rnd, weights=w, grads=g, x=final, y=dfinal))
+        if self.hg_ring:
+            self.hg_ring.release(0)
+        if self.hw_ring:
+            self.hw_ring.release(0)
+
+    def fill_context(self, rnd: int, layer: int, last: int) -> None:
+        """Before the backward of a split sequence at `layer`, gather its K/V from every chunk's
+        saved activation (device copies on compute; home copies straight over H2D)."""
+        em, T = self.em, self.T
+        cfg = self.cfg
+        first = last - self.ch.chunks_per_seq + 1
+        free = em.record(COMPUTE)
+        waited = False
+        ctx = buffers.offsets(buffers.context_specs(cfg, self.ch.seqlen, T, self.ch.chunks_per_seq))
+        row = cfg.n_kv_heads * cfg.head_dim * 2
+        for c in range(first, last + 1):
+            a = self.d.activations[layer][c]
+            if a.home is Where.DEVICE:
+                em.add(Compute(f"ctx.L{layer}.c{c}", "ctx_cast", rnd, layer, c,
+                               save=self.act("b", layer, c)))
+                continue
+            if not waited:
+                em.wait(H2D, free)
+                waited = True
+            em.wait(H2D, self.aring.host_ready.get((layer, c)))
+            offs = buffers.offsets(buffers.saved_activation_specs(cfg, T, a.level))
+            home = self.act_home[(layer, c)]
+            at = self.ch.chunk_context(c) * row
+            for part in ("k", "v"):
+                em.add(Fetch(f"ctx.{part}.L{layer}.c{c}",
+                             self.ref("context", ctx[f"{part}_ctx"] + at, T * row),
+                             Ref(home.region, home.offset + offs[part], T * row)))
+        if waited:
+            em.wait(COMPUTE, em.record(H2D))
+
+    # -- the optimizer ----------------------------------------------------------------------
+    def optimizer(self) -> None:
+        keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
+        for key in keys:
+            where = self.placement(key).optimizer
+            if where is OptimizerWhere.DEVICE:
+                self.update_device(key)
+            elif where is OptimizerWhere.HOST:
+                self.update_host(key)
+            else:
+                self.update_streamed(key)
+
+    def _grads_ready(self, key: str, stream: str) -> None:
+        ring = self.gring if key.startswith("layer") else self.hg_ring if key == "head" else None
+        gkey = int(key[5:]) if key.startswith("layer") else key
+        if ring is not None:
+            self.em.wait(stream, ring.host_ready.get(gkey))
+        if key == "embed":
+            self.em.wait(stream, self.embed_grads_ready)
+
+    def _numel(self, key: str) -> int:
+        return self.numel["layer" if key.startswith("layer") else key]
+
+    def update_device(self, key: str) -> None:
+        parts = [self.block(key, p, False) for p in ("weights", "grads", "m", "v")]
+        self.em.add(Update(f"adamw.{key}", key, 0, self._numel(key), *parts))
+        self.em.add(Fill(f"zero_grads.{key}", parts[1], self.gdt))
+
+    def update_host(self, key: str) -> None:
+        em = self.em
+        self._grads_ready(key, HOST)
+        em.wait(HOST, em.record(H2D))  # the device may still be reading the home weights
+        parts = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
+        em.add(Update(f"adamw.host.{key}", key, 0, self._numel(key), *parts, stream=HOST))
+        em.record(HOST)
+        self._zero_home_grads(key)
+
+    def _zero_home_grads(self, key: str) -> None:
+        """The embedding's home gradient accumulates in place on the host (layers' home
+        gradients restart from a zero fill in round 0 instead), so clear it for the next step."""
+        if key != "embed":
+            return
+        em = self.em
+        em.wait(HOST, em.record(H2D))  # a streamed update may still read it
+        em.add(Fill("zero_grads.embed", self.block("embed", "grads", True), self.gdt, HOST))
+        self.embed_grads_ready = em.record(HOST)
+
+    def update_streamed(self, key: str) -> None:
+        """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW on compute -> D2H p, m, v."""
+        em = self.em
+        n_stage = self.d.slots.opt_stage_elems
+        specs = buffers.opt_stage_specs(n_stage, self.gdt)
+        offs = buffers.offsets(specs)
+        self._grads_ready(key, H2D)
+        em.wait(H2D, em.record(COMPUTE))
+        home = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
+        bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
+        numel = self._numel(key)
+        for i, start in enumerate(range(0, numel, n_stage)):
+            n = min(n_stage, numel - start)
+            buf = i % 2
+            dev = [self.ref("opt_stage", offs[f"{x}{buf}"], n * b) for x, b in zip("pgmv", bpe)]
+            host = [Ref(h.region, h.offset + start * b, n * b) for h, b in zip(home, bpe)]
+            em.wait(H2D, self.stage_free[buf])
+            for dst, src in zip(dev, host):
+                em.add(Fetch(f"opt.h2d.{key}", dst, src))
+            em.wait(COMPUTE, em.record(H2D))
+            em.add(Update(f"adamw.{key}.{i}", key, start, n, *dev))
+            em.wait(D2H, em.record(COMPUTE))
+            for j in (0, 2, 3):
+                em.add(WriteBack(f"opt.d2h.{key}", host[j], dev[j]))
+            self.stage_free[buf] = em.record(D2H)
+        em.record(D2H)
+        self._zero_home_grads(key)
+
+
+def compile_schedule(plan, *, rounds: int | None = None) -> Schedule:
+    """The event list of one step of `plan` (a Plan or Decisions). `rounds` overrides the
+    plan's rounds per step (the search times a first and a later round this way)."""
+    return _Compiler(plan).compile(rounds)
+
+
+def level_of(plan, layer: int, chunk: int) -> SavedLevel:
+    return decisions_of(plan).activations[layer][chunk].level
