@@ -3,6 +3,7 @@ timeout or crash, with the error's last line. Pure text inspection: never runs a
 
 from __future__ import annotations
 
+import re
 import signal
 
 from bench.sweep.record import Status
@@ -10,11 +11,12 @@ from bench.sweep.record import Status
 HOST_OOM_MARKERS = (
     "cannot allocate the host arena",  # CuPy backend: pinned host slab refused
     "of host memory for the",  # NumPy backend: host slab refused
-    "MemoryError", "Cannot allocate memory", "std::bad_alloc", "cudaHostAlloc",
+    "(?<!OutOf)MemoryError", "Cannot allocate memory", "std::bad_alloc", "cudaHostAlloc",
 )
-"""Checked before the device markers: a refused pinned allocation also says
-cudaErrorMemoryAllocation, but it is host memory that ran out."""
-DEVICE_OOM_MARKERS = (
+"""Regular expressions, checked before the device markers: a refused pinned allocation also says
+cudaErrorMemoryAllocation, but it is host memory that ran out. CuPy's device OutOfMemoryError
+must not read as Python's (host) MemoryError."""
+DEVICE_OOM_MARKERS = (  # plain substrings
     "cannot allocate the device arena", "OutOfMemoryError", "cudaErrorMemoryAllocation",
     "CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
     "out of memory",
@@ -37,7 +39,7 @@ def classify(returncode: int | None, stderr: str, *, timed_out: bool,
                                                                       else "")
     if returncode == 0:
         return Status.OK, None
-    if any(m in stderr for m in HOST_OOM_MARKERS):
+    if any(re.search(m, stderr) for m in HOST_OOM_MARKERS):
         return Status.HOST_OOM, line
     if any(m in stderr for m in DEVICE_OOM_MARKERS):
         return Status.DEVICE_OOM, line

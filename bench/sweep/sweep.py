@@ -82,6 +82,10 @@ def _duration(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+def _fmt(value, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "?"
@@ -100,8 +104,9 @@ def outcome(r: CellRecord) -> str:
         mem = f", peak RSS {r.peak_rss_bytes / GIB:.2f} GiB" if r.peak_rss_bytes else ""
         if r.peak_device_minus_context_bytes is not None:
             mem += f", device {r.peak_device_minus_context_bytes / GIB:.2f} GiB"
-        return (f"ok {r.tok_per_s:,.0f} tok/s (predicted {r.predicted_tok_per_s:,.0f}), MFU "
-                f"{r.mfu:.1%}{mem}, {r.wall_s:.1f} s")
+        return (f"ok {_fmt(r.tok_per_s, ',.0f')} tok/s (predicted "
+                f"{_fmt(r.predicted_tok_per_s, ',.0f')}), MFU {_fmt(r.mfu, '.1%')}{mem}, "
+                f"{_fmt(r.wall_s, '.1f')} s")
     return f"{r.status}: {r.error}" + (f" ({r.wall_s:.1f} s)" if r.wall_s is not None else "")
 
 

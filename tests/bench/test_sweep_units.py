@@ -1,0 +1,177 @@
+"""dataflow-sweep pieces that need no child process: grid parsing, failure classes, the record
+schema and its table, planner-only cells, and the CLI's refusals."""
+
+import csv
+import dataclasses
+import signal
+
+import pytest
+
+from bench.sweep.classify import classify
+from bench.sweep.cli import main
+from bench.sweep.grid import Cell, expand, parse_ints, parse_numbers
+from bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, Status
+from bench.sweep.sweep import SweepConfig, run_sweep
+from bench.sweep.table import SweepStore, read_table
+from models.errors import ConfigError
+
+
+def test_range_includes_stop_and_merges_with_lists(rng):
+    """'a:b:s' gives a, a+s, ... up to b inclusive, exactly in decimal, merged and sorted."""
+    start, step, n = int(rng.integers(1, 50)), int(rng.integers(1, 9)), int(rng.integers(2, 7))
+    stop = start + step * (n - 1)
+    extra = stop + int(rng.integers(1, 5))
+    got = parse_numbers(f"{extra},{start}:{stop}:{step}", "--dev")
+    assert got == tuple(float(v) for v in [*range(start, stop + 1, step), extra])
+    assert parse_numbers("0.1:0.3:0.1") == (0.1, 0.2, 0.3)
+
+
+@pytest.mark.parametrize("text, words", [("16:8:4", "stop >= start"), ("8:16", "start:stop"),
+                                         ("x", "'x' is not a number"), ("0,8", "not positive"),
+                                         ("1:2000:1", "more than"), ("", "no values")])
+def test_bad_grid_text_is_refused_with_the_value_and_an_example(text, words):
+    """A bad list or range names what is wrong and shows a form that works."""
+    with pytest.raises(ConfigError, match=words):
+        parse_numbers(text, "--dev")
+
+
+def test_seqlen_must_be_whole():
+    """--seqlen 8192.5 is refused by name."""
+    with pytest.raises(ConfigError, match="8192.5 is not a whole number"):
+        parse_ints("8192.5", "--seqlen")
+
+
+def test_grid_expands_model_seqlen_host_dev_and_slugs_are_unique(rng):
+    """Every combination once; every cell has its own record file name."""
+    hosts = tuple(sorted({float(v) for v in rng.integers(1, 100, 4)}))
+    devs = tuple(sorted({float(v) / 4 for v in rng.integers(1, 100, 3)}))
+    cells = expand(("tiny", "/some/dir/tiny"), (128, 256), hosts, devs)
+    assert len(cells) == 2 * 2 * len(hosts) * len(devs)
+    assert len({c.slug for c in cells}) == len(cells)
+    assert all("/" not in c.slug for c in cells)
+
+
+@pytest.mark.parametrize("rc, stderr, timed_out, status, line", [
+    (0, "loss 1.0\n", False, Status.OK, None),
+    (1, "Traceback\ndataflow-demo: failed while running: BackendError: cannot allocate the "
+        "device arena of 80.00 GiB: Out of memory; lower the budget\n", False, Status.DEVICE_OOM,
+     "lower the budget"),
+    (1, "dataflow-demo: failed while running: OutOfMemoryError: Out of memory allocating "
+        "1,024 bytes\n", False, Status.DEVICE_OOM, "allocating"),
+    (1, "dataflow-demo: failed while running: BackendError: cannot allocate the host arena of "
+        "90.00 GiB: cudaErrorMemoryAllocation: out of memory\n", False, Status.HOST_OOM,
+     "host arena"),
+    (-signal.SIGKILL, "init 8b: 3/34\n", False, Status.HOST_OOM, "OOM killer"),
+    (-signal.SIGSEGV, "step 1\n", False, Status.CRASH, "SIGSEGV"),
+    (1, "x\nValueError: bad thing\n\n", False, Status.CRASH, "ValueError: bad thing"),
+    (-signal.SIGKILL, "init\n", True, Status.TIMEOUT, "within 5 s"),
+])
+def test_failures_are_classified_from_exit_code_and_stderr(rc, stderr, timed_out, status, line):
+    """Device OOM, host OOM (a pinned refusal is host, though CUDA says 'memory allocation'),
+    timeout and crash, each with the error's last line."""
+    got, error = classify(rc, stderr, timed_out=timed_out, timeout_s=5)
+    assert got is status
+    assert (error is None) if line is None else (line in error)
+
+
+def _record(rng, cell: Cell, **fields) -> CellRecord:
+    return CellRecord(model=cell.model, seqlen=cell.seqlen, host_gib=cell.host_gib,
+                      dev_gib=cell.dev_gib, host_budget_bytes=int(cell.host_gib * 2**30),
+                      device_budget_bytes=int(cell.dev_gib * 2**30), status="ok",
+                      backend="numpy", profile="cpu", run_id="r", steps=3,
+                      tok_per_s=float(rng.uniform(1e3, 1e4)),
+                      predicted_tok_per_s=float(rng.uniform(1e3, 1e4)),
+                      peak_rss_bytes=int(rng.integers(1, 2**30)), **fields)
+
+
+def test_table_round_trips_through_parquet_and_csv_with_a_header(tmp_path, rng):
+    """Records saved and tabled come back equal from Parquet; the CSV has the schema's header
+    and the derived ratios."""
+    store = SweepStore(tmp_path)
+    cells = expand(("tiny",), (128,), (1.0, 2.0), (0.25, 0.5))
+    records = [_record(rng, c, chunk_tokens=int(rng.integers(1, 9999))) for c in cells]
+    for r in records:
+        store.save(r)
+    assert sorted(store.load().values(), key=lambda r: r.cell.key) == records
+    store.write_table(records)
+    assert read_table(tmp_path) == records
+    with open(tmp_path / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(COLUMNS) + list(DERIVED)
+    for row, r in zip(rows, records):
+        assert float(row["tok_per_s"]) == r.tok_per_s
+        assert float(row["predicted_over_measured"]) == pytest.approx(
+            r.predicted_tok_per_s / r.tok_per_s)
+        assert row["error"] == "" and int(row["schema_version"]) == SCHEMA_VERSION
+
+
+def test_other_schema_versions_and_unknown_columns_are_refused(rng):
+    """A record of another schema version, or with a column this version lacks, is refused by
+    name rather than read wrongly."""
+    row = _record(rng, Cell(model="tiny", seqlen=128, host_gib=1.0, dev_gib=0.25)).to_row()
+    with pytest.raises(ConfigError, match="schema_version 99"):
+        CellRecord.from_row({**row, "schema_version": 99})
+    with pytest.raises(ConfigError, match=r"unknown columns \['tok_per_sec'\]"):
+        CellRecord.from_row({**row, "tok_per_sec": 1.0})
+    with pytest.raises(ConfigError, match="status 'fine' is unknown"):
+        CellRecord.from_row({**row, "status": "fine"})
+
+
+class _NoProcesses:
+    name = "forbidden"
+
+    def __init__(self):
+        self.jobs = []
+
+    def run(self, jobs):
+        self.jobs.extend(jobs)
+        for job in jobs:  # stands in for a run: the planned record, marked ok
+            yield dataclasses.replace(job.planned, status="ok", tok_per_s=1.0, wall_s=0.1)
+
+
+def test_predict_only_and_infeasible_cells_start_no_process(tmp_path, rng):
+    """--predict-only fills every cell from the planner; refused budgets are recorded as
+    infeasible with the smallest working budgets; the executor is never asked to run either."""
+    tiny_dev = float(rng.uniform(1e-4, 1e-3))  # far below tiny's ~33 MiB minimum
+    cells = expand(("tiny",), (128,), (1.0,), (tiny_dev, 0.25))
+    fake = _NoProcesses()
+    out = run_sweep(SweepConfig(cells=cells, out=str(tmp_path), backend="numpy",
+                                predict_only=True), fake)
+    assert fake.jobs == []
+    bad, good = out
+    assert bad.state is Status.INFEASIBLE and bad.min_device_bytes > bad.device_budget_bytes
+    assert "does not fit" in bad.error and bad.wall_s is None
+    assert good.state is Status.PREDICTED and good.predicted_tok_per_s > 0
+    assert good.plan_hash and good.chunk_tokens > 0 and good.tok_per_s is None
+    # a measuring sweep runs the predicted cell (planner-only does not finish it) but not the
+    # infeasible one; a second one runs nothing; --redo runs the runnable cell again
+    config = SweepConfig(cells=cells, out=str(tmp_path), backend="numpy")
+    run_sweep(config, fake)
+    assert [j.planned.cell for j in fake.jobs] == [cells[1]]
+    run_sweep(config, fake)
+    assert len(fake.jobs) == 1
+    run_sweep(dataclasses.replace(config, redo=True), fake)
+    assert [j.planned.cell for j in fake.jobs] == [cells[1], cells[1]]
+    assert read_table(tmp_path)[1].state is Status.OK
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "8:4:1", "--out", "x"],
+     "stop >= start"),
+    (["run", "--model", "llama8b", "--seqlen", "128", "--host", "1", "--dev", "1", "--out", "x",
+      "--predict-only"], "unknown model"),
+    (["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "1", "--out", "x",
+      "--steps", "0"], "must be positive"),
+    (["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "1", "--out", "x",
+      "--cluster", "local"], "submitit only"),
+    (["plot", "nowhere"], "no sweep.parquet"),
+    ([], "say run or plot"),
+])
+def test_cli_refuses_bad_input_with_exit_2_and_one_line(argv, words, capsys, tmp_path,
+                                                        monkeypatch):
+    """Bad grids, unknown models, bad flags and missing tables exit 2 with one line, no
+    traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "Traceback" not in err and len(err.splitlines()) == 1
