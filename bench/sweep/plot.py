@@ -142,8 +142,7 @@ def _draw(ax, hm: Heatmap, metric: Metric, vrange: tuple[float, float] | None):
         vrange = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         if vrange[0] == vrange[1]:
             vrange = (vrange[0] * 0.9, vrange[1] * 1.1 or 1.0)
-    cmap = colormaps[metric.cmap].copy()
-    cmap.set_bad("white")
+    cmap = colormaps[metric.cmap].with_extremes(bad="white")
     norm = mcolors.Normalize(*vrange)
     image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, norm=norm, aspect="auto")
     for i, row in enumerate(hm.failed):
