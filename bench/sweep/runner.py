@@ -122,6 +122,8 @@ def run_cell(job: CellJob) -> CellRecord:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             status, error = Status.CRASH, f"the demo exited 0 but its --json was unreadable: {exc}"
         else:
+            if doc.get("status", "done") != "done":  # newer demos say how the loop ended
+                status, error = Status.CRASH, f"the demo ended with status {doc['status']!r}"
             if doc.get("plan_hash") != job.planned.plan_hash:
                 log.warning("%s: the demo ran plan %s, not the planned %s", job.planned.cell.label,
                             doc.get("plan_hash"), job.planned.plan_hash)
