@@ -1,0 +1,80 @@
+"""Forward-only passes on the host for validation loss and logits: the reference kernels
+(kernels.reference, the oracle the engine matches) applied layer by layer to weights fetched one
+block at a time through Engine.read_block, so host memory holds one block plus the batch's
+activations. Slow (NumPy) but exact to the reference; meant for small held-out batches and for
+comparing logits with transformers. Never updates weights, optimizer state or the step count."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.reference._dtypes import acc_dtype
+from kernels.reference.attention import attention_fwd
+from kernels.reference.embedding import embedding_fwd
+from kernels.reference.head_loss import head_loss_fwd_bwd
+from kernels.reference.linear import linear_fwd
+from kernels.reference.rms_norm import rms_norm_fwd
+from kernels.reference.rope import rope_fwd
+from kernels.reference.swiglu import swiglu_fwd
+from models.layout import BlockKind
+
+
+def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dt = acc_dtype(a, b)
+    return (a.astype(dt) + b.astype(dt)).astype(a.dtype)
+
+
+def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One decoder layer, x (T, D) -> (T, D), as kernels.reference.model computes it."""
+    t = x.shape[0]
+    n1, _ = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
+    q = rope_fwd(linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim),
+                 pos, cfg.rope_theta)
+    k = rope_fwd(linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim),
+                 pos, cfg.rope_theta)
+    v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
+    o, _ = attention_fwd(q, k, v)
+    h = _add(x, linear_fwd(o.reshape(t, cfg.q_dim), w["self_attn.o_proj"]))
+    n2, _ = rms_norm_fwd(h, w["post_attention_layernorm"], cfg.norm_eps)
+    s = swiglu_fwd(linear_fwd(n2, w["mlp.gate_proj"]), linear_fwd(n2, w["mlp.up_proj"]))
+    return _add(h, linear_fwd(s, w["mlp.down_proj"]))
+
+
+def _final_hidden(eng, inputs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Normed final hidden states (one (T, D) per row) and the lm_head weight (V, D)."""
+    cfg = eng.plan.model
+    refs = eng.block_refs()
+    by_kind = {r.kind: r for r in refs if r.kind is not BlockKind.LAYER}
+    emb_lay = eng.layout(by_kind[BlockKind.EMBED])
+    table = emb_lay.view(eng.read_block(by_kind[BlockKind.EMBED]), "embed_tokens")
+    xs = [embedding_fwd(row, table) for row in inputs]
+    del table
+    pos = np.arange(inputs.shape[1])
+    for ref in refs:
+        if ref.kind is BlockKind.LAYER:
+            w = eng.layout(ref).views(eng.read_block(ref))
+            xs = [_layer(cfg, w, x, pos) for x in xs]
+    head_ref = by_kind[BlockKind.HEAD]
+    head = eng.read_block(head_ref)
+    lay = eng.layout(head_ref)
+    norm_w, lm_head = lay.view(head, "norm"), lay.view(head, "lm_head")
+    return [rms_norm_fwd(x, norm_w, cfg.norm_eps)[0] for x in xs], lm_head
+
+
+def eval_loss(eng, tokens: np.ndarray) -> float:
+    """Mean next-token cross-entropy of `tokens` (n, seqlen + 1) under the engine's current
+    weights, without training (inputs row[:-1], targets row[1:])."""
+    tokens = np.asarray(tokens)
+    hidden, lm_head = _final_hidden(eng, tokens[:, :-1])
+    total, count = 0.0, 0
+    for xn, targets in zip(hidden, tokens[:, 1:]):
+        loss_sum, n, _, _ = head_loss_fwd_bwd(xn, lm_head, targets)
+        total, count = total + loss_sum, count + n
+    return total / max(count, 1)
+
+
+def logits(eng, inputs: np.ndarray) -> np.ndarray:
+    """fp32 logits (n, T, V) of `inputs` (n, T) token ids under the engine's current weights."""
+    hidden, lm_head = _final_hidden(eng, np.asarray(inputs))
+    w = lm_head.astype(np.float32)
+    return np.stack([xn.astype(np.float32) @ w.T for xn in hidden])
