@@ -85,9 +85,10 @@ class Backend(abc.ABC):
     def to_numpy(self, array) -> Any:
         """A host NumPy copy of a view (synchronous; for results and tests, not the hot loop)."""
 
-    def lend_workspace(self, view) -> None:
-        """Let library calls (cuDNN attention) use `view`, arena bytes, as their workspace.
-        Backends whose ops need no workspace ignore it."""
+    def lend_scratch(self, scratch: dict) -> None:
+        """Let library calls use arena views as their scratch: 'attn_workspace' (cuDNN's
+        workspace), 'dk16' / 'dv16' (bf16 dK/dV of a context). Backends whose ops need no
+        scratch ignore it."""
 
     def memory_used_bytes(self, place: Place) -> int:
         return sum(s.nbytes for s in self._slabs if s.place is place)

@@ -80,14 +80,17 @@ class Executor:
                           Update: self._update, Record: self._record, Wait: self._wait}
         self._load_positions()
         self.step_index = 0
-        # Library scratch (cuDNN's attention workspace: the planner's region, or the budgeted
-        # bytes no region uses, whichever is larger) comes from the arena, not from outside it.
+        # Library scratch comes from the arena, not from outside it: cuDNN's attention
+        # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
+        # larger) and the bf16 dK/dV of a context.
         spare = plan.budget.device_bytes - self.dev.used_bytes
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
+        scratch = {"dk16": self.ctx["dk16"], "dv16": self.ctx["dv16"]}
         if region and region >= spare:
-            be.lend_workspace(self.dev.view("attn_workspace", (region,), "u8"))
+            scratch["attn_workspace"] = self.dev.view("attn_workspace", (region,), "u8")
         elif spare >= 1 << 20:
-            be.lend_workspace(be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8"))
+            scratch["attn_workspace"] = be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8")
+        be.lend_scratch(scratch)
 
     def blocks(self) -> tuple[Block, ...]:
         """Every block in model order: embed, layers, head."""

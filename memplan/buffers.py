@@ -114,11 +114,13 @@ def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) 
 
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
-    """K/V of the whole sequence for split sequences (bf16), and fp32 accumulators for dK/dV over
-    the context (rows: the longer of a sequence and a chunk)."""
+    """K/V of the whole sequence for split sequences (bf16), fp32 accumulators for dK/dV over
+    the context, and the bf16 dK/dV one fused-attention backward writes before they are added
+    in (rows: the longer of a sequence and a chunk)."""
     k, e = cfg.n_kv_heads, cfg.head_dim
     rows = max(seqlen, chunk_tokens)
-    specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32")]
+    specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32"),
+             TensorSpec("dk16", (rows, k, e), "bf16"), TensorSpec("dv16", (rows, k, e), "bf16")]
     if chunks_per_seq > 1:
         specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
                   TensorSpec("v_ctx", (seqlen, k, e), "bf16")]

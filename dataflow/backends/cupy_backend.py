@@ -44,7 +44,7 @@ class CupyBackend(Backend):
 
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self.ops = ops_cuda
+        self.ops = ops_cuda.CudaOps()
         self.writes = ops_cuda.WRITES
         self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
         free, self.total_bytes = cp.cuda.runtime.memGetInfo()
@@ -123,11 +123,9 @@ class CupyBackend(Backend):
         array.data.copy_to_host(out.ctypes.data, array.nbytes)
         return out
 
-    def lend_workspace(self, view) -> None:
-        """Let library calls use `view` (spare arena bytes) as their workspace."""
-        from dataflow import ops_cuda
-
-        ops_cuda.bind_arena_workspace(view)
+    def lend_scratch(self, scratch: dict) -> None:
+        """Library scratch (cuDNN workspace, bf16 dK/dV) comes from these arena views."""
+        self.ops.lend_scratch(scratch)
 
     def memory_report(self) -> dict[str, int]:
         """What the process really uses on the device beside the budgeted arena: the CUDA
@@ -142,13 +140,10 @@ class CupyBackend(Backend):
                   "libraries_and_pool_bytes": used - self.baseline_used_bytes - arena,
                   "cupy_pool_used_bytes": cp.get_default_memory_pool().used_bytes()}
         try:
-            from kernels.cuda import attention as _attn
+            from kernels.cuda.attention import own_workspace_bytes
 
-            from dataflow import ops_cuda
-
-            report["cudnn_workspace_bytes"] = sum(
-                int(v[1].nbytes) for v in _attn._GRAPHS.values() if v and v[1] is not None)
-            report["op_scratch_bytes"] = ops_cuda.library_workspace_bytes()
+            report["cudnn_workspace_bytes"] = own_workspace_bytes()
+            report["op_scratch_bytes"] = self.ops.library_workspace_bytes()
         except Exception:  # noqa: BLE001 - a breakdown of the pool, best effort
             pass
         try:

@@ -51,8 +51,8 @@ class TracingBackend(Backend):
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
-    def lend_workspace(self, view) -> None:
-        self.inner.lend_workspace(view)
+    def lend_scratch(self, scratch: dict) -> None:
+        self.inner.lend_scratch(scratch)
 
     @property
     def clock(self) -> Clock:

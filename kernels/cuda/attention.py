@@ -192,6 +192,11 @@ def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int
     return 0 if built is None else built[2]
 
 
+def own_workspace_bytes() -> int:
+    """Bytes of workspace cuDNN graphs allocated for themselves (outside any lent arena)."""
+    return sum(int(v[1].nbytes) for v in _GRAPHS.values() if v and v[1] is not None)
+
+
 def _run(built, pack: dict, workspace) -> None:
     g, ws, ws_bytes = built
     if workspace is not None and workspace.nbytes >= ws_bytes:
