@@ -113,6 +113,7 @@ def outcome(r: CellRecord) -> str:
 def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[CellRecord]:
     """Run (or predict) every unfinished cell of `config`; returns the records of its cells in
     grid order. Each record is saved the moment its cell finishes."""
+    t0 = time.monotonic()
     executor = executor or LocalExecutor()
     store = SweepStore(config.out)
     records = store.load()
@@ -144,7 +145,6 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     if jobs:
         log.info("running %d cell(s) through the %s executor, %d step(s) each, timeout %s",
                  len(jobs), executor.name, config.steps, _duration(config.timeout_s))
-    t0 = time.monotonic()
     for record in executor.run(jobs):
         _keep(store, records, record)
         progress.cell(record)
