@@ -14,10 +14,11 @@ from pathlib import Path
 
 from bench.sweep.executors import Executor, LocalExecutor
 from bench.sweep.grid import Cell
-from bench.sweep.planning import plan_cell, resolve_backend, resolve_profile
+from bench.sweep.planning import gpu_names, plan_cell, resolve_backend, resolve_profile
 from bench.sweep.record import CellRecord, Status
 from bench.sweep.runner import REPO_ROOT, CellJob
 from bench.sweep.table import CSV, PARQUET, SweepStore
+from models.errors import ConfigError
 
 log = logging.getLogger("dataflow.sweep")
 GIB = 1 << 30
@@ -118,6 +119,9 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     store = SweepStore(config.out)
     records = store.load()
     backend = resolve_backend(config.backend)
+    if backend == "cupy" and not config.predict_only and not gpu_names():
+        raise ConfigError("--backend cupy but NVML sees no GPU here; use --backend numpy, or "
+                          "--predict-only to see the planner's numbers")
     profile = resolve_profile(backend, gpu=config.gpu, profile_file=config.profile_file,
                               predict_only=config.predict_only)
     todo = [c for c in config.cells

@@ -175,3 +175,20 @@ def test_cli_refuses_bad_input_with_exit_2_and_one_line(argv, words, capsys, tmp
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_cupy_sweep_without_a_gpu_is_refused_before_any_cell(capsys, tmp_path):
+    """--backend cupy on a machine NVML shows no GPU exits 2 naming the way out, writing
+    nothing; the same grid with --predict-only plans for the H100 instead."""
+    from bench.sweep.planning import gpu_names
+
+    if gpu_names():
+        pytest.skip("a GPU is present")
+    argv = ["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "0.25",
+            "--backend", "cupy", "--out", str(tmp_path / "s")]
+    assert main(argv) == 2
+    assert "--predict-only" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "cells").exists()
+    assert main([*argv, "--predict-only"]) == 0
+    (r,) = read_table(tmp_path / "s")
+    assert r.state is Status.PREDICTED and r.profile == "h100" and r.backend == "cupy"
