@@ -10,22 +10,10 @@ import logging
 import sys
 import time
 
-from models.errors import ConfigError
+from bench import demo_checks as checks
+from models.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger("dataflow.demo")
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def _metrics_path(text: str) -> str:
@@ -33,34 +21,45 @@ def _metrics_path(text: str) -> str:
 
     if not text.lower().endswith(FORMATS):
         raise argparse.ArgumentTypeError(f"'{text}' must end in one of {', '.join(FORMATS)}")
-    return text
+    return checks.writable_file(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dataflow-demo",
         description="Train a Llama-style model under host and device memory budgets and report "
-                    "tokens/s, TFLOP/s, MFU, HFU and memory used. GB means GiB (2^30 bytes).")
-    p.add_argument("host_gb", type=_positive(float), help="host (pinned) memory budget, GiB")
-    p.add_argument("dev_gb", type=_positive(float), help="device memory budget, GiB")
-    p.add_argument("seqlen", type=_positive(int), help="tokens per sequence")
+                    "tokens/s, TFLOP/s, MFU, HFU and memory used. GB means GiB (2^30 bytes).",
+        epilog="Exit status: 0 done; 2 bad input (including budgets above the memory this "
+               "machine has); 1 failure while running; 3 the loss or gradient norm became NaN "
+               "or infinite; 130/143 stopped by SIGINT/SIGTERM (the first signal stops after "
+               "the step in progress, a second one at once; --json, --trace and --metrics are "
+               "closed and valid either way).")
+    p.add_argument("host_gb", type=checks.positive_float,
+                   help="host (pinned) memory budget, GiB")
+    p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
+    p.add_argument("seqlen", type=checks.seqlen, help="tokens per sequence (at most 16,777,216)")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b) or a saved model dir")
-    p.add_argument("--steps", type=_positive(int), default=5, help="optimizer steps (default 5)")
+    p.add_argument("--steps", type=checks.positive_int, default=5,
+                   help="optimizer steps (default 5)")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
-    p.add_argument("--lr", type=_positive(float), default=None,
+    p.add_argument("--lr", type=checks.positive_float, default=None,
                    help="learning rate (default 1e-3 for tiny/small, 3e-4 otherwise)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    p.add_argument("--plan", metavar="FILE", help="run this plan JSON instead of planning")
-    p.add_argument("--rounds", type=_positive(int), default=None,
+    p.add_argument("--seed", type=checks.seed, default=0, help="initialisation seed")
+    p.add_argument("--plan", metavar="FILE", type=checks.readable_file,
+                   help="run this plan JSON instead of planning (the positionals must match it)")
+    p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
-    p.add_argument("--trace", metavar="FILE.json",
+    p.add_argument("--trace", metavar="FILE.json", type=checks.writable_file,
                    help="write the steps' timeline as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--metrics", metavar="FILE", type=_metrics_path,
                    help="append one row per step to this run log (.parquet or .csv)")
     p.add_argument("--json", action="store_true",
                    help="write one JSON document (the run's results) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
+    from bench.demo_training import add_flags
+
+    add_flags(p)  # --warmup --min-lr --max-grad-norm --data --eval-every, checkpoints, --resume
     return p
 
 
@@ -70,7 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
-        return _run(args)
+        with checks.StopSignals() as stop:
+            return _run(args, stop)
+    except KeyboardInterrupt:  # a second signal, or one before the handlers were installed
+        if args.debug:
+            raise
+        print(f"dataflow-demo: interrupted at step {getattr(args, 'steps_done', 0)}",
+              file=sys.stderr)
+        return stop.exit_code if "stop" in locals() else 130
+    except NonFiniteError as exc:
+        if args.debug:
+            raise
+        print(f"dataflow-demo: {exc.what} became {_nonfinite(exc.value)} at step {exc.step} "
+              f"(lr {exc.lr:g}); lower --lr", file=sys.stderr)
+        return checks.EXIT_NONFINITE
     except (ConfigError, ValueError) as exc:
         if args.debug:
             raise
@@ -83,75 +95,149 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(args) -> int:
+def _run(args, stop: checks.StopSignals) -> int:
+    from dataflow.backend import BackendError
     from dataflow.backends import make_backend
-    from dataflow.data import token_stream
-    from dataflow.engine import Engine
     from memplan import explain, make_plan
-    from memplan.plan import Budget, Plan
-    from models.config import load_config
+    from memplan.plan import Budget
+    from models.hf import model_config
 
-    cfg = load_config(args.model)
-    be_probe = make_backend(args.backend)
+    cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
+    plan = checks.load_plan(args.plan) if args.plan else None
+    if plan is not None:
+        if args.rounds:
+            raise ConfigError("--rounds cannot change a --plan file's rounds; edit the plan or "
+                              "drop --plan")
+        checks.check_plan_matches(plan, cfg, args.seqlen, args.host_gb, args.dev_gb)
+    try:
+        be_probe = make_backend(args.backend)
+    except BackendError as exc:  # e.g. --backend cupy without a GPU: bad input, not a crash
+        raise ConfigError(str(exc)) from None
     backend = be_probe.name
     weights = args.model if not _is_zoo(args.model) else None
     log.info("backend: %s (%s)", backend, getattr(be_probe, "device_name", backend))
-    if args.plan:
-        with open(args.plan) as f:
-            plan = Plan.from_json(f.read())
-    else:
+    if plan is None:
         from dataflow.engine import default_profile
 
         profile = default_profile(be_probe)
         extra = {"rounds_per_step": args.rounds} if args.rounds else {}
         plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,
                          **extra)
+    checks.check_budgets_fit_machine(plan, be_probe)
     log.info("%s", explain(plan))
     lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)
-    t0 = time.perf_counter()
-    from dataflow.optimizer import AdamWConfig
+    from bench.demo_training import Training
 
-    from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler, op_totals
-    from dataflow.metrics_log import MetricsLog, run_metadata
+    training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
+    if stop.signum:
+        return _interrupted(args, stop)
+    from dataflow.engine import Engine
+    from dataflow.optimizer import AdamWConfig
     from dataflow.progress import Progress
 
+    t0 = time.perf_counter()
     with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar:
         eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
-                               optimizer=AdamWConfig(lr=lr), trace=True, progress=init_bar)
+                               optimizer=training.optimizer, lr_schedule=training.schedule,
+                               trace=True, progress=init_bar)
+    training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     log.info("initialised %s in %.1f s", cfg.name, time.perf_counter() - t0)
-    results = []
-    start = 0
-    device = getattr(eng.be, "device_name", backend)
-    trace_file = ChromeTraceWriter(args.trace, process_name=f"dataflow {cfg.name} on {device}") \
-        if args.trace else None
-    metrics = MetricsLog(args.metrics, run_metadata(backend=eng.be, plan=plan,
-                                                    config=vars(args))) if args.metrics else None
-    counter = PcieCounter.open(pci_bus_id=eng.be.device.pci_bus_id) \
-        if backend == "cupy" and args.metrics else None
-    pcie = PcieSampler(counter) if counter else None
-    with eng, Progress(args.steps, "steps", logger=log) as bar:
-        for step in range(args.steps):
-            batch = token_stream(args.seqlen, eng.seqs_per_step, cfg.vocab_size, start=start)
-            start += eng.seqs_per_step * args.seqlen
-            if pcie:
-                pcie.start()
-            r = eng.train_step(batch)
-            moved = pcie.stop() if pcie else None
-            for i, loss in enumerate(r.round_losses):
-                bar.info("step %d round %d: %d seqs, %d tokens, loss %.4f", r.step, i,
-                         plan.chunking.seqs_per_round, plan.chunking.tokens_per_round, loss)
-            mfu = f"{r.mfu:6.1%}" if backend != "numpy" else "   n/a"
-            hfu = f"{r.hfu:6.1%}" if backend != "numpy" else "   n/a"
-            bar.info("step %d: loss %.4f  %.0f tok/s  %.1f TFLOP/s  MFU %s  HFU %s  %.2f s "
-                     "(FLOP model %s)", r.step, r.loss, r.tok_per_s, r.model_tflop_per_s, mfu,
-                     hfu, r.step_time_s, r.flop_model_version)
-            bar.info("step %d: %s", r.step, r.breakdown.summary())
-            if trace_file:
-                trace_file.add(eng.last_trace)
-            if metrics:
-                metrics.append(r, pcie=moved)
-            bar.update(info=f"loss {r.loss:.3f}")
-            results.append(r)
+    run = _Run(args, plan, eng, be_probe)
+    run.training = training
+    try:
+        run.train(stop)
+    finally:
+        run.close()
+    if stop.signum:
+        return _interrupted(args, stop)
+    return 0
+
+
+def _interrupted(args, stop) -> int:
+    print(f"dataflow-demo: interrupted at step {args.steps_done}", file=sys.stderr)
+    return stop.exit_code
+
+
+class _Run:
+    """The training loop and everything it writes (trace, metrics, --json), closed in close()
+    on every way out: done, interrupted, non-finite, or failed."""
+
+    def __init__(self, args, plan, eng, be_probe):
+        from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler
+        from dataflow.metrics_log import MetricsLog, run_metadata
+
+        self.args, self.plan, self.eng, self.be_probe = args, plan, eng, be_probe
+        self.backend = be_probe.name
+        self.results = []
+        self.mem = None
+        self.status = "failed"
+        args.steps_done = 0
+        device = getattr(eng.be, "device_name", self.backend)
+        self.trace = ChromeTraceWriter(args.trace, process_name=f"dataflow {plan.model.name} "
+                                       f"on {device}") if args.trace else None
+        config = {k: v for k, v in vars(args).items() if k != "steps_done"}
+        self.metrics = MetricsLog(args.metrics, run_metadata(backend=eng.be, plan=plan,
+                                                             config=config)) \
+            if args.metrics else None
+        counter = PcieCounter.open(pci_bus_id=eng.be.device.pci_bus_id) \
+            if self.backend == "cupy" and args.metrics else None
+        self.pcie = PcieSampler(counter) if counter else None
+
+    def train(self, stop) -> None:
+        from dataflow.progress import Progress
+
+        args, plan, eng, cfg = self.args, self.plan, self.eng, self.plan.model
+        start = 0
+        with eng, Progress(args.steps, "steps", logger=log) as bar:
+            for _ in range(self.training.remaining(eng)):
+                if stop.signum:
+                    break
+                batch = self.training.next_batch(eng)
+                if self.pcie:
+                    self.pcie.start()
+                try:
+                    r = eng.train_step(batch)
+                except NonFiniteError as exc:
+                    self.status = f"nonfinite {exc.what} at step {exc.step}"
+                    moved = self.pcie.stop() if self.pcie else None
+                    if self.metrics and exc.result is not None:
+                        self.metrics.append(exc.result, pcie=moved)  # the row, loss NaN/inf
+                    raise
+                except KeyboardInterrupt:
+                    self.status = f"interrupted in step {args.steps_done + 1}"
+                    raise
+                moved = self.pcie.stop() if self.pcie else None
+                self._report(r, bar)
+                if self.trace:
+                    self.trace.add(eng.last_trace)
+                if self.metrics:
+                    self.metrics.append(r, pcie=moved)
+                bar.update(info=f"loss {r.loss:.3f}")
+                self.results.append(r)
+                args.steps_done = r.step
+                self.training.after_step(eng, r)  # validation loss, checkpoint
+            self.mem = self._memory()
+        self.status = f"interrupted at step {args.steps_done}" if stop.signum else "done"
+
+    def _report(self, r, bar) -> None:
+        plan, backend = self.plan, self.backend
+        for i, loss in enumerate(r.round_losses):
+            bar.info("step %d round %d: %d seqs, %d tokens, loss %.4f", r.step, i,
+                     plan.chunking.seqs_per_round, plan.chunking.tokens_per_round, loss)
+        mfu = f"{r.mfu:6.1%}" if backend != "numpy" else "   n/a"
+        hfu = f"{r.hfu:6.1%}" if backend != "numpy" else "   n/a"
+        bar.info("step %d: loss %.4f  %.0f tok/s  %.1f TFLOP/s  MFU %s  HFU %s  %.2f s "
+                 "(FLOP model %s)", r.step, r.loss, r.tok_per_s, r.model_tflop_per_s, mfu,
+                 hfu, r.step_time_s, r.flop_model_version)
+        bar.info("step %d: %s", r.step, r.breakdown.summary())
+        first = self.results[0].loss if self.results else r.loss
+        if r.loss > 2 * first and not getattr(self, "_warned", False):
+            self._warned = True  # finite but diverging (e.g. --lr 10): say so once
+            log.warning("warning: loss %.4g is over twice step 1's %.4g: training diverges; "
+                        "lower --lr", r.loss, first)
+
+    def _memory(self) -> dict:
+        eng = self.eng
         mem = eng.memory_used_bytes()
         if hasattr(eng.be, "memory_report"):
             mem.update(eng.be.memory_report())
@@ -162,27 +248,43 @@ def _run(args) -> int:
         import psutil
 
         mem["host_rss_bytes"] = psutil.Process().memory_info().rss
-    log.info("%s", results[-1].breakdown.table())
-    log.info("largest compute costs (last step): %s", ", ".join(
-        f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(eng.last_trace.spans)[:5]))
-    if trace_file:
-        trace_file.close()
-        log.info("trace: %s (%d events; open in ui.perfetto.dev)", args.trace,
-                 trace_file.n_events)
-    if metrics:
-        metrics.close()
-    log.info("memory: device arena %.3f GiB (regions %.3f GiB), host arena %.3f GiB "
-             "(regions %.3f GiB)", mem["device_arena"] / 2**30, mem["device_regions"] / 2**30,
-             mem["host_arena"] / 2**30, mem["host_regions"] / 2**30)
-    if args.json:
-        from models.serial import to_dict
+        return mem
 
-        json.dump({"plan_hash": plan.hash, "backend": backend, "memory": mem,
-                   "device": getattr(be_probe, "device_name", backend),
-                   "plan": json.loads(plan.to_json()),
-                   "steps": [to_dict(r) for r in results]}, sys.stdout, indent=2)
-        print()
-    return 0
+    def close(self) -> None:
+        """Close the trace and the metrics log and write --json, whatever stopped the loop."""
+        from dataflow.instrument import op_totals
+
+        args, eng = self.args, self.eng
+        if self.results and self.status == "done":
+            log.info("%s", self.results[-1].breakdown.table())
+            log.info("largest compute costs (last step): %s", ", ".join(
+                f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(eng.last_trace.spans)[:5]))
+        if self.trace:
+            self.trace.close()
+            log.info("trace: %s (%d events; open in ui.perfetto.dev)", args.trace,
+                     self.trace.n_events)
+        if self.metrics:
+            self.metrics.close(status=self.status)
+        mem = self.mem
+        if mem is not None:
+            log.info("memory: device arena %.3f GiB (regions %.3f GiB), host arena %.3f GiB "
+                     "(regions %.3f GiB)", mem["device_arena"] / 2**30,
+                     mem["device_regions"] / 2**30, mem["host_arena"] / 2**30,
+                     mem["host_regions"] / 2**30)
+        if args.json:
+            from models.serial import to_dict
+
+            json.dump({"status": self.status, "plan_hash": self.plan.hash,
+                       "backend": self.backend, "memory": mem,
+                       "device": getattr(self.be_probe, "device_name", self.backend),
+                       "plan": json.loads(self.plan.to_json()),
+                       "steps": [to_dict(r) for r in self.results]}, sys.stdout, indent=2)
+            print()
+            sys.stdout.flush()
+
+
+def _nonfinite(value: float) -> str:
+    return "NaN" if value != value else ("+inf" if value > 0 else "-inf")
 
 
 def _is_zoo(name: str) -> bool:

@@ -205,11 +205,55 @@ def meta_path(path: str | Path) -> Path:
     return Path(str(path) + ".meta.json")
 
 
+def lock_path(path: str | Path) -> Path:
+    """The lock file writers of one log share: '<path>.lock' (left in place: removing a lock
+    file that another writer may be waiting on would let two writers in)."""
+    return Path(str(path) + ".lock")
+
+
+LOCK_TIMEOUT_S = 60.0
+"""How long a writer waits for another one's read-rewrite (normally milliseconds)."""
+
+
+class _Locked:
+    """`with _Locked(path):` an exclusive advisory lock (flock) on lock_path(path), so runs that
+    append to one log take turns: each re-reads the file under the lock and rewrites it whole
+    (Parquet) or appends one row (CSV), and no run's rows are lost."""
+
+    def __init__(self, path: Path):
+        self.path = lock_path(path)
+
+    def __enter__(self) -> "_Locked":
+        import fcntl
+
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self._fd)
+                    raise ConfigError(f"metrics log '{self.path}' stayed locked by another "
+                                      f"writer for {LOCK_TIMEOUT_S:.0f} s; log to another "
+                                      "file") from None
+                time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
 class MetricsLog:
     """`with MetricsLog("run.parquet", run_metadata(...)) as log: log.append(step_result)`.
     Appends to an existing file of the same columns (refusing one with other columns).
     Parquet files are rewritten whole (atomically) at every append, so the file is always
-    readable even if the run dies; CSV rows are appended and flushed."""
+    readable even if the run dies; CSV rows are appended and flushed. Writers of one file take
+    turns under a lock ('<path>.lock'), so concurrent runs keep all their rows. close(status)
+    records how the run ended ('done', 'interrupted at step 3', ...) in its metadata."""
 
     def __init__(self, path: str | Path, metadata: dict | None = None):
         self.path = Path(path)
@@ -217,10 +261,12 @@ class MetricsLog:
         self.metadata = metadata if metadata is not None else run_metadata()
         self.run_id = self.metadata.setdefault("run_id", uuid.uuid4().hex[:12])
         self.rows: list[dict] = []
-        if self.format == ".csv":
-            self._open_csv()
-        else:
-            self._open_parquet()
+        self._f = None
+        with _Locked(self.path):
+            if self.format == ".csv":
+                self._open_csv()
+            else:
+                self._write_parquet()
 
     def _check_columns(self, found) -> None:
         if tuple(found) != COLUMN_NAMES:
@@ -232,53 +278,68 @@ class MetricsLog:
         if not new:
             with open(self.path, newline="") as f:
                 self._check_columns(next(csv.reader(f), []))
-        runs = read_run_metadata(self.path) if meta_path(self.path).exists() else []
-        _atomic_write_text(meta_path(self.path), json.dumps({"runs": runs + [self.metadata]},
-                                                             indent=2, default=str))
+        self._write_csv_meta()
         self._f = open(self.path, "a", newline="")
         self._csv = csv.writer(self._f)
         if new:
             self._csv.writerow(COLUMN_NAMES)
             self._f.flush()
 
-    def _open_parquet(self) -> None:
-        self._existing = None
-        runs = []
-        if self.path.exists():
-            import pyarrow.parquet as pq
+    def _merged_runs(self, runs: list[dict]) -> list[dict]:
+        """The file's runs with this run's metadata in place (added at the end when new)."""
+        out = [r for r in runs if r.get("run_id") != self.run_id]
+        return out + [self.metadata]
 
-            self._existing = pq.read_table(self.path)
-            self._check_columns(self._existing.column_names)
-            runs = read_run_metadata(self.path)
-        self._runs = runs + [self.metadata]
-        self._write_parquet()
+    def _write_csv_meta(self) -> None:
+        runs = read_run_metadata(self.path) if meta_path(self.path).exists() else []
+        _atomic_write_text(meta_path(self.path), json.dumps({"runs": self._merged_runs(runs)},
+                                                             indent=2, default=str))
 
     def append(self, result=None, *, breakdown=None, pcie=None) -> dict:
         """Write one step's row now; returns it."""
         row = make_row(result, breakdown=breakdown, pcie=pcie, run_id=self.run_id)
         self.rows.append(row)
-        if self.format == ".csv":
-            self._csv.writerow(["" if row[c] is None else _csv_text(row[c])
-                                for c in COLUMN_NAMES])
-            self._f.flush()
-        else:
-            self._write_parquet()
+        with _Locked(self.path):
+            if self.format == ".csv":
+                self._csv.writerow(["" if row[c] is None else _csv_text(row[c])
+                                    for c in COLUMN_NAMES])
+                self._f.flush()
+            else:
+                self._write_parquet()
         return row
 
     def _write_parquet(self) -> None:
+        """Under the lock: the file as it is now (other runs' rows included), with this run's
+        rows and metadata replaced by ours, written to a temp file and renamed over it."""
         import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        schema = _schema().with_metadata({"dataflow.runs": json.dumps(self._runs, default=str)})
+        existing, runs = None, []
+        if self.path.exists():
+            existing = pq.read_table(self.path)
+            self._check_columns(existing.column_names)
+            runs = read_run_metadata(self.path)
+            existing = existing.filter(pc.not_equal(existing["run_id"], self.run_id))
+        schema = _schema().with_metadata(
+            {"dataflow.runs": json.dumps(self._merged_runs(runs), default=str)})
         table = pa.Table.from_pylist(self.rows, schema=schema)
-        if self._existing is not None:
-            table = pa.concat_tables([self._existing.cast(schema), table])
+        if existing is not None:
+            table = pa.concat_tables([existing.cast(schema), table])
         tmp = self.path.with_name(self.path.name + ".tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.path)
 
-    def close(self) -> None:
-        if self.format == ".csv" and not self._f.closed:
+    def close(self, status: str | None = None) -> None:
+        """Close the log; `status` (if given) is stored in this run's metadata."""
+        if status is not None and self.metadata.get("status") != status:
+            self.metadata["status"] = status
+            with _Locked(self.path):
+                if self.format == ".csv":
+                    self._write_csv_meta()
+                else:
+                    self._write_parquet()
+        if self._f is not None and not self._f.closed:
             self._f.close()
 
     def __enter__(self) -> "MetricsLog":

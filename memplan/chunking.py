@@ -18,6 +18,10 @@ ROUND_MULTIPLES = (1, 2, 4)
 """Chunks per round tried, as multiples of the fewest that hold whole sequences."""
 MAX_ROUND_TOKENS = 1 << 17
 """Extra chunks per round are only tried while a round stays at most this many tokens."""
+MAX_CHUNKS_PER_SEQ = 256
+"""A sequence is split into at most this many chunks (longer chunks past it): the cost model's
+work grows with chunks per round, and this keeps planning any seqlen up to MAX_SEQLEN under a
+second. Only sequences longer than 256 chunk targets (2M tokens on 8b) are affected."""
 HEAD_SUB_TARGET_TOKENS = 1024
 """Head/cross-entropy sub-chunk: the smallest divisor of the chunk at least this long."""
 
@@ -31,29 +35,57 @@ def chunk_target_tokens(cfg: ModelConfig) -> int:
     return target
 
 
+MAX_SEQLEN = 1 << 24
+"""Longest sequence the planner accepts (16,777,216 tokens, 16x the 1M-token step cap of
+memplan.cost): planning any seqlen up to it takes well under a second, and a step of even one
+such sequence is past any budget we can plan for. Checked by chunk_candidates and make_chunking
+(and at the CLIs' edge)."""
+
+
+def check_seqlen(seqlen) -> int:
+    """`seqlen` itself when it is a whole number of tokens in [1, MAX_SEQLEN]; else ConfigError."""
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
+        raise ConfigError(f"seqlen {seqlen!r} must be a positive whole number of tokens")
+    if seqlen > MAX_SEQLEN:
+        raise ConfigError(f"seqlen {seqlen:,} is above the {MAX_SEQLEN:,} tokens the planner "
+                          f"handles; use at most {MAX_SEQLEN:,}")
+    return seqlen
+
+
 def _divisors(n: int) -> list[int]:
-    small, large = [], []
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            small.append(i)
-            if i != n // i:
-                large.append(n // i)
-        i += 1
-    return small + large[::-1]
+    """Every divisor of n, ascending, from its prime factors: trial division stops at the
+    square root of what is left, so a power of two or a smooth number costs a few steps and
+    the worst case (a prime near MAX_SEQLEN) about 4,096."""
+    factors: list[tuple[int, int]] = []
+    rest, p = n, 2
+    while p * p <= rest:
+        if rest % p == 0:
+            k = 0
+            while rest % p == 0:
+                rest //= p
+                k += 1
+            factors.append((p, k))
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors.append((rest, 1))
+    divs = [1]
+    for p, k in factors:
+        divs = [d * p**e for d in divs for e in range(k + 1)]
+    return sorted(divs)
 
 
 def chunk_candidates(cfg: ModelConfig, seqlen: int) -> tuple[int, ...]:
     """Chunk sizes the search tries: the target (smallest multiple of seqlen, or divisor of it,
     at least the target), one twice as large, and one about a quarter as large for tight
     device budgets."""
+    check_seqlen(seqlen)
     target = chunk_target_tokens(cfg)
     if seqlen <= target:
         base = -(-target // seqlen)
         spcs = sorted({max(1, base // 4), base, 2 * base})
         return tuple(s * seqlen for s in spcs)
     divs = _divisors(seqlen)
-    base = next(d for d in divs if d >= target)
+    base = next(d for d in divs if d >= max(target, -(-seqlen // MAX_CHUNKS_PER_SEQ)))
     out = {base, next((d for d in divs if d >= 2 * base), base)}
     out.add(next((d for d in divs if d >= max(1, base // 4)), base))
     return tuple(sorted(out))
@@ -62,6 +94,7 @@ def chunk_candidates(cfg: ModelConfig, seqlen: int) -> tuple[int, ...]:
 def make_chunking(seqlen: int, chunk_tokens: int, chunks_per_round: int | None = None,
                   rounds_per_step: int = 1) -> Chunking:
     """A valid Chunking; `chunks_per_round` defaults to the fewest holding whole sequences."""
+    check_seqlen(seqlen)
     if seqlen <= chunk_tokens:
         if chunk_tokens % seqlen:
             fit = -(-chunk_tokens // seqlen) * seqlen

@@ -41,6 +41,11 @@ def _seqlen(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of tokens")
+    from memplan.chunking import MAX_SEQLEN
+
+    if value > MAX_SEQLEN:  # past it planning would be slow, and no budget fits such a step
+        raise argparse.ArgumentTypeError(f"{value:,} tokens is above the {MAX_SEQLEN:,} the "
+                                         f"planner handles; use at most {MAX_SEQLEN}")
     return value
 
 
@@ -50,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device memory budgets, and predict the step. GB means GiB (2^30 bytes)."))
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
     p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
-    p.add_argument("seqlen", type=_seqlen, help="tokens per sequence")
+    p.add_argument("seqlen", type=_seqlen, help="tokens per sequence (at most 16,777,216)")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b) or a config path")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpu", metavar="NAME", default=None,

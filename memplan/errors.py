@@ -7,6 +7,7 @@ from __future__ import annotations
 from models.errors import ConfigError
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def gib_up(nbytes: int) -> float:
@@ -19,15 +20,20 @@ def gib_text(nbytes: int) -> str:
 
 
 def size_text(nbytes: int) -> str:
-    """'12.4 GiB', rounded up; below 1 GiB also the MiB ('0.1 GiB (1.9 MiB)')."""
+    """'12.4 GiB' rounded up at or above 1 GiB; below it MiB alone ('34.5 MiB'), since 0.1 GiB
+    steps hid small budgets ('0.1 GiB' for both 20.5 and 34.5 MiB)."""
     if nbytes >= GIB:
         return f"{gib_text(nbytes)} GiB"
-    return f"{gib_text(nbytes)} GiB ({-(-int(nbytes) * 10 // (1 << 20)) / 10:.1f} MiB)"
+    return f"{-(-int(nbytes) * 10 // MIB) / 10:.1f} MiB"
 
 
 def categories_text(needed: tuple[tuple[str, int], ...]) -> str:
-    parts = [f"{name} {nbytes / GIB:.1f}" for name, nbytes in needed if nbytes]
-    return ", ".join(parts) + " GiB" if parts else "nothing"
+    """'weights 1.4, grads 1.4 GiB', or in MiB when the total is below 1 GiB (where GiB printed
+    'weights 0.0, grads 0.0 ...')."""
+    total = sum(nbytes for _, nbytes in needed)
+    unit, scale = ("GiB", GIB) if total >= GIB else ("MiB", MIB)
+    parts = [f"{name} {nbytes / scale:.1f}" for name, nbytes in needed if nbytes]
+    return ", ".join(parts) + f" {unit}" if parts else "nothing"
 
 
 class InfeasibleBudget(ConfigError):

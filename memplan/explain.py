@@ -15,7 +15,8 @@ GIB, MIB = 1 << 30, 1 << 20
 
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / MIB:.1f} MiB"
+    """GiB from 1 GiB up, MiB below (a budget of 0.25 GiB reads '256.0 MiB')."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 def _t(seconds: float) -> str:

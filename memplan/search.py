@@ -186,7 +186,8 @@ def _infeasible(cfg, seqlen, budget: Budget, table: Table) -> InfeasibleBudget:
         why = (f"the smallest plan needs device {size_text(mb.device_bytes)} "
                f"({categories_text(mem.device)})")
         way = f"try dev_gb {mb.device_gib}"
-    if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes:
+    if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes \
+            and f"dev_gb {gib_up(dev_at_host)}" != way.removeprefix("try "):  # not twice
         way += f", or dev_gb {gib_up(dev_at_host)} with your host budget"
     msg = (f"{cfg.name} at seqlen {seqlen} does not fit {have}: {why}. The smallest budgets that "
            f"work together are host {mb.host_gib:.1f} GiB with device {mb.device_gib:.1f} GiB; "

@@ -46,7 +46,9 @@ class StepBreakdown:
     h2d_bytes: int
     d2h_bytes: int
     recompute_s: float
-    """Union of compute spans that re-run forward work in the backward (spans.is_recompute)."""
+    """Union of compute spans that re-run forward work a saved-activation level left out
+    (spans.is_recompute, less the input norm and SwiGLU that every level re-derives: those are
+    no recompute in the plan's or the FLOP model's sense, yet took 2-4 % of a NumPy step)."""
     optimizer_s: float
     """Union over all streams of optimizer spans (spans.OPTIMIZER_PREFIXES)."""
     n_spans: int
@@ -94,9 +96,10 @@ class StepBreakdown:
         w = self.wall_s or 1.0
         return (f"compute {self.compute_busy_s / w:.0%} | exposed copy "
                 f"{self.copy_exposed_s / w:.0%} | host {self.host_exposed_s / w:.0%} | idle "
-                f"{self.idle_s / w:.0%} | h2d {self.h2d_bytes_per_s / 1e9:.1f} GB/s, d2h "
-                f"{self.d2h_bytes_per_s / 1e9:.1f} GB/s, {self.copy_hidden_frac:.0%} hidden | "
-                f"recompute {self.recompute_frac:.0%} | optimizer {self.optimizer_frac:.0%}")
+                f"{self.idle_s / w:.0%} | h2d {_moved(self.h2d_bytes, self.h2d_bytes_per_s)}, "
+                f"d2h {_moved(self.d2h_bytes, self.d2h_bytes_per_s)}, "
+                f"{self.copy_hidden_frac:.0%} hidden | recompute {_share(self.recompute_frac)} | "
+                f"optimizer {_share(self.optimizer_frac)}")
 
     def table(self) -> str:
         """A few lines for people: the partition of the wall, then streams and bytes."""
@@ -110,12 +113,40 @@ class StepBreakdown:
         rows.append(f"  streams: h2d {self.h2d_busy_s * 1e3:.1f} ms, d2h "
                     f"{self.d2h_busy_s * 1e3:.1f} ms, host {self.host_busy_s * 1e3:.1f} ms; "
                     f"copy hidden {self.copy_hidden_frac:.1%}")
-        rows.append(f"  bytes: h2d {self.h2d_bytes / 2**30:.3f} GiB at "
-                    f"{self.h2d_bytes_per_s / 1e9:.2f} GB/s, d2h {self.d2h_bytes / 2**30:.3f} "
-                    f"GiB at {self.d2h_bytes_per_s / 1e9:.2f} GB/s")
+        rows.append(f"  bytes: h2d {_moved(self.h2d_bytes, self.h2d_bytes_per_s)}, d2h "
+                    f"{_moved(self.d2h_bytes, self.d2h_bytes_per_s)}")
         rows.append(f"  recompute {self.recompute_frac:.1%} of compute, optimizer "
                     f"{self.optimizer_frac:.1%} of wall, {self.n_spans} spans")
         return "\n".join(rows)
+
+
+def _bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps them above 1 ('16.0 KiB', '1.52 GiB')."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if scale < 2**30 else f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _moved(nbytes: int, rate: float) -> str:
+    """'none' when nothing moved (a rate of nothing says nothing), else bytes and rate."""
+    return "none" if nbytes <= 0 else f"{_bytes(nbytes)} at {rate / 1e9:.1f} GB/s"
+
+
+def _share(frac: float) -> str:
+    """A share as %, with '0%' kept for exactly nothing and '<1%' for a trace of it."""
+    return "0%" if frac <= 0 else ("<1%" if frac < 0.005 else f"{frac:.0%}")
+
+
+ALWAYS_REDERIVED = ("rms_norm_fwd", "swiglu_fwd")
+"""Forward ops the backward re-runs untagged at every saved-activation level (the input norm,
+and at FULL the FFN norm and SwiGLU from saved gate/up): cheap re-derivations, not the
+recompute a plan chooses, so not counted in recompute_s."""
+
+
+def is_level_recompute(name: str) -> bool:
+    """A backward span re-running forward work because of its chunk's saved-activation level."""
+    return is_recompute(name) and name.rsplit(".", 1)[-1] not in ALWAYS_REDERIVED
 
 
 def compute_breakdown(trace: StepTrace) -> StepBreakdown:
@@ -133,7 +164,7 @@ def compute_breakdown(trace: StepTrace) -> StepBreakdown:
         if iv is None:
             continue
         by_stream[s.stream].append(iv)
-        if s.stream is Stream.COMPUTE and is_recompute(s.name):
+        if s.stream is Stream.COMPUTE and is_level_recompute(s.name):
             recompute.append(iv)
         if is_optimizer(s.name):
             optimizer.append(iv)

@@ -47,23 +47,37 @@ def metadata_events(process_name: str) -> list[dict]:
     return out
 
 
+_TAIL = b"\n]}\n"
+
+
 class ChromeTraceWriter:
     """`with ChromeTraceWriter("run.json") as w: w.add(step_trace)` per step. The file is a
-    valid JSON object {"traceEvents": [...]} once closed."""
+    valid JSON object {"traceEvents": [...]} after every add, not only once closed: each add
+    writes its events and the closing brackets, flushes, and the next add writes over those
+    brackets. A run killed or interrupted between steps leaves a trace that opens."""
 
     def __init__(self, path: str | Path, *, process_name: str = "dataflow"):
         self.path = Path(path)
-        self._f = open(self.path, "w")
-        self._f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._f = open(self.path, "wb")
+        self._f.write(b'{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self.n_events = 0
         for ev in metadata_events(process_name):
             self._write(ev)
+        self._seal()
 
     def _write(self, event: dict) -> None:
-        self._f.write(("" if self._first else ",\n") + json.dumps(event, separators=(",", ":")))
+        text = ("" if self._first else ",\n") + json.dumps(event, separators=(",", ":"))
+        self._f.write(text.encode())
         self._first = False
         self.n_events += 1
+
+    def _seal(self) -> None:
+        """Close the JSON and flush, then step back so the next event replaces the brackets."""
+        end = self._f.tell()
+        self._f.write(_TAIL)
+        self._f.flush()
+        self._f.seek(end)
 
     def add(self, trace: StepTrace) -> None:
         """The step's window on the steps track, then every span on its stream's track."""
@@ -73,13 +87,16 @@ class ChromeTraceWriter:
                                               "spans": len(trace.spans)}})
         for span in trace.spans:
             self._write(span_event(span))
+        self._seal()
 
     def add_span(self, span: Span) -> None:
         self._write(span_event(span))
+        self._seal()
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.write("\n]}\n")
+            self._f.write(_TAIL)
+            self._f.truncate()
             self._f.close()
 
     def __enter__(self) -> "ChromeTraceWriter":
