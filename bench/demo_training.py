@@ -1,0 +1,161 @@
+"""The training-run options of dataflow-demo: lr schedule and clipping (--warmup, --min-lr,
+--max-grad-norm), user data and validation (--data, --eval-every), checkpoints and resume
+(--checkpoint-dir, --save-every, --keep, --resume). Turns them into engine arguments and the
+per-step hooks the demo's loop calls. Never decides placement and never runs a step itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from models.errors import ConfigError
+
+log = logging.getLogger("dataflow.demo")
+
+EVAL_SEQS = 4
+"""Held-out sequences per validation (fixed, so the held-out split never depends on the plan and
+a run resumes under any plan)."""
+DEFAULT_WARMUP = 10
+"""Warmup steps unless --warmup says otherwise (capped at --steps)."""
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "training run", "The lr follows a linear warmup then a cosine decay to --min-lr at "
+        "--steps. With --resume, --steps is the run's total: a run resumed at step 3 with "
+        "--steps 6 trains 3 more steps.")
+    g.add_argument("--warmup", type=_count, default=None, metavar="N",
+                   help=f"warmup steps (default {DEFAULT_WARMUP}, at most --steps)")
+    g.add_argument("--min-lr", type=_nonneg_float, default=None, metavar="X",
+                   help="lr at the end of the cosine decay (default --lr / 10)")
+    g.add_argument("--max-grad-norm", type=_nonneg_float, default=1.0, metavar="X",
+                   help="clip the global gradient norm to X (default 1.0; 0 turns clipping "
+                        "off); the norm is reported every step either way")
+    g.add_argument("--data", metavar="PATH",
+                   help="train on this file instead of the shipped text: text (.txt/.md, "
+                        "byte-level tokens), .npy or .bin token ids (raw uint16 as nanoGPT "
+                        "writes, *.u32.bin raw uint32, or llm.c's header format), or .parquet "
+                        "(a file or directory; column 'tokens')")
+    g.add_argument("--eval-every", type=_count, default=0, metavar="N",
+                   help=f"every N steps, the validation loss on {EVAL_SEQS} held-out sequences "
+                        "(the end of the data, never trained on; the last file for Parquet); "
+                        "computed on the host, slow for large models")
+    g.add_argument("--checkpoint-dir", metavar="D",
+                   help="directory of checkpoints (step_NNNNNNNN/ subdirectories)")
+    g.add_argument("--save-every", type=_count, default=0, metavar="N",
+                   help="save a checkpoint every N steps and at the last step")
+    g.add_argument("--keep", type=_count, default=3, metavar="K",
+                   help="keep the newest K checkpoints (default 3; 0 keeps all)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (start "
+                        "fresh when there is none): weights, AdamW state, step, schedule, "
+                        "data position")
+
+
+def check_flags(args) -> None:
+    """Refuse combinations argparse cannot see (raised as ConfigError: exit 2)."""
+    if (args.save_every or args.resume) and not args.checkpoint_dir:
+        raise ConfigError("--save-every and --resume need --checkpoint-dir D")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() \
+            and not Path(args.checkpoint_dir).is_dir():
+        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is a file; pass a directory")
+    if args.data is not None and not Path(args.data).exists():
+        raise ConfigError(f"--data {args.data} does not exist; pass a text, .npy, .bin or "
+                          ".parquet file")
+
+
+class Training:
+    """Schedule, optimizer settings, data and checkpoints of one demo run."""
+
+    def __init__(self, args, cfg, lr: float):
+        from dataflow.lr_schedule import WarmupCosine
+        from dataflow.optimizer import AdamWConfig
+
+        check_flags(args)
+        self.args, self.cfg = args, cfg
+        warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+        min_lr = lr / 10 if args.min_lr is None else args.min_lr
+        if min_lr > lr:
+            raise ConfigError(f"--min-lr {min_lr:g} is above --lr {lr:g}; pass a smaller "
+                              f"--min-lr (default lr / 10 = {lr / 10:g})")
+        self.schedule = WarmupCosine(lr=lr, total_steps=args.steps,
+                                     warmup_steps=min(warmup, args.steps), min_lr=min_lr)
+        self.optimizer = AdamWConfig(lr=lr, max_grad_norm=args.max_grad_norm or None)
+        self.source = None
+        self.eval_losses: list[tuple[int, float]] = []
+
+    def start(self, eng) -> None:
+        """Open the data, then resume weights, state and data position if asked."""
+        from dataflow.checkpoint import latest_checkpoint
+        from dataflow.data.sources import open_source
+
+        args = self.args
+        self.source = open_source(args.data, eng.plan.chunking.seqlen, self.cfg.vocab_size,
+                                  eval_seqs=EVAL_SEQS if args.eval_every else 0)
+        if not args.resume:
+            return
+        path = latest_checkpoint(args.checkpoint_dir)
+        if path is None:
+            log.info("no checkpoint in %s yet: starting at step 0", args.checkpoint_dir)
+            return
+        try:
+            info = eng.load_checkpoint(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (for the demo: pass the --lr, --warmup, --min-lr, "
+                              "--max-grad-norm and --steps of the saved run)") from None
+        if info.data is not None:
+            self.source.load_state(info.data)
+        log.info("resumed from %s at step %d (lr %.3g next)", path, info.step,
+                 self.schedule(info.step + 1))
+
+    def remaining(self, eng) -> int:
+        """Steps left until --steps (0 when a resumed run is already there)."""
+        return max(0, self.args.steps - eng.optimizer.step_count)
+
+    def next_batch(self, eng):
+        return self.source.next_batch(eng.seqs_per_step)
+
+    def after_step(self, eng, result) -> None:
+        """Validation and checkpoint after step `result.step`, when their interval says so."""
+        args, step = self.args, result.step
+        if args.eval_every and step % args.eval_every == 0:
+            from dataflow.host_forward import eval_loss
+
+            loss = eval_loss(eng, self.source.eval_batch(EVAL_SEQS))
+            self.eval_losses.append((step, loss))
+            log.info("step %d: validation loss %.4f (%d held-out sequences)", step, loss,
+                     EVAL_SEQS)
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            import time
+
+            t0 = time.perf_counter()
+            path = eng.save_checkpoint(args.checkpoint_dir, data=self.source.state(),
+                                       extra={"demo_args": _jsonable(args)},
+                                       keep=args.keep or None)
+            log.info("step %d: checkpoint %s (%.1f s)", step, path, time.perf_counter() - t0)
+
+
+def _jsonable(args) -> dict:
+    return {k: v for k, v in vars(args).items()
+            if isinstance(v, (str, int, float, bool, type(None)))}

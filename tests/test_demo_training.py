@@ -1,0 +1,82 @@
+"""dataflow-demo's training-run flags: a run resumed with --resume continues exactly where its
+checkpoint stopped, changed settings are refused, user data and validation work, and flag
+mistakes exit 2 with one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+
+from bench.demo import main as demo_main
+
+BASE = ["0.5", "0.25", "64", "tiny", "--backend", "numpy"]
+
+
+def _run(capsys, *extra) -> tuple[int, dict | None, str]:
+    capsys.readouterr()  # drop what came before (the rng fixture prints its seed)
+    code = demo_main([*BASE, "--json", *extra])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def _digest(path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())
+            if p.name.endswith(".bin")}
+
+
+def test_demo_resume_continues_bit_identically(tmp_path, capsys, caplog):
+    """4 steps saving every 2; then, from the step-2 checkpoint, --resume trains steps 3-4 with
+    the same losses, lrs and grad norms, and saves the same weights and AdamW state."""
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    ck = tmp_path / "ck"
+    code, full, err = _run(capsys, "--steps", "4", "--save-every", "2", "--checkpoint-dir",
+                           str(ck), "--warmup", "2")
+    assert code == 0, err
+    want_files = _digest(ck / "step_00000004")
+    shutil.rmtree(ck / "step_00000004")  # as if the first run had stopped after step 2
+    code, resumed, err = _run(capsys, "--steps", "4", "--save-every", "2", "--checkpoint-dir",
+                              str(ck), "--warmup", "2", "--resume")
+    assert code == 0, err
+    assert "resumed from" in caplog.text and [s["step"] for s in resumed["steps"]] == [3, 4]
+    pick = [(s["loss"], s["lr"], s["grad_norm"]) for s in full["steps"][2:]]
+    assert [(s["loss"], s["lr"], s["grad_norm"]) for s in resumed["steps"]] == pick
+    assert _digest(ck / "step_00000004") == want_files
+
+
+def test_demo_resume_with_other_settings_exits_2_naming_them(tmp_path, capsys):
+    """Resuming with another --steps (so another schedule) is refused, not silently reset."""
+    ck = tmp_path / "ck"
+    assert _run(capsys, "--steps", "2", "--save-every", "2", "--checkpoint-dir", str(ck))[0] == 0
+    code, _, err = _run(capsys, "--steps", "5", "--checkpoint-dir", str(ck), "--resume")
+    assert code == 2 and "schedule" in err and "Traceback" not in err
+
+
+def test_demo_trains_on_user_data_with_validation(tmp_path, capsys, caplog, rng):
+    """--data with a raw uint16 token file trains; --eval-every logs a validation loss."""
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    path = tmp_path / "tokens.bin"
+    rng.integers(0, 512, 20_000).astype(np.uint16).tofile(path)
+    code, res, err = _run(capsys, "--steps", "2", "--data", str(path), "--eval-every", "1")
+    assert code == 0, err
+    assert caplog.text.count("validation loss") == 2 and len(res["steps"]) == 2
+    assert all(s["grad_norm"] > 0 for s in res["steps"])
+
+
+@pytest.mark.parametrize("extra", [["--save-every", "2"], ["--resume"],
+                                   ["--data", "/nonexistent/tokens.bin"],
+                                   ["--max-grad-norm", "-1"], ["--min-lr", "1.0"]])
+def test_demo_training_flag_mistakes_exit_2(extra, capsys):
+    """Missing --checkpoint-dir, a missing --data file, a negative clip or min-lr above lr exit
+    2 with one line and no traceback."""
+    try:
+        code = demo_main([*BASE, "--steps", "1", *extra])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip()
