@@ -25,7 +25,7 @@ def _metrics_path(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = checks.OneLineParser(
         prog="dataflow-demo",
         description="Train a Llama-style model under host and device memory budgets and report "
                     "tokens/s, TFLOP/s, MFU, HFU and memory used. GB means GiB (2^30 bytes).",
@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
+    if not args.debug:  # a diverging run overflows in NumPy ops; the NaN check says it in a line
+        import warnings
+
+        warnings.filterwarnings("ignore", message="(overflow|invalid value) encountered",
+                                category=RuntimeWarning)
     try:
         with checks.StopSignals() as stop:
             return _run(args, stop)
@@ -136,7 +141,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     from dataflow.progress import Progress
 
     t0 = time.perf_counter()
-    with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar:
+    with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar, stop.abortable():
         eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
                                optimizer=training.optimizer, lr_schedule=training.schedule,
                                trace=True, progress=init_bar)
@@ -196,7 +201,8 @@ class _Run:
                 if self.pcie:
                     self.pcie.start()
                 try:
-                    r = eng.train_step(batch)
+                    with stop.abortable():  # a second signal abandons the step at once
+                        r = eng.train_step(batch)
                 except NonFiniteError as exc:
                     self.status = f"nonfinite {exc.what} at step {exc.step}"
                     moved = self.pcie.stop() if self.pcie else None
@@ -207,14 +213,14 @@ class _Run:
                     self.status = f"interrupted in step {args.steps_done + 1}"
                     raise
                 moved = self.pcie.stop() if self.pcie else None
+                self.results.append(r)
+                args.steps_done = r.step
                 self._report(r, bar)
                 if self.trace:
                     self.trace.add(eng.last_trace)
                 if self.metrics:
                     self.metrics.append(r, pcie=moved)
                 bar.update(info=f"loss {r.loss:.3f}")
-                self.results.append(r)
-                args.steps_done = r.step
                 self.training.after_step(eng, r)  # validation loss, checkpoint
             self.mem = self._memory()
         self.status = f"interrupted at step {args.steps_done}" if stop.signum else "done"
@@ -230,7 +236,7 @@ class _Run:
                  "(FLOP model %s)", r.step, r.loss, r.tok_per_s, r.model_tflop_per_s, mfu,
                  hfu, r.step_time_s, r.flop_model_version)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
-        first = self.results[0].loss if self.results else r.loss
+        first = self.results[0].loss
         if r.loss > 2 * first and not getattr(self, "_warned", False):
             self._warned = True  # finite but diverging (e.g. --lr 10): say so once
             log.warning("warning: loss %.4g is over twice step 1's %.4g: training diverges; "

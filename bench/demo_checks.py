@@ -27,6 +27,13 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (no usage dump) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # -- argument types ---------------------------------------------------------------------------
 def positive_float(text: str) -> float:
     """A finite number > 0 ('inf', 'nan', '1e999' refused here, not as an OverflowError later)."""
@@ -165,17 +172,25 @@ def _gpu_free_bytes() -> int | None:
 # -- signals ----------------------------------------------------------------------------------
 class StopSignals:
     """`with StopSignals() as stop:` the first SIGINT or SIGTERM asks to stop before the next
-    step (`stop.signum` is set; the loop checks it); a second one raises KeyboardInterrupt at
-    once, abandoning the step in progress. Restores the previous handlers on exit. Outside the
-    main thread (where Python cannot install handlers) it does nothing."""
+    step (`stop.signum` is set; the loop checks it); a second one, inside `with stop.abortable():`
+    (initialisation, a step), raises KeyboardInterrupt at once, abandoning that work; outside it
+    (writing the trace, metrics or a checkpoint) the stop waits for the loop, so no file is left
+    half-written. Restores the previous handlers on exit. Outside the main thread (where Python
+    cannot install handlers) it does nothing."""
 
     def __init__(self):
         self.signum: int | None = None
         self._previous = {}
+        self._abortable = False
+
+    def abortable(self) -> "_Abortable":
+        return _Abortable(self)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt
+            if self._abortable:
+                raise KeyboardInterrupt
+            return
         self.signum = signum
         log.info("%s: stopping after the step in progress (send it again to stop now)",
                  signal.Signals(signum).name)
@@ -196,3 +211,14 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for s, old in self._previous.items():
             signal.signal(s, old)
+
+
+class _Abortable:
+    def __init__(self, stop: StopSignals):
+        self.stop = stop
+
+    def __enter__(self) -> None:
+        self.stop._abortable = True
+
+    def __exit__(self, *exc) -> None:
+        self.stop._abortable = False
