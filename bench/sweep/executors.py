@@ -60,7 +60,8 @@ class SubmititExecutor:
         submitted = {}
         for job in jobs:
             submitted[self.executor.submit(run_cell, job)] = job
-        for sub in self._submitit.helpers.as_completed(list(submitted)):
+        # submitit rate-limits its own Slurm state queries, so a short poll does not load sacct
+        for sub in self._submitit.helpers.as_completed(list(submitted), poll_frequency=1):
             try:
                 yield sub.result()
             except Exception as exc:  # noqa: BLE001 - the job died outside the cell's process
