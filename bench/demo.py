@@ -20,7 +20,7 @@ def _metrics_path(text: str) -> str:
     from dataflow.metrics_log import FORMATS
 
     if not text.lower().endswith(FORMATS):
-        raise argparse.ArgumentTypeError(f"'{text}' must end in one of {', '.join(FORMATS)}")
+        raise argparse.ArgumentTypeError(f"{text!r} must end in one of {', '.join(FORMATS)}")
     return checks.writable_file(text)
 
 

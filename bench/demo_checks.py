@@ -40,9 +40,9 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number")
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number")
     return value
 
 
@@ -50,9 +50,9 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
 
 
@@ -70,9 +70,9 @@ def seed(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{text} must be in [0, 2^63)")
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 2^63)")
     return value
 
 
@@ -82,22 +82,22 @@ def writable_file(text: str) -> str:
     path = Path(text)
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"'{text}' is a folder; name a file inside it")
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file inside it")
     if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"folder '{folder}' of '{text}' does not exist; "
+        raise argparse.ArgumentTypeError(f"folder {str(folder)!r} of {text!r} does not exist; "
                                          "create it first or choose another path")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists()
                                                      and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"'{text}' is not writable; choose another path")
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable; choose another path")
     return text
 
 
 def readable_file(text: str) -> str:
     path = Path(text)
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"plan file '{text}' does not exist (or is not a file)")
+        raise argparse.ArgumentTypeError(f"plan file {text!r} does not exist (or is not a file)")
     if not os.access(path, os.R_OK):
-        raise argparse.ArgumentTypeError(f"plan file '{text}' is not readable")
+        raise argparse.ArgumentTypeError(f"plan file {text!r} is not readable")
     return text
 
 
