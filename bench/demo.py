@@ -137,7 +137,6 @@ def _run(args, stop: checks.StopSignals) -> int:
     if stop.signum:
         return _interrupted(args, stop)
     from dataflow.engine import Engine
-    from dataflow.optimizer import AdamWConfig
     from dataflow.progress import Progress
 
     t0 = time.perf_counter()
@@ -191,8 +190,7 @@ class _Run:
     def train(self, stop) -> None:
         from dataflow.progress import Progress
 
-        args, plan, eng, cfg = self.args, self.plan, self.eng, self.plan.model
-        start = 0
+        args, eng = self.args, self.eng
         with eng, Progress(args.steps, "steps", logger=log) as bar:
             for _ in range(self.training.remaining(eng)):
                 if stop.signum:

@@ -53,7 +53,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("d2h_exposed_s", "float64", "D2H time with the compute stream idle"),
     ("h2d_bytes_per_s", "float64", "traced H2D bytes / h2d_busy_s"),
     ("d2h_bytes_per_s", "float64", "traced D2H bytes / d2h_busy_s"),
-    ("recompute_s", "float64", "union of backward spans re-running forward ops"),
+    ("recompute_s", "float64", "union of backward spans re-running forward work the "
+     "saved-activation level left out"),
     ("recompute_frac", "float64", "recompute_s / compute_busy_s, fraction"),
     ("optimizer_s", "float64", "union of optimizer spans on any stream"),
     ("optimizer_frac", "float64", "optimizer_s / wall_s, fraction"),

@@ -40,7 +40,8 @@ numbers = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.integers(-10**25, 10**25).map(str),
     st.text(max_size=8))
-seqlens = st.one_of(st.sampled_from(["64", "256"]), st.sampled_from(["64", "128", "256", "8192", "16777216", "16777217",
+seqlens = st.one_of(st.sampled_from(["64", "256"]),
+                    st.sampled_from(["64", "128", "256", "8192", "16777216", "16777217",
                                      "99999999999999999999", "0", "-5", "1e3", "abc"]),
                     st.integers(-10, 1 << 26).map(str))
 models = st.sampled_from(["tiny", "tiny", "tiny", "small", "8b", "32b", "llama8b", "",
