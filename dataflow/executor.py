@@ -78,6 +78,8 @@ class Executor:
         self._dispatch = {Fetch: self._copy, WriteBack: self._copy, Fill: self._fill,
                           Compute: self._compute, HostTask: self._host_task,
                           Update: self._update, Record: self._record, Wait: self._wait}
+        self.dispatched: list | None = None
+        """Set to a list to have every dispatched event appended (tests, the null backend)."""
         self._load_positions()
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
@@ -149,12 +151,16 @@ class Executor:
         t0 = time.perf_counter()
         self._batch = batch
         self.grad_scale = 1.0 / ch.tokens_per_step
-        events, dispatch = sch.events, self._dispatch
+        events, dispatch, log = sch.events, self._dispatch, self.dispatched
         for ev in events[:sch.optimizer_start]:                  # rounds: layers x chunks
             dispatch[type(ev)](ev)
+            if log is not None:
+                log.append(ev)
         self.hyper = optimizer.begin_step(self)
         for ev in events[sch.optimizer_start:]:                  # AdamW over every block
             dispatch[type(ev)](ev)
+            if log is not None:
+                log.append(ev)
         scalars = self.tr["scalars"]
         loss_pairs = self.download(scalars[8:8 + 2 * ch.rounds_per_step]).reshape(-1, 2)
         self._batch = None

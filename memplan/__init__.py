@@ -3,7 +3,7 @@ what is prefetched and recomputed, and predicts the step. Pure Python: never imp
 libraries, never touches a device. See docs/planner.md."""
 
 from memplan.build import build_plan
-from memplan.cost import predict
+from memplan.cost import predict, predict_schedule
 from memplan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
 from memplan.errors import InfeasibleBudget
 from memplan.explain import explain
@@ -26,7 +26,7 @@ from memplan.profiles import get_profile, known_profiles, load_profile, save_pro
 from memplan.search import MinimumBudgets, make_plan, minimum_budgets
 
 __all__ = [
-    "build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "explain", "predict",
+    "build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "explain", "predict", "predict_schedule",
     "device_regions", "host_regions", "memory_map", "Decisions", "validate_decisions",
     "ALLOWED_PLACEMENTS", "InfeasibleBudget", "get_profile", "known_profiles", "load_profile",
     "save_profile", "Budget", "Chunking", "GradAccum", "HardwareProfile", "LayerPlacement",

@@ -17,7 +17,7 @@ from memplan import buffers
 from memplan.decisions import decisions_of
 from memplan.memory import grad_bpe
 from memplan.plan import Chunking, HardwareProfile, OptimizerWhere, Prediction, Where
-from memplan.sim import RoundResult, Workload, simulate_round
+from memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
 from models.config import ModelConfig
 from models.flops import (
     SavedLevel,
@@ -268,8 +268,95 @@ def compose(cfg: ModelConfig, ch: Chunking, p: HardwareProfile, w: Workload,
         bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
 
 
+def event_seconds(plan, p: HardwareProfile):
+    """Duration of a schedule event that is not a copy (copies are timed by bytes and link
+    rate in the simulation): compute from chunk_costs, host work and fills from memory rates."""
+    d = decisions_of(plan)
+    cfg, ch = d.model, d.chunking
+    costs = chunk_costs(cfg, ch, p)
+    hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
+    per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
+    rows = ch.tokens_per_round * cfg.model_dim * 2
+    head_s = sum(c.head_s for c in costs)
+    ctx_s = 4 * ch.chunk_tokens * cfg.kv_dim * 2 / hbm
+
+    def seconds(ev) -> float:
+        kind = type(ev).__name__
+        if kind == "Compute":
+            if ev.op == "layer_fwd":
+                return costs[ev.chunk].fwd_s
+            if ev.op == "layer_bwd":
+                level = d.activations[ev.layer][ev.chunk].level
+                return costs[ev.chunk].bwd_s + costs[ev.chunk].rec_s[LEVEL_INDEX[level]]
+            if ev.op == "head":
+                return head_s
+            if ev.op == "ctx_cast":
+                return ctx_s
+            return 2 * rows / hbm  # embedding rows gathered or scattered on the device
+        if kind == "Update":
+            return ev.count * per_elem / (host if ev.stream == "host" else hbm)
+        if kind == "Fill":
+            return ev.dst.nbytes / (host if ev.stream == "host" else hbm)
+        if kind == "HostTask":
+            if ev.op == "tokens_stage":
+                return 2 * ch.tokens_per_round * 4 / host
+            return 2 * rows / host
+        return 0.0
+
+    return seconds
+
+
+def predict_schedule(plan, p: HardwareProfile) -> Prediction:
+    """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by
+    the simulation (a first and a later round, then the optimizer; the later round repeats).
+    step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
+    optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
+    token, are not counted)."""
+    from memplan.schedule import compile_schedule
+
+    d = decisions_of(plan)
+    cfg, ch = d.model, d.chunking
+    w = workload_of(d, p)
+    R = ch.rounds_per_step
+    sch = compile_schedule(d, rounds=min(R, 2))
+    tl = simulate_schedule(sch, event_seconds(d, p), p)
+    ends = tl.round_end_s
+    first = ends[0]
+    later = ends[1] - ends[0] if len(ends) > 1 else first
+    opt_s = tl.total_s - ends[-1]
+    step = first + (R - 1) * later + opt_s
+
+    def rounds_total(per_round: list) -> float:
+        """Round 0, then the later round repeated: the same extrapolation as the step."""
+        return per_round[0] + (R - 1) * (per_round[1] if len(ends) > 1 else per_round[0])
+
+    exp = {k: rounds_total([r[k] for r in tl.exposed_by_round]) for k in ("h2d", "d2h", "host")}
+    busy = rounds_total(list(tl.busy_by_round))
+    h2d, d2h = sch.bytes_moved(state_only=True)
+    if len(ends) > 1:  # the later round's bytes repeat
+        later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], sch.optimizer_start,
+                                               state_only=True)
+        h2d, d2h = h2d + (R - 2) * later_h2d, d2h + (R - 2) * later_d2h
+    model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+    hw_flops = model_flops + R * w.extra_flops
+    opt = optimizer_cost(w, p)
+    opt_name = "host memory" if opt.host_bound else "optimizer"
+    parts = (("h2d", exp["h2d"]), ("d2h", exp["d2h"]), ("host", exp["host"]), (opt_name, opt_s))
+    name, worst = max(parts, key=lambda kv: kv[1])
+    return Prediction(
+        step_time_s=step, compute_s=busy - R * w.recompute_s, recompute_s=R * w.recompute_s,
+        exposed_h2d_s=exp["h2d"] + exp["host"], exposed_d2h_s=exp["d2h"], optimizer_s=opt_s,
+        h2d_bytes=h2d, d2h_bytes=d2h, tok_per_s=ch.tokens_per_step / step,
+        model_tflop_per_s=model_flops / step / 1e12,
+        mfu=model_flops / step / p.peak_bf16_flop_per_s,
+        hfu=hw_flops / step / p.peak_bf16_flop_per_s,
+        bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
+
+
 def predict(plan, p: HardwareProfile) -> Prediction:
-    """The predicted step of a Plan or Decisions on hardware `p`."""
+    """The search's estimate of a Plan or Decisions on hardware `p` (the per-round overlap
+    formula of sim.simulate_round; fast enough to rank thousands of candidates). What a plan is
+    predicted to do comes from `predict_schedule`, which times the compiled schedule itself."""
     d = decisions_of(plan)
     w = workload_of(d, p)
     return compose(d.model, d.chunking, p, w, round_times(w, p))

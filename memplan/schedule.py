@@ -52,6 +52,9 @@ class RegionTable:
                 return r
         raise KeyError(f"no region '{name}'")
 
+    def by_name(self) -> dict[str, Region]:
+        return {r.name: r for r in self.device + self.host}
+
     def used_bytes(self, place: str) -> int:
         regions = self.device if place == "device" else self.host
         return regions[-1].offset + regions[-1].nbytes if regions else 0
@@ -198,10 +201,14 @@ class Schedule:
     n_ids: int
     """Record ids run 0..n_ids-1."""
 
-    def bytes_moved(self) -> tuple[int, int]:
-        """(host to device, device to host) bytes of one step."""
-        h2d = sum(e.dst.nbytes for e in self.events if type(e) is Fetch)
-        d2h = sum(e.dst.nbytes for e in self.events if type(e) is WriteBack)
+    def bytes_moved(self, start: int = 0, stop: int | None = None, *,
+                    state_only: bool = False) -> tuple[int, int]:
+        """(host to device, device to host) bytes of events [start, stop) (default: the step);
+        `state_only` leaves out the token ids and targets."""
+        events = self.events[start:stop]
+        skip = "tokens." if state_only else "\0"
+        h2d = sum(e.dst.nbytes for e in events if type(e) is Fetch and not e.name.startswith(skip))
+        d2h = sum(e.dst.nbytes for e in events if type(e) is WriteBack)
         return h2d, d2h
 
     def to_json(self) -> str:
@@ -279,24 +286,26 @@ class _Ring:
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
         """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
         one of the last len(slots) - 1 uses (they may still be in flight)."""
-        held: list[Hashable | None] = [None] * len(self.slots)
+        n_slots = len(self.slots)
+        following: list[float] = [float("inf")] * len(uses)
+        """following[i]: the next position after i that uses the same key."""
+        last_seen: dict[Hashable, int] = {}
+        for i in range(len(uses) - 1, -1, -1):
+            following[i] = last_seen.get(uses[i].key, float("inf"))
+            last_seen[uses[i].key] = i
+        held: list[Hashable | None] = [None] * n_slots
+        next_use: list[float] = [float("inf")] * n_slots
         out: list[tuple[int, bool]] = []
         for i, use in enumerate(uses):
             if use.key in held:
-                out.append((held.index(use.key), False))
+                slot = held.index(use.key)
+                next_use[slot] = following[i]
+                out.append((slot, False))
                 continue
-            recent = {s for s, _ in out[max(0, i - len(self.slots) + 1):]}
-
-            def next_use(slot: int) -> float:
-                for j in range(i + 1, len(uses)):
-                    if uses[j].key == held[slot]:
-                        return j
-                return float("inf")
-
-            candidates = [s for s in range(len(self.slots)) if s not in recent] or \
-                list(range(len(self.slots)))
-            slot = max(candidates, key=lambda s: (next_use(s), -s))
-            held[slot] = use.key
+            recent = {s for s, _ in out[max(0, i - n_slots + 1):]}
+            candidates = [s for s in range(n_slots) if s not in recent] or list(range(n_slots))
+            slot = max(candidates, key=lambda s: (next_use[s], -s))
+            held[slot], next_use[slot] = use.key, following[i]
             out.append((slot, use.fetch is not None))
         return out
 
@@ -387,15 +396,22 @@ class _Compiler:
         self.embed_host_ready: int | None = None
         self.embed_grads_ready: int | None = None
         self.stage_free: list[int | None] = [None, None]
-        self._names = {r.name for r in self.table.device + self.table.host}
+        self._regions = self.table.by_name()
+        self._ctx_offsets = buffers.offsets(buffers.context_specs(
+            self.cfg, self.ch.seqlen, self.T, self.ch.chunks_per_seq))
+        self._act_offsets = {lv: buffers.offsets(buffers.saved_activation_specs(
+            self.cfg, self.T, lv)) for lv in SavedLevel}
+        self._tr_specs = {sp.name: sp for sp in buffers.transition_specs(
+            self.cfg, self.ch.tokens_per_round)}
+        self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
         self._build_rings()
 
     # -- refs -------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
-        return name in self._names
+        return name in self._regions
 
     def ref(self, name: str, offset: int = 0, nbytes: int | None = None) -> Ref:
-        r = self.table.get(name)
+        r = self._regions[name]
         return Ref(name, offset, r.nbytes - offset if nbytes is None else nbytes)
 
     def block(self, key: str, part: str, home: bool) -> Ref | None:
@@ -511,10 +527,7 @@ class _Compiler:
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
 
     def _transition(self, name: str) -> tuple[int, int]:
-        specs = buffers.transition_specs(self.cfg, self.ch.tokens_per_round)
-        offs = buffers.offsets(specs)
-        spec = next(s for s in specs if s.name == name)
-        return offs[name], spec.nbytes
+        return self._tr_offsets[name], self._tr_specs[name].nbytes
 
     def round(self, rnd: int) -> None:
         em, L, first = self.em, self.L, rnd == 0
@@ -624,7 +637,7 @@ class _Compiler:
         first = last - self.ch.chunks_per_seq + 1
         free = em.record(COMPUTE)
         waited = False
-        ctx = buffers.offsets(buffers.context_specs(cfg, self.ch.seqlen, T, self.ch.chunks_per_seq))
+        ctx = self._ctx_offsets
         row = cfg.n_kv_heads * cfg.head_dim * 2
         for c in range(first, last + 1):
             a = self.d.activations[layer][c]
@@ -636,7 +649,7 @@ class _Compiler:
                 em.wait(H2D, free)
                 waited = True
             em.wait(H2D, self.aring.host_ready.get((layer, c)))
-            offs = buffers.offsets(buffers.saved_activation_specs(cfg, T, a.level))
+            offs = self._act_offsets[a.level]
             home = self.act_home[(layer, c)]
             at = self.ch.chunk_context(c) * row
             for part in ("k", "v"):

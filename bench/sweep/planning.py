@@ -77,7 +77,9 @@ def plan_columns(plan: Plan) -> dict:
     levels = {level: sum(a.level is level for a in acts) for level in SavedLevel}
     opt = sorted({lp.optimizer.value for lp in plan.layers},
                  key=[o.value for o in OptimizerWhere].index)
-    p, ch = plan.prediction, plan.chunking
+    from memplan.cost import predict_schedule
+
+    p, ch = predict_schedule(plan, plan.profile), plan.chunking  # the schedule that will run
     return dict(
         plan_hash=plan.hash, planner_version=plan.planner_version,
         predicted_tok_per_s=p.tok_per_s, predicted_model_tflop_per_s=p.model_tflop_per_s,

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 
 def make_backend(kind: str = "auto", **options):
-    """'numpy', 'cupy', or 'auto' (CuPy when a GPU is usable, else NumPy)."""
+    """'numpy', 'cupy', or 'auto' (CuPy when a GPU is usable, else NumPy); 'null' replays a
+    schedule without memory or compute (tests)."""
     from dataflow.backend import BackendError
 
-    if kind not in ("auto", "numpy", "cupy"):
+    if kind not in ("auto", "numpy", "cupy", "null"):
         raise BackendError(f"unknown backend '{kind}'; choose auto, numpy or cupy")
+    if kind == "null":
+        from dataflow.backends.null_backend import NullBackend
+
+        return NullBackend(**options)
     if kind in ("auto", "cupy"):
         try:
             from dataflow.backends.cupy_backend import CupyBackend, gpu_available
