@@ -183,8 +183,8 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
                                         loss),
            0, 3 * 2 * t * d * v)
     del dw_head_bf16
-    from kernels.cuda import _build, head_loss
-    xent = _build.kernel(head_loss._SRC, head_loss._NAMES, "xent_kernel<4>")
+    from kernels.cuda.head_loss import xent_kernel
+    xent = xent_kernel(4)
     tgt_sub = targets[:sub]
     kc.linear_fwd(x[:sub], w_head, logits)              # real logits to start from
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype
+from kernels.reference import acc_dtype
 from kernels.reference.attention import attention_fwd
 from kernels.reference.embedding import embedding_fwd
 from kernels.reference.head_loss import head_loss_fwd_bwd
@@ -25,7 +25,7 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """One decoder layer, x (T, D) -> (T, D), as kernels.reference.model computes it."""
+    """One decoder layer, x (T, D) -> (T, D), as dataflow.reference_model computes it."""
     t = x.shape[0]
     n1, _ = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
     q = rope_fwd(linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim),

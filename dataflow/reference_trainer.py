@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from kernels.reference import IGNORE, adamw_step
-from kernels.reference.model import forward_backward
+from dataflow.reference_model import forward_backward
 from models.config import ModelConfig
 from models.errors import ConfigError
 

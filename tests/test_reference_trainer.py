@@ -13,7 +13,7 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.reference_trainer import ReferenceTrainer
 from kernels.reference import IGNORE
-from kernels.reference.model import forward_backward
+from dataflow.reference_model import forward_backward
 from models.config import load_config
 from models.errors import ConfigError
 from models.init import init_model

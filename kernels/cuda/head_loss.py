@@ -20,6 +20,11 @@ IGNORE = -1
 """A target equal to IGNORE contributes no loss and no gradient."""
 
 
+def xent_kernel(elems_per_lane: int = 4):
+    """The softmax-cross-entropy kernel alone (for benchmarks of its share of the head)."""
+    return _build.kernel(_SRC, _NAMES, f"xent_kernel<{elems_per_lane}>")
+
+
 def head_loss_fwd_bwd(x, w, targets, logits, grad_scale: float, dx, dw, loss_acc) -> None:
     """x (T, D) bf16, w (V, D) bf16, targets (T,) int32 device (IGNORE = -1) ->
     dx (T, D) bf16|f32 written, dw (V, D) bf16|f32 +=, loss_acc (2,) f32 += [loss_sum, n_valid].

@@ -2,6 +2,7 @@
 against. Clear and vectorised rather than fast; never imports anything of ours but this package.
 Shape legend in `kernels/__init__.py`."""
 
+from kernels.reference._dtypes import acc_dtype
 from kernels.reference.adamw import adamw_step
 from kernels.reference.attention import attention_bwd, attention_fwd
 from kernels.reference.embedding import embedding_bwd, embedding_fwd
@@ -12,7 +13,7 @@ from kernels.reference.rope import rope_bwd, rope_cos_sin, rope_fwd
 from kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
 
 __all__ = [
-    "adamw_step", "attention_bwd", "attention_fwd", "embedding_bwd", "embedding_fwd", "IGNORE",
+    "acc_dtype", "adamw_step", "attention_bwd", "attention_fwd", "embedding_bwd", "embedding_fwd", "IGNORE",
     "head_loss_fwd_bwd", "linear_bwd", "linear_fwd", "rms_norm_bwd", "rms_norm_fwd",
     "rope_bwd", "rope_cos_sin", "rope_fwd", "swiglu_bwd", "swiglu_fwd",
 ]

@@ -1,7 +1,8 @@
 """The whole Llama-style model for ONE sequence, forward and backward, composed only from the
 reference ops of this package: the slow, exact oracle that the engine's rounds and chunks must
 reproduce. No chunking, no recompute, no placement: every activation of the sequence is kept.
-Never imports anything of ours outside kernels.reference and models.layout.
+Never imports anything of ours outside kernels.reference and models.layout (it lives in
+dataflow/ because kernels/ must not depend on models/).
 
 Per layer (transformers' LlamaDecoderLayer):
     h   = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))),  n1 = norm1(x)
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype
+from kernels.reference import acc_dtype
 from kernels.reference.attention import attention_bwd, attention_fwd
 from kernels.reference.embedding import embedding_bwd, embedding_fwd
 from kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
