@@ -85,6 +85,10 @@ class Backend(abc.ABC):
     def to_numpy(self, array) -> Any:
         """A host NumPy copy of a view (synchronous; for results and tests, not the hot loop)."""
 
+    def seal(self) -> None:
+        """Setup is over: every later device byte must come from the arenas (the CuPy backend
+        then refuses allocations; others have nothing to guard)."""
+
     def lend_scratch(self, scratch: dict) -> None:
         """Let library calls use arena views as their scratch: 'attn_workspace' (cuDNN's
         workspace), 'dk16' / 'dv16' (bf16 dK/dV of a context). Backends whose ops need no

@@ -128,6 +128,7 @@ class Engine:
                 weights = open_weights(weights)  # a model directory or a Hugging Face one
             self._load_weights(weights)
         self.be.synchronize()
+        self.be.seal()  # from here on every device byte comes from the arenas
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class Executor:
         spare = plan.budget.device_bytes - self.dev.used_bytes
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
         scratch = {"dk16": self.ctx["dk16"], "dv16": self.ctx["dv16"]}
+        scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
         if region and region >= spare:
             scratch["attn_workspace"] = self.dev.view("attn_workspace", (region,), "u8")
         elif spare >= 1 << 20:

@@ -18,7 +18,6 @@ class CudaOps:
     WRITES = WRITES
 
     rms_norm_fwd = staticmethod(K.rms_norm_fwd)
-    rms_norm_bwd = staticmethod(K.rms_norm_bwd)
     linear_fwd = staticmethod(K.linear_fwd)
     linear_bwd_x = staticmethod(K.linear_bwd_x)
     linear_bwd_w = staticmethod(K.linear_bwd_w)
@@ -32,16 +31,26 @@ class CudaOps:
     add_ = staticmethod(K.add_)
     cast = staticmethod(K.cast)
     fill_ = staticmethod(K.fill_)
-    sumsq = staticmethod(K.sumsq)
 
     def __init__(self):
         self._lent: dict = {}
-        """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16'."""
+        """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'norm_scratch',
+        'sumsq_scratch', 'cublas_workspace'."""
         self._own: dict[tuple, cp.ndarray] = {}
         """Scratch allocated outside the arena because a lent region was too small."""
 
     def lend_scratch(self, scratch: dict) -> None:
         self._lent.update(scratch)
+        if "cublas_workspace" in scratch:
+            K.set_cublas_workspace(scratch["cublas_workspace"])
+
+    def rms_norm_bwd(self, x, w, rstd, dy, dx, dw_acc):
+        parts, d = K.rms_norm_bwd_scratch_shape(x.shape[0], x.shape[1])
+        K.rms_norm_bwd(x, w, rstd, dy, dx, dw_acc,
+                       scratch=self._scratch("norm_scratch", (parts, d), cp.float32))
+
+    def sumsq(self, x, out, accumulate: bool = True):
+        K.sumsq(x, out, accumulate, scratch=self._scratch("sumsq_scratch", (1024,), cp.float32))
 
     def _scratch(self, name: str, shape, dtype) -> cp.ndarray:
         n = 1

@@ -11,7 +11,7 @@ from models.config import ModelConfig
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}
 ALIGN_BYTES = 256
 """Every region and every tensor inside one starts on a 256-byte boundary."""
 
@@ -110,6 +110,22 @@ def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) 
     if seqlen > chunk_tokens:
         return dq + ATTN_NONDET_WORKSPACE_BYTES
     return ATTN_WORKSPACE_SCORE_BYTES * t * t * cfg.n_heads + dq + ATTN_WORKSPACE_SLACK_BYTES
+
+
+NORM_BWD_PARTS = 256
+"""kernels.cuda.rms_norm.MAX_PARTS: the fp32 (parts, D) scratch of an RMSNorm backward."""
+SUMSQ_PARTS = 1024
+"""kernels.cuda.utils.SUMSQ_PARTS: the fp32 partial sums of a squared-norm reduction."""
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+"""cuBLAS's workspace, set with cublasSetWorkspace (32 MiB is NVIDIA's advice for Hopper)."""
+
+
+def library_scratch_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
+    """Scratch the CUDA op table would otherwise allocate outside the arena: the reduction
+    scratch of RMSNorm backward and of a squared-norm sum, and cuBLAS's workspace."""
+    return (TensorSpec("norm_scratch", (NORM_BWD_PARTS, cfg.model_dim), "f32"),
+            TensorSpec("sumsq_scratch", (SUMSQ_PARTS,), "f32"),
+            TensorSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "u8"))
 
 
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,

@@ -15,7 +15,7 @@ CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "works
 _FIXED_CATEGORY = {
     "weight_slots": "weights", "grad_slots": "grads", "act_slots": "saved_activations",
     "workspace": "workspaces", "context": "workspaces", "head_buffers": "workspaces",
-    "attn_workspace": "workspaces",
+    "attn_workspace": "workspaces", "library_scratch": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
     "tokens": "buffers", "embed_rows": "buffers",
 }
@@ -87,6 +87,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     out.append(("act_slots", s.act_slots * home_max))
     out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
     out.append(("attn_workspace", buffers.attention_workspace_bytes(cfg, t, ch.seqlen)))
+    out.append(("library_scratch", buffers.packed_bytes(buffers.library_scratch_specs(cfg))))
     out.append(("context", buffers.packed_bytes(buffers.context_specs(
         cfg, ch.seqlen, t, ch.chunks_per_seq))))
     out.append(("transitions", buffers.packed_bytes(buffers.transition_specs(

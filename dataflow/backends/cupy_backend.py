@@ -51,6 +51,10 @@ class CupyBackend(Backend):
         self.baseline_used_bytes = self.total_bytes - free
         """Device memory in use once the CUDA context exists, before any arena."""
         self._slabs: list[Slab] = []
+        self._op = ""
+        from dataflow.backends.alloc_guard import AllocationGuard
+
+        self.guard = AllocationGuard(lambda: self._op)
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) \
             else str(props["name"])
@@ -96,8 +100,10 @@ class CupyBackend(Backend):
             dst.data.copy_from_device_async(src.data, n, s)
 
     def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
+        self._op = name or op
         with self.streams[stream]:
             getattr(self.ops, op)(*args)
+        self._op = ""
 
     def host_call(self, stream: Stream, fn, *, reads=(), writes=(), name: str = "host") -> None:
         self.streams[stream].launch_host_func(lambda _arg: fn(), None)
@@ -122,6 +128,10 @@ class CupyBackend(Backend):
         out = np.empty(array.shape, dtype=array.dtype)
         array.data.copy_to_host(out.ctypes.data, array.nbytes)
         return out
+
+    def seal(self) -> None:
+        """Setup is over: from now on a CuPy allocation is an error (see alloc_guard)."""
+        self.guard.install()
 
     def lend_scratch(self, scratch: dict) -> None:
         """Library scratch (cuDNN workspace, bf16 dK/dV) comes from these arena views."""
@@ -162,4 +172,5 @@ class CupyBackend(Backend):
 
     def close(self) -> None:
         self.synchronize()
+        self.guard.remove()
         self._slabs.clear()

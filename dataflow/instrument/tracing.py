@@ -54,6 +54,9 @@ class TracingBackend(Backend):
     def lend_scratch(self, scratch: dict) -> None:
         self.inner.lend_scratch(scratch)
 
+    def seal(self) -> None:
+        self.inner.seal()
+
     @property
     def clock(self) -> Clock:
         return self._clock.kind

@@ -11,6 +11,7 @@ Scratch: the ops that need a reduction scratch (rms_norm_bwd, sumsq) or a cuDNN 
 on first use (allocated once, outside the steady-state loop).
 """
 
+from kernels.cuda._cublas import set_workspace as set_cublas_workspace
 from kernels.cuda.adamw import adamw_step
 from kernels.cuda.attention import attention_bwd, attention_fwd, attention_workspace_bytes
 from kernels.cuda.embedding import embedding_bwd, embedding_fwd
@@ -25,5 +26,6 @@ __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes", "cast",
     "clip_scale", "embedding_bwd", "embedding_fwd", "fill_", "head_loss_fwd_bwd", "IGNORE",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "rms_norm_bwd", "rms_norm_bwd_scratch_shape",
-    "rms_norm_fwd", "rope_bwd", "rope_fwd", "sumsq", "swiglu_bwd", "swiglu_fwd",
+    "rms_norm_fwd", "rope_bwd", "rope_fwd", "set_cublas_workspace", "sumsq", "swiglu_bwd",
+    "swiglu_fwd",
 ]

@@ -32,6 +32,35 @@ def handle() -> int:
     return h
 
 
+def set_workspace(view) -> None:
+    """Point this device's cuBLAS handle at `view` (a device byte array the caller keeps alive)
+    as its workspace, so cuBLAS allocates none of its own (cublasSetWorkspace)."""
+    ptr, n = view.data.ptr, int(view.nbytes)
+    fn = getattr(cublas, "setWorkspace", None)
+    if fn is not None:
+        fn(handle(), ptr, n)
+        return
+    import ctypes
+
+    lib = _libcublas()
+    status = lib.cublasSetWorkspace_v2(ctypes.c_void_p(handle()), ctypes.c_void_p(ptr),
+                                       ctypes.c_size_t(n))
+    if status != 0:
+        raise RuntimeError(f"cublasSetWorkspace failed with status {status}")
+
+
+def _libcublas():
+    """The libcublas this process already loaded (CuPy's), found through /proc/self/maps."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcublas.so" in line
+                 and "libcublasLt" not in line}
+    if not paths:
+        raise RuntimeError("libcublas is not loaded; call a cuBLAS op first")
+    return ctypes.CDLL(sorted(paths)[0])
+
+
 def _dtype_code(dtype, what: str) -> int:
     dtype = np.dtype(dtype)
     if dtype == BF16:

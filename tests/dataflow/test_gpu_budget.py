@@ -1,0 +1,47 @@
+"""Budget truth on the GPU: with the allocation guard on (its default, 'error'), a split sequence
+with 8 distinct context lengths trains two steps without one CuPy allocation outside the arena,
+cuDNN and cuBLAS work in lent arena scratch, and the device memory beyond the arena and the
+CUDA context stays small."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+try:
+    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    _HAS_GPU = False
+if not _HAS_GPU:
+    pytest.skip("no GPU", allow_module_level=True)
+
+from dataflow.data import token_stream  # noqa: E402
+from dataflow.engine import Engine  # noqa: E402
+from dataflow.optimizer import AdamWConfig  # noqa: E402
+from memplan.plan import Where  # noqa: E402
+from models.config import load_config  # noqa: E402
+from models.flops import SavedLevel  # noqa: E402
+from tests.dataflow.plans import forced_plan  # noqa: E402
+
+
+def test_split_sequence_with_8_contexts_allocates_nothing_outside_the_arena(monkeypatch):
+    monkeypatch.setenv("DATAFLOW_ALLOC_GUARD", "error")
+    cfg = load_config("small")
+    n, c = cfg.n_layers, 8
+    homes = [[Where.HOME if (l + k) % 2 else Where.DEVICE for k in range(c)] for l in range(n)]
+    levels = [[(SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY)[(l + k) % 3]
+               for k in range(c)] for l in range(n)]
+    plan = forced_plan(cfg, 2048, chunk_tokens=256, chunks_per_seq=c, chunks_per_round=c,
+                       rounds=2, levels=levels, homes=homes, act_slots=2)
+    ch = plan.chunking
+    with Engine.from_plan(plan, backend="cupy", optimizer=AdamWConfig(lr=1e-3)) as eng:
+        for s in range(2):
+            eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
+                                        start=s * ch.seqs_per_step * ch.seqlen))
+        report = eng.be.memory_report()
+    print(report)
+    assert report["op_scratch_bytes"] == 0
+    assert report["cudnn_workspace_bytes"] == 0
+    assert report["libraries_and_pool_bytes"] < 512 << 20
