@@ -11,8 +11,8 @@
 //   read by tiles <= k before the barrier, and never on a later tile: the in-place rewrite is
 //   race-free. The row's loss (lse - logit[target]) and valid flag (1 or 0) go, as fp32, to
 //   row elements ceil(V/2) and ceil(V/2) + 1, past the bf16 half.
-//   Targets: IGNORE (-1) -> no loss, zero gradient; outside [0, V) otherwise -> NaN loss, so a
-//   bad label shows instead of being skipped. VEC = 4 (float4 loads, V % 4 == 0) or 1.
+//   Targets: IGNORE (-100, transformers' ignore index) -> no loss, zero gradient; outside
+//   [0, V) otherwise -> NaN loss, so a bad label shows instead of being skipped. VEC = 4 (float4 loads, V % 4 == 0) or 1.
 // xent_finish: one block adds the rows' loss and valid flags in a fixed tree order into
 //   loss_acc[0], loss_acc[1] (deterministic, no atomics).
 
@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(1024) xent_kernel(float* logits, int vocab,
     float* row = logits + r * (i64)vocab;
     bf16* drow = reinterpret_cast<bf16*>(row);
     const int tgt = targets[r];
-    const bool ignore = tgt == -1;
+    const bool ignore = tgt == -100;
     const bool in_range = tgt >= 0 && tgt < vocab;
     const int tile = blockDim.x * VEC;
     float lse = 0.0f, x_t = 0.0f;

@@ -16,8 +16,9 @@ from kernels.cuda._cublas import gemm
 
 _SRC = "head_loss.cu"
 _NAMES = ("xent_kernel<4>", "xent_kernel<1>", "xent_finish")
-IGNORE = -1
-"""A target equal to IGNORE contributes no loss and no gradient."""
+IGNORE = -100
+"""A target equal to IGNORE contributes no loss and no gradient (transformers' ignore index;
+the same value as kernels.reference.IGNORE and head_loss.cu's)."""
 
 
 def xent_kernel(elems_per_lane: int = 4):
@@ -26,7 +27,7 @@ def xent_kernel(elems_per_lane: int = 4):
 
 
 def head_loss_fwd_bwd(x, w, targets, logits, grad_scale: float, dx, dw, loss_acc) -> None:
-    """x (T, D) bf16, w (V, D) bf16, targets (T,) int32 device (IGNORE = -1) ->
+    """x (T, D) bf16, w (V, D) bf16, targets (T,) int32 device (IGNORE = -100) ->
     dx (T, D) bf16|f32 written, dw (V, D) bf16|f32 +=, loss_acc (2,) f32 += [loss_sum, n_valid].
 
     logits (sub, V) f32 is scratch (its contents are destroyed); sub = logits.shape[0] tokens are

@@ -6,8 +6,10 @@ import numpy as np
 
 from kernels.reference._dtypes import acc_dtype, up
 
-IGNORE = -1
-"""A target equal to IGNORE contributes no loss and no gradient."""
+IGNORE = -100
+"""A target equal to IGNORE contributes no loss and no gradient: -100, the ignore index of
+transformers (and torch.nn.CrossEntropyLoss), so a trainer's masked labels pass through as they
+are."""
 
 
 def head_loss_fwd_bwd(x: np.ndarray, w: np.ndarray, targets: np.ndarray, *,
