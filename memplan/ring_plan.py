@@ -1,0 +1,232 @@
+"""The ring on paper: which layers rank r of N owns (layer i on rank i mod N; the embedding on the
+rank of layer 0, the head on the rank of layer L-1), the per-device plan of each rank (a plan of
+the rank's own layers under per-device budgets, every rank sharing one chunking), and a model of
+ring throughput for N = 2..64 over a few link kinds. Pure Python: never imports array libraries,
+never touches a device; the predictions are a model, not measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from memplan.plan import Budget, GradAccum, HardwareProfile, Plan
+from memplan.search import make_plan
+from models.config import ModelConfig
+from models.errors import ConfigError
+
+MAX_RANKS = 64
+
+
+def _check(n_layers: int, n_ranks: int, rank: int | None = None) -> None:
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or not 1 <= n_ranks <= MAX_RANKS:
+        raise ConfigError(f"ring size {n_ranks!r} is not a whole number in 1..{MAX_RANKS}")
+    if n_ranks > n_layers:
+        raise ConfigError(f"a ring of {n_ranks} needs at least {n_ranks} layers (layer i lives on "
+                          f"rank i mod N) but the model has {n_layers}; use at most "
+                          f"{n_layers} ranks")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                             or not 0 <= rank < n_ranks):
+        raise ConfigError(f"rank {rank!r} is outside a ring of {n_ranks}; use 0..{n_ranks - 1}")
+
+
+def owned_layers(n_layers: int, n_ranks: int, rank: int) -> tuple[int, ...]:
+    """Global indices of the layers rank `rank` owns, in forward order."""
+    _check(n_layers, n_ranks, rank)
+    return tuple(range(rank, n_layers, n_ranks))
+
+
+def embed_rank(n_layers: int, n_ranks: int) -> int:
+    """The rank holding the embedding: the owner of layer 0 (no hop before the first layer)."""
+    return 0
+
+
+def head_rank(n_layers: int, n_ranks: int) -> int:
+    """The rank holding the final norm and lm_head: the owner of layer L-1."""
+    return (n_layers - 1) % n_ranks
+
+
+def rank_model(cfg: ModelConfig, n_ranks: int, rank: int) -> ModelConfig:
+    """The model one rank plans and allocates: the same shapes with only its own layers. Every
+    rank also gets an embedding and a head in its plan (only the owners use them: a known waste
+    of one embedding and one head per rank)."""
+    n = len(owned_layers(cfg.n_layers, n_ranks, rank))
+    if n_ranks == 1:
+        return cfg
+    return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlan:
+    rank: int
+    n_ranks: int
+    layers: tuple[int, ...]
+    """Global layer indices owned, in forward order; local layer j is global layer layers[j]."""
+    has_embed: bool
+    has_head: bool
+    n_layers: int
+    """Layers of the whole model."""
+    plan: Plan
+    """The single-device plan of this rank's model (rank_model) under the per-device budgets."""
+
+    def to_json(self) -> str:
+        from models.serial import to_json
+
+        return to_json(self)
+
+
+def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
+                    profile: HardwareProfile | None = None, n_ranks: int = 2, *,
+                    grad_accum: GradAccum = GradAccum.BF16,
+                    **constraints) -> tuple[RankPlan, ...]:
+    """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
+    embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
+    is then imposed on the others, because every rank must process the same chunks in the same
+    rounds. Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
+    _check(cfg.n_layers, n_ranks)
+    first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
+                      grad_accum=grad_accum, **constraints)
+    return tuple(_rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
+                            constraints) for r in range(n_ranks))
+
+
+def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
+                   profile: HardwareProfile | None, n_ranks: int, rank: int, *,
+                   grad_accum: GradAccum = GradAccum.BF16, **constraints) -> RankPlan:
+    """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
+    fixes the chunking, as in make_rank_plans, so every rank agrees without talking."""
+    _check(cfg.n_layers, n_ranks, rank)
+    first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
+                      grad_accum=grad_accum, **constraints)
+    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints)
+
+
+def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints):
+    ch = first.chunking
+    shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
+                  rounds_per_step=ch.rounds_per_step)
+    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r), seqlen, budget, profile,
+                                          grad_accum=grad_accum, **shared)
+    return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r),
+                    has_embed=r == embed_rank(cfg.n_layers, n_ranks),
+                    has_head=r == head_rank(cfg.n_layers, n_ranks), n_layers=cfg.n_layers,
+                    plan=plan)
+
+
+# -- the scaling model --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    name: str
+    bytes_per_s: float
+    """Sustained one-way rate of a point-to-point transfer between neighbours (full duplex)."""
+    latency_s: float
+
+
+LINKS = (
+    Link(name="nvlink", bytes_per_s=150e9, latency_s=10e-6),
+    Link(name="infiniband-400g", bytes_per_s=45e9, latency_s=20e-6),
+    Link(name="ethernet-10g", bytes_per_s=1.1e9, latency_s=100e-6),
+    Link(name="internet-1g", bytes_per_s=0.1e9, latency_s=30e-3),
+)
+"""Assumed rates, not measured: NVLink 4 between H100s (~150 GB/s achieved per peer for large
+messages), 400 Gb/s NDR InfiniBand per GPU, 10 GbE, and a 1 Gb/s wide-area link with 30 ms
+latency (the 'internet-scale' case)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RingPrediction:
+    n_ranks: int
+    link: str
+    chunks_per_round: int
+    rank_step_time_s: float
+    """The slowest rank's own predicted step (its layers, its copies, its optimizer)."""
+    bubble_frac: float
+    """Share of each rank's layer work lost to an under-full ring: 1 - min(1, C / N)."""
+    fill_s: float
+    """Pipeline fill and drain per step: (N - 1) layer-chunk times and hops per round."""
+    link_s: float
+    """Time the slowest rank's sends take per step if nothing hid them."""
+    step_time_s: float
+    tok_per_s: float
+    speedup: float
+    """tok_per_s over the single-device plan's prediction under the same per-device budgets."""
+    device_bytes: int
+    """Per device (the largest rank's plan)."""
+    host_bytes: int
+
+
+def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
+                 single_tok_per_s: float | None = None) -> RingPrediction:
+    """Ring step time from the ranks' own predictions. Each rank runs its layers as its own
+    plan predicts; the ring adds (a) the bubble of an under-full ring (C chunks cannot keep N
+    ranks busy when C < N), (b) the fill and drain of the pipeline each round, forward and
+    backward, and (c) the sends: each owned layer but the last sends every chunk's residual
+    (forward) and gradient (backward), T*D*2 bytes each, overlapped with compute, so the step is
+    bounded below by the link time. A model, not a measurement; see docs/ring.md."""
+    n = len(rank_plans)
+    slow = max(rank_plans, key=lambda rp: rp.plan.prediction.step_time_s)
+    p0 = rank_plans[0].plan
+    ch, cfg = p0.chunking, p0.model
+    rounds, chunks = ch.rounds_per_step, ch.chunks_per_round
+    layer_chunk_s = max(slow.plan.prediction.compute_s, 1e-12) / (
+        rounds * chunks * max(1, len(slow.layers)))
+    hop_bytes = ch.chunk_tokens * cfg.model_dim * 2
+    hop_s = hop_bytes / link.bytes_per_s + link.latency_s
+    bubble = 1.0 - min(1.0, chunks / n) if n > 1 else 0.0
+    rank_s = slow.plan.prediction.step_time_s
+    layer_work_s = slow.plan.prediction.compute_s + slow.plan.prediction.exposed_h2d_s + \
+        slow.plan.prediction.exposed_d2h_s
+    busy_s = rank_s + layer_work_s * (1.0 / (1.0 - bubble) - 1.0)
+    fill_s = 0.0 if n == 1 else rounds * 2 * (n - 1) * (layer_chunk_s + hop_s)
+    sends = max(len(rp.layers) for rp in rank_plans) * chunks * rounds * 2
+    link_s = 0.0 if n == 1 else sends * hop_s
+    step_s = max(busy_s, link_s) + fill_s
+    tok_s = ch.tokens_per_step / step_s
+    return RingPrediction(
+        n_ranks=n, link=link.name, chunks_per_round=chunks, rank_step_time_s=rank_s,
+        bubble_frac=bubble, fill_s=fill_s, link_s=link_s, step_time_s=step_s, tok_per_s=tok_s,
+        speedup=tok_s / single_tok_per_s if single_tok_per_s else 1.0,
+        device_bytes=max(rp.plan.memory.device_bytes for rp in rank_plans),
+        host_bytes=max(rp.plan.memory.host_bytes for rp in rank_plans))
+
+
+def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
+            ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
+            links: tuple[Link, ...] = LINKS) -> tuple[tuple[RingPrediction, ...], float, str]:
+    """(predictions for every N in `ranks` that the model's layer count allows and every link,
+    the single-device tok/s, a note on the ring sizes left out). For each N the ring is planned
+    twice, with the planner's chunking and with at least N chunks per round (a full ring), and
+    the faster prediction is kept."""
+    single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+    out, skipped = [], [n for n in ranks if n > cfg.n_layers]
+    for n in (n for n in ranks if n <= cfg.n_layers):
+        options = [make_rank_plans(cfg, seqlen, budget, profile, n)]
+        c = options[0][0].plan.chunking.chunks_per_round
+        if c < n:
+            try:
+                options.append(make_rank_plans(cfg, seqlen, budget, profile, n,
+                                               chunks_per_round=math.lcm(c, n)))
+            except ConfigError:  # more chunks per round may not fit the budgets
+                pass
+        for link in links:
+            preds = [predict_ring(rp, link, single) for rp in options]
+            out.append(min(preds, key=lambda p: p.step_time_s))
+    note = "" if not skipped else (
+        f"N = {', '.join(map(str, skipped))} left out: {cfg.name} has {cfg.n_layers} layers and "
+        "a ring holds at least one layer per rank")
+    return tuple(out), single, note
+
+
+def scaling_text(preds: tuple[RingPrediction, ...], single_tok_per_s: float, note: str) -> str:
+    """The scaling model as a table: one line per (N, link)."""
+    lines = [f"ring scaling (model, per-device budgets; single device {single_tok_per_s:,.0f} "
+             "tok/s):",
+             f"  {'N':>3} {'link':<16} {'C':>3} {'bubble':>7} {'fill s':>8} {'link s':>8} "
+             f"{'step s':>9} {'tok/s':>12} {'speedup':>8} {'dev GiB':>8} {'host GiB':>9}"]
+    for p in preds:
+        lines.append(f"  {p.n_ranks:>3} {p.link:<16} {p.chunks_per_round:>3} "
+                     f"{p.bubble_frac:>6.0%} {p.fill_s:>8.3f} {p.link_s:>8.3f} "
+                     f"{p.step_time_s:>9.3f} {p.tok_per_s:>12,.0f} {p.speedup:>7.2f}x "
+                     f"{p.device_bytes / 2**30:>8.2f} {p.host_bytes / 2**30:>9.2f}")
+    if note:
+        lines.append("  " + note)
+    return "\n".join(lines)

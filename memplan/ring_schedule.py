@@ -1,0 +1,182 @@
+"""The step of one ring rank as data: the single-device schedule of the rank's own plan (its
+layers, slots, fetches, write-backs, optimizer) plus Send / Recv events that carry the residual
+stream of each chunk to rank (r+1) mod N in the forward and its gradient to rank (r-1) mod N in
+the backward. Sends and receives are ordered on their own stream ('comm') by the same Record /
+Wait events as everything else, so a transport can overlap them with compute.
+
+Reuses memplan.schedule's compiler (slot rings, fetch timing, optimizer) and replaces only the
+round: no `if ring:` branch exists in the single-device code. Pure Python: never imports array
+libraries, never touches a device, never talks to another rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memplan.ring_plan import RankPlan
+from memplan.schedule import (COMPUTE, Compute, Ref, Schedule, _Compiler)
+
+COMM = "comm"
+"""The stream of sends and receives (a transport maps it to a CUDA stream of its own, or to the
+NumPy backend's host stream)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    """Send the bytes `src` to rank `peer` on the comm stream; `tag` is checked on arrival."""
+
+    name: str
+    src: Ref
+    peer: int
+    tag: int
+    stream: str = COMM
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recv:
+    """Receive into `dst` the next message from rank `peer`; it must carry `tag`."""
+
+    name: str
+    dst: Ref
+    peer: int
+    tag: int
+    stream: str = COMM
+
+
+def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
+                n_chunks: int) -> int:
+    """A number unique within a step for the residual (or gradient) of `chunk` leaving global
+    layer `layer`: sender and receiver compute it alike, so a mismatched schedule is caught."""
+    return ((rnd * 2 + int(backward)) * n_layers + layer) * n_chunks + chunk
+
+
+class _RingCompiler(_Compiler):
+    """Rank r's compiler: the rank's plan is a single-device plan of its own layers (local layer
+    j is global layer rp.layers[j]); the round below replaces the single-device round."""
+
+    def __init__(self, rp: RankPlan):
+        super().__init__(rp.plan)
+        self.rp = rp
+        self.prev = (rp.rank - 1) % rp.n_ranks
+        self.next = (rp.rank + 1) % rp.n_ranks
+        self.sent: dict[tuple[str, int], int] = {}
+        """(buffer, chunk) -> comm event after which a send of those rows is done."""
+
+    def rows(self, buffer: str, chunk: int) -> Ref:
+        off, nbytes = self._transition(buffer)
+        per = nbytes // self.C
+        return self.ref("transitions", off + chunk * per, per)
+
+    def tag(self, rnd: int, backward: bool, layer: int, chunk: int) -> int:
+        return message_tag(rnd, backward, layer, chunk, self.rp.n_layers, self.C)
+
+    def recv(self, rnd: int, backward: bool, src_layer: int, buffer: str, chunk: int) -> None:
+        em = self.em
+        em.wait(COMM, em.record(COMPUTE))  # earlier computes are done reading these rows
+        em.add(Recv(f"recv.{'b' if backward else 'f'}.L{src_layer}.c{chunk}",
+                    self.rows(buffer, chunk), self.next if backward else self.prev,
+                    self.tag(rnd, backward, src_layer, chunk)))
+        em.wait(COMPUTE, em.record(COMM))
+
+    def send(self, rnd: int, backward: bool, layer: int, buffer: str, chunk: int) -> None:
+        em = self.em
+        em.wait(COMM, em.record(COMPUTE))  # the compute that wrote the rows is done
+        em.add(Send(f"send.{'b' if backward else 'f'}.L{layer}.c{chunk}",
+                    self.rows(buffer, chunk), self.prev if backward else self.next,
+                    self.tag(rnd, backward, layer, chunk)))
+        self.sent[(buffer, chunk)] = em.record(COMM)
+
+    def before_write(self, buffer: str, chunk: int) -> None:
+        """A compute is about to overwrite rows that may still be on their way out."""
+        self.em.wait(COMPUTE, self.sent.pop((buffer, chunk), None))
+
+    def round(self, rnd: int) -> None:
+        em, rp, first = self.em, self.rp, rnd == 0
+        last_layer = rp.n_layers - 1
+        for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),
+                                     (self.aring, "a_uses", "a_assigned"),
+                                     (self.hw_ring, "hw_uses", "hw_assigned")):
+            if ring is not None:
+                ring.begin(getattr(self, uses), getattr(self, assigned))
+        if self.gring is not None:
+            self.gring.begin(self.g_uses[first], self.g_assigned[first])
+        if self.hg_ring is not None:
+            self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
+        self.load_tokens(rnd)  # every rank: the embedding reads ids, the head reads targets
+        # Forward reads "resid_a" and writes "resid_b"; the head writes its gradient into
+        # "resid_a"; the backward reads "resid_a" and writes "resid_b". The single-device
+        # ping-pong is not needed: each layer's input arrives in a buffer of its own.
+        x, y = "resid_a", "resid_b"
+        if rp.has_embed:
+            self.embed_fwd(rnd, x)
+        for j, g in enumerate(rp.layers):                               # forward, layer-major
+            w = self.weights("f", j)
+            for c in range(self.C):
+                if g > 0:
+                    self.recv(rnd, False, g - 1, x, c)
+                self.before_write(y, c)
+                save = self.act("f", j, c)
+                em.add(Compute(f"f.L{g}.c{c}", "layer_fwd", rnd, j, c, weights=w, save=save,
+                               x=x, y=y))
+                self.release_act("f", j, c)
+                if g < last_layer:
+                    self.send(rnd, False, g, y, c)
+            self.release_weights("f", j)
+            if g + rp.n_ranks == last_layer and self.hw_ring is not None:
+                self.hw_ring.prefetch(0)                              # head weights arrive early
+        if rp.has_head:
+            for c in range(self.C):
+                self.before_write(x, c)
+            self.head(rnd, y, x)
+        dy, dx = x, y
+        for j in reversed(range(len(rp.layers))):                      # backward, reverse order
+            g = rp.layers[j]
+            w = self.weights("b", j)
+            grads = self.grads(j)
+            for c in reversed(range(self.C)):
+                if g < last_layer:
+                    self.recv(rnd, True, g + 1, dy, c)
+                if self.ch.chunks_per_seq > 1 and c % self.ch.chunks_per_seq == \
+                        self.ch.chunks_per_seq - 1:
+                    self.fill_context(rnd, j, c)
+                self.before_write(dx, c)
+                save = self.act("b", j, c)
+                em.add(Compute(f"b.L{g}.c{c}", "layer_bwd", rnd, j, c, weights=w, grads=grads,
+                               save=save, x=dy, y=dx))
+                self.release_act("b", j, c)
+                if g > 0:
+                    self.send(rnd, True, g, dx, c)
+            self.release_grads(j)
+            self.release_weights("b", j)
+        if rp.has_embed:
+            self.embed_bwd(rnd, dx)
+        # The next round's first computes overwrite rows still being sent: they wait (above).
+
+    def optimizer(self) -> None:
+        """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are
+        never updated)."""
+        keys = [f"layer{j}" for j in range(len(self.rp.layers))]
+        keys += ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
+        from memplan.plan import OptimizerWhere
+
+        for key in keys:
+            where = self.placement(key).optimizer
+            if where is OptimizerWhere.DEVICE:
+                self.update_device(key)
+            elif where is OptimizerWhere.HOST:
+                self.update_host(key)
+            else:
+                self.update_streamed(key)
+
+    def compile(self, rounds: int | None = None) -> Schedule:
+        sched = super().compile(rounds)
+        # Every send must be done before the step ends (the executor synchronises the backend's
+        # streams, which do not include the comm stream of a GPU transport).
+        for ev in self.sent.values():
+            self.em.wait(COMPUTE, ev)
+        self.sent.clear()
+        return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
+
+
+def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None) -> Schedule:
+    """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv."""
+    return _RingCompiler(rp).compile(rounds)

@@ -1,0 +1,86 @@
+"""Runs one ring rank's compiled schedule: the single-device Executor with two more dispatch
+entries (Send / Recv on the transport) and the comm stream's records and waits handed to the
+transport. The step's loss (computed on the head's rank) and the global gradient norm (blocks on
+every rank) are shared through the transport's all-gather, summed in the single-device order so
+the numbers are the same bits. Never decides placement or what is sent: the schedule does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dataflow.executor import Executor, RoundStats, StepStats
+from memplan.ring_plan import RankPlan, head_rank
+from memplan.ring_schedule import COMM, Recv, Send, compile_ring_schedule
+from memplan.schedule import Record, Schedule, Wait
+from ring.transport import Transport
+
+
+class RingExecutor(Executor):
+    def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None):
+        super().__init__(rp.plan, be, schedule or compile_ring_schedule(rp))
+        self.rp, self.transport = rp, transport
+        self._dispatch.update({Send: self._send, Recv: self._recv, Record: self._ring_record,
+                               Wait: self._ring_wait})
+        ch, cfg = rp.plan.chunking, rp.plan.model
+        # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
+        # one place at a time), and a ring of 2 shares one mailbox for both directions.
+        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _send(self, ev: Send) -> None:
+        self.transport.send(self._view(ev.src), ev.peer, ev.tag)
+
+    def _recv(self, ev: Recv) -> None:
+        self.transport.recv(self._view(ev.dst), ev.peer, ev.tag)
+
+    def _ring_record(self, ev: Record) -> None:
+        if ev.stream == COMM:
+            self._events[ev.id] = self.transport.record()
+        else:
+            self._record(ev)
+
+    def _ring_wait(self, ev: Wait) -> None:
+        if ev.stream == COMM:
+            self.transport.wait(self._events[ev.id])
+        else:
+            self._wait(ev)
+
+    # -- what the ranks share -------------------------------------------------------------------
+    def _global_index(self) -> list[tuple[int, object]]:
+        """(index in the single-device block order embed, layers 0..L-1, head; Block) of every
+        block this rank owns."""
+        rp = self.rp
+        out = [(0, self.embed)] if rp.has_embed else []
+        out += [(1 + g, self.layers[j]) for j, g in enumerate(rp.layers)]
+        if rp.has_head:
+            out.append((rp.n_layers + 1, self.head))
+        return out
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the step's gradients, bit-identical to the single-device one:
+        each block's float64 sum of squares is computed by its owner, gathered, and added in the
+        single-device block order. Collective: every rank calls it at the same point."""
+        self.be.synchronize()
+        sums = np.zeros(self.rp.n_layers + 2, np.float64)
+        for i, b in self._global_index():
+            g = b.device("grads") if b.device("grads") is not None else b.home("grads")
+            sums[i] = float(np.sum(np.square(self.download(g).astype(np.float64))))
+        rows = self.transport.allgather(sums)
+        total = 0.0
+        for i in range(sums.size):  # the owner's value; the others hold exact zeros
+            total += float(sum(row[i] for row in rows))
+        return float(np.sqrt(total))
+
+    def step(self, batch: np.ndarray, optimizer) -> StepStats:
+        """One step of this rank; the loss is the head rank's, gathered to every rank."""
+        stats = super().step(batch, optimizer)
+        ch = self.plan.chunking
+        pairs = self.download(self.tr["scalars"][8:8 + 2 * ch.rounds_per_step])
+        rows = self.transport.allgather(pairs.astype(np.float64))
+        loss_pairs = rows[head_rank(self.rp.n_layers, self.rp.n_ranks)].astype(
+            np.float32).reshape(-1, 2)
+        rounds = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
+        total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
+        return dataclasses.replace(stats, loss=total, rounds=rounds)

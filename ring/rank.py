@@ -1,0 +1,95 @@
+"""One rank of a ring as a trainer: its RingExecutor, AdamW and the state of the blocks it owns,
+initialised exactly as the single-device Engine initialises the same blocks (by global layer
+index), so a ring and one device start from the same bits. Owns no placement decisions and
+talks to other ranks only through its transport."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataflow.backend import Stream
+from dataflow.executor import StepStats
+from dataflow.optimizer import AdamW, AdamWConfig
+from memplan.ring_plan import RankPlan
+from models import init
+from models.errors import ConfigError
+from ring.executor import RingExecutor
+from ring.transport import Transport
+
+
+class RingRank:
+    """rank `rp.rank` of a ring: `train_step(batch)` with the whole global batch (every rank
+    gets the same tokens: the embedding's rank reads the ids, the head's rank the targets)."""
+
+    def __init__(self, rp: RankPlan, be, transport: Transport, *, seed: int = 0,
+                 optimizer: AdamWConfig | None = None, lr_schedule=None):
+        self.rp, self.be = rp, be
+        self.ex = RingExecutor(rp, be, transport)
+        self.optimizer = AdamW(optimizer or AdamWConfig(), lr_schedule)
+        self._init_state(seed)
+        be.synchronize()
+
+    def _blocks(self):
+        """(global key, Block) for the blocks this rank owns."""
+        rp, ex = self.rp, self.ex
+        out = [("embed", ex.embed)] if rp.has_embed else []
+        out += [(f"layer{g}", ex.layers[j]) for j, g in enumerate(rp.layers)]
+        return out + ([("head", ex.head)] if rp.has_head else [])
+
+    def _init_state(self, seed: int) -> None:
+        """Zero grads, m and v; write each owned block's initial weights (the global model's)."""
+        cfg = self.rp.plan.model  # same shapes as the global model; n_layers is the rank's
+        self.be.synchronize()
+        for key, b in self._blocks():
+            for part in ("grads", "m", "v"):
+                if b.device(part) is not None:
+                    self.be.launch(Stream.COMPUTE, "fill_", b.device(part), 0.0, name="init.zero")
+                if b.home(part) is not None:
+                    b.home(part)[...] = 0
+            if key == "embed":
+                block = init.init_embed_block(cfg, seed)
+            elif key == "head":
+                block = init.init_head_block(cfg, seed)
+            else:  # the initialiser keys on the global layer index, not on n_layers
+                g = int(key[5:])
+                block = init.init_layer_block(_with_layers(cfg, g + 1), g, seed)
+            self._write(b, block)
+
+    def _write(self, b, array: np.ndarray) -> None:
+        home, dev = b.home("weights"), b.device("weights")
+        if home is not None:
+            self.be.synchronize()
+            home[...] = array
+        if dev is not None and (home is None or b.resident):
+            self.ex.upload(dev, array)
+
+    def train_step(self, batch: np.ndarray) -> StepStats:
+        """batch (seqs_per_step, seqlen + 1) int token ids, the same on every rank."""
+        ch = self.rp.plan.chunking
+        want = (ch.seqs_per_step, ch.seqlen + 1)
+        if batch.shape != want:
+            raise ConfigError(f"train_step got tokens of shape {batch.shape}; this ring takes "
+                              f"{want} (seqs_per_step, seqlen + 1)")
+        return self.ex.step(batch, self.optimizer)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head')."""
+        self.be.synchronize()
+        out = {}
+        for key, b in self._blocks():
+            if b.resident or b.home("weights") is None:
+                out[key] = self.ex.download(b.device("weights"))
+            else:
+                out[key] = np.array(b.home("weights"), copy=True)
+        return out
+
+    def close(self) -> None:
+        self.be.synchronize()
+        self.ex.transport.close()
+        self.be.close()
+
+
+def _with_layers(cfg, n_layers: int):
+    import dataclasses
+
+    return dataclasses.replace(cfg, n_layers=n_layers)

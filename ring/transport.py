@@ -1,0 +1,58 @@
+"""The one small interface every ring transport implements: point-to-point send / receive of a
+backend view to a neighbour, ordered on the transport's own stream by events, plus a tiny
+synchronous control plane (all-gather of a few float64 values, abort). Never decides what is
+sent or when: the compiled ring schedule does (memplan.ring_schedule)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+
+class RingError(RuntimeError):
+    """A ring rank could not go on: a neighbour died, aborted, or never answered in time.
+    `peer` is the rank blamed (None when unknown)."""
+
+    def __init__(self, message: str, *, rank: int, peer: int | None = None):
+        super().__init__(message)
+        self.rank, self.peer = rank, peer
+
+
+class Transport(abc.ABC):
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def bind(self, be, max_message_bytes: int, depth: int) -> None:
+        """Prepare for messages of at most `max_message_bytes`, up to `depth` in flight per
+        neighbour, between views of backend `be`. Called once by the executor, before any step;
+        collective (every rank calls it)."""
+
+    @abc.abstractmethod
+    def send(self, view, peer: int, tag: int) -> None:
+        """Enqueue sending `view`'s bytes to `peer` on the comm stream (returns at once on a
+        GPU; may block on the NumPy backend until the neighbour's mailbox has room)."""
+
+    @abc.abstractmethod
+    def recv(self, view, peer: int, tag: int) -> None:
+        """Enqueue receiving the next message from `peer` into `view`; it must carry `tag`."""
+
+    @abc.abstractmethod
+    def record(self) -> Any:
+        """An event marking everything enqueued on the comm stream so far (the backend's
+        streams can wait on it with Backend.wait)."""
+
+    @abc.abstractmethod
+    def wait(self, event: Any) -> None:
+        """Later comm work starts after `event`, an event of the backend's streams."""
+
+    @abc.abstractmethod
+    def allgather(self, values) -> list:
+        """Synchronous: every rank passes a 1-D float64 NumPy array of the same length and gets
+        every rank's array, in rank order. For a step's few scalars, not for tensors."""
+
+    def abort(self, reason: str) -> None:
+        """Tell the other ranks to stop waiting for this one (best effort)."""
+
+    def close(self) -> None:
+        """Release what bind allocated."""

@@ -1,0 +1,168 @@
+"""What one ring process does: plan its rank, open the transport, train the job's steps on the
+global batches and write its result (losses on every rank, its own blocks' weights) to the job's
+output folder. The launcher (ring/launch.py) or torchrun / srun starts one of these per rank.
+Never spawns processes and never reads another rank's memory except through the transport."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ring.launch import RankEnv
+
+log = logging.getLogger("ring.worker")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RingJob:
+    model: str
+    """Zoo name or a config path, or a ModelConfig as JSON (tests use small custom shapes)."""
+    seqlen: int
+    host_gb: float
+    """Per-device budgets (GiB)."""
+    dev_gb: float
+    steps: int = 1
+    seed: int = 0
+    """Weight initialisation."""
+    data: str = "shipped"
+    """'shipped' (the shipped text) or 'random:<seed>' (uniform random ids, for tests)."""
+    lr: float = 1e-3
+    max_grad_norm: float | None = None
+    backend: str = "numpy"
+    transport: str = "shm"
+    """'shm' (NumPy backend, one host) or 'nccl' (CuPy backend, one GPU per rank)."""
+    timeout_s: float = 60.0
+    out_dir: str = ""
+    """Where rank r writes rank<r>.npz and rank<r>.json ('' writes nothing)."""
+    constraints: tuple[tuple[str, int], ...] = ()
+    """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
+    fault: str = ""
+    """Tests only: 'kill:<rank>:<step>' makes that rank SIGKILL itself before that step."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RingJob":
+        raw = json.loads(text)
+        raw["constraints"] = tuple(tuple(kv) for kv in raw.get("constraints", ()))
+        return cls(**raw)
+
+
+def model_config(spec: str):
+    from models.config import ModelConfig, load_config
+    from models.serial import from_json
+
+    if spec.lstrip().startswith("{"):
+        return from_json(ModelConfig, spec)
+    return load_config(spec)
+
+
+def batches(job: RingJob, cfg, seqs_per_step: int):
+    """The global batch of each step, the same on every rank and in the single-device run."""
+    if job.data.startswith("random:"):
+        rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
+        for _ in range(job.steps):
+            yield rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1), dtype=np.int32)
+        return
+    from dataflow.data import token_stream
+
+    for step in range(job.steps):
+        yield token_stream(job.seqlen, seqs_per_step, cfg.vocab_size,
+                           start=step * seqs_per_step * job.seqlen)
+
+
+def make_transport(job: RingJob, env: RankEnv):
+    if job.transport == "nccl":
+        from ring.nccl import NcclTransport
+
+        return NcclTransport(env, timeout_s=job.timeout_s)
+    from ring.shm import SharedMemoryTransport
+
+    return SharedMemoryTransport(env.rank, env.world_size, env.run_id, timeout_s=job.timeout_s)
+
+
+def run_rank(job: RingJob, env: RankEnv) -> int:
+    """Train `job` as rank env.rank. 0 done; 1 with one line on stderr when this rank or the
+    ring failed (a RingError names the rank that died or hung)."""
+    from dataflow.backends import make_backend
+    from dataflow.optimizer import AdamWConfig
+    from memplan import get_profile
+    from memplan.plan import Budget
+    from memplan.ring_plan import make_rank_plan
+    from ring.rank import RingRank
+    from ring.transport import RingError
+
+    tag = f"[rank {env.rank}/{env.world_size}]"
+    transport = None
+    try:
+        cfg = model_config(job.model)
+        if job.transport == "nccl":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
+        be = make_backend(job.backend)
+        profile = get_profile("cpu" if be.name == "numpy" else "h100")
+        rp = make_rank_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb), profile,
+                            env.world_size, env.rank, **dict(job.constraints))
+        transport = make_transport(job, env)
+        rank = RingRank(rp, be, transport, seed=job.seed,
+                        optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
+        losses, times = [], []
+        kill = job.fault.split(":") if job.fault.startswith("kill:") else None
+        for step, batch in enumerate(batches(job, cfg, rp.plan.chunking.seqs_per_step)):
+            if kill and int(kill[1]) == env.rank and int(kill[2]) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            stats = rank.train_step(batch)
+            losses.append(stats.loss)
+            times.append(stats.step_time_s)
+            print(f"{tag} step {step + 1}/{job.steps} loss {stats.loss:.6f} "
+                  f"{stats.tokens / max(stats.step_time_s, 1e-12):,.0f} tok/s "
+                  f"({stats.step_time_s:.3f} s)", file=sys.stderr, flush=True)
+        if job.out_dir:
+            out = Path(job.out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            np.savez(out / f"rank{env.rank}.npz", **{k: v.view(np.uint16)
+                                                     for k, v in rank.weights().items()})
+            (out / f"rank{env.rank}.json").write_text(json.dumps({
+                "rank": env.rank, "world_size": env.world_size, "layers": list(rp.layers),
+                "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
+                "step_times_s": times, "tokens_per_step": rp.plan.chunking.tokens_per_step,
+                "device_bytes": rp.plan.memory.device_bytes,
+                "host_bytes": rp.plan.memory.host_bytes}))
+        rank.close()
+        transport = None
+        return 0
+    except RingError as exc:
+        print(f"{tag} ring error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line; the other ranks are told to stop
+        if transport is not None:
+            transport.abort(str(exc))
+        print(f"{tag} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if os.environ.get("DATAFLOW_RING_DEBUG"):
+            raise
+        return 1
+    finally:
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+
+def child_main(job_json: str, env_json: str) -> None:
+    """Entry point of a spawned rank (multiprocessing target): exits with run_rank's code."""
+    job, env = RingJob.from_json(job_json), RankEnv.from_json(env_json)
+    started = time.monotonic()
+    code = run_rank(job, env)
+    log.debug("rank %d finished in %.1f s", env.rank, time.monotonic() - started)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: nothing of ours is left to flush

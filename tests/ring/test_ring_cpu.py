@@ -1,0 +1,107 @@
+"""The ring on CPU: N processes (NumPy backend, shared-memory transport) train the same global
+batches as one device and must give the same losses and final weights, bit for bit (the same
+kernels run the same arithmetic on the same chunks; only bytes move between ranks, and the loss
+and gradient norm are combined in the single-device order). A rank that dies makes every other
+rank exit with a clear error well inside the timeout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dataflow.engine import Engine
+from memplan import get_profile, make_plan
+from memplan.plan import Budget
+from models.config import load_config
+from models.serial import to_json
+from ring.launch import launch
+from ring.worker import RingJob
+
+CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
+"""Two sequences of 64 tokens per chunk, two chunks per round, two rounds per step."""
+
+
+def _model(n_layers: int) -> str:
+    cfg = dataclasses.replace(load_config("tiny"), name=f"tiny{n_layers}", n_layers=n_layers)
+    return to_json(cfg)
+
+
+def _single_device(job: RingJob):
+    """Losses and final weights of the same job on one device (the Engine)."""
+    from ring.worker import batches, model_config
+
+    cfg = model_config(job.model)
+    plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
+                     get_profile("cpu"), **dict(job.constraints))
+    losses = []
+    with Engine.from_plan(plan, backend="numpy", seed=job.seed, lr=job.lr,
+                          max_grad_norm=job.max_grad_norm) as eng:
+        for batch in batches(job, cfg, plan.chunking.seqs_per_step):
+            losses.append(eng.train_step(batch).loss)
+        w = eng.weights()
+    blocks = {"embed": w.embed, "head": w.head}
+    blocks.update({f"layer{i}": b for i, b in enumerate(w.layers)})
+    return losses, blocks
+
+
+def _ring(job: RingJob, n: int):
+    res = launch(job, n)
+    assert res.exit_codes == (0,) * n, res
+    losses, blocks = [], {}
+    for r in range(n):
+        info = json.loads((__import__("pathlib").Path(job.out_dir) / f"rank{r}.json").read_text())
+        losses.append(info["losses"])
+        with np.load(f"{job.out_dir}/rank{r}.npz") as z:
+            for key in z.files:
+                assert key not in blocks, f"block {key} is owned by two ranks"
+                blocks[key] = z[key].view(ml_dtypes.bfloat16)
+    return losses, blocks, res
+
+
+@pytest.mark.parametrize("n_ranks,n_layers,clip", [(2, 2, None), (3, 4, 1.0)])
+def test_ring_reproduces_single_device_bit_identically(tmp_path, rng, n_ranks, n_layers, clip):
+    """A ring of 2 (tiny) and of 3 (4 layers: the head lands on rank 0 with the embedding;
+    gradient clipping on) matches one device's losses and weights exactly after 2 steps."""
+    job = RingJob(model=_model(n_layers), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+                  seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
+                  lr=1e-2, max_grad_norm=clip, timeout_s=60, out_dir=str(tmp_path),
+                  constraints=CHUNKING)
+    want_losses, want = _single_device(job)
+    losses, got, _ = _ring(job, n_ranks)
+    for r in range(n_ranks):
+        assert losses[r] == want_losses, (r, losses[r], want_losses)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+    assert want_losses[1] != want_losses[0]  # the weights moved between the two steps
+
+
+def test_killed_rank_makes_every_other_rank_exit_with_a_clear_error(tmp_path, capfd):
+    """Rank 1 of 3 SIGKILLs itself before step 2: ranks 0 and 2 stop with a RingError naming the
+    ring's failure, long before their 60 s timeout, and the launcher reports rank 1 first."""
+    job = RingJob(model=_model(3), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=3,
+                  data="random:1", timeout_s=60, out_dir=str(tmp_path), constraints=CHUNKING,
+                  fault="kill:1:1")
+    t0 = time.monotonic()
+    res = launch(job, 3, grace_s=20)
+    elapsed = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert res.exit_codes[1] == -9 and res.first_failure == 1, res
+    assert res.exit_codes[0] == 1 and res.exit_codes[2] == 1, (res, err)
+    assert elapsed < 30, elapsed
+    assert "[rank 0/3] ring error" in err and "[rank 2/3] ring error" in err, err
+
+
+def test_ring_refuses_more_ranks_than_layers():
+    """A ring of 3 over the 2-layer tiny model is refused up front, naming the limit."""
+    from memplan.ring_plan import make_rank_plans
+    from models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at most 2 ranks"):
+        make_rank_plans(load_config("tiny"), 64, Budget.from_gib(0.25, 0.25), get_profile("cpu"),
+                        3)
