@@ -12,9 +12,11 @@ import numpy as np
 
 from dataflow.backend import Backend, Place, Stream
 from dataflow.backends import make_backend
+from dataflow.batch import make_batch
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
+from kernels.host.memory import copy_into, zero_fill
 from memplan.plan import Budget, Plan
 from models.config import ModelConfig
 from models.hf import is_hf_dir, model_config
@@ -28,9 +30,11 @@ from models.layout import BlockKind
 class StepResult:
     step: int
     loss: float
-    """Mean next-token cross-entropy over the step's tokens."""
+    """Mean cross-entropy over the step's counted targets (labels other than -100), as
+    transformers computes it."""
     round_losses: tuple[float, ...]
     tokens: int
+    """Tokens processed (seqs_per_step * seqlen): the numerator of tok/s."""
     step_time_s: float
     tok_per_s: float
     model_tflop_per_s: float
@@ -43,6 +47,8 @@ class StepResult:
     grad_norm: float | None
     breakdown: StepBreakdown | None = None
     """Where the step's time and bytes went; None unless the engine traces (trace=True)."""
+    loss_tokens: int | None = None
+    """Targets counted in the loss (not -100); the loss is their mean."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +64,9 @@ class BlockRef:
         return f"layers.{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
 
 
+CONFIGURED = object()
+"""train_step's max_grad_norm default: the clipping the engine was built with."""
+
 BLOCK_PARTS = ("weights", "m", "v")
 """The parts of a block that persist across steps (gradients are cleared by every step)."""
 
@@ -70,9 +79,13 @@ class Engine:
     """
 
     def __init__(self, model: str | ModelConfig, *, host_gb: float, dev_gb: float, seqlen: int,
-                 profile=None, plan_options: dict | None = None, **run):
+                 profile=None, plan_options: dict | None = None,
+                 seqs_per_step: int | None = None, tokens_per_step: int | None = None, **run):
         """Plan `model` at `seqlen` under the budgets (GiB) with `profile` (default: this
-        backend's), then start it. `run` takes the options of `from_plan`."""
+        backend's), then start it. seqs_per_step (or tokens_per_step, a multiple of seqlen):
+        the trainer's global batch, which the planner keeps, choosing chunks and rounds under
+        the budgets (InfeasibleBudget names the smallest budgets for it); default: the
+        planner's choice. `run` takes the options of `from_plan`."""
         from memplan import make_plan
 
         if not isinstance(model, ModelConfig) and is_hf_dir(model):
@@ -80,8 +93,12 @@ class Engine:
         cfg = model if isinstance(model, ModelConfig) else model_config(model)
         be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
                       run.get("sanitize_seed", 0))
+        options = dict(plan_options or {})
+        for key, value in (("seqs_per_step", seqs_per_step), ("tokens_per_step", tokens_per_step)):
+            if value is not None:
+                options[key] = value
         plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb),
-                         profile or default_profile(be), **(plan_options or {}))
+                         profile or default_profile(be), **options)
         self._start(plan, be, **run)
 
     @classmethod
@@ -133,14 +150,23 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------
     def _zero_state(self) -> None:
-        self.be.synchronize()  # once: nothing is queued that touches home state yet
+        """Zero gradients and AdamW m, v wherever they live. Host memory (home copies, and the
+        device of a backend whose device is host memory) is cleared in parallel, page by page,
+        leaving pages that already read as zero unwritten: a fresh slab reads as zero, so setup
+        neither writes nor faults in those bytes for nothing, without assuming any guarantee
+        about fresh memory."""
+        self.be.synchronize()  # once: nothing is queued that touches this state yet
+        host_device = self.be.device_is_host_memory
         for b in self.ex.blocks():
             for part in ("grads", "m", "v"):
-                if b.device(part) is not None:
-                    self.be.launch(Stream.COMPUTE, "fill_", b.device(part), 0.0,
-                                   name="init.zero")
-                if b.home(part) is not None:
-                    b.home(part)[...] = 0
+                dev, home = b.device(part), b.home(part)
+                if dev is not None:
+                    if host_device and isinstance(dev, np.ndarray):
+                        zero_fill(dev)
+                    else:
+                        self.be.launch(Stream.COMPUTE, "fill_", dev, 0.0, name="init.zero")
+                if home is not None:
+                    _host_zero(home)
 
     def _targets(self):
         """(key, block kind, layer, Block) for every block, in model order."""
@@ -149,21 +175,43 @@ class Engine:
     def _write_block(self, b, array: np.ndarray, part: str = "weights") -> None:
         home, dev = b.home(part), b.device(part)
         if home is not None:
-            self.be.synchronize()
-            home[...] = array
+            self.be.synchronize()  # a queued copy may still read or write this home copy
+            _host_copy(home, array)
         # A HOME block's device weights region is only a slot (the head's): the home copy rules.
         if dev is not None and (home is None or part != "weights" or b.resident):
-            self.ex.upload(dev, array)
+            if _is_host_array(home):
+                self.be.copy(dev, home, Stream.H2D, name="upload")  # pinned: async, no staging
+            else:
+                self.ex.upload(dev, array)
 
     def _init_weights(self, seed: int) -> None:
+        """Initialise each block straight into where it lives: its home copy, else its device
+        copy when the device is host memory, else the pinned io staging region and one H2D copy
+        from there. No block passes through a temporary; copies from home are asynchronous and
+        _setup synchronises once at the end."""
         from models import init
 
         cfg = self.plan.model
+        fill = {BlockKind.EMBED: lambda layer, out: init.init_embed_block(cfg, seed, out=out),
+                BlockKind.LAYER: lambda layer, out: init.init_layer_block(cfg, layer, seed,
+                                                                          out=out),
+                BlockKind.HEAD: lambda layer, out: init.init_head_block(cfg, seed, out=out)}
         for key, kind, layer, b in self._targets():
-            fn = {BlockKind.EMBED: lambda: init.init_embed_block(cfg, seed),
-                  BlockKind.LAYER: lambda: init.init_layer_block(cfg, layer, seed),
-                  BlockKind.HEAD: lambda: init.init_head_block(cfg, seed)}[kind]
-            self._write_block(b, fn())
+            home, dev = b.home("weights"), b.device("weights")
+            to_device = dev is not None and (home is None or b.resident)
+            if home is not None:
+                out = home
+            elif self.be.device_is_host_memory:
+                out, to_device = dev, False
+            else:
+                self.be.synchronize()  # the previous block's copy may still read the staging
+                out = self.ex.host.view("io_staging", (b.numel,), "bf16")
+            if _is_host_array(out):
+                fill[kind](layer, out)
+                if to_device:
+                    self.be.copy(dev, out, Stream.H2D, name="upload")
+            else:  # views that hold no bytes (the null backend): the general path
+                self._write_block(b, fill[kind](layer, None))
             if self._progress is not None:
                 self._progress.update()
 
@@ -304,39 +352,46 @@ class Engine:
     def seqs_per_step(self) -> int:
         return self.plan.chunking.seqs_per_step
 
-    def train_step(self, tokens) -> StepResult:
-        """tokens: (seqs_per_step, seqlen + 1) int ids (NumPy, or anything with __array__ or
-        __dlpack__); inputs are tokens[:, :-1], targets tokens[:, 1:].
+    def train_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None,
+                   lr: float | None = None, max_grad_norm=CONFIGURED) -> StepResult:
+        """One optimizer step on the trainer's batch.
+
+        tokens: (seqs_per_step, seqlen + 1) int ids (NumPy, or anything with __array__ or
+        __dlpack__); inputs are tokens[:, :-1]. labels: the same shape, shifted inside as
+        transformers does (the target of input j is labels[:, j + 1]); -100 counts nothing, and
+        the loss is the mean over the counted targets. Default: the next tokens. doc_ids or
+        position_ids (the same shape): packed documents; attention never crosses a document
+        start and RoPE positions restart (see dataflow.batch). lr: this step's learning rate
+        (default: the schedule, else set_lr's / the constructor's). max_grad_norm: clip this
+        step's global gradient norm (None: no clipping; float('inf'): report the norm without
+        clipping; default: the constructor's). The result's grad_norm is set whenever clipping
+        is on.
 
         Raises models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
         infinite. After that, or after any exception or interrupt inside the step, the engine
         refuses further steps (StepFailedError) until load_state_dict reloads a state: the
         step may have left gradients half-accumulated or the AdamW update half-applied."""
-        if self._closed:
-            raise ConfigError("this Engine is closed; create a new one")
-        failed = getattr(self, "_failed_step", None)
-        if failed is not None:
-            step, reason = failed
-            raise StepFailedError(
-                f"step {step} failed ({reason}), so gradients and AdamW state may be half-"
-                "updated; reload a saved state with load_state_dict(state) (or weights only "
-                "with weights_only=True), or create a new Engine", step=step, reason=reason)
-        batch = _as_numpy(tokens)
+        self._check_usable()
         ch, cfg = self.plan.chunking, self.plan.model
-        want = (ch.seqs_per_step, ch.seqlen + 1)
-        if batch.shape != want:
-            raise ConfigError(f"train_step got tokens of shape {batch.shape}; this plan takes "
-                              f"{want} (seqs_per_step, seqlen + 1)")
-        if batch.min() < 0 or batch.max() >= cfg.vocab_size:
-            bad = batch[(batch < 0) | (batch >= cfg.vocab_size)][0]
-            raise ConfigError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        step = self.optimizer.step_count + 1
-        lr = self.optimizer.schedule(step) if self.optimizer.schedule else self.optimizer.config.lr
+        batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
+                           vocab_size=cfg.vocab_size, rows=ch.seqs_per_step, seqlen=ch.seqlen)
+        if batch.counted == 0:
+            raise ConfigError("every label of the batch is -100, so the step has no target to "
+                              "learn from; keep at least one label, or skip the batch")
+        opt = self.optimizer
+        step = opt.step_count + 1
+        if lr is None:
+            lr = opt.schedule(step) if opt.schedule else opt.config.lr
+        clip = opt.config.max_grad_norm if max_grad_norm is CONFIGURED else max_grad_norm
+        # Validates lr and clip (AdamWConfig's checks) before anything runs.
+        call_config = dataclasses.replace(opt.config, lr=lr, max_grad_norm=clip)
         tracer = self.be if isinstance(self.be, TracingBackend) else None
         if tracer is not None:
             tracer.begin_step(step)
+        saved = opt.config, opt.schedule
+        opt.config, opt.schedule, opt.last_grad_norm = call_config, None, None
         try:
-            stats = self.ex.step(batch, self.optimizer)
+            stats = self.ex.step(batch, opt)
         except BaseException as exc:  # KeyboardInterrupt too: the step stopped part way
             self._failed_step = (step, "interrupted" if isinstance(exc, KeyboardInterrupt)
                                  else f"{type(exc).__name__}: {exc}")
@@ -347,8 +402,10 @@ class Engine:
                 except Exception:  # noqa: BLE001 - the step's own error is the one to report
                     pass
             raise
+        finally:
+            opt.config, opt.schedule = saved
         self.last_trace = tracer.end_step() if tracer is not None else None
-        result = self._result(stats, lr)
+        result = self._result(stats, lr, batch.counted)
         for what, value in (("loss", result.loss), ("grad norm", result.grad_norm)):
             if value is not None and not np.isfinite(value):
                 self._failed_step = (step, f"{what} {value}")
@@ -359,7 +416,38 @@ class Engine:
                     step=step, lr=lr, what=what, value=float(value), result=result)
         return result
 
-    def _result(self, stats, lr: float) -> StepResult:
+    def eval_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None) -> float:
+        """The mean loss over the counted targets of `tokens` (any number of rows of
+        seqlen + 1 ids, up to 512 rounds; same labels / doc_ids / position_ids conventions as
+        train_step), forward only: no gradient is kept, no weight, AdamW state or step count
+        changes (bit-identical before and after), so it may run between any two train_steps."""
+        self._check_usable()
+        ch, cfg = self.plan.chunking, self.plan.model
+        batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
+                           vocab_size=cfg.vocab_size, seqlen=ch.seqlen,
+                           pad_rows_to=ch.seqs_per_round)
+        if batch.counted == 0:
+            raise ConfigError("every label of the evaluation batch is -100; keep at least one")
+        return self.ex.evaluate(batch).loss
+
+    def set_lr(self, lr: float) -> None:
+        """Use `lr` for every later step (replaces the lr schedule, if any); a train_step's own
+        lr= still wins for that step."""
+        self.optimizer.config = dataclasses.replace(self.optimizer.config, lr=lr)
+        self.optimizer.schedule = None
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ConfigError("this Engine is closed; create a new one")
+        failed = getattr(self, "_failed_step", None)
+        if failed is not None:
+            step, reason = failed
+            raise StepFailedError(
+                f"step {step} failed ({reason}), so gradients and AdamW state may be half-"
+                "updated; reload a saved state with load_state_dict(state) (or weights only "
+                "with weights_only=True), or create a new Engine", step=step, reason=reason)
+
+    def _result(self, stats, lr: float, loss_tokens: int) -> StepResult:
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
         model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
         extra = 0.0
@@ -381,7 +469,8 @@ class Engine:
             hfu=hw_flops / t / peak, flop_model_version=FLOP_MODEL_VERSION,
             h2d_bytes=stats.h2d_bytes, d2h_bytes=stats.d2h_bytes, lr=lr,
             grad_norm=self.optimizer.last_grad_norm,
-            breakdown=self.last_trace.breakdown() if self.last_trace is not None else None)
+            breakdown=self.last_trace.breakdown() if self.last_trace is not None else None,
+            loss_tokens=loss_tokens)
 
     def memory_used_bytes(self) -> dict[str, int]:
         """Arena bytes per place (the budgets) and the bytes the plan's regions occupy."""
@@ -467,6 +556,26 @@ def _as_numpy_any(value) -> np.ndarray:
     if hasattr(value, "get"):  # CuPy arrays
         value = value.get()
     return np.asarray(value)
+
+
+def _is_host_array(view) -> bool:
+    return isinstance(view, np.ndarray) and view.flags.c_contiguous
+
+
+def _host_zero(view) -> None:
+    if _is_host_array(view):
+        zero_fill(view)
+    else:
+        view[...] = 0
+
+
+def _host_copy(dst, array) -> None:
+    """dst[...] = array, in parallel when both are contiguous host arrays of one dtype."""
+    if _is_host_array(dst) and _is_host_array(array) and array.dtype == dst.dtype \
+            and array.size == dst.size:
+        copy_into(dst, array)
+    else:
+        dst[...] = array
 
 
 def _nonfinite_name(value: float) -> str:

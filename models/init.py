@@ -208,7 +208,7 @@ def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str) -> n
     t_kind = np.empty(n_t, np.int64)
     t_scale = np.empty(n_t, np.float64)
     t_key = np.empty(n_t, np.uint64)
-    items = []
+    t_items = np.empty(n_t, np.int64)
     end = 0
     for i, t in enumerate(layout.tensors):
         bits[end : t.offset] = 0  # alignment padding
@@ -220,18 +220,23 @@ def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str) -> n
         else:
             t_kind[i], t_scale[i] = _UNIFORM, 1.0 / math.sqrt(t.shape[1])
         t_key[i] = _tensor_key(seed, layout.kind, layer, i)
-        items += [(i, s, min(_CHUNK_ELEMS, t.numel - s)) for s in range(0, t.numel, _CHUNK_ELEMS)]
+        t_items[i] = -(-t.numel // _CHUNK_ELEMS)
     bits[end:] = 0
-    item = np.array(items, np.int64).reshape(-1, 3)
+    # Work items built as arrays, not Python tuples: 8b has about a million of them.
+    item_tensor = np.repeat(np.arange(n_t, dtype=np.int64), t_items)
+    first = np.cumsum(t_items) - t_items
+    item_start = (np.arange(item_tensor.size, dtype=np.int64) - first[item_tensor]) * _CHUNK_ELEMS
+    t_numel = np.array([t.numel for t in layout.tensors], np.int64)
+    item_len = np.minimum(_CHUNK_ELEMS, t_numel[item_tensor] - item_start)
     _fill(
         bits,
         t_offset,
         t_kind,
         t_scale,
         t_key,
-        item[:, 0].copy(),
-        item[:, 1].copy(),
-        item[:, 2].copy(),
+        item_tensor,
+        item_start,
+        item_len,
     )
     return out
 
