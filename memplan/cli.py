@@ -1,5 +1,6 @@
-"""`dataflow-plan <host_gb> <dev_gb> <seqlen> <model> [--gpu NAME | --profile FILE] [--json]`:
-print the plan the planner would choose (or exactly one JSON document with --json). Exit 0 on
+"""`dataflow-plan <host_gb> <dev_gb> <seqlen> <model> [--gpu NAME | --profile FILE] [--gpus N]
+[--json]`: print the plan the planner would choose (or exactly one JSON document with --json);
+with --gpus N, each ring device's plan, the ring's predicted throughput and its scaling model. Exit 0 on
 success, 2 with one paragraph on stderr for bad input or infeasible budgets, 1 for an internal
 failure; tracebacks only with --debug. Never imports array libraries."""
 
@@ -11,6 +12,7 @@ import sys
 import traceback
 
 from models.errors import ConfigError
+from models.serial import to_json
 
 PROG = "dataflow-plan"
 
@@ -49,6 +51,16 @@ def _seqlen(text: str) -> int:
     return value
 
 
+def _ranks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of devices") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} devices is outside 1..64")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=(
         "Plan where every byte of training state lives for MODEL at SEQLEN under the host and "
@@ -62,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="built-in hardware profile (default h100; a measured profile cached by "
                           "dataflow-probe replaces the built-in one of the same name)")
     src.add_argument("--profile", metavar="FILE", help="hardware profile JSON to plan for")
+    p.add_argument("--gpus", type=_ranks, default=1, metavar="N",
+                   help="plan a ring of N devices (layer i on device i mod N; budgets are per "
+                        "device): each device's plan and memory, the predicted ring throughput "
+                        "and a scaling model for N = 2..64 over NVLink, InfiniBand, 10 GbE and "
+                        "a 1 Gb/s internet link (see docs/ring.md)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -77,8 +94,47 @@ def _run(args) -> str:
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
     cfg = load_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
+    if args.gpus > 1:
+        return _ring_text(cfg, args, budget, profile)
     plan = make_plan(cfg, args.seqlen, budget, profile)
     return plan.to_json() if args.json else explain(plan)
+
+
+def _ring_text(cfg, args, budget, profile) -> str:
+    """Per-device plans of a ring of args.gpus, its predicted throughput and the scaling model."""
+    import json
+
+    from memplan.ring_plan import LINKS, best_rank_plans, predict_ring, scaling, scaling_text
+
+    plans = best_rank_plans(cfg, args.seqlen, budget, profile, args.gpus)
+    preds, single, note = scaling(cfg, args.seqlen, budget, profile)
+    here = [predict_ring(plans, link, single) for link in LINKS]
+    if args.json:
+        return json.dumps({"ranks": [json.loads(rp.to_json()) for rp in plans],
+                           "ring": [json.loads(to_json(p)) for p in here],
+                           "scaling": [json.loads(to_json(p)) for p in preds],
+                           "single_tok_per_s": single, "note": note}, sort_keys=True)
+    gib = 2 ** 30
+    lines = [f"ring of {args.gpus} for {cfg.name} at seqlen {args.seqlen} (budgets per device; "
+             f"chunking {plans[0].plan.chunking.chunk_tokens} tokens x "
+             f"{plans[0].plan.chunking.chunks_per_round} chunks x "
+             f"{plans[0].plan.chunking.rounds_per_step} rounds on every device):"]
+    for rp in plans:
+        p = rp.plan
+        extra = " + embedding" * rp.has_embed + " + head" * rp.has_head
+        lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
+                     f"{p.memory.device_bytes / gib:.2f} GiB, host {p.memory.host_bytes / gib:.2f}"
+                     f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")
+    lines.append(f"  predicted ring throughput (single device: {single:,.0f} tok/s):")
+    for p in here:
+        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({p.speedup:.2f}x; step "
+                     f"{p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
+    return "\n".join(lines + [scaling_text(preds, single, note)])
+
+
+def _layers_text(layers) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 6 else \
+        f"{layers[0]}, {layers[1]}, ..., {layers[-1]} ({len(layers)})"
 
 
 def main(argv: list[str] | None = None) -> int:

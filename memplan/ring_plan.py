@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from memplan.errors import InfeasibleBudget
 from memplan.plan import Budget, GradAccum, HardwareProfile, Plan
 from memplan.search import make_plan
 from models.config import ModelConfig
@@ -189,6 +190,28 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
         host_bytes=max(rp.plan.memory.host_bytes for rp in rank_plans))
 
 
+def rank_plan_options(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
+                      n_ranks: int) -> list[tuple[RankPlan, ...]]:
+    """The ring planned with the planner's chunking and, when that has fewer chunks per round
+    than ranks (an under-full ring), again with a multiple of N chunks per round if it fits."""
+    options = [make_rank_plans(cfg, seqlen, budget, profile, n_ranks)]
+    c = options[0][0].plan.chunking.chunks_per_round
+    if c < n_ranks:
+        try:
+            options.append(make_rank_plans(cfg, seqlen, budget, profile, n_ranks,
+                                           chunks_per_round=math.lcm(c, n_ranks)))
+        except (ConfigError, InfeasibleBudget, ValueError):  # more chunks may not fit
+            pass
+    return options
+
+
+def best_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
+                    n_ranks: int, link: Link = LINKS[0]) -> tuple[RankPlan, ...]:
+    """Of rank_plan_options, the one with the faster predicted ring step over `link`."""
+    return min(rank_plan_options(cfg, seqlen, budget, profile, n_ranks),
+               key=lambda rps: predict_ring(rps, link).step_time_s)
+
+
 def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
             ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
             links: tuple[Link, ...] = LINKS) -> tuple[tuple[RingPrediction, ...], float, str]:
@@ -198,22 +221,20 @@ def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProf
     the faster prediction is kept."""
     single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
     out, skipped = [], [n for n in ranks if n > cfg.n_layers]
+    refused = []
     for n in (n for n in ranks if n <= cfg.n_layers):
-        options = [make_rank_plans(cfg, seqlen, budget, profile, n)]
-        c = options[0][0].plan.chunking.chunks_per_round
-        if c < n:
-            try:
-                options.append(make_rank_plans(cfg, seqlen, budget, profile, n,
-                                               chunks_per_round=math.lcm(c, n)))
-            except ConfigError:  # more chunks per round may not fit the budgets
-                pass
+        try:
+            options = rank_plan_options(cfg, seqlen, budget, profile, n)
+        except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
+            refused.append(f"N = {n} refused by the planner ({str(exc).split(';')[0][:120]})")
+            continue
         for link in links:
             preds = [predict_ring(rp, link, single) for rp in options]
             out.append(min(preds, key=lambda p: p.step_time_s))
-    note = "" if not skipped else (
+    notes = refused + ([] if not skipped else [
         f"N = {', '.join(map(str, skipped))} left out: {cfg.name} has {cfg.n_layers} layers and "
-        "a ring holds at least one layer per rank")
-    return tuple(out), single, note
+        "a ring holds at least one layer per rank"])
+    return tuple(out), single, "\n  ".join(notes)
 
 
 def scaling_text(preds: tuple[RingPrediction, ...], single_tok_per_s: float, note: str) -> str:

@@ -2,7 +2,9 @@
 layers, slots, fetches, write-backs, optimizer) plus Send / Recv events that carry the residual
 stream of each chunk to rank (r+1) mod N in the forward and its gradient to rank (r-1) mod N in
 the backward. Sends and receives are ordered on their own stream ('comm') by the same Record /
-Wait events as everything else, so a transport can overlap them with compute.
+Wait events as everything else, so a transport can overlap them with compute. Sends and
+receives get a stream each ('send', 'recv'): with rendezvous semantics (NCCL, large messages) a
+send that waits for its receiver must never sit in front of a receive the receiver needs first.
 
 Reuses memplan.schedule's compiler (slot rings, fetch timing, optimizer) and replaces only the
 round: no `if ring:` branch exists in the single-device code. Pure Python: never imports array
@@ -15,9 +17,10 @@ import dataclasses
 from memplan.ring_plan import RankPlan
 from memplan.schedule import (COMPUTE, Compute, Ref, Schedule, _Compiler)
 
-COMM = "comm"
-"""The stream of sends and receives (a transport maps it to a CUDA stream of its own, or to the
-NumPy backend's host stream)."""
+SEND, RECV = "send", "recv"
+COMM_STREAMS = (SEND, RECV)
+"""The streams of sends and of receives (a transport maps each to a CUDA stream of its own, or
+both to the NumPy backend's host stream)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,7 +31,7 @@ class Send:
     src: Ref
     peer: int
     tag: int
-    stream: str = COMM
+    stream: str = SEND
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ class Recv:
     dst: Ref
     peer: int
     tag: int
-    stream: str = COMM
+    stream: str = RECV
 
 
 def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
@@ -59,7 +62,7 @@ class _RingCompiler(_Compiler):
         self.prev = (rp.rank - 1) % rp.n_ranks
         self.next = (rp.rank + 1) % rp.n_ranks
         self.sent: dict[tuple[str, int], int] = {}
-        """(buffer, chunk) -> comm event after which a send of those rows is done."""
+        """(buffer, chunk) -> send-stream event after which a send of those rows is done."""
 
     def rows(self, buffer: str, chunk: int) -> Ref:
         off, nbytes = self._transition(buffer)
@@ -71,19 +74,19 @@ class _RingCompiler(_Compiler):
 
     def recv(self, rnd: int, backward: bool, src_layer: int, buffer: str, chunk: int) -> None:
         em = self.em
-        em.wait(COMM, em.record(COMPUTE))  # earlier computes are done reading these rows
+        em.wait(RECV, em.record(COMPUTE))  # earlier computes are done reading these rows
         em.add(Recv(f"recv.{'b' if backward else 'f'}.L{src_layer}.c{chunk}",
                     self.rows(buffer, chunk), self.next if backward else self.prev,
                     self.tag(rnd, backward, src_layer, chunk)))
-        em.wait(COMPUTE, em.record(COMM))
+        em.wait(COMPUTE, em.record(RECV))
 
     def send(self, rnd: int, backward: bool, layer: int, buffer: str, chunk: int) -> None:
         em = self.em
-        em.wait(COMM, em.record(COMPUTE))  # the compute that wrote the rows is done
+        em.wait(SEND, em.record(COMPUTE))  # the compute that wrote the rows is done
         em.add(Send(f"send.{'b' if backward else 'f'}.L{layer}.c{chunk}",
                     self.rows(buffer, chunk), self.prev if backward else self.next,
                     self.tag(rnd, backward, layer, chunk)))
-        self.sent[(buffer, chunk)] = em.record(COMM)
+        self.sent[(buffer, chunk)] = em.record(SEND)
 
     def before_write(self, buffer: str, chunk: int) -> None:
         """A compute is about to overwrite rows that may still be on their way out."""
@@ -170,7 +173,7 @@ class _RingCompiler(_Compiler):
     def compile(self, rounds: int | None = None) -> Schedule:
         sched = super().compile(rounds)
         # Every send must be done before the step ends (the executor synchronises the backend's
-        # streams, which do not include the comm stream of a GPU transport).
+        # streams, which do not include a GPU transport's send stream).
         for ev in self.sent.values():
             self.em.wait(COMPUTE, ev)
         self.sent.clear()

@@ -1,5 +1,5 @@
 """Runs one ring rank's compiled schedule: the single-device Executor with two more dispatch
-entries (Send / Recv on the transport) and the comm stream's records and waits handed to the
+entries (Send / Recv on the transport) and the send / recv streams' records and waits handed to the
 transport. The step's loss (computed on the head's rank) and the global gradient norm (blocks on
 every rank) are shared through the transport's all-gather, summed in the single-device order so
 the numbers are the same bits. Never decides placement or what is sent: the schedule does."""
@@ -12,7 +12,7 @@ import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
 from memplan.ring_plan import RankPlan, head_rank
-from memplan.ring_schedule import COMM, Recv, Send, compile_ring_schedule
+from memplan.ring_schedule import COMM_STREAMS, Recv, Send, compile_ring_schedule
 from memplan.schedule import Record, Schedule, Wait
 from ring.transport import Transport
 
@@ -36,14 +36,14 @@ class RingExecutor(Executor):
         self.transport.recv(self._view(ev.dst), ev.peer, ev.tag)
 
     def _ring_record(self, ev: Record) -> None:
-        if ev.stream == COMM:
-            self._events[ev.id] = self.transport.record()
+        if ev.stream in COMM_STREAMS:
+            self._events[ev.id] = self.transport.record(ev.stream)
         else:
             self._record(ev)
 
     def _ring_wait(self, ev: Wait) -> None:
-        if ev.stream == COMM:
-            self.transport.wait(self._events[ev.id])
+        if ev.stream in COMM_STREAMS:
+            self.transport.wait(ev.stream, self._events[ev.id])
         else:
             self._wait(ev)
 

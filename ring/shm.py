@@ -223,12 +223,13 @@ class SharedMemoryTransport(Transport):
         self.be.host_call(Stream.HOST, lambda: self._recv_now(flat, peer, tag), writes=(view,),
                           name=f"recv{tag}")
 
-    def record(self):
+    def record(self, stream: str):
         from dataflow.backend import Stream
 
-        return self.be.record(Stream.HOST)
+        return self.be.record(Stream.HOST)  # sends and receives share the host stream: sends
+        # never wait for their receiver (the mailbox holds a round's chunks), so none blocks one
 
-    def wait(self, event) -> None:
+    def wait(self, stream: str, event) -> None:
         from dataflow.backend import Stream
 
         self.be.wait(Stream.HOST, event)

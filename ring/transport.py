@@ -30,21 +30,23 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, view, peer: int, tag: int) -> None:
-        """Enqueue sending `view`'s bytes to `peer` on the comm stream (returns at once on a
+        """Enqueue sending `view`'s bytes to `peer` on the send stream (returns at once on a
         GPU; may block on the NumPy backend until the neighbour's mailbox has room)."""
 
     @abc.abstractmethod
     def recv(self, view, peer: int, tag: int) -> None:
-        """Enqueue receiving the next message from `peer` into `view`; it must carry `tag`."""
+        """Enqueue receiving the next message from `peer` into `view` on the recv stream; it must
+        carry `tag`."""
 
     @abc.abstractmethod
-    def record(self) -> Any:
-        """An event marking everything enqueued on the comm stream so far (the backend's
-        streams can wait on it with Backend.wait)."""
+    def record(self, stream: str) -> Any:
+        """An event marking everything enqueued so far on `stream` ('send' or 'recv'); the
+        backend's streams can wait on it with Backend.wait."""
 
     @abc.abstractmethod
-    def wait(self, event: Any) -> None:
-        """Later comm work starts after `event`, an event of the backend's streams."""
+    def wait(self, stream: str, event: Any) -> None:
+        """Later work on `stream` ('send' or 'recv') starts after `event`, an event of the
+        backend's streams."""
 
     @abc.abstractmethod
     def allgather(self, values) -> list:

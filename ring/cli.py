@@ -1,0 +1,125 @@
+"""`dataflow-ring --gpus N <host_gb> <dev_gb> <seqlen> <model> [--steps S] ...`: train a ring of
+N ranks (layer i on rank i mod N). Without RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) in the
+environment it spawns the N processes itself; under torchrun or srun this process is one rank.
+Exit 0 done, 2 with one line for bad input, 1 with one line per failed rank when the ring failed.
+Never trains in the launching process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+from models.errors import ConfigError
+
+PROG = "dataflow-ring"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _UsageError(message)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=(
+        "Train MODEL on a ring of N ranks: layer i lives on rank i mod N, the embedding on rank "
+        "0, the head on the rank of the last layer; residuals go to the next rank, gradients to "
+        "the previous. Budgets are per device; GB means GiB (2^30 bytes). Spawns the ranks, or "
+        "runs as one rank under torchrun/srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+        "MASTER_PORT; SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)."))
+    p.add_argument("host_gb", type=_positive(float), help="pinned host memory per rank, GiB")
+    p.add_argument("dev_gb", type=_positive(float), help="device memory per rank, GiB")
+    p.add_argument("seqlen", type=_positive(int), help="tokens per sequence")
+    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, ...) or a config path")
+    p.add_argument("--gpus", type=_positive(int), default=None, metavar="N",
+                   help="ranks in the ring (required unless launched by torchrun/srun)")
+    p.add_argument("--steps", type=_positive(int), default=3)
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--lr", type=_positive(float), default=1e-3)
+    p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
+                   help="numpy (shared-memory transport) or cupy (NCCL, one GPU per rank)")
+    p.add_argument("--timeout", type=_positive(float), default=120.0, metavar="S",
+                   help="seconds a rank waits for a neighbour before giving up (default 120)")
+    p.add_argument("--out", metavar="DIR", default="",
+                   help="write each rank's losses (rank<r>.json) and weights (rank<r>.npz)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document (losses, per-rank exit codes) to stdout")
+    p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    from ring.launch import launch, rank_env
+    from ring.worker import RingJob, model_config, run_rank
+
+    try:
+        cfg = model_config(args.model)
+        launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+        env = rank_env() if launched else None
+        n = env.world_size if env else args.gpus
+        if n is None:
+            raise ConfigError("say how many ranks: --gpus N (or launch with torchrun/srun)")
+        if env and args.gpus is not None and args.gpus != env.world_size:
+            raise ConfigError(f"--gpus {args.gpus} differs from WORLD_SIZE {env.world_size}; "
+                              "drop --gpus under torchrun/srun")
+        if n > cfg.n_layers:
+            raise ConfigError(f"a ring of {n} needs at least {n} layers; {cfg.name} has "
+                              f"{cfg.n_layers}: use --gpus {cfg.n_layers} or fewer")
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if args.debug:
+        os.environ["DATAFLOW_RING_DEBUG"] = "1"
+    out = args.out or (tempfile.mkdtemp(prefix="dataflow-ring-") if args.json else "")
+    job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
+                  steps=args.steps, seed=args.seed, lr=args.lr, backend=args.backend,
+                  transport="nccl" if args.backend == "cupy" else "shm",
+                  timeout_s=args.timeout, out_dir=out)
+    if env is not None:  # one rank of a ring someone else launched
+        return run_rank(job, env)
+    res = launch(job, n)
+    ok = res.first_failure is None
+    print(f"{PROG}: ring of {n} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit "
+          f"codes {list(res.exit_codes)}"
+          + ("" if ok else f"; rank {res.first_failure} failed first"), file=sys.stderr)
+    if args.json:
+        doc = {"n_ranks": n, "exit_codes": list(res.exit_codes), "wall_s": res.wall_s,
+               "first_failure": res.first_failure}
+        try:
+            with open(os.path.join(out, "rank0.json")) as f:
+                doc["losses"] = json.load(f)["losses"]
+        except OSError:
+            doc["losses"] = None
+        print(json.dumps(doc))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
