@@ -1,0 +1,150 @@
+"""The ring's pieces without processes: ownership and per-rank plans, the ring schedule's
+send/receive pairing, the launcher's environment parsing, the TCP rendezvous, and the two CLIs."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from memplan import get_profile
+from memplan.plan import Budget
+from memplan.ring_plan import (LINKS, head_rank, make_rank_plans, owned_layers, predict_ring,
+                               rank_model)
+from memplan.ring_schedule import Recv, Send, compile_ring_schedule
+from models.config import load_config
+from models.errors import ConfigError
+from ring.launch import rank_env
+
+CPU = get_profile("cpu")
+BUDGET = Budget.from_gib(0.25, 0.25)
+CHUNKING = dict(chunk_tokens=128, chunks_per_round=2, rounds_per_step=2)
+
+
+def _cfg(n_layers: int):
+    return dataclasses.replace(load_config("tiny"), n_layers=n_layers)
+
+
+def test_layers_are_dealt_cyclically_and_every_layer_has_one_owner(rng):
+    """Layer i lives on rank i mod N; together the ranks own every layer exactly once."""
+    n_layers = int(rng.integers(2, 40))
+    n = int(rng.integers(1, n_layers + 1))
+    owned = [owned_layers(n_layers, n, r) for r in range(n)]
+    assert sorted(sum(owned, ())) == list(range(n_layers))
+    assert all(layer % n == r for r in range(n) for layer in owned[r])
+    assert head_rank(n_layers, n) == (n_layers - 1) % n
+    assert rank_model(_cfg(n_layers), n, 0).n_layers == len(owned[0])
+
+
+def test_rank_plans_share_one_chunking():
+    """Every rank's plan processes the same chunks in the same rounds (rank 0's chunking)."""
+    plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, 3)
+    chs = {rp.plan.chunking for rp in plans}
+    assert len(chs) == 1
+    assert [rp.layers for rp in plans] == [(0, 3), (1, 4), (2,)]
+    assert plans[0].has_embed and plans[1].has_head and not plans[2].has_head
+
+
+def test_every_send_has_a_matching_receive_on_the_neighbour():
+    """Across the ranks' schedules each Send(tag) to rank p is a Recv(tag) from the sender on
+    p, in the same order per (sender, receiver) pair, with equal byte counts."""
+    n = 3
+    plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, n, **CHUNKING)
+    scheds = [compile_ring_schedule(rp) for rp in plans]
+    for src in range(n):
+        for dst in range(n):
+            sent = [(e.tag, e.src.nbytes) for e in scheds[src].events
+                    if type(e) is Send and e.peer == dst]
+            got = [(e.tag, e.dst.nbytes) for e in scheds[dst].events
+                   if type(e) is Recv and e.peer == src]
+            assert sent == got, (src, dst)
+    total = sum(type(e) is Send for s in scheds for e in s.events)
+    # forward: every layer but the last sends each chunk; backward: every layer but the first
+    assert total == 2 * (5 - 1) * 2 * 2
+
+
+def test_ring_prediction_grows_with_a_faster_link():
+    """The scaling model never predicts a slower ring for a faster link, and a ring of 2 over
+    NVLink beats one device under the same per-device budgets for 8b at 8k."""
+    cfg = load_config("8b")
+    budget = Budget.from_gib(80, 40)
+    plans = make_rank_plans(cfg, 8192, budget, get_profile("h100"), 2)
+    preds = [predict_ring(plans, link) for link in LINKS]
+    assert [p.tok_per_s for p in preds] == sorted((p.tok_per_s for p in preds), reverse=True)
+    assert preds[0].tok_per_s > 0 and preds[0].device_bytes <= budget.device_bytes
+
+
+def test_rank_env_reads_torchrun_then_slurm_variables():
+    """RANK/WORLD_SIZE/LOCAL_RANK win; SLURM_* are the fallback; none is a clear error."""
+    env = rank_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1234",
+                    "MASTER_ADDR": "node7"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
+        (2, 4, 0, "node7", 1234)
+    env = rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                    "SLURM_JOB_ID": "991"})
+    assert (env.rank, env.world_size, env.local_rank, env.run_id) == (5, 8, 1, "991")
+    with pytest.raises(ConfigError, match="torchrun"):
+        rank_env({})
+    with pytest.raises(ConfigError, match="outside world size"):
+        rank_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):
+    """Rank 0's payload reaches ranks 1..3 over TCP; with rank 2 absent rank 0 raises naming it
+    within the timeout instead of hanging."""
+    from ring.rendezvous import share_from_rank0
+    from ring.transport import RingError
+
+    port = int(rng.integers(30000, 60000))
+    payload = rng.bytes(128)
+    got = {}
+
+    def run(r, world, timeout_s=10.0):
+        try:
+            got[r] = share_from_rank0(r, world, "127.0.0.1", port, payload if r == 0 else None,
+                                      timeout_s)
+        except RingError as exc:
+            got[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r, 4)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert all(got[r] == payload for r in range(4)), got
+    port += 1
+    threads = [threading.Thread(target=run, args=(r, 3, 2.0)) for r in (0, 1)]
+    got.clear()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert got[1] == payload
+    assert isinstance(got[0], Exception) and "[2]" in str(got[0])
+
+
+def test_plan_cli_prints_each_device_and_the_scaling_model(capsys):
+    """dataflow-plan --gpus 2 lists both devices, the predicted ring throughput and the table."""
+    from memplan.cli import main
+
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: layers 0 + embedding" in out and "device 1: layers 1 + head" in out
+    assert "ring scaling" in out and "internet-1g" in out
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "3"]) == 2
+    assert "at most 2 ranks" in capsys.readouterr().err
+
+
+def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
+    """dataflow-ring exits 2 with one line for a ring larger than the model, or no --gpus."""
+    from ring.cli import main
+
+    for var in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpus 2 or fewer" in err
+    assert main(["1", "0.25", "64", "tiny"]) == 2
+    assert "--gpus N" in capsys.readouterr().err
+    assert main(["1", "-1", "64", "tiny", "--gpus", "2"]) == 2
