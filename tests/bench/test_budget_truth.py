@@ -1,0 +1,76 @@
+"""bench/budget_truth.py on the CPU: two tiny cells run in fresh demo processes and leave one
+strict JSON record each (budgets, plan totals, sampled RSS, overshoot, tok/s, init time); an
+infeasible cell is recorded without a process; bad cells are refused with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.budget_truth import BudgetRecord, main, parse_cell
+from models.errors import ConfigError
+from models.serial import from_dict
+
+
+def _record(out, slug) -> BudgetRecord:
+    return from_dict(BudgetRecord, json.loads((out / f"{slug}.json").read_text()))
+
+
+def test_two_tiny_cells_run_in_fresh_processes_and_write_their_records(tmp_path, rng):
+    """Each record is readable by the strict loader, says ok, echoes its budgets, holds the
+    plan's totals and hash, a sampled RSS peak, the overshoot computed from it, and tok/s and
+    init time parsed from the demo's own output."""
+    host = float(rng.choice([1.5, 2.0]))
+    cells = [f"tiny:128:{host:g}:0.25", "tiny:256:1:0.25"]
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "2", *cells]) == 0
+    for text, slug in zip(cells, [f"tiny-s128-h{host:g}-d0.25", "tiny-s256-h1-d0.25"]):
+        r = _record(tmp_path, slug)
+        cell = parse_cell(text)
+        assert r.status == "ok" and r.exit_code == 0 and r.error is None, r
+        assert (r.model, r.seqlen, r.host_gib, r.dev_gib) == cell.key
+        assert r.host_budget_bytes == int(cell.host_gib * 2**30)
+        assert r.device_budget_bytes == 2**28
+        plan = json.loads((tmp_path / f"{slug}.plan.json").read_text())
+        assert r.plan_hash and r.plan_hash in (tmp_path / f"{slug}.demo.json").read_text()
+        assert plan["model"]["name"] == "tiny"
+        assert 0 < r.planned_device_bytes <= r.device_budget_bytes
+        assert 0 < r.planned_host_bytes <= r.host_budget_bytes
+        assert r.peak_rss_bytes > 20 * 2**20  # a Python with NumPy, sampled while it ran
+        assert r.host_overshoot_bytes == r.peak_rss_bytes - r.host_budget_bytes \
+            - r.device_budget_bytes  # NumPy: the device arena is host memory too
+        assert r.peak_device_used_bytes is None and r.device_overshoot_bytes is None  # no NVML
+        assert r.tok_per_s > 0 and r.predicted_tok_per_s > 0 and r.steps_averaged == 1
+        assert 0 < r.init_s < r.wall_s
+        assert (tmp_path / r.log).read_text().count("step 2:") >= 1
+
+
+def test_infeasible_cell_is_recorded_without_a_process(tmp_path):
+    """Budgets the planner refuses give an 'infeasible' record with the planner's reason."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "tiny:256:0.01:0.01"]) == 0
+    r = _record(tmp_path, "tiny-s256-h0.01-d0.01")
+    assert r.status == "infeasible" and "does not fit" in r.error
+    assert r.exit_code is None and r.peak_rss_bytes is None
+    assert not (tmp_path / "tiny-s256-h0.01-d0.01.log").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tiny:256:2"], "MODEL:SEQLEN:HOST_GB:DEV_GB"),
+    (["tiny:lots:2:1"], "whole number"),
+    (["tiny:256:-1:1"], "positive"),
+    (["llama8b:256:2:1"], "llama8b"),
+    (["--steps", "0", "tiny:256:2:1"], "--steps 0"),
+])
+def test_bad_cells_and_options_exit_2_with_one_line(tmp_path, capsys, argv, message):
+    """Refusals name the bad text and happen before any cell runs."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_parse_cell_reads_the_issue_notation():
+    cell = parse_cell("8b:65536:120:24")
+    assert cell.key == ("8b", 65536, 120.0, 24.0)
+    with pytest.raises(ConfigError, match="e.g. '8b:65536:120:24'"):
+        parse_cell(":1:2:3")
