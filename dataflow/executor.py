@@ -13,14 +13,15 @@ import numpy as np
 
 from dataflow.arena import Arena
 from dataflow.backend import Backend, BackendError, Place, Stream
+from dataflow.batch import Batch, default_chunks, make_batch, round_chunks
 from dataflow.blocks import Block, bind_blocks
-from dataflow.layer_ops import ChunkInfo, LayerCompute
+from dataflow.layer_ops import LayerCompute
 from kernels.host import adamw as host_adamw
 from kernels.host import embedding as host_embedding
 from memplan import buffers
 from memplan.plan import GradAccum, Plan
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
-                              Wait, WriteBack, compile_schedule)
+                              Wait, WriteBack, compile_eval_schedule, compile_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
 
 STREAM = {s.value: s for s in Stream}
@@ -37,7 +38,7 @@ class RoundStats:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepStats:
     loss: float
-    """Mean next-token cross-entropy over the step's tokens."""
+    """Mean cross-entropy over the step's counted targets (labels other than -100)."""
     tokens: int
     rounds: tuple[RoundStats, ...]
     step_time_s: float
@@ -63,7 +64,11 @@ class Executor:
         self.gdt = "f32" if plan.grad_accum is GradAccum.FP32 else "bf16"
         self.lay, self.emb_lay, self.head_lay = layer_layout(cfg), embed_layout(cfg), head_layout(cfg)
         self.T, self.C = ch.chunk_tokens, ch.chunks_per_round
-        self.chunks = [self._chunk_info(c) for c in range(self.C)]
+        self.chunks = default_chunks(ch)
+        self._round_chunks: list = []
+        """Per round of the running step: its chunks, with the batch's document segments."""
+        self._batch: Batch | None = None
+        self._eval_schedules: dict[int, Schedule] = {}
         self.ws = self.dev.tensors("workspace", buffers.chunk_workspace_specs(cfg, self.T))
         self.ctx = self.dev.tensors("context", buffers.context_specs(
             cfg, ch.seqlen, self.T, ch.chunks_per_seq))
@@ -74,13 +79,12 @@ class Executor:
         self.embed, self.layers, self.head = bind_blocks(plan, self.dev, self.host, self.gdt)
         self.act_specs = {}
         self._views: dict = {}
-        self._events: list = [None] * self.schedule.n_ids
+        self._events: list = []
         self._dispatch = {Fetch: self._copy, WriteBack: self._copy, Fill: self._fill,
                           Compute: self._compute, HostTask: self._host_task,
                           Update: self._update, Record: self._record, Wait: self._wait}
         self.dispatched: list | None = None
         """Set to a list to have every dispatched event appended (tests, the null backend)."""
-        self._load_positions()
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
@@ -98,21 +102,6 @@ class Executor:
     def blocks(self) -> tuple[Block, ...]:
         """Every block in model order: embed, layers, head."""
         return (self.embed, *self.layers, self.head)
-
-    def _chunk_info(self, c: int) -> ChunkInfo:
-        ch = self.plan.chunking
-        rows = slice(c * self.T, (c + 1) * self.T)
-        if ch.chunks_per_seq > 1:
-            part = c % ch.chunks_per_seq
-            return ChunkInfo(c, rows, ((0, self.T),), True, part * self.T, part == 0,
-                             part == ch.chunks_per_seq - 1)
-        segs = tuple((s * ch.seqlen, (s + 1) * ch.seqlen) for s in range(ch.seqs_per_chunk))
-        return ChunkInfo(c, rows, segs, False, 0, True, True)
-
-    def _load_positions(self) -> None:
-        ch = self.plan.chunking
-        pos = np.concatenate([np.arange(ch.seqlen, dtype=np.int32)] * ch.seqs_per_round)
-        self.upload(self.tr["positions"], pos)
 
     # -- setup-time transfers -------------------------------------------------------------------
     def upload(self, dst, array: np.ndarray) -> None:
@@ -146,30 +135,65 @@ class Executor:
         return float(np.sqrt(total))
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, batch: np.ndarray, optimizer) -> StepStats:
-        """batch (seqs_per_step, seqlen + 1) int token ids: inputs and next-token targets."""
+    def step(self, batch: Batch | np.ndarray, optimizer) -> StepStats:
+        """One optimizer step. batch: a dataflow.batch.Batch of seqs_per_step rows (ids,
+        targets, positions, document segments), or (seqs_per_step, seqlen + 1) int token ids
+        (inputs and next-token targets, one document per row). The loss is the mean over the
+        counted targets: every gradient is scaled by 1 / batch.counted."""
         ch, sch = self.plan.chunking, self.schedule
         t0 = time.perf_counter()
-        self._batch = batch
-        self.grad_scale = 1.0 / ch.tokens_per_step
-        events, dispatch, log = sch.events, self._dispatch, self.dispatched
-        for ev in events[:sch.optimizer_start]:                  # rounds: layers x chunks
-            dispatch[type(ev)](ev)
-            if log is not None:
-                log.append(ev)
+        if not isinstance(batch, Batch):
+            batch = make_batch(batch, vocab_size=self.cfg.vocab_size, rows=ch.seqs_per_step,
+                               seqlen=ch.seqlen)
+        if batch.rows != ch.seqs_per_step:
+            raise BackendError(f"a step takes {ch.seqs_per_step} rows, the batch has "
+                               f"{batch.rows}")
+        self._begin(batch, sch)
+        self.grad_scale = 1.0 / max(1, batch.counted)
+        self._run(sch.events[:sch.optimizer_start])                # rounds: layers x chunks
         self.hyper = optimizer.begin_step(self)
-        for ev in events[sch.optimizer_start:]:                  # AdamW over every block
+        self._run(sch.events[sch.optimizer_start:])                # AdamW over every block
+        self.step_index += 1
+        return self._finish(sch, ch.rounds_per_step, ch.tokens_per_step, t0)
+
+    def evaluate(self, batch: Batch) -> StepStats:
+        """Forward only over `batch` (any whole number of rounds, padded rows counting nothing):
+        the loss per round and overall; no gradient, weight or AdamW state changes."""
+        ch = self.plan.chunking
+        t0 = time.perf_counter()
+        rounds = -(-batch.rows // ch.seqs_per_round)
+        if rounds * ch.seqs_per_round != batch.rows or rounds > buffers.MAX_ROUNDS_PER_STEP:
+            raise BackendError(f"an evaluation takes whole rounds of {ch.seqs_per_round} rows "
+                               f"(at most {buffers.MAX_ROUNDS_PER_STEP}); got {batch.rows}")
+        sch = self._eval_schedules.get(rounds)
+        if sch is None:
+            sch = self._eval_schedules[rounds] = compile_eval_schedule(self.plan, rounds)
+        self._begin(batch, sch)
+        self.grad_scale = 0.0
+        self._run(sch.events)
+        return self._finish(sch, rounds, rounds * ch.tokens_per_round, t0)
+
+    def _begin(self, batch: Batch, sch: Schedule) -> None:
+        self._batch = batch
+        self._round_chunks = [round_chunks(self.plan.chunking, batch, r)
+                              for r in range(sch.rounds)]
+        self._events = [None] * sch.n_ids
+
+    def _run(self, events) -> None:
+        dispatch, log = self._dispatch, self.dispatched
+        for ev in events:
             dispatch[type(ev)](ev)
             if log is not None:
                 log.append(ev)
-        scalars = self.tr["scalars"]
-        loss_pairs = self.download(scalars[8:8 + 2 * ch.rounds_per_step]).reshape(-1, 2)
+
+    def _finish(self, sch: Schedule, rounds: int, tokens: int, t0: float) -> StepStats:
+        # Reading the losses is the one host sync of the step: it orders the next one after it.
+        loss_pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds]).reshape(-1, 2)
         self._batch = None
-        self.step_index += 1
-        rounds = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
+        stats = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         h2d, d2h = sch.bytes_moved()
-        return StepStats(total, ch.tokens_per_step, rounds, time.perf_counter() - t0, h2d, d2h)
+        return StepStats(total, tokens, stats, time.perf_counter() - t0, h2d, d2h)
 
     # -- views ----------------------------------------------------------------------------------
     def _view(self, ref: Ref, shape=None, dtype: str = "u8", at: int = 0):
@@ -222,21 +246,21 @@ class Executor:
     def _compute(self, ev: Compute) -> None:
         tr = self.tr
         if ev.op == "layer_fwd":
-            chunk = self.chunks[ev.chunk]
+            chunk = self._round_chunks[ev.round][ev.chunk]
+            save = None if ev.save is None else self._save_views(ev.save, ev.layer, ev.chunk)
             self.compute.forward(ev.name, self._block_views(ev.weights, self.lay),
                                  tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                                 tr["positions"][chunk.rows], chunk,
-                                 self._save_views(ev.save, ev.layer, ev.chunk),
+                                 tr["positions"][chunk.rows], chunk, save,
                                  self.plan.activations[ev.layer][ev.chunk].level)
         elif ev.op == "layer_bwd":
-            chunk = self.chunks[ev.chunk]
+            chunk = self._round_chunks[ev.round][ev.chunk]
             self.compute.backward(ev.name, self._block_views(ev.weights, self.lay),
                                   self._block_views(ev.grads, self.lay, self.gdt),
                                   self._save_views(ev.save, ev.layer, ev.chunk),
                                   self.plan.activations[ev.layer][ev.chunk].level,
                                   tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
                                   tr["positions"][chunk.rows], chunk)
-        elif ev.op == "head":
+        elif ev.op in ("head", "head_loss"):
             self._head(ev)
         elif ev.op == "ctx_cast":
             save = self._save_views(ev.save, ev.layer, ev.chunk)
@@ -257,7 +281,11 @@ class Executor:
             raise BackendError(f"unknown compute op '{ev.op}' in the schedule")
 
     def _head(self, ev: Compute) -> None:
+        """Final norm, lm_head and loss of every chunk of the round; for 'head' also their
+        backward. 'head_loss' (evaluation) runs at grad_scale 0, so the lm_head gradient the
+        loss kernel forms adds exact zeros into the head's gradient region."""
         be, hb, cfg, tr = self.be, self.hb, self.cfg, self.tr
+        backward = ev.op == "head"
         w = self._block_views(ev.weights, self.head_lay)
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
         loss_acc = tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
@@ -269,21 +297,27 @@ class Executor:
             be.launch(Stream.COMPUTE, "head_loss_fwd_bwd", hb["xn"], w["lm_head"],
                       tr["targets"][chunk.rows], hb["logits"], self.grad_scale, hb["dxn"],
                       g["lm_head"], loss_acc, name=f"{tag}.loss")
-            be.launch(Stream.COMPUTE, "rms_norm_bwd", x, w["norm"], hb["rstd"], hb["dxn"],
-                      dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")
+            if backward:
+                be.launch(Stream.COMPUTE, "rms_norm_bwd", x, w["norm"], hb["rstd"],
+                          hb["dxn"], dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")
 
     def _host_task(self, ev: HostTask) -> None:
         be, n = self.be, self.plan.chunking.tokens_per_round
         ids = self.host.view("tokens", (2, n), "i32")
-        if ev.op == "tokens_stage":
-            per = self.plan.chunking.seqs_per_round
-            seqs = self._batch[ev.round * per:(ev.round + 1) * per]
-            ins = np.ascontiguousarray(seqs[:, :-1], dtype=np.int32).reshape(-1)
-            tgt = np.ascontiguousarray(seqs[:, 1:], dtype=np.int32).reshape(-1)
+        per = self.plan.chunking.seqs_per_round
+        rows = slice(ev.round * per, (ev.round + 1) * per)
+        if ev.op == "tokens_stage" and ev.dst.offset > 0:  # the second row alone: targets
+            tgt = self._batch.targets[rows].reshape(-1)
+            row = ids[1]
+            be.host_call(Stream.HOST, lambda: row.__setitem__(Ellipsis, tgt), writes=(row,),
+                         name=ev.name)
+        elif ev.op == "tokens_stage":                        # both rows: ids and positions
+            ins = self._batch.ids[rows].reshape(-1)
+            pos = self._batch.positions[rows].reshape(-1)
 
             def stage():
                 ids[0] = ins
-                ids[1] = tgt
+                ids[1] = pos
 
             be.host_call(Stream.HOST, stage, writes=(ids,), name=ev.name)
         elif ev.op == "embed_gather":

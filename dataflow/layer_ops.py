@@ -17,8 +17,11 @@ class ChunkInfo:
     index: int
     rows: slice
     """This chunk's rows in the round's token arrays and residual buffers."""
-    segments: tuple[tuple[int, int], ...]
-    """(start, end) rows inside the chunk of each packed sequence (one segment when split)."""
+    segments: tuple[tuple[int, int, int], ...]
+    """(start, end, key_start) per attention call: rows [start, end) of the chunk are one
+    document (or a packed sequence), whose keys are rows [key_start, context + end) of its
+    sequence — the context buffer when split, else this chunk's own K/V (key_start == start).
+    Fixed by the plan without documents; per round when the trainer packs documents."""
     split: bool
     """The chunk is part of a sequence spanning several chunks (attention uses the context)."""
     context: int
@@ -49,24 +52,27 @@ class LayerCompute:
             return self.ctx["k_ctx"][a:b], self.ctx["v_ctx"][a:b]
         return self.ws["k"][:t], self.ws["v"][:t]
 
-    def _attn_inputs(self, chunk: ChunkInfo, t: int, k, v):
-        """(q_offset, segments) pairs of attention calls with their key/value views."""
+    def _attn_inputs(self, chunk: ChunkInfo, k, v):
+        """(start, end, keys, values, q_offset) of each attention call: one per segment, its
+        queries at rows [start, end) attending to its document's keys only."""
         if chunk.split:
-            end = chunk.context + t
-            return [(0, t, self.ctx["k_ctx"][:end], self.ctx["v_ctx"][:end], chunk.context, 0)]
-        return [(a, b, k[a:b], v[a:b], 0, a) for a, b in chunk.segments]
+            kc, vc, at = self.ctx["k_ctx"], self.ctx["v_ctx"], chunk.context
+            return [(a, b, kc[ks:at + b], vc[ks:at + b], at + a - ks)
+                    for a, b, ks in chunk.segments]
+        return [(a, b, k[a:b], v[a:b], 0) for a, b, _ in chunk.segments]
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, tag: str, w: dict, x, out, pos, chunk: ChunkInfo, save: dict,
                 level: SavedLevel) -> None:
-        """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`."""
+        """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`,
+        or keeps nothing when `save` is None (evaluation)."""
         self.tag = tag
         cfg, ws, op = self.cfg, self.ws, self._op
         t, h, kh, e = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, o, lse = ws["q"][:t], ws["o"][:t], ws["lse"]
         k, v = self._kv(chunk, t)
         self._qkv(w, x, ws["xn"][:t], ws["rstd"][:t], q, k, v, pos)
-        for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
+        for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
             op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
         hres = ws["h"][:t]
         op("cast", x, hres)
@@ -74,6 +80,8 @@ class LayerCompute:
         self._ffn_fwd(w, hres, tag="")
         op("cast", hres, out)
         op("linear_fwd", ws["act"][:t], w["mlp.down_proj"], out, True)
+        if save is None:
+            return
         op("cast", x, save["x"])
         op("cast", ws["rstd"][:t], save["rstd"])
         op("cast", k, save["k"])
@@ -134,7 +142,7 @@ class LayerCompute:
                 o, lse = save["o"], save["lse"]
             else:
                 o, lse = ws["o"][:t], ws["lse"]
-                for a, b, kk, vv, off, _ in self._attn_inputs(chunk, t, k, v):
+                for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
                     op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b),
                        tag=".re")
             hres = ws["h"][:t]
@@ -165,14 +173,16 @@ class LayerCompute:
             if chunk.last_of_seq:  # first chunk of its sequence in backward order
                 op("fill_", dk_all, 0.0)
                 op("fill_", dv_all, 0.0)
-            end = chunk.context + t
-            op("attention_bwd", q, self.ctx["k_ctx"][:end],
-               self.ctx["v_ctx"][:end], o, lse, do, chunk.context, dq, dk_all[:end], dv_all[:end])
-            dk_rows, dv_rows = dk_all[chunk.context:end], dv_all[chunk.context:end]
+            at = chunk.context
+            for a, b, ks in chunk.segments:  # each document's keys only
+                op("attention_bwd", q[a:b], ctx["k_ctx"][ks:at + b], ctx["v_ctx"][ks:at + b],
+                   o[a:b], lse_rows(lse, a, b), do[a:b], at + a - ks, dq[a:b],
+                   dk_all[ks:at + b], dv_all[ks:at + b])
+            dk_rows, dv_rows = dk_all[at:at + t], dv_all[at:at + t]
         else:
             op("fill_", dk_all[:t], 0.0)
             op("fill_", dv_all[:t], 0.0)
-            for a, b in chunk.segments:
+            for a, b, _ in chunk.segments:
                 op("attention_bwd", q[a:b], k[a:b], v[a:b], o[a:b], lse_rows(lse, a, b), do[a:b], 0,
                    dq[a:b], dk_all[a:b], dv_all[a:b])
             dk_rows, dv_rows = dk_all[:t], dv_all[:t]

@@ -119,9 +119,11 @@ class Fill:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compute:
     """One unit of model work on the compute stream. op: 'embed_fwd' / 'embed_bwd' (device
-    table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk), 'head' (final norm, lm_head and
-    loss of one round, all chunks), 'ctx_cast' (copy a chunk's saved K/V into the sequence
-    context). x and y name the transition buffers read and written."""
+    table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk; a forward with no `save` keeps
+    nothing, as in evaluation), 'head' (final norm, lm_head and loss of one round, all chunks,
+    forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a
+    chunk's saved K/V into the sequence context). x and y name the transition buffers read and
+    written."""
 
     name: str
     op: str
@@ -138,9 +140,10 @@ class Compute:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostTask:
-    """CPU work on the host stream. op: 'tokens_stage' (the round's ids and targets into the
-    pinned token buffer), 'embed_gather' / 'embed_scatter' (embedding rows of a HOME table),
-    'zero' (clear `dst`)."""
+    """CPU work on the host stream. op: 'tokens_stage' (the round's data into the bytes `dst`
+    names of the pinned token buffer: both rows take the input ids and RoPE positions, the
+    second row alone takes the targets, once the positions have left it), 'embed_gather' /
+    'embed_scatter' (embedding rows of a HOME table), 'zero' (clear `dst`)."""
 
     name: str
     op: str
@@ -393,6 +396,7 @@ class _Compiler:
                       "embed": embed_layout(self.cfg).numel, "head": head_layout(self.cfg).numel}
         self.L, self.C, self.T = self.cfg.n_layers, self.ch.chunks_per_round, self.ch.chunk_tokens
         self.tokens_free: int | None = None
+        self.targets_ready: int | None = None
         self.embed_host_ready: int | None = None
         self.embed_grads_ready: int | None = None
         self.stage_free: list[int | None] = [None, None]
@@ -526,6 +530,51 @@ class _Compiler:
         self.optimizer()
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
 
+    def compile_eval(self, rounds: int) -> Schedule:
+        """Forward-only rounds: tokens, embedding, layers (saving nothing), head loss. No
+        gradient leaves the device, nothing is written home and no optimizer event runs."""
+        em, L = self.em, self.L
+        em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
+        ring = uses = assigned = None
+        streamed = [i for i in range(L) if self.d.layers[i].weights is Where.HOME]
+        if streamed:  # the training ring's slots, visited by the forward's uses alone
+            ring = _Ring(em, self.wring.slots, "w")
+            uses = [_Use(i, self.block(f"layer{i}", "weights", True)) for i in streamed]
+            assigned = ring.assign(uses)
+            index = {i: j for j, i in enumerate(streamed)}
+        starts = []
+        for rnd in range(rounds):
+            starts.append(len(em.events))
+            if ring is not None:
+                ring.begin(uses, assigned)
+            if self.hw_ring is not None:
+                self.hw_ring.begin(self.hw_uses, self.hw_assigned)
+            self.load_tokens(rnd)
+            x, y = "resid_a", "resid_b"
+            self.embed_fwd(rnd, x)
+            for layer in range(L):
+                dev = self.block(f"layer{layer}", "weights", False)
+                w = dev if dev is not None else ring.acquire(index[layer])
+                for c in range(self.C):
+                    em.add(Compute(f"f.L{layer}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
+                                   x=x, y=y))
+                if dev is None:
+                    ring.release(index[layer])
+                if layer == L - 2 and self.hw_ring is not None:
+                    self.hw_ring.prefetch(0)
+                x, y = y, x
+            w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
+            em.wait(COMPUTE, self.targets_ready)
+            # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
+            # into the device head.grads region (a slot or the resident sum, idle between steps).
+            em.add(Compute("head", "head_loss", rnd, weights=w,
+                           grads=self.ref("head.grads", 0, self.numel["head"] * (
+                               2 if self.gdt == "bf16" else 4)), x=x, y=y))
+            if self.hw_ring is not None:
+                self.hw_ring.release(0)
+        end = len(em.events)
+        return Schedule(self.table, tuple(em.events), rounds, tuple(starts), end, em.n_ids)
+
     def _transition(self, name: str) -> tuple[int, int]:
         return self._tr_offsets[name], self._tr_specs[name].nbytes
 
@@ -573,20 +622,32 @@ class _Compiler:
         self.embed_bwd(rnd, dy)
 
     def load_tokens(self, rnd: int) -> None:
-        """Token ids and targets of the round: host staging, then one H2D each."""
+        """Token ids, RoPE positions and targets of the round (the trainer's data: positions
+        restart at document boundaries, targets may be masked): host staging, then one H2D each.
+        The pinned token buffer has two rows, so the positions go first through the second row
+        and the targets follow once that copy is done; the compute needs the targets only at
+        the head, so their second staging hides behind the forward."""
         em, n = self.em, self.ch.tokens_per_round
         em.wait(HOST, self.tokens_free)
         em.add(HostTask("tokens.stage", "tokens_stage", rnd, self.ref("tokens")))
         em.wait(H2D, em.record(HOST))
-        # The compute stream may still read last round's ids/targets (head, embedding bwd).
+        # The compute stream may still read last round's ids/positions/targets (head, backward,
+        # embedding bwd).
         em.wait(H2D, em.record(COMPUTE))
-        for i, name in enumerate(("ids", "targets")):
+        for i, name in enumerate(("ids", "positions")):
             off, nb = self._transition(name)
             em.add(Fetch(f"tokens.{name}", self.ref("transitions", off, nb),
                          self.ref("tokens", i * n * 4, n * 4)))
         ev = em.record(H2D)
-        self.tokens_free = ev
         em.wait(COMPUTE, ev)
+        em.wait(HOST, ev)  # the positions have left the second row
+        em.add(HostTask("tokens.stage_targets", "tokens_stage", rnd,
+                        self.ref("tokens", n * 4, n * 4)))
+        em.wait(H2D, em.record(HOST))
+        off, nb = self._transition("targets")
+        em.add(Fetch("tokens.targets", self.ref("transitions", off, nb),
+                     self.ref("tokens", n * 4, n * 4)))
+        self.tokens_free = self.targets_ready = em.record(H2D)
 
     def embed_fwd(self, rnd: int, out: str) -> None:
         em = self.em
@@ -623,6 +684,7 @@ class _Compiler:
     def head(self, rnd: int, final: str, dfinal: str) -> None:
         w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
         g = self.hg_ring.acquire(0) if self.hg_ring else self.block("head", "grads", False)
+        self.em.wait(COMPUTE, self.targets_ready)
         self.em.add(Compute("head", "head", rnd, weights=w, grads=g, x=final, y=dfinal))
         if self.hg_ring:
             self.hg_ring.release(0)
@@ -739,6 +801,15 @@ def compile_schedule(plan, *, rounds: int | None = None) -> Schedule:
     """The event list of one step of `plan` (a Plan or Decisions). `rounds` overrides the
     plan's rounds per step (the search times a first and a later round this way)."""
     return _Compiler(plan).compile(rounds)
+
+
+def compile_eval_schedule(plan, rounds: int = 1) -> Schedule:
+    """The event list of a forward-only evaluation of `rounds` rounds of `plan` (same region
+    table, slots and token staging as its training step; no backward, no optimizer: its
+    `optimizer_start` is the end of the list)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
+    return _Compiler(plan).compile_eval(rounds)
 
 
 def level_of(plan, layer: int, chunk: int) -> SavedLevel:
