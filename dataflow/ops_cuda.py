@@ -37,6 +37,7 @@ class CudaOps:
         """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'norm_scratch',
         'sumsq_scratch', 'cublas_workspace'."""
         self._own: dict[tuple, cp.ndarray] = {}
+        self._det_fits: dict[tuple, bool] = {}
         """Scratch allocated outside the arena because a lent region was too small."""
 
     def lend_scratch(self, scratch: dict) -> None:
@@ -77,14 +78,27 @@ class CudaOps:
         """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy."""
         dk16 = self._scratch("dk16", k.shape, k.dtype)
         dv16 = self._scratch("dv16", v.shape, v.dtype)
-        # Deterministic (bit-reproducible) when a chunk attends to itself only; a chunk attending
-        # to a longer context uses the atomic dQ algorithm, whose workspace does not grow with
-        # T*S (memplan.buffers.attention_workspace_bytes sizes the arena the same way).
+        ws = self._lent.get("attn_workspace")
         K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16,
-                        deterministic=k.shape[0] == q.shape[0],
-                        workspace=self._lent.get("attn_workspace"))
+                        deterministic=self._deterministic_fits(q, k, q_offset, ws),
+                        workspace=ws)
         K.add_(dk, dk16)
         K.add_(dv, dv16)
+
+    def _deterministic_fits(self, q, k, q_offset: int, ws) -> bool:
+        """Deterministic (bit-reproducible) backward when a chunk attends to itself only and
+        cuDNN's workspace for it (2*T*T*H + ...) fits the lent region; otherwise the atomic-dQ
+        algorithm, whose workspace grows with the context, not with T*S. The planner sizes
+        the region the same way (memplan.buffers.attention_workspace_bytes)."""
+        if k.shape[0] != q.shape[0]:
+            return False
+        key = (q.shape, k.shape, q_offset)
+        fits = self._det_fits.get(key)
+        if fits is None:
+            need = K.attention_workspace_bytes("bwd", q.shape[0], q.shape[1], k.shape[1],
+                                               q.shape[2], q_offset, deterministic=True)
+            fits = self._det_fits[key] = ws is not None and need <= ws.nbytes
+        return fits
 
     @staticmethod
     def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):

@@ -95,20 +95,26 @@ ATTN_WORKSPACE_SLACK_BYTES = 32 << 20
 """cuDNN asked for 0.5 MiB beyond the formula at T = 4096 and about 1 MiB at 8192; keep room."""
 
 
-ATTN_NONDET_WORKSPACE_BYTES = 64 << 20
-"""Allowance for the non-deterministic backward used when a query chunk attends to a longer
-context (split sequences): its dQ accumulator (4*T*H*E) plus this; not yet measured."""
+ATTN_NONDET_CONTEXT_BYTES = 16
+"""cuDNN 9's non-deterministic (atomic dQ) backward, used when a query chunk attends to a longer
+context (split sequences): its workspace measured on the H100 is 16*S*Hk*E + 4*T*H*E bytes plus
+at most 2 MiB, for T = 2048..16384, S = 2T..64T, head dims 64 and 128 (46 shapes,
+bench/records/attention-workspace-h100.json): fp32 dK/dV-sized buffers over the whole context
+and the fp32 dQ of the chunk."""
+ATTN_NONDET_SLACK_BYTES = 4 << 20
 
 
 def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
     """Workspace of the largest fused-attention call of a chunk. Packed chunks attend per
     sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E).
     Split sequences would need 2*T*seqlen*H for that, which is hopeless at long context, so
-    their chunks use cuDNN's non-deterministic backward (dQ by atomics: 4*T*H*E + allowance)."""
+    all their chunks use cuDNN's non-deterministic backward (16*S*Hk*E + 4*T*H*E at the longest
+    context S = seqlen). The CUDA op table picks the deterministic algorithm exactly when its
+    workspace fits the region it was lent."""
     t = min(chunk_tokens, seqlen)
     dq = ATTN_WORKSPACE_DQ_BYTES * t * cfg.q_dim
     if seqlen > chunk_tokens:
-        return dq + ATTN_NONDET_WORKSPACE_BYTES
+        return ATTN_NONDET_CONTEXT_BYTES * seqlen * cfg.kv_dim + dq + ATTN_NONDET_SLACK_BYTES
     return ATTN_WORKSPACE_SCORE_BYTES * t * t * cfg.n_heads + dq + ATTN_WORKSPACE_SLACK_BYTES
 
 

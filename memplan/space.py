@@ -70,6 +70,7 @@ class Space:
             buffers.chunk_workspace_specs(cfg, t),
             buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
             buffers.transition_specs(cfg, ch.tokens_per_round),
+            buffers.library_scratch_specs(cfg),
             buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(cfg, t, ch.seqlen))
         self.rows_b = buffers.align(2 * ch.tokens_per_round * cfg.model_dim * 2)
