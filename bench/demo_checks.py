@@ -175,7 +175,8 @@ class StopSignals:
     step (`stop.signum` is set; the loop checks it); a second one, inside `with stop.abortable():`
     (initialisation, a step), raises KeyboardInterrupt at once, abandoning that work; outside it
     (writing the trace, metrics or a checkpoint) the stop waits for the loop, so no file is left
-    half-written. Restores the previous handlers on exit. Outside the main thread (where Python
+    half-written. Restores the previous handlers on exit (ignores further stop signals once a
+    stop was asked for, so the exit code stands). Outside the main thread (where Python
     cannot install handlers) it does nothing."""
 
     def __init__(self):
@@ -209,8 +210,10 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        # Once a stop was asked for, the process is on its way out with its exit code: a late
+        # repeat of the signal must not kill it with the default handler before it returns.
         for s, old in self._previous.items():
-            signal.signal(s, old)
+            signal.signal(s, signal.SIG_IGN if self.signum is not None else old)
 
 
 class _Abortable:
