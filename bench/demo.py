@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--seqs-per-step", type=checks.positive_int, default=None, metavar="N",
+                       help="global batch: exactly N sequences per step (the planner chooses "
+                            "chunks and rounds around it)")
+    batch.add_argument("--tokens-per-step", type=checks.positive_int, default=None, metavar="N",
+                       help="the same in tokens (a multiple of SEQLEN)")
     p.add_argument("--trace", metavar="FILE.json", type=checks.writable_file,
                    help="write the steps' timeline as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--metrics", metavar="FILE", type=_metrics_path,
@@ -110,9 +116,9 @@ def _run(args, stop: checks.StopSignals) -> int:
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
     plan = checks.load_plan(args.plan) if args.plan else None
     if plan is not None:
-        if args.rounds:
-            raise ConfigError("--rounds cannot change a --plan file's rounds; edit the plan or "
-                              "drop --plan")
+        if args.rounds or args.seqs_per_step or args.tokens_per_step:
+            raise ConfigError("--rounds / --seqs-per-step / --tokens-per-step cannot change a "
+                              "--plan file's batch; edit the plan or drop --plan")
         checks.check_plan_matches(plan, cfg, args.seqlen, args.host_gb, args.dev_gb)
     try:
         be_probe = make_backend(args.backend)
@@ -126,6 +132,8 @@ def _run(args, stop: checks.StopSignals) -> int:
 
         profile = default_profile(be_probe)
         extra = {"rounds_per_step": args.rounds} if args.rounds else {}
+        if args.seqs_per_step or args.tokens_per_step:
+            extra.update(seqs_per_step=args.seqs_per_step, tokens_per_step=args.tokens_per_step)
         plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,
                          **extra)
     checks.check_budgets_fit_machine(plan, be_probe)

@@ -97,13 +97,14 @@ def _layer_bwd(cfg, w: dict, a: dict, dout: np.ndarray, pos: np.ndarray,
 
 
 def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, *,
-                     act_dtype=None) -> tuple[float, int, Grads]:
+                     act_dtype=None, labels: np.ndarray | None = None) -> tuple[float, int, Grads]:
     """Loss and gradients of one sequence.
 
     cfg: models.config.ModelConfig. weights: any object with `.embed`, `.layers`, `.head`, 1-D
     blocks laid out by models.layout (bf16, or float64 for gradient checks), e.g.
     models.init.ModelWeights. tokens (S+1,) int: inputs tokens[:-1], targets tokens[1:] (a target
-    equal to kernels.reference.IGNORE is skipped). act_dtype: dtype activations are stored in
+    equal to kernels.reference.IGNORE is skipped). labels (S+1,) int: targets labels[1:] instead
+    of tokens[1:] (transformers' shift; IGNORE masks). act_dtype: dtype activations are stored in
     (default: the weights' dtype).
 
     Returns (loss_sum, n_tokens, grads): loss_sum the cross-entropy summed over the n_tokens
@@ -114,7 +115,11 @@ def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, 
     if tokens.ndim != 1 or tokens.size < 2:
         raise ValueError(f"tokens must be one sequence of shape (seqlen + 1,), got shape "
                          f"{tokens.shape}; pass one row of the batch at a time")
-    inputs, targets = tokens[:-1], tokens[1:]
+    inputs = tokens[:-1]
+    targets = tokens[1:] if labels is None else np.asarray(labels)[1:]
+    if targets.shape != inputs.shape:
+        raise ValueError(f"labels must have the tokens' shape {tokens.shape}, got "
+                         f"{np.asarray(labels).shape}")
     bad = (inputs < 0) | (inputs >= cfg.vocab_size)
     bad_t = ((targets < 0) & (targets != IGNORE)) | (targets >= cfg.vocab_size)
     if bad.any() or bad_t.any():

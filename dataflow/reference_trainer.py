@@ -86,10 +86,12 @@ class ReferenceTrainer:
         """The weight blocks, in file order (embed, layers..., head); updated in place."""
         return [self.weights.embed, *self.weights.layers, self.weights.head]
 
-    def accumulate_grads(self, batch: np.ndarray) -> tuple[float, int, list[np.ndarray]]:
+    def accumulate_grads(self, batch: np.ndarray,
+                         labels: np.ndarray | None = None) -> tuple[float, int, list[np.ndarray]]:
         """Mean loss and its gradient over a batch, without updating anything.
 
-        batch (n_seqs, seqlen + 1) int: one sequence per row (inputs row[:-1], targets row[1:]).
+        batch (n_seqs, seqlen + 1) int: one sequence per row (inputs row[:-1], targets row[1:]);
+        labels: the batch's shape, targets labels[:, 1:] instead (IGNORE masks), as transformers.
         Returns (loss_mean, n_tokens, grads): grads one 1-D block per weight block in
         grad_accum_dtype, the gradient of the loss averaged over all n_tokens valid targets
         (each sequence's backward is scaled by 1 / n_tokens, then summed)."""
@@ -97,24 +99,27 @@ class ReferenceTrainer:
         if batch.ndim != 2 or batch.shape[1] < 2:
             raise ConfigError(f"batch must have shape (n_seqs, seqlen + 1) with seqlen >= 1, "
                               f"got {batch.shape}")
-        n_tokens = int(np.count_nonzero(batch[:, 1:] != IGNORE))
+        targets = (batch if labels is None else np.asarray(labels))[:, 1:]
+        n_tokens = int(np.count_nonzero(targets != IGNORE))
         if n_tokens == 0:
             raise ConfigError("every target of the batch is IGNORE; a step needs at least one "
                               "token to learn from")
         grad_scale = 1.0 / n_tokens
         accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks]
         loss_sum = 0.0
-        for row in batch:
-            seq_loss, _, grads = forward_backward(self.cfg, self.weights, row, grad_scale)
+        for i, row in enumerate(batch):
+            seq_loss, _, grads = forward_backward(self.cfg, self.weights, row, grad_scale,
+                                                  labels=None if labels is None else labels[i])
             loss_sum += seq_loss
             for acc, g in zip(accum, grads.blocks()):
                 _accumulate(acc, g)
         return loss_sum / n_tokens, n_tokens, accum
 
-    def train_step(self, batch: np.ndarray) -> StepResult:
-        """One optimizer step on `batch` (n_seqs, seqlen + 1) int: accumulate the mean-loss
-        gradient over its sequences, clip it if asked, then AdamW on every block."""
-        loss_mean, n_tokens, grads = self.accumulate_grads(batch)
+    def train_step(self, batch: np.ndarray, labels: np.ndarray | None = None) -> StepResult:
+        """One optimizer step on `batch` (n_seqs, seqlen + 1) int (and `labels`, as in
+        accumulate_grads): accumulate the mean-loss gradient over its sequences, clip it if
+        asked, then AdamW on every block."""
+        loss_mean, n_tokens, grads = self.accumulate_grads(batch, labels)
         grad_norm = math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads))
         clip_coef = 1.0
         if self.max_grad_norm is not None:

@@ -1,5 +1,5 @@
 """`dataflow-plan <host_gb> <dev_gb> <seqlen> <model> [--gpu NAME | --profile FILE] [--gpus N]
-[--json]`: print the plan the planner would choose (or exactly one JSON document with --json);
+[--seqs-per-step N | --tokens-per-step N] [--json]`: print the plan the planner would choose (or exactly one JSON document with --json);
 with --gpus N, each ring device's plan, the ring's predicted throughput and its scaling model. Exit 0 on
 success, 2 with one paragraph on stderr for bad input or infeasible budgets, 1 for an internal
 failure; tracebacks only with --debug. Never imports array libraries."""
@@ -51,6 +51,16 @@ def _seqlen(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return value
+
+
 def _ranks(text: str) -> int:
     try:
         value = int(text)
@@ -79,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "device): each device's plan and memory, the predicted ring throughput "
                         "and a scaling model for N = 2..64 over NVLink, InfiniBand, 10 GbE and "
                         "a 1 Gb/s internet link (see docs/ring.md)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--seqs-per-step", type=_count, default=None, metavar="N",
+                       help="the trainer's global batch: plan exactly N sequences per step "
+                            "(chunks and rounds chosen around it; default: the planner's)")
+    batch.add_argument("--tokens-per-step", type=_count, default=None, metavar="N",
+                       help="the same in tokens (a multiple of SEQLEN)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -96,7 +112,9 @@ def _run(args) -> str:
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
     if args.gpus > 1:
         return _ring_text(cfg, args, budget, profile)
-    plan = make_plan(cfg, args.seqlen, budget, profile)
+    batch = {k: v for k, v in (("seqs_per_step", args.seqs_per_step),
+                               ("tokens_per_step", args.tokens_per_step)) if v is not None}
+    plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
     return plan.to_json() if args.json else explain(plan)
 
 

@@ -12,6 +12,8 @@ import dataclasses
 
 from memplan.build import build_plan, finish_plan, validate_budget
 from memplan.candidates import Candidate, Score, Table, candidate_table
+from memplan.chunking import (MAX_ROUND_TOKENS, ROUND_MULTIPLES, _divisors, check_seqlen,
+                              chunk_candidates, chunk_target_tokens)
 from memplan.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
 from memplan.errors import InfeasibleBudget, categories_text, gib_up, size_text
 from memplan.memory import memory_map
@@ -19,10 +21,13 @@ from memplan.plan import Budget, GradAccum, HardwareProfile, OptimizerWhere, Pla
 from models.config import ModelConfig
 from models.errors import ConfigError
 
-__all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONSTRAINTS"]
+__all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONSTRAINTS",
+           "BATCH_CONSTRAINTS", "batch_chunkings", "global_batch"]
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers")
+BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
+"""The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
 """Predictions this close count as a tie (broken by fewer PCIe bytes, then less memory)."""
 
@@ -93,10 +98,17 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
               *, grad_accum: GradAccum = GradAccum.BF16, **constraints) -> Plan:
     """The fastest predicted plan that fits `budget`. Constraints (all optional): chunk_tokens,
     chunks_per_round, rounds_per_step, target_optimizer_frac (default 0.02), home_optimizer
-    ('streamed' or 'host'), max_resident_layers. Raises InfeasibleBudget naming the smallest
-    budgets that work."""
+    ('streamed' or 'host'), max_resident_layers, and the trainer's global batch as
+    seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes exactly that
+    many sequences per step (chunks x rounds chosen to fit it). Raises InfeasibleBudget naming
+    the smallest budgets that work."""
     profile = _profile(profile)
     validate_budget(budget)
+    constraints = dict(constraints)
+    batch = global_batch(seqlen, constraints.pop("seqs_per_step", None),
+                         constraints.pop("tokens_per_step", None))
+    if batch is not None:
+        return _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, batch)
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
     if (constraints or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
@@ -115,6 +127,86 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
 ML_DATAFLOW_LIKE = {"chunk_tokens": 16384, "max_resident_layers": 0, "home_optimizer": "streamed"}
 """ml_dataflow's fixed heuristics (16k-token chunks, every layer's state at home, AdamW streamed
 through the device), as search constraints."""
+
+
+def global_batch(seqlen: int, seqs_per_step=None, tokens_per_step=None) -> int | None:
+    """Sequences per step from either spelling of the trainer's batch (None when neither)."""
+    for name, v in (("seqs_per_step", seqs_per_step), ("tokens_per_step", tokens_per_step)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"{name} must be a positive whole number, got {v!r}")
+    seqs = seqs_per_step
+    if tokens_per_step is not None:
+        if tokens_per_step % seqlen:
+            lo = max(1, tokens_per_step // seqlen)
+            raise ConfigError(f"tokens_per_step {tokens_per_step:,} is not a multiple of seqlen "
+                              f"{seqlen:,}; try {lo * seqlen:,} or {(lo + 1) * seqlen:,}")
+        if seqs is not None and seqs * seqlen != tokens_per_step:
+            raise ConfigError(f"seqs_per_step {seqs} and tokens_per_step {tokens_per_step:,} "
+                              f"disagree at seqlen {seqlen:,}; give one of them")
+        seqs = tokens_per_step // seqlen
+    return seqs
+
+
+def batch_chunkings(cfg: ModelConfig, seqlen: int, seqs: int,
+                    constraints: dict) -> list[tuple[int, int, int]]:
+    """(chunk_tokens, chunks_per_round, rounds_per_step) choices that take exactly `seqs`
+    sequences per step: chunks near the usual sizes whose sequences per round divide `seqs`,
+    1, 2 or 4 sequences' worth of chunks per round, at most MAX_ROUNDS_PER_STEP rounds, and
+    whatever chunk_tokens / chunks_per_round / rounds_per_step the caller fixed."""
+    check_seqlen(seqlen)
+    fixed = {k: constraints.get(k) for k in ("chunk_tokens", "chunks_per_round",
+                                             "rounds_per_step")}
+    sizes = chunk_candidates(cfg, seqlen)
+    out = []
+    if seqlen <= chunk_target_tokens(cfg):  # whole sequences packed per chunk
+        divs = [d for d in _divisors(seqs) if d * seqlen <= max(MAX_ROUND_TOKENS, seqlen)]
+        want = sorted({t // seqlen for t in sizes})
+        per_chunk = {k for k in want if seqs % k == 0}
+        for k in want:  # the divisors of the batch nearest each usual size
+            per_chunk.add(max((d for d in divs if d <= k), default=1))
+            per_chunk.add(min((d for d in divs if d >= k), default=divs[-1]))
+        if fixed["chunk_tokens"]:
+            per_chunk = {fixed["chunk_tokens"] // seqlen} if fixed["chunk_tokens"] % seqlen == 0 \
+                else set()
+        for k in sorted(per_chunk):
+            for c in ROUND_MULTIPLES:
+                if seqs % (k * c) == 0 and (c == 1 or c * k * seqlen <= MAX_ROUND_TOKENS):
+                    out.append((k * seqlen, c, seqs // (k * c)))
+    else:  # each sequence split into chunks
+        for t in ((fixed["chunk_tokens"],) if fixed["chunk_tokens"] else sizes):
+            if seqlen % t:
+                continue
+            for m in ROUND_MULTIPLES:
+                if seqs % m == 0 and (m == 1 or m * seqlen <= MAX_ROUND_TOKENS):
+                    out.append((t, m * (seqlen // t), seqs // m))
+    return [(t, c, r) for t, c, r in out if r <= MAX_ROUNDS_PER_STEP
+            and fixed["chunks_per_round"] in (None, c) and fixed["rounds_per_step"] in (None, r)]
+
+
+def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs) -> Plan:
+    """The fastest predicted plan taking exactly `seqs` sequences per step."""
+    choices = batch_chunkings(cfg, seqlen, seqs, constraints)
+    if not choices:
+        raise ConfigError(f"no chunking takes exactly {seqs} sequences of {seqlen:,} tokens per "
+                          f"step within {MAX_ROUNDS_PER_STEP} rounds and the other constraints; "
+                          "try a batch with more divisors (a multiple of 4), or drop "
+                          "chunk_tokens / chunks_per_round / rounds_per_step")
+    best, smallest = None, None
+    for t, c, r in choices:
+        opts = dict(constraints, chunk_tokens=t, chunks_per_round=c, rounds_per_step=r)
+        table = _table(cfg, seqlen, profile, grad_accum, opts)
+        try:
+            plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, opts)
+        except InfeasibleBudget:
+            mb = _minimum(table)
+            if smallest is None or (mb.device_bytes, mb.host_bytes) < smallest[0]:
+                smallest = ((mb.device_bytes, mb.host_bytes), table)
+            continue
+        if best is None or plan.prediction.tok_per_s > best.prediction.tok_per_s:
+            best = plan
+    if best is None:
+        raise _infeasible(cfg, seqlen, budget, smallest[1], seqs)
+    return best
 
 
 def _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints) -> Plan:
@@ -167,7 +259,8 @@ def minimum_budgets(cfg: ModelConfig, seqlen: int, profile: HardwareProfile | No
     return _minimum(_table(cfg, seqlen, _profile(profile), grad_accum, constraints))
 
 
-def _infeasible(cfg, seqlen, budget: Budget, table: Table) -> InfeasibleBudget:
+def _infeasible(cfg, seqlen, budget: Budget, table: Table,
+                seqs: int | None = None) -> InfeasibleBudget:
     mb = _minimum(table)
     host_at_dev = _host_within(table, budget.device_bytes)
     dev_at_host = min((c.device_bytes for c in table.candidates
@@ -189,9 +282,11 @@ def _infeasible(cfg, seqlen, budget: Budget, table: Table) -> InfeasibleBudget:
     if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes \
             and f"dev_gb {gib_up(dev_at_host)}" != way.removeprefix("try "):  # not twice
         way += f", or dev_gb {gib_up(dev_at_host)} with your host budget"
-    msg = (f"{cfg.name} at seqlen {seqlen} does not fit {have}: {why}. The smallest budgets that "
+    request = f"{cfg.name} at seqlen {seqlen}" + (
+        f" with {seqs} sequences per step" if seqs is not None else "")
+    msg = (f"{request} does not fit {have}: {why}. The smallest budgets that "
            f"work together are host {mb.host_gib:.1f} GiB with device {mb.device_gib:.1f} GiB; "
-           f"{way}; or a shorter seqlen.")
+           f"{way}; or a shorter seqlen{' or fewer sequences per step' if seqs else ''}.")
     return InfeasibleBudget(msg, device_needed=mem.device, host_needed=mem.host,
                             min_host_bytes=mb.host_bytes, min_device_bytes=mb.device_bytes,
                             host_budget_bytes=budget.host_bytes,
