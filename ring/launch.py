@@ -113,12 +113,15 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
     stop_at = None
     try:
         while any(p.is_alive() for p in procs):
-            for r, p in enumerate(procs):
-                if first is None and not p.is_alive() and p.exitcode not in (0, None):
-                    first = r
-                    if job.transport == "shm":
-                        abort_ring(run_id, n_ranks)
-                    stop_at = time.monotonic() + grace_s
+            failed = [r for r, p in enumerate(procs)
+                      if not p.is_alive() and p.exitcode not in (0, None)]
+            if first is None and failed:
+                # Within one poll a neighbour may already have exited on noticing the death:
+                # blame a rank killed by a signal before one that exited with an error.
+                first = min(failed, key=lambda r: (procs[r].exitcode >= 0, r))
+                if job.transport == "shm":
+                    abort_ring(run_id, n_ranks)
+                stop_at = time.monotonic() + grace_s
             if stop_at is not None and time.monotonic() > stop_at:
                 for p in procs:
                     if p.is_alive():
