@@ -582,19 +582,6 @@ def _nonfinite_name(value: float) -> str:
     return "NaN" if np.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 
-def _as_numpy(tokens) -> np.ndarray:
-    if hasattr(tokens, "__dlpack__") and not isinstance(tokens, np.ndarray):
-        try:
-            tokens = np.from_dlpack(tokens)
-        except (TypeError, RuntimeError, BufferError):
-            tokens = tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)
-    arr = np.asarray(tokens)
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ConfigError(f"tokens must be a 2-D integer array, got shape {arr.shape} dtype "
-                          f"{arr.dtype}")
-    return arr
-
-
 def default_profile(be):
     """The planner's hardware profile for this backend: 'cpu' for NumPy; for a GPU, the built-in
     (or cached, measured) profile whose name the device name contains, else H100's."""
