@@ -392,6 +392,7 @@ class Engine:
         opt.config, opt.schedule, opt.last_grad_norm = call_config, None, None
         try:
             stats = self.ex.step(batch, opt)
+            opt.last_grad_norm = stats.grad_norm
         except BaseException as exc:  # KeyboardInterrupt too: the step stopped part way
             self._failed_step = (step, "interrupted" if isinstance(exc, KeyboardInterrupt)
                                  else f"{type(exc).__name__}: {exc}")

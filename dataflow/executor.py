@@ -18,6 +18,7 @@ from dataflow.blocks import Block, bind_blocks
 from dataflow.layer_ops import LayerCompute
 from kernels.host import adamw as host_adamw
 from kernels.host import embedding as host_embedding
+from kernels.host import norms as host_norms
 from memplan import buffers
 from memplan.plan import GradAccum, Plan
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
@@ -44,6 +45,8 @@ class StepStats:
     step_time_s: float
     h2d_bytes: int
     d2h_bytes: int
+    grad_norm: float | None = None
+    """Global L2 norm of the step's gradients before clipping (None for an evaluation)."""
 
 
 class Executor:
@@ -124,16 +127,6 @@ class Executor:
         """Synchronous host copy of any view (setup, state_dict, tests)."""
         return self.be.to_numpy(src)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the step's accumulated gradients (synchronous; between the rounds
-        and the optimizer)."""
-        self.be.synchronize()
-        total = 0.0
-        for b in self.blocks():
-            g = b.device("grads") if b.device("grads") is not None else b.home("grads")
-            total += float(np.sum(np.square(self.download(g).astype(np.float64))))
-        return float(np.sqrt(total))
-
     # -- one step -------------------------------------------------------------------------------
     def step(self, batch: Batch | np.ndarray, optimizer) -> StepStats:
         """One optimizer step. batch: a dataflow.batch.Batch of seqs_per_step rows (ids,
@@ -151,10 +144,11 @@ class Executor:
         self._begin(batch, sch)
         self.grad_scale = 1.0 / max(1, batch.counted)
         self._run(sch.events[:sch.optimizer_start])                # rounds: layers x chunks
-        self.hyper = optimizer.begin_step(self)
-        self._run(sch.events[sch.optimizer_start:])                # AdamW over every block
+        self.hyper = optimizer.begin_step()
+        self.max_norm = optimizer.config.max_grad_norm
+        self._run(sch.events[sch.optimizer_start:])                # norm, AdamW over every block
         self.step_index += 1
-        return self._finish(sch, ch.rounds_per_step, ch.tokens_per_step, t0)
+        return self._finish(sch, ch.rounds_per_step, ch.tokens_per_step, t0, norm=True)
 
     def evaluate(self, batch: Batch) -> StepStats:
         """Forward only over `batch` (any whole number of rounds, padded rows counting nothing):
@@ -186,14 +180,18 @@ class Executor:
             if log is not None:
                 log.append(ev)
 
-    def _finish(self, sch: Schedule, rounds: int, tokens: int, t0: float) -> StepStats:
-        # Reading the losses is the one host sync of the step: it orders the next one after it.
-        loss_pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds]).reshape(-1, 2)
+    def _finish(self, sch: Schedule, rounds: int, tokens: int, t0: float,
+                norm: bool = False) -> StepStats:
+        # Reading the losses (and the gradient norm) is the one host sync of the step: it orders
+        # the next step after this one.
+        scalars = self.download(self.tr["scalars"][:8 + 2 * rounds])
+        loss_pairs = scalars[8:].reshape(-1, 2)
         self._batch = None
         stats = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         h2d, d2h = sch.bytes_moved()
-        return StepStats(total, tokens, stats, time.perf_counter() - t0, h2d, d2h)
+        return StepStats(total, tokens, stats, time.perf_counter() - t0, h2d, d2h,
+                         float(np.sqrt(scalars[0])) if norm else None)
 
     # -- views ----------------------------------------------------------------------------------
     def _view(self, ref: Ref, shape=None, dtype: str = "u8", at: int = 0):
@@ -277,6 +275,15 @@ class Executor:
             table = self.emb_lay.view(self._view(ev.grads, dtype=self.gdt), "embed_tokens")
             self.be.launch(Stream.COMPUTE, "embedding_bwd", tr["ids"], tr[ev.x], table,
                            name=ev.name)
+        elif ev.op == "grad_sumsq":
+            self.be.launch(Stream.COMPUTE, "sumsq", self._view(ev.grads, dtype=self.gdt),
+                           tr["scalars"][0:1], True, name=ev.name)
+        elif ev.op == "clip_scale":
+            sc = tr["scalars"]
+            self.be.launch(Stream.COMPUTE, "add_", sc[0:1], sc[2:3], name="gnorm.add_host")
+            max_norm = float("inf") if self.max_norm is None else self.max_norm
+            self.be.launch(Stream.COMPUTE, "clip_scale", sc[0:1], max_norm, sc[1:2],
+                           name=ev.name)
         else:
             raise BackendError(f"unknown compute op '{ev.op}' in the schedule")
 
@@ -330,6 +337,11 @@ class Executor:
             grads = self.emb_lay.view(self._view(ev.dst, dtype=self.gdt), "embed_tokens")
             be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids[0], rows, grads),
                          reads=(ids[0], rows), writes=(grads,), name=ev.name)
+        elif ev.op == "grad_sumsq":                          # a HOME embedding gradient
+            grads = self._view(ev.dst, dtype=self.gdt)
+            out = self.host.view("norm_host", (2,), "f32")[0:1]
+            be.host_call(Stream.HOST, lambda: host_norms.sumsq_into(grads, out),
+                         reads=(grads,), writes=(out,), name=ev.name)
         else:
             raise BackendError(f"unknown host task '{ev.op}' in the schedule")
 
@@ -339,7 +351,10 @@ class Executor:
         g = self._view(ev.grads, (n,), self.gdt)
         if ev.stream == "host":
             hp = self.hyper
-            self.be.host_call(Stream.HOST, lambda: host_adamw.adamw_step(p, g, m, v, *hp),
-                              reads=(g,), writes=(p, m, v), name=ev.name)
+            scale = self.host.view("norm_host", (2,), "f32")[1:2]  # the clip scale, via D2H
+            self.be.host_call(Stream.HOST,
+                              lambda: host_adamw.adamw_step(p, g, m, v, *hp, float(scale[0])),
+                              reads=(g, scale), writes=(p, m, v), name=ev.name)
         else:
-            self.be.launch(Stream.COMPUTE, "adamw_step", p, g, m, v, *self.hyper, name=ev.name)
+            self.be.launch(Stream.COMPUTE, "adamw_step", p, g, m, v, *self.hyper,
+                           self.tr["scalars"][1:2], name=ev.name)

@@ -100,7 +100,14 @@ class CudaOps:
             fits = self._det_fits[key] = ws is not None and need <= ws.nbytes
         return fits
 
+    clip_scale = staticmethod(K.clip_scale)
+
     @staticmethod
     def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
+        """grad_scale: a float, or a (1,) fp32 device array read by the kernel (the clip scale
+        the schedule computed on the device: no host sync)."""
+        dev = grad_scale if isinstance(grad_scale, cp.ndarray) else None
         K.adamw_step(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                     weight_decay=weight_decay, grad_scale=float(grad_scale))
+                     weight_decay=weight_decay,
+                     grad_scale=1.0 if dev is not None else float(grad_scale),
+                     grad_scale_dev=dev)

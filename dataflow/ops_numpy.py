@@ -116,6 +116,13 @@ def fill_(x, value):
     x[...] = value
 
 
+def clip_scale(sumsq_value, max_norm, out, scale=1.0):
+    """out[0] = scale * min(1, max_norm / (sqrt(sumsq_value[0]) + 1e-6)) in fp32, as the CUDA
+    kernel computes it (an infinite max_norm gives exactly `scale`)."""
+    norm = np.sqrt(F32(sumsq_value[0]))
+    out[0] = F32(scale) * min(F32(1.0), F32(max_norm) / (norm + F32(1e-6)))
+
+
 def sumsq(x, out, accumulate=True):
     """out[0] (=|+=) sum(x^2) in fp32 (float64 partial sums, rounded once)."""
     s = float(np.sum(np.square(x.astype(np.float64))))
@@ -128,5 +135,6 @@ WRITES: dict[str, tuple[int, ...]] = {
     "swiglu_bwd": (3, 4), "embedding_fwd": (2,), "embedding_bwd": (2,),
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
+    "clip_scale": (2,),
 }
 """Positions of the arguments each op writes (accumulated outputs count as writes)."""

@@ -48,16 +48,11 @@ class AdamW:
     def lr(self) -> float:
         return self.schedule(self.step_count) if self.schedule else self.config.lr
 
-    def begin_step(self, ex) -> tuple:
-        """Count the step and return (step, lr, beta1, beta2, eps, weight_decay, grad_scale) for
-        its AdamW events; with clipping, the global gradient norm of executor `ex` sets
-        grad_scale (one host sync between the rounds and the optimizer)."""
+    def begin_step(self) -> tuple:
+        """Count the step and return (step, lr, beta1, beta2, eps, weight_decay) for its AdamW
+        events. The gradient's clip scale is not among them: the schedule computes it on the
+        device from the global norm (min(1, max_grad_norm / (norm + 1e-6)), or 1 without
+        clipping) and every update reads it there, so no host sync is needed."""
         self.step_count += 1
         cfg = self.config
-        scale = 1.0
-        if cfg.max_grad_norm is not None:
-            norm = ex.grad_norm()
-            self.last_grad_norm = norm
-            scale = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
-        return (self.step_count, self.lr(), cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                scale)
+        return (self.step_count, self.lr(), cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay)

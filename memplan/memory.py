@@ -17,9 +17,11 @@ _FIXED_CATEGORY = {
     "workspace": "workspaces", "context": "workspaces", "head_buffers": "workspaces",
     "attn_workspace": "workspaces", "library_scratch": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
-    "tokens": "buffers", "embed_rows": "buffers",
+    "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
 }
 TOKEN_ID_BYTES = 4
+NORM_HOST_BYTES = 256
+"""Pinned fp32 scalars: the host's part of the squared gradient norm, the clip scale."""
 
 
 def region_category(name: str) -> str:
@@ -104,7 +106,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
 def host_regions(plan) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of every pinned host region, aligned and in this order: home state of each
     layer whose weights are HOME (home.layer{i}.weights/.grads/.m/.v), home.embed.*,
-    home.head.*, home.act.{layer}.{chunk}, io_staging, tokens, embed_rows."""
+    home.head.*, home.act.{layer}.{chunk}, io_staging, tokens, norm_host, embed_rows."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     elems = buffers.block_elems(cfg)
@@ -124,6 +126,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
                 out.append((f"home.act.{layer}.{chunk}", act_bytes[a.level]))
     out.append(("io_staging", max(elems.values()) * 2))
     out.append(("tokens", 2 * ch.tokens_per_round * TOKEN_ID_BYTES))
+    out.append(("norm_host", NORM_HOST_BYTES))
     if d.embed.weights is Where.HOME:
         out.append(("embed_rows", 2 * ch.tokens_per_round * cfg.model_dim * 2))
     return tuple((name, buffers.align(n)) for name, n in out if n > 0)

@@ -522,11 +522,13 @@ class _Compiler:
         em = self.em
         rounds = self.ch.rounds_per_step if rounds is None else rounds
         em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
+        self.last_round = rounds - 1
         starts = []
         for rnd in range(rounds):
             starts.append(len(em.events))
             self.round(rnd)
         opt_start = len(em.events)
+        self.grad_norm()
         self.optimizer()
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
 
@@ -616,6 +618,7 @@ class _Compiler:
                 em.add(Compute(f"b.L{layer}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
                                grads=g, save=save, x=dy, y=dx))
                 self.release_act("b", layer, c)
+            self.sumsq(rnd, f"L{layer}", g)
             self.release_grads(layer)
             self.release_weights("b", layer)
             dy, dx = dx, dy
@@ -669,6 +672,7 @@ class _Compiler:
         dev = self.block("embed", "grads", False)
         if dev is not None:
             em.add(Compute("embed.bwd", "embed_bwd", rnd, grads=dev, x=dx))
+            self.sumsq(rnd, "embed", dev)
             return
         nb = self.ch.tokens_per_round * self.cfg.model_dim * 2
         rows = self.ref("embed_rows", nb, nb)
@@ -676,7 +680,10 @@ class _Compiler:
         off, n = self._transition(dx)
         em.add(WriteBack("embed.dx", rows, self.ref("transitions", off, n)))
         em.wait(HOST, em.record(D2H))
-        em.add(HostTask("embed.scatter", "embed_scatter", rnd, self.block("embed", "grads", True)))
+        home = self.block("embed", "grads", True)
+        em.add(HostTask("embed.scatter", "embed_scatter", rnd, home))
+        if rnd == self.last_round:  # the squared norm of the finished sum, on the host
+            em.add(HostTask("gnorm.embed", "grad_sumsq", rnd, home))
         ev = em.record(HOST)
         self.embed_host_ready = ev
         self.embed_grads_ready = ev
@@ -686,6 +693,7 @@ class _Compiler:
         g = self.hg_ring.acquire(0) if self.hg_ring else self.block("head", "grads", False)
         self.em.wait(COMPUTE, self.targets_ready)
         self.em.add(Compute("head", "head", rnd, weights=w, grads=g, x=final, y=dfinal))
+        self.sumsq(rnd, "head", g)
         if self.hg_ring:
             self.hg_ring.release(0)
         if self.hw_ring:
@@ -721,6 +729,35 @@ class _Compiler:
         if waited:
             em.wait(COMPUTE, em.record(H2D))
 
+    # -- gradient norm and clipping, on the device -------------------------------------------
+    def sumsq(self, rnd: int, what: str, grads: Ref) -> None:
+        """In the step's last round a block's gradient sum is complete (in its slot or resident
+        region) right after its backward: add its squared norm into the device scalar."""
+        if rnd == self.last_round:
+            self.em.add(Compute(f"gnorm.{what}", "grad_sumsq", rnd, grads=grads))
+
+    def grad_norm(self) -> None:
+        """Global squared norm (plus the host's part for a HOME embedding gradient) and the clip
+        scale every update reads, both on the device; the host gets the scale by one small D2H
+        when a block is updated there. Nothing waits on the host."""
+        em = self.em
+        if self.block("embed", "grads", False) is None:
+            em.wait(H2D, self.embed_grads_ready)
+            em.add(Fetch("gnorm.embed", self.ref("transitions", self._scalar(2), 4),
+                         self.ref("norm_host", 0, 4)))
+            em.wait(COMPUTE, em.record(H2D))
+        em.add(Compute("clip_scale", "clip_scale", self.last_round))
+        self.scale_on_host = None
+        keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
+        if any(self.placement(k).optimizer is OptimizerWhere.HOST for k in keys):
+            em.wait(D2H, em.record(COMPUTE))
+            em.add(WriteBack("gnorm.scale", self.ref("norm_host", 4, 4),
+                             self.ref("transitions", self._scalar(1), 4)))
+            self.scale_on_host = em.record(D2H)
+
+    def _scalar(self, i: int) -> int:
+        return self._transition("scalars")[0] + 4 * i
+
     # -- the optimizer ----------------------------------------------------------------------
     def optimizer(self) -> None:
         keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
@@ -752,6 +789,7 @@ class _Compiler:
     def update_host(self, key: str) -> None:
         em = self.em
         self._grads_ready(key, HOST)
+        em.wait(HOST, self.scale_on_host)
         em.wait(HOST, em.record(H2D))  # the device may still be reading the home weights
         parts = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
         em.add(Update(f"adamw.host.{key}", key, 0, self._numel(key), *parts, stream=HOST))

@@ -1,0 +1,59 @@
+"""Squared L2 norm of a bf16 (uint16 bit patterns) or fp32 host array, in parallel: the host's part
+of the global gradient norm when the embedding's gradient accumulates at home. float64 partial
+sums per piece, added in a fixed order, rounded once to fp32 (the same contract as the NumPy
+op table's sumsq). Never allocates more than the per-piece partial sums."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kernels.host._bf16 import bf16_to_f32
+
+_PIECE = 1 << 20
+
+
+@numba.njit(parallel=True, cache=True)
+def _sumsq_bf16(bits):
+    n = bits.size
+    pieces = (n + _PIECE - 1) // _PIECE
+    part = np.zeros(pieces, dtype=np.float64)
+    for k in numba.prange(pieces):
+        a = k * _PIECE
+        z = min(n, a + _PIECE)
+        x = bf16_to_f32(bits[a:z])
+        acc = 0.0
+        for i in range(z - a):
+            acc += np.float64(x[i]) * np.float64(x[i])
+        part[k] = acc
+    return part.sum()
+
+
+@numba.njit(parallel=True, cache=True)
+def _sumsq_f32(x):
+    n = x.size
+    pieces = (n + _PIECE - 1) // _PIECE
+    part = np.zeros(pieces, dtype=np.float64)
+    for k in numba.prange(pieces):
+        a = k * _PIECE
+        z = min(n, a + _PIECE)
+        acc = 0.0
+        for i in range(a, z):
+            acc += np.float64(x[i]) * np.float64(x[i])
+        part[k] = acc
+    return part.sum()
+
+
+def sumsq(x: np.ndarray) -> float:
+    """sum(x ** 2) of a 1-D bf16 or fp32 array, in float64."""
+    flat = x.reshape(-1)
+    if flat.dtype == np.float32:
+        return float(_sumsq_f32(flat))
+    if flat.dtype.itemsize != 2:
+        raise TypeError(f"sumsq takes bf16 or fp32, got {flat.dtype}")
+    return float(_sumsq_bf16(flat.view(np.uint16)))
+
+
+def sumsq_into(x: np.ndarray, out: np.ndarray) -> None:
+    """out[0] = float32(sum(x ** 2))."""
+    out[0] = np.float32(sumsq(x))
