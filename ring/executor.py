@@ -1,8 +1,7 @@
 """Runs one ring rank's compiled schedule: the single-device Executor with two more dispatch
 entries (Send / Recv on the transport) and the send / recv streams' records and waits handed to the
-transport. The step's loss (computed on the head's rank) and the global gradient norm (blocks on
-every rank) are shared through the transport's all-gather, summed in the single-device order so
-the numbers are the same bits. Never decides placement or what is sent: the schedule does."""
+transport. The step's loss (computed on the head's rank) and the global squared gradient norm (each rank's
+device sum over its own blocks) are shared through the transport's all-gather. Never decides placement or what is sent: the schedule does."""
 
 from __future__ import annotations
 
@@ -58,20 +57,22 @@ class RingExecutor(Executor):
             out.append((rp.n_layers + 1, self.head))
         return out
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the step's gradients, bit-identical to the single-device one:
-        each block's float64 sum of squares is computed by its owner, gathered, and added in the
-        single-device block order. Collective: every rank calls it at the same point."""
-        self.be.synchronize()
-        sums = np.zeros(self.rp.n_layers + 2, np.float64)
-        for i, b in self._global_index():
-            g = b.device("grads") if b.device("grads") is not None else b.home("grads")
-            sums[i] = float(np.sum(np.square(self.download(g).astype(np.float64))))
-        rows = self.transport.allgather(sums)
-        total = 0.0
-        for i in range(sums.size):  # the owner's value; the others hold exact zeros
-            total += float(sum(row[i] for row in rows))
-        return float(np.sqrt(total))
+    def _compute(self, ev) -> None:
+        if ev.op == "clip_scale":
+            self._global_sumsq()
+        super()._compute(ev)
+
+    def _global_sumsq(self) -> None:
+        """Before the clip scale: every rank holds the squared norm of its own blocks' gradients
+        (device scalar 0, and the host's part of a HOME embedding in scalar 2); gather them and
+        put the global sum in scalar 0 on every rank, so all clip alike. One host sync, where
+        the ring already synchronises (collective: every rank reaches it at the same point)."""
+        sc = self.tr["scalars"]
+        local = self.download(sc[0:3]).astype(np.float64)
+        rows = self.transport.allgather(np.array([local[0] + local[2]]))
+        total = np.zeros(3, np.float32)
+        total[0] = np.float32(sum(float(row[0]) for row in rows))
+        self.upload(sc[0:3], total)
 
     def step(self, batch: np.ndarray, optimizer) -> StepStats:
         """One step of this rank; the loss is the head rank's, gathered to every rank."""

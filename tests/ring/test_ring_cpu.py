@@ -105,3 +105,22 @@ def test_ring_refuses_more_ranks_than_layers():
     with pytest.raises(ConfigError, match="at most 2 ranks"):
         make_rank_plans(load_config("tiny"), 64, Budget.from_gib(0.25, 0.25), get_profile("cpu"),
                         3)
+
+
+def test_ring_clips_by_the_global_norm(tmp_path, rng):
+    """With a clip threshold far below the gradient norm, a ring of 3 clips by the norm over
+    every rank's blocks (gathered before the clip scale), as one device does: same losses and
+    weights up to the order of the squared-norm sums (fp32), not bit for bit."""
+    job = RingJob(model=_model(4), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+                  seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
+                  lr=1e-2, max_grad_norm=1e-3, timeout_s=60, out_dir=str(tmp_path),
+                  constraints=CHUNKING)
+    want_losses, want = _single_device(job)
+    unclipped, _ = _single_device(dataclasses.replace(job, max_grad_norm=None))
+    assert unclipped[1] != want_losses[1]  # clipping changed the step
+    losses, got, _ = _ring(job, 3)
+    for r in range(3):
+        np.testing.assert_allclose(losses[r], want_losses, rtol=1e-4)
+    for key in want:
+        a, b = got[key].astype(np.float64), want[key].astype(np.float64)
+        assert np.max(np.abs(a - b)) <= 2 * np.max(np.abs(b)) * 2.0 ** -8, key
