@@ -89,6 +89,9 @@ class BudgetRecord:
     device_overshoot_bytes: int | None = None
     """peak_device_used_bytes - context_bytes - device budget: > 0 means device bytes outside
     the plan's arena."""
+    libraries_and_pool_bytes: int | None = None
+    """The demo's own count, after its last step, of device bytes beside the context and the
+    arena (cuBLAS / cuDNN workspaces, kernel scratch, CuPy's pool); None off the GPU."""
     peak_rss_bytes: int | None = None
     """Largest sample of the demo's process-tree resident memory."""
     host_overshoot_bytes: int | None = None
@@ -212,7 +215,9 @@ def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeou
                                              "step_time_s")}
             if doc.get("status", "done") != "done":
                 status, error = Status.CRASH, f"the demo ended with status {doc['status']!r}"
-            baseline = (doc.get("memory") or {}).get("context_baseline_bytes")
+            memory = doc.get("memory") or {}
+            fields["libraries_and_pool_bytes"] = memory.get("libraries_and_pool_bytes")
+            baseline = memory.get("context_baseline_bytes")
             if baseline is not None and peaks.device_idle_bytes is not None:
                 # the backend's baseline is device-wide; the context is what rose above idle
                 context = int(baseline) - peaks.device_idle_bytes

@@ -40,6 +40,7 @@ def test_two_tiny_cells_run_in_fresh_processes_and_write_their_records(tmp_path,
         assert r.host_overshoot_bytes == r.peak_rss_bytes - r.host_budget_bytes \
             - r.device_budget_bytes  # NumPy: the device arena is host memory too
         assert r.peak_device_used_bytes is None and r.device_overshoot_bytes is None  # no NVML
+        assert r.libraries_and_pool_bytes is None  # the NumPy backend has no device libraries
         assert r.tok_per_s > 0 and r.predicted_tok_per_s > 0 and r.steps_averaged == 1
         assert 0 < r.init_s < r.wall_s
         assert (tmp_path / r.log).read_text().count("step 2:") >= 1
