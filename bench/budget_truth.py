@@ -178,11 +178,11 @@ def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeou
              commit: str | None = None) -> BudgetRecord:
     """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json."""
     budget = Budget.from_gib(cell.host_gib, cell.dev_gib)
-    base = dict(model=cell.model, seqlen=cell.seqlen, host_gib=cell.host_gib,
-                dev_gib=cell.dev_gib, host_budget_bytes=budget.host_bytes,
-                device_budget_bytes=budget.device_bytes, steps=steps, backend=backend,
-                profile=profile.name, commit=commit, hostname=socket.gethostname(),
-                started_at=now_iso())
+    base = {"model": cell.model, "seqlen": cell.seqlen, "host_gib": cell.host_gib,
+            "dev_gib": cell.dev_gib, "host_budget_bytes": budget.host_bytes,
+            "device_budget_bytes": budget.device_bytes, "steps": steps, "backend": backend,
+            "profile": profile.name, "commit": commit, "hostname": socket.gethostname(),
+            "started_at": now_iso()}
     slug = cell.slug
     try:
         plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile)

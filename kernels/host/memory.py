@@ -1,6 +1,6 @@
-"""Parallel zero-fill and copy of large host buffers (numba, prange over pages / 1 MiB pieces), for the
-engine's setup: clearing home gradients and AdamW state, copying loaded blocks into pinned
-memory. Works on any C-contiguous array as raw bytes, so the result is bit-for-bit what
+"""Parallel zero-fill and copy of large host buffers (numba, prange over pages or 1 MiB pieces),
+for the engine's setup: clearing home gradients and AdamW state, copying loaded blocks into
+pinned memory. Works on any C-contiguous array as raw bytes, so the result is bit-for-bit what
 `a[...] = 0` or `dst[...] = src` would leave. Never allocates and never touches a device."""
 
 from __future__ import annotations
