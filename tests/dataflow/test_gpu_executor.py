@@ -9,13 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    _HAS_GPU = False
-if not _HAS_GPU:
-    pytest.skip("no GPU", allow_module_level=True)
+from tests.gpu import require_gpu  # noqa: E402
+
+cp = require_gpu()
 
 from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
