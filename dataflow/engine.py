@@ -45,6 +45,7 @@ class StepResult:
     d2h_bytes: int
     lr: float
     grad_norm: float | None
+    """Global L2 norm of the step's gradients before clipping (every training step)."""
     breakdown: StepBreakdown | None = None
     """Where the step's time and bytes went; None unless the engine traces (trace=True)."""
     loss_tokens: int | None = None
@@ -363,9 +364,9 @@ class Engine:
         position_ids (the same shape): packed documents; attention never crosses a document
         start and RoPE positions restart (see dataflow.batch). lr: this step's learning rate
         (default: the schedule, else set_lr's / the constructor's). max_grad_norm: clip this
-        step's global gradient norm (None: no clipping; float('inf'): report the norm without
-        clipping; default: the constructor's). The result's grad_norm is set whenever clipping
-        is on.
+        step's global gradient norm (None: no clipping; default: the constructor's). The
+        result's grad_norm (before clipping) is reported on every step: it is computed on the
+        device with no host sync.
 
         Raises models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
         infinite. After that, or after any exception or interrupt inside the step, the engine

@@ -20,7 +20,8 @@ def _names(regions):
 
 
 def test_all_resident_plan_regions_and_sizes(h100):
-    """Resident layers, embed and head carry weights, grads, m, v; fixed buffers follow."""
+    """Resident layers, embed and head carry weights, grads, m, v; fixed buffers follow (on the
+    host: setup staging, token staging, and the pinned gradient-norm scalars)."""
     plan = forced(h100, "tiny", 64, chunk_tokens=128, chunks_per_round=2)
     cfg, el = plan.model, buffers.block_elems(plan.model)
     dev = dict(device_regions(plan))
@@ -32,7 +33,7 @@ def test_all_resident_plan_regions_and_sizes(h100):
     assert dev["workspace"] == buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, 128))
     assert dev["transitions"] == buffers.packed_bytes(buffers.transition_specs(cfg, 256))
     assert "weight_slots" not in dev and "act_slots" not in dev and "opt_stage" not in dev
-    assert _names(host_regions(plan)) == ["io_staging", "tokens"]
+    assert _names(host_regions(plan)) == ["io_staging", "tokens", "norm_host"]
     assert all(n % buffers.ALIGN_BYTES == 0 for _, n in device_regions(plan) + host_regions(plan))
 
 
