@@ -309,34 +309,32 @@ class Executor:
                           hb["dxn"], dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")
 
     def _host_task(self, ev: HostTask) -> None:
-        be, n = self.be, self.plan.chunking.tokens_per_round
-        ids = self.host.view("tokens", (2, n), "i32")
-        per = self.plan.chunking.seqs_per_round
-        rows = slice(ev.round * per, (ev.round + 1) * per)
-        if ev.op == "tokens_stage" and ev.dst.offset > 0:  # the second row alone: targets
-            tgt = self._batch.targets[rows].reshape(-1)
-            row = ids[1]
-            be.host_call(Stream.HOST, lambda: row.__setitem__(Ellipsis, tgt), writes=(row,),
-                         name=ev.name)
-        elif ev.op == "tokens_stage":                        # both rows: ids and positions
-            ins = self._batch.ids[rows].reshape(-1)
-            pos = self._batch.positions[rows].reshape(-1)
+        be, n, d = self.be, self.plan.chunking.tokens_per_round, self.cfg.model_dim
+        # Pinned token staging: buffer (round % 2) x rows (ids, positions, targets).
+        ids = self.host.view("tokens", (2, 3, n), "i32")[ev.round % 2, 0]
+        if ev.op == "tokens_stage":
+            per = self.plan.chunking.seqs_per_round
+            rows = slice(ev.round * per, (ev.round + 1) * per)
+            dst = self._view(ev.dst, (3, n), "i32")
+            b = self._batch
+            src = (b.ids[rows].reshape(-1), b.positions[rows].reshape(-1),
+                   b.targets[rows].reshape(-1))
 
             def stage():
-                ids[0] = ins
-                ids[1] = pos
+                for row, values in zip(dst, src):
+                    row[...] = values
 
-            be.host_call(Stream.HOST, stage, writes=(ids,), name=ev.name)
+            be.host_call(Stream.HOST, stage, writes=(dst,), name=ev.name)
         elif ev.op == "embed_gather":
-            rows = self._view(ev.dst, (n, self.cfg.model_dim), "bf16")
+            rows = self._view(ev.dst, (n, d), "bf16")
             table = self.emb_lay.view(self.embed.home("weights"), "embed_tokens")
-            be.host_call(Stream.HOST, lambda: np.take(table, ids[0], axis=0, out=rows),
-                         reads=(table, ids[0]), writes=(rows,), name=ev.name)
+            be.host_call(Stream.HOST, lambda: np.take(table, ids, axis=0, out=rows),
+                         reads=(table, ids), writes=(rows,), name=ev.name)
         elif ev.op == "embed_scatter":
-            rows = self.host.view("embed_rows", (2, n, self.cfg.model_dim), "bf16")[1]
+            rows = self.host.view("embed_rows", (3, n, d), "bf16")[2]
             grads = self.emb_lay.view(self._view(ev.dst, dtype=self.gdt), "embed_tokens")
-            be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids[0], rows, grads),
-                         reads=(ids[0], rows), writes=(grads,), name=ev.name)
+            be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids, rows, grads),
+                         reads=(ids, rows), writes=(grads,), name=ev.name)
         elif ev.op == "grad_sumsq":                          # a HOME embedding gradient
             grads = self._view(ev.dst, dtype=self.gdt)
             out = self.host.view("norm_host", (2,), "f32")[0:1]

@@ -299,7 +299,7 @@ def event_seconds(plan, p: HardwareProfile):
             return ev.dst.nbytes / (host if ev.stream == "host" else hbm)
         if kind == "HostTask":
             if ev.op == "tokens_stage":
-                return 2 * ch.tokens_per_round * 4 / host
+                return 3 * ch.tokens_per_round * 4 / host
             return 2 * rows / host
         return 0.0
 

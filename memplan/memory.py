@@ -20,6 +20,12 @@ _FIXED_CATEGORY = {
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
 }
 TOKEN_ID_BYTES = 4
+TOKEN_STAGING_ROWS = 6
+"""Pinned token staging: two buffers (rounds alternate, so the next round stages while this one
+runs) of three rows each: ids, RoPE positions, targets."""
+EMBED_ROW_BUFFERS = 3
+"""Pinned embedding rows of a HOME table: two gather buffers (alternate rounds) and the
+backward's gradient rows."""
 NORM_HOST_BYTES = 256
 """Pinned fp32 scalars: the host's part of the squared gradient norm, the clip scale."""
 
@@ -125,10 +131,10 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
                                                                         a.level)
                 out.append((f"home.act.{layer}.{chunk}", act_bytes[a.level]))
     out.append(("io_staging", max(elems.values()) * 2))
-    out.append(("tokens", 2 * ch.tokens_per_round * TOKEN_ID_BYTES))
+    out.append(("tokens", TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES))
     out.append(("norm_host", NORM_HOST_BYTES))
     if d.embed.weights is Where.HOME:
-        out.append(("embed_rows", 2 * ch.tokens_per_round * cfg.model_dim * 2))
+        out.append(("embed_rows", EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2))
     return tuple((name, buffers.align(n)) for name, n in out if n > 0)
 
 

@@ -395,10 +395,16 @@ class _Compiler:
         self.numel = {"layer": layer_layout(self.cfg).numel,
                       "embed": embed_layout(self.cfg).numel, "head": head_layout(self.cfg).numel}
         self.L, self.C, self.T = self.cfg.n_layers, self.ch.chunks_per_round, self.ch.chunk_tokens
-        self.tokens_free: int | None = None
         self.targets_ready: int | None = None
-        self.embed_host_ready: int | None = None
         self.embed_grads_ready: int | None = None
+        self.dx_sent: int | None = None
+        """The last round's embedding gradient rows have left the residual buffer (D2H)."""
+        self.n_rounds = self.ch.rounds_per_step
+        self.staged: dict[int, int] = {}
+        """Round -> the host record after its token rows (and embedding rows) were staged."""
+        self.buf_free: list[list[int]] = [[], []]
+        """Per pinned staging buffer: what must finish before it is restaged (its fetches, and
+        the embedding scatter that read its ids)."""
         self.stage_free: list[int | None] = [None, None]
         self._regions = self.table.by_name()
         self._ctx_offsets = buffers.offsets(buffers.context_specs(
@@ -522,7 +528,7 @@ class _Compiler:
         em = self.em
         rounds = self.ch.rounds_per_step if rounds is None else rounds
         em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
-        self.last_round = rounds - 1
+        self.last_round, self.n_rounds = rounds - 1, rounds
         starts = []
         for rnd in range(rounds):
             starts.append(len(em.events))
@@ -536,6 +542,7 @@ class _Compiler:
         """Forward-only rounds: tokens, embedding, layers (saving nothing), head loss. No
         gradient leaves the device, nothing is written home and no optimizer event runs."""
         em, L = self.em, self.L
+        self.n_rounds = rounds
         em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
         ring = uses = assigned = None
         streamed = [i for i in range(L) if self.d.layers[i].weights is Where.HOME]
@@ -594,6 +601,7 @@ class _Compiler:
         self.load_tokens(rnd)
         x, y = "resid_a", "resid_b"
         self.embed_fwd(rnd, x)
+        self.stage(rnd + 1)              # the next round's host work hides behind this round
         for layer in range(L):                                          # forward, layer-major
             w = self.weights("f", layer)
             for c in range(self.C):
@@ -624,33 +632,52 @@ class _Compiler:
             dy, dx = dx, dy
         self.embed_bwd(rnd, dy)
 
+    def _tokens(self, rnd: int, row: int | None = None) -> Ref:
+        """Pinned token staging of round `rnd` (buffer rnd % 2): rows ids, positions, targets;
+        one row, or all three."""
+        n4 = self.ch.tokens_per_round * 4
+        at = (rnd % 2) * 3 * n4
+        return self.ref("tokens", at, 3 * n4) if row is None else \
+            self.ref("tokens", at + row * n4, n4)
+
+    def _rows(self, part: int) -> Ref:
+        """Pinned embedding rows: parts 0 and 1 the gathered rows of alternate rounds, part 2
+        the gradient rows the backward sends home."""
+        nb = self.ch.tokens_per_round * self.cfg.model_dim * 2
+        return self.ref("embed_rows", part * nb, nb)
+
+    def stage(self, rnd: int) -> None:
+        """Round `rnd`'s host work: its ids, positions and targets (the trainer's data) into
+        pinned buffer rnd % 2 and, for a HOME embedding table, its rows gathered next to them.
+        Issued one round ahead, so it runs on the host while the previous round computes; the
+        table does not change within a step."""
+        if rnd in self.staged or rnd >= self.n_rounds:
+            return
+        em = self.em
+        for ev in self.buf_free[rnd % 2]:
+            em.wait(HOST, ev)
+        self.buf_free[rnd % 2] = []
+        em.add(HostTask("tokens.stage", "tokens_stage", rnd, self._tokens(rnd)))
+        if self.block("embed", "weights", False) is None:
+            em.add(HostTask("embed.gather", "embed_gather", rnd, self._rows(rnd % 2)))
+        self.staged[rnd] = em.record(HOST)
+
     def load_tokens(self, rnd: int) -> None:
-        """Token ids, RoPE positions and targets of the round (the trainer's data: positions
-        restart at document boundaries, targets may be masked): host staging, then one H2D each.
-        The pinned token buffer has two rows, so the positions go first through the second row
-        and the targets follow once that copy is done; the compute needs the targets only at
-        the head, so their second staging hides behind the forward."""
-        em, n = self.em, self.ch.tokens_per_round
-        em.wait(HOST, self.tokens_free)
-        em.add(HostTask("tokens.stage", "tokens_stage", rnd, self.ref("tokens")))
-        em.wait(H2D, em.record(HOST))
-        # The compute stream may still read last round's ids/positions/targets (head, backward,
-        # embedding bwd).
+        """Token ids, RoPE positions and targets of the round (staged on the host, usually one
+        round ahead): one H2D each, once the compute no longer reads the last round's."""
+        em = self.em
+        self.stage(rnd)
+        em.wait(H2D, self.staged[rnd])
         em.wait(H2D, em.record(COMPUTE))
-        for i, name in enumerate(("ids", "positions")):
+        for row, name in enumerate(("ids", "positions", "targets")):
             off, nb = self._transition(name)
             em.add(Fetch(f"tokens.{name}", self.ref("transitions", off, nb),
-                         self.ref("tokens", i * n * 4, n * 4)))
+                         self._tokens(rnd, row)))
         ev = em.record(H2D)
         em.wait(COMPUTE, ev)
-        em.wait(HOST, ev)  # the positions have left the second row
-        em.add(HostTask("tokens.stage_targets", "tokens_stage", rnd,
-                        self.ref("tokens", n * 4, n * 4)))
-        em.wait(H2D, em.record(HOST))
-        off, nb = self._transition("targets")
-        em.add(Fetch("tokens.targets", self.ref("transitions", off, nb),
-                     self.ref("tokens", n * 4, n * 4)))
-        self.tokens_free = self.targets_ready = em.record(H2D)
+        em.wait(COMPUTE, self.dx_sent)  # this round overwrites the residual buffers
+        self.targets_ready = ev
+        self.buf_free[rnd % 2].append(ev)
 
     def embed_fwd(self, rnd: int, out: str) -> None:
         em = self.em
@@ -658,14 +685,12 @@ class _Compiler:
         if dev is not None:
             em.add(Compute("embed.fwd", "embed_fwd", rnd, weights=dev, y=out))
             return
-        rows = self.ref("embed_rows", 0, self.ch.tokens_per_round * self.cfg.model_dim * 2)
-        em.wait(HOST, em.record(H2D))  # the token staging is free: the last upload is done
-        em.wait(HOST, self.embed_host_ready)
-        em.add(HostTask("embed.gather", "embed_gather", rnd, rows))
-        em.wait(H2D, em.record(HOST))
         off, nb = self._transition(out)
-        em.add(Fetch("embed.rows", self.ref("transitions", off, nb), rows))
-        em.wait(COMPUTE, em.record(H2D))
+        em.wait(H2D, self.dx_sent)
+        em.add(Fetch("embed.rows", self.ref("transitions", off, nb), self._rows(rnd % 2)))
+        ev = em.record(H2D)
+        em.wait(COMPUTE, ev)
+        self.buf_free[rnd % 2].append(ev)
 
     def embed_bwd(self, rnd: int, dx: str) -> None:
         em = self.em
@@ -674,19 +699,19 @@ class _Compiler:
             em.add(Compute("embed.bwd", "embed_bwd", rnd, grads=dev, x=dx))
             self.sumsq(rnd, "embed", dev)
             return
-        nb = self.ch.tokens_per_round * self.cfg.model_dim * 2
-        rows = self.ref("embed_rows", nb, nb)
         em.wait(D2H, em.record(COMPUTE))
+        em.wait(D2H, self.embed_grads_ready)  # the last scatter has read the gradient rows
         off, n = self._transition(dx)
-        em.add(WriteBack("embed.dx", rows, self.ref("transitions", off, n)))
-        em.wait(HOST, em.record(D2H))
+        em.add(WriteBack("embed.dx", self._rows(2), self.ref("transitions", off, n)))
+        self.dx_sent = em.record(D2H)
+        em.wait(HOST, self.dx_sent)
         home = self.block("embed", "grads", True)
         em.add(HostTask("embed.scatter", "embed_scatter", rnd, home))
         if rnd == self.last_round:  # the squared norm of the finished sum, on the host
             em.add(HostTask("gnorm.embed", "grad_sumsq", rnd, home))
         ev = em.record(HOST)
-        self.embed_host_ready = ev
         self.embed_grads_ready = ev
+        self.buf_free[rnd % 2].append(ev)  # the scatter read this round's ids
 
     def head(self, rnd: int, final: str, dfinal: str) -> None:
         w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)

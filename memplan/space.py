@@ -13,7 +13,8 @@ from memplan import buffers
 from memplan.chunking import head_sub_tokens
 from memplan.cost import LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
-from memplan.memory import NORM_HOST_BYTES, TOKEN_ID_BYTES, grad_bpe
+from memplan.memory import (EMBED_ROW_BUFFERS, NORM_HOST_BYTES, TOKEN_ID_BYTES,
+                             TOKEN_STAGING_ROWS, grad_bpe)
 from memplan.plan import Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where
 from memplan.sim import Workload
 from models.config import ModelConfig
@@ -73,9 +74,9 @@ class Space:
             buffers.library_scratch_specs(cfg),
             buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(cfg, t, ch.seqlen))
-        self.rows_b = buffers.align(2 * ch.tokens_per_round * cfg.model_dim * 2)
-        self.fixed_host = max(e.values()) * 2 + buffers.align(2 * ch.tokens_per_round
-                                                              * TOKEN_ID_BYTES) + NORM_HOST_BYTES
+        self.rows_b = buffers.align(EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2)
+        self.fixed_host = max(e.values()) * 2 + buffers.align(
+            TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES) + NORM_HOST_BYTES
         self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
         self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))

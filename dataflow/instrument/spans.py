@@ -36,7 +36,7 @@ class Span(NamedTuple):
 
     step: int
     round: int | None
-    """Round of the step (counted from the executor's per-round "tokens.stage" host call);
+    """Round of the step (counted from the executor's per-round "tokens.ids" copy);
     None before the first round and for the optimizer."""
     stream: Stream
     name: str
@@ -74,9 +74,10 @@ class StepTrace:
 
 
 # -- names ------------------------------------------------------------------------------------
-ROUND_MARKER = "tokens.stage"
-"""The executor's first submission of every round (the host staging of that round's token ids);
-the tracer counts rounds by it."""
+ROUND_MARKER = "tokens.ids"
+"""The first copy of every round (its token ids to the device), enqueued when the round begins;
+the tracer counts rounds by it. (The host staging of a round's data runs one round ahead, so it
+cannot mark the round.)"""
 
 OPTIMIZER_PREFIXES = ("adamw", "opt.", "zero_grads")
 """Optimizer work: AdamW launches and host calls ("adamw.layer4", "adamw.host.embed",

@@ -319,7 +319,7 @@ def test_gpu_spans_come_from_cuda_events_and_pcie_counters_agree(monkeypatch):
     t0 = time.perf_counter()
     be.begin_step(1)
     for rnd in range(ROUNDS_GPU):
-        be.host_call(Stream.HOST, lambda: None, name="tokens.stage")
+        be.host_call(Stream.HOST, lambda: None, name="tokens.ids")  # marks the round
         be.wait(Stream.H2D, be.record(Stream.HOST))
         be.copy(slots[rnd % 2], homes[rnd % 2], Stream.H2D, name=f"w.h2d{rnd}")
         for _ in range(20):                      # overlaps the next round's H2D

@@ -64,14 +64,15 @@ def test_home_activations_and_slot_size_is_largest_home_level(h100):
 
 
 def test_embed_at_home_needs_no_device_region_and_head_always_has_two(h100):
-    """Embed HOME: no device region, rows staging on the host; head HOME: weights and grads
-    regions stay on the device, m and v go home."""
+    """Embed HOME: no device region, rows staging on the host (two gather buffers for
+    alternate rounds and the gradient rows); head HOME: weights and grads regions stay on the
+    device, m and v go home."""
     plan = forced(h100, "tiny", 64, embed=HOME_HOST, head=HOME_STREAMED, opt_stage_elems=64)
     dev, host = dict(device_regions(plan)), dict(host_regions(plan))
     assert not any(n.startswith("embed") for n in dev)
     assert "head.weights" in dev and "head.grads" in dev and "head.m" not in dev
     assert {"home.embed.weights", "home.embed.v", "home.head.m", "embed_rows"} <= set(host)
-    assert host["embed_rows"] == 2 * 64 * 64 * 2
+    assert host["embed_rows"] == 3 * 64 * 64 * 2
 
 
 def test_memory_map_sums_regions_by_category(h100):
