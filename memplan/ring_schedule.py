@@ -148,6 +148,7 @@ class _RingCompiler(_Compiler):
                 self.release_act("b", j, c)
                 if g > 0:
                     self.send(rnd, True, g, dx, c)
+            self.sumsq(rnd, f"L{g}", grads)  # last round: this rank's part of the global norm
             self.release_grads(j)
             self.release_weights("b", j)
         if rp.has_embed:

@@ -111,20 +111,26 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
     t0 = time.monotonic()
     first = None
     stop_at = None
+    terminated: set[int] = set()
     try:
         while any(p.is_alive() for p in procs):
             failed = [r for r, p in enumerate(procs)
                       if not p.is_alive() and p.exitcode not in (0, None)]
             if first is None and failed:
-                # Within one poll a neighbour may already have exited on noticing the death:
-                # blame a rank killed by a signal before one that exited with an error.
+                # A neighbour may exit on noticing a death before this poll has reaped the dead
+                # rank: look again a moment later, and blame a rank killed by a signal before
+                # one that exited with an error.
+                time.sleep(0.5)
+                failed = [r for r, p in enumerate(procs)
+                          if not p.is_alive() and p.exitcode not in (0, None)]
                 first = min(failed, key=lambda r: (procs[r].exitcode >= 0, r))
                 if job.transport == "shm":
                     abort_ring(run_id, n_ranks)
                 stop_at = time.monotonic() + grace_s
             if stop_at is not None and time.monotonic() > stop_at:
-                for p in procs:
+                for r, p in enumerate(procs):
                     if p.is_alive():
+                        terminated.add(r)
                         p.terminate()
                 break
             time.sleep(0.05)
@@ -143,4 +149,9 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
     codes = tuple(p.exitcode if p.exitcode is not None else -9 for p in procs)
     if first is None:
         first = next((r for r, c in enumerate(codes) if c != 0), None)
+    # A rank killed by a signal (not by us) is the cause; ranks that exited with an error were
+    # reacting to it, even when one of them was seen first.
+    killed = [r for r, c in enumerate(codes) if c < 0 and r not in terminated]
+    if killed and codes[first] >= 0:
+        first = killed[0]
     return LaunchResult(codes, first, time.monotonic() - t0)

