@@ -1,9 +1,11 @@
 """Summarise this folder's demo --json files into summary.json (run from the repo root:
 python bench/records/session-2026-11-23/summarize.py). Steady state = mean of steps after the
-first; prediction = memplan.cost.predict_schedule of the run's own plan."""
+first; prediction = the one the run printed (its step time), else today's
+memplan.cost.predict_schedule of the run's plan."""
 import glob
 import json
 import os
+import re
 
 from memplan.cost import predict_schedule
 from memplan.plan import Plan
@@ -11,17 +13,24 @@ from memplan.plan import Plan
 GIB = 1 << 30
 here = os.path.dirname(os.path.abspath(__file__))
 rows = []
-for path in sorted(glob.glob(os.path.join(here, "demo-*.json"))):
+for path in sorted(glob.glob(os.path.join(here, "demo-*.json"))
+                   + glob.glob(os.path.join(here, "*", "demo-*.json"))):
     d = json.load(open(path))
     plan = Plan.from_json(json.dumps(d["plan"])) if isinstance(d["plan"], dict) else \
         Plan.from_json(d["plan"])
     steps = d["steps"]
     steady = [s["tok_per_s"] for s in steps[1:]] or [s["tok_per_s"] for s in steps]
-    pred = predict_schedule(plan, plan.profile).tok_per_s
+    # The prediction the run itself printed (the code of that run), else today's code's.
+    log = path[:-5] + ".log"
+    m_pred = None
+    if os.path.exists(log):
+        m_pred = re.search(r"Prediction on .*?: step ([0-9.]+) s", open(log).read())
+    pred = (plan.chunking.tokens_per_step / float(m_pred.group(1))) if m_pred else \
+        predict_schedule(plan, plan.profile).tok_per_s
     m = d["memory"]
     dev_outside = m["device_used_bytes"] - m["context_baseline_bytes"] - plan.budget.device_bytes
     rows.append(dict(
-        file=os.path.basename(path), device=d["device"], model=plan.model.name,
+        file=os.path.relpath(path, here), device=d["device"], model=plan.model.name,
         seqlen=plan.chunking.seqlen, host_gib=plan.budget.host_bytes / GIB,
         dev_gib=plan.budget.device_bytes / GIB, rounds=plan.chunking.rounds_per_step,
         steady_tok_per_s=sum(steady) / len(steady), predicted_tok_per_s=pred,
