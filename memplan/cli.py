@@ -13,17 +13,9 @@ import traceback
 
 from models.errors import ConfigError
 from models.serial import to_json
+from memplan.cli_args import OneLineParser, UsageError
 
 PROG = "dataflow-plan"
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one paragraph, no usage dump; main() returns 2
-        raise _UsageError(message)
 
 
 def _budget_gib(text: str) -> float:
@@ -72,7 +64,7 @@ def _ranks(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=(
+    p = OneLineParser(prog=PROG, description=(
         "Plan where every byte of training state lives for MODEL at SEQLEN under the host and "
         "device memory budgets, and predict the step. GB means GiB (2^30 bytes)."))
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
@@ -160,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help

@@ -8,56 +8,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 
 from models.errors import ConfigError
+from memplan.cli_args import OneLineParser, UsageError, positive
 
 PROG = "dataflow-ring"
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _UsageError(message)
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=(
+    p = OneLineParser(prog=PROG, description=(
         "Train MODEL on a ring of N ranks: layer i lives on rank i mod N, the embedding on rank "
         "0, the head on the rank of the last layer; residuals go to the next rank, gradients to "
         "the previous. Budgets are per device; GB means GiB (2^30 bytes). Spawns the ranks, or "
         "runs as one rank under torchrun/srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
         "MASTER_PORT; SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)."))
-    p.add_argument("host_gb", type=_positive(float), help="pinned host memory per rank, GiB")
-    p.add_argument("dev_gb", type=_positive(float), help="device memory per rank, GiB")
-    p.add_argument("seqlen", type=_positive(int), help="tokens per sequence")
+    p.add_argument("host_gb", type=positive(float), help="pinned host memory per rank, GiB")
+    p.add_argument("dev_gb", type=positive(float), help="device memory per rank, GiB")
+    p.add_argument("seqlen", type=positive(int), help="tokens per sequence")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, ...) or a config path")
-    p.add_argument("--gpus", type=_positive(int), default=None, metavar="N",
+    p.add_argument("--gpus", type=positive(int), default=None, metavar="N",
                    help="ranks in the ring (required unless launched by torchrun/srun)")
-    p.add_argument("--steps", type=_positive(int), default=3)
+    p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--lr", type=_positive(float), default=1e-3)
+    p.add_argument("--lr", type=positive(float), default=1e-3)
     p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                    help="numpy (shared-memory transport) or cupy (NCCL, one GPU per rank)")
-    p.add_argument("--timeout", type=_positive(float), default=120.0, metavar="S",
+    p.add_argument("--timeout", type=positive(float), default=120.0, metavar="S",
                    help="seconds a rank waits for a neighbour before giving up (default 120)")
     p.add_argument("--out", metavar="DIR", default="",
                    help="write each rank's losses (rank<r>.json) and weights (rank<r>.npz)")
@@ -71,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help

@@ -10,6 +10,7 @@ import logging
 import sys
 
 from models.errors import ConfigError
+from memplan.cli_args import OneLineParser, UsageError, positive
 
 PROG = "dataflow-sweep"
 
@@ -28,34 +29,13 @@ Run again to resume: cells with a record in the directory are skipped (--redo ru
 """
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump; main() returns 2
-        raise _UsageError(message)
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    p = OneLineParser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog=EPILOG,
                 description="Memory x throughput sweeps: run the demo's engine for every cell "
                             "of a grid of host and device budgets (each in a fresh process), "
                             "keep one resumable table (Parquet + CSV) and draw heatmaps.")
-    sub = p.add_subparsers(dest="command", metavar="{run,plot}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{run,plot}", parser_class=OneLineParser)
     run = sub.add_parser("run", help="run (or predict) a grid of cells into a sweep directory",
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     run.add_argument("--model", required=True,
@@ -65,12 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="host budgets in GiB: a list (60,80,100) or a range (20:60:10)")
     run.add_argument("--dev", required=True, help="device budgets in GiB: list or range")
     run.add_argument("--out", required=True, metavar="DIR", help="sweep directory")
-    run.add_argument("--steps", type=_positive(int), default=3,
+    run.add_argument("--steps", type=positive(int), default=3,
                      help="optimizer steps per cell; means are over the steps after the first "
                           "(default 3)")
     run.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
                      help="passed to every cell's demo (default auto: cupy when a GPU is usable)")
-    run.add_argument("--timeout", type=_positive(float), default=1800.0, metavar="SECONDS",
+    run.add_argument("--timeout", type=positive(float), default=1800.0, metavar="SECONDS",
                      help="per cell, model initialisation included (default 1800)")
     run.add_argument("--redo", action="store_true", help="run cells that already have a record")
     run.add_argument("--predict-only", action="store_true",
@@ -151,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help

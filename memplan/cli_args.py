@@ -1,0 +1,31 @@
+"""Argument parsing shared by the command lines (dataflow-plan, dataflow-ring, dataflow-sweep): a
+parser whose errors are one line (the caller prints it and exits 2, no usage dump) and a
+positive-number argument type. Pure Python; never imports array libraries."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class UsageError(Exception):
+    """A command-line mistake, already worded for the user."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def positive(kind):
+    """An argparse type: `kind` (int or float) parsed from text, finite and > 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
