@@ -1,9 +1,26 @@
-"""CuPy backend: one cudaMalloc of exactly the device budget and one pinned host allocation of
+"""CuPy backend: one cudaMalloc of exactly the device budget and one pinned host slab of
 exactly the host budget (not through CuPy's pools, which round up), sub-allocated by offset;
 compute, H2D, D2H and HOST streams (HOST runs CPU callbacks in stream order); ordering only
-through CUDA events. Ops come from dataflow.ops_cuda. Never decides placement."""
+through CUDA events. Ops come from dataflow.ops_cuda. Never decides placement.
+
+The host slab is pinned one of two ways, chosen by DATAFLOW_PIN (read at each host alloc):
+'register' (the default): an anonymous mmap, its pages faulted in by all threads at once (with
+transparent huge pages where the kernel allows), then pinned with cudaHostRegister; freed by
+cudaHostUnregister and munmap when the last view of it is gone. If mapping or registering fails
+it falls back, with a warning, to 'alloc': cudaHostAlloc, which zeroes and pins every page from
+one thread inside the driver. DATAFLOW_PIN_PIECES=n registers the slab as n ranges from n
+threads (an experiment: bench/setup_speed.py checks that a copy spanning two ranges still runs
+at pinned speed before anyone should use it). `last_pin` says how the last host slab was pinned
+and how long each part took."""
 
 from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
 
 import numpy as np
 
@@ -15,6 +32,153 @@ except ImportError:  # pragma: no cover - the package imports without the gpu ex
     cp = None
 
 _DT = {"bf16": "bfloat16", "f32": np.float32, "i32": np.int32, "u8": np.uint8}
+log = logging.getLogger(__name__)
+
+PIN_METHODS = ("register", "alloc")
+"""Values of DATAFLOW_PIN: how the host slab is pinned (see the module docstring)."""
+_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every CUDA context of the process, as cudaHostAlloc's
+memory is under unified addressing (two backends on two GPUs may share a process)."""
+_PIECE_ALIGN = 2 << 20
+"""Registration pieces start on 2 MiB (huge page) boundaries."""
+
+
+def pin_options(env=None) -> tuple[str, int]:
+    """(method, pieces) from DATAFLOW_PIN and DATAFLOW_PIN_PIECES; BackendError names bad values."""
+    env = os.environ if env is None else env
+    method = (env.get("DATAFLOW_PIN") or "register").strip().lower()
+    if method not in PIN_METHODS:
+        raise BackendError(f"DATAFLOW_PIN={method!r}; choose 'register' (mmap, parallel first "
+                           "touch, cudaHostRegister) or 'alloc' (cudaHostAlloc)")
+    raw = (env.get("DATAFLOW_PIN_PIECES") or "1").strip()
+    try:
+        pieces = int(raw)
+    except ValueError:
+        pieces = 0
+    if not 1 <= pieces <= 256:
+        raise BackendError(f"DATAFLOW_PIN_PIECES={raw!r}; give a whole number from 1 to 256 "
+                           "(1, the default, registers the slab in one call)")
+    return method, pieces
+
+
+def piece_bounds(nbytes: int, pieces: int, align: int = _PIECE_ALIGN) -> list[tuple[int, int]]:
+    """[(start, length)] of at most `pieces` consecutive ranges covering [0, nbytes), every
+    start a multiple of `align`; no empty range."""
+    per = -(-max(nbytes, 1) // max(pieces, 1))
+    per = -(-per // align) * align
+    return [(lo, min(per, nbytes - lo)) for lo in range(0, nbytes, per)]
+
+
+class MappedHostMemory:
+    """`nbytes` of anonymous private memory (mmap), pinned for DMA by `register(ptr, size)`
+    (cudaHostRegister) in `pieces` ranges from as many threads, and released by
+    `unregister(ptr)` then munmap in free(), or when the last array viewing it is gone.
+    np.asarray(self) is the uint8 array of its bytes (its base is this object, so every view
+    keeps the mapping alive). Fresh memory reads as zero.
+
+    populate: 'touch' faults every page in from all threads (kernels.host.memory.prefault_zero)
+    before registering, so registration only pins present pages; 'populate' asks mmap to do it
+    (MAP_POPULATE, one thread in the kernel); 'none' leaves it to the registration.
+    `seconds` holds the time of each part: map, touch, register."""
+
+    def __init__(self, nbytes: int, register, unregister, *, pieces: int = 1,
+                 populate: str = "touch", hugepages: bool = True):
+        if populate not in ("touch", "populate", "none"):
+            raise ValueError(f"populate={populate!r}; choose 'touch', 'populate' or 'none'")
+        self.nbytes = int(nbytes)
+        self._unregister = unregister
+        self._registered: list[int] = []
+        self._map = None
+        self.seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        if populate == "populate":
+            flags |= getattr(mmap, "MAP_POPULATE", 0x8000)
+        # mmap refuses length 0; a 0-byte slab still gets one page, of which it shows none.
+        self._map = mmap.mmap(-1, max(self.nbytes, 1), flags=flags,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hugepages and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP disabled or unsupported: 4 KiB pages, still correct
+                pass
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.ptr = ctypes.addressof(anchor)
+        del anchor  # drop the buffer export at once, so free() can unmap
+        self.seconds["map"] = time.perf_counter() - t0
+        try:
+            if populate == "touch" and self.nbytes:
+                from kernels.host.memory import prefault_zero
+
+                t0 = time.perf_counter()
+                whole = np.frombuffer(self._map, np.uint8, self.nbytes)
+                prefault_zero(whole)
+                del whole
+                self.seconds["touch"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._register_all(register, pieces)
+            self.seconds["register"] = time.perf_counter() - t0
+        except BaseException:
+            self.free()
+            raise
+
+    def _register_all(self, register, pieces: int) -> None:
+        bounds = piece_bounds(self.nbytes, pieces) if self.nbytes else []
+        if len(bounds) <= 1:
+            for lo, n in bounds:
+                register(self.ptr + lo, n)
+                self._registered.append(self.ptr + lo)
+            return
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def one(lo: int, n: int) -> None:
+            try:
+                register(self.ptr + lo, n)  # CuPy releases the GIL around the CUDA call
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the joins
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                self._registered.append(self.ptr + lo)
+
+        threads = [threading.Thread(target=one, args=b, daemon=True) for b in bounds]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+
+    @property
+    def __array_interface__(self) -> dict:
+        if self._map is None:
+            raise ValueError("this host memory was freed")
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "version": 3}
+
+    @property
+    def registered_pieces(self) -> int:
+        return len(self._registered)
+
+    def free(self) -> None:
+        """Unregister every pinned range, then unmap. Idempotent. Every array made from this
+        object must be gone (or never used again)."""
+        while self._registered:
+            ptr = self._registered.pop()
+            try:
+                self._unregister(ptr)
+            except Exception as exc:  # noqa: BLE001 - at exit the CUDA context may be gone
+                log.debug("cudaHostUnregister(%#x) failed: %s", ptr, exc)
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise
+            pass
 
 
 def gpu_available() -> bool:
@@ -51,6 +215,9 @@ class CupyBackend(Backend):
         self.baseline_used_bytes = self.total_bytes - free
         """Device memory in use once the CUDA context exists, before any arena."""
         self._slabs: list[Slab] = []
+        self.last_pin: dict | None = None
+        """How the last host slab was pinned: method, pieces, seconds (and map/touch/register
+        seconds for 'register'); None before any host slab."""
         self._op = ""
         from dataflow.backends.alloc_guard import AllocationGuard
 
@@ -65,14 +232,42 @@ class CupyBackend(Backend):
                 mem = cp.cuda.Memory(nbytes)
                 handle = cp.cuda.MemoryPointer(mem, 0)
             else:
-                mem = cp.cuda.PinnedMemory(nbytes)
-                handle = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, nbytes)
+                mem, handle = self._pinned_host(nbytes)
         except (cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError) as exc:
             raise BackendError(f"cannot allocate the {place.value} arena of "
                                f"{nbytes / 2**30:.2f} GiB: {exc}; lower the budget") from None
         slab = Slab(place=place, nbytes=nbytes, handle=(mem, handle))
         self._slabs.append(slab)
         return slab
+
+    def _pinned_host(self, nbytes: int):
+        """(owner, uint8 array of nbytes) of pinned host memory, as DATAFLOW_PIN says; records
+        `last_pin`."""
+        method, pieces = pin_options()
+        t0 = time.perf_counter()
+        if method == "register":
+            try:
+                mem = MappedHostMemory(
+                    nbytes, lambda ptr, n: cp.cuda.runtime.hostRegister(
+                        ptr, n, _HOST_REGISTER_PORTABLE),
+                    cp.cuda.runtime.hostUnregister, pieces=pieces)
+            except (OSError, MemoryError, cp.cuda.runtime.CUDARuntimeError) as exc:
+                log.warning("pinning %.2f GiB with mmap + cudaHostRegister failed (%s); "
+                            "falling back to cudaHostAlloc (DATAFLOW_PIN=alloc skips the try)",
+                            nbytes / 2**30, exc)
+                method = "alloc (register failed)"
+            else:
+                self.last_pin = {"method": "register", "nbytes": nbytes,
+                                 "pieces": mem.registered_pieces,
+                                 "seconds": time.perf_counter() - t0, **{
+                                     f"{k}_s": v for k, v in mem.seconds.items()}}
+                return mem, np.asarray(mem)
+        t0 = time.perf_counter()
+        mem = cp.cuda.PinnedMemory(nbytes)
+        handle = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, nbytes)
+        self.last_pin = {"method": method, "nbytes": nbytes, "pieces": 1,
+                         "seconds": time.perf_counter() - t0}
+        return mem, handle
 
     def view(self, slab: Slab, offset: int, shape, dtype: str):
         dt = _dtype(dtype)

@@ -5,11 +5,21 @@ built on it stay safe inside the engine's hot loop.
 Each `.cu` is compiled by NVRTC (through `cupy.RawModule`) with `_common.cuh` pasted in front,
 once per device, with every template instantiation its launcher names (`name_expressions`):
 one NVRTC run per source instead of one per (op, dtype) keeps the first call cheap.
+
+Compiled modules are cached on disk by CuPy (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache; the
+key hashes the source, options, NVRTC version and GPU arch; CuPy >= 14.2 also stores the
+mangled names of `name_expressions` beside the cubin, so a template module is cached too). A
+second process then loads cubins instead of running NVRTC. `precompile()` builds (or loads)
+every module of the package at once, so setup can pay for it instead of the first step.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import pathlib
+import pkgutil
+import time
 
 import cupy
 import ml_dtypes
@@ -33,14 +43,53 @@ def kernel(source: str, names: tuple[str, ...], name: str) -> cupy.RawKernel:
     if fn is None:
         if name not in names:
             raise KeyError(f"{name} is not among the instantiations of {source}: {names}")
-        mod = _MODULES.get((source, dev))
-        if mod is None:
-            code = (_HERE / "_common.cuh").read_text() + "\n" + (_HERE / source).read_text()
-            mod = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
-            _MODULES[(source, dev)] = mod
-        fn = mod.get_function(name)
+        fn = _module(source, names, dev).get_function(name)
         _FUNCS[(source, name, dev)] = fn
     return fn
+
+
+def _module(source: str, names: tuple[str, ...], dev: int) -> cupy.RawModule:
+    mod = _MODULES.get((source, dev))
+    if mod is None:
+        code = (_HERE / "_common.cuh").read_text() + "\n" + (_HERE / source).read_text()
+        mod = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
+        _MODULES[(source, dev)] = mod
+    return mod
+
+
+def kernel_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(source, instantiations) of every launcher module in kernels.cuda: each module that names
+    its `.cu` in `_SRC` and the instantiations in `_NAMES`."""
+    import kernels.cuda as pkg
+
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"kernels.cuda.{info.name}")
+        src, names = getattr(mod, "_SRC", None), getattr(mod, "_NAMES", None)
+        if isinstance(src, str) and names:
+            found[src] = tuple(names)
+    return tuple(sorted(found.items()))
+
+
+def precompile(sources=None) -> dict[str, float]:
+    """Compile (or load from CuPy's disk cache) every module of `sources` ((source, names)
+    pairs; default kernel_sources()) for the current device, and return the seconds each took.
+    Call at setup: the first launch of each kernel then finds its module in memory. Runs NVRTC
+    on the host; enqueues nothing and never synchronises."""
+    dev = cupy.cuda.runtime.getDevice()
+    seconds = {}
+    for source, names in (kernel_sources() if sources is None else sources):
+        t0 = time.perf_counter()
+        _module(source, tuple(names), dev).compile()
+        seconds[source] = time.perf_counter() - t0
+    return seconds
+
+
+def cache_dir() -> str:
+    """Where CuPy keeps compiled modules (read once, when CuPy's compiler is imported)."""
+    return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
 def sm_count() -> int:

@@ -1,7 +1,8 @@
-"""Parallel zero-fill and copy of large host buffers (numba, prange over pages or 1 MiB pieces),
-for the engine's setup: clearing home gradients and AdamW state, copying loaded blocks into
-pinned memory. Works on any C-contiguous array as raw bytes, so the result is bit-for-bit what
-`a[...] = 0` or `dst[...] = src` would leave. Never allocates and never touches a device."""
+"""Parallel zero-fill, copy and first touch of large host buffers (numba, prange over pages or
+1 MiB pieces), for the engine's setup: faulting in a fresh host slab before it is pinned,
+clearing home gradients and AdamW state, copying loaded blocks into pinned memory. Works on any
+C-contiguous array as raw bytes, so the result is bit-for-bit what `a[...] = 0` or
+`dst[...] = src` would leave. Never allocates and never touches a device."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def _zero_nonzero_pages(words, page):
             acc |= seg[j]
         if acc != 0:
             seg[:] = 0
+
+
+@numba.njit(parallel=True, cache=True)
+def _touch_pages(buf, page):
+    """One zero byte per page; numba's prange hands each thread one contiguous range, so a
+    thread faults in whole huge pages where the kernel backs the mapping with them."""
+    for q in numba.prange((buf.size + page - 1) // page):
+        buf[q * page] = 0
 
 
 @numba.njit(parallel=True, cache=True)
@@ -67,3 +76,13 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
                          "pass arrays of the same size in bytes")
     if d.size:
         _copy_pieces(d, s, PIECE_BYTES)
+
+
+def prefault_zero(a: np.ndarray) -> None:
+    """Fault in every page of `a` from all threads by writing one zero byte per page: the
+    kernel's page zeroing, which a single thread would otherwise do inside cudaHostRegister or
+    cudaHostAlloc, then runs in parallel. ONLY for memory that already reads as zero (a fresh
+    anonymous mapping): it writes zeros, so on such memory it changes no byte."""
+    buf = _bytes(a, "prefault_zero's array")
+    if buf.size:
+        _touch_pages(buf, PAGE_BYTES)
