@@ -5,6 +5,7 @@ hyperparameters and the step counter; the executor owns the schedule. Never deci
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -92,8 +93,10 @@ class Engine:
         if not isinstance(model, ModelConfig) and is_hf_dir(model):
             run.setdefault("weights", model)  # a Hugging Face directory brings its weights
         cfg = model if isinstance(model, ModelConfig) else model_config(model)
+        t0 = time.perf_counter()
         be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
                       run.get("sanitize_seed", 0))
+        t1 = time.perf_counter()
         options = dict(plan_options or {})
         for key, value in (("seqs_per_step", seqs_per_step), ("tokens_per_step", tokens_per_step)):
             if value is not None:
@@ -101,6 +104,8 @@ class Engine:
         plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb),
                          profile or default_profile(be), **options)
         self._start(plan, be, **run)
+        self.setup_seconds = {"backend": t1 - t0, "plan": time.perf_counter() - t1,
+                              **self.setup_seconds}
 
     @classmethod
     def from_plan(cls, plan: Plan, **run) -> "Engine":
@@ -134,19 +139,27 @@ class Engine:
         self.plan, self.be = plan, be
         self.last_trace = None
         self._progress = progress
+        clock = _PhaseClock()
         self.ex = Executor(plan, be, schedule)
+        clock.lap("executor")  # schedule, both arenas (pinning the host slab), library scratch
         self.optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()
+        clock.lap("zero_state")
         if weights is None:
             self._init_weights(seed)
+            clock.lap("init_weights")
         else:
             if isinstance(weights, (str, Path)):
                 from models.hf import open_weights
 
                 weights = open_weights(weights)  # a model directory or a Hugging Face one
             self._load_weights(weights)
+            clock.lap("load_weights")
         self.be.synchronize()
+        clock.lap("synchronize")
         self.be.seal()  # from here on every device byte comes from the arenas
+        self.setup_seconds = clock.laps
+        """Wall seconds of each setup phase (constructor also: backend, plan), in order."""
         self._closed = False
 
     # -- state ------------------------------------------------------------------------------
@@ -516,6 +529,19 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PhaseClock:
+    """Wall seconds between successive laps, by name (setup's phase breakdown)."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
 
 
 def _backend(kind, sanitize: bool, sanitize_seed: int):

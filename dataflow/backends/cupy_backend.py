@@ -332,6 +332,40 @@ class CupyBackend(Backend):
         """Library scratch (cuDNN workspace, bf16 dK/dV) comes from these arena views."""
         self.ops.lend_scratch(scratch)
 
+    def warm_up(self, attention_shapes, n_heads: int, n_kv_heads: int,
+                head_dim: int) -> dict[str, float]:
+        """Build what the first step would build on first use: every CUDA module of
+        kernels.cuda (NVRTC, or CuPy's disk cache on a later run) and cuDNN's handle and SDPA
+        graphs, forward and backward, for each of `attention_shapes` (dataflow.warmup's
+        AttentionShape: n_q, q_offset). The backward of a chunk that attends only to itself is
+        built deterministic, and also non-deterministic when the deterministic workspace does
+        not fit the lent attention workspace (the choice dataflow.ops_cuda makes at run time).
+        Allocates nothing from the device arena; call after lend_scratch, before the first
+        step. Seconds per part."""
+        from kernels import cuda as K
+        from kernels.cuda import _build
+
+        seconds = {}
+        t0 = time.perf_counter()
+        with self.streams[Stream.COMPUTE]:
+            _build.precompile()
+            seconds["cuda_modules"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            # The lent region, as CudaOps keeps it (the ops table owns no public accessor yet).
+            lent = getattr(self.ops, "_lent", {}).get("attn_workspace")
+            ws_bytes = None if lent is None else int(lent.nbytes)
+            for shape in attention_shapes:
+                args = (shape.n_q, n_heads, n_kv_heads, head_dim, shape.q_offset)
+                K.attention_workspace_bytes("fwd", *args)
+                if shape.self_only:
+                    need = K.attention_workspace_bytes("bwd", *args, deterministic=True)
+                    if ws_bytes is None or need > ws_bytes:
+                        K.attention_workspace_bytes("bwd", *args, deterministic=False)
+                else:
+                    K.attention_workspace_bytes("bwd", *args, deterministic=False)
+            seconds["attention_graphs"] = time.perf_counter() - t0
+        return seconds
+
     def memory_report(self) -> dict[str, int]:
         """What the process really uses on the device beside the budgeted arena: the CUDA
         context (baseline), library workspaces (cuBLAS, cuDNN, kernel scratch, CuPy pool) and

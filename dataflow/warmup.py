@@ -1,0 +1,91 @@
+"""Warm-up at setup: everything the first training step would otherwise build on first use —
+CUDA modules (NVRTC, or CuPy's disk cache), cuDNN's SDPA graphs for every attention shape the
+plan's chunks produce, the numba host kernels the step calls (loaded from numba's disk cache) —
+built before the first step, so step 1 costs what step 2 does. Writes nothing the engine reads:
+host kernels run on small temporary arrays. Never decides placement, never calls CuPy itself
+(the backend's warm_up does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ml_dtypes
+import numpy as np
+
+from dataflow.batch import default_chunks
+from memplan.plan import Plan
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class AttentionShape:
+    """One attention call of a round: n_q queries at absolute offset q_offset attending to
+    q_offset + n_q keys of their document (the graph depends on these, not on the buffer)."""
+
+    n_q: int
+    q_offset: int
+
+    @property
+    def self_only(self) -> bool:
+        """The chunk attends to itself only: the backward may take cuDNN's deterministic path."""
+        return self.q_offset == 0
+
+
+def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
+    """Distinct attention shapes of a round with one document per row (what
+    dataflow.layer_ops calls): per chunk segment, n_q = its rows and q_offset = the context
+    before them. Packed documents (doc_ids) make data-dependent shapes that no warm-up knows."""
+    shapes = set()
+    for chunk in default_chunks(plan.chunking):
+        for a, b, ks in chunk.segments:
+            offset = chunk.context + a - ks if chunk.split else 0
+            shapes.add(AttentionShape(b - a, offset))
+    return tuple(sorted(shapes))
+
+
+def warm_host_kernels() -> dict[str, float]:
+    """Call each numba host kernel the step may run (AdamW with bf16 and fp32 gradients, the
+    embedding scatter into bf16 and fp32 tables, sum of squares) once on small arrays of the
+    dtypes and layouts the executor passes, so their compiled code is loaded (from numba's
+    cache, or compiled) now. Seconds per kernel."""
+    from kernels.host import adamw as host_adamw
+    from kernels.host import embedding as host_embedding
+    from kernels.host import norms as host_norms
+
+    seconds = {}
+    n, d, vocab = 64, 8, 16
+    rng = np.random.default_rng(0)
+    for gdt in (BF16, np.dtype(np.float32)):
+        t0 = time.perf_counter()
+        p, m, v = (rng.standard_normal(n).astype(BF16) for _ in range(3))
+        v = np.abs(v.astype(np.float32)).astype(BF16)
+        host_adamw.adamw_step(p, rng.standard_normal(n).astype(gdt), m, v, 1, 1e-3, 0.9, 0.95,
+                              1e-8, 0.0, 1.0)
+        seconds[f"adamw_{gdt.name}"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ids = rng.integers(0, vocab, n).astype(np.int32)
+        dx = rng.standard_normal((n, d)).astype(BF16)
+        host_embedding.embedding_bwd(ids, dx, np.zeros((vocab, d), gdt))
+        seconds[f"embedding_bwd_{gdt.name}"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        host_norms.sumsq(rng.standard_normal(n).astype(gdt))
+        seconds[f"sumsq_{gdt.name}"] = time.perf_counter() - t0
+    return seconds
+
+
+def warm_up(plan: Plan, be) -> dict[str, float]:
+    """Warm everything step 1 would build; seconds per part ('host_kernels', and from a backend
+    with warm_up — the CuPy one — 'cuda_modules', 'attention_graphs'). Call after the arenas
+    exist (the backend sizes cuDNN's choice of backward from its lent workspace), before the
+    first step."""
+    t0 = time.perf_counter()
+    warm_host_kernels()
+    seconds = {"host_kernels": time.perf_counter() - t0}
+    backend_warm = getattr(be, "warm_up", None)  # the CuPy backend's; NumPy builds nothing
+    if backend_warm is not None:
+        cfg = plan.model
+        seconds.update(backend_warm(attention_shapes(plan), cfg.n_heads, cfg.n_kv_heads,
+                                    cfg.head_dim))
+    return seconds
