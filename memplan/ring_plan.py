@@ -18,7 +18,12 @@ from models.errors import ConfigError
 MAX_RANKS = 64
 
 
-def _check(n_layers: int, n_ranks: int, rank: int | None = None) -> None:
+def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas:
+        raise ConfigError(f"replicas {replicas!r} is not a whole number >= 1")
+    if isinstance(n_ranks, int) and n_ranks * replicas > MAX_RANKS:
+        raise ConfigError(f"{replicas} replicas of a ring of {n_ranks} make {n_ranks * replicas} "
+                          f"processes; at most {MAX_RANKS}")
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or not 1 <= n_ranks <= MAX_RANKS:
         raise ConfigError(f"ring size {n_ranks!r} is not a whole number in 1..{MAX_RANKS}")
     if n_ranks > n_layers:
@@ -68,6 +73,9 @@ class RankPlan:
     """Layers of the whole model."""
     plan: Plan
     """The single-device plan of this rank's model (rank_model) under the per-device budgets."""
+    replicas: int = 1
+    """Data-parallel copies of the whole ring: R rings of N ranks train R slices of the global
+    batch, and each gradient is summed over the R copies of its rank before the optimizer."""
 
     def to_json(self) -> str:
         from models.serial import to_json
@@ -77,31 +85,36 @@ class RankPlan:
 
 def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
-                    grad_accum: GradAccum = GradAccum.BF16,
+                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
                     **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
     is then imposed on the others, because every rank must process the same chunks in the same
-    rounds. Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
-    _check(cfg.n_layers, n_ranks)
+    rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
+    global batch (seqs_per_step rows each). Raises InfeasibleBudget (from make_plan) naming the
+    rank's smallest budgets."""
+    _check(cfg.n_layers, n_ranks, replicas=replicas)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints)
     return tuple(_rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
-                            constraints) for r in range(n_ranks))
+                            constraints, replicas) for r in range(n_ranks))
 
 
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
-                   grad_accum: GradAccum = GradAccum.BF16, **constraints) -> RankPlan:
+                   grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
+                   **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, as in make_rank_plans, so every rank agrees without talking."""
-    _check(cfg.n_layers, n_ranks, rank)
+    _check(cfg.n_layers, n_ranks, rank, replicas)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints)
-    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints)
+    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
+                      replicas)
 
 
-def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints):
+def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
+               replicas=1):
     ch = first.chunking
     shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                   rounds_per_step=ch.rounds_per_step)
@@ -110,7 +123,7 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
     return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r),
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
                     has_head=r == head_rank(cfg.n_layers, n_ranks), n_layers=cfg.n_layers,
-                    plan=plan)
+                    plan=plan, replicas=replicas)
 
 
 # -- the scaling model --------------------------------------------------------------------------

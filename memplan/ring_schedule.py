@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 from memplan.ring_plan import RankPlan
-from memplan.schedule import (COMPUTE, Compute, Ref, Schedule, _Compiler)
+from memplan.schedule import COMPUTE, HOST, Compute, HostTask, Ref, Schedule, _Compiler
 
-SEND, RECV = "send", "recv"
-COMM_STREAMS = (SEND, RECV)
-"""The streams of sends and of receives (a transport maps each to a CUDA stream of its own, or
-both to the NumPy backend's host stream)."""
+SEND, RECV, REDUCE = "send", "recv", "reduce"
+COMM_STREAMS = (SEND, RECV, REDUCE)
+"""The streams of sends, of receives and of the replicas' gradient all-reduce (a transport maps
+each to a CUDA stream of its own, or all to the backend's host stream)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +43,17 @@ class Recv:
     peer: int
     tag: int
     stream: str = RECV
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllReduce:
+    """Sum the gradient bytes `dst` (elements of `dtype`) over the R replicas of this ring rank,
+    in place, on the reduce stream; every replica ends with the same bits."""
+
+    name: str
+    dst: Ref
+    dtype: str
+    stream: str = REDUCE
 
 
 def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
@@ -91,6 +102,38 @@ class _RingCompiler(_Compiler):
     def before_write(self, buffer: str, chunk: int) -> None:
         """A compute is about to overwrite rows that may still be on their way out."""
         self.em.wait(COMPUTE, self.sent.pop((buffer, chunk), None))
+
+    def allreduce(self, what: str, grads: Ref, stream: str = COMPUTE) -> None:
+        """Data-parallel replicas: the finished gradient `grads` (written on `stream`) is summed
+        over the replicas before anything reads it again (its squared norm, its write-back home,
+        the optimizer)."""
+        em = self.em
+        em.wait(REDUCE, em.record(stream))
+        em.add(AllReduce(f"allreduce.{what}", grads, self.gdt))
+        em.wait(stream, em.record(REDUCE))
+
+    def sumsq(self, rnd: int, what: str, grads: Ref) -> None:
+        """In the last round a block's gradient is complete where its squared norm is taken: with
+        replicas, all-reduce it there first (layers, head, a device embedding)."""
+        if self.rp.replicas > 1 and rnd == self.last_round:
+            self.allreduce(what, grads)
+        super().sumsq(rnd, what, grads)
+
+    def embed_bwd(self, rnd: int, dx: str) -> None:
+        """A HOME embedding's gradient is finished on the host, by the last round's scatter: with
+        replicas its all-reduce goes between that scatter and the host's squared norm."""
+        events = self.em.events
+        start = len(events)
+        super().embed_bwd(rnd, dx)
+        if self.rp.replicas == 1 or rnd != self.last_round or \
+                self.block("embed", "grads", False) is not None:
+            return
+        at = next(i for i in range(start, len(events)) if type(events[i]) is HostTask
+                  and events[i].op == "grad_sumsq")
+        tail = events[at:]
+        del events[at:]
+        self.allreduce("embed", self.block("embed", "grads", True), HOST)
+        events.extend(tail)
 
     def round(self, rnd: int) -> None:
         em, rp, first = self.em, self.rp, rnd == 0

@@ -1,6 +1,7 @@
-"""`dataflow-ring --gpus N <host_gb> <dev_gb> <seqlen> <model> [--steps S] ...`: train a ring of
-N ranks (layer i on rank i mod N). Without RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS) in the
-environment it spawns the N processes itself; under torchrun or srun this process is one rank.
+"""`dataflow-ring --gpus N <host_gb> <dev_gb> <seqlen> <model> [--replicas R] [--steps S] ...`:
+train R data-parallel rings of N / R ranks (layer i on rank i mod N/R). Without RANK/WORLD_SIZE
+(or SLURM_PROCID/SLURM_NTASKS) in the environment it spawns the N processes itself; under
+torchrun or srun this process is one of them.
 Exit 0 done, 2 with one line for bad input, 1 with one line per failed rank when the ring failed.
 Never trains in the launching process."""
 
@@ -12,8 +13,8 @@ import os
 import sys
 import tempfile
 
-from models.errors import ConfigError
 from memplan.cli_args import OneLineParser, UsageError, positive
+from models.errors import ConfigError
 
 PROG = "dataflow-ring"
 
@@ -30,12 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("seqlen", type=positive(int), help="tokens per sequence")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, ...) or a config path")
     p.add_argument("--gpus", type=positive(int), default=None, metavar="N",
-                   help="ranks in the ring (required unless launched by torchrun/srun)")
+                   help="processes in all (required unless launched by torchrun/srun)")
+    p.add_argument("--replicas", type=positive(int), default=1, metavar="R",
+                   help="data-parallel copies of the ring (default 1): rings of N / R ranks, "
+                        "each training 1/R of the global batch, gradients all-reduced once "
+                        "per step before the optimizer")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
     p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                    help="numpy (shared-memory transport) or cupy (NCCL, one GPU per rank)")
+    p.add_argument("--transport", choices=("auto", "nccl", "shm"), default="auto",
+                   help="auto: NCCL with cupy, shared memory with numpy; shm with cupy lets "
+                        "several ranks share GPUs (device bytes staged through pinned memory)")
     p.add_argument("--timeout", type=positive(float), default=120.0, metavar="S",
                    help="seconds a rank waits for a neighbour before giving up (default 120)")
     p.add_argument("--out", metavar="DIR", default="",
@@ -68,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         if env and args.gpus is not None and args.gpus != env.world_size:
             raise ConfigError(f"--gpus {args.gpus} differs from WORLD_SIZE {env.world_size}; "
                               "drop --gpus under torchrun/srun")
-        if n > cfg.n_layers:
-            raise ConfigError(f"a ring of {n} needs at least {n} layers; {cfg.name} has "
-                              f"{cfg.n_layers}: use --gpus {cfg.n_layers} or fewer")
+        if args.backend == "numpy" and args.transport == "nccl":
+            raise ConfigError("the NCCL transport needs --backend cupy")
+        if n % args.replicas:
+            raise ConfigError(f"{n} processes do not split into {args.replicas} equal rings; "
+                              "use a multiple of --replicas")
+        ring = n // args.replicas
+        if ring > cfg.n_layers:
+            raise ConfigError(f"a ring of {ring} needs at least {ring} layers; {cfg.name} has "
+                              f"{cfg.n_layers}: use --gpus {cfg.n_layers * args.replicas} or "
+                              "fewer")
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -79,17 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (tempfile.mkdtemp(prefix="dataflow-ring-") if args.json else "")
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
                   steps=args.steps, seed=args.seed, lr=args.lr, backend=args.backend,
-                  transport="nccl" if args.backend == "cupy" else "shm",
+                  replicas=args.replicas,
+                  transport=args.transport if args.transport != "auto" else
+                  "nccl" if args.backend == "cupy" else "shm",
                   timeout_s=args.timeout, out_dir=out)
     if env is not None:  # one rank of a ring someone else launched
         return run_rank(job, env)
     res = launch(job, n)
     ok = res.first_failure is None
-    print(f"{PROG}: ring of {n} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit "
+    shape = f"ring of {n}" if args.replicas == 1 else \
+        f"{args.replicas} replicas of a ring of {n // args.replicas}"
+    print(f"{PROG}: {shape} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit "
           f"codes {list(res.exit_codes)}"
           + ("" if ok else f"; rank {res.first_failure} failed first"), file=sys.stderr)
     if args.json:
-        doc = {"n_ranks": n, "exit_codes": list(res.exit_codes), "wall_s": res.wall_s,
+        doc = {"n_ranks": n // args.replicas, "replicas": args.replicas, "exit_codes": list(res.exit_codes), "wall_s": res.wall_s,
                "first_failure": res.first_failure}
         try:
             with open(os.path.join(out, "rank0.json")) as f:

@@ -1,7 +1,9 @@
 """Runs one ring rank's compiled schedule: the single-device Executor with two more dispatch
 entries (Send / Recv on the transport) and the send / recv streams' records and waits handed to the
-transport. The step's loss (computed on the head's rank) and the global squared gradient norm (each rank's
-device sum over its own blocks) are shared through the transport's all-gather. Never decides placement or what is sent: the schedule does."""
+transport, plus the replicas' gradient all-reduce. The step's loss (the head rank's of every
+replica) and the global squared gradient norm (each rank's device sum over its own blocks, after
+the all-reduce) are shared through the transport's all-gather. Never decides placement or what
+is sent: the schedule does."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
 from memplan.ring_plan import RankPlan, head_rank
-from memplan.ring_schedule import COMM_STREAMS, Recv, Send, compile_ring_schedule
+from memplan.ring_schedule import COMM_STREAMS, AllReduce, Recv, Send, compile_ring_schedule
 from memplan.schedule import Record, Schedule, Wait
 from ring.transport import Transport
 
@@ -20,12 +22,14 @@ class RingExecutor(Executor):
     def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None):
         super().__init__(rp.plan, be, schedule or compile_ring_schedule(rp))
         self.rp, self.transport = rp, transport
-        self._dispatch.update({Send: self._send, Recv: self._recv, Record: self._ring_record,
-                               Wait: self._ring_wait})
+        self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
+                               Record: self._ring_record, Wait: self._ring_wait})
         ch, cfg = rp.plan.chunking, rp.plan.model
+        reduced = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is AllReduce]
         # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
         # one place at a time), and a ring of 2 shares one mailbox for both directions.
-        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round)
+        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round,
+                       max(reduced, default=0))
 
     # -- dispatch -------------------------------------------------------------------------------
     def _send(self, ev: Send) -> None:
@@ -33,6 +37,9 @@ class RingExecutor(Executor):
 
     def _recv(self, ev: Recv) -> None:
         self.transport.recv(self._view(ev.dst), ev.peer, ev.tag)
+
+    def _allreduce(self, ev: AllReduce) -> None:
+        self.transport.allreduce(self._view(ev.dst, dtype=ev.dtype))
 
     def _ring_record(self, ev: Record) -> None:
         if ev.stream in COMM_STREAMS:
@@ -69,19 +76,32 @@ class RingExecutor(Executor):
         the ring already synchronises (collective: every rank reaches it at the same point)."""
         sc = self.tr["scalars"]
         local = self.download(sc[0:3]).astype(np.float64)
-        rows = self.transport.allgather(np.array([local[0] + local[2]]))
+        rows = self._own_ring(self.transport.allgather(np.array([local[0] + local[2]])))
         total = np.zeros(3, np.float32)
         total[0] = np.float32(sum(float(row[0]) for row in rows))
         self.upload(sc[0:3], total)
 
-    def step(self, batch: np.ndarray, optimizer) -> StepStats:
-        """One step of this rank; the loss is the head rank's, gathered to every rank."""
+    def _own_ring(self, rows: list) -> list:
+        """Of an all-gather's rows (every process, replica-major), those of this rank's ring:
+        after the all-reduce every replica holds the same gradients, so one ring's norm is
+        the global norm."""
+        n, q = self.rp.n_ranks, self.transport.replica
+        return rows[q * n:(q + 1) * n]
+
+    def step(self, batch, optimizer) -> StepStats:
+        """One step of this rank on its replica's slice of the global batch (a Batch whose
+        `counted` is the whole global batch's, so every replica scales its gradients alike). The
+        loss is the head ranks' round sums of every replica, in replica order: the rounds of the
+        single-device step over the global batch."""
         stats = super().step(batch, optimizer)
         ch = self.plan.chunking
         pairs = self.download(self.tr["scalars"][8:8 + 2 * ch.rounds_per_step])
         rows = self.transport.allgather(pairs.astype(np.float64))
-        loss_pairs = rows[head_rank(self.rp.n_layers, self.rp.n_ranks)].astype(
+        head = head_rank(self.rp.n_layers, self.rp.n_ranks)
+        loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head]
+                                     for q in range(self.rp.replicas)]).astype(
             np.float32).reshape(-1, 2)
         rounds = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
-        return dataclasses.replace(stats, loss=total, rounds=rounds)
+        return dataclasses.replace(stats, loss=total, rounds=rounds,
+                                   tokens=stats.tokens * self.rp.replicas)

@@ -89,14 +89,17 @@ class LaunchResult:
 
 def launch(job, n_ranks: int, *, grace_s: float | None = None,
            run_id: str | None = None) -> LaunchResult:
-    """Spawn `n_ranks` processes running `job` (a ring.worker.RingJob) and wait for them.
-    When one fails the others are told to stop (abort flag) and given `grace_s` (default: the
-    job's timeout) to exit; any still running then are terminated."""
+    """Spawn `n_ranks` processes (every rank of every replica: job.replicas rings of
+    n_ranks / job.replicas) running `job` (a ring.worker.RingJob) and wait for them. When one
+    fails the others are told to stop (abort flag) and given `grace_s` (default: the job's
+    timeout) to exit; any still running then are terminated. NCCL's NVLink multicast stays off
+    in the ranks (NCCL_NVLS_ENABLE=0 unless the caller's environment says otherwise)."""
     from ring.shm import abort_ring, cleanup
     from ring.worker import child_main
 
     run_id = run_id or uuid.uuid4().hex[:12]
     grace_s = job.timeout_s if grace_s is None else grace_s
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned ranks
     ctx = mp.get_context("spawn")  # no forked copies of a parent's arenas or threads
     procs = []
     port = DEFAULT_PORT + (int(run_id[:4], 16) % 1000 if re.fullmatch(r"[0-9a-f]{4,}", run_id)
@@ -125,7 +128,7 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
                           if not p.is_alive() and p.exitcode not in (0, None)]
                 first = min(failed, key=lambda r: (procs[r].exitcode >= 0, r))
                 if job.transport == "shm":
-                    abort_ring(run_id, n_ranks)
+                    abort_ring(run_id)
                 stop_at = time.monotonic() + grace_s
             if stop_at is not None and time.monotonic() > stop_at:
                 for r, p in enumerate(procs):
@@ -145,7 +148,7 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
                 p.kill()
                 p.join()
         if job.transport == "shm":
-            cleanup(run_id, n_ranks)
+            cleanup(run_id)
     codes = tuple(p.exitcode if p.exitcode is not None else -9 for p in procs)
     if first is None:
         first = next((r for r, c in enumerate(codes) if c != 0), None)

@@ -1,33 +1,64 @@
 """NCCL point-to-point ring transport through cupy.cuda.nccl: one process per GPU (LOCAL_RANK
-picks the device), sends and receives on CUDA streams of their own (one each) ordered against the
-backend's streams by CUDA events, one 2-rank communicator per directed neighbour pair so a send
-waiting for its receiver never blocks a receive (and group calls around each), bf16 moved as bytes (NCCL_UINT8).
-The unique id travels over the TCP rendezvous (ring/rendezvous.py). Written against the CuPy 14
-/ NCCL 2.28 API seen on the H100 image; NOT yet run on GPUs (see docs/ring.md). Never imports
-cupyx.distributed (hangs at exit, no bf16, single-use barrier; DESIGN.md §8)."""
+picks the device), sends, receives and the replicas' all-reduce on CUDA streams of their own,
+ordered against the backend's streams by CUDA events; one 2-rank communicator per directed
+neighbour pair of each ring, so a send waiting for its receiver never blocks a receive (group
+calls around each); one communicator per ring rank across the replicas for the gradient
+all-reduce (bf16 or f32 sums, in place); one world communicator for the all-gather. Activations
+travel as bytes (NCCL_UINT8). The unique ids travel over the TCP rendezvous (ring/rendezvous.py).
+Written against the CuPy 14 / NCCL 2.28 API seen on the H100 image; the multi-GPU paths have NOT
+run yet (tests/ring/test_ring_gpu.py checks what one GPU allows). Never imports cupyx.distributed
+(hangs at exit, no bf16, single-use barrier; DESIGN.md §8)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from ring.transport import RingError, Transport
+
+REDUCE_STAGE_BYTES = 64 << 20
+"""Device staging (outside the budget) for all-reducing a gradient kept in pinned host memory."""
 
 
 def directed_pairs(world_size: int) -> list[tuple[int, int]]:
-    """Every (src, dst) pair of neighbours, in one order all ranks agree on."""
+    """Every (src, dst) pair of neighbours of one ring, in one order all ranks agree on."""
     pairs = {(r, (r + 1) % world_size) for r in range(world_size)}
     pairs |= {(r, (r - 1) % world_size) for r in range(world_size)}
     return sorted(p for p in pairs if p[0] != p[1])
 
 
-class NcclTransport(Transport):
-    """One 2-rank communicator per directed neighbour pair (src sends, dst receives, nothing
-    else), plus one world communicator for the all-gather. NCCL serialises the operations of a
-    communicator; with a communicator per direction a send that waits for its receiver can never
-    stand in front of a receive on the same communicator (a ring with two chunks in flight would
-    otherwise deadlock on large messages)."""
+def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(what, member processes in communicator rank order) of every communicator, in the one
+    order every process initialises them (each initialisation blocks until its members arrive;
+    a common order cannot deadlock): the world, each ring's directed pairs, and with replicas
+    each ring rank's copies across the rings."""
+    total = ring_size * replicas
+    out = [("world", tuple(range(total)))]
+    for q in range(replicas):
+        out += [("pair", (q * ring_size + a, q * ring_size + b))
+                for a, b in directed_pairs(ring_size)]
+    if replicas > 1:
+        out += [("replicas", tuple(q * ring_size + r for q in range(replicas)))
+                for r in range(ring_size)]
+    return out
 
-    def __init__(self, env, *, timeout_s: float = 60.0):
+
+def _uid_bytes(uid) -> bytes:
+    return bytes(x % 256 for x in uid)
+
+
+def _uid_tuple(raw: bytes) -> tuple:
+    return tuple(b if b < 128 else b - 256 for b in raw)  # cupy's id is a tuple of C chars
+
+
+class NcclTransport(Transport):
+    """Process env.rank of env.world_size: rank env.rank % ring_size of ring
+    env.rank // ring_size. With a ring of 1 (tests on one GPU) a send to and a receive from
+    itself share a 1-rank communicator (issue both inside one nccl.groupStart/groupEnd), and an
+    all-reduce with one replica runs on a 1-rank communicator (a copy)."""
+
+    def __init__(self, env, *, ring_size: int | None = None, timeout_s: float = 60.0):
         import cupy as cp
         from cupy.cuda import nccl
 
@@ -35,58 +66,115 @@ class NcclTransport(Transport):
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
         self.cp, self.nccl = cp, nccl
-        self.rank, self.world_size, self.timeout_s = env.rank, env.world_size, timeout_s
+        n = ring_size or env.world_size
+        if env.world_size % n:
+            raise RingError(f"{env.world_size} processes do not form rings of {n}", rank=env.rank)
+        self.rank, self.world_size, self.timeout_s = env.rank % n, n, timeout_s
+        self.replica, self.replicas, self.total = env.rank // n, env.world_size // n, \
+            env.world_size
+        me = env.rank
         cp.cuda.Device(env.local_rank).use()
-        pairs = directed_pairs(env.world_size)
+        comms = communicators(n, self.replicas)
         ids = None
-        if env.rank == 0:
-            ids = b"".join(bytes(x % 256 for x in nccl.get_unique_id())
-                           for _ in range(len(pairs) + 1))
-        raw = share_from_rank0(env.rank, env.world_size, env.master_addr, env.master_port, ids,
+        if me == 0:
+            ids = b"".join(_uid_bytes(nccl.get_unique_id()) for _ in comms)
+        raw = share_from_rank0(me, env.world_size, env.master_addr, env.master_port, ids,
                                timeout_s)
-        n = len(raw) // (len(pairs) + 1)
-        uids = [tuple(b if b < 128 else b - 256 for b in raw[i * n:(i + 1) * n])
-                for i in range(len(pairs) + 1)]  # cupy's id is a tuple of C chars
-        self.world = nccl.NcclCommunicator(env.world_size, uids[-1], env.rank)
-        self.out: dict[int, object] = {}
-        """peer -> the communicator this rank sends to it on (this rank is its rank 0)."""
-        self.inn: dict[int, object] = {}
-        """peer -> the communicator this rank receives from it on (this rank is its rank 1)."""
-        nccl.groupStart()  # initialise every pair communicator at once: no ordering deadlock
-        for (src, dst), uid in zip(pairs, uids):
-            if src == env.rank:
-                self.out[dst] = nccl.NcclCommunicator(2, uid, 0)
-            elif dst == env.rank:
-                self.inn[src] = nccl.NcclCommunicator(2, uid, 1)
-        nccl.groupEnd()
-        self.streams = {"send": cp.cuda.Stream(non_blocking=True),
-                        "recv": cp.cuda.Stream(non_blocking=True)}
+        size = len(raw) // len(comms)
+        self.out: dict[int, tuple] = {}
+        """ring peer -> (communicator, peer's index in it) this rank sends to it on."""
+        self.inn: dict[int, tuple] = {}
+        """ring peer -> (communicator, peer's index in it) this rank receives from it on."""
+        self.world = self.group = None
+        for i, (what, members) in enumerate(comms):
+            if me not in members:
+                continue
+            comm = nccl.NcclCommunicator(len(members), _uid_tuple(raw[i * size:(i + 1) * size]),
+                                         members.index(me))
+            if what == "world":
+                self.world = comm
+            elif what == "replicas":
+                self.group = comm
+            elif members[0] == me:
+                self.out[members[1] % n] = (comm, 1)
+            else:
+                self.inn[members[0] % n] = (comm, 0)
+        self.streams = {s: cp.cuda.Stream(non_blocking=True)
+                        for s in ("send", "recv", "reduce", "ctl")}
         self.be = None
+        self._stage = None
+        self._gather = None
+        """(send, receive) float64 device buffers of the all-gather, made before the backend
+        forbids allocations (bind)."""
 
-    def bind(self, be, max_message_bytes: int, depth: int) -> None:
-        if getattr(be, "device_is_host_memory", False):
+    def _self_comm(self):
+        """A 1-rank communicator of this process alone (no rendezvous needed)."""
+        return self.nccl.NcclCommunicator(1, self.nccl.get_unique_id(), 0)
+
+    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0) -> None:
+        if be.device_is_host_memory:
             raise RingError(f"rank {self.rank}: the NCCL transport needs the CuPy backend; use "
                             "the shared-memory transport with the NumPy backend", rank=self.rank)
         self.be = be
+        if self.replicas > 1 and max_reduce_bytes:  # for gradients kept in pinned host memory
+            self._stage = self.cp.empty(min(max_reduce_bytes, REDUCE_STAGE_BYTES), self.cp.uint8)
+        self._gather_buffers()
+
+    def _gather_buffers(self):
+        from ring.shm import GATHER_MAX
+
+        if self._gather is None:
+            self._gather = (self.cp.empty(GATHER_MAX, self.cp.float64),
+                            self.cp.empty(GATHER_MAX * self.total, self.cp.float64))
+        return self._gather
 
     def _bytes(self, view):
         return view.reshape(-1).view(self.cp.uint8)
 
+    def _pair(self, table: dict, peer: int):
+        if peer not in table and self.world_size == 1 and peer == 0:
+            comm = self._self_comm()
+            self.out[0] = self.inn[0] = (comm, 0)
+        return table[peer]
+
     def send(self, view, peer: int, tag: int) -> None:
-        buf = self._bytes(view)
-        nccl = self.nccl
+        buf, nccl = self._bytes(view), self.nccl
+        comm, to = self._pair(self.out, peer)
         nccl.groupStart()
-        self.out[peer].send(buf.data.ptr, buf.size, nccl.NCCL_UINT8, 1,
-                            self.streams["send"].ptr)
+        comm.send(buf.data.ptr, buf.size, nccl.NCCL_UINT8, to, self.streams["send"].ptr)
         nccl.groupEnd()
 
     def recv(self, view, peer: int, tag: int) -> None:
-        buf = self._bytes(view)
-        nccl = self.nccl
+        buf, nccl = self._bytes(view), self.nccl
+        comm, src = self._pair(self.inn, peer)
         nccl.groupStart()
-        self.inn[peer].recv(buf.data.ptr, buf.size, nccl.NCCL_UINT8, 0,
-                            self.streams["recv"].ptr)
+        comm.recv(buf.data.ptr, buf.size, nccl.NCCL_UINT8, src, self.streams["recv"].ptr)
         nccl.groupEnd()
+
+    def allreduce(self, view) -> None:
+        """In place on the reduce stream: a device view directly; a pinned host view in pieces
+        through the device staging buffer (H2D, all-reduce, D2H, all on the reduce stream)."""
+        cp, nccl = self.cp, self.nccl
+        if self.group is None:
+            self.group = self._self_comm()
+        itemsize = np.dtype(view.dtype).itemsize
+        dtype = nccl.NCCL_FLOAT32 if itemsize == 4 else nccl.NCCL_BFLOAT16
+        stream = self.streams["reduce"]
+        if not isinstance(view, np.ndarray):
+            ptr = view.data.ptr
+            self.group.allReduce(ptr, ptr, view.size, dtype, nccl.NCCL_SUM, stream.ptr)
+            return
+        if self._stage is None:
+            self._stage = cp.empty(min(view.nbytes, REDUCE_STAGE_BYTES), cp.uint8)
+        host = view.reshape(-1).view(np.uint8)
+        step = self._stage.nbytes - self._stage.nbytes % itemsize
+        dev = self._stage.data
+        for at in range(0, host.size, step):
+            n = min(step, host.size - at)
+            dev.copy_from_host_async(host.ctypes.data + at, n, stream)
+            self.group.allReduce(dev.ptr, dev.ptr, n // itemsize, dtype, nccl.NCCL_SUM,
+                                 stream.ptr)
+            dev.copy_to_host_async(host.ctypes.data + at, n, stream)
 
     def record(self, stream: str):
         ev = self.cp.cuda.Event(disable_timing=True)
@@ -98,31 +186,39 @@ class NcclTransport(Transport):
             self.streams[stream].wait_event(event)
 
     def allgather(self, values) -> list:
-        import numpy as np
+        values = np.ascontiguousarray(values, np.float64).reshape(-1)
+        send, out = self._gather_buffers()
+        k, stream = values.size, self.streams["ctl"]
+        if k > send.size:
+            raise RingError(f"all-gather of {k} values exceeds {send.size}", rank=self.rank)
+        send[:k].set(values, stream=stream)
+        self.world.allGather(send.data.ptr, out.data.ptr, k, self.nccl.NCCL_FLOAT64, stream.ptr)
+        host = out[:k * self.total].get(stream=stream).reshape(self.total, k)  # synchronises
+        return [host[p].copy() for p in range(self.total)]
 
-        cp, nccl = self.cp, self.nccl
-        values = np.asarray(values, np.float64).reshape(-1)
-        send = cp.asarray(values)
-        out = cp.empty(values.size * self.world_size, cp.float64)
-        self.world.allGather(send.data.ptr, out.data.ptr, values.size, nccl.NCCL_FLOAT64,
-                            self.streams["send"].ptr)
-        self.streams["send"].synchronize()
-        host = cp.asnumpy(out).reshape(self.world_size, values.size)
-        return [host[r].copy() for r in range(self.world_size)]
+    def _comms(self) -> list:
+        seen, out = set(), []
+        for comm in (self.world, self.group, *(c for c, _ in self.out.values()),
+                     *(c for c, _ in self.inn.values())):
+            if comm is not None and id(comm) not in seen:
+                seen.add(id(comm))
+                out.append(comm)
+        return out
 
     def abort(self, reason: str = "") -> None:
-        for comm in (self.world, *self.out.values(), *self.inn.values()):
+        for comm in self._comms():
             try:
                 comm.abort()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
 
     def close(self) -> None:
-        if self.world is not None:
-            for stream in self.streams.values():
-                stream.synchronize()
-            for comm in (self.world, *self.out.values(), *self.inn.values()):
-                comm.destroy()
-            self.world = None
-            self.out.clear()
-            self.inn.clear()
+        if self.world is None:
+            return
+        for stream in self.streams.values():
+            stream.synchronize()
+        for comm in self._comms():
+            comm.destroy()
+        self.world = self.group = self._stage = self._gather = None
+        self.out.clear()
+        self.inn.clear()

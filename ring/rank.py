@@ -5,9 +5,12 @@ talks to other ranks only through its transport."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dataflow.backend import Stream
+from dataflow.batch import Batch, make_batch
 from dataflow.executor import StepStats
 from dataflow.optimizer import AdamW, AdamWConfig
 from memplan.ring_plan import RankPlan
@@ -63,14 +66,26 @@ class RingRank:
         if dev is not None and (home is None or b.resident):
             self.ex.upload(dev, array)
 
-    def train_step(self, batch: np.ndarray) -> StepStats:
-        """batch (seqs_per_step, seqlen + 1) int token ids, the same on every rank."""
-        ch = self.rp.plan.chunking
-        want = (ch.seqs_per_step, ch.seqlen + 1)
-        if batch.shape != want:
-            raise ConfigError(f"train_step got tokens of shape {batch.shape}; this ring takes "
-                              f"{want} (seqs_per_step, seqlen + 1)")
-        return self.ex.step(batch, self.optimizer)
+    def train_step(self, batch) -> StepStats:
+        """The global batch, the same on every process: (replicas * seqs_per_step, seqlen + 1)
+        int token ids, or a dataflow.batch.Batch of that many rows. Replica q trains rows
+        [q * seqs_per_step, (q + 1) * seqs_per_step), scaling its gradients by the global batch's
+        count of targets, so the replicas' summed gradients are the global batch's."""
+        ch, rp = self.rp.plan.chunking, self.rp
+        rows = ch.seqs_per_step * rp.replicas
+        if not isinstance(batch, Batch):
+            batch = np.asarray(batch)
+            want = (rows, ch.seqlen + 1)
+            if batch.shape != want:
+                raise ConfigError(f"train_step got tokens of shape {batch.shape}; this ring takes "
+                                  f"{want} (replicas x seqs_per_step, seqlen + 1)")
+            batch = make_batch(batch, vocab_size=rp.plan.model.vocab_size, rows=rows,
+                               seqlen=ch.seqlen)
+        if batch.rows != rows:
+            raise ConfigError(f"a ring step takes {rows} rows (replicas x seqs_per_step), the "
+                              f"batch has {batch.rows}")
+        return self.ex.step(replica_slice(batch, self.ex.transport.replica, ch.seqs_per_step),
+                            self.optimizer)
 
     def weights(self) -> dict[str, np.ndarray]:
         """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head')."""
@@ -89,7 +104,14 @@ class RingRank:
         self.be.close()
 
 
-def _with_layers(cfg, n_layers: int):
-    import dataclasses
+def replica_slice(batch: Batch, replica: int, rows: int) -> Batch:
+    """Replica `replica`'s `rows` rows of the global batch; `counted` stays the global batch's
+    (the executor scales gradients by 1 / counted)."""
+    sl = slice(replica * rows, (replica + 1) * rows)
+    return dataclasses.replace(
+        batch, ids=batch.ids[sl], targets=batch.targets[sl], positions=batch.positions[sl],
+        doc_starts=None if batch.doc_starts is None else batch.doc_starts[sl])
 
+
+def _with_layers(cfg, n_layers: int):
     return dataclasses.replace(cfg, n_layers=n_layers)

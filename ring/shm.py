@@ -1,12 +1,15 @@
-"""Shared-memory ring transport between processes of one host (NumPy backend): one mailbox per
-directed neighbour pair (a ring buffer of fixed-size slots in multiprocessing.shared_memory,
-single writer, single reader) and a board for the control plane (all-gather, abort flag, pids).
-Sends and receives run as host callbacks on the backend's HOST stream, so the schedule's events
-order them and the sanitizer sees their byte ranges. Never waits forever: every wait checks the
-abort flag, the neighbour's process and a deadline, and raises RingError naming the rank.
+"""Shared-memory ring transport between processes of one host: one mailbox per directed neighbour
+pair (a ring buffer of fixed-size slots in multiprocessing.shared_memory, single writer, single
+reader), one all-reduce segment per ring rank when there are data-parallel replicas (a slot per
+replica; each replica sums the slots in replica order, in fp32) and a board for the control plane
+(all-gather, abort flag, pids of every process). Sends, receives and all-reduces run as host
+callbacks on the backend's HOST stream, so the schedule's events order them and the sanitizer
+sees their byte ranges. On the CuPy backend (several ranks sharing one GPU) device bytes pass
+through a pinned staging buffer by copies on that same stream. Never waits forever: every wait
+checks the abort flag, the other processes and a deadline, and raises RingError naming the rank.
 
 Relies on x86's store order (the payload is written before the counter that publishes it);
-CPython does not reorder the stores. Never used with a GPU backend (use ring.nccl there)."""
+CPython does not reorder the stores. Between GPUs use ring.nccl instead."""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import numpy as np
 from ring.transport import RingError, Transport
 
 GATHER_MAX = 4096
-"""Most float64 values one all-gather carries per rank (loss pairs of 512 rounds, block norms)."""
+"""Most float64 values one all-gather carries per process (loss pairs of 512 rounds)."""
 MAX_WORLD = 64
+"""Most processes (replicas x ranks)."""
+LAUNCHER = -1
+"""The abort flag's value when the launcher stopped the ring."""
 HEADER = 128
 """Mailbox header: the write count (sender) at byte 0, the read count (receiver) at byte 64, on
 separate cache lines."""
@@ -81,21 +87,28 @@ def _alive(pid: int) -> bool:
 
 
 class SharedMemoryTransport(Transport):
-    """Ranks `0..world_size-1` of one ring on one host, found by `run_id` (the launcher's
-    DATAFLOW_RING_ID, else MASTER_PORT). `timeout_s` bounds every wait for a neighbour."""
+    """Rank `rank` of ring `replica` (of `replicas` rings of `world_size` ranks) on one host,
+    found by `run_id` (the launcher's DATAFLOW_RING_ID, else MASTER_PORT). `timeout_s` bounds
+    every wait for another process."""
 
-    def __init__(self, rank: int, world_size: int, run_id: str, *, timeout_s: float = 60.0):
-        if not 1 <= world_size <= MAX_WORLD or not 0 <= rank < world_size:
-            raise RingError(f"rank {rank} of world size {world_size} is not a ring position; "
-                            f"use 0 <= rank < world_size <= {MAX_WORLD}", rank=rank)
+    def __init__(self, rank: int, world_size: int, run_id: str, *, replica: int = 0,
+                 replicas: int = 1, timeout_s: float = 60.0):
+        total = world_size * replicas
+        if not 1 <= total <= MAX_WORLD or not 0 <= rank < world_size or \
+                not 0 <= replica < replicas:
+            raise RingError(f"rank {rank} of ring {replica} ({replicas} rings of {world_size}) "
+                            f"is not a ring position; use 0 <= rank < world_size, 0 <= replica "
+                            f"< replicas, world_size * replicas <= {MAX_WORLD}", rank=rank)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.replica, self.replicas, self.total = replica, replicas, total
+        self.me = self.proc(rank)
         self.prefix = f"dfr-{run_id}"
         self.be = None
         self._owned: list[shared_memory.SharedMemory] = []
         self._attached: list[shared_memory.SharedMemory] = []
         board_bytes = 8 * (16 + 2 * MAX_WORLD + 2 * MAX_WORLD * GATHER_MAX)
         name = self.board_name(self.prefix)
-        if rank == 0:
+        if self.me == 0:
             self._board_shm = _create(name, board_bytes, rank)
             self._owned.append(self._board_shm)
         else:
@@ -104,15 +117,26 @@ class SharedMemoryTransport(Transport):
             self._attached.append(self._board_shm)
         words = np.frombuffer(self._board_shm.buf, np.int64)
         self._flags = words[:16]
-        """[0]: 0, or 1 + the rank that aborted (or world_size + 1: the launcher)."""
+        """[0]: 0, or 1 + the process that aborted (or LAUNCHER)."""
         self._pids = words[16:16 + MAX_WORLD]
         self._gens = words[16 + MAX_WORLD:16 + 2 * MAX_WORLD]
         self._rows = np.frombuffer(self._board_shm.buf, np.float64)[16 + 2 * MAX_WORLD:].reshape(
             2, MAX_WORLD, GATHER_MAX)
-        self._pids[rank] = os.getpid()
+        self._pids[self.me] = os.getpid()
         self._gen = 0
         self._out: dict[int, tuple] = {}
         self._in: dict[int, tuple] = {}
+        self._reduce = None
+        """(arrived, done, slots) of this rank's all-reduce segment, with replicas."""
+        self._reduce_gen = 0
+        self._stage: dict[str, np.ndarray] = {}
+        """Pinned host staging for device views (CuPy backend): 'send', 'recv', 'reduce'."""
+        self._failed: RingError | None = None
+        """An error raised inside a host callback (re-raised by the next all-gather)."""
+
+    def proc(self, rank: int, replica: int | None = None) -> int:
+        """The process number of `rank` of ring `replica` (default: this one)."""
+        return (self.replica if replica is None else replica) * self.world_size + rank
 
     @staticmethod
     def board_name(prefix: str) -> str:
@@ -123,9 +147,9 @@ class SharedMemoryTransport(Transport):
         who = int(self._flags[0])
         if not who:
             return None
-        if who == self.world_size + 1:
+        if who == LAUNCHER:
             return f"rank {self.rank}: the launcher stopped the ring (another rank died)"
-        return f"rank {self.rank}: rank {who - 1} aborted the ring"
+        return f"rank {self.rank}: process {who - 1} aborted the ring"
 
     def _wait_until(self, ready, what: str, peer: int | None) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -141,37 +165,62 @@ class SharedMemoryTransport(Transport):
             reason = self._aborted()
             if reason:
                 raise RingError(f"{reason} while {what}", rank=self.rank, peer=peer)
-            peers = [peer] if peer is not None else range(self.world_size)
-            for p in peers:
+            procs = [self.proc(peer)] if peer is not None else range(self.total)
+            for p in procs:
                 if not _alive(int(self._pids[p])):
-                    raise RingError(f"rank {self.rank}: rank {p} (pid {int(self._pids[p])}) "
-                                    f"died while {what}", rank=self.rank, peer=p)
+                    who = f"rank {p % self.world_size}" + (
+                        f" of ring {p // self.world_size}" if self.replicas > 1 else "")
+                    raise RingError(f"rank {self.rank}: {who} (pid {int(self._pids[p])}) "
+                                    f"died while {what}", rank=self.rank,
+                                    peer=p % self.world_size)
             if time.monotonic() > deadline:
                 raise RingError(f"rank {self.rank}: timed out after {self.timeout_s:g} s "
                                 f"{what}; rank {peer if peer is not None else '?'} hung or is "
                                 "too slow (raise --timeout)", rank=self.rank, peer=peer)
 
     # -- mailboxes -------------------------------------------------------------------------------
-    def bind(self, be, max_message_bytes: int, depth: int) -> None:
-        if not getattr(be, "device_is_host_memory", False):
-            raise RingError(f"rank {self.rank}: the shared-memory transport runs on the NumPy "
-                            f"backend only, not '{be.name}'; use the NCCL transport on GPUs",
-                            rank=self.rank)
+    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0) -> None:
+        from dataflow.backend import Place
+
         self.be = be
         slot = SLOT_HEADER + -(-max_message_bytes // 64) * 64
         nbytes = HEADER + depth * slot
         peers = sorted({(self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size}
                        - {self.rank})
         for p in peers:
-            shm = _create(f"{self.prefix}-{self.rank}-{p}", nbytes, self.rank)
+            shm = _create(f"{self.prefix}-{self.me}-{self.proc(p)}", nbytes, self.rank)
             self._owned.append(shm)
             self._out[p] = self._mailbox(shm, depth, slot)
+        if self.replicas > 1 and max_reduce_bytes:
+            self._bind_reduce(max_reduce_bytes)
         deadline = time.monotonic() + self.timeout_s
         for p in peers:
-            shm = _attach(f"{self.prefix}-{p}-{self.rank}", deadline, f"rank {p}'s mailbox",
-                          self.rank, p, self._aborted)
+            shm = _attach(f"{self.prefix}-{self.proc(p)}-{self.me}", deadline,
+                          f"rank {p}'s mailbox", self.rank, p, self._aborted)
             self._attached.append(shm)
             self._in[p] = self._mailbox(shm, depth, slot)
+        if not be.device_is_host_memory:  # a GPU: device bytes pass through pinned staging
+            for what, n in (("send", max_message_bytes), ("recv", max_message_bytes),
+                            ("reduce", max_reduce_bytes if self.replicas > 1 else 0)):
+                if n:
+                    self._stage[what] = be.view(be.alloc(n, Place.HOST), 0, (n,), "u8")
+
+    def _bind_reduce(self, max_bytes: int) -> None:
+        """The all-reduce segment of this ring rank: replica 0 creates it, the others attach."""
+        slot = -(-max_bytes // 64) * 64
+        head = 8 * 2 * MAX_WORLD
+        name = f"{self.prefix}-ar{self.rank}"
+        if self.replica == 0:
+            shm = _create(name, head + self.replicas * slot, self.rank)
+            self._owned.append(shm)
+        else:
+            shm = _attach(name, time.monotonic() + self.timeout_s, "ring 0's all-reduce segment",
+                          self.rank, self.rank, self._aborted)
+            self._attached.append(shm)
+        counts = np.frombuffer(shm.buf, np.int64, 2 * MAX_WORLD)
+        slots = np.frombuffer(shm.buf, np.uint8, self.replicas * slot, head).reshape(
+            self.replicas, slot)
+        self._reduce = (counts[:MAX_WORLD], counts[MAX_WORLD:], slots)
 
     @staticmethod
     def _mailbox(shm, depth: int, slot: int):
@@ -209,19 +258,70 @@ class SharedMemoryTransport(Transport):
         out[...] = s[SLOT_HEADER:SLOT_HEADER + n]
         counts[8] = read + 1
 
-    def send(self, view, peer: int, tag: int) -> None:
+    def _reduce_now(self, arr: np.ndarray) -> None:
+        """Sum `arr` (bf16 or f32) over the replicas: publish it in this replica's slot, wait for
+        every slot, add them in replica order in fp32, round once. Every replica computes the
+        same sum from the same bytes, so all end bit-identical."""
+        arrived, done, slots = self._reduce
+        gen, r = self._reduce_gen + 1, self.replicas
+        self._wait_until(lambda: all(int(done[q]) >= gen - 1 for q in range(r)),
+                         f"waiting for the replicas to read all-reduce {gen - 1}", None)
+        raw = arr.reshape(-1).view(np.uint8)
+        slots[self.replica, :raw.size] = raw
+        arrived[self.replica] = gen
+        self._wait_until(lambda: all(int(arrived[q]) >= gen for q in range(r)),
+                         f"in all-reduce {gen}", None)
+        parts = [slots[q, :raw.size].view(arr.dtype) for q in range(r)]
+        acc = parts[0].astype(np.float32)
+        for part in parts[1:]:
+            acc += part.astype(np.float32)
+        arr.reshape(-1)[...] = acc.astype(arr.dtype)
+        done[self.replica] = gen
+        self._reduce_gen = gen
+
+    def _guarded(self, fn):
+        """A host callback that remembers its RingError (on a GPU it runs on a driver thread)."""
+        def run():
+            try:
+                fn()
+            except RingError as exc:
+                self._failed = self._failed or exc
+                raise
+        return run
+
+    def _on_host(self, view, what: str, fn, *, to_host: bool, from_host: bool, name: str):
+        """Run fn(host bytes of `view`) on the HOST stream; a device view goes through the
+        `what` staging buffer, copied there first (to_host) and / or back after (from_host)."""
         from dataflow.backend import Stream
 
-        flat = view.reshape(-1).view(np.uint8)
-        self.be.host_call(Stream.HOST, lambda: self._send_now(flat, peer, tag), reads=(view,),
-                          name=f"send{tag}")
+        be = self.be
+        if isinstance(view, np.ndarray):
+            flat = view.reshape(-1).view(np.uint8)
+            be.host_call(Stream.HOST, self._guarded(lambda: fn(flat)),
+                         reads=(view,) if to_host else (), writes=(view,) if from_host else (),
+                         name=name)
+            return
+        stage = self._stage[what][:view.nbytes]
+        dev = view.reshape(-1).view(np.uint8)
+        if to_host:
+            be.copy(stage, dev, Stream.HOST, name=f"{name}.d2h")
+        be.host_call(Stream.HOST, self._guarded(lambda: fn(stage)), reads=(stage,),
+                     writes=(stage,), name=name)
+        if from_host:
+            be.copy(dev, stage, Stream.HOST, name=f"{name}.h2d")
+
+    def send(self, view, peer: int, tag: int) -> None:
+        self._on_host(view, "send", lambda b: self._send_now(b, peer, tag), to_host=True,
+                      from_host=False, name=f"send{tag}")
 
     def recv(self, view, peer: int, tag: int) -> None:
-        from dataflow.backend import Stream
+        self._on_host(view, "recv", lambda b: self._recv_now(b, peer, tag), to_host=False,
+                      from_host=True, name=f"recv{tag}")
 
-        flat = view.reshape(-1).view(np.uint8)
-        self.be.host_call(Stream.HOST, lambda: self._recv_now(flat, peer, tag), writes=(view,),
-                          name=f"recv{tag}")
+    def allreduce(self, view) -> None:
+        dtype = view.dtype
+        self._on_host(view, "reduce", lambda b: self._reduce_now(b.view(dtype)), to_host=True,
+                      from_host=True, name="allreduce")
 
     def record(self, stream: str):
         from dataflow.backend import Stream
@@ -236,6 +336,8 @@ class SharedMemoryTransport(Transport):
 
     # -- control plane ---------------------------------------------------------------------------
     def allgather(self, values) -> list:
+        if self._failed is not None:
+            raise self._failed
         values = np.asarray(values, np.float64).reshape(-1)
         if values.size > GATHER_MAX:
             raise RingError(f"all-gather of {values.size} values exceeds {GATHER_MAX}",
@@ -243,23 +345,23 @@ class SharedMemoryTransport(Transport):
         parity = self._gen % 2
         # Double-buffered by parity: a rank can only reach the all-gather after next once every
         # rank has published this one's successor, i.e. finished reading this one.
-        self._rows[parity, self.rank, :values.size] = values
-        self._gens[self.rank] = self._gen + 1
+        self._rows[parity, self.me, :values.size] = values
+        self._gens[self.me] = self._gen + 1
         target = self._gen + 1
-        self._wait_until(lambda: all(int(self._gens[r]) >= target
-                                     for r in range(self.world_size)),
+        self._wait_until(lambda: all(int(self._gens[p]) >= target for p in range(self.total)),
                          f"in all-gather {target}", None)
         self._gen = target
-        return [self._rows[parity, r, :values.size].copy() for r in range(self.world_size)]
+        return [self._rows[parity, p, :values.size].copy() for p in range(self.total)]
 
     def abort(self, reason: str = "") -> None:
         if not int(self._flags[0]):
-            self._flags[0] = self.rank + 1
+            self._flags[0] = self.me + 1
 
     def close(self) -> None:
         self._out.clear()
         self._in.clear()
-        self._flags = self._pids = self._gens = self._rows = None
+        self._stage.clear()
+        self._flags = self._pids = self._gens = self._rows = self._reduce = None
         for shm in self._attached:
             try:
                 shm.close()
@@ -278,27 +380,28 @@ class SharedMemoryTransport(Transport):
         self._owned.clear()
 
 
-def abort_ring(run_id: str, world_size: int) -> bool:
-    """From outside the ring (the launcher): set the abort flag so every rank stops waiting.
+def abort_ring(run_id: str) -> bool:
+    """From outside the ring (the launcher): set the abort flag so every process stops waiting.
     False when the board is already gone."""
     try:
         shm = shared_memory.SharedMemory(name=SharedMemoryTransport.board_name(f"dfr-{run_id}"))
     except FileNotFoundError:
         return False
     flags = np.frombuffer(shm.buf, np.int64)[:1]
-    flags[0] = world_size + 1
+    flags[0] = LAUNCHER
     del flags
     shm.close()
     return True
 
 
-def cleanup(run_id: str, world_size: int) -> None:
-    """Unlink every segment of a ring whose ranks are gone (after a crash)."""
-    names = [SharedMemoryTransport.board_name(f"dfr-{run_id}")]
-    for r in range(world_size):
-        for p in ((r + 1) % world_size, (r - 1) % world_size):
-            names.append(f"dfr-{run_id}-{r}-{p}")
-    for name in set(names):
+def cleanup(run_id: str) -> None:
+    """Unlink every segment of a ring whose processes are gone (after a crash)."""
+    prefix = f"dfr-{run_id}-"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except FileNotFoundError:
+        return
+    for name in names:
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:

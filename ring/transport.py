@@ -1,6 +1,7 @@
 """The one small interface every ring transport implements: point-to-point send / receive of a
-backend view to a neighbour, ordered on the transport's own stream by events, plus a tiny
-synchronous control plane (all-gather of a few float64 values, abort). Never decides what is
+backend view to a neighbour and the replicas' gradient all-reduce, ordered on the transport's own
+streams by events, plus a tiny synchronous control plane (all-gather of a few float64 values,
+abort). Processes are numbered replica-major: process replica * N + rank. Never decides what is
 sent or when: the compiled ring schedule does (memplan.ring_schedule)."""
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ class RingError(RuntimeError):
 
 class Transport(abc.ABC):
     rank: int
+    """This process's place in its ring (0..world_size-1)."""
     world_size: int
+    """Ranks in one ring (N)."""
+    replica: int = 0
+    """Which of the R data-parallel rings this process belongs to."""
+    replicas: int = 1
 
     @abc.abstractmethod
-    def bind(self, be, max_message_bytes: int, depth: int) -> None:
+    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0) -> None:
         """Prepare for messages of at most `max_message_bytes`, up to `depth` in flight per
-        neighbour, between views of backend `be`. Called once by the executor, before any step;
-        collective (every rank calls it)."""
+        neighbour, and all-reduces of at most `max_reduce_bytes`, between views of backend
+        `be`. Called once by the executor, before any step; collective (every process calls
+        it)."""
 
     @abc.abstractmethod
     def send(self, view, peer: int, tag: int) -> None:
@@ -39,19 +46,26 @@ class Transport(abc.ABC):
         carry `tag`."""
 
     @abc.abstractmethod
+    def allreduce(self, view) -> None:
+        """Enqueue on the reduce stream: sum `view` (bf16 or f32 gradients, on the device or in
+        pinned host memory) over the replicas of this rank, in place. Every replica ends with the
+        same bits. Never called when there is one replica."""
+
+    @abc.abstractmethod
     def record(self, stream: str) -> Any:
-        """An event marking everything enqueued so far on `stream` ('send' or 'recv'); the
-        backend's streams can wait on it with Backend.wait."""
+        """An event marking everything enqueued so far on `stream` ('send', 'recv' or
+        'reduce'); the backend's streams can wait on it with Backend.wait."""
 
     @abc.abstractmethod
     def wait(self, stream: str, event: Any) -> None:
-        """Later work on `stream` ('send' or 'recv') starts after `event`, an event of the
-        backend's streams."""
+        """Later work on `stream` ('send', 'recv' or 'reduce') starts after `event`, an event
+        of the backend's streams."""
 
     @abc.abstractmethod
     def allgather(self, values) -> list:
-        """Synchronous: every rank passes a 1-D float64 NumPy array of the same length and gets
-        every rank's array, in rank order. For a step's few scalars, not for tensors."""
+        """Synchronous: every process passes a 1-D float64 NumPy array of the same length and
+        gets every process's array, replica-major (R * N rows, row replica * N + rank). For a
+        step's few scalars, not for tensors."""
 
     def abort(self, reason: str) -> None:
         """Tell the other ranks to stop waiting for this one (best effort)."""

@@ -36,9 +36,15 @@ class RingJob:
     """'shipped' (the shipped text) or 'random:<seed>' (uniform random ids, for tests)."""
     lr: float = 1e-3
     max_grad_norm: float | None = None
+    grad_accum: str = "bf16"
+    """'bf16' or 'fp32' gradient accumulation (memplan.plan.GradAccum)."""
+    replicas: int = 1
+    """Data-parallel rings: the launched processes form `replicas` rings of world / replicas
+    ranks; each ring trains its slice of the global batch (replicas x seqs_per_step rows)."""
     backend: str = "numpy"
     transport: str = "shm"
-    """'shm' (NumPy backend, one host) or 'nccl' (CuPy backend, one GPU per rank)."""
+    """'shm' (one host: NumPy backend, or ranks sharing GPUs through pinned staging) or 'nccl'
+    (CuPy backend, one GPU per rank)."""
     timeout_s: float = 60.0
     out_dir: str = ""
     """Where rank r writes rank<r>.npz and rank<r>.json ('' writes nothing)."""
@@ -80,14 +86,36 @@ def batches(job: RingJob, cfg, seqs_per_step: int):
                            start=step * seqs_per_step * job.seqlen)
 
 
+def ring_size(job: RingJob, env: RankEnv) -> int:
+    """Ranks per ring: the processes divided among the job's replicas."""
+    if job.replicas < 1 or env.world_size % job.replicas:
+        from models.errors import ConfigError
+
+        raise ConfigError(f"{env.world_size} processes do not split into {job.replicas} equal "
+                          "rings; use a process count that is a multiple of the replicas")
+    return env.world_size // job.replicas
+
+
 def make_transport(job: RingJob, env: RankEnv):
+    n = ring_size(job, env)
     if job.transport == "nccl":
         from ring.nccl import NcclTransport
 
-        return NcclTransport(env, timeout_s=job.timeout_s)
+        return NcclTransport(env, ring_size=n, timeout_s=job.timeout_s)
     from ring.shm import SharedMemoryTransport
 
-    return SharedMemoryTransport(env.rank, env.world_size, env.run_id, timeout_s=job.timeout_s)
+    return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
+                                 replicas=job.replicas, timeout_s=job.timeout_s)
+
+
+def device_index(job: RingJob, env: RankEnv) -> int:
+    """The GPU of this rank: LOCAL_RANK for NCCL (one GPU per rank), else LOCAL_RANK modulo the
+    GPUs present (several ranks may share one GPU through the shared-memory transport)."""
+    if job.transport == "nccl":
+        return env.local_rank
+    import cupy as cp
+
+    return env.local_rank % max(1, cp.cuda.runtime.getDeviceCount())
 
 
 def run_rank(job: RingJob, env: RankEnv) -> int:
@@ -96,7 +124,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
     from memplan import get_profile
-    from memplan.plan import Budget
+    from memplan.plan import Budget, GradAccum
     from memplan.ring_plan import make_rank_plan
     from ring.rank import RingRank
     from ring.transport import RingError
@@ -105,18 +133,22 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
     transport = None
     try:
         cfg = model_config(job.model)
+        n = ring_size(job, env)
         if job.transport == "nccl":
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
-        be = make_backend(job.backend)
+        be = make_backend(job.backend, **({} if job.backend == "numpy" else
+                                          {"device": device_index(job, env)}))
         profile = get_profile("cpu" if be.name == "numpy" else "h100")
         rp = make_rank_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb), profile,
-                            env.world_size, env.rank, **dict(job.constraints))
+                            n, env.rank % n, replicas=job.replicas,
+                            grad_accum=GradAccum(job.grad_accum), **dict(job.constraints))
         transport = make_transport(job, env)
         rank = RingRank(rp, be, transport, seed=job.seed,
                         optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
         losses, times = [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
-        for step, batch in enumerate(batches(job, cfg, rp.plan.chunking.seqs_per_step)):
+        seqs = rp.plan.chunking.seqs_per_step * job.replicas
+        for step, batch in enumerate(batches(job, cfg, seqs)):
             if kill and int(kill[1]) == env.rank and int(kill[2]) == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             stats = rank.train_step(batch)
@@ -131,9 +163,11 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             np.savez(out / f"rank{env.rank}.npz", **{k: v.view(np.uint16)
                                                      for k, v in rank.weights().items()})
             (out / f"rank{env.rank}.json").write_text(json.dumps({
-                "rank": env.rank, "world_size": env.world_size, "layers": list(rp.layers),
+                "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
+                "layers": list(rp.layers),
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
-                "step_times_s": times, "tokens_per_step": rp.plan.chunking.tokens_per_step,
+                "step_times_s": times,
+                "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
                 "device_bytes": rp.plan.memory.device_bytes,
                 "host_bytes": rp.plan.memory.host_bytes}))
         rank.close()

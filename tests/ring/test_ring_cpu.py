@@ -1,8 +1,10 @@
 """The ring on CPU: N processes (NumPy backend, shared-memory transport) train the same global
 batches as one device and must give the same losses and final weights, bit for bit (the same
 kernels run the same arithmetic on the same chunks; only bytes move between ranks, and the loss
-and gradient norm are combined in the single-device order). A rank that dies makes every other
-rank exit with a clear error well inside the timeout."""
+and gradient norm are combined in the single-device order). Data-parallel replicas of a ring
+likewise, bit for bit where the gradient sums keep the single-device order, else within a
+stated bf16 bound. A rank that dies makes every other rank exit with a clear error well inside
+the timeout."""
 
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ def _model(n_layers: int) -> str:
     return to_json(cfg)
 
 
-def _single_device(job: RingJob):
-    """Losses and final weights of the same job on one device (the Engine)."""
+def _single_device(job: RingJob, **constraints):
+    """Losses and final weights of the same job on one device (the Engine); `constraints`
+    replace the job's (the one device runs the replicas' rounds one after another)."""
+    from memplan.plan import GradAccum
     from ring.worker import batches, model_config
 
     cfg = model_config(job.model)
     plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
-                     get_profile("cpu"), **dict(job.constraints))
+                     get_profile("cpu"), grad_accum=GradAccum(job.grad_accum),
+                     **{**dict(job.constraints), **constraints})
     losses = []
     with Engine.from_plan(plan, backend="numpy", seed=job.seed, lr=job.lr,
                           max_grad_norm=job.max_grad_norm) as eng:
@@ -50,16 +55,22 @@ def _single_device(job: RingJob):
 
 
 def _ring(job: RingJob, n: int):
+    """Launch n processes (job.replicas rings); every process's losses, and each block's final
+    weights once (the replicas must agree on them bit for bit)."""
     res = launch(job, n)
     assert res.exit_codes == (0,) * n, res
-    losses, blocks = [], {}
+    losses, blocks, owner = [], {}, {}
     for r in range(n):
         info = json.loads((__import__("pathlib").Path(job.out_dir) / f"rank{r}.json").read_text())
         losses.append(info["losses"])
         with np.load(f"{job.out_dir}/rank{r}.npz") as z:
             for key in z.files:
-                assert key not in blocks, f"block {key} is owned by two ranks"
-                blocks[key] = z[key].view(ml_dtypes.bfloat16)
+                got = z[key].view(ml_dtypes.bfloat16)
+                if key in blocks:
+                    assert owner[key] != info["replica"], f"block {key} is owned by two ranks"
+                    assert np.array_equal(got.view(np.uint16), blocks[key].view(np.uint16)), \
+                        f"the replicas disagree on {key}"
+                blocks[key], owner[key] = got, info["replica"]
     return losses, blocks, res
 
 
@@ -79,6 +90,40 @@ def test_ring_reproduces_single_device_bit_identically(tmp_path, rng, n_ranks, n
     for key in want:
         assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
     assert want_losses[1] != want_losses[0]  # the weights moved between the two steps
+
+
+@pytest.mark.parametrize("accum", ["fp32", "bf16"])
+def test_two_replicas_of_a_ring_of_two_reproduce_one_device(tmp_path, rng, accum):
+    """2 replicas x 2 ranks (4 processes, one gradient all-reduce per block before the
+    optimizer) against one device running the same global batch as 2 rounds of one chunk.
+    fp32 accumulation: the device adds round 1's fp32 gradient g1 onto round 0's (0 + g0 + g1);
+    the all-reduce adds the two replicas' g0 + g1 in replica order: the same single rounding,
+    so losses and weights are bit-identical. bf16 accumulation: the device rounds g0 + g1 to
+    bf16 once, the replicas round g1 to bf16 first and the all-reduce rounds the sum again, so
+    gradients differ by a bf16 rounding. Stated bound: the first step's loss is exact (same
+    weights, same chunks); later losses within 1e-4 relative; each block's weights within
+    relative L2 of steps * 2^-8 (about one bf16 ulp per element per AdamW step at most, whose
+    first updates are nearly lr * sign(g)). Seen: 1.7e-5 and 4e-3 after 3 steps."""
+    job = RingJob(model=_model(2), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+                  seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
+                  lr=1e-2, timeout_s=60, out_dir=str(tmp_path), grad_accum=accum, replicas=2,
+                  constraints=(("chunk_tokens", 64), ("chunks_per_round", 1),
+                               ("rounds_per_step", 1)))
+    want_losses, want = _single_device(job, rounds_per_step=2)
+    losses, got, _ = _ring(job, 4)
+    assert sorted(got) == sorted(want)
+    assert all(row == losses[0] for row in losses)
+    assert want_losses[1] != want_losses[0]
+    if accum == "fp32":
+        assert losses[0] == want_losses
+        for key in want:
+            assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+        return
+    assert losses[0][0] == want_losses[0]
+    np.testing.assert_allclose(losses[0][1:], want_losses[1:], rtol=1e-4)
+    for key in want:
+        a, b = got[key].astype(np.float64), want[key].astype(np.float64)
+        assert np.linalg.norm(a - b) <= job.steps * 2.0**-8 * np.linalg.norm(b), key
 
 
 def test_killed_rank_makes_every_other_rank_exit_with_a_clear_error(tmp_path, capfd):

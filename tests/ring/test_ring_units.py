@@ -10,8 +10,14 @@ import pytest
 
 from memplan import get_profile
 from memplan.plan import Budget
-from memplan.ring_plan import (LINKS, head_rank, make_rank_plans, owned_layers, predict_ring,
-                               rank_model)
+from memplan.ring_plan import (
+    LINKS,
+    head_rank,
+    make_rank_plans,
+    owned_layers,
+    predict_ring,
+    rank_model,
+)
 from memplan.ring_schedule import Recv, Send, compile_ring_schedule
 from models.config import load_config
 from models.errors import ConfigError
