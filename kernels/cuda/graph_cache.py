@@ -1,0 +1,83 @@
+"""On-disk cache of built cuDNN frontend graphs (the SDPA forward and backward of
+kernels.cuda.attention), so a later process deserialises an execution plan instead of building it
+(heuristics query, plan build, and whatever kernel compilation cuDNN does inside build_plans).
+An entry is keyed by the caller's graph key together with everything that can make a plan
+invalid: cuDNN's backend version, the frontend's version, the device's name and compute
+capability. A missing, stale or unreadable entry is a miss, never an error: the caller builds the
+graph and stores it. Never builds a graph itself and never touches device memory.
+
+Where: DATAFLOW_CUDNN_CACHE_DIR, else ~/.cache/dataflow/cudnn. Clearing it is always safe.
+
+Use (inside attention._graph, around the build):
+    env = graph_cache.environment(cudnn, device_id)
+    g = graph_cache.load(key, lambda: cudnn.pygraph(handle=_handle(), ...same types...), env)
+    if g is None:
+        g = <build as today>               # validate ... build_plans
+        graph_cache.store(key, g, env)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """The directory of serialised graphs (created on first store)."""
+    root = os.environ.get("DATAFLOW_CUDNN_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "dataflow" / "cudnn"
+
+
+def environment(cudnn, device_id: int) -> tuple:
+    """(cuDNN backend version, frontend version, device name, compute capability): a plan
+    serialised under one of these is not loaded under another."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return (int(cudnn.backend_version()), str(getattr(cudnn, "__version__", "?")), name,
+            (int(props["major"]), int(props["minor"])))
+
+
+def entry_path(key: tuple, env: tuple) -> Path:
+    """The file of (key, env): a hash of their repr, so any field change is a new entry."""
+    digest = hashlib.sha256(repr((tuple(key), tuple(env))).encode()).hexdigest()[:32]
+    return cache_dir() / f"{digest}.cudnn"
+
+
+def load(key: tuple, new_graph, env: tuple):
+    """A graph deserialised from the entry of (key, env), made by `new_graph()` (an empty
+    cudnn.pygraph on the right handle), or None on a miss or any failure to deserialise."""
+    path = entry_path(key, env)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        g = new_graph()
+        g.deserialize(list(data))  # pybind11 takes a list of ints for std::vector<uint8_t>
+        return g
+    except Exception as exc:  # noqa: BLE001 - a stale or foreign entry is only a miss
+        log.info("cuDNN graph cache entry %s not usable (%s); rebuilding", path.name, exc)
+        return None
+
+
+def store(key: tuple, graph, env: tuple) -> bool:
+    """Serialise a built graph into the entry of (key, env), atomically; False (logged) when
+    this cuDNN cannot serialise the graph or the directory is not writable."""
+    path = entry_path(key, env)
+    try:
+        data = bytes(graph.serialize())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+            tmp.write(data)
+        os.replace(tmp.name, path)
+        return True
+    except Exception as exc:  # noqa: BLE001 - the cache is an optimisation, never a failure
+        log.info("cannot cache cuDNN graph %s: %s", key, exc)
+        return False
