@@ -286,9 +286,8 @@ def child_main(spec_json: str) -> int:
     """One engine run in this (fresh) process; prints one JSON line."""
     t_proc = time.perf_counter()
     spec = json.loads(spec_json)
-    import numpy as np
-
     import cupy  # noqa: F401 - timed: the import is part of a run's start-up
+    import numpy as np
 
     from dataflow.engine import Engine
     from dataflow.warmup import warm_up
@@ -370,7 +369,9 @@ def table(record: dict) -> str:
             if p.get("status") != "ok":
                 lines.append(f"{p['variant']:20s} {p.get('status')}")
                 continue
-            gbs = lambda k: None if p.get(k) is None else p[k] / 1e9  # noqa: E731
+            def gbs(k, p=p):
+                return None if p.get(k) is None else p[k] / 1e9
+
             lines.append(f"{p['variant']:20s} {_f(p.get('pin_s')):>7s} "
                          f"{_f(p.get('pin_gib_per_s'), '{:.1f}'):>6s} "
                          f"{_f(p.get('touch_s')):>7s} {_f(p.get('register_s')):>6s} "

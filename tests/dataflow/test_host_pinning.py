@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dataflow.backend import BackendError
-from dataflow.backends.cupy_backend import MappedHostMemory, pin_options, piece_bounds
+from dataflow.backends.cupy_backend import MappedHostMemory, piece_bounds, pin_options
 
 
 class _FakeCuda:
