@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return _probe(args, cfg)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    except Exception as exc:  # one line of reason; the traceback only with --debug
+    except Exception as exc:  # noqa: BLE001 - one line of reason; traceback with --debug
         if args.debug:
             traceback.print_exc()
         return _fail(f"failed while measuring: {type(exc).__name__}: {exc} (rerun with --debug)",

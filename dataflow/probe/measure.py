@@ -189,15 +189,20 @@ def _host_median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _host_copy_s(nbytes: int) -> float:
+    """Median seconds of kernels.host.memory.copy_into (numba, parallel) over `nbytes`."""
+    from kernels.host.memory import copy_into
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return _host_median_s(lambda: copy_into(dst, src), 5)
+
+
 def measure_host(s: Settings) -> dict[str, float]:
     """Parallel host memcpy (read + write) and the engine's host AdamW, bytes as cost.py counts."""
     from kernels.host import adamw as host_adamw
-    from kernels.host.memory import copy_into
 
-    src = np.ones(s.host_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    copy_s = _host_median_s(lambda: copy_into(dst, src), 5)
-    del src, dst
+    copy_s = _host_copy_s(s.host_bytes)
     n = s.adamw_elems
     param, grad = np.full(n, 0.02, dtype=BF16), np.full(n, 1e-3, dtype=BF16)
     m, v = np.zeros(n, dtype=BF16), np.zeros(n, dtype=BF16)

@@ -17,8 +17,7 @@ from memplan.plan import GIB, HardwareProfile
 from memplan.profiles import get_profile, known_profiles
 from models.config import ModelConfig
 from models.errors import ConfigError
-from models.flops import (attn_bwd_flops, attn_fwd_flops, flash_recompute_flops,
-                          layer_matmul_flops)
+from models.flops import attn_bwd_flops, attn_fwd_flops, flash_recompute_flops, layer_matmul_flops
 
 _NO_CACHE = Path(os.devnull)
 """A cache path that is never a regular file, so get_profile answers with the built-in."""
@@ -134,8 +133,8 @@ def format_table(base: HardwareProfile, prof: HardwareProfile, m: Measurements,
     keys = t + ctx
     pct, gb = 0.01, 1e9
     lines = [
-        f"dataflow-probe: {m.device_name} beside the built-in profile '{base.name}' "
-        f"({cfg.name} shapes, {t}-token chunks; {m.wall_s:.0f} s)",
+        (f"dataflow-probe: {m.device_name} beside the built-in profile '{base.name}' "
+         f"({cfg.name} shapes, {t}-token chunks; {m.wall_s:.0f} s)"),
         f"{'':<34}{'unit':>8}{'built-in':>10}{'measured':>10}{'ratio':>7}",
         _row("h2d alone", "GB/s", gb, base.h2d_bytes_per_s, prof.h2d_bytes_per_s,
              "pinned host -> device"),

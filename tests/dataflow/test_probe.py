@@ -30,7 +30,9 @@ def _private_profile_cache(tmp_path, monkeypatch):
 
 def fake_measurements(rng, name: str = H100_NAME) -> Measurements:
     """Plausible H100-like rates, drawn fresh each time."""
-    u = lambda lo, hi: float(rng.uniform(lo, hi))  # noqa: E731
+    def u(lo, hi):
+        return float(rng.uniform(lo, hi))
+
     return Measurements(
         device_name=name, device_mem_bytes=int(u(79, 80) * 2**30), pcie_gen=5,
         h2d_bytes_per_s=u(40e9, 57e9), d2h_bytes_per_s=u(40e9, 57e9),
