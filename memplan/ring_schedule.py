@@ -136,6 +136,9 @@ class _RingCompiler(_Compiler):
         events.extend(tail)
 
     def round(self, rnd: int) -> None:
+        if self.rp.n_ranks == 1:  # replicas of one device: its own round, nothing to send
+            super().round(rnd)
+            return
         em, rp, first = self.em, self.rp, rnd == 0
         last_layer = rp.n_layers - 1
         for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),

@@ -40,7 +40,7 @@ def _attach(name: str, deadline: float, what: str, rank: int, peer: int | None,
     while True:
         try:
             shm = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):  # ValueError: created, not yet sized
             reason = aborted()
             if reason:
                 raise RingError(reason, rank=rank, peer=peer) from None

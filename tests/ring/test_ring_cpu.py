@@ -169,3 +169,72 @@ def test_ring_clips_by_the_global_norm(tmp_path, rng):
     for key in want:  # a few AdamW updates may round differently (tiny clipped gradients)
         a, b = got[key].astype(np.float64), want[key].astype(np.float64)
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), key
+
+
+def test_replicas_all_reduce_gradients_kept_at_home(rng):
+    """2 replicas of a ring of 1 (pure data parallelism, two threads of this process, shared
+    memory) of a plan whose layers stream with a host optimizer, whose head streams and whose
+    embedding lives at home (its gradient finished on the host by the last scatter): every
+    all-reduce path. fp32 accumulation, one chunk and one head sub-chunk per round, so the sums
+    keep the single-device order: losses and weights bit-identical to one device running both
+    replicas' rows as 2 rounds."""
+    import threading
+    import uuid
+
+    from dataflow.backends import make_backend
+    from dataflow.optimizer import AdamWConfig
+    from memplan.plan import GradAccum, OptimizerWhere
+    from memplan.ring_plan import RankPlan
+    from memplan.ring_schedule import AllReduce, compile_ring_schedule
+    from ring.rank import RingRank
+    from ring.shm import SharedMemoryTransport, cleanup
+    from tests.dataflow.plans import forced_plan, streamed
+
+    cfg = load_config("tiny")
+    host, strm = streamed(OptimizerWhere.HOST), streamed(OptimizerWhere.STREAMED)
+
+    def plan(rounds):
+        return forced_plan(cfg, 64, chunk_tokens=128, seqs_per_chunk=2, rounds=rounds,
+                           layers=(host, strm), embed=host, head=strm, head_sub_tokens=128,
+                           grad_accum=GradAccum.FP32)
+
+    seed, lr = int(rng.integers(0, 2**31)), 1e-2
+    data = [rng.integers(0, cfg.vocab_size, (4, 65), dtype=np.int32) for _ in range(2)]
+    with Engine.from_plan(plan(2), backend="numpy", seed=seed, lr=lr) as eng:
+        want_losses = [eng.train_step(b).loss for b in data]
+        w = eng.weights()
+    want = {"embed": w.embed, "head": w.head, "layer0": w.layers[0], "layer1": w.layers[1]}
+
+    rp = RankPlan(rank=0, n_ranks=1, layers=(0, 1), has_embed=True, has_head=True, n_layers=2,
+                  plan=plan(1), replicas=2)
+    reduced = [ev.name for ev in compile_ring_schedule(rp).events if type(ev) is AllReduce]
+    assert sorted(reduced) == ["allreduce.L0", "allreduce.L1", "allreduce.embed",
+                               "allreduce.head"]
+    run_id, out = uuid.uuid4().hex[:12], {}
+
+    def replica(q):
+        try:
+            tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
+            rank = RingRank(rp, make_backend("numpy"), tr, seed=seed,
+                            optimizer=AdamWConfig(lr=lr))
+            out[q] = ([rank.train_step(b).loss for b in data], rank.weights())
+            rank.close()
+        except Exception:  # noqa: BLE001 - reported by the assertion below
+            import traceback
+
+            out[q] = RuntimeError(traceback.format_exc())
+
+    threads = [threading.Thread(target=replica, args=(q,)) for q in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        cleanup(run_id)
+    for q in range(2):
+        assert not isinstance(out.get(q), Exception) and q in out, out.get(q)
+        losses, got = out[q]
+        assert losses == want_losses, (q, losses, want_losses)
+        for key in want:
+            assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), (q, key)
