@@ -58,7 +58,9 @@ class Executor:
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
         self.schedule = schedule or compile_schedule(plan)
         table = self.schedule.regions
-        self.dev = Arena(be, Place.DEVICE, plan.budget.device_bytes,
+        # the libraries' own state lives beside the arena, inside the budget
+        self.dev = Arena(be, Place.DEVICE,
+                         plan.budget.device_bytes - plan.profile.library_reserve_bytes,
                          [(r.name, r.nbytes) for r in table.device])
         self.host = Arena(be, Place.HOST, plan.budget.host_bytes,
                           [(r.name, r.nbytes) for r in table.host])
@@ -92,7 +94,7 @@ class Executor:
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
         # larger) and the bf16 dK/dV of a context.
-        spare = plan.budget.device_bytes - self.dev.used_bytes
+        spare = self.dev.slab.nbytes - self.dev.used_bytes
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
         scratch = {"dk16": self.ctx["dk16"], "dv16": self.ctx["dv16"]}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))

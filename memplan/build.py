@@ -36,21 +36,23 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
     validate_decisions(d)
     validate_budget(budget)
     mem = memory_map(d)
-    if mem.device_bytes > budget.device_bytes or mem.host_bytes > budget.host_bytes:
+    reserve = profile.library_reserve_bytes
+    if mem.device_bytes + reserve > budget.device_bytes or mem.host_bytes > budget.host_bytes:
         over = []
-        if mem.device_bytes > budget.device_bytes:
-            over.append(f"device {gib_text(mem.device_bytes)} GiB > budget "
-                        f"{budget.device_bytes / 2**30:.1f} GiB ({categories_text(mem.device)})")
+        if mem.device_bytes + reserve > budget.device_bytes:
+            over.append(f"device {gib_text(mem.device_bytes + reserve)} GiB > budget "
+                        f"{budget.device_bytes / 2**30:.1f} GiB ({categories_text(mem.device)}, "
+                        f"library reserve {gib_text(reserve)})")
         if mem.host_bytes > budget.host_bytes:
             over.append(f"host {gib_text(mem.host_bytes)} GiB > budget "
                         f"{budget.host_bytes / 2**30:.1f} GiB ({categories_text(mem.host)})")
         raise InfeasibleBudget(
             f"these decisions for {d.model.name} at seqlen {d.chunking.seqlen} do not fit: "
             f"{'; '.join(over)}. Give at least host {gib_text(mem.host_bytes)} GiB and device "
-            f"{gib_text(mem.device_bytes)} GiB, or choose fewer slots, more activations at home "
-            "or lower saved-activation levels.",
+            f"{gib_text(mem.device_bytes + reserve)} GiB, or choose fewer slots, more activations "
+            "at home or lower saved-activation levels.",
             device_needed=mem.device, host_needed=mem.host, min_host_bytes=mem.host_bytes,
-            min_device_bytes=mem.device_bytes, host_budget_bytes=budget.host_bytes,
+            min_device_bytes=mem.device_bytes + reserve, host_budget_bytes=budget.host_bytes,
             device_budget_bytes=budget.device_bytes)
     return Plan(model=d.model, budget=budget, profile=profile, chunking=d.chunking, slots=d.slots,
                 layers=d.layers, activations=d.activations, embed=d.embed, head=d.head,

@@ -69,10 +69,16 @@ def _memory_lines(plan: Plan) -> list[str]:
     big = max(plan.budget.device_bytes, plan.budget.host_bytes) >= GIB
     unit, scale = ("GiB", GIB) if big else ("MiB", MIB)
     rows = [(cat, dev.get(cat, 0), host.get(cat, 0)) for cat in CATEGORIES]
-    rows += [("total", plan.memory.device_bytes, plan.memory.host_bytes),
+    prof = plan.profile
+    rows += [("libraries", prof.library_reserve_bytes, 0),
+             ("total", plan.memory.device_bytes + prof.library_reserve_bytes,
+              plan.memory.host_bytes),
              ("budget", plan.budget.device_bytes, plan.budget.host_bytes)]
     out = [f"  {'memory (' + unit + ')':<18}{'device':>10}{'host':>10}"]
     out += [f"  {name:<18}{d / scale:>10.3f}{h / scale:>10.3f}" for name, d, h in rows]
+    out.append(f"  (libraries: what cuDNN, cuBLAS and CuPy hold beside the device arena; the process "
+               f"RSS may exceed the host budget by {_size(prof.host_overhead_bytes)} for the "
+               f"interpreter and libraries)")
     return out
 
 

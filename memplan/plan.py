@@ -70,6 +70,14 @@ class HardwareProfile:
     pcie_gen: int
     device_mem_bytes: int
     """Physical device memory, to warn when a budget exceeds it."""
+    library_reserve_bytes: int = 0
+    """Device memory the libraries hold outside the arena after setup (cuDNN and cuBLAS handles,
+    loaded kernel modules, CuPy's own state): part of the device budget, so the arena is the
+    budget less this. Measured, not guessed (memplan/profiles.py LIBRARY_RESERVE_BYTES)."""
+    host_overhead_bytes: int = 0
+    """Process memory beyond the pinned host arena (the interpreter, imported libraries, page
+    tables, staging of loaded files): the plan states it, and the process RSS stays within the
+    host budget plus this."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

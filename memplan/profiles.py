@@ -27,7 +27,19 @@ def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_a
         attn_bwd_efficiency=attn_b, h2d_bytes_per_s=pcie_alone, d2h_bytes_per_s=pcie_alone,
         h2d_duplex_bytes_per_s=pcie_duplex, d2h_duplex_bytes_per_s=pcie_duplex,
         host_mem_bytes_per_s=host_mem, device_mem_bytes_per_s=dev_mem, pcie_gen=gen,
-        device_mem_bytes=dev_gib * GIB)
+        device_mem_bytes=dev_gib * GIB,
+        library_reserve_bytes=0 if name == "cpu" else LIBRARY_RESERVE_BYTES,
+        host_overhead_bytes=HOST_OVERHEAD_BYTES)
+
+
+LIBRARY_RESERVE_BYTES = GIB // 2
+"""What the CUDA libraries hold on the device beyond the context once the engine is set up: with
+an arena of exactly the budget, NVML's device used minus the context minus the budget read +0.15
+(1b@8k) to +0.31 GiB (8b@128k) on the H100 (cuDNN 9 graphs and handle, cuBLAS, CuPy's kernel
+modules; bench/records/README.md). The NumPy backend has none."""
+HOST_OVERHEAD_BYTES = 3 * GIB // 2
+"""Process RSS beyond the host arena: +0.83 to +1.22 GiB measured on the H100 host (CPython,
+NumPy, CuPy, numba's compiled kernels, the model's token data)."""
 
 
 SUSTAINED_POWER_FACTOR = 680 / 780

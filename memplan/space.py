@@ -74,6 +74,7 @@ class Space:
             buffers.library_scratch_specs(cfg),
             buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(cfg, t, ch.seqlen))
+        self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
         self.rows_b = buffers.align(EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2)
         self.fixed_host = max(e.values()) * 2 + buffers.align(
             TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES) + NORM_HOST_BYTES

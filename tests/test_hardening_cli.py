@@ -111,19 +111,19 @@ def test_demo_refuses_a_plan_file_that_disagrees_with_the_positionals(capsys, tm
     naming both; so is --rounds beside --plan."""
     _refuse_engine(monkeypatch)
     plan = tmp_path / "p.json"
-    assert plan_main(["2", "0.25", "128", "tiny", "--json"]) == 0
+    assert plan_main(["2", "1", "128", "tiny", "--json"]) == 0
     plan.write_text(capsys.readouterr().out)
-    err = _one_line_refusal(capsys, demo_main(["2", "0.25", "256", "tiny", "--plan", str(plan),
+    err = _one_line_refusal(capsys, demo_main(["2", "1", "256", "tiny", "--plan", str(plan),
                                               "--backend", "numpy"]))
-    assert "seqlen 128 (not 256)" in err and "2 0.25 128 tiny" in err
-    err = _one_line_refusal(capsys, demo_main(["3", "0.25", "128", "tiny", "--plan", str(plan),
+    assert "seqlen 128 (not 256)" in err and "2 1 128 tiny" in err
+    err = _one_line_refusal(capsys, demo_main(["3", "1", "128", "tiny", "--plan", str(plan),
                                               "--backend", "numpy"]))
     assert "host 2.00 GiB (not 3.00 GiB)" in err
-    err = _one_line_refusal(capsys, demo_main(["2", "0.25", "128", "tiny", "--plan", str(plan),
+    err = _one_line_refusal(capsys, demo_main(["2", "1", "128", "tiny", "--plan", str(plan),
                                               "--rounds", "2", "--backend", "numpy"]))
     assert "--rounds" in err
     (tmp_path / "bad.json").write_text("{not json")
-    err = _one_line_refusal(capsys, demo_main(["2", "0.25", "128", "tiny", "--plan",
+    err = _one_line_refusal(capsys, demo_main(["2", "1", "128", "tiny", "--plan",
                                               str(tmp_path / "bad.json")]))
     assert "is not a plan file" in err
 

@@ -132,7 +132,7 @@ def test_engine_at_full_level_reports_no_recompute():
 def test_small_budget_refusal_shows_mib_and_no_repeated_hint(capsys):
     """'device 0.1 GiB (20.5 MiB) ... try dev_gb 0.1, or dev_gb 0.1' became MiB numbers and one
     hint."""
-    assert plan_main(["0.01", "0.02", "256", "tiny"]) == 2
+    assert plan_main(["0.01", "0.02", "256", "tiny", "--gpu", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "device 20.5 MiB" in err and "GiB (" not in err
     assert "0.0, " not in err  # categories in MiB, not 'weights 0.0, grads 0.0 GiB'
@@ -141,6 +141,6 @@ def test_small_budget_refusal_shows_mib_and_no_repeated_hint(capsys):
 
 def test_explain_prints_budgets_below_one_gib_in_mib(capsys):
     """A 0.25 GiB device budget reads '256.0 MiB' in the plan's headline."""
-    assert plan_main(["2", "0.25", "256", "tiny"]) == 0
+    assert plan_main(["2", "0.25", "256", "tiny", "--gpu", "cpu"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "device 256.0 MiB" in head and "host 2.00 GiB" in head

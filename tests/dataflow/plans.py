@@ -42,7 +42,8 @@ def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1
     kw = dict(chunking=ch, slots=slots, layers=tuple(layers), activations=acts, embed=embed,
               head=head, grad_accum=grad_accum)
     big = build_plan(cfg, seqlen, Budget(host_bytes=1 << 32, device_bytes=1 << 32), PROFILE, **kw)
-    exact = Budget(host_bytes=big.memory.host_bytes, device_bytes=big.memory.device_bytes)
+    exact = Budget(host_bytes=big.memory.host_bytes,
+                   device_bytes=big.memory.device_bytes + PROFILE.library_reserve_bytes)
     return build_plan(cfg, seqlen, exact, PROFILE, **kw)
 
 

@@ -27,7 +27,7 @@ def test_plan_prints_the_overview(capsys):
 
 def test_json_prints_exactly_one_plan_document(capsys):
     """--json writes one JSON document that loads back into the same Plan."""
-    code, out, err = _run(capsys, "1", "0.5", "256", "tiny", "--json")
+    code, out, err = _run(capsys, "1", "1", "256", "tiny", "--json")
     assert code == 0 and err == ""
     plan = Plan.from_json(out)
     assert json.loads(out)["model"]["name"] == "tiny"

@@ -35,7 +35,8 @@ def test_state_memory_and_work_match_the_materialised_plan(prng, h100, model, se
                 s = _random_state(prng, sp)
                 d = sp.decisions(s, rounds_per_step=2)
                 mm = memory_map(d)
-                assert sp.memory(s) == (mm.device_bytes, mm.host_bytes), s
+                assert sp.memory(s) == (mm.device_bytes + sp.p.library_reserve_bytes,
+                                           mm.host_bytes), s
                 fast, full = sp.workload(s), workload_of(d, h100)
                 for f in dataclasses.fields(full):
                     a, b = getattr(fast, f.name), getattr(full, f.name)
