@@ -80,14 +80,25 @@ class Engine:
     ...     result = eng.train_step(batch)   # batch: (eng.seqs_per_step, 129) token ids
     """
 
+    def __new__(cls, *args, ring=None, **kwargs):
+        if ring is not None:  # the ring builds this process's rank (ring.engine.RingEngine)
+            return ring.engine(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: str | ModelConfig, *, host_gb: float, dev_gb: float, seqlen: int,
                  profile=None, plan_options: dict | None = None,
-                 seqs_per_step: int | None = None, tokens_per_step: int | None = None, **run):
+                 seqs_per_step: int | None = None, tokens_per_step: int | None = None,
+                 ring=None, **run):
         """Plan `model` at `seqlen` under the budgets (GiB) with `profile` (default: this
         backend's), then start it. seqs_per_step (or tokens_per_step, a multiple of seqlen):
         the trainer's global batch, which the planner keeps, choosing chunks and rounds under
         the budgets (InfeasibleBudget names the smallest budgets for it); default: the
-        planner's choice. `run` takes the options of `from_plan`."""
+        planner's choice. `run` takes the options of `from_plan`.
+
+        ring: a ring.Ring (from ring.engine) to train as one process of a ring launched by
+        torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
+        returns that ring's ring.engine.RingEngine for this process (train_step on the global
+        batch, the same on every process; see docs/ring.md)."""
         from memplan import make_plan
 
         if not isinstance(model, ModelConfig) and is_hf_dir(model):

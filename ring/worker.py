@@ -86,65 +86,24 @@ def batches(job: RingJob, cfg, seqs_per_step: int):
                            start=step * seqs_per_step * job.seqlen)
 
 
-def ring_size(job: RingJob, env: RankEnv) -> int:
-    """Ranks per ring: the processes divided among the job's replicas."""
-    if job.replicas < 1 or env.world_size % job.replicas:
-        from models.errors import ConfigError
-
-        raise ConfigError(f"{env.world_size} processes do not split into {job.replicas} equal "
-                          "rings; use a process count that is a multiple of the replicas")
-    return env.world_size // job.replicas
-
-
-def make_transport(job: RingJob, env: RankEnv):
-    n = ring_size(job, env)
-    if job.transport == "nccl":
-        from ring.nccl import NcclTransport
-
-        return NcclTransport(env, ring_size=n, timeout_s=job.timeout_s)
-    from ring.shm import SharedMemoryTransport
-
-    return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
-                                 replicas=job.replicas, timeout_s=job.timeout_s)
-
-
-def device_index(job: RingJob, env: RankEnv) -> int:
-    """The GPU of this rank: LOCAL_RANK for NCCL (one GPU per rank), else LOCAL_RANK modulo the
-    GPUs present (several ranks may share one GPU through the shared-memory transport)."""
-    if job.transport == "nccl":
-        return env.local_rank
-    import cupy as cp
-
-    return env.local_rank % max(1, cp.cuda.runtime.getDeviceCount())
-
-
 def run_rank(job: RingJob, env: RankEnv) -> int:
     """Train `job` as rank env.rank. 0 done; 1 with one line on stderr when this rank or the
     ring failed (a RingError names the rank that died or hung)."""
-    from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
-    from memplan import get_profile
-    from memplan.plan import Budget, GradAccum
-    from memplan.ring_plan import make_rank_plan
-    from ring.rank import RingRank
+    from ring.engine import open_rank
     from ring.transport import RingError
 
     tag = f"[rank {env.rank}/{env.world_size}]"
     transport = None
     try:
         cfg = model_config(job.model)
-        n = ring_size(job, env)
-        if job.transport == "nccl":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
-        be = make_backend(job.backend, **({} if job.backend == "numpy" else
-                                          {"device": device_index(job, env)}))
-        profile = get_profile("cpu" if be.name == "numpy" else "h100")
-        rp = make_rank_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb), profile,
-                            n, env.rank % n, replicas=job.replicas,
-                            grad_accum=GradAccum(job.grad_accum), **dict(job.constraints))
-        transport = make_transport(job, env)
-        rank = RingRank(rp, be, transport, seed=job.seed,
-                        optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
+        rank, transport = open_rank(
+            cfg, job.seqlen, job.host_gb, job.dev_gb, env=env, replicas=job.replicas,
+            backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
+            seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
+            grad_accum=job.grad_accum, **dict(job.constraints))
+        rp = rank.rp
+        n = rp.n_ranks
         losses, times = [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas

@@ -178,16 +178,13 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng):
     all-reduce path. fp32 accumulation, one chunk and one head sub-chunk per round, so the sums
     keep the single-device order: losses and weights bit-identical to one device running both
     replicas' rows as 2 rounds."""
-    import threading
-    import uuid
-
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
     from memplan.plan import GradAccum, OptimizerWhere
     from memplan.ring_plan import RankPlan
     from memplan.ring_schedule import AllReduce, compile_ring_schedule
     from ring.rank import RingRank
-    from ring.shm import SharedMemoryTransport, cleanup
+    from ring.shm import SharedMemoryTransport
     from tests.dataflow.plans import forced_plan, streamed
 
     cfg = load_config("tiny")
@@ -210,31 +207,87 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng):
     reduced = [ev.name for ev in compile_ring_schedule(rp).events if type(ev) is AllReduce]
     assert sorted(reduced) == ["allreduce.L0", "allreduce.L1", "allreduce.embed",
                                "allreduce.head"]
-    run_id, out = uuid.uuid4().hex[:12], {}
-
-    def replica(q):
+    def replica(q, run_id):
+        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
+        rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, optimizer=AdamWConfig(lr=lr))
         try:
-            tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
-            rank = RingRank(rp, make_backend("numpy"), tr, seed=seed,
-                            optimizer=AdamWConfig(lr=lr))
-            out[q] = ([rank.train_step(b).loss for b in data], rank.weights())
+            return [rank.train_step(b).loss for b in data], rank.weights()
+        finally:
             rank.close()
-        except Exception:  # noqa: BLE001 - reported by the assertion below
-            import traceback
 
-            out[q] = RuntimeError(traceback.format_exc())
-
-    threads = [threading.Thread(target=replica, args=(q,)) for q in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        cleanup(run_id)
+    out = _in_threads(replica, 2)
     for q in range(2):
-        assert not isinstance(out.get(q), Exception) and q in out, out.get(q)
         losses, got = out[q]
         assert losses == want_losses, (q, losses, want_losses)
         for key in want:
             assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), (q, key)
+
+
+def _in_threads(fn, n: int) -> list:
+    """fn(i, run_id) for i < n, each in a thread of this process (ring processes without the
+    start-up cost; the shared-memory transport works between threads alike): their results,
+    or the first failure's traceback as an AssertionError."""
+    import threading
+    import traceback
+    import uuid
+
+    from ring.shm import cleanup
+
+    run_id, out = uuid.uuid4().hex[:12], {}
+
+    def run(i):
+        try:
+            out[i] = fn(i, run_id)
+        except Exception:  # noqa: BLE001 - reported below
+            out[i] = AssertionError(traceback.format_exc())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    finally:
+        cleanup(run_id)
+    for i in range(n):
+        assert i in out, f"thread {i} did not finish"
+        if isinstance(out[i], AssertionError):
+            raise out[i]
+    return [out[i] for i in range(n)]
+
+
+def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng):
+    """Engine(..., ring=Ring(env=...)) in each of 2 threads returns that rank's RingEngine; on
+    the global batch they give one device's losses (the Engine without ring=) bit for bit, and
+    between them every block's final weights."""
+    from dataflow.engine import StepResult
+    from ring.engine import Ring, RingEngine
+    from ring.launch import RankEnv
+
+    seed, lr = int(rng.integers(0, 2**31)), 1e-2
+    common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
+                  plan_options=dict(CHUNKING))
+    cfg = load_config("tiny")
+    with Engine("tiny", **common) as eng:
+        rows = eng.seqs_per_step
+        data = [rng.integers(0, cfg.vocab_size, (rows, 65), dtype=np.int32) for _ in range(2)]
+        want_losses = [eng.train_step(b).loss for b in data]
+        w = eng.weights()
+    want = {"embed": w.embed, "head": w.head, "layer0": w.layers[0], "layer1": w.layers[1]}
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+                      master_port=0, run_id=run_id)
+        with Engine("tiny", ring=Ring(env=env, timeout_s=30), **common) as eng:
+            assert isinstance(eng, RingEngine) and eng.seqs_per_step == rows
+            results = [eng.train_step(b) for b in data]
+            assert all(isinstance(res, StepResult) for res in results)
+            return [res.loss for res in results], eng.weights()
+
+    got = {}
+    for losses, blocks in _in_threads(rank, 2):
+        assert losses == want_losses
+        got.update(blocks)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key

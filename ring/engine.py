@@ -1,0 +1,221 @@
+"""The ring behind the Engine API: `Engine(model, host_gb=..., dev_gb=..., seqlen=...,
+ring=Ring())` in every process of a ring (launched by torchrun, srun or `dataflow-ring`) returns a
+RingEngine, this process's rank, which trains on the global batch as the Engine does. Also the
+one place a ring process is set up (plan, backend, transport, rank), for the worker and the
+Engine alike. Never spawns processes (ring.launch does) and never decides placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from ring.launch import RankEnv, rank_env
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Ring:
+    """How this process joins a ring; pass it as Engine(..., ring=Ring(...))."""
+
+    replicas: int = 1
+    """Data-parallel copies of the ring: WORLD_SIZE processes form `replicas` rings of
+    WORLD_SIZE / replicas ranks (layer i on rank i mod that)."""
+    transport: str = "auto"
+    """'nccl' (one GPU per rank), 'shm' (one host: NumPy, or ranks sharing GPUs) or 'auto'
+    (nccl on a GPU backend, shm on NumPy)."""
+    timeout_s: float = 120.0
+    """How long a rank waits for another before failing with a RingError naming it."""
+    env: RankEnv | None = None
+    """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+    MASTER_PORT (or SLURM_*) from the environment."""
+
+    def engine(self, model, **options) -> "RingEngine":
+        """What Engine(model, ..., ring=self) returns."""
+        return RingEngine(self, model, **options)
+
+
+def transport_kind(kind: str, backend_name: str) -> str:
+    if kind == "auto":
+        return "shm" if backend_name == "numpy" else "nccl"
+    if kind not in ("nccl", "shm"):
+        from models.errors import ConfigError
+
+        raise ConfigError(f"unknown ring transport '{kind}'; choose auto, nccl or shm")
+    return kind
+
+
+def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float):
+    """The transport of process env.rank: rank env.rank % N of ring env.rank // N."""
+    n = ring_size(env, replicas)
+    if kind == "nccl":
+        from ring.nccl import NcclTransport
+
+        return NcclTransport(env, ring_size=n, timeout_s=timeout_s)
+    from ring.shm import SharedMemoryTransport
+
+    return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
+                                 replicas=replicas, timeout_s=timeout_s)
+
+
+def ring_size(env: RankEnv, replicas: int) -> int:
+    """Ranks per ring: the processes divided among the replicas."""
+    if replicas < 1 or env.world_size % replicas:
+        from models.errors import ConfigError
+
+        raise ConfigError(f"{env.world_size} processes do not split into {replicas} equal "
+                          "rings; use a process count that is a multiple of the replicas")
+    return env.world_size // replicas
+
+
+def make_rank_backend(backend: str, kind: str, env: RankEnv):
+    """NumPy, or CuPy on this rank's GPU: LOCAL_RANK for NCCL (one GPU per rank), else
+    LOCAL_RANK modulo the GPUs present (ranks sharing GPUs through shared memory)."""
+    from dataflow.backends import make_backend
+
+    if backend == "numpy":
+        return make_backend("numpy")
+    try:
+        import cupy as cp
+
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: make_backend says which
+        return make_backend(backend)
+    device = env.local_rank if kind == "nccl" else env.local_rank % max(1, count)
+    return make_backend(backend, device=device)
+
+
+def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
+              replicas: int = 1, backend: str = "auto", transport: str = "auto",
+              timeout_s: float = 120.0, seed: int = 0, optimizer=None,
+              lr_schedule: Callable[[int], float] | None = None, grad_accum: str = "bf16",
+              profile=None, **constraints):
+    """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
+    its backend, its transport and its blocks initialised as one device would."""
+    from memplan import get_profile
+    from memplan.plan import Budget, GradAccum
+    from memplan.ring_plan import make_rank_plan
+    from ring.rank import RingRank
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
+    n = ring_size(env, replicas)
+    be = make_rank_backend(backend, transport if transport != "auto" else "nccl", env)
+    kind = transport_kind(transport, be.name)
+    profile = profile or get_profile("cpu" if be.name == "numpy" else "h100")
+    rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
+                        replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
+    tr = make_transport(kind, env, replicas, timeout_s)
+    try:
+        return RingRank(rp, be, tr, seed=seed, optimizer=optimizer,
+                        lr_schedule=lr_schedule), tr
+    except BaseException:
+        tr.abort("setup failed")
+        tr.close()
+        raise
+
+
+def _whole(total: int, parts: int, what: str, by: str) -> int:
+    if total % parts:
+        from models.errors import ConfigError
+
+        raise ConfigError(f"{what} {total} is not a multiple of {by} {parts}")
+    return total // parts
+
+
+class RingEngine:
+    """This process's rank of a ring, with the Engine's training surface: train_step on the
+    global batch (the same tokens on every process) returns a dataflow.engine.StepResult with
+    the whole ring's loss, tokens and throughput (MFU over every GPU of every replica; HFU is
+    not computed for a ring: NaN). Checkpoints, eval_step and state_dict are not built for a
+    ring yet: weights() gives this rank's blocks by global key."""
+
+    def __init__(self, ring: Ring, model, *, host_gb: float, dev_gb: float, seqlen: int,
+                 backend: str = "auto", seed: int = 0, lr: float = 3e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                 optimizer=None, lr_schedule: Callable[[int], float] | None = None,
+                 plan_options: dict | None = None, seqs_per_step: int | None = None,
+                 tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None):
+        from dataflow.optimizer import AdamWConfig
+        from models.config import ModelConfig
+        from models.hf import model_config
+
+        self.cfg = model if isinstance(model, ModelConfig) else model_config(model)
+        self.env = ring.env or rank_env()
+        opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                                       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        options = dict(plan_options or {})
+        if tokens_per_step is not None:
+            seqs_per_step = _whole(tokens_per_step, seqlen, "tokens_per_step", "seqlen")
+        if seqs_per_step is not None:  # the global batch: each replica plans its share
+            options["seqs_per_step"] = _whole(seqs_per_step, ring.replicas, "seqs_per_step",
+                                              "replicas")
+        self.rank, self.transport = open_rank(
+            self.cfg, seqlen, host_gb, dev_gb, env=self.env, replicas=ring.replicas,
+            backend=backend, transport=ring.transport, timeout_s=ring.timeout_s, seed=seed,
+            optimizer=opt, lr_schedule=lr_schedule, grad_accum=grad_accum, profile=profile,
+            **options)
+        self.rank_plan = self.rank.rp
+        self.plan = self.rank_plan.plan
+        self._closed = False
+
+    @property
+    def seqs_per_step(self) -> int:
+        """Rows of the global batch: every replica's sequences per step."""
+        return self.plan.chunking.seqs_per_step * self.rank_plan.replicas
+
+    def train_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None,
+                   lr: float | None = None):
+        """One optimizer step of the whole ring on the global batch (seqs_per_step rows of
+        seqlen + 1 ids, the same on every process; labels / doc_ids / position_ids as
+        Engine.train_step). Collective: every process of the ring calls it."""
+        from dataflow.batch import make_batch
+        from dataflow.engine import StepResult
+        from models.errors import ConfigError
+        from models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
+
+        if self._closed:
+            raise ConfigError("this RingEngine is closed; create a new one")
+        ch = self.plan.chunking
+        batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
+                           vocab_size=self.cfg.vocab_size, rows=self.seqs_per_step,
+                           seqlen=ch.seqlen)
+        opt = self.rank.optimizer
+        if lr is None:
+            lr = opt.schedule(opt.step_count + 1) if opt.schedule else opt.config.lr
+        saved = opt.config, opt.schedule
+        opt.config, opt.schedule = dataclasses.replace(opt.config, lr=lr), None
+        t0 = time.perf_counter()
+        try:
+            stats = self.rank.train_step(batch)
+        finally:
+            opt.config, opt.schedule = saved
+        t = max(time.perf_counter() - t0, 1e-12)
+        flops = model_flops_per_seq(self.cfg, ch.seqlen) * self.seqs_per_step
+        gpus = self.env.world_size
+        return StepResult(
+            step=opt.step_count, loss=stats.loss,
+            round_losses=tuple(r.loss_sum / max(r.tokens, 1) for r in stats.rounds),
+            tokens=stats.tokens, step_time_s=t, tok_per_s=stats.tokens / t,
+            model_tflop_per_s=flops / t / 1e12,
+            mfu=flops / t / (self.plan.profile.peak_bf16_flop_per_s * gpus), hfu=float("nan"),
+            flop_model_version=FLOP_MODEL_VERSION, h2d_bytes=stats.h2d_bytes,
+            d2h_bytes=stats.d2h_bytes, lr=lr, grad_norm=stats.grad_norm,
+            loss_tokens=batch.counted)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Host copies of this rank's blocks ('embed', 'layer<global index>', 'head')."""
+        return self.rank.weights()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.rank.close()
+
+    def __enter__(self) -> "RingEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
