@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataflow.rope import rope_table
 from kernels.reference import acc_dtype
 from kernels.reference.attention import attention_fwd
 from kernels.reference.embedding import embedding_fwd
@@ -26,12 +27,12 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """One decoder layer, x (T, D) -> (T, D), as dataflow.reference_model computes it."""
-    t = x.shape[0]
+    t, inv_freq = x.shape[0], rope_table(cfg)
     n1, _ = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
     q = rope_fwd(linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim),
-                 pos, cfg.rope_theta)
+                 pos, inv_freq)
     k = rope_fwd(linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim),
-                 pos, cfg.rope_theta)
+                 pos, inv_freq)
     v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
     o, _ = attention_fwd(q, k, v)
     h = _add(x, linear_fwd(o.reshape(t, cfg.q_dim), w["self_attn.o_proj"]))

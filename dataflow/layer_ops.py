@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.backend import Backend, Stream
+from dataflow.rope import rope_table
 from models.config import ModelConfig
 from models.flops import SavedLevel
 
@@ -103,8 +104,8 @@ class LayerCompute:
         op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
         op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
         op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
-        op("rope_fwd", q, pos, cfg.rope_theta, q)
-        op("rope_fwd", k, pos, cfg.rope_theta, k)
+        op("rope_fwd", q, pos, rope_table(cfg), q)
+        op("rope_fwd", k, pos, rope_table(cfg), k)
 
     def _ffn_fwd(self, w, hres, tag: str) -> None:
         cfg, ws, op = self.cfg, self.ws, self._op
@@ -137,7 +138,7 @@ class LayerCompute:
         else:
             q = ws["q"][:t]
             op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
-            op("rope_fwd", q, pos, cfg.rope_theta, q)
+            op("rope_fwd", q, pos, rope_table(cfg), q)
             if level is SavedLevel.INP_ATTN:
                 o, lse = save["o"], save["lse"]
             else:
@@ -189,8 +190,8 @@ class LayerCompute:
         dk, dv = ws["dk"][:t], ws["dv"][:t]
         op("cast", dk_rows, dk)
         op("cast", dv_rows, dv)
-        op("rope_bwd", dq, pos, cfg.rope_theta, dq)
-        op("rope_bwd", dk, pos, cfg.rope_theta, dk)
+        op("rope_bwd", dq, pos, rope_table(cfg), dq)
+        op("rope_bwd", dk, pos, rope_table(cfg), dk)
         op("linear_bwd_w", dq.reshape(t, -1), xn, g["self_attn.q_proj"], True)
         op("linear_bwd_w", dk.reshape(t, -1), xn, g["self_attn.k_proj"], True)
         op("linear_bwd_w", dv.reshape(t, -1), xn, g["self_attn.v_proj"], True)

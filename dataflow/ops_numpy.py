@@ -47,12 +47,13 @@ def linear_bwd_w(dy, x, dw, accumulate=True):
     _store(dw, dy.astype(F32).T @ x.astype(F32), accumulate)
 
 
-def rope_fwd(x, positions, theta, out):
-    out[...] = ref.rope_fwd(x, positions, theta)
+def rope_fwd(x, positions, inv_freq, out):
+    """inv_freq (E/2,) float64: the config's table (dataflow.rope.rope_table)."""
+    out[...] = ref.rope_fwd(x, positions, inv_freq)
 
 
-def rope_bwd(dy, positions, theta, out):
-    out[...] = ref.rope_bwd(dy, positions, theta)
+def rope_bwd(dy, positions, inv_freq, out):
+    out[...] = ref.rope_bwd(dy, positions, inv_freq)
 
 
 def swiglu_fwd(gate, up, out):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataflow.rope import rope_table
 from kernels.reference import acc_dtype
 from kernels.reference.attention import attention_bwd, attention_fwd
 from kernels.reference.embedding import embedding_bwd, embedding_fwd
@@ -54,8 +55,8 @@ def _layer_fwd(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray
     q = linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim)
     k = linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
     v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    q = rope_fwd(q, pos, cfg.rope_theta)
-    k = rope_fwd(k, pos, cfg.rope_theta)
+    q = rope_fwd(q, pos, rope_table(cfg))
+    k = rope_fwd(k, pos, rope_table(cfg))
     o, lse = attention_fwd(q, k, v)                     # (T, H, E), (H, T)
     o = o.reshape(t, cfg.q_dim)
     h = _add(x, linear_fwd(o, w["self_attn.o_proj"]), x.dtype)
@@ -84,8 +85,8 @@ def _layer_bwd(cfg, w: dict, a: dict, dout: np.ndarray, pos: np.ndarray,
     do, dw["self_attn.o_proj"][...] = linear_bwd(a["o"], w["self_attn.o_proj"], dh)
     do = do.reshape(t, cfg.n_heads, cfg.head_dim)
     dq, dk, dv = attention_bwd(a["q"], a["k"], a["v"], a["o"].reshape(do.shape), a["lse"], do)
-    dq = rope_bwd(dq, pos, cfg.rope_theta).reshape(t, cfg.q_dim)
-    dk = rope_bwd(dk.astype(act), pos, cfg.rope_theta).reshape(t, cfg.kv_dim)
+    dq = rope_bwd(dq, pos, rope_table(cfg)).reshape(t, cfg.q_dim)
+    dk = rope_bwd(dk.astype(act), pos, rope_table(cfg)).reshape(t, cfg.kv_dim)
     dv = dv.astype(act).reshape(t, cfg.kv_dim)
     dn1_q, dw["self_attn.q_proj"][...] = linear_bwd(a["n1"], w["self_attn.q_proj"], dq)
     dn1_k, dw["self_attn.k_proj"][...] = linear_bwd(a["n1"], w["self_attn.k_proj"], dk)

@@ -1,16 +1,72 @@
 """ModelConfig: the shape of a Llama-style decoder (RMSNorm, GQA attention with half-split RoPE,
-SwiGLU FFN, untied head) and the zoo of named shapes shipped as JSON. Describes a transformer;
-never decides where it lives (that is memplan's job) and never imports array libraries."""
+optionally Llama 3.1-style RoPE frequency scaling, SwiGLU FFN, untied head) and the zoo of named
+shapes shipped as JSON. Describes a transformer; never decides where it lives (that is memplan's
+job) and never imports array libraries."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
+import math
 from importlib import resources
 from pathlib import Path
 
 from models.errors import ConfigError
 from models.serial import from_dict, to_json
+
+
+class RopeType(enum.Enum):
+    """RoPE frequency scalings our kernels compute exactly as transformers does. Plain RoPE
+    (transformers' rope_type 'default') is `rope_scaling = None`, not a member."""
+
+    LLAMA3 = "llama3"
+    """Llama 3.1 / 3.2: transformers' `_compute_llama3_parameters`."""
+
+
+SUPPORTED_ROPE_TYPES = tuple(t.value for t in RopeType)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """transformers' `rope_scaling` of a Llama 3.1/3.2 config.json, field for field. Inverse
+    frequencies with wavelength 2 pi / f above original_max_position_embeddings / low_freq_factor
+    are divided by `factor`, those below original_max_position_embeddings / high_freq_factor are
+    kept, and those between are interpolated smoothly (kernels.reference.rope.rope_inv_freq)."""
+
+    rope_type: RopeType = RopeType.LLAMA3
+    factor: float
+    """Divisor of the low frequencies: 8 for Llama 3.1, 32 for Llama 3.2 1B/3B."""
+    low_freq_factor: float
+    """1 for Llama 3.1/3.2."""
+    high_freq_factor: float
+    """4 for Llama 3.1/3.2; greater than low_freq_factor."""
+    original_max_position_embeddings: int
+    """Context length of pretraining before the extension: 8192 for Llama 3.1/3.2."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rope_type, RopeType):
+            if self.rope_type in SUPPORTED_ROPE_TYPES:
+                raise ConfigError(f"rope_scaling rope_type must be RopeType("
+                                  f"{self.rope_type!r}), not the string")
+            raise ConfigError(f"rope_scaling rope_type {self.rope_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (or no rope_scaling "
+                              "for plain RoPE)")
+        for field in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, field)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ConfigError(f"rope_scaling {field} must be a positive finite number, got "
+                                  f"{value!r} (Llama 3.1: factor 8, low_freq_factor 1, "
+                                  "high_freq_factor 4)")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(f"rope_scaling high_freq_factor {self.high_freq_factor!r} must be "
+                              f"greater than low_freq_factor {self.low_freq_factor!r} (Llama 3.1: "
+                              "4 and 1)")
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError("rope_scaling original_max_position_embeddings must be a positive "
+                              f"integer, got {value!r} (Llama 3.1: 8192)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +88,10 @@ class ModelConfig:
     """F: hidden width of the SwiGLU FFN."""
     rope_theta: float
     norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = dataclasses.field(default=None,
+                                                         metadata={"omit_if_default": True})
+    """None: plain RoPE, inverse frequencies rope_theta ** (-2j/E). Left out of the JSON when
+    None, so configs (and plan hashes) written before this field existed are unchanged."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
@@ -49,6 +109,9 @@ class ModelConfig:
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ConfigError(f"model '{self.name}': rope_theta and norm_eps must be positive, "
                               f"got {self.rope_theta!r} and {self.norm_eps!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"model '{self.name}': rope_scaling must be a RopeScaling or None, "
+                              f"got {self.rope_scaling!r}")
 
     @property
     def q_dim(self) -> int:

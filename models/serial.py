@@ -21,7 +21,11 @@ T = TypeVar("T")
 def to_dict(obj: Any) -> Any:
     """Plain JSON-able structure for a dataclass tree (enums by value, tuples as lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # A field marked omit_if_default is left out while it holds its default, so adding an
+        # optional field does not change the JSON (or hash) of objects that do not use it.
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_if_default")
+                        and getattr(obj, f.name) == f.default)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (list, tuple)):

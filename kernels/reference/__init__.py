@@ -9,11 +9,11 @@ from kernels.reference.embedding import embedding_bwd, embedding_fwd
 from kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
 from kernels.reference.linear import linear_bwd, linear_fwd
 from kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
-from kernels.reference.rope import rope_bwd, rope_cos_sin, rope_fwd
+from kernels.reference.rope import rope_bwd, rope_cos_sin, rope_fwd, rope_inv_freq
 from kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
 
 __all__ = [
     "acc_dtype", "adamw_step", "attention_bwd", "attention_fwd", "embedding_bwd", "embedding_fwd", "IGNORE",
     "head_loss_fwd_bwd", "linear_bwd", "linear_fwd", "rms_norm_bwd", "rms_norm_fwd",
-    "rope_bwd", "rope_cos_sin", "rope_fwd", "swiglu_bwd", "swiglu_fwd",
+    "rope_bwd", "rope_cos_sin", "rope_fwd", "rope_inv_freq", "swiglu_bwd", "swiglu_fwd",
 ]

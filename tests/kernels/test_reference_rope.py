@@ -24,7 +24,7 @@ def test_rope_rotates_dimension_j_with_j_plus_half_on_a_hand_made_example():
     """At position 2 with E = 4 and theta = 100, dims (0, 2) turn by 2 rad and dims (1, 3) by
     2 * 100**(-1/2) = 0.2 rad, as transformers' rotate_half pairs them."""
     x = np.array([[[1.0, 2.0, 3.0, 4.0]]])  # (T=1, heads=1, E=4)
-    y = rope_fwd(x, np.array([2]), theta=100.0)
+    y = rope_fwd(x, np.array([2]), 100.0)
     c2, s2, c02, s02 = np.cos(2.0), np.sin(2.0), np.cos(0.2), np.sin(0.2)
     by_hand = np.array([1 * c2 - 3 * s2,     # y0 = x0 cos(a0) - x2 sin(a0)
                         2 * c02 - 4 * s02,   # y1 = x1 cos(a1) - x3 sin(a1)
