@@ -96,7 +96,7 @@ class Executor:
         # larger) and the bf16 dK/dV of a context.
         spare = self.dev.slab.nbytes - self.dev.used_bytes
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
-        scratch = {"dk16": self.ctx["dk16"], "dv16": self.ctx["dv16"]}
+        scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
         if region and region >= spare:
             scratch["attn_workspace"] = self.dev.view("attn_workspace", (region,), "u8")

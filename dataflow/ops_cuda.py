@@ -34,8 +34,8 @@ class CudaOps:
 
     def __init__(self):
         self._lent: dict = {}
-        """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'norm_scratch',
-        'sumsq_scratch', 'cublas_workspace'."""
+        """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'dq32',
+        'norm_scratch', 'sumsq_scratch', 'cublas_workspace'."""
         self._own: dict[tuple, cp.ndarray] = {}
         self._det_fits: dict[tuple, bool] = {}
         """Scratch allocated outside the arena because a lent region was too small."""
@@ -75,7 +75,13 @@ class CudaOps:
         K.attention_fwd(q, k, v, q_offset, o, lse, workspace=self._lent.get("attn_workspace"))
 
     def attention_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
-        """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy."""
+        """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy.
+        A context longer than the lent bf16 dK/dV scratch (the planner's key block) is taken
+        one key block at a time (_attention_bwd_blocked)."""
+        end = q_offset + q.shape[0]
+        block = self._key_block(k)
+        if block is not None and end > block:
+            return self._attention_bwd_blocked(q, k, v, o, lse, do, q_offset, dq, dk, dv, block)
         dk16 = self._scratch("dk16", k.shape, k.dtype)
         dv16 = self._scratch("dv16", v.shape, v.dtype)
         ws = self._lent.get("attn_workspace")
@@ -84,6 +90,43 @@ class CudaOps:
                         workspace=ws)
         K.add_(dk, dk16)
         K.add_(dv, dv16)
+
+    def _key_block(self, k) -> int | None:
+        """Rows of the lent bf16 dK/dV scratch (the planner's key block), None when unlent."""
+        lent = self._lent.get("dk16")
+        if lent is None:
+            return None
+        return lent.size // (k.shape[1] * k.shape[2])
+
+    def _attention_bwd_blocked(self, q, k, v, o, lse, do, q_offset, dq, dk, dv, block):
+        """The backward of one query chunk against a long context, one key block per cuDNN
+        call: the block holding the diagonal (causal, bottom-right), then every block wholly
+        before it (no mask). Exact: each call sees the forward's o and lse, so its softmax
+        weights are the global ones; dK/dV of a block are complete, and dQ is the fp32 sum of
+        the blocks' bf16 parts. Bounds the library workspace and the bf16 dK/dV scratch by the
+        block instead of the context, and keeps the number of distinct cuDNN graphs small.
+        Uses cuDNN's atomic-dQ algorithm (its workspace grows with the block, not T*S)."""
+        end = q_offset + q.shape[0]
+        start = q_offset // block * block  # blocks on a fixed grid: few distinct shapes
+        if end - start > block:
+            start = end - block
+        ws = self._lent.get("attn_workspace")
+        dq32 = self._scratch("dq32", dq.shape, cp.float32)
+        kh, e = k.shape[1], k.shape[2]
+        spans = [(start, end, True)] + [(a, min(a + block, start), False)
+                                        for a in range(0, start, block)]
+        for i, (a, b, causal) in enumerate(spans):
+            dk16 = self._scratch("dk16", (b - a, kh, e), k.dtype)
+            dv16 = self._scratch("dv16", (b - a, kh, e), v.dtype)
+            K.attention_bwd(q, k[a:b], v[a:b], o, lse, do, q_offset - a if causal else 0, dq,
+                            dk16, dv16, deterministic=False, workspace=ws, causal=causal)
+            K.add_(dk[a:b], dk16)
+            K.add_(dv[a:b], dv16)
+            if i == 0:
+                K.cast(dq, dq32)
+            else:
+                K.add_(dq32, dq)
+        K.cast(dq32, dq)
 
     def _deterministic_fits(self, q, k, q_offset: int, ws) -> bool:
         """Deterministic (bit-reproducible) backward when a chunk attends to itself only and

@@ -104,17 +104,36 @@ and the fp32 dQ of the chunk."""
 ATTN_NONDET_SLACK_BYTES = 4 << 20
 
 
+KEY_BLOCK_TARGET_BYTES = 4 << 30
+"""Device bytes one key block of a split sequence's attention backward may cost: the bf16 dK/dV
+it writes (4*Hk*E per key) plus cuDNN's atomic-dQ workspace (16*Hk*E per key). Contexts up to
+this size take one call per chunk; longer ones (1b past about 400k tokens, 8b past 200k) one call
+per key block, so the library's scratch stops growing with the sequence."""
+
+
+def attention_key_block(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
+    """Keys one fused-attention backward call of a split sequence covers: the whole context
+    when it fits KEY_BLOCK_TARGET_BYTES, else the largest multiple of the chunk that does (at
+    least one chunk). Packed chunks (seqlen <= chunk) attend within the chunk: the chunk."""
+    if seqlen <= chunk_tokens:
+        return chunk_tokens
+    per_key = (ATTN_NONDET_CONTEXT_BYTES + 4) * cfg.kv_dim
+    fit = KEY_BLOCK_TARGET_BYTES // per_key // chunk_tokens * chunk_tokens
+    return seqlen if fit >= seqlen else max(chunk_tokens, fit)
+
+
 def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
     """Workspace of the largest fused-attention call of a chunk. Packed chunks attend per
     sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E).
     Split sequences would need 2*T*seqlen*H for that, which is hopeless at long context, so
-    all their chunks use cuDNN's non-deterministic backward (16*S*Hk*E + 4*T*H*E at the longest
-    context S = seqlen). The CUDA op table picks the deterministic algorithm exactly when its
-    workspace fits the region it was lent."""
+    all their chunks use cuDNN's non-deterministic backward (16*S*Hk*E + 4*T*H*E, S the keys
+    of one call: the context, or attention_key_block at long context). The CUDA op table picks
+    the deterministic algorithm exactly when its workspace fits the region it was lent."""
     t = min(chunk_tokens, seqlen)
     dq = ATTN_WORKSPACE_DQ_BYTES * t * cfg.q_dim
     if seqlen > chunk_tokens:
-        return ATTN_NONDET_CONTEXT_BYTES * seqlen * cfg.kv_dim + dq + ATTN_NONDET_SLACK_BYTES
+        keys = attention_key_block(cfg, chunk_tokens, seqlen)
+        return ATTN_NONDET_CONTEXT_BYTES * keys * cfg.kv_dim + dq + ATTN_NONDET_SLACK_BYTES
     return ATTN_WORKSPACE_SCORE_BYTES * t * t * cfg.n_heads + dq + ATTN_WORKSPACE_SLACK_BYTES
 
 
@@ -137,12 +156,16 @@ def library_scratch_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
     """K/V of the whole sequence for split sequences (bf16), fp32 accumulators for dK/dV over
-    the context, and the bf16 dK/dV one fused-attention backward writes before they are added
-    in (rows: the longer of a sequence and a chunk)."""
+    the context, the bf16 dK/dV one fused-attention backward writes before they are added in
+    (rows: one key block, attention_key_block) and, when the context is longer than a key
+    block, the fp32 dQ of a chunk summed over its key blocks."""
     k, e = cfg.n_kv_heads, cfg.head_dim
     rows = max(seqlen, chunk_tokens)
+    block = attention_key_block(cfg, chunk_tokens, seqlen)
     specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32"),
-             TensorSpec("dk16", (rows, k, e), "bf16"), TensorSpec("dv16", (rows, k, e), "bf16")]
+             TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16")]
+    if block < rows:
+        specs.append(TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"))
     if chunks_per_seq > 1:
         specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
                   TensorSpec("v_ctx", (seqlen, k, e), "bf16")]

@@ -88,9 +88,13 @@ def _bhsd(n_rows: int, n_heads: int, e: int) -> tuple[list[int], list[int]]:
     return [1, n_heads, n_rows, e], [n_rows * n_heads * e, e, n_heads * e, 1]
 
 
-def _mask_kwargs(cudnn, bottom_right: bool, style: str) -> dict:
-    """The causal mask in the frontend's current spelling ("band": a right bound of 0 from the
-    aligned diagonal) or its older one ("legacy": use_causal_mask[_bottom_right])."""
+def _mask_kwargs(cudnn, mask: str, style: str) -> dict:
+    """The mask ("top_left" or "bottom_right" causal, or "none") in the frontend's current
+    spelling ("band": a right bound of 0 from the aligned diagonal) or its older one ("legacy":
+    use_causal_mask[_bottom_right])."""
+    if mask == "none":
+        return {}
+    bottom_right = mask == "bottom_right"
     if style == "legacy":
         return {"use_causal_mask_bottom_right": True} if bottom_right else {"use_causal_mask": True}
     da = cudnn.diagonal_alignment
@@ -110,7 +114,7 @@ def _finish(cudnn, g):
     return [g, None, ws]
 
 
-def _build_fwd(t, s, h, kh, e, bottom_right, style):
+def _build_fwd(t, s, h, kh, e, mask, style):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
@@ -121,14 +125,14 @@ def _build_fwd(t, s, h, kh, e, bottom_right, style):
     kt = g.tensor(name="k", dim=kd, stride=ks, data_type=bf, uid=_UID_K)
     vt = g.tensor(name="v", dim=kd, stride=ks, data_type=bf, uid=_UID_V)
     o, stats = g.sdpa(name="sdpa_fwd", q=qt, k=kt, v=vt, generate_stats=True,
-                      attn_scale=1.0 / math.sqrt(e), **_mask_kwargs(cudnn, bottom_right, style))
+                      attn_scale=1.0 / math.sqrt(e), **_mask_kwargs(cudnn, mask, style))
     o.set_uid(_UID_O).set_output(True).set_dim(qd).set_stride(qs).set_data_type(bf)
     stats.set_uid(_UID_STATS).set_output(True).set_dim([1, h, t, 1]) \
         .set_stride([h * t, t, 1, 1]).set_data_type(f32)
     return _finish(cudnn, g)
 
 
-def _build_bwd(t, s, h, kh, e, bottom_right, deterministic, style):
+def _build_bwd(t, s, h, kh, e, mask, deterministic, style):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
@@ -145,17 +149,17 @@ def _build_bwd(t, s, h, kh, e, bottom_right, deterministic, style):
     dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=qt, k=kt, v=vt, o=ot, dO=dot, stats=st,
                                  attn_scale=1.0 / math.sqrt(e),
                                  use_deterministic_algorithm=deterministic,
-                                 **_mask_kwargs(cudnn, bottom_right, style))
+                                 **_mask_kwargs(cudnn, mask, style))
     dq.set_uid(_UID_DQ).set_output(True).set_dim(qd).set_stride(qs).set_data_type(bf)
     dk.set_uid(_UID_DK).set_output(True).set_dim(kd).set_stride(ks).set_data_type(bf)
     dv.set_uid(_UID_DV).set_output(True).set_dim(kd).set_stride(ks).set_data_type(bf)
     return _finish(cudnn, g)
 
 
-def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True):
+def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True):
     """Cached (graph, workspace) for this shape, or None when cuDNN refuses it (reason kept)."""
-    bottom_right = q_offset > 0
-    key = (cupy.cuda.runtime.getDevice(), kind, t, s_used, h, kh, e, bottom_right, deterministic)
+    mask = ("bottom_right" if q_offset > 0 else "top_left") if causal else "none"
+    key = (cupy.cuda.runtime.getDevice(), kind, t, s_used, h, kh, e, mask, deterministic)
     hit = _GRAPHS.get(key)
     if hit is not None:
         return hit, key
@@ -165,9 +169,9 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True):
     for style in ("band", "legacy"):
         try:
             if kind == "fwd":
-                built = _build_fwd(t, s_used, h, kh, e, bottom_right, style)
+                built = _build_fwd(t, s_used, h, kh, e, mask, style)
             else:
-                built = _build_bwd(t, s_used, h, kh, e, bottom_right, deterministic, style)
+                built = _build_bwd(t, s_used, h, kh, e, mask, deterministic, style)
         except Exception as exc:  # cuDNN reports unsupported shapes through several error types
             reasons.append(f"[{style}] {type(exc).__name__}: {exc}")
             continue
@@ -180,15 +184,21 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True):
 
 
 def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int,
-                              head_dim: int, q_offset: int = 0, deterministic: bool = True) -> int:
+                              head_dim: int, q_offset: int = 0, deterministic: bool = True,
+                              n_keys: int | None = None) -> int:
     """Builds (and caches) the cuDNN graph of kind "fwd" or "bwd" for a chunk of n_q queries at
     q_offset and returns its workspace bytes; call it at set-up so no graph is built and no
     workspace allocated in the hot loop (the graph depends on n_q and q_offset, not on S).
-    0 when cuDNN refuses the shape (the simple kernels need no workspace)."""
+    n_keys: the backward of a whole key block seen by every query (attention_bwd's
+    causal=False) instead. 0 when cuDNN refuses the shape (the simple kernels need none)."""
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd'; got {kind!r}")
-    built, _ = _graph(kind, n_q, q_offset + n_q, n_heads, n_kv_heads, head_dim, q_offset,
-                      deterministic)
+    if n_keys is not None:
+        built, _ = _graph(kind, n_q, n_keys, n_heads, n_kv_heads, head_dim, 0, deterministic,
+                          causal=False)
+    else:
+        built, _ = _graph(kind, n_q, q_offset + n_q, n_heads, n_kv_heads, head_dim, q_offset,
+                          deterministic)
     return 0 if built is None else built[2]
 
 
@@ -249,7 +259,7 @@ def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=
 
 
 def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "auto",
-                  deterministic: bool = True, workspace=None) -> None:
+                  deterministic: bool = True, workspace=None, causal: bool = True) -> None:
     """q, o, do (T, H, E), k, v (S, K, E) bf16, lse (H, T) f32 -> dq (T, H, E) bf16, dk, dv
     (S, K, E), all OVERWRITTEN: rows of dk, dv past q_offset + T (seen by no query) get zeros.
 
@@ -258,7 +268,15 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
     and placement-only plan changes stay bit-identical (DESIGN §5); False lets cuDNN accumulate
     dQ with atomics, measured 14 % faster on the H100 at 8b shapes. The simple kernels are always
     deterministic and also write fp32 dk, dv. impl as for attention_fwd.
+
+    causal=False: every query sees every key of k (a block of keys wholly before the queries,
+    q_offset must be 0, any number of keys); with o, lse and do of the whole attention this is
+    that block's exact share of the gradient: dq is its part of the sum over key blocks, dk, dv
+    are the block's. cuDNN only (the simple kernels are causal).
     """
+    if not causal:
+        return _attention_bwd_unmasked(q, k, v, o, lse, do, q_offset, dq, dk, dv, impl,
+                                       deterministic, workspace)
     t, h, e, s, kh = _check(q, k, v, q_offset)
     for what, a in (("o", o), ("do", do), ("dq", dq)):
         _build.check(what, a, (t, h, e), (q.dtype,))
@@ -291,3 +309,28 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
             (-(-t * h // 4),), (128,), (q, k, v, o, lse, do, dq, *scalars))
     _build.kernel(_SRC, _NAMES, f"attn_simple_bwd_kv<{tq}, {tg}, {epl}>")(
         (-(-s * kh // 4),), (128,), (q, k, v, o, lse, do, dk, dv, *scalars))
+
+
+def _attention_bwd_unmasked(q, k, v, o, lse, do, q_offset, dq, dk, dv, impl, deterministic,
+                            workspace) -> None:
+    if q_offset != 0:
+        raise ValueError(f"an unmasked key block takes q_offset 0; got {q_offset}")
+    if impl == "simple" or q.dtype != BF16 or dk.dtype != BF16:
+        raise ValueError("the unmasked (causal=False) backward runs on cuDNN only, in bf16")
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[2] != q.shape[2] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention takes q (T, H, E), k and v (S, K, E) with H a multiple of "
+                         f"K; got q {q.shape}, k {k.shape}, v {v.shape}")
+    t, h, e = q.shape
+    s, kh, _ = k.shape
+    for what, a in (("o", o), ("do", do), ("dq", dq)):
+        _build.check(what, a, (t, h, e), (q.dtype,))
+    _build.check("lse", lse, (h, t), (F32,))
+    _build.check("dk", dk, (s, kh, e), (BF16,))
+    _build.check("dv", dv, (s, kh, e), (BF16,))
+    built, key = _graph("bwd", t, s, h, kh, e, 0, deterministic, causal=False)
+    if built is None:
+        raise RuntimeError(f"cuDNN SDPA refused the unmasked backward {key}: {FALLBACKS[key]}")
+    _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+                 _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr, _UID_DO: do.data.ptr,
+                 _UID_DQ: dq.data.ptr, _UID_DK: dk.data.ptr, _UID_DV: dv.data.ptr}, workspace)
