@@ -2,8 +2,8 @@
 plus model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json.
 Reads lazily, one layer block at a time from memory-mapped files, converting to bf16; writes
 bf16 one block at a time into a temporary directory renamed into place when complete. Never
-holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling,
-biases, other activations are refused by name)."""
+holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling
+other than Llama 3.1's 'llama3', biases, other activations are refused by name)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import ModelConfig, load_config
+from models.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling, RopeType, load_config
 from models.errors import ConfigError
 from models.init import BF16
 from models.layout import BlockKind, embed_layout, head_layout, layer_layout
@@ -25,7 +25,10 @@ SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 << 30
 """transformers' default max_shard_size ("5GB"); a block larger than this gets a shard alone."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-"""Buffers some older exports carry; RoPE frequencies are recomputed from rope_theta."""
+"""Buffers some older exports carry; RoPE frequencies are recomputed from rope_theta and
+rope_scaling."""
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
 
 
 def is_hf_dir(path) -> bool:
@@ -53,13 +56,12 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
                           "only 'llama' (LlamaForCausalLM) directories can be imported")
     checks = {"hidden_act": ("silu", data.get("hidden_act", "silu")),
               "attention_bias": (False, data.get("attention_bias", False)),
-              "mlp_bias": (False, data.get("mlp_bias", False)),
-              "rope_scaling": (None, data.get("rope_scaling"))}
+              "mlp_bias": (False, data.get("mlp_bias", False))}
     for key, (want, got) in checks.items():
         if got != want:
             raise ConfigError(f"{where}: {key} = {got!r} is not supported (our kernels "
-                              f"implement {key} = {want!r}, plain RoPE theta ** (-2j/E)); "
-                              "import a model without it")
+                              f"implement {key} = {want!r}); import a model without it")
+    rope_theta, rope_scaling = _hf_rope(data, where)
     try:
         heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
         return ModelConfig(
@@ -68,16 +70,90 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
             n_layers=int(data["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(data.get("num_key_value_heads") or heads),
             ffn_dim=int(data["intermediate_size"]),
-            rope_theta=float(data.get("rope_theta", 10000.0)),
-            norm_eps=float(data.get("rms_norm_eps", 1e-6)))
+            rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_scaling=rope_scaling)
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
                           "num_attention_heads") from None
 
 
-def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int = 8192) -> dict:
-    """transformers' LlamaConfig fields for `cfg` (untied head, no biases, no RoPE scaling)."""
+def _hf_rope(data: dict, where) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) of a LlamaConfig dict: `rope_theta` plus `rope_scaling` as
+    transformers 4.x writes them, or transformers 5's `rope_parameters` (theta inside). Plain
+    RoPE ('default' or no scaling) gives None; 'llama3' a RopeScaling; any other type, or a
+    'llama3' entry with missing or unknown keys, is refused naming it."""
+    theta = data.get("rope_theta")
+    scaling = data.get("rope_scaling")
+    params = data.get("rope_parameters")
+    if scaling is None and isinstance(params, dict):
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        inner = params.get("rope_theta")
+        if theta is not None and inner is not None and inner != theta:
+            raise ConfigError(f"{where}: rope_theta {theta!r} and rope_parameters.rope_theta "
+                              f"{inner!r} disagree; keep one")
+        theta = inner if theta is None else theta
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{where}: rope_theta {theta!r} is not a number")
+    if scaling is None:
+        return float(theta), None
+    supported = (f"supported: {', '.join(repr(t) for t in SUPPORTED_ROPE_TYPES)} (Llama 3.1/3.2) "
+                 "or none/'default' (plain RoPE theta ** (-2j/E))")
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not a JSON object; {supported}")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rest = {k: v for k, v in scaling.items() if k not in ("rope_type", "type")}
+    if rope_type == "default":
+        if rest:
+            raise ConfigError(f"{where}: rope_scaling of rope_type 'default' (plain RoPE) takes "
+                              f"no parameters, got {sorted(rest)}")
+        return float(theta), None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_scaling rope_type {rope_type!r} is not supported; "
+                          f"{supported}")
+    missing = [k for k in _LLAMA3_KEYS if k not in rest]
+    unknown = sorted(k for k in rest if k not in _LLAMA3_KEYS)
+    if missing or unknown:
+        raise ConfigError(f"{where}: rope_scaling of rope_type {rope_type!r} needs exactly "
+                          f"{', '.join(_LLAMA3_KEYS)}; missing {missing}, unknown {unknown}")
+    values = {k: rest[k] for k in _LLAMA3_KEYS}
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{where}: rope_scaling {k} {v!r} is not a number")
+    orig = values["original_max_position_embeddings"]
+    if orig != int(orig):
+        raise ConfigError(f"{where}: rope_scaling original_max_position_embeddings {orig!r} is "
+                          "not an integer")
+    try:
+        return float(theta), RopeScaling(
+            rope_type=RopeType(rope_type), factor=float(values["factor"]),
+            low_freq_factor=float(values["low_freq_factor"]),
+            high_freq_factor=float(values["high_freq_factor"]),
+            original_max_position_embeddings=int(orig))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
+    """transformers' `rope_scaling` entry for a RopeScaling (None for plain RoPE)."""
+    if scaling is None:
+        return None
+    return {"rope_type": scaling.rope_type.value, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
+def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
+    """transformers' LlamaConfig fields for `cfg` (untied head, no biases; rope_scaling as the
+    config has it). max_position_embeddings does not change any number transformers computes
+    for these RoPE types; by default 8192 for plain RoPE and the extended context
+    (original_max_position_embeddings * factor) with llama3 scaling."""
+    if max_position_embeddings is None:
+        sc = cfg.rope_scaling
+        max_position_embeddings = (8192 if sc is None else
+                                   int(round(sc.original_max_position_embeddings * sc.factor)))
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.model_dim,
@@ -86,7 +162,8 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int = 8192) -> 
         "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "rope_scaling": None, "initializer_range": 0.02,
+        "attention_dropout": 0.0, "rope_scaling": hf_rope_scaling(cfg.rope_scaling),
+        "initializer_range": 0.02,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
     }
 
