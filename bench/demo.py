@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "chunks and rounds around it)")
     batch.add_argument("--tokens-per-step", type=checks.positive_int, default=None, metavar="N",
                        help="the same in tokens (a multiple of SEQLEN)")
+    p.add_argument("--gpus", type=checks.positive_int, default=1, metavar="N",
+                   help="train on a ring of N ranks, layer i on rank i mod N, the budgets per "
+                        "GPU (default 1: this process alone); spawns the ranks, or under "
+                        "torchrun/srun pass N = WORLD_SIZE. A ring prints each rank's steps and "
+                        "one summary line (--json: ring shape, exit codes, losses, step times); "
+                        "constant --lr; --plan, --trace, --metrics, the batch, schedule, data "
+                        "and checkpoint options are not built for it yet (see docs/ring.md)")
     p.add_argument("--trace", metavar="FILE.json", type=checks.writable_file,
                    help="write the steps' timeline as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--metrics", metavar="FILE", type=_metrics_path,
@@ -114,6 +121,11 @@ def _run(args, stop: checks.StopSignals) -> int:
     from models.hf import model_config
 
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
+    lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)
+    if args.gpus > 1:
+        from bench.demo_ring import run_ring
+
+        return run_ring(args, build_parser(), lr)
     plan = checks.load_plan(args.plan) if args.plan else None
     if plan is not None:
         if args.rounds or args.seqs_per_step or args.tokens_per_step:
@@ -138,7 +150,6 @@ def _run(args, stop: checks.StopSignals) -> int:
                          **extra)
     checks.check_budgets_fit_machine(plan, be_probe)
     log.info("%s", explain(plan))
-    lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)
     from bench.demo_training import Training
 
     training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints

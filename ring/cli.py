@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -63,60 +64,95 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    from ring.launch import launch, rank_env
-    from ring.worker import RingJob, model_config, run_rank
+    from ring.worker import RingJob
 
     try:
-        cfg = model_config(args.model)
-        launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
-        env = rank_env() if launched else None
-        n = env.world_size if env else args.gpus
-        if n is None:
-            raise ConfigError("say how many ranks: --gpus N (or launch with torchrun/srun)")
-        if env and args.gpus is not None and args.gpus != env.world_size:
-            raise ConfigError(f"--gpus {args.gpus} differs from WORLD_SIZE {env.world_size}; "
-                              "drop --gpus under torchrun/srun")
         if args.backend == "numpy" and args.transport == "nccl":
             raise ConfigError("the NCCL transport needs --backend cupy")
-        if n % args.replicas:
-            raise ConfigError(f"{n} processes do not split into {args.replicas} equal rings; "
-                              "use a multiple of --replicas")
-        ring = n // args.replicas
-        if ring > cfg.n_layers:
-            raise ConfigError(f"a ring of {ring} needs at least {ring} layers; {cfg.name} has "
-                              f"{cfg.n_layers}: use --gpus {cfg.n_layers * args.replicas} or "
-                              "fewer")
+        env, n = ring_processes(args.model, args.gpus, args.replicas)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     if args.debug:
         os.environ["DATAFLOW_RING_DEBUG"] = "1"
-    out = args.out or (tempfile.mkdtemp(prefix="dataflow-ring-") if args.json else "")
+    # Without --out the launcher still reads rank 0's step times, from a folder it removes.
+    out = args.out or ("" if env else tempfile.mkdtemp(prefix="dataflow-ring-"))
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
-                  steps=args.steps, seed=args.seed, lr=args.lr, backend=args.backend,
-                  replicas=args.replicas,
+                  save_weights=bool(args.out), steps=args.steps, seed=args.seed, lr=args.lr,
+                  backend=args.backend, replicas=args.replicas,
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
                   timeout_s=args.timeout, out_dir=out)
+    return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
+
+
+def ring_processes(model: str, gpus: int | None, replicas: int):
+    """(RankEnv when torchrun / srun launched this process else None, processes in all), after
+    checking the ring against the model. Raises ConfigError with one line."""
+    from ring.launch import rank_env
+    from ring.worker import model_config
+
+    cfg = model_config(model)
+    launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    env = rank_env() if launched else None
+    n = env.world_size if env else gpus
+    if n is None:
+        raise ConfigError("say how many ranks: --gpus N (or launch with torchrun/srun)")
+    if env and gpus is not None and gpus != env.world_size:
+        raise ConfigError(f"--gpus {gpus} differs from WORLD_SIZE {env.world_size}; drop --gpus "
+                          "under torchrun/srun")
+    if n % replicas:
+        raise ConfigError(f"{n} processes do not split into {replicas} equal rings; use a "
+                          "multiple of --replicas")
+    ring = n // replicas
+    if ring > cfg.n_layers:
+        raise ConfigError(f"a ring of {ring} needs at least {ring} layers; {cfg.name} has "
+                          f"{cfg.n_layers}: use --gpus {cfg.n_layers * replicas} or fewer")
+    return env, n
+
+
+def run_job(job, env, n: int, *, as_json: bool, prog: str, keep_out: bool = True) -> int:
+    """Train `job` as one rank (env given: torchrun / srun launched us) or spawn its n
+    processes and summarise them: one line on stderr, and with as_json one JSON document on
+    stdout (ring shape, exit codes, losses, step times). keep_out=False removes job.out_dir
+    after reading it."""
+    from ring.launch import launch
+    from ring.worker import run_rank
+
     if env is not None:  # one rank of a ring someone else launched
         return run_rank(job, env)
     res = launch(job, n)
     ok = res.first_failure is None
-    shape = f"ring of {n}" if args.replicas == 1 else \
-        f"{args.replicas} replicas of a ring of {n // args.replicas}"
-    print(f"{PROG}: {shape} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit "
-          f"codes {list(res.exit_codes)}"
-          + ("" if ok else f"; rank {res.first_failure} failed first"), file=sys.stderr)
-    if args.json:
-        doc = {"n_ranks": n // args.replicas, "replicas": args.replicas, "exit_codes": list(res.exit_codes), "wall_s": res.wall_s,
-               "first_failure": res.first_failure}
-        try:
-            with open(os.path.join(out, "rank0.json")) as f:
-                doc["losses"] = json.load(f)["losses"]
-        except OSError:
-            doc["losses"] = None
+    r = job.replicas
+    shape = f"ring of {n}" if r == 1 else f"{r} replicas of a ring of {n // r}"
+    info = _rank0(job.out_dir)
+    if not keep_out and job.out_dir:
+        shutil.rmtree(job.out_dir, ignore_errors=True)
+    speed = ""
+    if info and info["step_times_s"]:
+        times = info["step_times_s"][1:] or info["step_times_s"]
+        tok_s = info["tokens_per_step"] / (sum(times) / len(times))
+        speed = f"; {tok_s:,.0f} tok/s (mean of steps after the first), loss " \
+                f"{info['losses'][-1]:.4f}"
+    print(f"{prog}: {shape} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit codes "
+          f"{list(res.exit_codes)}" + ("" if ok else f"; rank {res.first_failure} failed first")
+          + (speed if ok else ""), file=sys.stderr)
+    if as_json:
+        doc = {"n_ranks": n // r, "replicas": r, "exit_codes": list(res.exit_codes),
+               "wall_s": res.wall_s, "first_failure": res.first_failure,
+               "losses": info["losses"] if info else None,
+               "step_times_s": info["step_times_s"] if info else None,
+               "tokens_per_step": info["tokens_per_step"] if info else None}
         print(json.dumps(doc))
     return 0 if ok else 1
+
+
+def _rank0(out_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(out_dir, "rank0.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

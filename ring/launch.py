@@ -127,7 +127,7 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
                 failed = [r for r, p in enumerate(procs)
                           if not p.is_alive() and p.exitcode not in (0, None)]
                 first = min(failed, key=lambda r: (procs[r].exitcode >= 0, r))
-                if job.transport == "shm":
+                if job.transport != "nccl":  # shm, or auto that chose it
                     abort_ring(run_id)
                 stop_at = time.monotonic() + grace_s
             if stop_at is not None and time.monotonic() > stop_at:
@@ -147,7 +147,7 @@ def launch(job, n_ranks: int, *, grace_s: float | None = None,
             if p.is_alive():
                 p.kill()
                 p.join()
-        if job.transport == "shm":
+        if job.transport != "nccl":  # shm, or auto that chose it
             cleanup(run_id)
     codes = tuple(p.exitcode if p.exitcode is not None else -9 for p in procs)
     if first is None:

@@ -47,7 +47,9 @@ class RingJob:
     (CuPy backend, one GPU per rank)."""
     timeout_s: float = 60.0
     out_dir: str = ""
-    """Where rank r writes rank<r>.npz and rank<r>.json ('' writes nothing)."""
+    """Where rank r writes rank<r>.json (losses, step times) and rank<r>.npz ('' nothing)."""
+    save_weights: bool = True
+    """Write rank<r>.npz, the rank's blocks' final weights, beside rank<r>.json."""
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
     fault: str = ""
@@ -119,8 +121,9 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
         if job.out_dir:
             out = Path(job.out_dir)
             out.mkdir(parents=True, exist_ok=True)
-            np.savez(out / f"rank{env.rank}.npz", **{k: v.view(np.uint16)
-                                                     for k, v in rank.weights().items()})
+            if job.save_weights:
+                np.savez(out / f"rank{env.rank}.npz", **{k: v.view(np.uint16)
+                                                         for k, v in rank.weights().items()})
             (out / f"rank{env.rank}.json").write_text(json.dumps({
                 "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
                 "layers": list(rp.layers),

@@ -154,3 +154,17 @@ def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
     assert main(["1", "0.25", "64", "tiny"]) == 2
     assert "--gpus N" in capsys.readouterr().err
     assert main(["1", "-1", "64", "tiny", "--gpus", "2"]) == 2
+
+
+def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
+    """dataflow-demo --gpus N exits 2 with one line for options a ring lacks and for a ring
+    larger than the model, before any process starts."""
+    from bench.demo import main
+
+    for var in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--trace", "t.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not take --trace" in err
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "3", "--backend", "numpy"]) == 2
+    assert "--gpus 2 or fewer" in capsys.readouterr().err
