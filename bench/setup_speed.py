@@ -240,6 +240,8 @@ class CudaProbe:
         rec["pin_gib_per_s"] = nbytes / GIB / rec["pin_s"]
         n = min(_COPY_BYTES, nbytes)
         mid = (nbytes - n) // 2 // 4096 * 4096
+        if variant == "register-pieces":  # inside the first piece, which starts at 0
+            mid = 0 if piece_bounds(nbytes, pieces)[0][1] >= n else mid
         rec["h2d_bytes_per_s"] = self._bandwidth(ptr + mid, n, True)
         rec["d2h_bytes_per_s"] = self._bandwidth(ptr + mid, n, False)
         if variant == "register-pieces" and rec.get("pieces", 1) > 1:
