@@ -83,6 +83,12 @@ def make_rank_backend(backend: str, kind: str, env: RankEnv):
         count = cp.cuda.runtime.getDeviceCount()
     except Exception:  # noqa: BLE001 - no CuPy or no GPU: make_backend says which
         return make_backend(backend)
+    if kind == "nccl" and env.local_rank >= count:
+        from models.errors import ConfigError
+
+        raise ConfigError(f"process {env.rank} needs GPU {env.local_rank} (LOCAL_RANK) but this "
+                          f"host has {count}: the NCCL transport takes one GPU per rank (the "
+                          "shared-memory transport lets ranks share GPUs)")
     device = env.local_rank if kind == "nccl" else env.local_rank % max(1, count)
     return make_backend(backend, device=device)
 

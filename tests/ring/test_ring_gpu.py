@@ -1,0 +1,166 @@
+"""The ring on one GPU (CuPy backend). (1) A ring of 2 ranks sharing the GPU through the
+shared-memory transport (device bytes staged through pinned memory), each with half the device
+budget, reproduces one device (the Engine) bit for bit: the same kernels on the same chunks,
+only bytes moved. (2) 2 data-parallel replicas of one device sharing the GPU (shared-memory
+all-reduce of device gradients) against one device running both replicas' rows. (3) The NCCL
+transport as far as one GPU allows: a send to itself and a receive from itself inside one
+group, all-reduces over a 1-rank communicator (device and pinned host bytes) and the
+all-gather, byte-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from tests.gpu import require_gpu  # noqa: E402
+
+cp = require_gpu()
+
+from dataflow.engine import Engine  # noqa: E402
+from memplan import get_profile, make_plan  # noqa: E402
+from memplan.plan import Budget, GradAccum  # noqa: E402
+from ring.launch import RankEnv, launch  # noqa: E402
+from ring.worker import RingJob, batches, model_config  # noqa: E402
+
+CHUNKING = (("chunk_tokens", 256), ("chunks_per_round", 2), ("rounds_per_step", 2))
+HOST_GB, DEV_GB = 2.0, 2.0
+"""The one device's budgets; each rank of the ring gets the host budget and half the device."""
+
+
+def _single_device(job: RingJob, dev_gb: float, **constraints):
+    cfg = model_config(job.model)
+    plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, dev_gb), get_profile("h100"),
+                     grad_accum=GradAccum(job.grad_accum),
+                     **{**dict(job.constraints), **constraints})
+    with Engine.from_plan(plan, backend="cupy", seed=job.seed, lr=job.lr,
+                          max_grad_norm=job.max_grad_norm) as eng:
+        losses = [eng.train_step(b).loss for b in batches(job, cfg, plan.chunking.seqs_per_step)]
+        w = eng.weights()
+    blocks = {"embed": w.embed, "head": w.head}
+    blocks.update({f"layer{i}": b for i, b in enumerate(w.layers)})
+    return losses, blocks
+
+
+def _launched(job: RingJob, n: int):
+    res = launch(job, n)
+    assert res.exit_codes == (0,) * n, res
+    losses, blocks = [], {}
+    for r in range(n):
+        with open(os.path.join(job.out_dir, f"rank{r}.json")) as f:
+            losses.append(json.load(f)["losses"])
+        with np.load(os.path.join(job.out_dir, f"rank{r}.npz")) as z:
+            for key in z.files:
+                if key in blocks:  # replicas hold the same block: they must agree exactly
+                    assert np.array_equal(z[key], blocks[key]), key
+                blocks[key] = z[key]
+    return losses, blocks
+
+
+def test_ring_of_two_sharing_one_gpu_reproduces_one_device(tmp_path):
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
+                  seed=3, data="random:11", lr=1e-3, backend="cupy", transport="shm",
+                  timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING)
+    want_losses, want = _single_device(job, DEV_GB)
+    losses, got = _launched(job, 2)
+    assert losses[0] == losses[1] == want_losses, (losses, want_losses)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key], want[key].view(np.uint16)), key
+
+
+def test_two_replicas_sharing_one_gpu_match_one_device(tmp_path):
+    """fp32 accumulation, one chunk per round: the same sums as one device's two rounds (bit
+    for bit on CPU); here held to the bf16 bound of the CPU test in case a GPU kernel sums
+    differently: losses within 1e-4, weights within relative L2 steps * 2^-8."""
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
+                  seed=4, data="random:12", lr=1e-3, backend="cupy", transport="shm",
+                  grad_accum="fp32", replicas=2, timeout_s=120, out_dir=str(tmp_path),
+                  constraints=(("chunk_tokens", 256), ("chunks_per_round", 1),
+                               ("rounds_per_step", 1)))
+    want_losses, want = _single_device(job, DEV_GB, rounds_per_step=2)
+    losses, got = _launched(job, 2)
+    assert losses[0] == losses[1]
+    np.testing.assert_allclose(losses[0], want_losses, rtol=1e-4)
+    import ml_dtypes
+
+    for key in want:
+        a = got[key].view(ml_dtypes.bfloat16).astype(np.float64)
+        b = want[key].astype(np.float64)
+        assert np.linalg.norm(a - b) <= job.steps * 2.0**-8 * np.linalg.norm(b), key
+
+
+def test_nccl_transport_moves_bf16_bytes_exactly(rng):
+    """A world of 1: send to itself and receive from itself inside one group (the caller's
+    nccl.groupStart/groupEnd around the transport's own), ordered by the transport's events;
+    all-reduces over a 1-rank communicator leave device bf16 / f32 and pinned host bf16 bytes
+    as they were; the all-gather returns this process's row. NCCL_NVLS_ENABLE stays 0."""
+    from cupy.cuda import nccl
+
+    from dataflow.backend import Place, Stream
+    from dataflow.backends import make_backend
+    from ring.nccl import NcclTransport
+
+    env = RankEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+                  run_id="nccl-unit")
+    be = make_backend("cupy")
+    tr = NcclTransport(env, timeout_s=30)
+    assert os.environ.get("NCCL_NVLS_ENABLE") == "0"
+    try:
+        n = 1 << 20
+        dev = be.alloc(4 * n * 2 + n * 4, Place.DEVICE)
+        x, y = be.view(dev, 0, (n,), "bf16"), be.view(dev, 2 * n, (n,), "bf16")
+        z = be.view(dev, 4 * n, (n,), "bf16")
+        f = be.view(dev, 8 * n, (n,), "f32")
+        bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)  # every pattern, NaNs included
+        x.view(cp.uint16).set(bits)
+        y.view(cp.uint16).fill(0)
+        finite = (rng.standard_normal(n) * 3).astype(np.float32)
+        import ml_dtypes
+
+        z.view(cp.uint16).set(finite.astype(ml_dtypes.bfloat16).view(np.uint16))
+        f.set(finite)
+        be.synchronize()
+        tr.bind(be, 2 * n, 2, 4 * n)
+        tr.wait("send", be.record(Stream.COMPUTE))
+        nccl.groupStart()
+        tr.send(x, 0, 7)
+        tr.recv(y, 0, 7)
+        nccl.groupEnd()
+        be.wait(Stream.COMPUTE, tr.record("recv"))
+        be.synchronize()
+        assert np.array_equal(y.view(cp.uint16).get(), bits)
+
+        tr.allreduce(z)
+        tr.allreduce(f)
+        host = be.view(be.alloc(2 * n, Place.HOST), 0, (n,), "bf16")
+        host[...] = finite.astype(ml_dtypes.bfloat16)
+        tr.allreduce(host)
+        be.wait(Stream.COMPUTE, tr.record("reduce"))
+        be.synchronize()
+        want16 = finite.astype(ml_dtypes.bfloat16).view(np.uint16)
+        assert np.array_equal(z.view(cp.uint16).get(), want16)
+        assert np.array_equal(f.get().view(np.uint32), finite.view(np.uint32))
+        assert np.array_equal(host.view(np.uint16), want16)
+
+        rows = tr.allgather(np.array([1.5, -2.25]))
+        assert len(rows) == 1 and rows[0].tolist() == [1.5, -2.25]
+    finally:
+        tr.close()
+        be.close()
+
+
+def test_nccl_ranks_need_a_gpu_each():
+    """Two ranks of an NCCL ring cannot share one GPU: rank 1 fails at once naming its
+    missing GPU, and rank 0 (waiting at the rendezvous) is stopped within the grace time."""
+    if cp.cuda.runtime.getDeviceCount() > 1:
+        pytest.skip("more than one GPU: the 2-GPU run is issue 18's")
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=1,
+                  data="random:1", backend="cupy", transport="nccl", timeout_s=60,
+                  constraints=CHUNKING)
+    res = launch(job, 2, grace_s=30)
+    assert res.first_failure is not None and res.wall_s < 120, res
