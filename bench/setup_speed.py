@@ -302,7 +302,7 @@ def child_main(spec_json: str) -> int:
            "setup_phases_s": dict(getattr(eng, "setup_seconds", {})),
            "pin": getattr(eng.be, "last_pin", None)}
     t0 = time.perf_counter()
-    out["warmup_parts_s"] = warm_up(eng.plan, eng.be) if spec["warm"] else {}
+    out["warmup_parts_s"] = warm_up(eng.plan, eng.be, eng.ex.schedule) if spec["warm"] else {}
     out["warmup_s"] = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, eng.plan.model.vocab_size, (eng.seqs_per_step, spec["seqlen"] + 1),

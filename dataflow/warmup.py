@@ -45,11 +45,31 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
     return tuple(sorted(shapes))
 
 
-def warm_host_kernels() -> dict[str, float]:
-    """Call each numba host kernel the step may run (AdamW with bf16 and fp32 gradients, the
-    embedding scatter into bf16 and fp32 tables, sum of squares) once on small arrays of the
-    dtypes and layouts the executor passes, so their compiled code is loaded (from numba's
-    cache, or compiled) now. Seconds per kernel."""
+HOST_KERNELS = ("adamw", "embedding_bwd", "sumsq")
+
+
+def host_kernels_used(schedule) -> frozenset[str]:
+    """Which numba host kernels a compiled schedule runs: AdamW for updates on the host stream,
+    the embedding scatter and sum of squares for a HOME embedding's host tasks."""
+    from memplan.schedule import HostTask, Update
+
+    used = set()
+    for ev in schedule.events:
+        if isinstance(ev, Update) and ev.stream == "host":
+            used.add("adamw")
+        elif isinstance(ev, HostTask) and ev.op == "embed_scatter":
+            used.add("embedding_bwd")
+        elif isinstance(ev, HostTask) and ev.op == "grad_sumsq":
+            used.add("sumsq")
+    return frozenset(used)
+
+
+def warm_host_kernels(kernels=HOST_KERNELS, grad_dtypes=(BF16, np.dtype(np.float32))
+                      ) -> dict[str, float]:
+    """Call each numba host kernel of `kernels` once on small arrays of the dtypes and layouts
+    the executor passes (bf16 params, m, v and embedding rows, int32 ids, gradients of each of
+    `grad_dtypes`), so its compiled code is loaded (from numba's cache, or compiled) now.
+    Seconds per kernel and gradient dtype."""
     from kernels.host import adamw as host_adamw
     from kernels.host import embedding as host_embedding
     from kernels.host import norms as host_norms
@@ -57,31 +77,42 @@ def warm_host_kernels() -> dict[str, float]:
     seconds = {}
     n, d, vocab = 64, 8, 16
     rng = np.random.default_rng(0)
-    for gdt in (BF16, np.dtype(np.float32)):
-        t0 = time.perf_counter()
-        p, m, v = (rng.standard_normal(n).astype(BF16) for _ in range(3))
-        v = np.abs(v.astype(np.float32)).astype(BF16)
-        host_adamw.adamw_step(p, rng.standard_normal(n).astype(gdt), m, v, 1, 1e-3, 0.9, 0.95,
-                              1e-8, 0.0, 1.0)
-        seconds[f"adamw_{gdt.name}"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ids = rng.integers(0, vocab, n).astype(np.int32)
-        dx = rng.standard_normal((n, d)).astype(BF16)
-        host_embedding.embedding_bwd(ids, dx, np.zeros((vocab, d), gdt))
-        seconds[f"embedding_bwd_{gdt.name}"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        host_norms.sumsq(rng.standard_normal(n).astype(gdt))
-        seconds[f"sumsq_{gdt.name}"] = time.perf_counter() - t0
+    for gdt in (np.dtype(g) for g in grad_dtypes):
+        if "adamw" in kernels:
+            t0 = time.perf_counter()
+            p, m = (rng.standard_normal(n).astype(BF16) for _ in range(2))
+            v = np.abs(rng.standard_normal(n)).astype(BF16)
+            host_adamw.adamw_step(p, rng.standard_normal(n).astype(gdt), m, v, 1, 1e-3, 0.9,
+                                  0.95, 1e-8, 0.0, 1.0)
+            seconds[f"adamw_{gdt.name}"] = time.perf_counter() - t0
+        if "embedding_bwd" in kernels:
+            t0 = time.perf_counter()
+            ids = rng.integers(0, vocab, n).astype(np.int32)
+            dx = rng.standard_normal((n, d)).astype(BF16)
+            host_embedding.embedding_bwd(ids, dx, np.zeros((vocab, d), gdt))
+            seconds[f"embedding_bwd_{gdt.name}"] = time.perf_counter() - t0
+        if "sumsq" in kernels:
+            t0 = time.perf_counter()
+            host_norms.sumsq(rng.standard_normal(n).astype(gdt))
+            seconds[f"sumsq_{gdt.name}"] = time.perf_counter() - t0
     return seconds
 
 
-def warm_up(plan: Plan, be) -> dict[str, float]:
+def warm_up(plan: Plan, be, schedule=None) -> dict[str, float]:
     """Warm everything step 1 would build; seconds per part ('host_kernels', and from a backend
-    with warm_up — the CuPy one — 'cuda_modules', 'attention_graphs'). Call after the arenas
+    with warm_up — the CuPy one — 'cuda_modules', 'attention_graphs'). With the executor's
+    compiled `schedule`, only the host kernels it runs, at the plan's gradient dtype (numba
+    compiles are seconds each); without, all of them at both dtypes. Call after the arenas
     exist (the backend sizes cuDNN's choice of backward from its lent workspace), before the
     first step."""
+    from memplan.plan import GradAccum
+
     t0 = time.perf_counter()
-    warm_host_kernels()
+    if schedule is None:
+        warm_host_kernels()
+    else:
+        gdt = np.dtype(np.float32) if plan.grad_accum is GradAccum.FP32 else BF16
+        warm_host_kernels(host_kernels_used(schedule), (gdt,))
     seconds = {"host_kernels": time.perf_counter() - t0}
     backend_warm = getattr(be, "warm_up", None)  # the CuPy backend's; NumPy builds nothing
     if backend_warm is not None:

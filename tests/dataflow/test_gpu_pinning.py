@@ -97,7 +97,7 @@ def _train(monkeypatch, method: str, chunks_per_seq: int, warm: bool):
                        chunks_per_seq=chunks_per_seq, chunks_per_round=chunks_per_seq, rounds=2)
     ch = plan.chunking
     with Engine.from_plan(plan, backend="cupy", optimizer=AdamWConfig(lr=1e-3)) as eng:
-        parts = warm_up(eng.plan, eng.be) if warm else {}
+        parts = warm_up(eng.plan, eng.be, eng.ex.schedule) if warm else {}
         after_warm = built()
         losses = [eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
                                               start=s * ch.seqs_per_step * ch.seqlen)).loss

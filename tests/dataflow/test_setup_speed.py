@@ -5,6 +5,8 @@ dataflow.warmup lists the attention shapes a plan's chunks produce and warms the
 
 import json
 
+import numpy as np
+
 import pytest
 
 from bench import setup_speed as ss
@@ -154,3 +156,30 @@ def test_warm_host_kernels_calls_each_kernel_with_the_executors_dtypes(monkeypat
         ("embedding_bwd", "int32", "bfloat16", 2, "bfloat16", 2),
         ("embedding_bwd", "int32", "bfloat16", 2, "float32", 2),
         ("sumsq", "bfloat16", 1), ("sumsq", "float32", 1)])
+
+
+def test_warm_up_with_a_schedule_warms_only_the_host_kernels_it_runs(monkeypatch):
+    """A schedule with host-stream AdamW and a HOME embedding's scatter and sum of squares warms
+    exactly those, at the plan's gradient dtype; one with none warms none (each numba compile
+    costs seconds of setup)."""
+    import dataflow.warmup as W
+    from memplan.schedule import HostTask, Update
+
+    class _Sched:
+        def __init__(self, events):
+            self.events = events
+
+    host = _Sched([Update("u", "layer0", 0, 8, None, None, None, None, stream="host"),
+                   HostTask("s", "embed_scatter"), HostTask("g", "grad_sumsq"),
+                   HostTask("t", "tokens_stage")])
+    device = _Sched([Update("u", "layer0", 0, 8, None, None, None, None)])
+    assert W.host_kernels_used(host) == {"adamw", "embedding_bwd", "sumsq"}
+    assert W.host_kernels_used(device) == frozenset()
+    calls = []
+    monkeypatch.setattr(W, "warm_host_kernels", lambda k=W.HOST_KERNELS, g=None: calls.append(
+        (sorted(k), None if g is None else [np.dtype(x).name for x in g])) or {})
+    plan = make_plan(model_config("1b"), 8192, Budget.from_gib(40, 16), get_profile("h100"))
+    W.warm_up(plan, object(), device)
+    W.warm_up(plan, object(), host)
+    gname = "float32" if plan.grad_accum.value == "fp32" else "bfloat16"
+    assert calls == [([], [gname]), (["adamw", "embedding_bwd", "sumsq"], [gname])]
