@@ -104,11 +104,13 @@ and the fp32 dQ of the chunk."""
 ATTN_NONDET_SLACK_BYTES = 4 << 20
 
 
-KEY_BLOCK_TARGET_BYTES = 4 << 30
+KEY_BLOCK_TARGET_BYTES = 1 << 30
 """Device bytes one key block of a split sequence's attention backward may cost: the bf16 dK/dV
 it writes (4*Hk*E per key) plus cuDNN's atomic-dQ workspace (16*Hk*E per key). Contexts up to
-this size take one call per chunk; longer ones (1b past about 400k tokens, 8b past 200k) one call
-per key block, so the library's scratch stops growing with the sequence."""
+this size take one call per chunk; longer ones (8b past 48k tokens, 1b past 96k) one call per
+key block, so the library's scratch stops growing with the sequence. Smaller blocks were also
+faster on the H100 (bench/records/attention-blocks-h100.json: 8b at 128k, whole context 505,
+64k blocks 514, 32k blocks 517 TFLOP/s; 1b at 512k, 415 / 433 (256k) / 441 (128k))."""
 
 
 def attention_key_block(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from models.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 LLMC_MAGIC = 20240520
 """llm.c's .bin header: 256 int32 (magic, version, token count, ...) then the tokens; version 1
@@ -32,11 +35,18 @@ class ArraySource:
     """A 1-D token array (memory-mapped) split into a training stream and a held-out tail."""
 
     def __init__(self, tokens: np.ndarray, seqlen: int, vocab_size: int, *, name: str,
-                 eval_seqs: int = 0):
+                 eval_seqs: int = 0, repeat_short: bool = False):
+        """repeat_short: a training part shorter than one sequence is repeated to fill it (the
+        shipped corpus at long seqlen, for benchmarks) instead of refused."""
         _check_positive("seqlen", seqlen)
         self.seqlen, self.vocab_size, self.name = seqlen, vocab_size, name
         held = eval_seqs * seqlen + 1 if eval_seqs else 0
-        if tokens.size - held < seqlen + 1:
+        short = tokens.size - held < seqlen + 1
+        if short and repeat_short and tokens.size - held > 0:
+            log.warning("%s holds %d training tokens, fewer than seqlen + 1 = %d: each sequence "
+                        "repeats it (fine for measuring speed and memory, not for learning)",
+                        name, tokens.size - held, seqlen + 1)
+        elif short:
             raise ConfigError(f"{name} holds {tokens.size} tokens; training needs at least "
                               f"seqlen + 1 = {seqlen + 1} after the {held} held out for "
                               "validation; use more data, a shorter seqlen or fewer eval "
@@ -143,7 +153,8 @@ def open_source(path: str | Path | None, seqlen: int, vocab_size: int, *, eval_s
     if path is None:
         _check_bytes_vocab(vocab_size, "the shipped corpus")
         tokens = np.frombuffer(_corpus_bytes(), dtype=np.uint8)
-        return ArraySource(tokens, seqlen, vocab_size, name="shipped corpus", eval_seqs=eval_seqs)
+        return ArraySource(tokens, seqlen, vocab_size, name="shipped corpus", eval_seqs=eval_seqs,
+                           repeat_short=True)
     path = Path(path)
     if path.is_dir() or path.suffix == ".parquet":
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]

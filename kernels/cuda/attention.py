@@ -202,6 +202,14 @@ def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int
     return 0 if built is None else built[2]
 
 
+def forget_graphs() -> None:
+    """Drop every cached graph and the workspace it owns, as in a fresh process (tests that
+    check that nothing outside the arena is used call this first: a graph an earlier caller
+    ran without a workspace keeps its own and would hide a region that is too small)."""
+    _GRAPHS.clear()
+    FALLBACKS.clear()
+
+
 def own_workspace_bytes() -> int:
     """Bytes of workspace cuDNN graphs allocated for themselves (outside any lent arena)."""
     return sum(int(v[1].nbytes) for v in _GRAPHS.values() if v and v[1] is not None)

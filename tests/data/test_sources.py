@@ -127,3 +127,17 @@ def test_eval_loss_matches_the_engines_loss_and_changes_nothing():
         assert eng.optimizer.step_count == 0
         assert np.array_equal(eng.read_block(ref).view(np.uint16), before.view(np.uint16))
         assert eng.train_step(batch).loss == pytest.approx(loss, rel=2e-3)
+
+
+def test_shipped_corpus_repeats_to_fill_a_longer_sequence_and_user_data_is_refused(tmp_path):
+    """The shipped corpus at a seqlen beyond its length repeats itself (benchmarks of long
+    context); a user's file that short is still refused, naming both numbers."""
+    src = open_source(None, 400_000, 256)
+    n = src.train_tokens
+    row = src.next_batch(1)[0]
+    assert row.size == 400_001 and n < 400_000
+    assert np.array_equal(row[n:2 * n], row[:n])
+    short = tmp_path / "t.npy"
+    np.save(short, np.arange(100, dtype=np.uint16))
+    with pytest.raises(ConfigError, match="holds 100 tokens.*seqlen \\+ 1 = 129"):
+        open_source(short, 128, 256)

@@ -22,8 +22,22 @@ from models.flops import SavedLevel  # noqa: E402
 from tests.dataflow.plans import forced_plan  # noqa: E402
 
 
-def test_split_sequence_with_8_contexts_allocates_nothing_outside_the_arena(monkeypatch):
+@pytest.mark.parametrize("key_block", [None, 512])
+def test_split_sequence_with_8_contexts_allocates_nothing_outside_the_arena(monkeypatch,
+                                                                             key_block):
+    """8 distinct contexts per sequence, with the whole context in one backward call and (512)
+    with the key-block backward of long contexts (blocks of 512 keys: up to 4 per call)."""
     monkeypatch.setenv("DATAFLOW_ALLOC_GUARD", "error")
+    if key_block is not None:
+        from memplan import buffers
+
+        cfg = load_config("small")
+        per_key = (buffers.ATTN_NONDET_CONTEXT_BYTES + 4) * cfg.kv_dim
+        monkeypatch.setattr(buffers, "KEY_BLOCK_TARGET_BYTES", per_key * key_block)
+        assert buffers.attention_key_block(cfg, 256, 2048) == key_block
+    from kernels.cuda.attention import forget_graphs
+
+    forget_graphs()  # graphs earlier tests ran without a lent workspace own one: start clean
     cfg = load_config("small")
     n, c = cfg.n_layers, 8
     homes = [[Where.HOME if (l + k) % 2 else Where.DEVICE for k in range(c)] for l in range(n)]
