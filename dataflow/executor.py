@@ -252,6 +252,8 @@ class Executor:
                                  tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
                                  tr["positions"][chunk.rows], chunk, save,
                                  self.plan.activations[ev.layer][ev.chunk].level)
+        elif ev.op == "layer_refwd":
+            self._refwd(ev)
         elif ev.op == "layer_bwd":
             chunk = self._round_chunks[ev.round][ev.chunk]
             self.compute.backward(ev.name, self._block_views(ev.weights, self.lay),
@@ -288,6 +290,23 @@ class Executor:
                            name=ev.name)
         else:
             raise BackendError(f"unknown compute op '{ev.op}' in the schedule")
+
+    def _refwd(self, ev: Compute) -> None:
+        """A segment's recompute of one layer on one chunk: the forward's own kernels, from the
+        boundary's saved input (`src`) or from rows of x first kept into `save`, so its output
+        may overwrite those rows and what it keeps is bit-identical to a forward's."""
+        chunk = self._round_chunks[ev.round][ev.chunk]
+        rows, tr = chunk.rows, self.tr
+        save = None
+        if ev.src is not None:
+            x = self._save_views(ev.src, ev.layer, ev.chunk)["x"]
+        else:
+            save = self._save_views(ev.save, ev.layer, ev.chunk)
+            self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"], name=f"{ev.name}.x")
+            x = save["x"]
+        self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
+                             tr["positions"][rows], chunk, save,
+                             self.plan.activations[ev.layer][ev.chunk].level, input_saved=True)
 
     def _head(self, ev: Compute) -> None:
         """Final norm, lm_head and loss of every chunk of the round; for 'head' also their

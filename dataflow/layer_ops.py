@@ -64,9 +64,10 @@ class LayerCompute:
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, tag: str, w: dict, x, out, pos, chunk: ChunkInfo, save: dict,
-                level: SavedLevel) -> None:
+                level: SavedLevel, input_saved: bool = False) -> None:
         """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`,
-        or keeps nothing when `save` is None (evaluation)."""
+        or keeps nothing when `save` is None (evaluation). `input_saved`: x already is
+        save["x"] (a segment recompute, whose output may overwrite the rows x came from)."""
         self.tag = tag
         cfg, ws, op = self.cfg, self.ws, self._op
         t, h, kh, e = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -83,7 +84,8 @@ class LayerCompute:
         op("linear_fwd", ws["act"][:t], w["mlp.down_proj"], out, True)
         if save is None:
             return
-        op("cast", x, save["x"])
+        if not input_saved:
+            op("cast", x, save["x"])
         op("cast", ws["rstd"][:t], save["rstd"])
         op("cast", k, save["k"])
         op("cast", v, save["v"])

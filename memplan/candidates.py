@@ -161,36 +161,95 @@ def _home_upgrades(sp: Space, s: State, base: int) -> list[State]:
 def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum: GradAccum,
                     options: tuple) -> Table:
     """Every candidate plan of a request (budget-independent) with its memory and bound."""
+    """Every candidate plan of a request (budget-independent) with its memory and bound."""
     opts = dict(options)
-    spaces, cands = [], []
-    streamed = opts.get("home_optimizer") is OptimizerWhere.STREAMED
+    spaces, cands, chains = [], [], []
     for ch in chunking_candidates(cfg, seqlen, chunk_tokens=opts.get("chunk_tokens"),
                                   chunks_per_round=opts.get("chunks_per_round")):
         sp = Space(cfg, ch, p, grad_accum)
-        score = _scorer(sp, opts)
-        L, N = sp.L, sp.N
-        base = State(resident=0, embed_dev=False, head_dev=False, opt_streamed=streamed,
-                     weight_slots=1, grad_slots=1, act_slots=1, acts=(0, 0, 0, 0, 0, N))
-        states = set()
-        for home_class, act_moves in CHAINS:
-            acts = tuple(N if i == home_class else 0 for i in range(6))
-            for s in _chain(sp, dataclasses.replace(base, acts=acts), score, opts, act_moves):
-                states.add(s)
-                states.update(_home_upgrades(sp, s, home_class))
-        if opts["max_resident_layers"] == L:
-            for acts in ((N, 0, 0, 0, 0, 0), (0, 0, N, 0, 0, 0)):  # all on device; least host
-                states.add(State(resident=L, embed_dev=True, head_dev=True, opt_streamed=streamed,
-                                 weight_slots=1, grad_slots=1, act_slots=1, acts=acts))
-        tokens = ch.tokens_per_round
-        for s in sorted(states):
-            dev, host = sp.memory(s)
-            lb_round = sp.round_lower_bound_s(s)
-            opt_s = sp.optimizer(s).time_s
-            rounds = opts.get("rounds_per_step") or rounds_for_target(
-                lb_round, lb_round, opt_s, opts["target_optimizer_frac"], max_rounds(tokens))
-            lb = (rounds * lb_round + opt_s) / (rounds * tokens)
-            cands.append(Candidate(dev, host, lb, len(spaces), s))
+        states, chain = _space_states(sp, opts)
+        cands += _candidates(sp, opts, len(spaces), states)
         spaces.append(sp)
-    return Table(spaces, cands, opts)
+        chains.append(chain)
+    table = Table(spaces, cands, opts)
+    table.chain_states = tuple(chains)
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum: GradAccum,
+                  options: tuple) -> Table:
+    """The layer-segment recompute candidates of a request: for each chunking, segment length
+    (segment_lengths) and place of the rebuilt activations (SEGMENT_INNER_CLASSES), the chain
+    states of the plain search carried over (memory.segments). No chains of their own: their
+    skeletons (resident layers, slots, embedding, head, optimizer) are the plain search's,
+    with its saved-activation classes spread in the same proportions over the kept layers."""
+    plain = candidate_table(cfg, seqlen, p, grad_accum, options)
+    spaces, cands = [], []
+    for base, chain in zip(plain.spaces, plain.chain_states):
+        for k in segment_lengths(cfg.n_layers):
+            for inner in SEGMENT_INNER_CLASSES:
+                sp = Space(cfg, base.ch, p, grad_accum, k, inner)
+                states = {_carried(s, base.N, sp) for s in chain}
+                cands += _candidates(sp, plain.opts, len(spaces), states)
+                spaces.append(sp)
+    return Table(spaces, cands, plain.opts)
+
+
+def _carried(s: State, n_from: int, sp: Space) -> State:
+    """`s` with its activation counts scaled from n_from items to the kept layers' sp.N."""
+    acts = [n * sp.N // n_from for n in s.acts]
+    big = max(range(6), key=lambda i: acts[i])
+    acts[big] += sp.N - sum(acts)
+    return dataclasses.replace(s, acts=tuple(acts))
+
+
+SEGMENT_INNER_CLASSES = (5, 4, 2)
+"""Where a segment plan keeps its rebuilt activations (ACT_CLASSES): at home at INP_ONLY (the
+least memory), at home at INP_ATTN (the backward need not run attention a third time: at long
+context that is most of a layer) or on the device at INP_ONLY (no copies)."""
+
+
+def segment_lengths(n_layers: int) -> list[int]:
+    """For every number of segments from L-1 down to 1, the shortest segment length giving it
+    (longer ones keep the same boundaries and only need more storage for rebuilt layers)."""
+    return sorted({-(-n_layers // n) for n in range(1, n_layers)} - {1})
+
+
+def _space_states(sp: Space, opts: dict) -> tuple[set[State], list[State]]:
+    """(every candidate State of one space, the chain states among them): the greedy chains,
+    the host fill of each chain state, and the two all-device anchors."""
+    score = _scorer(sp, opts)
+    L, N = sp.L, sp.N
+    streamed = opts.get("home_optimizer") is OptimizerWhere.STREAMED
+    base = State(resident=0, embed_dev=False, head_dev=False, opt_streamed=streamed,
+                 weight_slots=1, grad_slots=1, act_slots=1, acts=(0, 0, 0, 0, 0, N))
+    states, chain = set(), []
+    for home_class, act_moves in CHAINS:
+        acts = tuple(N if i == home_class else 0 for i in range(6))
+        for s in _chain(sp, dataclasses.replace(base, acts=acts), score, opts, act_moves):
+            states.add(s)
+            chain.append(s)
+            states.update(_home_upgrades(sp, s, home_class))
+    if opts["max_resident_layers"] == L:
+        for acts in ((N, 0, 0, 0, 0, 0), (0, 0, N, 0, 0, 0)):  # all on device; least host
+            states.add(State(resident=L, embed_dev=True, head_dev=True, opt_streamed=streamed,
+                             weight_slots=1, grad_slots=1, act_slots=1, acts=acts))
+    return states, chain
+
+
+def _candidates(sp: Space, opts: dict, index: int, states) -> list[Candidate]:
+    """States of space number `index` as candidates, with their memory and bounds."""
+    tokens = sp.ch.tokens_per_round
+    out = []
+    for s in sorted(states):
+        dev, host = sp.memory(s)
+        lb_round = sp.round_lower_bound_s(s)
+        opt_s = sp.optimizer(s).time_s
+        rounds = opts.get("rounds_per_step") or rounds_for_target(
+            lb_round, lb_round, opt_s, opts["target_optimizer_frac"], max_rounds(tokens))
+        lb = (rounds * lb_round + opt_s) / (rounds * tokens)
+        out.append(Candidate(dev, host, lb, index, s))
+    return out
 
 

@@ -17,6 +17,7 @@ from memplan import buffers
 from memplan.decisions import decisions_of
 from memplan.memory import grad_bpe
 from memplan.plan import Chunking, HardwareProfile, OptimizerWhere, Prediction, Where
+from memplan.segments import segment_bounds
 from memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
 from models.config import ModelConfig
 from models.flops import (
@@ -92,6 +93,8 @@ class ChunkCosts:
     rec_flops: tuple[float, float, float]
     flash_flops: float
     head_s: float
+    fwd_flops: float = 0.0
+    """Forward FLOPs (GEMMs and attention): what a segment recompute repeats per layer."""
 
 
 LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 2}
@@ -125,8 +128,24 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile) -> tuple[Chu
         rec_a = (rec_attn / gemm + ew_s) * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(0.0, rec_a, rec_a + a_fwd_s * over),
                               rec_flops=(0.0, rec_attn, rec_attn + a_fwd), flash_flops=flash,
-                              head_s=head_s))
+                              head_s=head_s, fwd_flops=mm + a_fwd))
     return tuple(out)
+
+
+def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int,
+                      k: int) -> tuple[list[float], float]:
+    """Layer-segment recompute (memplan/segments.py): (seconds added to each layer's backward
+    window, FLOPs per round). A segment of m >= 2 layers re-runs all m layers' forward over
+    every chunk before the backward of its top layer; hardware FLOPs, so HFU counts them and
+    MFU does not."""
+    per_layer_s = [0.0] * n_layers
+    fwd_s, fwd_flops = sum(c.fwd_s for c in costs), sum(c.fwd_flops for c in costs)
+    flops = 0.0
+    for first, end in segment_bounds(n_layers, k):
+        if end - first >= 2:
+            per_layer_s[end - 1] = (end - first) * fwd_s
+            flops += (end - first) * fwd_flops
+    return per_layer_s, flops
 
 
 def workload_of(plan, p: HardwareProfile) -> Workload:
@@ -141,8 +160,10 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     bwd0 = sum(c.bwd_s for c in costs)
     bwd_s, act_count, act_bytes = [], [], []
     rec_s = rec_flops = 0.0
-    for row in d.activations:
-        r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
+    seg_s, seg_flops = segment_recompute(costs, cfg.n_layers, d.segment_layers)
+    rec_flops += seg_flops
+    for layer, row in enumerate(d.activations):
+        r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row)) + seg_s[layer]
         rec_flops += sum(costs[c].rec_flops[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
         bwd_s.append(bwd0 + r)
         rec_s += r
@@ -283,7 +304,7 @@ def event_seconds(plan, p: HardwareProfile):
     def seconds(ev) -> float:
         kind = type(ev).__name__
         if kind == "Compute":
-            if ev.op == "layer_fwd":
+            if ev.op in ("layer_fwd", "layer_refwd"):  # a segment's recompute: a forward
                 return costs[ev.chunk].fwd_s
             if ev.op == "layer_bwd":
                 level = d.activations[ev.layer][ev.chunk].level

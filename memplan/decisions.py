@@ -44,6 +44,8 @@ class Decisions:
     embed: LayerPlacement
     head: LayerPlacement
     grad_accum: GradAccum
+    segment_layers: int = 1
+    """See Plan.segment_layers."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -52,7 +54,7 @@ def decisions_of(obj) -> Decisions:
         return obj
     return Decisions(model=obj.model, chunking=obj.chunking, slots=obj.slots, layers=obj.layers,
                      activations=obj.activations, embed=obj.embed, head=obj.head,
-                     grad_accum=obj.grad_accum)
+                     grad_accum=obj.grad_accum, segment_layers=obj.segment_layers)
 
 
 def _positive(where: str, value) -> None:
@@ -127,6 +129,10 @@ def validate_decisions(d: Decisions) -> None:
         if used and getattr(s, field) < 1:
             raise ConfigError(f"slots.{field} is 0 but some {what} live at home; use at least "
                               "1 (1 means no prefetch overlap)")
+    k = d.segment_layers
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.n_layers:
+        raise ConfigError(f"segment_layers must be in 1..{cfg.n_layers} (1: no segments), "
+                          f"got {k!r}")
     _positive("slots.head_sub_tokens", s.head_sub_tokens)
     if s.head_sub_tokens > ch.chunk_tokens or ch.chunk_tokens % s.head_sub_tokens:
         raise ConfigError(f"slots.head_sub_tokens {s.head_sub_tokens} must divide chunk_tokens "

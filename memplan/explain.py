@@ -46,7 +46,13 @@ def _activation_line(plan: Plan) -> str:
         levels = ", ".join(f"{lv.value} {counts.get((where, lv), 0)}" for lv in SavedLevel)
         parts.append(f"{where.value}: {levels}")
     total = sum(counts.values())
-    return f"Saved activations ({total} per round): " + "; ".join(parts)
+    line = f"Saved activations ({total} per round): " + "; ".join(parts)
+    k = plan.segment_layers
+    if k > 1:
+        line += (f"; layer segments of {k}: layers 0, {k}, ... keep theirs from the forward, the "
+                 f"others are rebuilt in the backward (storage for {min(k, plan.model.n_layers) - 1}"
+                 " layers, reused by every segment)")
+    return line
 
 
 def _placement_line(plan: Plan) -> str:
@@ -155,9 +161,13 @@ def _act_reason(plan: Plan) -> str:
         return ("activations: all kept on the device" +
                 (" at FULL: nothing is recomputed" if all(a.level is SavedLevel.FULL for a in acts)
                  else "; lower levels trade recompute for device memory"))
-    return (f"activations: {len(acts) - len(home)} on the device, {len(home)} at home through "
-            f"{plan.slots.act_slots} slot(s); lower levels save host memory and PCIe bytes at the "
-            "cost of recompute in the backward")
+    out = (f"activations: {len(acts) - len(home)} on the device, {len(home)} at home through "
+           f"{plan.slots.act_slots} slot(s); lower levels save host memory and PCIe bytes at the "
+           "cost of recompute in the backward")
+    if plan.segment_layers > 1:
+        out += ("; no plan without layer segments fits, so each segment re-runs its forward "
+                "before its backward (one more forward of every layer: HFU counts it, MFU not)")
+    return out
 
 
 def explain(plan: Plan) -> str:

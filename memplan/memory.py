@@ -10,6 +10,7 @@ from __future__ import annotations
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
 from memplan.plan import GradAccum, MemoryMap, OptimizerWhere, Where
+from memplan.segments import inner_regions, is_inner
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
@@ -59,11 +60,23 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
     return out
 
 
+def _act_sizes(cfg, tokens: int):
+    """level -> bytes of one saved activation of a chunk of `tokens` (cached per call site)."""
+    sizes = {}
+
+    def size(level) -> int:
+        if level not in sizes:
+            sizes[level] = buffers.saved_activation_bytes(cfg, tokens, level)
+        return sizes[level]
+    return size
+
+
 def device_regions(plan) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of every device region, each size aligned to 256 B, zero-sized ones left
     out, in this order: resident layer state (layer{i}.weights/.grads/.m/.v), weight_slots,
     grad_slots, embed.*, head.weights, head.grads (always present), head.m/.v, act.{layer}.{chunk}
-    (saved activations kept on the device), act_slots, workspace, context, transitions,
+    (saved activations kept on the device; with segments, the boundary layers' only, then
+    act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, context, transitions,
     head_buffers, opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
@@ -82,16 +95,15 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     if d.head.optimizer is OptimizerWhere.DEVICE:
         out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
     t = ch.chunk_tokens
-    act_bytes = {}
+    act_bytes = _act_sizes(cfg, t)
     home_max = 0
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
-            if a.level not in act_bytes:
-                act_bytes[a.level] = buffers.saved_activation_bytes(cfg, t, a.level)
-            if a.home is Where.DEVICE:
-                out.append((f"act.{layer}.{chunk}", act_bytes[a.level]))
-            else:
-                home_max = max(home_max, act_bytes[a.level])
+            if a.home is Where.HOME:
+                home_max = max(home_max, act_bytes(a.level))
+            elif not is_inner(layer, d.segment_layers):
+                out.append((f"act.{layer}.{chunk}", act_bytes(a.level)))
+    out += inner_regions(d, act_bytes)[0]
     out.append(("act_slots", s.act_slots * home_max))
     out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
     out.append(("attn_workspace", buffers.attention_workspace_bytes(cfg, t, ch.seqlen)))
@@ -112,7 +124,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
 def host_regions(plan) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of every pinned host region, aligned and in this order: home state of each
     layer whose weights are HOME (home.layer{i}.weights/.grads/.m/.v), home.embed.*,
-    home.head.*, home.act.{layer}.{chunk}, io_staging, tokens, norm_host, embed_rows."""
+    home.head.*, home.act.{layer}.{chunk} (with segments: boundary layers', then
+    home.act.seg{p}.{chunk}), io_staging, tokens, norm_host, embed_rows."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     elems = buffers.block_elems(cfg)
@@ -122,14 +135,12 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
         out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME)
     out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
     out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
-    act_bytes = {}
+    act_bytes = _act_sizes(cfg, ch.chunk_tokens)
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
-            if a.home is Where.HOME:
-                if a.level not in act_bytes:
-                    act_bytes[a.level] = buffers.saved_activation_bytes(cfg, ch.chunk_tokens,
-                                                                        a.level)
-                out.append((f"home.act.{layer}.{chunk}", act_bytes[a.level]))
+            if a.home is Where.HOME and not is_inner(layer, d.segment_layers):
+                out.append((f"home.act.{layer}.{chunk}", act_bytes(a.level)))
+    out += inner_regions(d, act_bytes)[1]
     out.append(("io_staging", max(elems.values()) * 2))
     out.append(("tokens", TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES))
     out.append(("norm_host", NORM_HOST_BYTES))

@@ -202,6 +202,11 @@ class Plan:
     memory: MemoryMap
     prediction: Prediction
     planner_version: str
+    segment_layers: int = 1
+    """Layer-segment recompute (memplan/segments.py): k > 1 keeps the saved activations of layers
+    0, k, 2k, ... only and rebuilds the others in the backward by re-running the segment's
+    forward; their `activations` entries then say where and at which level the rebuilt ones
+    live. 1 (the default, and every plan written before segments existed): none."""
 
     def to_json(self) -> str:
         return to_json(self)

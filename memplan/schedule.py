@@ -18,6 +18,7 @@ from memplan import buffers
 from memplan.decisions import decisions_of
 from memplan.memory import device_regions, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
+from memplan.segments import inner_region, is_inner, segment_bounds
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
 
@@ -120,7 +121,10 @@ class Fill:
 class Compute:
     """One unit of model work on the compute stream. op: 'embed_fwd' / 'embed_bwd' (device
     table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk; a forward with no `save` keeps
-    nothing, as in evaluation), 'head' (final norm, lm_head and loss of one round, all chunks,
+    nothing, as in evaluation), 'layer_refwd' (a segment's recompute in the backward: the
+    same forward, reading its input from the saved activation `src` (the segment's boundary)
+    or from the rows of x, keeping that input and what its level says in `save`, writing its
+    output over the rows of y, which may be x), 'head' (final norm, lm_head and loss of one round, all chunks,
     forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a
     chunk's saved K/V into the sequence context). x and y name the transition buffers read and
     written."""
@@ -136,6 +140,7 @@ class Compute:
     x: str = ""
     y: str = ""
     stream: str = COMPUTE
+    src: Ref | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -226,7 +231,10 @@ class Schedule:
                            "events": [enc(e) for e in self.events]})
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str, extra_types: dict | None = None) -> "Schedule":
+        """Inverse of to_json; `extra_types` names event classes beyond EVENT_TYPES (a ring's
+        Send / Recv / AllReduce: memplan.ring_schedule.RING_EVENT_TYPES)."""
+        types = {**EVENT_TYPES, **(extra_types or {})}
         raw = json.loads(text)
         regs = raw["regions"]
         table = RegionTable(device=tuple(Region(**r) for r in regs["device"]),
@@ -234,7 +242,7 @@ class Schedule:
                             device_budget=regs["device_budget"], host_budget=regs["host_budget"])
         events = []
         for e in raw["events"]:
-            kind = EVENT_TYPES[e.pop("type")]
+            kind = types[e.pop("type")]
             events.append(kind(**{k: Ref(**v) if isinstance(v, dict) else v
                                   for k, v in e.items()}))
         return cls(table, tuple(events), raw["rounds"], tuple(raw["round_starts"]),
@@ -395,6 +403,8 @@ class _Compiler:
         self.numel = {"layer": layer_layout(self.cfg).numel,
                       "embed": embed_layout(self.cfg).numel, "head": head_layout(self.cfg).numel}
         self.L, self.C, self.T = self.cfg.n_layers, self.ch.chunks_per_round, self.ch.chunk_tokens
+        self.k = d.segment_layers
+        self.segments = segment_bounds(self.L, self.k)
         self.targets_ready: int | None = None
         self.embed_grads_ready: int | None = None
         self.dx_sent: int | None = None
@@ -446,16 +456,25 @@ class _Compiler:
         n = self.numel["layer"]
         gb = 2 if self.gdt == "bf16" else 4
         self.wring = self.gring = self.aring = self.hw_ring = self.hg_ring = None
+        # The backward's layer visits in issue order: per segment, top first, its recompute
+        # ('r', forward order) then its backward ('b', reverse order); without segments the
+        # backward alone, L-1..0.
+        k = self.k
+        self.recompute_top = {}
+        back: list[tuple[str, int]] = []
+        for first, end in reversed(self.segments):
+            if end - first >= 2:
+                self.recompute_top[end - 1] = (first, end)
+                back += [("r", j) for j in range(first, end)]
+            back += [("b", j) for j in reversed(range(first, end))]
         streamed = [i for i in range(L) if d.layers[i].weights is Where.HOME]
         if streamed:
             self.wring = _Ring(em, self._slots("weight_slots", d.slots.weight_slots, n * 2), "w")
             home = {i: self.block(f"layer{i}", "weights", True) for i in streamed}
-            self.w_uses = [_Use(i, home[i]) for i in streamed]
-            self.w_uses += [_Use(i, home[i]) for i in reversed(streamed)]
+            order = [("f", i) for i in streamed] + [(ph, i) for ph, i in back if i in home]
+            self.w_uses = [_Use(i, home[i]) for _, i in order]
             self.w_assigned = self.wring.assign(self.w_uses)
-            self.w_index = {("f", i): j for j, i in enumerate(streamed)}
-            self.w_index.update({("b", i): len(streamed) + j
-                                 for j, i in enumerate(reversed(streamed))})
+            self.w_index = {use: j for j, use in enumerate(order)}
         gstreamed = [i for i in reversed(range(L)) if d.layers[i].grads is Where.HOME]
         if gstreamed:
             self.gring = _Ring(em, self._slots("grad_slots", d.slots.grad_slots, n * gb), "g")
@@ -464,26 +483,33 @@ class _Compiler:
                                    for i in gstreamed] for first in (True, False)}
             self.g_assigned = {k: self.gring.assign(u) for k, u in self.g_uses.items()}
             self.g_index = {i: j for j, i in enumerate(gstreamed)}
-        self.act_bytes = {}
-        home_acts = []
+        self.act_bytes, self.act_dev, self.act_home = {}, {}, {}
         for layer in range(L):
             for c in range(self.C):
                 a = d.activations[layer][c]
-                self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(self.cfg, self.T,
-                                                                            a.level)
-                if a.home is Where.HOME:
-                    home_acts.append((layer, c))
-        if home_acts:
-            size = max(self.act_bytes[k] for k in home_acts)
+                nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
+                    self.cfg, self.T, a.level)
+                name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
+                    f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
+                (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \
+                    self.ref(name, 0, nb)
+        if self.act_home:
+            # Uses of the activation slots in issue order: the forward writes the kept ones;
+            # per segment, top first, the recompute reads the boundary ('r') and writes the
+            # rebuilt inner ones ('w'), then the backward reads them all ('b').
+            home, C = self.act_home, self.C
+            order = [("f", l, c) for l in range(L) for c in range(C)
+                     if (l, c) in home and not is_inner(l, k)]
+            for ph, j in back:
+                chunks = range(C) if ph == "r" else reversed(range(C))
+                phase = "b" if ph == "b" else "w" if is_inner(j, k) else "r"
+                order += [(phase, j, c) for c in chunks if (j, c) in home]
+            size = max(self.act_bytes[key] for key in home)
             self.aring = _Ring(em, self._slots("act_slots", d.slots.act_slots, size), "act")
-            self.act_home = {k: self.ref(f"home.act.{k[0]}.{k[1]}", 0, self.act_bytes[k])
-                             for k in home_acts}
-            bwd = sorted(home_acts, key=lambda lc: (-lc[0], -lc[1]))
-            self.a_uses = [_Use(k, None, self.act_home[k]) for k in home_acts]
-            self.a_uses += [_Use(k, self.act_home[k], None) for k in bwd]
+            self.a_uses = [_Use((l, c), None, home[(l, c)]) if ph in "fw" else
+                           _Use((l, c), home[(l, c)], None) for ph, l, c in order]
             self.a_assigned = self.aring.assign(self.a_uses)
-            self.a_index = {("f",) + k: j for j, k in enumerate(home_acts)}
-            self.a_index.update({("b",) + k: len(home_acts) + j for j, k in enumerate(bwd)})
+            self.a_index = {use: j for j, use in enumerate(order)}
         head = d.head
         nh = self.numel["head"]
         if head.weights is Where.HOME:
@@ -514,8 +540,11 @@ class _Compiler:
             self.gring.release(self.g_index[layer])
 
     def act(self, phase: str, layer: int, chunk: int) -> Ref:
+        """Where (layer, chunk)'s saved activation is, for its use in `phase`: 'f' forward
+        save, 'r' / 'w' a segment recompute reading the boundary / writing an inner one, 'b'
+        backward."""
         if self.d.activations[layer][chunk].home is Where.DEVICE:
-            return self.ref(f"act.{layer}.{chunk}", 0, self.act_bytes[(layer, chunk)])
+            return self.act_dev[(layer, chunk)]
         slot = self.aring.acquire(self.a_index[(phase, layer, chunk)])
         return Ref(slot.region, slot.offset, self.act_bytes[(layer, chunk)])
 
@@ -604,11 +633,13 @@ class _Compiler:
         self.stage(rnd + 1)              # the next round's host work hides behind this round
         for layer in range(L):                                          # forward, layer-major
             w = self.weights("f", layer)
+            keep = not is_inner(layer, self.k)  # a segment's inner layers keep nothing
             for c in range(self.C):
-                save = self.act("f", layer, c)
+                save = self.act("f", layer, c) if keep else None
                 em.add(Compute(f"f.L{layer}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
                                save=save, x=x, y=y))
-                self.release_act("f", layer, c)
+                if keep:
+                    self.release_act("f", layer, c)
             self.release_weights("f", layer)
             if layer == L - 2 and self.hw_ring is not None:
                 self.hw_ring.prefetch(0)                              # head weights arrive early
@@ -616,6 +647,8 @@ class _Compiler:
         self.head(rnd, x, y)
         dy, dx = y, x
         for layer in reversed(range(L)):                                # backward, reverse order
+            if layer in self.recompute_top:
+                self.recompute(rnd, *self.recompute_top[layer], buf=dx)
             w = self.weights("b", layer)
             g = self.grads(layer)
             for c in reversed(range(self.C)):
@@ -631,6 +664,30 @@ class _Compiler:
             self.release_weights("b", layer)
             dy, dx = dx, dy
         self.embed_bwd(rnd, dy)
+
+    def recompute(self, rnd: int, first: int, end: int, buf: str) -> None:
+        """Rebuild the saved activations of layers first+1..end-1 before the backward of the
+        segment: re-run its forward layer-major from the boundary's saved input, in place
+        over the round's free residual buffer `buf` (the backward writes its input gradient
+        there only afterwards), each inner layer keeping its input and level into its storage.
+        The top layer's output is not needed, but its forward forms the K/V and statistics its
+        level keeps."""
+        em = self.em
+        for layer in range(first, end):
+            w = self.weights("r", layer)
+            for c in range(self.C):
+                name = f"r.L{layer}.c{c}"
+                if layer == first:
+                    src = self.act("r", layer, c)
+                    em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, y=buf,
+                                   src=src))
+                    self.release_act("r", layer, c)
+                else:
+                    save = self.act("w", layer, c)
+                    em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, save=save,
+                                   x=buf, y=buf))
+                    self.release_act("w", layer, c)
+            self.release_weights("r", layer)
 
     def _tokens(self, rnd: int, row: int | None = None) -> Ref:
         """Pinned token staging of round `rnd` (buffer rnd % 2): rows ids, positions, targets;

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan.build import build_plan, finish_plan, validate_budget
-from memplan.candidates import Candidate, Score, Table, candidate_table
+from memplan.build import build_plan, validate_budget
+from memplan.candidates import Candidate, Score, Table, candidate_table, segment_table
 from memplan.chunking import (MAX_ROUND_TOKENS, ROUND_MULTIPLES, _divisors, check_seqlen,
                               chunk_candidates, chunk_target_tokens)
 from memplan.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
 from memplan.errors import InfeasibleBudget, categories_text, gib_up, size_text
+from memplan.cost import segment_recompute
 from memplan.memory import memory_map
 from memplan.plan import Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
+from memplan.segments import finish_segment_plan
 from models.config import ModelConfig
 from models.errors import ConfigError
 
@@ -77,10 +79,24 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
 
 
 _SKELETON_MOVES = ("resident", "weight_slot", "grad_slot", "act_slot", "embed", "head", "opt")
-def _table(cfg, seqlen, profile, grad_accum, constraints) -> Table:
+def _table(cfg, seqlen, profile, grad_accum, constraints, *, segments: bool = False) -> Table:
+    """The plain candidates, or with `segments` the layer-segment recompute ones."""
     if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen <= 0:
         raise ConfigError(f"seqlen must be a positive integer, got {seqlen!r}")
-    return candidate_table(cfg, seqlen, profile, grad_accum, _options(cfg, constraints))
+    make = segment_table if segments else candidate_table
+    return make(cfg, seqlen, profile, grad_accum, _options(cfg, constraints))
+
+
+def _segment_floor(table: Table) -> float:
+    """No segment plan of this request predicts fewer seconds per token: every one adds a
+    forward of each layer in a segment of two or more to the plain compute (search.py asks
+    for the segment candidates only when the best plain plan is slower than this)."""
+    floors = []
+    for sp in table.spaces:
+        extra = min((sum(segment_recompute(sp.costs, sp.L, k)[0]) for k in range(2, sp.L + 1)),
+                    default=float("inf"))
+        floors.append((sp.compute_round_s + extra) / sp.ch.tokens_per_round)
+    return min(floors, default=float("inf"))
 
 
 def _profile(profile: HardwareProfile | None) -> HardwareProfile:
@@ -194,13 +210,13 @@ def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs)
     best, smallest = None, None
     for t, c, r in choices:
         opts = dict(constraints, chunk_tokens=t, chunks_per_round=c, rounds_per_step=r)
-        table = _table(cfg, seqlen, profile, grad_accum, opts)
         try:
             plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, opts)
         except InfeasibleBudget:
-            mb = _minimum(table)
+            tables = _tables(cfg, seqlen, profile, grad_accum, opts)
+            mb = _minimum(tables)
             if smallest is None or (mb.device_bytes, mb.host_bytes) < smallest[0]:
-                smallest = ((mb.device_bytes, mb.host_bytes), table)
+                smallest = ((mb.device_bytes, mb.host_bytes), tables)
             continue
         if best is None or plan.prediction.tok_per_s > best.prediction.tok_per_s:
             best = plan
@@ -210,11 +226,30 @@ def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs)
 
 
 def _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints) -> Plan:
+    """The fastest fitting candidate of the plain search and, when it finds none or one slower
+    than any segment plan could be (_segment_floor), of the segment candidates too."""
     table = _table(cfg, seqlen, profile, grad_accum, constraints)
+    picks = [_pick(table, budget)]
+    if picks[0] is None or picks[0][2].sec_per_token > _segment_floor(table):
+        seg = _table(cfg, seqlen, profile, grad_accum, constraints, segments=True)
+        picks.append(_pick(seg, budget))
+    picks = [p for p in picks if p is not None]
+    if not picks:
+        raise _infeasible(cfg, seqlen, budget, _tables(cfg, seqlen, profile, grad_accum,
+                                                       constraints))
+    t, best, best_score = picks[0]
+    if len(picks) > 1 and _better(picks[1][2], picks[1][1], best_score, best):
+        t, best, best_score = picks[1]
+    d = t.spaces[best.space].decisions(best.state, best_score.rounds_per_step)
+    return finish_segment_plan(d, budget, profile)
+
+
+def _pick(table: Table, budget: Budget) -> tuple[Table, Candidate, Score] | None:
+    """The exactly fastest candidate of `table` that fits `budget`, or None."""
     fits = [c for c in table.candidates
             if c.device_bytes <= budget.device_bytes and c.host_bytes <= budget.host_bytes]
     if not fits:
-        raise _infeasible(cfg, seqlen, budget, table)
+        return None
     fits.sort(key=lambda c: (c.lower_bound_sec_per_token, c.device_bytes + c.host_bytes))
     best = best_score = None
     for c in fits:  # exact best: stop once no lower bound can beat the best score found
@@ -224,8 +259,13 @@ def _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints) -> Plan:
         sc = table.score(c)
         if best is None or _better(sc, c, best_score, best):
             best, best_score = c, sc
-    d = table.spaces[best.space].decisions(best.state, best_score.rounds_per_step)
-    return finish_plan(d, budget, profile)
+    return table, best, best_score
+
+
+def _tables(cfg, seqlen, profile, grad_accum, constraints) -> tuple[Table, Table]:
+    """(plain, segment) candidate tables of a request."""
+    return (_table(cfg, seqlen, profile, grad_accum, constraints),
+            _table(cfg, seqlen, profile, grad_accum, constraints, segments=True))
 
 
 def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate) -> bool:
@@ -238,16 +278,23 @@ def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate) -> bool:
             < (best_sc.pcie_bytes_per_token, best.device_bytes + best.host_bytes))
 
 
-def _host_within(table: Table, device_bytes: int) -> int | None:
-    return min((c.host_bytes for c in table.candidates if c.device_bytes <= device_bytes),
+def _all(tables) -> list[tuple[Table, Candidate]]:
+    """Every (table, candidate) of one or several tables (plain and segment candidates)."""
+    tables = (tables,) if isinstance(tables, Table) else tables
+    return [(t, c) for t in tables for c in t.candidates]
+
+
+def _host_within(tables, device_bytes: int) -> int | None:
+    return min((c.host_bytes for _, c in _all(tables) if c.device_bytes <= device_bytes),
                default=None)
 
 
-def _minimum(table: Table) -> MinimumBudgets:
-    dev = min(c.device_bytes for c in table.candidates)
+def _minimum(tables) -> MinimumBudgets:
+    """The smallest budgets over the candidates of `tables` (a Table or several)."""
+    dev = min(c.device_bytes for _, c in _all(tables))
     dev_gib = gib_up(dev)
-    host_gib = gib_up(_host_within(table, Budget.from_gib(1.0, dev_gib).device_bytes))
-    return MinimumBudgets(device_bytes=dev, host_bytes=_host_within(table, dev),
+    host_gib = gib_up(_host_within(tables, Budget.from_gib(1.0, dev_gib).device_bytes))
+    return MinimumBudgets(device_bytes=dev, host_bytes=_host_within(tables, dev),
                           device_gib=dev_gib, host_gib=host_gib)
 
 
@@ -255,38 +302,49 @@ def minimum_budgets(cfg: ModelConfig, seqlen: int, profile: HardwareProfile | No
                     grad_accum: GradAccum = GradAccum.BF16, **constraints) -> MinimumBudgets:
     """The smallest (host, device) budgets make_plan accepts for this model and seqlen: the
     device minimum over all plans, then the host minimum within that device budget (in GiB
-    rounded up to 0.1, as messages name it)."""
-    return _minimum(_table(cfg, seqlen, _profile(profile), grad_accum, constraints))
+    rounded up to 0.1, as messages name it). Layer-segment recompute included: make_plan
+    turns to it when nothing cheaper fits."""
+    return _minimum(_tables(cfg, seqlen, _profile(profile), grad_accum, constraints))
 
 
-def _infeasible(cfg, seqlen, budget: Budget, table: Table,
+def _infeasible(cfg, seqlen, budget: Budget, tables: tuple[Table, Table],
                 seqs: int | None = None) -> InfeasibleBudget:
-    mb = _minimum(table)
-    host_at_dev = _host_within(table, budget.device_bytes)
-    dev_at_host = min((c.device_bytes for c in table.candidates
-                       if c.host_bytes <= budget.host_bytes), default=None)
+    """The refusal: what the closest plan needs, the smallest budgets with layer-segment
+    recompute (the fields) and without it, and a way out (over both kinds of plan)."""
+    mb, plain = _minimum(tables), _minimum(tables[0])
+    both = _all(tables)
+    host_at_dev = _host_within(tables, budget.device_bytes)
+    dev_at_host = min((c.device_bytes for _, c in both if c.host_bytes <= budget.host_bytes),
+                      default=None)
     have = f"host {size_text(budget.host_bytes)} / device {size_text(budget.device_bytes)}"
     if host_at_dev is not None:
-        closest = min((c for c in table.candidates if c.device_bytes <= budget.device_bytes),
-                      key=lambda c: (c.host_bytes, c.device_bytes))
-        mem = memory_map(_decisions(table, closest))
+        t, closest = min(((t, c) for t, c in both if c.device_bytes <= budget.device_bytes),
+                         key=lambda tc: (tc[1].host_bytes, tc[1].device_bytes))
+        mem = memory_map(_decisions(t, closest))
         why = (f"within that device budget the smallest plan needs host {size_text(host_at_dev)} "
                f"({categories_text(mem.host)})")
         way = f"try host_gb {gib_up(host_at_dev)}"
     else:
-        closest = min(table.candidates, key=lambda c: (c.device_bytes, c.host_bytes))
-        mem = memory_map(_decisions(table, closest))
+        t, closest = min(both, key=lambda tc: (tc[1].device_bytes, tc[1].host_bytes))
+        mem = memory_map(_decisions(t, closest))
         why = (f"the smallest plan needs device {size_text(mb.device_bytes)} "
                f"({categories_text(mem.device)})")
         way = f"try dev_gb {mb.device_gib}"
+    k = t.spaces[closest.space].k
+    if k > 1:
+        why += f", recomputing segments of {k} layers"
+    segs = (f" (with layer-segment recompute; without it host {plain.host_gib:.1f} GiB with "
+            f"device {plain.device_gib:.1f} GiB)"
+            if (plain.host_gib, plain.device_gib) != (mb.host_gib, mb.device_gib) else "")
+    table = tables[0]
     if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes \
             and f"dev_gb {gib_up(dev_at_host)}" != way.removeprefix("try "):  # not twice
         way += f", or dev_gb {gib_up(dev_at_host)} with your host budget"
     request = f"{cfg.name} at seqlen {seqlen}" + (
         f" with {seqs} sequences per step" if seqs is not None else "")
     msg = (f"{request} does not fit {have}: {why}. The smallest budgets that "
-           f"work together are host {mb.host_gib:.1f} GiB with device {mb.device_gib:.1f} GiB; "
-           f"{way}; or a shorter seqlen{' or fewer sequences per step' if seqs else ''}.")
+           f"work together are host {mb.host_gib:.1f} GiB with device {mb.device_gib:.1f} GiB"
+           f"{segs}; {way}; or a shorter seqlen{' or fewer sequences per step' if seqs else ''}.")
     return InfeasibleBudget(msg, device_needed=mem.device, host_needed=mem.host,
                             min_host_bytes=mb.host_bytes, min_device_bytes=mb.device_bytes,
                             host_budget_bytes=budget.host_bytes,

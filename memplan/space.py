@@ -11,11 +11,13 @@ import functools
 
 from memplan import buffers
 from memplan.chunking import head_sub_tokens
-from memplan.cost import LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload
+from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload,
+                           segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (EMBED_ROW_BUFFERS, NORM_HOST_BYTES, TOKEN_ID_BYTES,
                              TOKEN_STAGING_ROWS, grad_bpe)
 from memplan.plan import Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where
+from memplan.segments import is_inner, segment_bounds
 from memplan.sim import Workload
 from models.config import ModelConfig
 from models.flops import SavedLevel
@@ -40,7 +42,8 @@ class State:
     grad_slots: int
     act_slots: int
     acts: tuple[int, int, int, int, int, int]
-    """Counts per ACT_CLASSES entry; they sum to layers x chunks per round."""
+    """Counts per ACT_CLASSES entry; they sum to kept layers x chunks per round (every layer
+    without segments; the segments' boundary layers with them)."""
 
 
 def spread_order(n: int) -> list[int]:
@@ -51,14 +54,25 @@ def spread_order(n: int) -> list[int]:
 
 
 class Space:
-    """Everything fixed for one (model, chunking, profile, grad accumulation)."""
+    """Everything fixed for one (model, chunking, profile, grad accumulation) and, for layer-
+    segment recompute (memplan/segments.py), one segment length with one ACT_CLASSES entry for
+    every rebuilt inner activation. The State's activation classes then spread over the kept
+    (boundary) layers only."""
 
-    def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum):
+    def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
+                 segment_layers: int = 1, inner_class: int = 5):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.L, self.C = cfg.n_layers, ch.chunks_per_round
-        self.N = self.L * self.C
+        self.k, self.inner_class = segment_layers, inner_class
+        kept = [first for first, _ in segment_bounds(self.L, self.k)]
+        self.N = len(kept) * self.C
         self.order = spread_order(self.L)
         self.rank = {layer: r for r, layer in enumerate(self.order)}
+        self.kept_rank = {kept[i]: r for r, i in enumerate(spread_order(len(kept)))}
+        self.n_kept = len(kept)
+        self.n_inner = (self.L - self.n_kept) * self.C
+        """Rebuilt activations per round; their storage is reused by every segment:"""
+        self.n_inner_slots = (min(self.k, self.L) - 1) * self.C
         self.elems = buffers.block_elems(cfg)
         self.gbpe = grad_bpe(grad_accum)
         e = self.elems
@@ -94,6 +108,11 @@ class Space:
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) + sum(c.head_s for c in self.costs)
         self.min_rec_s = tuple(min(c.rec_s[LEVEL_INDEX[lv]] for c in self.costs)
                                for _, lv in ACT_CLASSES)
+        self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
+        inner_level = ACT_CLASSES[inner_class][1]
+        self.inner_rec_s = (self.L - self.n_kept) * (
+            self.rec_pre[LEVEL_INDEX[inner_level]][-1]) + sum(self.seg_s)
+        """Recompute seconds of the rebuilt layers (their levels and the segments' forward)."""
         self.resident_set = functools.cache(self._resident_set)
 
     def _resident_set(self, k: int) -> frozenset[int]:
@@ -121,6 +140,13 @@ class Space:
         dev += sum(n * b for n, b in zip(s.acts[:3], self.act_size[:3]))
         host += sum(n * b for n, b in zip(s.acts[3:], self.act_size[3:]))
         home_max = max((b for n, b in zip(s.acts[3:], self.act_size[3:]) if n), default=0)
+        if self.n_inner_slots:  # rebuilt activations' storage, shared by the segments
+            size = self.act_size[self.inner_class]
+            if self.inner_class >= 3:
+                host += self.n_inner_slots * size
+                home_max = max(home_max, size)
+            else:
+                dev += self.n_inner_slots * size
         dev += s.act_slots * home_max
         if self._any_streamed_opt(s):
             dev += self.opt_stage_b
@@ -136,13 +162,18 @@ class Space:
 
     def round_lower_bound_s(self, s: State) -> float:
         """A lower bound on a round's seconds: compute plus the least recompute of its levels."""
-        return self.compute_round_s + sum(n * r for n, r in zip(s.acts, self.min_rec_s))
+        return self.compute_round_s + sum(n * r for n, r in zip(s.acts, self.min_rec_s)) \
+            + self.inner_rec_s
 
     # -- patterns --------------------------------------------------------------------------
     def _layer_classes(self, layer: int, bounds: list[int]):
         """(class index, first chunk, end chunk) ranges of `layer` for class bounds along the
-        spread order (column r holds chunk C-1-r; position r*L + rank)."""
-        rho, L, C = self.rank[layer], self.L, self.C
+        spread order of the kept layers (column r holds chunk C-1-r; position r*kept + rank);
+        a rebuilt inner layer's chunks are all in the inner class."""
+        C = self.C
+        if is_inner(layer, self.k):
+            return [(self.inner_class, 0, C)]
+        rho, L = self.kept_rank[layer], self.n_kept
         out = []
         for k in range(6):
             lo = max(0, -(-(bounds[k] - rho) // L))
@@ -161,9 +192,9 @@ class Space:
     def workload(self, s: State) -> Workload:
         bounds = self._bounds(s)
         bwd_s, act_count, act_bytes = [], [], []
-        rec_s = rec_f = 0.0
+        rec_s, rec_f = 0.0, self.seg_flops
         for layer in range(self.L):
-            r = rf = 0.0
+            r, rf = self.seg_s[layer], 0.0
             k = b = 0
             for cls, c0, c1 in self._layer_classes(layer, bounds):
                 li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
@@ -186,7 +217,7 @@ class Space:
         res = self.resident_set(s.resident)
         layers = tuple(RESIDENT if i in res else home for i in range(self.L))
         streamed = s.resident < self.L
-        n_home = sum(s.acts[3:])
+        n_home = sum(s.acts[3:]) + (self.n_inner if self.inner_class >= 3 else 0)
         slots = Slots(weight_slots=s.weight_slots if streamed else 0,
                       grad_slots=s.grad_slots if streamed else 0,
                       act_slots=s.act_slots if n_home else 0, head_sub_tokens=self.head_sub,
@@ -194,7 +225,8 @@ class Space:
         ch = dataclasses.replace(self.ch, rounds_per_step=rounds_per_step)
         return Decisions(model=self.cfg, chunking=ch, slots=slots, layers=layers,
                          activations=activations, embed=RESIDENT if s.embed_dev else home,
-                         head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum)
+                         head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
+                         segment_layers=self.k)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

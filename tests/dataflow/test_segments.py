@@ -1,0 +1,104 @@
+"""Layer-segment recompute on the NumPy backend with the schedule sanitizer on: plans whose
+segments rebuild inner activations (k = 2 and k = n_layers, packed and split sequences,
+rebuilt activations at home and on the device) give parameters bit-identical to the same plan
+without segments (the recompute runs the forward's kernels in the forward's order) and so track
+the reference trainer; the arenas are exactly the budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dataflow.backend import Place
+from memplan.plan import Budget, OptimizerWhere, Where
+from memplan.segments import with_segments
+from models.config import load_config
+from models.flops import SavedLevel
+from tests.dataflow.plans import forced_plan, streamed
+from tests.dataflow.test_executor import _blocks, _reference, _train
+
+N_LAYERS = 4
+SEGMENTS = {"packed": 2, "split": N_LAYERS}
+
+
+def _cfg():
+    """tiny with four layers, so k = 2 and k = n_layers differ."""
+    return dataclasses.replace(load_config("tiny"), n_layers=N_LAYERS)
+
+
+def _reserve(plan) -> int:
+    """Device bytes the libraries hold beside the arena (none on the NumPy backend's count)."""
+    return getattr(plan.profile, "library_reserve_bytes", 0)
+
+
+def _exact(plan, k: int):
+    """`plan` with segments of k and budgets equal to what that needs."""
+    big = with_segments(plan, k, Budget(host_bytes=1 << 32, device_bytes=1 << 32))
+    return with_segments(plan, k, Budget(
+        host_bytes=big.memory.host_bytes,
+        device_bytes=big.memory.device_bytes + _reserve(plan)))
+
+
+def _plans():
+    cfg, n = _cfg(), N_LAYERS
+    strm = streamed(OptimizerWhere.STREAMED)
+    packed = forced_plan(
+        cfg, 64, chunk_tokens=128, seqs_per_chunk=2, chunks_per_round=2, rounds=1,
+        layers=(strm,) * n, weight_slots=2, grad_slots=2, act_slots=2,
+        levels=[[SavedLevel.INP_ONLY, SavedLevel.INP_ATTN], [SavedLevel.FULL,
+                                                             SavedLevel.INP_ONLY]] * 2,
+        homes=[[Where.HOME, Where.DEVICE], [Where.HOME, Where.HOME]] * 2)
+    split = forced_plan(
+        cfg, 256, chunk_tokens=64, chunks_per_seq=4, chunks_per_round=4, rounds=1,
+        layers=(strm,) * n, act_slots=2,
+        levels=[[SavedLevel.INP_ONLY, SavedLevel.INP_ATTN, SavedLevel.FULL,
+                 SavedLevel.INP_ONLY]] * n,
+        homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n)
+    return {"packed": packed, "split": split}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Packed with k = 2, split with k = n_layers, each beside its segment-free plan (the
+    NumPy reference kernels are slow enough that four runs is the budget here)."""
+    out = {}
+    for i, (name, plan) in enumerate(_plans().items()):
+        k = SEGMENTS[name]
+        out[(name, 1)] = (plan, _train(plan, sanitize_seed=i))
+        out[(name, k)] = (_exact(plan, k), _train(_exact(plan, k), sanitize_seed=i + k))
+    return out
+
+
+def test_segment_plans_are_bit_identical_to_the_plan_without_segments(runs):
+    """k = 2 (packed) and k = n_layers (split): losses and parameters after two steps equal the
+    segment-free plan's bit for bit."""
+    for (name, k), (plan, (losses, weights, _)) in runs.items():
+        assert plan.segment_layers == k
+        base_losses, base = runs[(name, 1)][1][:2]
+        assert losses == base_losses, (name, k)
+        for a, b in zip(_blocks(weights), _blocks(base)):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (name, k)
+
+
+def test_segment_plans_match_reference_trainer_within_bf16_tolerance(runs):
+    """Loss within 1e-2 relative of the fp32-accumulating reference trainer."""
+    for name, k in SEGMENTS.items():
+        plan, (losses, _, _) = runs[(name, k)]
+        ref_losses, _ = _reference(plan)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-2, err_msg=f"{name} k={k}")
+
+
+def test_segment_plans_use_exactly_their_budgets_and_less_host(runs):
+    """The arenas are the budgets, and rebuilding inner activations needs no more host memory
+    for saved activations than keeping them all (less at k = 2)."""
+    for (name, k), (plan, (_, _, (dev, host))) in runs.items():
+        assert dev == plan.budget.device_bytes - _reserve(plan)
+        assert host == plan.budget.host_bytes
+        if k > 1:
+            base = runs[(name, 1)][0]
+            acts = dict(plan.memory.host)["saved_activations"]
+            full = dict(base.memory.host)["saved_activations"]
+            # k kept + k - 1 rebuilt layers' worth: less than all four at k = 2, as much at 4
+            assert acts < full if k == 2 else acts <= full, (name, k)
