@@ -230,3 +230,92 @@ class _RingCompiler(_Compiler):
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None) -> Schedule:
     """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv."""
     return _RingCompiler(rp).compile(rounds)
+
+
+RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce)}
+"""For Schedule.from_json(text, RING_EVENT_TYPES): a ring schedule's own events."""
+
+
+class Arrivals:
+    """When each message of a simulated ring is in its receiver's buffer, posted by the sending
+    rank's simulation and awaited by the receiving rank's (each rank is timed in a thread)."""
+
+    def __init__(self, timeout_s: float = 600.0):
+        import threading
+
+        self._cv = threading.Condition()
+        self._times: dict = {}
+        self.timeout_s = timeout_s
+
+    def post(self, key, t: float) -> None:
+        with self._cv:
+            self._times[key] = t
+            self._cv.notify_all()
+
+    def take(self, key) -> float:
+        with self._cv:
+            if not self._cv.wait_for(lambda: key in self._times, self.timeout_s):
+                raise RuntimeError(f"simulated ring: message {key} (sending rank, tag) never "
+                                   "sent: the ranks' schedules do not match")
+            return self._times[key]
+
+
+@dataclasses.dataclass(slots=True)
+class RingComm:
+    """How memplan.sim.simulate_schedule times one rank's communication: a Send occupies the
+    send stream for bytes / link rate + latency, after which its message has arrived; a Recv
+    ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
+    is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
+    2 (R - 1) / R * B / rate + latency (the replicas run in step)."""
+
+    rank: int
+    replicas: int
+    bytes_per_s: float
+    latency_s: float
+    arrivals: Arrivals
+    streams: tuple = COMM_STREAMS
+
+    def finish(self, ev, start: float) -> float:
+        if type(ev) is Send:
+            end = start + ev.src.nbytes / self.bytes_per_s + self.latency_s
+            self.arrivals.post((self.rank, ev.tag), end)
+            return end
+        if type(ev) is Recv:
+            return max(start, self.arrivals.take((ev.peer, ev.tag)))
+        r = self.replicas
+        return start + 2 * (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
+
+
+def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
+                  profile=None) -> tuple:
+    """The ring's step: every rank's compiled schedule timed by memplan.sim, all at once (a
+    thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
+    per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
+    assumed link, not a measurement."""
+    import threading
+
+    from memplan.cost import event_seconds
+    from memplan.sim import simulate_schedule
+
+    arrivals, out = Arrivals(), {}
+
+    def run(rp) -> None:
+        p = profile or rp.plan.profile
+        try:
+            out[rp.rank] = simulate_schedule(
+                compile_ring_schedule(rp), event_seconds(rp.plan, p), p,
+                comm=RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                              latency_s=latency_s, arrivals=arrivals))
+        except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            out[rp.rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rp,)) for rp in rank_plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = tuple(out[rp.rank] for rp in rank_plans)
+    for tl in lines:
+        if isinstance(tl, Exception):
+            raise tl
+    return lines, max(tl.total_s for tl in lines)

@@ -249,15 +249,19 @@ class Timeline:
     """The events timed, in order: the schedule's own list."""
 
 
-def simulate_schedule(schedule, seconds, p: HardwareProfile) -> Timeline:
+def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None) -> Timeline:
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
     stream is free (a wait moves the stream's clock to the waited record); copies run at the
     duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
-    gives the compute / host / fill durations (memplan.cost.event_seconds)."""
+    gives the compute / host / fill durations (memplan.cost.event_seconds). `comm` (a ring
+    rank's: memplan.ring_schedule.RingComm) times the events on its `streams` (Send, Recv,
+    AllReduce): `comm.finish(event, start)` is when one ends."""
     clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
     recorded = [0.0] * schedule.n_ids
     origin = [""] * schedule.n_ids
     exposed = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    for s in comm.streams if comm is not None else ():
+        clock[s] = exposed[s] = 0.0
     busy = 0.0
     round_end, by_round, busy_at = [], [], []
     boundaries = set(schedule.round_starts[1:]) | {schedule.optimizer_start}
@@ -279,6 +283,8 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile) -> Timeline:
                 if s == "compute" and origin[ev.id] in exposed:
                     exposed[origin[ev.id]] += t - clock[s]
                 clock[s] = t
+        elif comm is not None and s in comm.streams:
+            clock[s] = comm.finish(ev, clock[s])
         elif kind in ("Fetch", "WriteBack"):
             rate = duplex[s] if clock[other[s]] > clock[s] else one_way[s]
             clock[s] += ev.dst.nbytes / rate

@@ -168,3 +168,23 @@ def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
     assert err.count("\n") == 1 and "does not take --trace" in err
     assert main(["1", "0.25", "64", "tiny", "--gpus", "3", "--backend", "numpy"]) == 2
     assert "--gpus 2 or fewer" in capsys.readouterr().err
+
+
+def test_ring_schedules_round_trip_through_json_and_time_together():
+    """A ring schedule (Send / Recv / AllReduce included) survives to_json / from_json, and
+    memplan.sim times every rank's schedule together (a receive waits for its send's arrival):
+    a slower link never gives a faster step, and no rank finishes before its own work."""
+    from memplan.ring_schedule import RING_EVENT_TYPES, AllReduce, simulate_ring
+    from memplan.schedule import Schedule
+
+    plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, 3, replicas=2, **CHUNKING)
+    sched = compile_ring_schedule(plans[1])
+    assert any(type(e) is AllReduce for e in sched.events)
+    assert Schedule.from_json(sched.to_json(), RING_EVENT_TYPES) == sched
+    steps = []
+    for link in LINKS:
+        lines, step = simulate_ring(plans, link.bytes_per_s, link.latency_s)
+        assert step == max(tl.total_s for tl in lines)
+        assert all(tl.total_s >= tl.compute_busy_s > 0 for tl in lines)
+        steps.append(step)
+    assert steps == sorted(steps)
