@@ -302,7 +302,8 @@ class Executor:
             x = self._save_views(ev.src, ev.layer, ev.chunk)["x"]
         else:
             save = self._save_views(ev.save, ev.layer, ev.chunk)
-            self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"], name=f"{ev.name}.x")
+            self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"],
+                           name=f"{ev.name}.keep_x")
             x = save["x"]
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
                              tr["positions"][rows], chunk, save,

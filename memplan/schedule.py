@@ -676,7 +676,7 @@ class _Compiler:
         for layer in range(first, end):
             w = self.weights("r", layer)
             for c in range(self.C):
-                name = f"r.L{layer}.c{c}"
+                name = f"b.L{layer}.c{c}.seg"  # backward-phase forward work: recompute
                 if layer == first:
                     src = self.act("r", layer, c)
                     em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, y=buf,
