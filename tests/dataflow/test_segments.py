@@ -20,7 +20,7 @@ from tests.dataflow.plans import forced_plan, streamed
 from tests.dataflow.test_executor import _blocks, _reference, _train
 
 N_LAYERS = 4
-SEGMENTS = {"packed": 2, "split": N_LAYERS}
+SEGMENTS = {"packed": N_LAYERS, "split": 2}
 
 
 def _cfg():
@@ -61,7 +61,8 @@ def _plans():
 
 @pytest.fixture(scope="module")
 def runs():
-    """Packed with k = 2, split with k = n_layers, each beside its segment-free plan (the
+    """Packed with k = n_layers, split with k = 2 (two segments reusing the rebuilt storage,
+    whose K/V also refill the context), each beside its segment-free plan (the
     NumPy reference kernels are slow enough that four runs is the budget here)."""
     out = {}
     for i, (name, plan) in enumerate(_plans().items()):
@@ -72,7 +73,7 @@ def runs():
 
 
 def test_segment_plans_are_bit_identical_to_the_plan_without_segments(runs):
-    """k = 2 (packed) and k = n_layers (split): losses and parameters after two steps equal the
+    """k = n_layers (packed) and k = 2 (split): losses and parameters after two steps equal the
     segment-free plan's bit for bit."""
     for (name, k), (plan, (losses, weights, _)) in runs.items():
         assert plan.segment_layers == k
