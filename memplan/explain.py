@@ -165,8 +165,9 @@ def _act_reason(plan: Plan) -> str:
            f"{plan.slots.act_slots} slot(s); lower levels save host memory and PCIe bytes at the "
            "cost of recompute in the backward")
     if plan.segment_layers > 1:
-        out += ("; no plan without layer segments fits, so each segment re-runs its forward "
-                "before its backward (one more forward of every layer: HFU counts it, MFU not)")
+        out += ("; no plan without layer segments fits these budgets (or one predicts less), "
+                "so each segment re-runs its forward before its backward (one more forward of "
+                "every layer: HFU counts it, MFU not)")
     return out
 
 
