@@ -32,11 +32,13 @@ def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_a
         host_overhead_bytes=HOST_OVERHEAD_BYTES)
 
 
-LIBRARY_RESERVE_BYTES = GIB // 2
-"""What the CUDA libraries hold on the device beyond the context once the engine is set up: with
-an arena of exactly the budget, NVML's device used minus the context minus the budget read +0.15
-(1b@8k) to +0.31 GiB (8b@128k) on the H100 (cuDNN 9 graphs and handle, cuBLAS, CuPy's kernel
-modules; bench/records/README.md). The NumPy backend has none."""
+LIBRARY_RESERVE_BYTES = 3 * GIB // 4
+"""What the CUDA libraries hold on the device beyond the arena once the engine runs (cuDNN 9
+graphs and handle, cuBLAS, CuPy's kernel modules). With an arena of the whole budget, device
+used minus the context minus the budget read +0.15 (1b@8k) to +0.31 GiB (8b@128k) on the H100;
+at 1b@512k with a 23.5 GiB arena, NVML's per-process peak was 24.09 GiB, of which 0.05 is the
+context (the device-wide rise when it was created): 0.54 GiB beside the arena, 0.32 of it seen
+device-wide (bench/records/budget-truth-h100/). The NumPy backend has none."""
 HOST_OVERHEAD_BYTES = 3 * GIB // 2
 """Process RSS beyond the host arena: +0.83 to +1.22 GiB measured on the H100 host (CPython,
 NumPy, CuPy, numba's compiled kernels, the model's token data)."""
