@@ -17,6 +17,7 @@ from dataflow.batch import default_chunks
 from memplan.plan import Plan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -64,8 +65,7 @@ def host_kernels_used(schedule) -> frozenset[str]:
     return frozenset(used)
 
 
-def warm_host_kernels(kernels=HOST_KERNELS, grad_dtypes=(BF16, np.dtype(np.float32))
-                      ) -> dict[str, float]:
+def warm_host_kernels(kernels=HOST_KERNELS, grad_dtypes=(BF16, F32)) -> dict[str, float]:
     """Call each numba host kernel of `kernels` once on small arrays of the dtypes and layouts
     the executor passes (bf16 params, m, v and embedding rows, int32 ids, gradients of each of
     `grad_dtypes`), so its compiled code is loaded (from numba's cache, or compiled) now.
@@ -111,7 +111,7 @@ def warm_up(plan: Plan, be, schedule=None) -> dict[str, float]:
     if schedule is None:
         warm_host_kernels()
     else:
-        gdt = np.dtype(np.float32) if plan.grad_accum is GradAccum.FP32 else BF16
+        gdt = F32 if plan.grad_accum is GradAccum.FP32 else BF16
         warm_host_kernels(host_kernels_used(schedule), (gdt,))
     seconds = {"host_kernels": time.perf_counter() - t0}
     backend_warm = getattr(be, "warm_up", None)  # the CuPy backend's; NumPy builds nothing

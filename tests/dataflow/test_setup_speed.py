@@ -6,7 +6,6 @@ dataflow.warmup lists the attention shapes a plan's chunks produce and warms the
 import json
 
 import numpy as np
-
 import pytest
 
 from bench import setup_speed as ss
