@@ -134,11 +134,11 @@ def test_plan_cli_prints_each_device_and_the_scaling_model(capsys):
     """dataflow-plan --gpus 2 lists both devices, the predicted ring throughput and the table."""
     from memplan.cli import main
 
-    assert main(["1", "0.25", "64", "tiny", "--gpus", "2"]) == 0
+    assert main(["1", "1", "64", "tiny", "--gpus", "2"]) == 0  # a GPU profile: 0.75 GiB reserve
     out = capsys.readouterr().out
     assert "device 0: layers 0 + embedding" in out and "device 1: layers 1 + head" in out
     assert "ring scaling" in out and "internet-1g" in out
-    assert main(["1", "0.25", "64", "tiny", "--gpus", "3"]) == 2
+    assert main(["1", "1", "64", "tiny", "--gpus", "3"]) == 2
     assert "at most 2 ranks" in capsys.readouterr().err
 
 
