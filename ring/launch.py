@@ -18,7 +18,8 @@ import uuid
 from models.errors import ConfigError
 
 DEFAULT_PORT = 29517
-"""The rendezvous port when MASTER_PORT is not set (NCCL id exchange); ours, not torch's 29500."""
+"""The rendezvous port (NCCL id exchange) when neither DATAFLOW_RING_PORT nor MASTER_PORT is set
+(with MASTER_PORT: MASTER_PORT + 1, since torchrun's agent holds MASTER_PORT itself)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +30,8 @@ class RankEnv:
     """Which GPU of this host the rank uses."""
     master_addr: str
     master_port: int
+    """The ring's own rendezvous port at master_addr (DATAFLOW_RING_PORT, else MASTER_PORT + 1,
+    else DEFAULT_PORT)."""
     run_id: str
     """Names this ring's shared-memory segments: DATAFLOW_RING_ID, TORCHELASTIC_RUN_ID or
     SLURM_JOB_ID, else the master port."""
@@ -63,13 +66,17 @@ def rank_env(environ=None) -> RankEnv:
                           "the environment; launch with torchrun --nproc-per-node N, srun, or "
                           "dataflow-ring --gpus N (which spawns the ranks)")
     local = _int(environ, ("LOCAL_RANK", "SLURM_LOCALID"), "the GPU index on this host")
-    port = _int(environ, ("MASTER_PORT",), "the rendezvous port")
+    port = _int(environ, ("DATAFLOW_RING_PORT",), "the ring's rendezvous port")
+    if port is None:  # torchrun's agent serves its own store at MASTER_PORT: take the next one
+        master = _int(environ, ("MASTER_PORT",), "the master port")
+        port = None if master is None else master + 1
     if not 1 <= world or not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside world size {world}; expected 0 <= RANK < "
                           "WORLD_SIZE")
     port = DEFAULT_PORT if port is None else port
     if not 0 < port < 65536:
-        raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+        raise ConfigError(f"the ring's rendezvous port {port} (DATAFLOW_RING_PORT, else "
+                          "MASTER_PORT + 1) is not a TCP port (1..65535)")
     run_id = (environ.get("DATAFLOW_RING_ID") or environ.get("TORCHELASTIC_RUN_ID")
               or environ.get("SLURM_JOB_ID") or f"p{port}")
     run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:40]

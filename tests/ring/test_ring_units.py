@@ -86,7 +86,9 @@ def test_rank_env_reads_torchrun_then_slurm_variables():
     env = rank_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1234",
                     "MASTER_ADDR": "node7"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
-        (2, 4, 0, "node7", 1234)
+        (2, 4, 0, "node7", 1235)  # torchrun's own store holds MASTER_PORT
+    assert rank_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1234",
+                     "DATAFLOW_RING_PORT": "4321"}).master_port == 4321
     env = rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                     "SLURM_JOB_ID": "991"})
     assert (env.rank, env.world_size, env.local_rank, env.run_id) == (5, 8, 1, "991")
