@@ -100,7 +100,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               profile=None, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would."""
-    from memplan import get_profile
+    from dataflow.engine import default_profile
     from memplan.plan import Budget, GradAccum
     from memplan.ring_plan import make_rank_plan
     from ring.rank import RingRank
@@ -109,7 +109,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     n = ring_size(env, replicas)
     be = make_rank_backend(backend, transport if transport != "auto" else "nccl", env)
     kind = transport_kind(transport, be.name)
-    profile = profile or get_profile("cpu" if be.name == "numpy" else "h100")
+    profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
     tr = make_transport(kind, env, replicas, timeout_s)

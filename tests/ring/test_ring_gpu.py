@@ -22,8 +22,7 @@ from tests.gpu import require_gpu  # noqa: E402
 cp = require_gpu()
 
 from dataflow.engine import Engine  # noqa: E402
-from memplan import get_profile, make_plan  # noqa: E402
-from memplan.plan import Budget, GradAccum  # noqa: E402
+from memplan.plan import GradAccum  # noqa: E402
 from ring.launch import RankEnv, launch  # noqa: E402
 from ring.worker import RingJob, batches, model_config  # noqa: E402
 
@@ -33,13 +32,13 @@ HOST_GB, DEV_GB = 2.0, 2.0
 
 
 def _single_device(job: RingJob, dev_gb: float, **constraints):
+    """The Engine (this GPU's profile, as the ranks plan with) on the same global batches."""
     cfg = model_config(job.model)
-    plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, dev_gb), get_profile("h100"),
-                     grad_accum=GradAccum(job.grad_accum),
-                     **{**dict(job.constraints), **constraints})
-    with Engine.from_plan(plan, backend="cupy", seed=job.seed, lr=job.lr,
-                          max_grad_norm=job.max_grad_norm) as eng:
-        losses = [eng.train_step(b).loss for b in batches(job, cfg, plan.chunking.seqs_per_step)]
+    options = {**dict(job.constraints), **constraints, "grad_accum": GradAccum(job.grad_accum)}
+    with Engine(cfg, host_gb=job.host_gb, dev_gb=dev_gb, seqlen=job.seqlen, backend="cupy",
+                plan_options=options, seed=job.seed, lr=job.lr,
+                max_grad_norm=job.max_grad_norm) as eng:
+        losses = [eng.train_step(b).loss for b in batches(job, cfg, eng.seqs_per_step)]
         w = eng.weights()
     blocks = {"embed": w.embed, "head": w.head}
     blocks.update({f"layer{i}": b for i, b in enumerate(w.layers)})
