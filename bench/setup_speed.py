@@ -220,6 +220,7 @@ class CudaProbe:
         cp = self.cp
         gc.collect()
         rec = {"variant": variant, "nbytes": nbytes}
+        rss0 = _rss()
         t0 = time.perf_counter()
         if variant == "alloc":
             mem = cp.cuda.PinnedMemory(nbytes)
@@ -237,6 +238,7 @@ class CudaProbe:
             rec.update({f"{k}_s": v for k, v in mem.seconds.items()})
             rec["pieces"] = mem.registered_pieces
         rec["pin_s"] = time.perf_counter() - t0
+        rec["rss_growth_minus_pinned_bytes"] = _rss() - rss0 - nbytes
         rec["pin_gib_per_s"] = nbytes / GIB / rec["pin_s"]
         n = min(_COPY_BYTES, nbytes)
         mid = (nbytes - n) // 2 // 4096 * 4096
@@ -284,6 +286,12 @@ class CudaProbe:
         return rec
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def child_main(spec_json: str) -> int:
     """One engine run in this (fresh) process; prints one JSON line."""
     t_proc = time.perf_counter()
@@ -299,6 +307,7 @@ def child_main(spec_json: str) -> int:
     eng = Engine(spec["model"], host_gb=spec["host_gb"], dev_gb=spec["dev_gb"],
                  seqlen=spec["seqlen"], backend="cupy")
     out = {"imports_s": imports_s, "setup_s": time.perf_counter() - t0,
+           "rss_after_setup_minus_host_budget_bytes": _rss() - int(spec["host_gb"] * GIB),
            "setup_phases_s": dict(getattr(eng, "setup_seconds", {})),
            "pin": getattr(eng.be, "last_pin", None)}
     t0 = time.perf_counter()
@@ -314,6 +323,10 @@ def child_main(spec_json: str) -> int:
         steps.append({"wall_s": time.perf_counter() - t0, "step_time_s": r.step_time_s,
                       "tok_per_s": r.tok_per_s, "loss": r.loss})
     out["steps"] = steps
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    out["peak_rss_minus_host_budget_bytes"] = peak - int(spec["host_gb"] * GIB)
     out["step1_minus_step2_s"] = steps[0]["wall_s"] - steps[1]["wall_s"]
     out["time_to_first_step_s"] = time.perf_counter() - t_proc - sum(s["wall_s"] for s in steps)
     eng.close()

@@ -12,6 +12,7 @@ import cupy as cp
 
 import kernels.cuda as K
 from dataflow.ops_numpy import WRITES
+from memplan.buffers import key_block_spans
 
 
 class CudaOps:
@@ -91,6 +92,11 @@ class CudaOps:
         K.add_(dk, dk16)
         K.add_(dv, dv16)
 
+    def attention_workspace_nbytes(self) -> int | None:
+        """Bytes of the lent attention workspace (None when none was lent)."""
+        ws = self._lent.get("attn_workspace")
+        return None if ws is None else int(ws.nbytes)
+
     def _key_block(self, k) -> int | None:
         """Rows of the lent bf16 dK/dV scratch (the planner's key block), None when unlent."""
         lent = self._lent.get("dk16")
@@ -106,16 +112,10 @@ class CudaOps:
         the blocks' bf16 parts. Bounds the library workspace and the bf16 dK/dV scratch by the
         block instead of the context, and keeps the number of distinct cuDNN graphs small.
         Uses cuDNN's atomic-dQ algorithm (its workspace grows with the block, not T*S)."""
-        end = q_offset + q.shape[0]
-        start = q_offset // block * block  # blocks on a fixed grid: few distinct shapes
-        if end - start > block:
-            start = end - block
         ws = self._lent.get("attn_workspace")
         dq32 = self._scratch("dq32", dq.shape, cp.float32)
         kh, e = k.shape[1], k.shape[2]
-        spans = [(start, end, True)] + [(a, min(a + block, start), False)
-                                        for a in range(0, start, block)]
-        for i, (a, b, causal) in enumerate(spans):
+        for i, (a, b, causal) in enumerate(key_block_spans(q_offset, q.shape[0], block)):
             dk16 = self._scratch("dk16", (b - a, kh, e), k.dtype)
             dv16 = self._scratch("dv16", (b - a, kh, e), v.dtype)
             K.attention_bwd(q, k[a:b], v[a:b], o, lse, do, q_offset - a if causal else 0, dq,

@@ -27,6 +27,8 @@ class AttentionShape:
 
     n_q: int
     q_offset: int
+    key_block: int = 0
+    """Keys per backward call (memplan.buffers.key_block_spans); 0: the whole context."""
 
     @property
     def self_only(self) -> bool:
@@ -38,11 +40,15 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
     """Distinct attention shapes of a round with one document per row (what
     dataflow.layer_ops calls): per chunk segment, n_q = its rows and q_offset = the context
     before them. Packed documents (doc_ids) make data-dependent shapes that no warm-up knows."""
+    from memplan.buffers import attention_key_block
+
+    ch = plan.chunking
+    block = attention_key_block(plan.model, ch.chunk_tokens, ch.seqlen)
     shapes = set()
-    for chunk in default_chunks(plan.chunking):
+    for chunk in default_chunks(ch):
         for a, b, ks in chunk.segments:
             offset = chunk.context + a - ks if chunk.split else 0
-            shapes.add(AttentionShape(b - a, offset))
+            shapes.add(AttentionShape(b - a, offset, block if chunk.split else 0))
     return tuple(sorted(shapes))
 
 

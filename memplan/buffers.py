@@ -124,6 +124,24 @@ def attention_key_block(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int
     return seqlen if fit >= seqlen else max(chunk_tokens, fit)
 
 
+def key_block_spans(q_offset: int, n_q: int, block: int) -> list[tuple[int, int, bool]]:
+    """(first key, end key, causal) of each backward call of n_q queries at q_offset when the
+    context is taken `block` keys at a time: the block holding the diagonal first (causal,
+    its start on a grid of `block` so few shapes recur), then every earlier block (unmasked).
+    One span when the context fits a block."""
+    if block < n_q:
+        raise ValueError(f"a key block of {block} keys is shorter than the {n_q} queries of the "
+                         "chunk; the diagonal must fit one block")
+    end = q_offset + n_q
+    if end <= block:
+        return [(0, end, True)]
+    start = q_offset // block * block
+    if end - start > block:
+        start = end - block
+    return [(start, end, True)] + [(a, min(a + block, start), False)
+                                   for a in range(0, start, block)]
+
+
 def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
     """Workspace of the largest fused-attention call of a chunk. Packed chunks attend per
     sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E).

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
+from memplan.buffers import key_block_spans
 
 try:
     import cupy as cp
@@ -354,18 +355,24 @@ class CupyBackend(Backend):
             precompile()
             seconds["cuda_modules"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            # The lent region, as CudaOps keeps it (the ops table owns no public accessor yet).
-            lent = getattr(self.ops, "_lent", {}).get("attn_workspace")
-            ws_bytes = None if lent is None else int(lent.nbytes)
+            ws_bytes = self.ops.attention_workspace_nbytes()
+            heads = (n_heads, n_kv_heads, head_dim)
             for shape in attention_shapes:
-                args = (shape.n_q, n_heads, n_kv_heads, head_dim, shape.q_offset)
+                args = (shape.n_q, *heads, shape.q_offset)
                 K.attention_workspace_bytes("fwd", *args)
                 if shape.self_only:
                     need = K.attention_workspace_bytes("bwd", *args, deterministic=True)
                     if ws_bytes is None or need > ws_bytes:
                         K.attention_workspace_bytes("bwd", *args, deterministic=False)
-                else:
-                    K.attention_workspace_bytes("bwd", *args, deterministic=False)
+                    continue
+                block = shape.key_block or shape.q_offset + shape.n_q
+                for a, b, causal in key_block_spans(shape.q_offset, shape.n_q, block):
+                    if causal:  # as dataflow.ops_cuda calls it: keys [a, b), offset - a
+                        K.attention_workspace_bytes("bwd", shape.n_q, *heads, shape.q_offset - a,
+                                                    deterministic=False)
+                    else:
+                        K.attention_workspace_bytes("bwd", shape.n_q, *heads, deterministic=False,
+                                                    n_keys=b - a)
             seconds["attention_graphs"] = time.perf_counter() - t0
         return seconds
 
