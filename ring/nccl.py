@@ -45,11 +45,16 @@ def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, .
 
 
 def _uid_bytes(uid) -> bytes:
-    return bytes(x % 256 for x in uid)
+    """NCCL's unique id as bytes: CuPy 14 gives bytes, older CuPy a tuple of C chars."""
+    return bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes(x % 256 for x in uid)
 
 
-def _uid_tuple(raw: bytes) -> tuple:
-    return tuple(b if b < 128 else b - 256 for b in raw)  # cupy's id is a tuple of C chars
+def _communicator(nccl, n: int, raw: bytes, rank: int):
+    """NcclCommunicator from the id's bytes, in whichever form this CuPy takes it."""
+    try:
+        return nccl.NcclCommunicator(n, raw, rank)
+    except TypeError:  # CuPy before 14: a tuple of C chars
+        return nccl.NcclCommunicator(n, tuple(b if b < 128 else b - 256 for b in raw), rank)
 
 
 class NcclTransport(Transport):
@@ -89,8 +94,8 @@ class NcclTransport(Transport):
         for i, (what, members) in enumerate(comms):
             if me not in members:
                 continue
-            comm = nccl.NcclCommunicator(len(members), _uid_tuple(raw[i * size:(i + 1) * size]),
-                                         members.index(me))
+            comm = _communicator(nccl, len(members), raw[i * size:(i + 1) * size],
+                                 members.index(me))
             if what == "world":
                 self.world = comm
             elif what == "replicas":

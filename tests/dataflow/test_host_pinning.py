@@ -105,10 +105,12 @@ def test_zero_byte_slab_maps_registers_nothing_and_frees():
 def test_pin_options_default_register_and_reject_bad_values():
     """DATAFLOW_PIN defaults to register; a typo or bad piece count is named with the choices."""
     assert pin_options({}) == ("register", 1)
-    assert pin_options({"DATAFLOW_PIN": "ALLOC", "DATAFLOW_PIN_PIECES": "4"}) == ("alloc", 4)
+    assert pin_options({"DATAFLOW_PIN": "ALLOC", "DATAFLOW_PIN_PIECES": "1"}) == ("alloc", 1)
+    with pytest.raises(BackendError, match="in pieces failed"):
+        pin_options({"DATAFLOW_PIN_PIECES": "4"})
     with pytest.raises(BackendError, match="'register'"):
         pin_options({"DATAFLOW_PIN": "hostalloc"})
-    with pytest.raises(BackendError, match="1 to 256"):
+    with pytest.raises(BackendError, match="leave it unset"):
         pin_options({"DATAFLOW_PIN_PIECES": "0"})
 
 
