@@ -121,6 +121,12 @@ class NcclTransport(Transport):
             raise RingError(f"rank {self.rank}: the NCCL transport needs the CuPy backend; use "
                             "the shared-memory transport with the NumPy backend", rank=self.rank)
         self.be = be
+        if self.world_size == 1 and 0 not in self.out:
+            # made here, not on first send: a communicator created inside the caller's
+            # groupStart/groupEnd is not initialised until groupEnd, and a send on it then
+            # fails with NCCL_ERROR_INVALID_ARGUMENT (seen on the H100 with CuPy 14)
+            comm = self._self_comm()
+            self.out[0] = self.inn[0] = (comm, 0)
         if self.replicas > 1 and max_reduce_bytes:  # for gradients kept in pinned host memory
             self._stage = self.cp.empty(min(max_reduce_bytes, REDUCE_STAGE_BYTES), self.cp.uint8)
         self._gather_buffers()
@@ -137,9 +143,9 @@ class NcclTransport(Transport):
         return view.reshape(-1).view(self.cp.uint8)
 
     def _pair(self, table: dict, peer: int):
-        if peer not in table and self.world_size == 1 and peer == 0:
-            comm = self._self_comm()
-            self.out[0] = self.inn[0] = (comm, 0)
+        if peer not in table:
+            raise RingError(f"rank {self.rank}: no NCCL communicator to ring peer {peer} (bind "
+                            "the transport before sending)", rank=self.rank)
         return table[peer]
 
     def send(self, view, peer: int, tag: int) -> None:
