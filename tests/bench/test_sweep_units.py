@@ -184,7 +184,7 @@ def test_cupy_sweep_without_a_gpu_is_refused_before_any_cell(capsys, tmp_path):
 
     if gpu_names():
         pytest.skip("a GPU is present")
-    argv = ["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "0.25",
+    argv = ["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "1",
             "--backend", "cupy", "--out", str(tmp_path / "s")]
     assert main(argv) == 2
     assert "--predict-only" in capsys.readouterr().err
