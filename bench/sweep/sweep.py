@@ -122,7 +122,9 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     if backend == "cupy" and not config.predict_only and not gpu_names():
         raise ConfigError("--backend cupy but NVML sees no GPU here; use --backend numpy, or "
                           "--predict-only to see the planner's numbers")
-    profile = resolve_profile(backend, gpu=config.gpu, profile_file=config.profile_file,
+    # a prediction with no backend named is for the GPU a user would rent, even on a laptop
+    planned_for = "cupy" if config.predict_only and config.backend == "auto" else backend
+    profile = resolve_profile(planned_for, gpu=config.gpu, profile_file=config.profile_file,
                               predict_only=config.predict_only)
     todo = [c for c in config.cells
             if config.redo or not is_finished(records.get(c), config.predict_only)]

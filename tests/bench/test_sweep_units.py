@@ -192,3 +192,15 @@ def test_cupy_sweep_without_a_gpu_is_refused_before_any_cell(capsys, tmp_path):
     assert main([*argv, "--predict-only"]) == 0
     (r,) = read_table(tmp_path / "s")
     assert r.state is Status.PREDICTED and r.profile == "h100" and r.backend == "cupy"
+
+
+def test_predict_only_with_no_backend_named_plans_for_the_h100_without_a_gpu(tmp_path):
+    """A laptop's --predict-only (backend auto) shows the GPU plane, not the NumPy backend's."""
+    from bench.sweep.planning import gpu_names
+
+    if gpu_names():
+        pytest.skip("a GPU is present")
+    assert main(["run", "--model", "1b", "--seqlen", "8192", "--host", "20", "--dev", "16",
+                 "--predict-only", "--out", str(tmp_path / "p")]) == 0
+    (r,) = read_table(tmp_path / "p")
+    assert r.profile == "h100" and r.predicted_tok_per_s > 10_000
