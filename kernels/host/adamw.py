@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
 
@@ -19,19 +21,23 @@ _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="host-adamw"
 """numba releases the GIL (nogil=True), so plain threads run the pieces in parallel."""
 
 
-@numba.njit(cache=True)
-def _grad_bf16(g):
-    return bf16_to_f32(g)
-
-
-@numba.njit(cache=True)
 def _grad_f32(g):
-    return g.astype(np.float32)
+    """A gradient piece as fp32: bf16 bits (uint16) unpacked, fp32 copied."""
+    raise NotImplementedError("only called from numba-compiled code")
+
+
+@overload(_grad_f32)
+def _grad_f32_impl(g):
+    # chosen by the array's type at compile time, so _adamw takes no function argument and
+    # numba's disk cache holds one entry per gradient dtype (a function argument defeated it:
+    # every process recompiled, 16-22 s on two cores)
+    if g.dtype == types.uint16:
+        return lambda g: bf16_to_f32(g)
+    return lambda g: g.astype(np.float32)
 
 
 @numba.njit(nogil=True, cache=True)
-def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, eps, scale,
-           start, stop):
+def _adamw(p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, eps, scale, start, stop):
     # One pass per piece: unpack to fp32 scratch, update element by element in registers (the
     # reference's operation order, fp32 throughout), pack back.
     pf = np.empty(_PIECE, dtype=np.float32)
@@ -40,7 +46,7 @@ def _adamw(grad_f32, p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, e
     for a in range(start, stop, _PIECE):
         z = min(stop, a + _PIECE)
         n = z - a
-        gf = grad_f32(g[a:z])
+        gf = _grad_f32(g[a:z])
         pf[:n] = bf16_to_f32(p[a:z])
         mf[:n] = bf16_to_f32(m[a:z])
         vf[:n] = bf16_to_f32(v[a:z])
@@ -65,8 +71,7 @@ def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, gra
     f = np.float32
     g = grad if grad.dtype == np.float32 else grad.view(np.uint16)
     scale = float(np.asarray(grad_scale).ravel()[0])
-    args = (_grad_f32 if grad.dtype == np.float32 else _grad_bf16, param.view(np.uint16), g,
-            m.view(np.uint16), v.view(np.uint16), f(beta1), f(beta2), f(1 - beta1),
+    args = (param.view(np.uint16), g, m.view(np.uint16), v.view(np.uint16), f(beta1), f(beta2), f(1 - beta1),
             f(1 - beta2), f(1 - beta1 ** step), f(1 - beta2 ** step), f(lr), f(weight_decay),
             f(eps), f(scale))
     n = param.size

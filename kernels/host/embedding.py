@@ -7,28 +7,34 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
 
 
-@numba.njit(cache=True)
-def _add_bf16(row_bits, acc):
-    return f32_to_bf16(bf16_to_f32(row_bits) + acc)
+def _add(row, acc):
+    """row + acc (fp32) in the row's own storage: bf16 bits (uint16) or fp32."""
+    raise NotImplementedError("only called from numba-compiled code")
 
 
-@numba.njit(cache=True)
-def _add_f32(row, acc):
-    return row + acc
+@overload(_add)
+def _add_impl(row, acc):
+    # chosen by the table's type at compile time: no function argument, so numba's disk cache
+    # hits (a function argument made every process recompile _scatter)
+    if row.dtype == types.uint16:
+        return lambda row, acc: f32_to_bf16(bf16_to_f32(row) + acc)
+    return lambda row, acc: row + acc
 
 
 @numba.njit(parallel=True, cache=True)
-def _scatter(add, order, starts, ids_sorted, dx, table):
+def _scatter(order, starts, ids_sorted, dx, table):
     for u in numba.prange(starts.size - 1):
         row = ids_sorted[starts[u]]
         acc = np.zeros(dx.shape[1], dtype=np.float32)
         for j in range(starts[u], starts[u + 1]):
             acc += bf16_to_f32(dx[order[j]])
-        table[row] = add(table[row], acc)
+        table[row] = _add(table[row], acc)
 
 
 def embedding_bwd(ids: np.ndarray, dx: np.ndarray, dtable: np.ndarray) -> None:
@@ -39,6 +45,6 @@ def embedding_bwd(ids: np.ndarray, dx: np.ndarray, dtable: np.ndarray) -> None:
     starts = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1], True]).astype(np.int64)
     dx16 = dx.view(np.uint16)
     if dtable.dtype == np.float32:
-        _scatter(_add_f32, order, starts, ids_sorted, dx16, dtable)
+        _scatter(order, starts, ids_sorted, dx16, dtable)
     else:
-        _scatter(_add_bf16, order, starts, ids_sorted, dx16, dtable.view(np.uint16))
+        _scatter(order, starts, ids_sorted, dx16, dtable.view(np.uint16))
