@@ -264,8 +264,9 @@ class _Run:
         mem = eng.memory_used_bytes()
         if hasattr(eng.be, "memory_report"):
             mem.update(eng.be.memory_report())
-            log.info("device memory: %.2f GiB used by the process = CUDA context %.2f + arena "
-                     "%.2f (the budget) + libraries/pool %.2f GiB",
+            log.info("device memory: %.2f GiB used = in use before the arena (this CUDA context "
+                     "and whatever else the device held) %.2f + arena %.2f (the budget less the "
+                     "libraries' reserve) + libraries/pool %.2f GiB",
                      mem["device_used_bytes"] / 2**30, mem["context_baseline_bytes"] / 2**30,
                      mem["arena_bytes"] / 2**30, mem["libraries_and_pool_bytes"] / 2**30)
         import psutil

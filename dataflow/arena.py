@@ -1,5 +1,6 @@
-"""Arenas: one slab of exactly the budget per place, with the plan's regions laid out by byte
-offset in a fixed order. Views are made by name; nothing is allocated after construction.
+"""Arenas: one slab per place of exactly the bytes the executor asks for (the host budget; the
+device budget less the libraries' reserve), the plan's regions laid out in it by byte offset in a
+fixed order. Views are made by name; nothing is allocated after construction.
 Never decides what the regions are (memplan.memory lists them)."""
 
 from __future__ import annotations
