@@ -1,5 +1,6 @@
-"""Hardware profiles: built-in defaults by GPU name, JSON load/save, and the cached profile that a
-future `dataflow-probe` measures on the current GPU (it overrides the default of the same name).
+"""Hardware profiles: built-in defaults by GPU name, JSON load/save, and the cached profile that
+`dataflow-probe` (dataflow/probe/) measures on the current GPU (it overrides the default of the
+same name).
 Pure data: never imports array libraries, never touches a GPU.
 
 Efficiencies are fractions of the dense bf16 peak. Attention efficiencies count *hardware*
