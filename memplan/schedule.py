@@ -6,59 +6,50 @@ dispatches exactly this list, so the plan that is predicted is the plan that run
 
 Slot assignment (which slot a streamed block or saved activation visits, evicting the one needed
 farthest ahead) and fetch timing (a fetch is issued as soon as its slot is free) are decided here,
-once per plan. Pure Python: never imports array libraries, never touches a device."""
+once per plan, by the slot rings of memplan/slot_ring.py; the events and Schedule themselves are
+memplan/events.py. Pure Python: never imports array libraries, never touches a device."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from typing import Hashable, Union
-
 from memplan import buffers
 from memplan.decisions import decisions_of
+from memplan.events import (
+    COMPUTE,
+    D2H,
+    EVENT_TYPES,
+    H2D,
+    HOST,
+    STREAMS,
+    Compute,
+    Event,
+    Fetch,
+    Fill,
+    HostTask,
+    Record,
+    Ref,
+    Region,
+    RegionTable,
+    Schedule,
+    Update,
+    Wait,
+    WriteBack,
+)
 from memplan.memory import device_regions, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
 from memplan.segments import inner_region, is_inner, segment_bounds
+from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
 
-STREAMS = ("compute", "h2d", "d2h", "host")
-COMPUTE, H2D, D2H, HOST = STREAMS
-
-
-# -- the region table ---------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class Region:
-    name: str
-    place: str
-    """'device' or 'host'."""
-    offset: int
-    """First byte inside its place's arena."""
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RegionTable:
-    """Every byte range a step touches, by place, laid out back to back (aligned) in the order
-    memplan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
-
-    device: tuple[Region, ...]
-    host: tuple[Region, ...]
-    device_budget: int
-    host_budget: int
-
-    def get(self, name: str) -> Region:
-        for r in self.device + self.host:
-            if r.name == name:
-                return r
-        raise KeyError(f"no region '{name}'")
-
-    def by_name(self) -> dict[str, Region]:
-        return {r.name: r for r in self.device + self.host}
-
-    def used_bytes(self, place: str) -> int:
-        regions = self.device if place == "device" else self.host
-        return regions[-1].offset + regions[-1].nbytes if regions else 0
+# The data (Region, Ref, the events, Schedule) lives in memplan/events.py and the slot rings in
+# memplan/slot_ring.py; the public names are re-exported here, where the rest of the code imports
+# them.
+__all__ = [
+    "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "STREAMS", "ZERO", "Compute", "Event",
+    "Fetch", "Fill", "HostTask", "Record", "Ref", "Region", "RegionTable", "Schedule", "Update",
+    "Wait", "WriteBack", "block_key", "compile_eval_schedule", "compile_schedule", "level_of",
+    "region_table",
+]
 
 
 def region_table(plan) -> RegionTable:
@@ -75,317 +66,6 @@ def region_table(plan) -> RegionTable:
     return RegionTable(device=lay("device", device_regions(d)), host=lay("host", host_regions(d)),
                        device_budget=budget.device_bytes if budget else 0,
                        host_budget=budget.host_bytes if budget else 0)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ref:
-    """Bytes [offset, offset + nbytes) of region `region`."""
-
-    region: str
-    offset: int
-    nbytes: int
-
-
-# -- events ---------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fetch:
-    """Copy host bytes `src` to device bytes `dst` on the h2d stream."""
-
-    name: str
-    dst: Ref
-    src: Ref
-    stream: str = H2D
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WriteBack:
-    """Copy device bytes `src` to host bytes `dst` on the d2h stream."""
-
-    name: str
-    dst: Ref
-    src: Ref
-    stream: str = D2H
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fill:
-    """Zero `dst` (viewed as `dtype`) on `stream`."""
-
-    name: str
-    dst: Ref
-    dtype: str
-    stream: str = COMPUTE
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Compute:
-    """One unit of model work on the compute stream. op: 'embed_fwd' / 'embed_bwd' (device
-    table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk; a forward with no `save` keeps
-    nothing, as in evaluation), 'layer_refwd' (a segment's recompute in the backward: the
-    same forward, reading its input from the saved activation `src` (the segment's boundary)
-    or from the rows of x, keeping that input and what its level says in `save`, writing its
-    output over the rows of y, which may be x), 'head' (final norm, lm_head and loss of one round, all chunks,
-    forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a
-    chunk's saved K/V into the sequence context). x and y name the transition buffers read and
-    written."""
-
-    name: str
-    op: str
-    round: int
-    layer: int = -1
-    chunk: int = -1
-    weights: Ref | None = None
-    grads: Ref | None = None
-    save: Ref | None = None
-    x: str = ""
-    y: str = ""
-    stream: str = COMPUTE
-    src: Ref | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostTask:
-    """CPU work on the host stream. op: 'tokens_stage' (the round's data into the bytes `dst`
-    names of the pinned token buffer: both rows take the input ids and RoPE positions, the
-    second row alone takes the targets, once the positions have left it), 'embed_gather' /
-    'embed_scatter' (embedding rows of a HOME table), 'zero' (clear `dst`)."""
-
-    name: str
-    op: str
-    round: int = -1
-    dst: Ref | None = None
-    stream: str = HOST
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Update:
-    """AdamW over elements [start, start + count) of `block` ('embed', 'layer3', 'head'):
-    params, grads, m, v at the given refs (device refs on the compute stream, host refs on the
-    host stream)."""
-
-    name: str
-    block: str
-    start: int
-    count: int
-    params: Ref
-    grads: Ref
-    m: Ref
-    v: Ref
-    stream: str = COMPUTE
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Record:
-    """Event `id` marks everything enqueued on `stream` so far."""
-
-    stream: str
-    id: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Wait:
-    """Later work on `stream` starts after event `id` has passed."""
-
-    stream: str
-    id: int
-
-
-Event = Union[Fetch, WriteBack, Fill, Compute, HostTask, Update, Record, Wait]
-EVENT_TYPES = {cls.__name__: cls for cls in (Fetch, WriteBack, Fill, Compute, HostTask, Update,
-                                             Record, Wait)}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Schedule:
-    """One optimizer step: `events` in issue order (rounds, then the optimizer). Every step of a
-    plan runs the same list; the executor synchronises between steps."""
-
-    regions: RegionTable
-    events: tuple[Event, ...]
-    rounds: int
-    round_starts: tuple[int, ...]
-    """Index of the first event of each round; the optimizer starts at `optimizer_start`."""
-    optimizer_start: int
-    n_ids: int
-    """Record ids run 0..n_ids-1."""
-
-    def bytes_moved(self, start: int = 0, stop: int | None = None, *,
-                    state_only: bool = False) -> tuple[int, int]:
-        """(host to device, device to host) bytes of events [start, stop) (default: the step);
-        `state_only` leaves out the token ids and targets."""
-        events = self.events[start:stop]
-        skip = "tokens." if state_only else "\0"
-        h2d = sum(e.dst.nbytes for e in events if type(e) is Fetch and not e.name.startswith(skip))
-        d2h = sum(e.dst.nbytes for e in events if type(e) is WriteBack)
-        return h2d, d2h
-
-    def to_json(self) -> str:
-        def enc(e):
-            out = {"type": type(e).__name__}
-            out.update({f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
-            return {k: (dataclasses.asdict(v) if isinstance(v, Ref) else v) for k, v in out.items()}
-
-        return json.dumps({"regions": dataclasses.asdict(self.regions), "rounds": self.rounds,
-                           "round_starts": list(self.round_starts),
-                           "optimizer_start": self.optimizer_start, "n_ids": self.n_ids,
-                           "events": [enc(e) for e in self.events]})
-
-    @classmethod
-    def from_json(cls, text: str, extra_types: dict | None = None) -> "Schedule":
-        """Inverse of to_json; `extra_types` names event classes beyond EVENT_TYPES (a ring's
-        Send / Recv / AllReduce: memplan.ring_schedule.RING_EVENT_TYPES)."""
-        types = {**EVENT_TYPES, **(extra_types or {})}
-        raw = json.loads(text)
-        regs = raw["regions"]
-        table = RegionTable(device=tuple(Region(**r) for r in regs["device"]),
-                            host=tuple(Region(**r) for r in regs["host"]),
-                            device_budget=regs["device_budget"], host_budget=regs["host_budget"])
-        events = []
-        for e in raw["events"]:
-            kind = types[e.pop("type")]
-            events.append(kind(**{k: Ref(**v) if isinstance(v, dict) else v
-                                  for k, v in e.items()}))
-        return cls(table, tuple(events), raw["rounds"], tuple(raw["round_starts"]),
-                   raw["optimizer_start"], raw["n_ids"])
-
-
-# -- compilation --------------------------------------------------------------------------------
-ZERO = "zero"
-"""A slot use whose fetch is a zero fill (the first round's gradient sums)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Use:
-    key: Hashable
-    fetch: Ref | str | None = None
-    """Host bytes to fetch, ZERO, or None (the compute writes the slot from scratch)."""
-    writeback: Ref | None = None
-    dtype: str = "bf16"
-
-
-class _Emitter:
-    def __init__(self):
-        self.events: list = []
-        self.n_ids = 0
-
-    def add(self, ev) -> None:
-        self.events.append(ev)
-
-    def record(self, stream: str) -> int:
-        i = self.n_ids
-        self.n_ids += 1
-        self.events.append(Record(stream, i))
-        return i
-
-    def wait(self, stream: str, ev: int | None) -> None:
-        if ev is not None:
-            self.events.append(Wait(stream, ev))
-
-
-class _Ring:
-    """A few device slots cycled over uses known in advance: Belady assignment compiled once,
-    fetches issued as soon as their slot is free, write-backs as soon as the compute is done."""
-
-    def __init__(self, em: _Emitter, slots: list[Ref], name: str):
-        if not slots:
-            raise ValueError(f"slot ring '{name}' needs at least one slot")
-        self.em, self.slots, self.name = em, slots, name
-        self.free: list[int | None] = [None] * len(slots)
-        self.host_ready: dict[Hashable, int] = {}
-        """Event after which the home copy of a key holds its latest bytes."""
-
-    def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
-        """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
-        one of the last len(slots) - 1 uses (they may still be in flight)."""
-        n_slots = len(self.slots)
-        following: list[float] = [float("inf")] * len(uses)
-        """following[i]: the next position after i that uses the same key."""
-        last_seen: dict[Hashable, int] = {}
-        for i in range(len(uses) - 1, -1, -1):
-            following[i] = last_seen.get(uses[i].key, float("inf"))
-            last_seen[uses[i].key] = i
-        held: list[Hashable | None] = [None] * n_slots
-        next_use: list[float] = [float("inf")] * n_slots
-        out: list[tuple[int, bool]] = []
-        for i, use in enumerate(uses):
-            if use.key in held:
-                slot = held.index(use.key)
-                next_use[slot] = following[i]
-                out.append((slot, False))
-                continue
-            recent = {s for s, _ in out[max(0, i - n_slots + 1):]}
-            candidates = [s for s in range(n_slots) if s not in recent] or list(range(n_slots))
-            slot = max(candidates, key=lambda s: (next_use[s], -s))
-            held[slot], next_use[slot] = use.key, following[i]
-            out.append((slot, use.fetch is not None))
-        return out
-
-    def begin(self, uses: list[_Use], assigned: list[tuple[int, bool]]) -> None:
-        self.uses, self.assigned = uses, assigned
-        self.prev = []
-        last: dict[int, int] = {}
-        for j, (slot, _) in enumerate(assigned):
-            self.prev.append(last.get(slot, -1))
-            last[slot] = j
-        self.fetched: dict[int, int] = {}
-        self.next_fetch = 0
-        self.released = -1
-
-    def _slot_part(self, slot: int, nbytes: int) -> Ref:
-        """The leading bytes of a slot that hold a smaller item (activation slots are sized for
-        the largest saved level)."""
-        s = self.slots[slot]
-        return s if nbytes == s.nbytes else Ref(s.region, s.offset, nbytes)
-
-    def prefetch(self, upto: int) -> None:
-        """Issue the fetches of uses up to `upto`, as far as their slots are free."""
-        em = self.em
-        while self.next_fetch <= min(upto, len(self.uses) - 1):
-            j = self.next_fetch
-            if self.prev[j] > self.released:
-                return  # its slot still holds a use that is not done
-            slot, needs = self.assigned[j]
-            use = self.uses[j]
-            if needs:
-                if use.fetch == ZERO:
-                    em.wait(COMPUTE, self.free[slot])
-                    em.add(Fill(f"{self.name}.zero{use.key}", self.slots[slot], use.dtype))
-                else:
-                    em.wait(H2D, self.free[slot])
-                    em.wait(H2D, self.host_ready.get(use.key))
-                    em.add(Fetch(f"{self.name}.h2d{use.key}",
-                                 self._slot_part(slot, use.fetch.nbytes), use.fetch))
-                    self.fetched[j] = em.record(H2D)
-            self.next_fetch += 1
-
-    def acquire(self, i: int) -> Ref:
-        """The slot of use i; compute waits for its fetch. Prefetches the next uses."""
-        self.prefetch(i + len(self.slots) - 1)
-        slot, needs = self.assigned[i]
-        if i in self.fetched:
-            self.em.wait(COMPUTE, self.fetched.pop(i))
-        elif not needs:
-            # The compute writes the slot from scratch or rereads it: order it after the last
-            # write-back or use of whatever the slot held.
-            self.em.wait(COMPUTE, self.free[slot])
-        return self.slots[slot]
-
-    def release(self, i: int) -> None:
-        """Use i's compute is enqueued: write back if asked, mark the slot free, prefetch on."""
-        em = self.em
-        slot = self.assigned[i][0]
-        done = em.record(COMPUTE)
-        use = self.uses[i]
-        if use.writeback is not None:
-            em.wait(D2H, done)
-            em.wait(D2H, self.host_ready.get(use.key))  # earlier readers of the home copy
-            em.add(WriteBack(f"{self.name}.d2h{use.key}", use.writeback,
-                             self._slot_part(slot, use.writeback.nbytes)))
-            done = em.record(D2H)
-            self.host_ready[use.key] = done
-        self.free[slot] = done
-        self.released = i
-        self.prefetch(i + len(self.slots))
 
 
 def block_key(kind: str, layer: int | None = None) -> str:
