@@ -6,16 +6,17 @@ Wait events as everything else, so a transport can overlap them with compute. Se
 receives get a stream each ('send', 'recv'): with rendezvous semantics (NCCL, large messages) a
 send that waits for its receiver must never sit in front of a receive the receiver needs first.
 
-Reuses memplan.schedule's compiler (slot rings, fetch timing, optimizer) and replaces only the
-round: no `if ring:` branch exists in the single-device code. Pure Python: never imports array
-libraries, never touches a device, never talks to another rank."""
+Reuses memplan.schedule's compiler whole (slot rings, fetch timing, the round, the optimizer)
+and overrides only its hooks (a layer's input arrives, its output leaves, a block's gradient is
+final, which blocks are owned): no `if ring:` branch exists in the single-device code. Pure
+Python: never imports array libraries, never touches a device, never talks to another rank."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from memplan.ring_plan import RankPlan
-from memplan.schedule import COMPUTE, HOST, Compute, HostTask, Ref, Schedule, _Compiler
+from memplan.schedule import COMPUTE, HOST, HostTask, Ref, Schedule, _Compiler
 
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 COMM_STREAMS = (SEND, RECV, REDUCE)
@@ -63,13 +64,57 @@ def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
     return ((rnd * 2 + int(backward)) * n_layers + layer) * n_chunks + chunk
 
 
-class _RingCompiler(_Compiler):
-    """Rank r's compiler: the rank's plan is a single-device plan of its own layers (local layer
-    j is global layer rp.layers[j]); the round below replaces the single-device round."""
+class _ReplicaCompiler(_Compiler):
+    """Rank r's compiler with data-parallel replicas: the single-device compiler of the rank's
+    plan plus an all-reduce of each owned block's gradient where it is final. A ring of one rank
+    (plain data parallelism) is this alone: the single-device round, nothing to send."""
 
     def __init__(self, rp: RankPlan):
         super().__init__(rp.plan)
         self.rp = rp
+
+    def allreduce(self, what: str, grads: Ref, stream: str = COMPUTE) -> None:
+        """Data-parallel replicas: the finished gradient `grads` (written on `stream`) is summed
+        over the replicas before anything reads it again (its squared norm, its write-back home,
+        the optimizer)."""
+        em = self.em
+        em.wait(REDUCE, em.record(stream))
+        em.add(AllReduce(f"allreduce.{what}", grads, self.gdt))
+        em.wait(stream, em.record(REDUCE))
+
+    def grads_final(self, what: str, grads: Ref, stream: str) -> None:
+        """In the last round a block's gradient is complete where its squared norm is taken: with
+        replicas, all-reduce it there first (layers, head, a device embedding)."""
+        if self.rp.replicas > 1:
+            self.allreduce(what, grads, stream)
+
+    def embed_bwd(self, rnd: int, dx: str) -> None:
+        """A HOME embedding's gradient is finished on the host, by the last round's scatter: with
+        replicas its all-reduce goes between that scatter and the host's squared norm. (Spliced
+        in after the fact rather than through grads_final, which would number the host's record
+        after the all-reduce's and so change the schedule's event ids.)"""
+        events = self.em.events
+        start = len(events)
+        super().embed_bwd(rnd, dx)
+        if self.rp.replicas == 1 or rnd != self.last_round or \
+                self.block("embed", "grads", False) is not None:
+            return
+        at = next(i for i in range(start, len(events)) if type(events[i]) is HostTask
+                  and events[i].op == "grad_sumsq")
+        tail = events[at:]
+        del events[at:]
+        self.allreduce("embed", self.block("embed", "grads", True), HOST)
+        events.extend(tail)
+
+
+class _RingCompiler(_ReplicaCompiler):
+    """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
+    (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
+    hooks below receive each layer's input from the previous rank and send its output on."""
+
+    def __init__(self, rp: RankPlan):
+        super().__init__(rp)
+        self.has_embed, self.has_head = rp.has_embed, rp.has_head
         self.prev = (rp.rank - 1) % rp.n_ranks
         self.next = (rp.rank + 1) % rp.n_ranks
         self.sent: dict[tuple[str, int], int] = {}
@@ -99,123 +144,51 @@ class _RingCompiler(_Compiler):
                     self.tag(rnd, backward, layer, chunk)))
         self.sent[(buffer, chunk)] = em.record(SEND)
 
+    # -- the hooks of the single-device round ---------------------------------------------------
+    def global_layer(self, layer: int) -> int:
+        return self.rp.layers[layer]
+
+    def resid(self, layer: int) -> tuple[str, str]:
+        """Every layer reads "resid_a" and writes "resid_b" (the head writes its gradient into
+        "resid_a"): no ping-pong is needed, each layer's input arrives in a buffer of its own."""
+        return "resid_a", "resid_b"
+
+    def stage_next(self, rnd: int) -> None:
+        """A rank stages each round's tokens when it loads them (load_tokens), not a round
+        ahead."""
+
+    def input_arrives(self, rnd: int, backward: bool, layer: int, buffer: str,
+                      chunk: int) -> None:
+        """The forward's input comes from the rank of the global layer before (none for layer 0,
+        whose input is the embedding's), the backward's from the rank of the layer after (none
+        for the last layer, whose gradient is the head's)."""
+        g = self.rp.layers[layer]
+        if not backward and g > 0:
+            self.recv(rnd, False, g - 1, buffer, chunk)
+        elif backward and g < self.rp.n_layers - 1:
+            self.recv(rnd, True, g + 1, buffer, chunk)
+
     def before_write(self, buffer: str, chunk: int) -> None:
-        """A compute is about to overwrite rows that may still be on their way out."""
+        """A compute is about to overwrite rows that may still be on their way out (also the
+        next round's first computes, of rows the last round sent)."""
         self.em.wait(COMPUTE, self.sent.pop((buffer, chunk), None))
 
-    def allreduce(self, what: str, grads: Ref, stream: str = COMPUTE) -> None:
-        """Data-parallel replicas: the finished gradient `grads` (written on `stream`) is summed
-        over the replicas before anything reads it again (its squared norm, its write-back home,
-        the optimizer)."""
-        em = self.em
-        em.wait(REDUCE, em.record(stream))
-        em.add(AllReduce(f"allreduce.{what}", grads, self.gdt))
-        em.wait(stream, em.record(REDUCE))
+    def output_leaves(self, rnd: int, backward: bool, layer: int, buffer: str,
+                      chunk: int) -> None:
+        """The forward's output goes to the next layer's rank (the last layer's stays for the
+        head), the backward's input gradient to the previous layer's (layer 0's stays for the
+        embedding)."""
+        g = self.rp.layers[layer]
+        if not backward and g < self.rp.n_layers - 1:
+            self.send(rnd, False, g, buffer, chunk)
+        elif backward and g > 0:
+            self.send(rnd, True, g, buffer, chunk)
 
-    def sumsq(self, rnd: int, what: str, grads: Ref) -> None:
-        """In the last round a block's gradient is complete where its squared norm is taken: with
-        replicas, all-reduce it there first (layers, head, a device embedding)."""
-        if self.rp.replicas > 1 and rnd == self.last_round:
-            self.allreduce(what, grads)
-        super().sumsq(rnd, what, grads)
-
-    def embed_bwd(self, rnd: int, dx: str) -> None:
-        """A HOME embedding's gradient is finished on the host, by the last round's scatter: with
-        replicas its all-reduce goes between that scatter and the host's squared norm."""
-        events = self.em.events
-        start = len(events)
-        super().embed_bwd(rnd, dx)
-        if self.rp.replicas == 1 or rnd != self.last_round or \
-                self.block("embed", "grads", False) is not None:
-            return
-        at = next(i for i in range(start, len(events)) if type(events[i]) is HostTask
-                  and events[i].op == "grad_sumsq")
-        tail = events[at:]
-        del events[at:]
-        self.allreduce("embed", self.block("embed", "grads", True), HOST)
-        events.extend(tail)
-
-    def round(self, rnd: int) -> None:
-        if self.rp.n_ranks == 1:  # replicas of one device: its own round, nothing to send
-            super().round(rnd)
-            return
-        em, rp, first = self.em, self.rp, rnd == 0
-        last_layer = rp.n_layers - 1
-        for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),
-                                     (self.aring, "a_uses", "a_assigned"),
-                                     (self.hw_ring, "hw_uses", "hw_assigned")):
-            if ring is not None:
-                ring.begin(getattr(self, uses), getattr(self, assigned))
-        if self.gring is not None:
-            self.gring.begin(self.g_uses[first], self.g_assigned[first])
-        if self.hg_ring is not None:
-            self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
-        self.load_tokens(rnd)  # every rank: the embedding reads ids, the head reads targets
-        # Forward reads "resid_a" and writes "resid_b"; the head writes its gradient into
-        # "resid_a"; the backward reads "resid_a" and writes "resid_b". The single-device
-        # ping-pong is not needed: each layer's input arrives in a buffer of its own.
-        x, y = "resid_a", "resid_b"
-        if rp.has_embed:
-            self.embed_fwd(rnd, x)
-        for j, g in enumerate(rp.layers):                               # forward, layer-major
-            w = self.weights("f", j)
-            for c in range(self.C):
-                if g > 0:
-                    self.recv(rnd, False, g - 1, x, c)
-                self.before_write(y, c)
-                save = self.act("f", j, c)
-                em.add(Compute(f"f.L{g}.c{c}", "layer_fwd", rnd, j, c, weights=w, save=save,
-                               x=x, y=y))
-                self.release_act("f", j, c)
-                if g < last_layer:
-                    self.send(rnd, False, g, y, c)
-            self.release_weights("f", j)
-            if g + rp.n_ranks == last_layer and self.hw_ring is not None:
-                self.hw_ring.prefetch(0)                              # head weights arrive early
-        if rp.has_head:
-            for c in range(self.C):
-                self.before_write(x, c)
-            self.head(rnd, y, x)
-        dy, dx = x, y
-        for j in reversed(range(len(rp.layers))):                      # backward, reverse order
-            g = rp.layers[j]
-            w = self.weights("b", j)
-            grads = self.grads(j)
-            for c in reversed(range(self.C)):
-                if g < last_layer:
-                    self.recv(rnd, True, g + 1, dy, c)
-                if self.ch.chunks_per_seq > 1 and c % self.ch.chunks_per_seq == \
-                        self.ch.chunks_per_seq - 1:
-                    self.fill_context(rnd, j, c)
-                self.before_write(dx, c)
-                save = self.act("b", j, c)
-                em.add(Compute(f"b.L{g}.c{c}", "layer_bwd", rnd, j, c, weights=w, grads=grads,
-                               save=save, x=dy, y=dx))
-                self.release_act("b", j, c)
-                if g > 0:
-                    self.send(rnd, True, g, dx, c)
-            self.sumsq(rnd, f"L{g}", grads)  # last round: this rank's part of the global norm
-            self.release_grads(j)
-            self.release_weights("b", j)
-        if rp.has_embed:
-            self.embed_bwd(rnd, dx)
-        # The next round's first computes overwrite rows still being sent: they wait (above).
-
-    def optimizer(self) -> None:
+    def owned_blocks(self) -> list[str]:
         """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are
         never updated)."""
         keys = [f"layer{j}" for j in range(len(self.rp.layers))]
-        keys += ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
-        from memplan.plan import OptimizerWhere
-
-        for key in keys:
-            where = self.placement(key).optimizer
-            if where is OptimizerWhere.DEVICE:
-                self.update_device(key)
-            elif where is OptimizerWhere.HOST:
-                self.update_host(key)
-            else:
-                self.update_streamed(key)
+        return keys + ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
 
     def compile(self, rounds: int | None = None) -> Schedule:
         sched = super().compile(rounds)
@@ -229,7 +202,7 @@ class _RingCompiler(_Compiler):
 
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None) -> Schedule:
     """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv."""
-    return _RingCompiler(rp).compile(rounds)
+    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp).compile(rounds)
 
 
 RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce)}

@@ -296,6 +296,48 @@ class _Compiler:
     def _transition(self, name: str) -> tuple[int, int]:
         return self._tr_offsets[name], self._tr_specs[name].nbytes
 
+    # -- hooks: where a wrapping compiler (memplan/ring_schedule.py) adds its events ---------
+    has_embed = True
+    """This compiler's rounds run the embedding (a ring rank: only the owner of layer 0)."""
+    has_head = True
+    """This compiler's rounds run the head (a ring rank: only the owner of the last layer)."""
+
+    def global_layer(self, layer: int) -> int:
+        """The model's index of plan layer `layer`, for event names (one device: the same)."""
+        return layer
+
+    def resid(self, layer: int) -> tuple[str, str]:
+        """(input, output) residual buffers of `layer`'s forward; its backward reads the
+        gradient from the first and writes the input gradient into the second. One device:
+        consecutive layers ping-pong between the two."""
+        return ("resid_a", "resid_b") if layer % 2 == 0 else ("resid_b", "resid_a")
+
+    def stage_next(self, rnd: int) -> None:
+        """After round `rnd`'s embedding: the next round's host work hides behind this round."""
+        self.stage(rnd + 1)
+
+    def input_arrives(self, rnd: int, backward: bool, layer: int, buffer: str,
+                      chunk: int) -> None:
+        """Before `layer`'s compute of `chunk` reads its rows of `buffer` (one device: they are
+        already there)."""
+
+    def before_write(self, buffer: str, chunk: int) -> None:
+        """Before a compute overwrites `chunk`'s rows of `buffer` (one device: nothing reads
+        them after the compute that wrote them)."""
+
+    def output_leaves(self, rnd: int, backward: bool, layer: int, buffer: str,
+                      chunk: int) -> None:
+        """After `layer`'s compute of `chunk` wrote its rows of `buffer` (one device: they stay
+        for the next layer)."""
+
+    def grads_final(self, what: str, grads: Ref, stream: str) -> None:
+        """The step's gradient of block `what` is complete in `grads` (written on `stream`),
+        right before its squared norm (one device: nothing more to add)."""
+
+    def owned_blocks(self) -> list[str]:
+        """The blocks the optimizer updates (one device: all of them)."""
+        return [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
+
     def round(self, rnd: int) -> None:
         em, L, first = self.em, self.L, rnd == 0
         for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),
@@ -308,42 +350,54 @@ class _Compiler:
         if self.hg_ring is not None:
             self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
         self.load_tokens(rnd)
-        x, y = "resid_a", "resid_b"
-        self.embed_fwd(rnd, x)
-        self.stage(rnd + 1)              # the next round's host work hides behind this round
+        if self.has_embed:
+            self.embed_fwd(rnd, self.resid(0)[0])
+        self.stage_next(rnd)
         for layer in range(L):                                          # forward, layer-major
+            x, y = self.resid(layer)
+            name = self.global_layer(layer)
             w = self.weights("f", layer)
             keep = not is_inner(layer, self.k)  # a segment's inner layers keep nothing
             for c in range(self.C):
+                self.input_arrives(rnd, False, layer, x, c)
+                self.before_write(y, c)
                 save = self.act("f", layer, c) if keep else None
-                em.add(Compute(f"f.L{layer}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
+                em.add(Compute(f"f.L{name}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
                                save=save, x=x, y=y))
                 if keep:
                     self.release_act("f", layer, c)
+                self.output_leaves(rnd, False, layer, y, c)
             self.release_weights("f", layer)
-            if layer == L - 2 and self.hw_ring is not None:
+            if self.has_head and layer == L - 2 and self.hw_ring is not None:
                 self.hw_ring.prefetch(0)                              # head weights arrive early
-            x, y = y, x
-        self.head(rnd, x, y)
-        dy, dx = y, x
+        if self.has_head:
+            dfinal, final = self.resid(L - 1)  # the last output; its input's rows take dfinal
+            for c in range(self.C):
+                self.before_write(dfinal, c)
+            self.head(rnd, final, dfinal)
         for layer in reversed(range(L)):                                # backward, reverse order
+            dy, dx = self.resid(layer)
+            name = self.global_layer(layer)
             if layer in self.recompute_top:
                 self.recompute(rnd, *self.recompute_top[layer], buf=dx)
             w = self.weights("b", layer)
             g = self.grads(layer)
             for c in reversed(range(self.C)):
+                self.input_arrives(rnd, True, layer, dy, c)
                 if self.ch.chunks_per_seq > 1 and c % self.ch.chunks_per_seq == \
                         self.ch.chunks_per_seq - 1:
                     self.fill_context(rnd, layer, c)
+                self.before_write(dx, c)
                 save = self.act("b", layer, c)
-                em.add(Compute(f"b.L{layer}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
+                em.add(Compute(f"b.L{name}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
                                grads=g, save=save, x=dy, y=dx))
                 self.release_act("b", layer, c)
-            self.sumsq(rnd, f"L{layer}", g)
+                self.output_leaves(rnd, True, layer, dx, c)
+            self.sumsq(rnd, f"L{name}", g)
             self.release_grads(layer)
             self.release_weights("b", layer)
-            dy, dx = dx, dy
-        self.embed_bwd(rnd, dy)
+        if self.has_embed:
+            self.embed_bwd(rnd, self.resid(0)[1])
 
     def recompute(self, rnd: int, first: int, end: int, buf: str) -> None:
         """Rebuild the saved activations of layers first+1..end-1 before the backward of the
@@ -496,6 +550,7 @@ class _Compiler:
         """In the step's last round a block's gradient sum is complete (in its slot or resident
         region) right after its backward: add its squared norm into the device scalar."""
         if rnd == self.last_round:
+            self.grads_final(what, grads, COMPUTE)
             self.em.add(Compute(f"gnorm.{what}", "grad_sumsq", rnd, grads=grads))
 
     def grad_norm(self) -> None:
@@ -522,8 +577,7 @@ class _Compiler:
 
     # -- the optimizer ----------------------------------------------------------------------
     def optimizer(self) -> None:
-        keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
-        for key in keys:
+        for key in self.owned_blocks():
             where = self.placement(key).optimizer
             if where is OptimizerWhere.DEVICE:
                 self.update_device(key)
