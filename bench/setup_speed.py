@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from memplan.cli_args import positive
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIN_VARIANTS = ("alloc", "register", "register-pieces", "register-untouched",
                 "register-populate")
@@ -82,41 +84,28 @@ def parse_variants(text: str) -> tuple[str, ...]:
     return out
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.setup_speed",
         description="Time host pinning, engine setup phases and step 1 vs step 2 on this GPU. "
                     "GB means GiB (2^30 bytes).")
     p.add_argument("--out", required=True, help="JSON record to write")
-    p.add_argument("--gib", type=_positive(float), default=40.0,
+    p.add_argument("--gib", type=positive(float), default=40.0,
                    help="GiB each pinning variant pins (default 40)")
-    p.add_argument("--pieces", type=_positive(int), default=8,
+    p.add_argument("--pieces", type=positive(int), default=8,
                    help="ranges (and threads) of 'register-pieces' (default 8)")
     p.add_argument("--variants", default="alloc,register,register-pieces",
                    help=f"pinning variants, comma-separated, of {', '.join(PIN_VARIANTS)}")
     p.add_argument("--model", default="1b")
-    p.add_argument("--seqlen", type=_positive(int), default=8192)
-    p.add_argument("--host-gb", type=_positive(float), default=40.0)
-    p.add_argument("--dev-gb", type=_positive(float), default=16.0)
+    p.add_argument("--seqlen", type=positive(int), default=8192)
+    p.add_argument("--host-gb", type=positive(float), default=40.0)
+    p.add_argument("--dev-gb", type=positive(float), default=16.0)
     p.add_argument("--runs", default="register:warm,register:warm,alloc:cold",
                    help="engine processes in order, PIN:warm|cold each (PIN register|alloc)")
-    p.add_argument("--steps", type=_positive(int), default=2, help="steps per engine run (>= 2)")
+    p.add_argument("--steps", type=positive(int), default=2, help="steps per engine run (>= 2)")
     p.add_argument("--keep-caches", action="store_true",
                    help="use this user's CuPy and numba caches instead of a fresh pair")
-    p.add_argument("--run-timeout", type=_positive(float), default=300.0,
+    p.add_argument("--run-timeout", type=positive(float), default=300.0,
                    help="seconds one engine process may take (default 300)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p

@@ -13,7 +13,7 @@ import traceback
 
 from models.errors import ConfigError
 from models.serial import to_json
-from memplan.cli_args import OneLineParser, UsageError
+from memplan.cli_args import OneLineParser, parse_or_exit_code
 
 PROG = "dataflow-plan"
 
@@ -149,14 +149,9 @@ def _layers_text(layers) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    args, code = parse_or_exit_code(build_parser(), argv, PROG)
+    if args is None:
+        return code
     try:
         text = _run(args)
     except ConfigError as exc:  # bad model, GPU or profile; budgets that nothing fits

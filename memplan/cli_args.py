@@ -1,11 +1,12 @@
 """Argument parsing shared by the command lines (dataflow-plan, dataflow-ring, dataflow-sweep): a
 parser whose errors are one line (the caller prints it and exits 2, no usage dump) and a
-positive-number argument type. Pure Python; never imports array libraries."""
+positive-number argument type, and the parse step every main() shares. Pure Python; never imports array libraries."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 
 class UsageError(Exception):
@@ -29,3 +30,15 @@ def positive(kind):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str], prog: str):
+    """(args, None), or (None, exit code): 2 after printing a usage error as one line naming
+    --help, or --help's own 0."""
+    try:
+        return parser.parse_args(argv), None
+    except UsageError as exc:
+        print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+        return None, 2
+    except SystemExit as exc:  # --help
+        return None, int(exc.code or 0)

@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 
-from memplan.cli_args import OneLineParser, UsageError, positive
+from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
 from models.errors import ConfigError
 
 PROG = "dataflow-ring"
@@ -57,13 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    args, code = parse_or_exit_code(build_parser(), argv, PROG)
+    if args is None:
+        return code
     from ring.worker import RingJob
 
     try:

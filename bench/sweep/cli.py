@@ -10,7 +10,7 @@ import logging
 import sys
 
 from models.errors import ConfigError
-from memplan.cli_args import OneLineParser, UsageError, positive
+from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
 
 PROG = "dataflow-sweep"
 
@@ -128,14 +128,9 @@ def _plot(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    args, code = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv, PROG)
+    if args is None:
+        return code
     if args.command is None:
         print(f"{PROG}: error: say run or plot (see {PROG} --help)", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from memplan.cli_args import OneLineParser, UsageError, positive
+from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
 from memplan.profiles import default_cache_path, known_profiles, save_profile
 from models.config import load_config, zoo_names
 from models.errors import ConfigError
@@ -58,12 +58,9 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as exc:
-        return _fail(f"error: {exc} (see {PROG} --help)", 2)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    args, code = parse_or_exit_code(build_parser(), argv, PROG)
+    if args is None:
+        return code
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format=f"{PROG}: %(message)s", stream=sys.stderr)
     try:
