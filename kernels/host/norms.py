@@ -7,39 +7,39 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from kernels.host._bf16 import bf16_to_f32
 
 _PIECE = 1 << 20
 
 
-@numba.njit(parallel=True, cache=True)
-def _sumsq_bf16(bits):
-    n = bits.size
-    pieces = (n + _PIECE - 1) // _PIECE
-    part = np.zeros(pieces, dtype=np.float64)
-    for k in numba.prange(pieces):
-        a = k * _PIECE
-        z = min(n, a + _PIECE)
-        x = bf16_to_f32(bits[a:z])
-        acc = 0.0
-        for i in range(z - a):
-            acc += np.float64(x[i]) * np.float64(x[i])
-        part[k] = acc
-    return part.sum()
+def _as_f32(piece):
+    """A piece as fp32: bf16 bits (uint16) unpacked, fp32 as it is."""
+    raise NotImplementedError("only called from numba-compiled code")
+
+
+@overload(_as_f32)
+def _as_f32_impl(piece):
+    # chosen by type at compile time: one kernel, one disk-cache entry per dtype
+    if piece.dtype == types.uint16:
+        return lambda piece: bf16_to_f32(piece)
+    return lambda piece: piece
 
 
 @numba.njit(parallel=True, cache=True)
-def _sumsq_f32(x):
+def _sumsq(x):
     n = x.size
     pieces = (n + _PIECE - 1) // _PIECE
     part = np.zeros(pieces, dtype=np.float64)
     for k in numba.prange(pieces):
         a = k * _PIECE
         z = min(n, a + _PIECE)
+        y = _as_f32(x[a:z])
         acc = 0.0
-        for i in range(a, z):
-            acc += np.float64(x[i]) * np.float64(x[i])
+        for i in range(z - a):
+            acc += np.float64(y[i]) * np.float64(y[i])
         part[k] = acc
     return part.sum()
 
@@ -48,10 +48,10 @@ def sumsq(x: np.ndarray) -> float:
     """sum(x ** 2) of a 1-D bf16 or fp32 array, in float64."""
     flat = x.reshape(-1)
     if flat.dtype == np.float32:
-        return float(_sumsq_f32(flat))
+        return float(_sumsq(flat))
     if flat.dtype.itemsize != 2:
         raise TypeError(f"sumsq takes bf16 or fp32, got {flat.dtype}")
-    return float(_sumsq_bf16(flat.view(np.uint16)))
+    return float(_sumsq(flat.view(np.uint16)))
 
 
 def sumsq_into(x: np.ndarray, out: np.ndarray) -> None:
