@@ -13,7 +13,8 @@ from dataflow.rope import rope_table
 from kernels.reference import rope_bwd, rope_fwd, rope_inv_freq
 from models.config import RopeScaling, load_config
 from models.init import BF16, init_model
-from models.layout import embed_layout, head_layout, layer_layout
+from models.layout import layer_layout
+from tests.llama_float64 import llama_loss_float64
 
 # (head_dim, theta, (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings))
 CONFIGS = {
@@ -101,44 +102,6 @@ def test_rope_refuses_a_table_of_the_wrong_length(rng):
         rope_fwd(x, np.arange(2), np.ones(8))
 
 
-def _direct_llama_loss(cfg, w, tokens, inv_freq):
-    """Summed next-token cross-entropy of a float64 Llama written directly from transformers'
-    modeling code (rotate_half with the given inverse frequencies, repeat_kv, causal softmax)."""
-    inp, tgt = tokens[:-1], tokens[1:]
-    t, e = inp.size, cfg.head_dim
-
-    def norm(x, wt):
-        return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + cfg.norm_eps) * wt
-
-    emb = np.concatenate([np.outer(np.arange(t), inv_freq)] * 2, axis=-1)
-    cos, sin = np.cos(emb), np.sin(emb)
-
-    def rope(x):  # (heads, T, E)
-        return x * cos + np.concatenate([-x[..., e // 2:], x[..., : e // 2]], axis=-1) * sin
-
-    x = embed_layout(cfg).view(w.embed, "embed_tokens")[inp]
-    mask = np.triu(np.full((t, t), -np.inf), k=1)
-    for block in w.layers:
-        p = layer_layout(cfg).views(block)
-        n = norm(x, p["input_layernorm"])
-        q = rope((n @ p["self_attn.q_proj"].T).reshape(t, cfg.n_heads, e).transpose(1, 0, 2))
-        k = rope((n @ p["self_attn.k_proj"].T).reshape(t, cfg.n_kv_heads, e).transpose(1, 0, 2))
-        v = (n @ p["self_attn.v_proj"].T).reshape(t, cfg.n_kv_heads, e).transpose(1, 0, 2)
-        k, v = np.repeat(k, cfg.group_size, axis=0), np.repeat(v, cfg.group_size, axis=0)
-        s = q @ k.transpose(0, 2, 1) / math.sqrt(e) + mask
-        a = np.exp(s - s.max(axis=-1, keepdims=True))
-        a /= a.sum(axis=-1, keepdims=True)
-        x = x + (a @ v).transpose(1, 0, 2).reshape(t, cfg.q_dim) @ p["self_attn.o_proj"].T
-        n = norm(x, p["post_attention_layernorm"])
-        g, u = n @ p["mlp.gate_proj"].T, n @ p["mlp.up_proj"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ p["mlp.down_proj"].T
-    lay_h = head_layout(cfg)
-    logits = norm(x, lay_h.view(w.head, "norm")) @ lay_h.view(w.head, "lm_head").T
-    mx = logits.max(axis=-1)
-    lse = mx + np.log(np.sum(np.exp(logits - mx[:, None]), axis=-1))
-    return float(np.sum(lse - logits[np.arange(t), tgt]))
-
-
 def test_reference_forward_with_llama3_scaling_equals_direct_float64_llama(rng):
     """The reference model's float64 loss on a scaled tiny config equals a direct transcription
     using transformers' scaled frequencies to 1e-12, and differs from the plain-RoPE loss by far
@@ -159,9 +122,9 @@ def test_reference_forward_with_llama3_scaling_equals_direct_float64_llama(rng):
     tokens = rng.integers(0, cfg.vocab_size, size=129)
     loss, n, _ = forward_backward(cfg, w, tokens)
     assert n == 128
-    direct = _direct_llama_loss(cfg, w, tokens, transformers_llama3_inv_freq(head_dim, theta,
+    direct = llama_loss_float64(cfg, w, tokens, transformers_llama3_inv_freq(head_dim, theta,
                                                                              scaling))
     assert abs(loss - direct) <= 1e-12 * abs(direct)
-    plain = _direct_llama_loss(cfg, w, tokens, 1.0 / theta ** (np.arange(0, head_dim, 2)
+    plain = llama_loss_float64(cfg, w, tokens, 1.0 / theta ** (np.arange(0, head_dim, 2)
                                                                 / head_dim))
     assert abs(plain - direct) > 1e-4 * abs(direct)

@@ -6,8 +6,6 @@ most twice the bf16 (or fp32) reference's. GPU only: skipped cleanly without CuP
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,10 @@ cupy = require_gpu()
 import kernels.cuda as kc  # noqa: E402
 import kernels.reference as ref  # noqa: E402
 from models.init import BF16  # noqa: E402
+from tests.kernels.test_cuda_ops import dev as _dev  # noqa: E402
+from tests.kernels.test_cuda_ops import host as _host  # noqa: E402
+from tests.kernels.test_cuda_ops import poisoned as _poisoned  # noqa: E402
+from tests.kernels.test_cuda_ops import rel as _rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -27,31 +29,6 @@ FP32_FLOOR = 1e-5
 SCALED = {"llama3.1-8b": (128, 2, 500000.0, (8.0, 1.0, 4.0, 8192)),
           "llama3.2-1b": (64, 4, 500000.0, (32.0, 1.0, 4.0, 8192)),
           "small": (16, 3, 10000.0, (4.0, 1.0, 4.0, 256))}
-
-
-def _dev(a: np.ndarray):
-    a = np.ascontiguousarray(a)
-    return cupy.asarray(a.view(np.uint16)).view(BF16) if a.dtype == BF16 else cupy.asarray(a)
-
-
-def _host(d) -> np.ndarray:
-    return cupy.asnumpy(d.view(cupy.uint16)).view(BF16) if d.dtype == BF16 else cupy.asnumpy(d)
-
-
-def _poisoned(shape, dtype):
-    d = cupy.empty(shape, dtype=dtype)
-    if np.dtype(dtype) == BF16:
-        d.view(cupy.uint16).fill(0x7FC0)
-    else:
-        d.fill(np.nan)
-    return d
-
-
-def _rel(out, truth) -> float:
-    out, truth = np.asarray(out, F64), np.asarray(truth, F64)
-    if not np.all(np.isfinite(out)):
-        return math.inf
-    return float(np.linalg.norm(out - truth) / max(np.linalg.norm(truth), 1e-300))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
