@@ -46,7 +46,7 @@ FALLBACKS: dict[tuple, str] = {}
 """Graph keys cuDNN refused, with its reason; those shapes run on the simple kernels."""
 
 
-def _check(q, k, v, q_offset: int):
+def _check(q, k, v, q_offset: int, causal: bool = True):
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
         raise ValueError(f"attention takes q (T, H, E), k and v (S, K, E); got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
@@ -55,7 +55,9 @@ def _check(q, k, v, q_offset: int):
     if ke != e or h % kh:
         raise ValueError(f"attention shapes q {q.shape}, k {k.shape} do not agree (E must match, "
                          f"H a multiple of K)")
-    if q_offset < 0 or q_offset + t > s:
+    if not causal and q_offset != 0:
+        raise ValueError(f"an unmasked key block takes q_offset 0; got {q_offset}")
+    if causal and (q_offset < 0 or q_offset + t > s):
         raise ValueError(f"query chunk [{q_offset}, {q_offset + t}) lies outside the {s} keys; "
                          f"q_offset + T must be <= S")
     _build.check("q", q)
@@ -282,10 +284,7 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
     that block's exact share of the gradient: dq is its part of the sum over key blocks, dk, dv
     are the block's. cuDNN only (the simple kernels are causal).
     """
-    if not causal:
-        return _attention_bwd_unmasked(q, k, v, o, lse, do, q_offset, dq, dk, dv, impl,
-                                       deterministic, workspace)
-    t, h, e, s, kh = _check(q, k, v, q_offset)
+    t, h, e, s, kh = _check(q, k, v, q_offset, causal)
     for what, a in (("o", o), ("do", do), ("dq", dq)):
         _build.check(what, a, (t, h, e), (q.dtype,))
     _build.check("lse", lse, (h, t), (F32,))
@@ -293,9 +292,11 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
     _build.check("dv", dv, (s, kh, e), (dk.dtype,))
     if impl not in ("auto", "cudnn", "simple"):
         raise ValueError(f"impl must be 'auto', 'cudnn' or 'simple'; got {impl!r}")
-    s_used = q_offset + t
+    if not causal and (impl == "simple" or q.dtype != BF16 or dk.dtype != BF16):
+        raise ValueError("the unmasked (causal=False) backward runs on cuDNN only, in bf16")
+    s_used = q_offset + t if causal else s
     if impl != "simple" and q.dtype == BF16 and dk.dtype == BF16:
-        built, key = _graph("bwd", t, s_used, h, kh, e, q_offset, deterministic)
+        built, key = _graph("bwd", t, s_used, h, kh, e, q_offset, deterministic, causal)
         if built is not None:
             _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                          _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr, _UID_DO: do.data.ptr,
@@ -305,7 +306,7 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
                 utils.fill_(dk[s_used:], 0.0)
                 utils.fill_(dv[s_used:], 0.0)
             return
-        if impl == "cudnn":
+        if impl == "cudnn" or not causal:
             raise RuntimeError(f"cuDNN SDPA refused {key}: {FALLBACKS[key]}")
     elif impl == "cudnn":
         raise TypeError(f"the cuDNN path takes bf16 q, k, v, dk, dv; got {q.dtype}, {dk.dtype}")
@@ -318,27 +319,3 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
     _build.kernel(_SRC, _NAMES, f"attn_simple_bwd_kv<{tq}, {tg}, {epl}>")(
         (-(-s * kh // 4),), (128,), (q, k, v, o, lse, do, dk, dv, *scalars))
 
-
-def _attention_bwd_unmasked(q, k, v, o, lse, do, q_offset, dq, dk, dv, impl, deterministic,
-                            workspace) -> None:
-    if q_offset != 0:
-        raise ValueError(f"an unmasked key block takes q_offset 0; got {q_offset}")
-    if impl == "simple" or q.dtype != BF16 or dk.dtype != BF16:
-        raise ValueError("the unmasked (causal=False) backward runs on cuDNN only, in bf16")
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[2] != q.shape[2] \
-            or q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention takes q (T, H, E), k and v (S, K, E) with H a multiple of "
-                         f"K; got q {q.shape}, k {k.shape}, v {v.shape}")
-    t, h, e = q.shape
-    s, kh, _ = k.shape
-    for what, a in (("o", o), ("do", do), ("dq", dq)):
-        _build.check(what, a, (t, h, e), (q.dtype,))
-    _build.check("lse", lse, (h, t), (F32,))
-    _build.check("dk", dk, (s, kh, e), (BF16,))
-    _build.check("dv", dv, (s, kh, e), (BF16,))
-    built, key = _graph("bwd", t, s, h, kh, e, 0, deterministic, causal=False)
-    if built is None:
-        raise RuntimeError(f"cuDNN SDPA refused the unmasked backward {key}: {FALLBACKS[key]}")
-    _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
-                 _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr, _UID_DO: do.data.ptr,
-                 _UID_DQ: dq.data.ptr, _UID_DK: dk.data.ptr, _UID_DV: dv.data.ptr}, workspace)
