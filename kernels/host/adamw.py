@@ -10,30 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
-from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
+from kernels.host._bf16 import as_f32, bf16_to_f32, f32_to_bf16
 
 _PIECE = 1 << 14
 _WORKERS = max(1, os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="host-adamw")
 """numba releases the GIL (nogil=True), so plain threads run the pieces in parallel."""
-
-
-def _grad_f32(g):
-    """A gradient piece as fp32: bf16 bits (uint16) unpacked, fp32 copied."""
-    raise NotImplementedError("only called from numba-compiled code")
-
-
-@overload(_grad_f32)
-def _grad_f32_impl(g):
-    # chosen by the array's type at compile time, so _adamw takes no function argument and
-    # numba's disk cache holds one entry per gradient dtype (a function argument defeated it:
-    # every process recompiled, 16-22 s on two cores)
-    if g.dtype == types.uint16:
-        return lambda g: bf16_to_f32(g)
-    return lambda g: g.astype(np.float32)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -46,7 +29,7 @@ def _adamw(p, g, m, v, b1, b2, one_m_b1, one_m_b2, bc1, bc2, lr, wd, eps, scale,
     for a in range(start, stop, _PIECE):
         z = min(stop, a + _PIECE)
         n = z - a
-        gf = _grad_f32(g[a:z])
+        gf = as_f32(g[a:z])
         pf[:n] = bf16_to_f32(p[a:z])
         mf[:n] = bf16_to_f32(m[a:z])
         vf[:n] = bf16_to_f32(v[a:z])

@@ -7,25 +7,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
-from kernels.host._bf16 import bf16_to_f32
+from kernels.host._bf16 import as_f32
 
 _PIECE = 1 << 20
-
-
-def _as_f32(piece):
-    """A piece as fp32: bf16 bits (uint16) unpacked, fp32 as it is."""
-    raise NotImplementedError("only called from numba-compiled code")
-
-
-@overload(_as_f32)
-def _as_f32_impl(piece):
-    # chosen by type at compile time: one kernel, one disk-cache entry per dtype
-    if piece.dtype == types.uint16:
-        return lambda piece: bf16_to_f32(piece)
-    return lambda piece: piece
 
 
 @numba.njit(parallel=True, cache=True)
@@ -36,7 +21,7 @@ def _sumsq(x):
     for k in numba.prange(pieces):
         a = k * _PIECE
         z = min(n, a + _PIECE)
-        y = _as_f32(x[a:z])
+        y = as_f32(x[a:z])
         acc = 0.0
         for i in range(z - a):
             acc += np.float64(y[i]) * np.float64(y[i])
