@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-check", action="store_true",
                    help="export, load with transformers (if importable), compare logits")
     p.add_argument("--logits-tokens", type=int, default=32)
+    p.add_argument("--seqs-per-step", type=int, default=None,
+                   help="sequences in the one training step (default: the planner's); fewer "
+                        "make the step shorter and change nothing that is saved")
     p.add_argument("--digest", action="store_true",
                    help="hash all state before and after the load (reads everything twice)")
     args = p.parse_args(argv)
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"model": args.model, "seqlen": args.seqlen, "host_gb": args.host_gb,
                  "dev_gb": args.dev_gb}
     eng = Engine(args.model, host_gb=args.host_gb, dev_gb=args.dev_gb, seqlen=args.seqlen,
-                 backend=args.backend, lr=1e-4, max_grad_norm=1.0)
+                 backend=args.backend, lr=1e-4, max_grad_norm=1.0,
+                 seqs_per_step=args.seqs_per_step)
     cfg = eng.plan.model
     with eng:
         r = eng.train_step(token_stream(args.seqlen, eng.seqs_per_step, cfg.vocab_size))

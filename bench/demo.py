@@ -249,9 +249,10 @@ class _Run:
                      plan.chunking.seqs_per_round, plan.chunking.tokens_per_round, loss)
         mfu = f"{r.mfu:6.1%}" if backend != "numpy" else "   n/a"
         hfu = f"{r.hfu:6.1%}" if backend != "numpy" else "   n/a"
-        bar.info("step %d: loss %.4f  %.0f tok/s  %.1f TFLOP/s  MFU %s  HFU %s  %.2f s "
-                 "(FLOP model %s)", r.step, r.loss, r.tok_per_s, r.model_tflop_per_s, mfu,
-                 hfu, r.step_time_s, r.flop_model_version)
+        norm = f"{r.grad_norm:.3g}" if r.grad_norm is not None else "n/a"
+        bar.info("step %d: loss %.4f  lr %.3g  grad_norm %s  %.0f tok/s  %.1f TFLOP/s  MFU %s  "
+                 "HFU %s  %.2f s (FLOP model %s)", r.step, r.loss, r.lr, norm, r.tok_per_s,
+                 r.model_tflop_per_s, mfu, hfu, r.step_time_s, r.flop_model_version)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
         first = self.results[0].loss
         if r.loss > 2 * first and not getattr(self, "_warned", False):
