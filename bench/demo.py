@@ -11,6 +11,7 @@ import sys
 import time
 
 from bench import demo_checks as checks
+from bench.demo_training import default_lr
 from models.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger("dataflow.demo")
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps (default 5)")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
     p.add_argument("--lr", type=checks.positive_float, default=None,
-                   help="learning rate (default 1e-3 for tiny/small, 3e-4 otherwise)")
+                   help="peak learning rate (default 1e-3 for tiny/small, 3e-4 up to width "
+                        "2048 (1b), 3e-4 * 2048 / width above it (8b: 1.5e-4))")
     p.add_argument("--seed", type=checks.seed, default=0, help="initialisation seed")
     p.add_argument("--plan", metavar="FILE", type=checks.readable_file,
                    help="run this plan JSON instead of planning (the positionals must match it)")
@@ -121,7 +123,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     from models.hf import model_config
 
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
-    lr = args.lr or (1e-3 if cfg.model_dim <= 256 else 3e-4)
+    lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
         from bench.demo_ring import run_ring
 

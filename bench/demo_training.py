@@ -17,7 +17,22 @@ EVAL_SEQS = 4
 """Held-out sequences per validation (fixed, so the held-out split never depends on the plan and
 a run resumes under any plan)."""
 DEFAULT_WARMUP = 10
-"""Warmup steps unless --warmup says otherwise (capped at --steps)."""
+"""Warmup steps unless --warmup says otherwise. Not cut to --steps: a run shorter than its
+warmup ends before the peak lr, so a 3-step demo of 8b takes three small steps instead of
+reaching the peak at step 3 (measured on the H100: 8b's loss then rose 11.88 -> 8.02 -> 15.85)."""
+WIDTH_LR_DIM = 2048
+"""Model width up to which the default peak lr is 3e-4; wider models get 3e-4 * this / width."""
+
+
+def default_lr(model_dim: int) -> float:
+    """Peak lr when --lr is not given: 1e-3 for the toy models (width <= 256), 3e-4 up to width
+    2048 (1b), and 3e-4 * 2048 / width above (8b: 1.5e-4). Adam moves every weight by about lr
+    per step whatever its gradient's size, so a layer's output moves about width * lr: wider
+    models need proportionally smaller steps (Llama 3 trained 8B at 3e-4 but warmed up for
+    8,000 steps; a demo warms up for 10)."""
+    if model_dim <= 256:
+        return 1e-3
+    return 3e-4 * min(1.0, WIDTH_LR_DIM / model_dim)
 
 
 def _count(text: str) -> int:
@@ -46,7 +61,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--steps. With --resume, --steps is the run's total: a run resumed at step 3 with "
         "--steps 6 trains 3 more steps.")
     g.add_argument("--warmup", type=_count, default=None, metavar="N",
-                   help=f"warmup steps (default {DEFAULT_WARMUP}, at most --steps)")
+                   help=f"warmup steps (default {DEFAULT_WARMUP}; a run shorter than its "
+                        "warmup ends before the peak lr)")
     g.add_argument("--min-lr", type=_nonneg_float, default=None, metavar="X",
                    help="lr at the end of the cosine decay (default --lr / 10)")
     g.add_argument("--max-grad-norm", type=_nonneg_float, default=1.0, metavar="X",
@@ -99,8 +115,8 @@ class Training:
         if min_lr > lr:
             raise ConfigError(f"--min-lr {min_lr:g} is above --lr {lr:g}; pass a smaller "
                               f"--min-lr (default lr / 10 = {lr / 10:g})")
-        self.schedule = WarmupCosine(lr=lr, total_steps=args.steps,
-                                     warmup_steps=min(warmup, args.steps), min_lr=min_lr)
+        self.schedule = WarmupCosine(lr=lr, total_steps=max(args.steps, warmup),
+                                     warmup_steps=warmup, min_lr=min_lr)
         self.optimizer = AdamWConfig(lr=lr, max_grad_norm=args.max_grad_norm or None)
         self.source = None
         self.eval_losses: list[tuple[int, float]] = []

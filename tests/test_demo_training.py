@@ -49,11 +49,18 @@ def test_demo_resume_continues_bit_identically(tmp_path, capsys, caplog):
 
 
 def test_demo_resume_with_other_settings_exits_2_naming_them(tmp_path, capsys):
-    """Resuming with another --steps (so another schedule) is refused, not silently reset."""
-    ck = tmp_path / "ck"
-    assert _run(capsys, "--steps", "2", "--save-every", "2", "--checkpoint-dir", str(ck))[0] == 0
-    code, _, err = _run(capsys, "--steps", "5", "--checkpoint-dir", str(ck), "--resume")
+    """Resuming with another --steps past the warmup (so another cosine) is refused, not
+    silently reset; inside the default warmup the curve is the same, so the resume goes on."""
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    assert _run(capsys, "--steps", "2", "--warmup", "1", "--save-every", "2", "--checkpoint-dir",
+                str(ck))[0] == 0
+    code, _, err = _run(capsys, "--steps", "5", "--warmup", "1", "--checkpoint-dir", str(ck),
+                        "--resume")
     assert code == 2 and "schedule" in err and "Traceback" not in err
+    assert _run(capsys, "--steps", "2", "--save-every", "2", "--checkpoint-dir", str(other))[0] == 0
+    code, resumed, _ = _run(capsys, "--steps", "3", "--checkpoint-dir", str(other), "--resume")
+    assert code == 0 and [s["step"] for s in resumed["steps"]] == [3]
+    assert resumed["steps"][0]["lr"] == pytest.approx(3 * 1e-3 / 10)
 
 
 def test_demo_trains_on_user_data_with_validation(tmp_path, capsys, caplog, rng):
@@ -80,3 +87,14 @@ def test_demo_training_flag_mistakes_exit_2(extra, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip()
+
+
+def test_default_peak_lr_shrinks_with_width_above_1b():
+    """The demo's peak lr: 1e-3 for the toy models, 3e-4 up to 1b's width, then 3e-4 * 2048 /
+    width, which kept 8b's loss falling over its first 3 steps on the H100 (3e-4 made it rise)."""
+    from bench.demo_training import default_lr
+    from models.hf import model_config as get_model
+
+    assert [default_lr(get_model(n).model_dim) for n in ("tiny", "small", "1b", "8b")] == \
+        [1e-3, 1e-3, 3e-4, pytest.approx(1.5e-4)]
+    assert default_lr(get_model("32b").model_dim) < 1.5e-4
