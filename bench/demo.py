@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=checks.seed, default=0, help="initialisation seed")
     p.add_argument("--plan", metavar="FILE", type=checks.readable_file,
                    help="run this plan JSON instead of planning (the positionals must match it)")
+    p.add_argument("--fast-attention", action="store_true",
+                   help="cuDNN's faster non-deterministic attention backward for packed sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k for 1b and 8b) for the plan; dQ may then differ in the last bits from run to run (default: deterministic)")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -130,9 +132,10 @@ def _run(args, stop: checks.StopSignals) -> int:
         return run_ring(args, build_parser(), lr)
     plan = checks.load_plan(args.plan) if args.plan else None
     if plan is not None:
-        if args.rounds or args.seqs_per_step or args.tokens_per_step:
-            raise ConfigError("--rounds / --seqs-per-step / --tokens-per-step cannot change a "
-                              "--plan file's batch; edit the plan or drop --plan")
+        if args.rounds or args.seqs_per_step or args.tokens_per_step or args.fast_attention:
+            raise ConfigError("--rounds / --seqs-per-step / --tokens-per-step / "
+                              "--fast-attention cannot change a --plan file; edit the plan or "
+                              "drop --plan")
         checks.check_plan_matches(plan, cfg, args.seqlen, args.host_gb, args.dev_gb)
     try:
         be_probe = make_backend(args.backend)
@@ -146,6 +149,8 @@ def _run(args, stop: checks.StopSignals) -> int:
 
         profile = default_profile(be_probe)
         extra = {"rounds_per_step": args.rounds} if args.rounds else {}
+        if args.fast_attention:
+            extra["attention_bwd"] = "fast"
         if args.seqs_per_step or args.tokens_per_step:
             extra.update(seqs_per_step=args.seqs_per_step, tokens_per_step=args.tokens_per_step)
         plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,

@@ -20,7 +20,7 @@ from kernels.host import adamw as host_adamw
 from kernels.host import embedding as host_embedding
 from kernels.host import norms as host_norms
 from memplan import buffers
-from memplan.plan import GradAccum, Plan
+from memplan.plan import AttentionBwd, GradAccum, Plan
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
@@ -93,8 +93,11 @@ class Executor:
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
-        # larger) and the bf16 dK/dV of a context.
+        # larger) and the bf16 dK/dV of a context. A plan that chose the fast attention
+        # backward lends its region only, so packed chunks take the algorithm it planned.
         spare = self.dev.slab.nbytes - self.dev.used_bytes
+        if plan.attention_bwd is AttentionBwd.FAST:
+            spare = 0
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
         scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))

@@ -142,9 +142,11 @@ def key_block_spans(q_offset: int, n_q: int, block: int) -> list[tuple[int, int,
                                    for a in range(0, start, block)]
 
 
-def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int:
+def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int, *,
+                              deterministic: bool = True) -> int:
     """Workspace of the largest fused-attention call of a chunk. Packed chunks attend per
-    sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E).
+    sequence (T = S = the sequence) with the deterministic backward (2*T*S*H + 4*T*H*E), or
+    with `deterministic` False the non-deterministic one (16*T*Hk*E + 4*T*H*E).
     Split sequences would need 2*T*seqlen*H for that, which is hopeless at long context, so
     all their chunks use cuDNN's non-deterministic backward (16*S*Hk*E + 4*T*H*E, S the keys
     of one call: the context, or attention_key_block at long context). The CUDA op table picks
@@ -154,6 +156,8 @@ def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int) 
     if seqlen > chunk_tokens:
         keys = attention_key_block(cfg, chunk_tokens, seqlen)
         return ATTN_NONDET_CONTEXT_BYTES * keys * cfg.kv_dim + dq + ATTN_NONDET_SLACK_BYTES
+    if not deterministic:
+        return ATTN_NONDET_CONTEXT_BYTES * t * cfg.kv_dim + dq + ATTN_NONDET_SLACK_BYTES
     return ATTN_WORKSPACE_SCORE_BYTES * t * t * cfg.n_heads + dq + ATTN_WORKSPACE_SLACK_BYTES
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from memplan.plan import (
+    AttentionBwd,
     Chunking,
     GradAccum,
     LayerPlacement,
@@ -46,6 +47,8 @@ class Decisions:
     grad_accum: GradAccum
     segment_layers: int = 1
     """See Plan.segment_layers."""
+    attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC
+    """See Plan.attention_bwd."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -54,7 +57,8 @@ def decisions_of(obj) -> Decisions:
         return obj
     return Decisions(model=obj.model, chunking=obj.chunking, slots=obj.slots, layers=obj.layers,
                      activations=obj.activations, embed=obj.embed, head=obj.head,
-                     grad_accum=obj.grad_accum, segment_layers=obj.segment_layers)
+                     grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
+                     attention_bwd=obj.attention_bwd)
 
 
 def _positive(where: str, value) -> None:

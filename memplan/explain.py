@@ -176,7 +176,8 @@ def explain(plan: Plan) -> str:
     cfg, b = plan.model, plan.budget
     head = (f"Plan for {cfg.name} at seqlen {plan.chunking.seqlen:,} on {plan.profile.name}: "
             f"budgets host {_size(b.host_bytes)}, device {_size(b.device_bytes)} "
-            f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}]")
+            f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
+            f"attention backward {plan.attention_bwd.value}]")
     s = plan.slots
     lines = [head, *_chunking_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "

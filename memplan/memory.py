@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
-from memplan.plan import GradAccum, MemoryMap, OptimizerWhere, Where
+from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
 from memplan.segments import inner_regions, is_inner
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
@@ -106,7 +106,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     out += inner_regions(d, act_bytes)[0]
     out.append(("act_slots", s.act_slots * home_max))
     out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
-    out.append(("attn_workspace", buffers.attention_workspace_bytes(cfg, t, ch.seqlen)))
+    out.append(("attn_workspace", buffers.attention_workspace_bytes(
+        cfg, t, ch.seqlen, deterministic=d.attention_bwd is AttentionBwd.DETERMINISTIC)))
     out.append(("library_scratch", buffers.packed_bytes(buffers.library_scratch_specs(cfg))))
     out.append(("context", buffers.packed_bytes(buffers.context_specs(
         cfg, ch.seqlen, t, ch.chunks_per_seq))))

@@ -31,6 +31,18 @@ class OptimizerWhere(enum.Enum):
     """AdamW runs on the CPU over the home copies (numba, parallel)."""
 
 
+class AttentionBwd(enum.Enum):
+    DETERMINISTIC = "deterministic"
+    """cuDNN's deterministic fused-attention backward for chunks that attend to themselves only
+    (packed sequences): bit-identical run to run, plan to plan and rank to rank, at the price of
+    a score-sized workspace (2*T*T*H bytes: 4.1 GiB for T = 8192 and 32 heads) and a slower
+    kernel (444 against 518 TFLOP/s at 8k on the H100, bench/records/kernels-*.json)."""
+    FAST = "fast"
+    """cuDNN's atomic-dQ backward everywhere (split sequences always use it): a workspace of
+    16*T*Hk*E + 4*T*H*E bytes (0.25 GiB at 8k for 8b) and the faster kernel; dQ's float sums
+    may then differ in the last bits from run to run."""
+
+
 class GradAccum(enum.Enum):
     BF16 = "bf16"
     """Accumulate weight gradients across rounds in bf16, as ml_dataflow does."""
@@ -207,6 +219,10 @@ class Plan:
     0, k, 2k, ... only and rebuilds the others in the backward by re-running the segment's
     forward; their `activations` entries then say where and at which level the rebuilt ones
     live. 1 (the default, and every plan written before segments existed): none."""
+    attention_bwd: AttentionBwd = dataclasses.field(default=AttentionBwd.DETERMINISTIC,
+                                                    metadata={"omit_if_default": True})
+    """Which fused-attention backward chunks that attend to themselves use (AttentionBwd); the
+    plan reserves its workspace. Left out of the JSON (and hash) while deterministic."""
 
     def to_json(self) -> str:
         return to_json(self)

@@ -18,7 +18,7 @@ from memplan.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
 from memplan.errors import InfeasibleBudget, categories_text, gib_up, size_text
 from memplan.cost import segment_recompute
 from memplan.memory import memory_map
-from memplan.plan import Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
+from memplan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
 from memplan.segments import finish_segment_plan
 from models.config import ModelConfig
 from models.errors import ConfigError
@@ -27,7 +27,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
            "BATCH_CONSTRAINTS", "batch_chunkings", "global_batch"]
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
-               "home_optimizer", "max_resident_layers")
+               "home_optimizer", "max_resident_layers", "attention_bwd")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -75,6 +75,12 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
     if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= cfg.n_layers:
         raise ConfigError(f"max_resident_layers must be in 0..{cfg.n_layers}, got {cap!r}")
     opts["max_resident_layers"], opts["target_optimizer_frac"] = cap, float(frac)
+    attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
+    try:
+        opts["attention_bwd"] = AttentionBwd(attn)
+    except ValueError:
+        raise ConfigError(f"attention_bwd must be one of "
+                          f"{[a.value for a in AttentionBwd]}, got {attn!r}") from None
     return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
 
 
@@ -114,7 +120,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
               *, grad_accum: GradAccum = GradAccum.BF16, **constraints) -> Plan:
     """The fastest predicted plan that fits `budget`. Constraints (all optional): chunk_tokens,
     chunks_per_round, rounds_per_step, target_optimizer_frac (default 0.02), home_optimizer
-    ('streamed' or 'host'), max_resident_layers, and the trainer's global batch as
+    ('streamed' or 'host'), max_resident_layers, attention_bwd ('deterministic', the default,
+    or 'fast': see AttentionBwd), and the trainer's global batch as
     seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes exactly that
     many sequences per step (chunks x rounds chosen to fit it). Raises InfeasibleBudget naming
     the smallest budgets that work."""
@@ -127,14 +134,16 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
         return _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, batch)
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
-    if (constraints or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
+    shaping = {k: v for k, v in constraints.items() if k != "attention_bwd"}
+    if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan
     # The greedy candidate chains can miss ml_dataflow's own fixed configuration (seen for 8b at
     # 64k); score it too for the large models it was designed for, so the search never predicts
     # less than the design it means to beat.
     try:
-        fixed = _best_plan(cfg, seqlen, budget, profile, grad_accum, ML_DATAFLOW_LIKE)
+        fixed = _best_plan(cfg, seqlen, budget, profile, grad_accum,
+                           dict(ML_DATAFLOW_LIKE, **constraints))
     except ConfigError:  # InfeasibleBudget included
         return plan
     return fixed if fixed.prediction.tok_per_s > plan.prediction.tok_per_s else plan

@@ -16,7 +16,8 @@ from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, m
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (EMBED_ROW_BUFFERS, NORM_HOST_BYTES, TOKEN_ID_BYTES,
                              TOKEN_STAGING_ROWS, grad_bpe)
-from memplan.plan import Chunking, GradAccum, HardwareProfile, SavedActivation, Slots, Where
+from memplan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
+                          Slots, Where)
 from memplan.segments import is_inner, segment_bounds
 from memplan.sim import Workload
 from models.config import ModelConfig
@@ -60,8 +61,10 @@ class Space:
     (boundary) layers only."""
 
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
-                 segment_layers: int = 1, inner_class: int = 5):
+                 segment_layers: int = 1, inner_class: int = 5,
+                 attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
+        self.attention_bwd = attention_bwd
         self.L, self.C = cfg.n_layers, ch.chunks_per_round
         self.k, self.inner_class = segment_layers, inner_class
         kept = [first for first, _ in segment_bounds(self.L, self.k)]
@@ -87,7 +90,8 @@ class Space:
             buffers.transition_specs(cfg, ch.tokens_per_round),
             buffers.library_scratch_specs(cfg),
             buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
-        self.fixed_device += buffers.align(buffers.attention_workspace_bytes(cfg, t, ch.seqlen))
+        self.fixed_device += buffers.align(buffers.attention_workspace_bytes(
+            cfg, t, ch.seqlen, deterministic=attention_bwd is AttentionBwd.DETERMINISTIC))
         self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
         self.rows_b = buffers.align(EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2)
         self.fixed_host = max(e.values()) * 2 + buffers.align(
@@ -226,7 +230,7 @@ class Space:
         return Decisions(model=self.cfg, chunking=ch, slots=slots, layers=layers,
                          activations=activations, embed=RESIDENT if s.embed_dev else home,
                          head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
-                         segment_layers=self.k)
+                         segment_layers=self.k, attention_bwd=self.attention_bwd)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

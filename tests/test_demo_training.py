@@ -98,3 +98,13 @@ def test_default_peak_lr_shrinks_with_width_above_1b():
     assert [default_lr(get_model(n).model_dim) for n in ("tiny", "small", "1b", "8b")] == \
         [1e-3, 1e-3, 3e-4, pytest.approx(1.5e-4)]
     assert default_lr(get_model("32b").model_dim) < 1.5e-4
+
+
+def test_demo_fast_attention_plans_the_fast_backward_and_trains(capsys):
+    """--fast-attention reaches the planner (the NumPy backend has one attention backward, so
+    the losses equal the default run's)."""
+    code, fast, _ = _run(capsys, "--steps", "1", "--fast-attention")
+    assert code == 0 and fast["plan"]["attention_bwd"] == "fast"
+    code, det, _ = _run(capsys, "--steps", "1")
+    assert code == 0 and "attention_bwd" not in det["plan"]
+    assert [s["loss"] for s in fast["steps"]] == [s["loss"] for s in det["steps"]]
