@@ -17,11 +17,18 @@ EVAL_SEQS = 4
 """Held-out sequences per validation (fixed, so the held-out split never depends on the plan and
 a run resumes under any plan)."""
 DEFAULT_WARMUP = 10
-"""Warmup steps unless --warmup says otherwise. Not cut to --steps: a run shorter than its
-warmup ends before the peak lr, so a 3-step demo of 8b takes three small steps instead of
-reaching the peak at step 3 (measured on the H100: 8b's loss then rose 11.88 -> 8.02 -> 15.85)."""
+"""Warmup steps unless --warmup says otherwise (see default_warmup)."""
 WIDTH_LR_DIM = 2048
 """Model width up to which the default peak lr is 3e-4; wider models get 3e-4 * this / width."""
+
+
+def default_warmup(model_dim: int, steps: int) -> int:
+    """DEFAULT_WARMUP, cut to a shorter run for models up to 1b's width (they reach the peak lr
+    at the run's last step, as nanoGPT-style demos do), but not for wider ones: a run shorter
+    than their warmup ends before the peak, since a wide model's first full-lr Adam steps
+    overshoot (measured on the H100: 8b's loss rose 11.88 -> 8.02 -> 15.85 when a 3-step run
+    reached the peak at step 3; with the full warmup it fell 11.88 -> 8.88 -> 7.58)."""
+    return DEFAULT_WARMUP if model_dim > WIDTH_LR_DIM else min(DEFAULT_WARMUP, steps)
 
 
 def default_lr(model_dim: int) -> float:
@@ -61,8 +68,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         "--steps. With --resume, --steps is the run's total: a run resumed at step 3 with "
         "--steps 6 trains 3 more steps.")
     g.add_argument("--warmup", type=_count, default=None, metavar="N",
-                   help=f"warmup steps (default {DEFAULT_WARMUP}; a run shorter than its "
-                        "warmup ends before the peak lr)")
+                   help=f"warmup steps (default {DEFAULT_WARMUP}, cut to --steps for models "
+                        "up to 1b's width; a run shorter than its warmup ends before the peak "
+                        "lr)")
     g.add_argument("--min-lr", type=_nonneg_float, default=None, metavar="X",
                    help="lr at the end of the cosine decay (default --lr / 10)")
     g.add_argument("--max-grad-norm", type=_nonneg_float, default=1.0, metavar="X",
@@ -110,7 +118,8 @@ class Training:
 
         check_flags(args)
         self.args, self.cfg = args, cfg
-        warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+        warmup = default_warmup(cfg.model_dim, args.steps) if args.warmup is None \
+            else args.warmup
         min_lr = lr / 10 if args.min_lr is None else args.min_lr
         if min_lr > lr:
             raise ConfigError(f"--min-lr {min_lr:g} is above --lr {lr:g}; pass a smaller "

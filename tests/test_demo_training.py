@@ -50,15 +50,18 @@ def test_demo_resume_continues_bit_identically(tmp_path, capsys, caplog):
 
 def test_demo_resume_with_other_settings_exits_2_naming_them(tmp_path, capsys):
     """Resuming with another --steps past the warmup (so another cosine) is refused, not
-    silently reset; inside the default warmup the curve is the same, so the resume goes on."""
+    silently reset; inside a warmup longer than both runs the curve is the same, so the resume
+    goes on."""
     ck, other = tmp_path / "ck", tmp_path / "other"
     assert _run(capsys, "--steps", "2", "--warmup", "1", "--save-every", "2", "--checkpoint-dir",
                 str(ck))[0] == 0
     code, _, err = _run(capsys, "--steps", "5", "--warmup", "1", "--checkpoint-dir", str(ck),
                         "--resume")
     assert code == 2 and "schedule" in err and "Traceback" not in err
-    assert _run(capsys, "--steps", "2", "--save-every", "2", "--checkpoint-dir", str(other))[0] == 0
-    code, resumed, _ = _run(capsys, "--steps", "3", "--checkpoint-dir", str(other), "--resume")
+    assert _run(capsys, "--steps", "2", "--warmup", "10", "--save-every", "2",
+                "--checkpoint-dir", str(other))[0] == 0
+    code, resumed, _ = _run(capsys, "--steps", "3", "--warmup", "10", "--checkpoint-dir",
+                            str(other), "--resume")
     assert code == 0 and [s["step"] for s in resumed["steps"]] == [3]
     assert resumed["steps"][0]["lr"] == pytest.approx(3 * 1e-3 / 10)
 
@@ -108,3 +111,12 @@ def test_demo_fast_attention_plans_the_fast_backward_and_trains(capsys):
     code, det, _ = _run(capsys, "--steps", "1")
     assert code == 0 and "attention_bwd" not in det["plan"]
     assert [s["loss"] for s in fast["steps"]] == [s["loss"] for s in det["steps"]]
+
+
+def test_default_warmup_is_cut_to_short_runs_only_up_to_1b_width():
+    from bench.demo_training import default_warmup
+    from models.hf import model_config
+
+    assert [default_warmup(model_config(n).model_dim, 3) for n in ("tiny", "1b", "8b")] == \
+        [3, 3, 10]
+    assert default_warmup(model_config("8b").model_dim, 40) == 10
