@@ -16,7 +16,8 @@ import math
 from memplan import buffers
 from memplan.decisions import decisions_of
 from memplan.memory import grad_bpe
-from memplan.plan import Chunking, HardwareProfile, OptimizerWhere, Prediction, Where
+from memplan.plan import (AttentionBwd, Chunking, HardwareProfile, OptimizerWhere, Prediction,
+                          Where)
 from memplan.segments import segment_bounds
 from memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
 from models.config import ModelConfig
@@ -50,6 +51,11 @@ ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP = 8192, 1024, 1.2
 cost most) when a chunk attends to a long unmasked context. A guess to be measured ..."""
 ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM = 128, 32
 """... and with the head dim (the profile's value is for head_dim 128)."""
+ATTN_ATOMIC_BWD_SPEEDUP = 520 / 444
+"""The profile's attn_bwd_efficiency is cuDNN's deterministic backward of a packed chunk (what
+dataflow-probe measures). Its atomic-dQ backward, which split sequences always use and packed
+chunks use under Plan.attention_bwd = fast, ran at 518-520 TFLOP/s against 444 at 8k on the
+H100 (bench/records/kernels-nvidia-h100-80gb-hbm3.json)."""
 ADAMW_STATE_BYTES_PER_ELEM = 12
 """AdamW reads and writes bf16 param, m and v (2 B each, both ways); plus the grad read."""
 DEFAULT_OPT_TARGET_FRAC = 0.02
@@ -101,8 +107,11 @@ LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 
 
 
 @functools.lru_cache(maxsize=256)
-def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile) -> tuple[ChunkCosts, ...]:
-    """Per chunk of a round (chunks differ by their context offset when a sequence is split)."""
+def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
+                deterministic: bool = True) -> tuple[ChunkCosts, ...]:
+    """Per chunk of a round (chunks differ by their context offset when a sequence is split).
+    deterministic: packed chunks take cuDNN's deterministic attention backward (else, as split
+    sequences always do, the atomic-dQ one: ATTN_ATOMIC_BWD_SPEEDUP)."""
     t = ch.chunk_tokens
     piece = t // ch.seqs_per_chunk  # one sequence's tokens in this chunk
     over = 1.0 + LAUNCH_OVERHEAD_FRAC
@@ -122,7 +131,10 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile) -> tuple[Chu
         flash = n * flash_recompute_flops(cfg, piece, ctx)
         a_bwd = n * attn_bwd_flops(cfg, piece, ctx) + flash
         a_fwd_s = a_fwd / attn_flop_per_s(cfg, p, p.attn_fwd_efficiency, keys)
-        a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, p.attn_bwd_efficiency, keys)
+        bwd_eff = p.attn_bwd_efficiency
+        if ch.chunks_per_seq > 1 or not deterministic:
+            bwd_eff *= ATTN_ATOMIC_BWD_SPEEDUP
+        a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, bwd_eff, keys)
         fwd_s = (mm / gemm + a_fwd_s + ew_s) * over
         bwd_s = (2 * mm / gemm + a_bwd_s + ELEMENTWISE_BWD_FACTOR * ew_s) * over
         rec_a = (rec_attn / gemm + ew_s) * over
@@ -152,7 +164,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     """The per-round work of a Plan or Decisions, in the form the simulation reads."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
     act_size = {lv: buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv) for lv in SavedLevel}
@@ -294,7 +306,7 @@ def event_seconds(plan, p: HardwareProfile):
     rate in the simulation): compute from chunk_costs, host work and fills from memory rates."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2

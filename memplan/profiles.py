@@ -62,16 +62,17 @@ to weigh a host optimizer against one streamed through the GPU."""
 
 _BUILTIN = (
     # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
-    # 620 fwd / 520 bwd TFLOP/s at 8k in bursts (x SUSTAINED_POWER_FACTOR: 680, 540, 453;
+    # 620 fwd / 444 bwd (deterministic; the atomic-dQ backward 520, cost.ATTN_ATOMIC_BWD_SPEEDUP)
+    # TFLOP/s at 8k in bursts (x SUSTAINED_POWER_FACTOR: 680, 540, 453;
     # torch SDPA forward held 534 over 15 s), PCIe 55 GB/s each way alone, 47 each way
     # together, HBM copy 3.0 TB/s (read + write counted).
     _p("h100", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
-       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 3.0e12, 5,
+       444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 3.0e12, 5,
        80),
     # H200: same compute die and 700 W cap as the H100; faster HBM (4.8 TB/s datasheet);
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
-       520 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 4.3e12, 5,
+       444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 4.3e12, 5,
        141),
     # A100 80GB SXM: 312 TFLOP/s datasheet; typical cuBLAS ~250, FlashAttention-2 ~60%/50%;
     # PCIe 4 x16 ~25 GB/s alone, ~21 together; HBM2e 2.0 TB/s datasheet.

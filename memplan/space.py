@@ -99,7 +99,7 @@ class Space:
         self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
         self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))
-        self.costs = chunk_costs(cfg, ch, p)
+        self.costs = chunk_costs(cfg, ch, p, attention_bwd is AttentionBwd.DETERMINISTIC)
         # prefix sums over chunk index of recompute seconds/FLOPs per level index
         self.rec_pre = [[0.0] for _ in range(3)]
         self.recf_pre = [[0.0] for _ in range(3)]

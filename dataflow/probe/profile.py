@@ -12,7 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from memplan.cost import attn_flop_per_s, gemm_flop_per_s
+from memplan.cost import ATTN_ATOMIC_BWD_SPEEDUP, attn_flop_per_s, gemm_flop_per_s
 from memplan.plan import GIB, HardwareProfile
 from memplan.profiles import get_profile, known_profiles
 from models.config import ModelConfig
@@ -163,7 +163,8 @@ def format_table(base: HardwareProfile, prof: HardwareProfile, m: Measurements,
         + ("" if m.pcie_gen is not None else "         NVML did not say; kept"),
     ]
     for kind, rate, eff in (("fwd", m.split_attn_fwd_flop_per_s, prof.attn_fwd_efficiency),
-                            ("bwd", m.split_attn_bwd_flop_per_s, prof.attn_bwd_efficiency)):
+                            ("bwd", m.split_attn_bwd_flop_per_s,
+                             prof.attn_bwd_efficiency * ATTN_ATOMIC_BWD_SPEEDUP)):
         model = attn_flop_per_s(cfg, prof, eff, keys)
         lines.append(f"split-sequence attention {kind} ({t} queries after {ctx} keys): measured "
                      f"{rate / 1e12:.0f} TFLOP/s, the cost model with this profile says "
