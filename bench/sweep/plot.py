@@ -43,7 +43,8 @@ class Heatmap:
     values: tuple[tuple[float | None, ...], ...]
     """The metric; None where the cell has no value (failed, missing, not measured)."""
     labels: tuple[tuple[str, ...], ...]
-    """What each cell says: the formatted value, the failure's reason, or '' when missing."""
+    """What each cell says: the formatted value, the failure's reason, or NOT_RUN_TEXT for a
+    cell of the grid that has no record (a sweep of several calls, or a slice of a grid)."""
     failed: tuple[tuple[Status | None, ...], ...]
     """The status of cells drawn as failures (no value), else None."""
 
@@ -54,6 +55,9 @@ class Metric:
     value: Callable[[CellRecord], float | None]
     fmt: str
     cmap: str
+
+
+NOT_RUN_TEXT = "not run"
 
 
 def heatmap(records: list[CellRecord], metric: Metric) -> Heatmap:
@@ -75,7 +79,7 @@ def heatmap(records: list[CellRecord], metric: Metric) -> Heatmap:
                 lrow.append(FAILED_TEXT[r.state])
                 frow.append(r.state)
             else:
-                lrow.append("n/a" if r is not None else "")
+                lrow.append("n/a" if r is not None else NOT_RUN_TEXT)
                 frow.append(None)
         values.append(tuple(vrow))
         labels.append(tuple(lrow))

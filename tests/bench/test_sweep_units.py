@@ -204,3 +204,18 @@ def test_predict_only_with_no_backend_named_plans_for_the_h100_without_a_gpu(tmp
                  "--predict-only", "--out", str(tmp_path / "p")]) == 0
     (r,) = read_table(tmp_path / "p")
     assert r.profile == "h100" and r.predicted_tok_per_s > 10_000
+
+
+def test_heatmap_labels_a_grid_cell_without_a_record_not_run(rng):
+    """A slice of a grid (three of four cells ran) shows the missing cell as 'not run', not a
+    blank that reads like a failure or a zero."""
+    from bench.sweep.plot import NOT_RUN_TEXT, heatmap, report_metrics
+
+    cells = expand(("tiny",), (128,), (1.0, 2.0), (0.25, 0.5))
+    records = [_record(rng, c) for c in cells if (c.host_gib, c.dev_gib) != (2.0, 0.5)]
+    hm = heatmap(records, report_metrics(predicted=False)[0])
+    by_cell = {(h, d): hm.labels[i][j] for i, h in enumerate(hm.hosts)
+               for j, d in enumerate(hm.devs)}
+    assert by_cell[(2.0, 0.5)] == NOT_RUN_TEXT and hm.values[0][1] is None
+    r = next(r for r in records if (r.host_gib, r.dev_gib) == (1.0, 0.25))
+    assert by_cell[(1.0, 0.25)] == f"{r.tok_per_s:,.0f}"
