@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", type=checks.readable_file,
                    help="run this plan JSON instead of planning (the positionals must match it)")
     p.add_argument("--fast-attention", action="store_true",
-                   help="cuDNN's faster non-deterministic attention backward for packed sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k for 1b and 8b) for the plan; dQ may then differ in the last bits from run to run (default: deterministic)")
+                   help="cuDNN's faster non-deterministic attention backward for packed "
+                        "sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k "
+                        "for 1b and 8b) for the plan; dQ may then differ in the last bits from "
+                        "run to run (default: deterministic; not built for --gpus yet)")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -128,6 +131,10 @@ def _run(args, stop: checks.StopSignals) -> int:
     lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
         from bench.demo_ring import run_ring
+
+        if args.fast_attention:
+            raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
+                              "the deterministic backward); drop one of them")
 
         return run_ring(args, build_parser(), lr)
     plan = checks.load_plan(args.plan) if args.plan else None

@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--tokens-per-step", type=_count, default=None, metavar="N",
                        help="the same in tokens (a multiple of SEQLEN)")
     p.add_argument("--fast-attention", action="store_true",
-                   help="cuDNN's faster non-deterministic attention backward for packed sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k for 1b and 8b) for the plan; dQ may then differ in the last bits from run to run (default: deterministic)")
+                   help="cuDNN's faster non-deterministic attention backward for packed "
+                        "sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k "
+                        "for 1b and 8b) for the plan; dQ may then differ in the last bits from "
+                        "run to run (default: deterministic; not built for --gpus yet)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -105,6 +108,9 @@ def _run(args) -> str:
     cfg = load_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
     if args.gpus > 1:
+        if args.fast_attention:
+            raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans the "
+                              "deterministic backward); drop one of them")
         return _ring_text(cfg, args, budget, profile)
     batch = {k: v for k, v in (("seqs_per_step", args.seqs_per_step),
                                ("tokens_per_step", args.tokens_per_step)) if v is not None}

@@ -58,3 +58,18 @@ def test_unknown_choice_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="attention_bwd must be one of.*deterministic.*fast"):
         make_plan(load_config("small"), 256, Budget.from_gib(2, 1), get_profile("cpu"),
                   attention_bwd="quick")
+
+
+def test_fast_attention_on_a_ring_is_refused_not_ignored(capsys):
+    """A ring plans the deterministic backward: --fast-attention with --gpus is an error in
+    both CLIs (exit 2, one line naming the flag), not a silently ignored flag."""
+    from bench.demo import main as demo_main
+    from memplan.cli import main as plan_main
+
+    assert plan_main(["40", "16", "8192", "1b", "--gpus", "2", "--fast-attention"]) == 2
+    assert "--fast-attention is not built for --gpus" in capsys.readouterr().err
+    assert demo_main(["4", "2", "256", "small", "--gpus", "2", "--fast-attention",
+                      "--backend", "numpy"]) == 2
+    assert "--fast-attention is not built for --gpus" in capsys.readouterr().err
+    out = plan_main(["40", "16", "8192", "1b", "--fast-attention"])
+    assert out == 0 and "attention backward fast" in capsys.readouterr().out
