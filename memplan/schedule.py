@@ -153,7 +153,7 @@ class _Compiler:
             home = {i: self.block(f"layer{i}", "weights", True) for i in streamed}
             order = [("f", i) for i in streamed] + [(ph, i) for ph, i in back if i in home]
             self.w_uses = [_Use(i, home[i]) for _, i in order]
-            self.w_assigned = self.wring.assign(self.w_uses)
+            self.w_assigned = self.wring.assign_rounds(self.w_uses)
             self.w_index = {use: j for j, use in enumerate(order)}
         gstreamed = [i for i in reversed(range(L)) if d.layers[i].grads is Where.HOME]
         if gstreamed:
@@ -195,7 +195,7 @@ class _Compiler:
         if head.weights is Where.HOME:
             self.hw_ring = _Ring(em, [self.ref("head.weights", 0, nh * 2)], "headw")
             self.hw_uses = [_Use("head", self.block("head", "weights", True))]
-            self.hw_assigned = self.hw_ring.assign(self.hw_uses)
+            self.hw_assigned = self.hw_ring.assign_rounds(self.hw_uses)
         if head.grads is Where.HOME:
             self.hg_ring = _Ring(em, [self.ref("head.grads", 0, nh * gb)], "headg")
             hg = self.block("head", "grads", True)
@@ -266,7 +266,7 @@ class _Compiler:
             if ring is not None:
                 ring.begin(uses, assigned)
             if self.hw_ring is not None:
-                self.hw_ring.begin(self.hw_uses, self.hw_assigned)
+                self.hw_ring.begin(self.hw_uses, self.hw_assigned[min(rnd, 2)])
             self.load_tokens(rnd)
             x, y = "resid_a", "resid_b"
             self.embed_fwd(rnd, x)
@@ -344,7 +344,10 @@ class _Compiler:
                                      (self.aring, "a_uses", "a_assigned"),
                                      (self.hw_ring, "hw_uses", "hw_assigned")):
             if ring is not None:
-                ring.begin(getattr(self, uses), getattr(self, assigned))
+                assignment = getattr(self, assigned)
+                if ring is not self.aring:  # weights: per round, what the last one left held
+                    assignment = assignment[min(rnd, 2)]
+                ring.begin(getattr(self, uses), assignment)
         if self.gring is not None:
             self.gring.begin(self.g_uses[first], self.g_assigned[first])
         if self.hg_ring is not None:
@@ -393,11 +396,13 @@ class _Compiler:
                                grads=g, save=save, x=dy, y=dx))
                 self.release_act("b", layer, c)
                 self.output_leaves(rnd, True, layer, dx, c)
+            if layer == 0 and self.has_embed:
+                # First in the D2H queue: the next round's forward waits for the embedding's
+                # gradient rows to leave, not for layer 0's gradient write-back.
+                self.embed_bwd(rnd, dx)
             self.sumsq(rnd, f"L{name}", g)
             self.release_grads(layer)
             self.release_weights("b", layer)
-        if self.has_embed:
-            self.embed_bwd(rnd, self.resid(0)[1])
 
     def recompute(self, rnd: int, first: int, end: int, buf: str) -> None:
         """Rebuild the saved activations of layers first+1..end-1 before the backward of the
@@ -477,7 +482,6 @@ class _Compiler:
             em.add(Compute("embed.fwd", "embed_fwd", rnd, weights=dev, y=out))
             return
         off, nb = self._transition(out)
-        em.wait(H2D, self.dx_sent)
         em.add(Fetch("embed.rows", self.ref("transitions", off, nb), self._rows(rnd % 2)))
         ev = em.record(H2D)
         em.wait(COMPUTE, ev)

@@ -82,6 +82,21 @@ class _Ring:
             out.append((slot, use.fetch is not None))
         return out
 
+    def assign_rounds(self, uses: list[_Use]) -> tuple[list[tuple[int, bool]], ...]:
+        """Assignments of the rounds of a step whose blocks do not change within it (weights):
+        (round 0, round 1, rounds 2 on). Round 0 starts from empty slots; a later round starts
+        from what the round before left, so a block still held needs no fetch (the last
+        layers of a backward are the first of the next forward). Belady looks across the round
+        boundary. Falls back to every round starting afresh unless the rounds from 2 on repeat
+        one assignment."""
+        n = len(uses)
+        a = self.assign(list(uses) * 4)
+        parts = tuple(a[i * n:(i + 1) * n] for i in range(4))
+        if parts[3] != parts[2]:
+            fresh = self.assign(uses)
+            return fresh, fresh, fresh
+        return parts[:3]
+
     def begin(self, uses: list[_Use], assigned: list[tuple[int, bool]]) -> None:
         self.uses, self.assigned = uses, assigned
         self.prev = []

@@ -13,7 +13,7 @@ from dataflow.executor import Executor
 from dataflow.optimizer import AdamW, AdamWConfig
 from memplan import make_plan
 from memplan.cost import event_seconds
-from memplan.plan import Budget
+from memplan.plan import Budget, Where
 from memplan.profiles import get_profile
 from memplan.schedule import (Compute, Fetch, Record, Schedule, Wait, WriteBack,
                               compile_schedule)
@@ -103,3 +103,23 @@ def test_schedule_prediction_adds_up_and_counts_state_bytes_only():
                  + pr.optimizer_s)
         assert abs(pr.step_time_s - parts) <= 1e-9 * pr.step_time_s
     assert pr.h2d_bytes > 0 and pr.exposed_h2d_s > resident.exposed_h2d_s
+
+
+def test_later_rounds_reuse_the_weights_the_last_backward_left_in_slots():
+    """8b at 8192 (80/24: 32 streamed layers over 4 weight slots, a streamed head): each round
+    after the first opens its forward with the layers the round before ended its backward on,
+    still in their slots, so it fetches one per slot fewer, and the head weights cross once
+    per step, not once per round. The weights do not change within a step, so nothing is
+    read stale (the sanitizer tests check the order on tiny plans)."""
+    profile = get_profile("h100")
+    plan = make_plan(load_config("8b"), 8192, Budget.from_gib(80, 24), profile)
+    sch = compile_schedule(plan)
+    assert sch.rounds >= 3 and plan.head.weights is Where.HOME
+    bounds = list(sch.round_starts) + [sch.optimizer_start]
+    rounds = [sch.events[a:b] for a, b in zip(bounds, bounds[1:])]
+    layer = [[e.name for e in r if type(e) is Fetch and e.name.startswith("w.")] for r in rounds]
+    head = [sum(type(e) is Fetch and e.name.startswith("headw.") for e in r) for r in rounds]
+    slots = plan.slots.weight_slots
+    assert all(len(later) == len(layer[0]) - slots for later in layer[1:])
+    assert not {f"w.h2d{i}" for i in range(slots)} & set(layer[1][:slots])
+    assert head == [1] + [0] * (sch.rounds - 1)
