@@ -125,8 +125,13 @@ class _Ring:
             use = self.uses[j]
             if needs:
                 if use.fetch == ZERO:
-                    em.wait(COMPUTE, self.free[slot])
-                    em.add(Fill(f"{self.name}.zero{use.key}", self.slots[slot], use.dtype))
+                    # On the D2H stream, behind the write-back that frees the slot: on the
+                    # compute stream this prefetch made compute wait for the write-back of
+                    # the layer it had just finished (8.5 ms per layer of 8b's first round).
+                    em.wait(D2H, self.free[slot])
+                    em.add(Fill(f"{self.name}.zero{use.key}", self.slots[slot], use.dtype,
+                                D2H))
+                    self.fetched[j] = em.record(D2H)
                 else:
                     em.wait(H2D, self.free[slot])
                     em.wait(H2D, self.host_ready.get(use.key))
