@@ -19,6 +19,7 @@ from dataflow.layer_ops import LayerCompute
 from kernels.host import adamw as host_adamw
 from kernels.host import embedding as host_embedding
 from kernels.host import norms as host_norms
+from kernels.host.memory import zero_fill
 from memplan import buffers
 from memplan.plan import AttentionBwd, GradAccum, Plan
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
@@ -236,7 +237,8 @@ class Executor:
     def _fill(self, ev: Fill) -> None:
         view = self._view(ev.dst, dtype=ev.dtype)
         if ev.stream == "host":
-            self.be.host_call(Stream.HOST, lambda: view.fill(0), writes=(view,), name=ev.name)
+            # In parallel: the 8b embedding gradient's 1 GiB took 0.29 s with view.fill(0).
+            self.be.host_call(Stream.HOST, lambda: zero_fill(view), writes=(view,), name=ev.name)
         else:
             self.be.launch(STREAM[ev.stream], "fill_", view, 0.0, name=ev.name)
 
