@@ -247,9 +247,13 @@ class Timeline:
     """Compute-stream busy seconds per round, then the optimizer."""
     events: tuple
     """The events timed, in order: the schedule's own list."""
+    spans: tuple = ()
+    """With simulate_schedule(spans=True): (stream, event name, start s, end s, bytes) of every
+    timed event (not records and waits), for the same stall analysis as a measured trace."""
 
 
-def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None) -> Timeline:
+def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
+                      spans: bool = False) -> Timeline:
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
     stream is free (a wait moves the stream's clock to the waited record); copies run at the
     duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
@@ -265,6 +269,7 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None) -> Ti
     busy = 0.0
     round_end, by_round, busy_at = [], [], []
     boundaries = set(schedule.round_starts[1:]) | {schedule.optimizer_start}
+    timed: list = []
     one_way = {"h2d": p.h2d_bytes_per_s, "d2h": p.d2h_bytes_per_s}
     duplex = {"h2d": p.h2d_duplex_bytes_per_s, "d2h": p.d2h_duplex_bytes_per_s}
     other = {"h2d": "d2h", "d2h": "h2d"}
@@ -284,12 +289,20 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None) -> Ti
                     exposed[origin[ev.id]] += t - clock[s]
                 clock[s] = t
         elif comm is not None and s in comm.streams:
+            start = clock[s]
             clock[s] = comm.finish(ev, clock[s])
+            if spans:
+                timed.append((s, ev.name, start, clock[s], 0))
         elif kind in ("Fetch", "WriteBack"):
             rate = duplex[s] if clock[other[s]] > clock[s] else one_way[s]
+            start = clock[s]
             clock[s] += ev.dst.nbytes / rate
+            if spans:
+                timed.append((s, ev.name, start, clock[s], ev.dst.nbytes))
         else:
             d = seconds(ev)
+            if spans:
+                timed.append((s, ev.name, clock[s], clock[s] + d, 0))
             clock[s] += d
             if s == "compute":
                 busy += d
@@ -299,4 +312,5 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None) -> Ti
     busy_per = [b - (busy_at[i - 1] if i else 0.0) for i, b in enumerate(busy_at)]
     return Timeline(total_s=max(clock.values()), round_end_s=tuple(round_end),
                     compute_busy_s=busy, exposed_s=exposed, exposed_by_round=tuple(per),
-                    busy_by_round=tuple(busy_per), events=schedule.events)
+                    busy_by_round=tuple(busy_per), events=schedule.events,
+                    spans=tuple(timed))

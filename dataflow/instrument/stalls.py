@@ -144,6 +144,26 @@ def report(trace: StepTrace, *, n_layers: int | None = None, top: int = 12) -> s
     return "\n".join(rows)
 
 
+# -- the planner's simulation, as a trace -----------------------------------------------------
+def simulated_trace(plan) -> StepTrace:
+    """One step of `plan` as memplan's event simulation times it (its own profile), as a
+    StepTrace: the same stall analysis as a measured step, at event granularity (one compute
+    span per layer and chunk, not per op)."""
+    from memplan.cost import event_seconds
+    from memplan.schedule import compile_schedule
+    from memplan.sim import simulate_schedule
+
+    sch = compile_schedule(plan)
+    tl = simulate_schedule(sch, event_seconds(plan, plan.profile), plan.profile, spans=True)
+    spans = tuple(Span(1, None, Stream(stream), name,
+                       SpanKind.COPY if nbytes else SpanKind.OP, nbytes, a, b)
+                  for stream, name, a, b, nbytes in tl.spans if stream in _STREAMS)
+    return StepTrace(step=1, start_s=0.0, end_s=tl.total_s, spans=spans, clock=Clock.HOST)
+
+
+_STREAMS = {s.value for s in Stream}
+
+
 # -- Chrome trace reading ---------------------------------------------------------------------
 _TID_STREAM = {tid: stream for stream, tid in STREAM_TIDS.items()}
 
@@ -174,12 +194,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataflow.instrument.stalls",
                                 description="Where a traced step's compute stream waited, and "
                                 "on which copies (reads dataflow-demo --trace output).")
-    p.add_argument("trace", help="Chrome trace JSON from dataflow-demo --trace")
+    p.add_argument("trace", help="Chrome trace JSON from dataflow-demo --trace, or a plan JSON "
+                   "(dataflow-plan --json) with --simulated")
+    p.add_argument("--simulated", action="store_true",
+                   help="the file is a plan: report the stalls of its simulated step")
     p.add_argument("--step", type=int, default=None, help="step to report (default: the last)")
     p.add_argument("--layers", type=int, default=None,
                    help="fold layer indices into L0/Lmid/Llast for a model of this many layers")
     p.add_argument("--top", type=int, default=12, help="rows per table (default 12)")
     args = p.parse_args(argv)
+    if args.simulated:
+        from memplan.plan import Plan
+
+        plan = Plan.from_json(Path(args.trace).read_text())
+        print(report(simulated_trace(plan), n_layers=args.layers, top=args.top))
+        return 0
     steps = read_chrome_trace(args.trace)
     if not steps:
         print(f"{args.trace}: no steps in this trace", file=sys.stderr)

@@ -50,3 +50,21 @@ def test_read_back_from_chrome_trace(tmp_path):
     (step,) = read_chrome_trace(path)
     assert step.step == 1 and len(step.spans) == 6
     assert [round(s.copy_s, 6) for s in find_stalls(step)] == [0.5, 0.3]
+
+
+def test_simulated_step_reads_like_a_trace():
+    """The planner's simulation of a tiny plan as a StepTrace: every stream's spans inside the
+    step, copies with their bytes, and the same report as a measured step."""
+    from memplan import make_plan
+    from memplan.plan import Budget
+    from memplan.profiles import get_profile
+    from models.config import load_config
+    from dataflow.instrument.stalls import report, simulated_trace
+
+    plan = make_plan(load_config("tiny"), 256, Budget.from_gib(4, 1), get_profile("h100"))
+    step = simulated_trace(plan)
+    assert step.spans and all(0.0 <= s.start_s <= s.end_s <= step.end_s + 1e-12
+                              for s in step.spans)
+    assert any(s.stream is Stream.COMPUTE and s.name.startswith("b.L0") for s in step.spans)
+    assert all(s.nbytes > 0 for s in step.spans if s.kind is SpanKind.COPY)
+    assert report(step, n_layers=plan.model.n_layers).startswith("step 1:")
