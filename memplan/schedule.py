@@ -380,6 +380,8 @@ class _Compiler:
             for c in range(self.C):
                 self.before_write(dfinal, c)
             self.head(rnd, final, dfinal)
+        split, cps = self.ch.chunks_per_seq > 1, self.ch.chunks_per_seq
+        prefilled = None
         for layer in reversed(range(L)):                                # backward, reverse order
             dy, dx = self.resid(layer)
             name = self.global_layer(layer)
@@ -389,8 +391,7 @@ class _Compiler:
             g = self.grads(layer)
             for c in reversed(range(self.C)):
                 self.input_arrives(rnd, True, layer, dy, c)
-                if self.ch.chunks_per_seq > 1 and c % self.ch.chunks_per_seq == \
-                        self.ch.chunks_per_seq - 1:
+                if split and c % cps == cps - 1 and (layer, c) != (prefilled, self.C - 1):
                     self.fill_context(rnd, layer, c)
                 self.before_write(dx, c)
                 save = self.act("b", layer, c)
@@ -403,6 +404,12 @@ class _Compiler:
                 # gradient rows to leave, not for layer 0's gradient write-back.
                 self.embed_bwd(rnd, dx)
             self.sumsq(rnd, f"L{name}", g)
+            if split and layer > 0 and layer - 1 not in self.recompute_top:
+                # The next layer's context first in the H2D queue, ahead of the weight and
+                # gradient fetches this layer's releases start: behind them its backward
+                # waited ~30 ms per layer at 8b@64k (the queue holds until this compute ends).
+                self.fill_context(rnd, layer - 1, self.C - 1)
+                prefilled = layer - 1
             self.release_grads(layer)
             self.release_weights("b", layer)
 
