@@ -203,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="fold layer indices into L0/Lmid/Llast for a model of this many layers")
     p.add_argument("--top", type=int, default=12, help="rows per table (default 12)")
     args = p.parse_args(argv)
-    if args.simulated:
-        from memplan.plan import Plan
+    try:
+        if args.simulated:
+            from memplan.plan import Plan
 
-        plan = Plan.from_json(Path(args.trace).read_text())
-        print(report(simulated_trace(plan), n_layers=args.layers, top=args.top))
-        return 0
-    steps = read_chrome_trace(args.trace)
+            plan = Plan.from_json(Path(args.trace).read_text())
+            print(report(simulated_trace(plan), n_layers=args.layers, top=args.top))
+            return 0
+        steps = read_chrome_trace(args.trace)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = "a plan JSON (dataflow-plan --json)" if args.simulated else \
+            "a Chrome trace from dataflow-demo --trace"
+        print(f"{args.trace}: cannot read it as {what}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
     if not steps:
         print(f"{args.trace}: no steps in this trace", file=sys.stderr)
         return 1

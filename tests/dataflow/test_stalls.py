@@ -68,3 +68,15 @@ def test_simulated_step_reads_like_a_trace():
     assert any(s.stream is Stream.COMPUTE and s.name.startswith("b.L0") for s in step.spans)
     assert all(s.nbytes > 0 for s in step.spans if s.kind is SpanKind.COPY)
     assert report(step, n_layers=plan.model.n_layers).startswith("step 1:")
+
+
+def test_cli_names_a_file_it_cannot_read(tmp_path, capsys):
+    from dataflow.instrument.stalls import main
+
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert main([str(tmp_path / "missing.json")]) == 2
+    assert main([str(bad)]) == 2
+    assert main([str(bad), "--simulated"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "Chrome trace" in err and "plan JSON" in err
