@@ -381,7 +381,9 @@ class _Compiler:
                 self.before_write(dfinal, c)
             self.head(rnd, final, dfinal)
         split, cps = self.ch.chunks_per_seq > 1, self.ch.chunks_per_seq
-        prefilled = None
+        prefilled: dict[tuple[int, int], int | None] = {}
+        """(layer, sequence) whose context rows were queued while the one before it ran: the
+        H2D record after the last of them that came over H2D (None if none did)."""
         for layer in reversed(range(L)):                                # backward, reverse order
             dy, dx = self.resid(layer)
             name = self.global_layer(layer)
@@ -391,12 +393,18 @@ class _Compiler:
             g = self.grads(layer)
             for c in reversed(range(self.C)):
                 self.input_arrives(rnd, True, layer, dy, c)
-                if split and c % cps == cps - 1 and (layer, c) != (prefilled, self.C - 1):
-                    self.fill_context(rnd, layer, c)
+                seq, j = divmod(c, cps)
+                if split and j == cps - 1:
+                    if (layer, seq) not in prefilled:
+                        self.fill_context(rnd, layer, c)
+                    else:  # not a record taken now: the queue may hold later layers' fetches
+                        em.wait(COMPUTE, prefilled.pop((layer, seq)))
                 self.before_write(dx, c)
                 save = self.act("b", layer, c)
                 em.add(Compute(f"b.L{name}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
                                grads=g, save=save, x=dy, y=dx))
+                if split:
+                    self.prefill_context(rnd, layer, seq, j, prefilled)
                 self.release_act("b", layer, c)
                 self.output_leaves(rnd, True, layer, dx, c)
             if layer == 0 and self.has_embed:
@@ -404,14 +412,27 @@ class _Compiler:
                 # gradient rows to leave, not for layer 0's gradient write-back.
                 self.embed_bwd(rnd, dx)
             self.sumsq(rnd, f"L{name}", g)
-            if split and layer > 0 and layer - 1 not in self.recompute_top:
-                # The next layer's context first in the H2D queue, ahead of the weight and
-                # gradient fetches this layer's releases start: behind them its backward
-                # waited ~30 ms per layer at 8b@64k (the queue holds until this compute ends).
-                self.fill_context(rnd, layer - 1, self.C - 1)
-                prefilled = layer - 1
             self.release_grads(layer)
             self.release_weights("b", layer)
+
+    def prefill_context(self, rnd: int, layer: int, seq: int, j: int, prefilled: dict) -> None:
+        """A split sequence's backward chunk j reads context rows of chunks 0..j only, so once
+        it is enqueued the rows of chunk j are free: queue the next (layer, sequence)'s rows
+        there now, first in the H2D queue, instead of all of them after its last chunk (the
+        whole fill then waited behind the weight and gradient fetches: ~30 ms per layer at
+        8b@64k). Not across a segment's top layer, whose recompute must rebuild its K/V
+        first."""
+        if seq > 0:
+            nxt = (layer, seq - 1)
+        elif layer > 0 and layer - 1 not in self.recompute_top:
+            nxt = (layer - 1, self.C // self.ch.chunks_per_seq - 1)
+        else:
+            return
+        c = nxt[1] * self.ch.chunks_per_seq + j
+        if self.fill_context_rows(rnd, nxt[0], c, self.em.record(COMPUTE)):
+            prefilled[nxt] = self.em.record(H2D)
+        else:
+            prefilled.setdefault(nxt, None)
 
     def recompute(self, rnd: int, first: int, end: int, buf: str) -> None:
         """Rebuild the saved activations of layers first+1..end-1 before the backward of the
@@ -531,32 +552,34 @@ class _Compiler:
     def fill_context(self, rnd: int, layer: int, last: int) -> None:
         """Before the backward of a split sequence at `layer`, gather its K/V from every chunk's
         saved activation (device copies on compute; home copies straight over H2D)."""
-        em, T = self.em, self.T
-        cfg = self.cfg
         first = last - self.ch.chunks_per_seq + 1
-        free = em.record(COMPUTE)
-        waited = False
-        ctx = self._ctx_offsets
-        row = cfg.n_kv_heads * cfg.head_dim * 2
-        for c in range(first, last + 1):
-            a = self.d.activations[layer][c]
-            if a.home is Where.DEVICE:
-                em.add(Compute(f"ctx.L{layer}.c{c}", "ctx_cast", rnd, layer, c,
-                               save=self.act("b", layer, c)))
-                continue
-            if not waited:
-                em.wait(H2D, free)
-                waited = True
-            em.wait(H2D, self.aring.host_ready.get((layer, c)))
-            offs = self._act_offsets[a.level]
-            home = self.act_home[(layer, c)]
-            at = self.ch.chunk_context(c) * row
-            for part in ("k", "v"):
-                em.add(Fetch(f"ctx.{part}.L{layer}.c{c}",
-                             self.ref("context", ctx[f"{part}_ctx"] + at, T * row),
-                             Ref(home.region, home.offset + offs[part], T * row)))
-        if waited:
-            em.wait(COMPUTE, em.record(H2D))
+        free = self.em.record(COMPUTE)
+        fetched = [self.fill_context_rows(rnd, layer, c, free) for c in range(first, last + 1)]
+        if any(fetched):
+            self.em.wait(COMPUTE, self.em.record(H2D))
+
+    def fill_context_rows(self, rnd: int, layer: int, c: int, free: int) -> bool:
+        """Chunk c's K/V rows of the context at `layer`, once compute passes record `free` (the
+        last reader of those rows): a cast on compute for a device-resident chunk, else two
+        H2D copies from its home copy; True when it queued copies (compute must wait for the
+        H2D stream before it reads them)."""
+        em, T, cfg = self.em, self.T, self.cfg
+        a = self.d.activations[layer][c]
+        if a.home is Where.DEVICE:
+            em.add(Compute(f"ctx.L{layer}.c{c}", "ctx_cast", rnd, layer, c,
+                           save=self.act("b", layer, c)))
+            return False
+        em.wait(H2D, free)
+        em.wait(H2D, self.aring.host_ready.get((layer, c)))
+        ctx, row = self._ctx_offsets, cfg.n_kv_heads * cfg.head_dim * 2
+        offs = self._act_offsets[a.level]
+        home = self.act_home[(layer, c)]
+        at = self.ch.chunk_context(c) * row
+        for part in ("k", "v"):
+            em.add(Fetch(f"ctx.{part}.L{layer}.c{c}",
+                         self.ref("context", ctx[f"{part}_ctx"] + at, T * row),
+                         Ref(home.region, home.offset + offs[part], T * row)))
+        return True
 
     # -- gradient norm and clipping, on the device -------------------------------------------
     def sumsq(self, rnd: int, what: str, grads: Ref) -> None:

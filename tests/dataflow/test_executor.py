@@ -17,7 +17,8 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.reference_trainer import ReferenceTrainer
 from models.config import load_config
 from models.init import init_model
-from memplan.plan import OptimizerWhere
+from memplan.plan import OptimizerWhere, Where
+from models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, path_plans, split_plans, streamed
 
 LR = 1e-3
@@ -146,3 +147,20 @@ def test_rounds_reusing_held_weights_are_bit_identical_to_resident():
         assert losses == base_losses, slots
         for a, b in zip(_blocks(w), _blocks(base)):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), slots
+
+
+def test_two_split_sequences_a_round_refill_the_context_row_by_row():
+    """Two sequences of 128 tokens in 2 chunks each per round: the next sequence's and the
+    next layer's context rows are queued as the backward frees them. Home and device-resident
+    chunks mixed, streamed layers, under the sanitizer: bit-identical to all-resident."""
+    cfg = load_config("tiny")
+    n = cfg.n_layers
+    common = dict(chunk_tokens=64, chunks_per_seq=2, chunks_per_round=4, rounds=2)
+    base_losses, base, _ = _train(forced_plan(cfg, 128, **common))
+    levels = [[SavedLevel.INP_ONLY, SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY]] * n
+    plan = forced_plan(cfg, 128, layers=(streamed(OptimizerWhere.STREAMED),) * n, levels=levels,
+                       homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n, **common)
+    losses, w, _ = _train(plan, sanitize_seed=3)
+    assert losses == base_losses
+    for a, b in zip(_blocks(w), _blocks(base)):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
