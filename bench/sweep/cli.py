@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--redo", action="store_true", help="run cells that already have a record")
     run.add_argument("--predict-only", action="store_true",
                      help="fill the table from the planner alone, starting no process")
+    run.add_argument("--fast-attention", action="store_true",
+                     help="plan every cell with cuDNN's faster non-deterministic attention "
+                          "backward (as dataflow-demo --fast-attention); a sweep directory "
+                          "holds one kind")
     prof = run.add_mutually_exclusive_group()
     prof.add_argument("--gpu", metavar="NAME",
                       help="plan for this built-in profile (default: the local GPU's; h100 "
@@ -87,7 +91,8 @@ def _config(args):
                    parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,
-                       gpu=args.gpu, profile_file=args.profile)
+                       gpu=args.gpu, profile_file=args.profile,
+                       attention_bwd="fast" if args.fast_attention else "deterministic")
 
 
 def _run(args) -> int:

@@ -82,6 +82,7 @@ def plan_columns(plan: Plan) -> dict:
     p, ch = predict_schedule(plan, plan.profile), plan.chunking  # the schedule that will run
     return dict(
         plan_hash=plan.hash, planner_version=plan.planner_version,
+        attention_bwd=plan.attention_bwd.value,
         predicted_tok_per_s=p.tok_per_s, predicted_model_tflop_per_s=p.model_tflop_per_s,
         predicted_mfu=p.mfu, predicted_hfu=p.hfu, predicted_step_time_s=p.step_time_s,
         predicted_bottleneck=p.bottleneck, chunk_tokens=ch.chunk_tokens,
@@ -113,15 +114,19 @@ def base_record(cell: Cell, *, status: Status, backend: str, profile: HardwarePr
         started_at=fields.pop("started_at", now_iso()), steps=steps, **fields)
 
 
-def plan_cell(cell: Cell, profile: HardwareProfile, **common) -> tuple[Plan | None, CellRecord]:
+def plan_cell(cell: Cell, profile: HardwareProfile, *, attention_bwd: str = "deterministic",
+              **common) -> tuple[Plan | None, CellRecord]:
     """(plan, PREDICTED record) when the budgets fit, (None, INFEASIBLE record) when the planner
     refuses them. Other planner errors (unknown model, bad seqlen) propagate: they are the
-    user's to fix, not a cell's result."""
+    user's to fix, not a cell's result. The demo runs the plan's JSON, which carries its
+    attention backward."""
     cfg = load_config(cell.model)
     try:
-        plan = make_plan(cfg, cell.seqlen, Budget.from_gib(cell.host_gib, cell.dev_gib), profile)
+        plan = make_plan(cfg, cell.seqlen, Budget.from_gib(cell.host_gib, cell.dev_gib), profile,
+                         attention_bwd=attention_bwd)
     except InfeasibleBudget as exc:
         return None, base_record(cell, status=Status.INFEASIBLE, profile=profile,
+                                 attention_bwd=attention_bwd,
                                  error=str(exc).strip().splitlines()[-1],
                                  min_device_bytes=exc.min_device_bytes,
                                  min_host_bytes=exc.min_host_bytes, **common)

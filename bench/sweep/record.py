@@ -81,6 +81,9 @@ class CellRecord:
     predicted_bottleneck: str | None = None
     plan_hash: str | None = None
     planner_version: str | None = None
+    attention_bwd: str | None = None
+    """The plan's attention backward, 'deterministic' or 'fast' (--fast-attention); tables
+    written before this column read back as None, which was always 'deterministic'."""
     chunk_tokens: int | None = None
     chunks_per_round: int | None = None
     rounds_per_step: int | None = None

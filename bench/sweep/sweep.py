@@ -40,6 +40,8 @@ class SweepConfig:
     gpu: str | None = None
     """Plan for this built-in hardware profile instead of the local device's."""
     profile_file: str | None = None
+    attention_bwd: str = "deterministic"
+    """'fast' (--fast-attention): plan every cell with cuDNN's atomic-dQ attention backward."""
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
@@ -118,6 +120,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     executor = executor or LocalExecutor()
     store = SweepStore(config.out)
     records = store.load()
+    _refuse_mixed_attention(config, records.values())
     backend = resolve_backend(config.backend)
     if backend == "cupy" and not config.predict_only and not gpu_names():
         raise ConfigError("--backend cupy but NVML sees no GPU here; use --backend numpy, or "
@@ -136,7 +139,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
                   commit=git_commit())
     jobs, progress = [], _Progress(len(todo), 0)
     for cell in todo:
-        plan, record = plan_cell(cell, profile, **common)
+        plan, record = plan_cell(cell, profile, attention_bwd=config.attention_bwd, **common)
         if plan is None or config.predict_only:
             _keep(store, records, record)
             progress.cell(record)
@@ -163,6 +166,18 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
              ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
              store.root / PARQUET, store.root / CSV)
     return mine
+
+
+def _refuse_mixed_attention(config: SweepConfig, records) -> None:
+    """One table, one attention backward: cells are keyed by model, seqlen and budgets, so a
+    resumed sweep with the other backward would skip cells measured with the first one."""
+    other = sorted({r.attention_bwd or "deterministic" for r in records} -
+                   {config.attention_bwd})
+    if other:
+        flag = "without --fast-attention" if config.attention_bwd == "fast" else \
+            "with --fast-attention"
+        raise ConfigError(f"{config.out} holds cells planned with the {other[0]} attention "
+                          f"backward; run {flag} to resume it, or give another --out")
 
 
 def _keep(store: SweepStore, records: dict, record: CellRecord) -> None:

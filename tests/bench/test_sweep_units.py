@@ -219,3 +219,26 @@ def test_heatmap_labels_a_grid_cell_without_a_record_not_run(rng):
     assert by_cell[(2.0, 0.5)] == NOT_RUN_TEXT and hm.values[0][1] is None
     r = next(r for r in records if (r.host_gib, r.dev_gib) == (1.0, 0.25))
     assert by_cell[(1.0, 0.25)] == f"{r.tok_per_s:,.0f}"
+
+
+def test_fast_attention_sweep_plans_with_it_and_one_directory_holds_one_kind(tmp_path, capsys):
+    """--fast-attention plans every cell with the atomic-dQ backward (the plan JSON the demo
+    runs carries it; the table has a column for it and predicts more for 1b at 8k); resuming
+    that directory without the flag, or a deterministic one with it, is refused with the way
+    out, before any cell."""
+    from bench.sweep.planning import gpu_names
+
+    if gpu_names():
+        pytest.skip("a GPU is present")
+    base = ["run", "--model", "1b", "--seqlen", "8192", "--host", "40", "--dev", "16",
+            "--predict-only"]
+    assert main([*base, "--out", str(tmp_path / "d")]) == 0
+    assert main([*base, "--fast-attention", "--out", str(tmp_path / "f")]) == 0
+    (det,), (fast,) = read_table(tmp_path / "d"), read_table(tmp_path / "f")
+    assert (det.attention_bwd, fast.attention_bwd) == ("deterministic", "fast")
+    assert fast.predicted_tok_per_s > det.predicted_tok_per_s and fast.plan_hash != det.plan_hash
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "f")]) == 2
+    assert "fast attention backward; run with --fast-attention" in capsys.readouterr().err
+    assert main([*base, "--fast-attention", "--out", str(tmp_path / "d")]) == 2
+    assert "deterministic attention backward; run without" in capsys.readouterr().err
