@@ -88,10 +88,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     return out
 
 
-def _prediction_lines(plan: Plan) -> list[str]:
-    from memplan.cost import predict_schedule
-
-    pr = predict_schedule(plan, plan.profile)
+def _prediction_lines(plan: Plan, pr) -> list[str]:
     est = plan.prediction.tok_per_s
     return [
         (f"Prediction on {plan.profile.name} (its compiled schedule, simulated): step {_t(pr.step_time_s)} = compute "
@@ -106,8 +103,10 @@ def _prediction_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _reasons(plan: Plan) -> list[str]:
-    cfg, ch, pr, s = plan.model, plan.chunking, plan.prediction, plan.slots
+def _reasons(plan: Plan, pr) -> list[str]:
+    """The reasons, with shares and the bottleneck from `pr`, the simulated prediction printed
+    above them (the search's per-round estimate could name another bottleneck)."""
+    cfg, ch, s = plan.model, plan.chunking, plan.slots
     target = chunk_target_tokens(cfg)
     out = []
     if ch.chunks_per_seq > 1:
@@ -144,7 +143,8 @@ def _reasons(plan: Plan) -> list[str]:
                    f"device holding the table, its grads and AdamW state")
     else:
         out.append("embedding: on the device with its grads and AdamW state")
-    out.append("head: " + ("weights and grads visit the device each round"
+    out.append("head: " + ("weights visit the device once a step (a later round finds them "
+                           "still in their slot), grads each round"
                            if plan.head.weights is Where.HOME else
                            "resident with its AdamW state"))
     out.append(_act_reason(plan))
@@ -179,11 +179,14 @@ def explain(plan: Plan) -> str:
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
             f"attention backward {plan.attention_bwd.value}]")
     s = plan.slots
+    from memplan.cost import predict_schedule
+
+    pr = predict_schedule(plan, plan.profile)
     lines = [head, *_chunking_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
              f"{s.opt_stage_elems:,} elements"),
              _placement_line(plan), _activation_line(plan), *_memory_lines(plan),
-             *_prediction_lines(plan), "Why:"]
-    lines += [f"  - {r}" for r in _reasons(plan)]
+             *_prediction_lines(plan, pr), "Why:"]
+    lines += [f"  - {r}" for r in _reasons(plan, pr)]
     return "\n".join(lines)

@@ -27,3 +27,21 @@ def test_explain_works_for_forced_plans(h100):
                   embed=HOME_HOST)
     text = explain(plan)
     assert "prefetch depth 0" in text and "on the host" in text and "gathers" in text
+
+
+def test_why_names_the_bottleneck_and_shares_of_the_simulated_prediction():
+    """The reasons' bottleneck line quotes the same simulated step the Prediction line prints
+    (the search's per-round estimate once named another bottleneck at 8b@64k)."""
+    from memplan import explain, make_plan
+    from memplan.cost import predict_schedule
+    from memplan.plan import Budget
+    from memplan.profiles import get_profile
+    from models.config import load_config
+
+    plan = make_plan(load_config("8b"), 65536, Budget.from_gib(96, 30), get_profile("h100"))
+    pr = predict_schedule(plan, plan.profile)
+    text = explain(plan)
+    why = text.split("Why:")[1]
+    assert f"bottleneck: {pr.bottleneck} (" in why
+    assert f"of {pr.step_time_s:.2f} s)" in why and f"bottleneck: {pr.bottleneck}" in \
+        text.split("Why:")[0]
