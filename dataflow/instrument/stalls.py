@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the file is a plan: report the stalls of its simulated step")
     p.add_argument("--step", type=int, default=None, help="step to report (default: the last)")
     p.add_argument("--layers", type=int, default=None,
-                   help="fold layer indices into L0/Lmid/Llast for a model of this many layers")
+                   help="fold layer indices into L0/Lmid/Llast for a model of this many layers "
+                        "(with --simulated: the plan's, unless given)")
     p.add_argument("--top", type=int, default=12, help="rows per table (default 12)")
     args = p.parse_args(argv)
     try:
@@ -208,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             from memplan.plan import Plan
 
             plan = Plan.from_json(Path(args.trace).read_text())
-            print(report(simulated_trace(plan), n_layers=args.layers, top=args.top))
-            return 0
-        steps = read_chrome_trace(args.trace)
+            steps = [simulated_trace(plan)]
+            if args.layers is None:
+                args.layers = plan.model.n_layers
+        else:
+            steps = read_chrome_trace(args.trace)
     except (OSError, ValueError, KeyError, TypeError) as e:
         what = "a plan JSON (dataflow-plan --json)" if args.simulated else \
             "a Chrome trace from dataflow-demo --trace"
@@ -225,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.trace}: no step {args.step}; it has steps "
               f"{', '.join(str(s.step) for s in steps)}", file=sys.stderr)
         return 1
-    print(report(chosen[-1], n_layers=args.layers, top=args.top))
+    try:
+        print(report(chosen[-1], n_layers=args.layers, top=args.top), flush=True)
+    except BrokenPipeError:  # piped into head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
