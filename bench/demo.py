@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE", type=_metrics_path,
                    help="append one row per step to this run log (.parquet or .csv)")
     p.add_argument("--json", action="store_true",
-                   help="write one JSON document (the run's results) to stdout")
+                   help="write one JSON document to stdout: status, plan, memory, setup "
+                        "phases and one record per step")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
     from bench.demo_training import add_flags
 
@@ -178,8 +179,12 @@ def _run(args, stop: checks.StopSignals) -> int:
                                optimizer=training.optimizer, lr_schedule=training.schedule,
                                trace=True, progress=init_bar)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
-    log.info("initialised %s in %.1f s", cfg.name, time.perf_counter() - t0)
+    init_s = time.perf_counter() - t0
+    phases = dict(getattr(eng, "setup_seconds", {}))
+    log.info("initialised %s in %.1f s (%s)", cfg.name, init_s,
+             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     run = _Run(args, plan, eng, be_probe)
+    run.setup = {"init_s": init_s, "phases_s": phases}
     run.training = training
     try:
         run.train(stop)
@@ -207,6 +212,8 @@ class _Run:
         self.backend = be_probe.name
         self.results = []
         self.mem = None
+        self.setup = None
+        """Engine setup: {'init_s': wall seconds, 'phases_s': Engine.setup_seconds}."""
         self.status = "failed"
         args.steps_done = 0
         device = getattr(eng.be, "device_name", self.backend)
@@ -314,7 +321,7 @@ class _Run:
             from models.serial import to_dict
 
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
-                       "backend": self.backend, "memory": mem,
+                       "backend": self.backend, "memory": mem, "setup": self.setup,
                        "device": getattr(self.be_probe, "device_name", self.backend),
                        "plan": json.loads(self.plan.to_json()),
                        "steps": [to_dict(r) for r in self.results]}, sys.stdout, indent=2)

@@ -120,3 +120,18 @@ def test_default_warmup_is_cut_to_short_runs_only_up_to_1b_width():
     assert [default_warmup(model_config(n).model_dim, 3) for n in ("tiny", "1b", "8b")] == \
         [3, 3, 10]
     assert default_warmup(model_config("8b").model_dim, 40) == 10
+
+
+def test_demo_json_and_log_carry_the_setup_phases(capsys, caplog):
+    """--json has the engine's setup: its wall time and each phase (executor with the arenas,
+    state zeroing, weight init, warm-up), which add up to at most the wall time; the log's
+    'initialised' line names them too."""
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    code, doc, err = _run(capsys, "--steps", "1")
+    assert code == 0, err
+    setup = doc["setup"]
+    phases = setup["phases_s"]
+    assert {"executor", "zero_state", "init_weights", "warm_up"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= setup["init_s"] + 1e-6
+    assert "initialised tiny in" in caplog.text and "warm_up" in caplog.text
