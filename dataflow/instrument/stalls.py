@@ -5,6 +5,7 @@ of every round waits on its weights"), which StepBreakdown's totals cannot. Read
 Chrome trace written by ChromeTraceWriter; pure Python: never touches a device or the clock.
 
     python -m dataflow.instrument.stalls run.json [--step N] [--top K]
+    python -m dataflow.instrument.stalls --simulated plan.json [--chrome sim.json]
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="fold layer indices into L0/Lmid/Llast for a model of this many layers "
                         "(with --simulated: the plan's, unless given)")
     p.add_argument("--top", type=int, default=12, help="rows per table (default 12)")
+    p.add_argument("--chrome", metavar="OUT.json",
+                   help="also write the reported step as a Chrome trace (Perfetto): with "
+                        "--simulated, the planner's timeline of the plan")
     args = p.parse_args(argv)
     try:
         if args.simulated:
@@ -229,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.trace}: no step {args.step}; it has steps "
               f"{', '.join(str(s.step) for s in steps)}", file=sys.stderr)
         return 1
+    if args.chrome:
+        from dataflow.instrument.chrome import write_chrome_trace
+
+        try:
+            write_chrome_trace([chosen[-1]], args.chrome, process_name="dataflow " + (
+                "simulated plan" if args.simulated else "trace"))
+        except OSError as e:
+            print(f"{args.chrome}: cannot write the trace: {e}", file=sys.stderr)
+            return 2
     try:
         print(report(chosen[-1], n_layers=args.layers, top=args.top), flush=True)
     except BrokenPipeError:  # piped into head: the reader has what it wanted

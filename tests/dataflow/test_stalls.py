@@ -80,3 +80,22 @@ def test_cli_names_a_file_it_cannot_read(tmp_path, capsys):
     assert main([str(bad), "--simulated"]) == 2
     err = capsys.readouterr().err
     assert "missing.json" in err and "Chrome trace" in err and "plan JSON" in err
+
+
+def test_simulated_step_written_as_a_chrome_trace_reads_back(tmp_path, capsys):
+    """--simulated --chrome writes the planner's timeline of a plan as a trace that opens like
+    a measured one and gives the same report."""
+    from memplan import make_plan
+    from memplan.plan import Budget
+    from memplan.profiles import get_profile
+    from models.config import load_config
+    from dataflow.instrument.stalls import main
+
+    plan = make_plan(load_config("tiny"), 256, Budget.from_gib(4, 1), get_profile("h100"))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    out = tmp_path / "sim.json"
+    assert main([str(tmp_path / "plan.json"), "--simulated", "--chrome", str(out)]) == 0
+    first = capsys.readouterr().out
+    (step,) = read_chrome_trace(out)
+    assert step.spans and main([str(out), "--layers", str(plan.model.n_layers)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == first.splitlines()[0]
