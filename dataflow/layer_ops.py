@@ -46,12 +46,13 @@ class LayerCompute:
     def _op(self, op: str, *args, tag: str = "") -> None:
         self.be.launch(Stream.COMPUTE, op, *args, name=f"{self.tag}.{op}{tag}")
 
-    def _kv(self, chunk: ChunkInfo, t: int):
-        """Where this chunk's K and V are formed: the sequence context rows, or the workspace."""
+    def _kv(self, chunk: ChunkInfo, t: int, own):
+        """This chunk's K and V: its rows of the sequence context for a split chunk, else `own`
+        (the (k, v) views the caller forms or reads them in)."""
         if chunk.split:
             a, b = chunk.context, chunk.context + t
             return self.ctx["k_ctx"][a:b], self.ctx["v_ctx"][a:b]
-        return self.ws["k"][:t], self.ws["v"][:t]
+        return own
 
     def _attn_inputs(self, chunk: ChunkInfo, k, v):
         """(start, end, keys, values, q_offset) of each attention call: one per segment, its
@@ -70,12 +71,12 @@ class LayerCompute:
         save["x"] (a segment recompute, whose output may overwrite the rows x came from)."""
         self.tag = tag
         cfg, op = self.cfg, self._op
-        t, h, kh, e = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        t, h, e = x.shape[0], cfg.n_heads, cfg.head_dim
         # Tensors the level keeps are formed in the saved region itself, not copied there after:
         # the copies were 9 to 13 device copies per (layer, chunk), 4.5 % of a 1b step.
         ws = self._forming(save, t)
         q, o, lse = ws["q"], ws["o"], ws["lse"]
-        k, v = self._kv(chunk, t) if chunk.split else (ws["k"], ws["v"])
+        k, v = self._kv(chunk, t, (ws["k"], ws["v"]))
         self._qkv(w, x, self.ws["xn"][:t], ws["rstd"], q, k, v, pos)
         for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
             op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
@@ -89,9 +90,7 @@ class LayerCompute:
             return
         if not input_saved:
             op("cast", x, save["x"])
-        formed = {"rstd": ws["rstd"], "k": k, "v": v, "o": o, "lse": lse, "q": q, "h": hres,
-                  "rstd2": ws["rstd2"], "gate": ws["gate"], "up": ws["up"]}
-        for name, view in formed.items():
+        for name, view in dict(ws, k=k, v=v).items():  # a split chunk's K/V: context rows
             if name in save and view is not save[name]:
                 op("cast", view, save[name])
 
@@ -139,7 +138,7 @@ class LayerCompute:
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
         x = save["x"]
         xn = ws["xn"][:t]
-        k, v = (self._kv(chunk, t) if chunk.split else (save["k"], save["v"]))
+        k, v = self._kv(chunk, t, (save["k"], save["v"]))
         # Recompute what the level did not keep. Same kernels as the forward: bit-identical.
         op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t])
         if level is SavedLevel.FULL:

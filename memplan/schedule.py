@@ -37,7 +37,7 @@ from memplan.events import (
 from memplan.memory import device_regions, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
 from memplan.segments import inner_region, is_inner, segment_bounds
-from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use
+from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
 
@@ -266,7 +266,7 @@ class _Compiler:
             if ring is not None:
                 ring.begin(uses, assigned)
             if self.hw_ring is not None:
-                self.hw_ring.begin(self.hw_uses, self.hw_assigned[min(rnd, 2)])
+                self.hw_ring.begin(self.hw_uses, for_round(self.hw_assigned, rnd))
             self.load_tokens(rnd)
             x, y = "resid_a", "resid_b"
             self.embed_fwd(rnd, x)
@@ -340,14 +340,12 @@ class _Compiler:
 
     def round(self, rnd: int) -> None:
         em, L, first = self.em, self.L, rnd == 0
-        for ring, uses, assigned in ((self.wring, "w_uses", "w_assigned"),
-                                     (self.aring, "a_uses", "a_assigned"),
-                                     (self.hw_ring, "hw_uses", "hw_assigned")):
-            if ring is not None:
-                assignment = getattr(self, assigned)
-                if ring is not self.aring:  # weights: per round, what the last one left held
-                    assignment = assignment[min(rnd, 2)]
-                ring.begin(getattr(self, uses), assignment)
+        if self.wring is not None:
+            self.wring.begin(self.w_uses, for_round(self.w_assigned, rnd))
+        if self.aring is not None:
+            self.aring.begin(self.a_uses, self.a_assigned)
+        if self.hw_ring is not None:
+            self.hw_ring.begin(self.hw_uses, for_round(self.hw_assigned, rnd))
         if self.gring is not None:
             self.gring.begin(self.g_uses[first], self.g_assigned[first])
         if self.hg_ring is not None:

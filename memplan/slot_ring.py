@@ -25,6 +25,11 @@ class _Use:
     dtype: str = "bf16"
 
 
+def for_round(assignments: tuple, rnd: int) -> list[tuple[int, bool]]:
+    """Round `rnd`'s entry of _Ring.assign_rounds' (round 0, round 1, rounds 2 on)."""
+    return assignments[min(rnd, len(assignments) - 1)]
+
+
 class _Emitter:
     def __init__(self):
         self.events: list = []
@@ -98,6 +103,7 @@ class _Ring:
         return parts[:3]
 
     def begin(self, uses: list[_Use], assigned: list[tuple[int, bool]]) -> None:
+        """Start a round of `uses` with the slots of `assigned` (one round's assignment)."""
         self.uses, self.assigned = uses, assigned
         self.prev = []
         last: dict[int, int] = {}

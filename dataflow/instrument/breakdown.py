@@ -198,13 +198,14 @@ def op_totals(spans: list[Span] | tuple[Span, ...], stream: Stream = Stream.COMP
     tot: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for s in spans:
         if s.stream is stream:
-            key = _op_key(s.name)
+            key = op_key(s.name)
             tot[key][0] += s.duration_s
             tot[key][1] += 1
     return sorted(((k, t, n) for k, (t, n) in tot.items()), key=lambda r: -r[1])
 
 
-def _op_key(name: str) -> str:
+def op_key(name: str) -> str:
+    """A span name without its layer, chunk and block indices (see op_totals)."""
     ring = RING_NAME.match(name)
     if ring:
         return f"{ring.group(1)}.{ring.group(2)}"

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dataflow.backend import Stream
-from dataflow.instrument.breakdown import _op_key, length, subtract, union
+from dataflow.instrument.breakdown import op_key, length, subtract, union
 from dataflow.instrument.chrome import STEP_TID, STREAM_TIDS
 from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
 
@@ -67,7 +67,7 @@ def find_stalls(trace: StepTrace, min_gap_s: float = MIN_GAP_S) -> list[Stall]:
             for c in copies:
                 a, b = max(cursor, c.start_s), min(start, c.end_s)
                 if b > a:
-                    per[_op_key(c.name)] += b - a
+                    per[op_key(c.name)] += b - a
             out.append(Stall(
                 start_s=cursor, end_s=start, copy_s=length(in_copy),
                 host_s=length(subtract(_clip(host, cursor, start), in_copy)),
@@ -138,7 +138,7 @@ def report(trace: StepTrace, *, n_layers: int | None = None, top: int = 12) -> s
             f"  {'waiting op':<34}{'gaps':>6}{'copy ms':>9}{'gap ms':>9}  copies running (ms)"]
     for pos, n, c, g, cps in summarize(stalls, n_layers)[:top]:
         rows.append(f"  {pos:<34}{n:>6}{c * 1e3:>9.1f}{g * 1e3:>9.1f}  {cps}")
-    rows.append(f"  longest gaps (ms from step start):")
+    rows.append("  longest gaps (ms from step start):")
     for s in sorted(stalls, key=lambda s: -s.gap_s)[:top]:
         cps = ", ".join(f"{k} {t * 1e3:.1f}" for k, t in s.copies[:3])
         rows.append(f"  {(s.start_s - trace.start_s) * 1e3:>9.1f} +{s.gap_s * 1e3:6.1f}  "
