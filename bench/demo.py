@@ -180,7 +180,7 @@ def _run(args, stop: checks.StopSignals) -> int:
                                trace=True, progress=init_bar)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     init_s = time.perf_counter() - t0
-    phases = dict(getattr(eng, "setup_seconds", {}))
+    phases = dict(eng.setup_seconds)
     log.info("initialised %s in %.1f s (%s)", cfg.name, init_s,
              ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     run = _Run(args, plan, eng, be_probe)
