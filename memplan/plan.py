@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from models.config import ModelConfig
+from models.errors import ConfigError
 from models.flops import SavedLevel
 from models.serial import from_json, stable_hash, to_json
 
@@ -57,7 +59,17 @@ class Budget:
 
     @classmethod
     def from_gib(cls, host_gib: float, device_gib: float) -> "Budget":
+        """Budgets in GiB; a value that is not finite, or above MAX_BUDGET_GIB (where its bytes
+        would overflow or stop being exact), is refused by name."""
+        for what, gib in (("host", host_gib), ("device", device_gib)):
+            if not (math.isfinite(gib) and gib <= MAX_BUDGET_GIB):
+                raise ConfigError(f"{what} budget {gib:g} GiB is beyond any machine (at most "
+                                  f"{MAX_BUDGET_GIB:,} GiB, 1 PiB); give its memory in GiB")
         return cls(host_bytes=int(host_gib * GIB), device_bytes=int(device_gib * GIB))
+
+
+MAX_BUDGET_GIB = 1 << 20
+"""1 PiB: far beyond any host or device, and small enough that its bytes are exact integers."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

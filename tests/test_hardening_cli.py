@@ -231,3 +231,16 @@ def test_demo_stops_cleanly_on_a_signal(tmp_path, signals, code):
     assert steps == set(range(1, n + 1))
     assert read_metrics(tmp_path / "m.parquet").num_rows == n
     assert read_run_metadata(tmp_path / "m.parquet")[-1]["status"].startswith("interrupted")
+
+
+@pytest.mark.parametrize("main", [demo_main, plan_main], ids=["demo", "plan"])
+def test_finite_budget_too_large_for_bytes_is_refused_by_name(capsys, main):
+    """1.67e299 GiB is finite but overflows to infinite bytes (the fuzz test found
+    dataflow-plan's OverflowError): exit 2 naming the budget and the 1 PiB limit."""
+    try:
+        code = main(["0.25", "1.6742321987285427e+299", "64", "tiny", "--backend", "numpy"]
+                    if main is demo_main else ["0.25", "1.6742321987285427e+299", "64", "tiny"])
+    except SystemExit as exc:
+        code = exc.code
+    err = _one_line_refusal(capsys, code)
+    assert "device budget 1.67423e+299 GiB" in err and "1 PiB" in err
