@@ -4,7 +4,8 @@ GPUs can live in one process). Adapts the few places where the CUDA kernels' con
 (cuDNN writes bf16 dK/dV that the engine accumulates in fp32; AdamW takes keywords). Library
 scratch comes from the device arena: the executor lends the planner's regions (attention
 workspace, bf16 dK/dV of a context) through `lend_scratch`; only a shape that outgrows them
-allocates outside the arena, and `library_workspace_bytes()` reports it. Never decides placement."""
+allocates outside the arena, and `library_workspace_bytes()` reports it. `quiesce` goes to every
+cuDNN call (kernels.cuda.attention says why). Never decides placement."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ class CudaOps:
     cast = staticmethod(K.cast)
     fill_ = staticmethod(K.fill_)
 
-    def __init__(self):
+    def __init__(self, quiesce=None):
+        self._quiesce = quiesce
+        """Waits, GIL released, until no Python host function is queued (see
+        kernels.cuda.attention)."""
         self._lent: dict = {}
         """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'dq32',
         'norm_scratch', 'sumsq_scratch', 'cublas_workspace'."""
@@ -73,7 +77,8 @@ class CudaOps:
         return sum(b.nbytes for b in self._own.values())
 
     def attention_fwd(self, q, k, v, q_offset, o, lse):
-        K.attention_fwd(q, k, v, q_offset, o, lse, workspace=self._lent.get("attn_workspace"))
+        K.attention_fwd(q, k, v, q_offset, o, lse, workspace=self._lent.get("attn_workspace"),
+                        quiesce=self._quiesce)
 
     def attention_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
         """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy.
@@ -88,7 +93,7 @@ class CudaOps:
         ws = self._lent.get("attn_workspace")
         K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16,
                         deterministic=self._deterministic_fits(q, k, q_offset, ws),
-                        workspace=ws)
+                        workspace=ws, quiesce=self._quiesce)
         K.add_(dk, dk16)
         K.add_(dv, dv16)
 
@@ -119,7 +124,8 @@ class CudaOps:
             dk16 = self._scratch("dk16", (b - a, kh, e), k.dtype)
             dv16 = self._scratch("dv16", (b - a, kh, e), v.dtype)
             K.attention_bwd(q, k[a:b], v[a:b], o, lse, do, q_offset - a if causal else 0, dq,
-                            dk16, dv16, deterministic=False, workspace=ws, causal=causal)
+                            dk16, dv16, deterministic=False, workspace=ws, causal=causal,
+                            quiesce=self._quiesce)
             K.add_(dk[a:b], dk16)
             K.add_(dv[a:b], dv16)
             if i == 0:
@@ -139,7 +145,8 @@ class CudaOps:
         fits = self._det_fits.get(key)
         if fits is None:
             need = K.attention_workspace_bytes("bwd", q.shape[0], q.shape[1], k.shape[1],
-                                               q.shape[2], q_offset, deterministic=True)
+                                               q.shape[2], q_offset, deterministic=True,
+                                               quiesce=self._quiesce)
             fits = self._det_fits[key] = ws is not None and need <= ws.nbytes
         return fits
 

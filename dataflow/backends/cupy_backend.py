@@ -4,6 +4,15 @@ round up), sub-allocated by offset;
 compute, H2D, D2H and HOST streams (HOST runs CPU callbacks in stream order); ordering only
 through CUDA events. Ops come from dataflow.ops_cuda. Never decides placement.
 
+Python host functions and the GIL: a host function queued with cudaLaunchHostFunc runs on the
+driver's thread and needs the GIL, so this thread must never block inside a CUDA call that
+keeps the GIL while one is pending (measured on the H100: the cuDNN frontend's handle creation
+and a graph's first execute deadlock that way). Two rules keep it so. cuDNN's first-time calls
+are preceded by `_quiesce` (wait until the HOST stream has run its functions). And the compute
+stream is never more than RUN_AHEAD_OPS ops ahead of the GPU (`_bound_run_ahead`): a launch
+into a full CUDA queue blocks, and a cuDNN launch would block with the GIL held. Both waits
+poll an event with the GIL released.
+
 The host slab is pinned one of two ways, chosen by DATAFLOW_PIN (read at each host alloc):
 'register' (the default): an anonymous mmap, its pages faulted in by all threads at once (with
 transparent huge pages where the kernel allows), then pinned with cudaHostRegister; freed by
@@ -43,6 +52,11 @@ _HOST_REGISTER_PORTABLE = 1
 memory is under unified addressing (two backends on two GPUs may share a process)."""
 _PIECE_ALIGN = 2 << 20
 """Registration pieces start on 2 MiB (huge page) boundaries."""
+RUN_AHEAD_OPS = 256
+"""Compute-stream ops the CPU may queue ahead of the GPU (a mark every RUN_AHEAD_OPS / 4). Far
+below the CUDA launch queue's depth (about a thousand kernels) even when an op is 3 kernels,
+and seconds of GPU work at 8b: prefetch and compute still overlap fully."""
+_POLL_S = 1e-4
 
 
 def pin_options(env=None) -> tuple[str, int]:
@@ -188,6 +202,13 @@ class MappedHostMemory:
             pass
 
 
+def _wait_polling(event) -> None:
+    """Block until `event` has passed, sleeping (GIL released) between queries, so host
+    functions queued before it can take the GIL and finish."""
+    while not event.done:
+        time.sleep(_POLL_S)
+
+
 def gpu_available() -> bool:
     if cp is None:
         return False
@@ -211,13 +232,17 @@ class CupyBackend(Backend):
     def __init__(self, *, device: int = 0):
         if cp is None:
             raise BackendError("CuPy is not installed; pip install 'dataflow[gpu]'")
+        from collections import deque
+
         from dataflow import ops_cuda
 
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self.ops = ops_cuda.CudaOps()
-        self.writes = ops_cuda.WRITES
         self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
+        self.ops = ops_cuda.CudaOps(quiesce=self._quiesce)
+        self.writes = ops_cuda.WRITES
+        self._compute_ops = 0
+        self._marks: deque = deque()
         free, self.total_bytes = cp.cuda.runtime.memGetInfo()
         self.baseline_used_bytes = self.total_bytes - free
         """Device memory in use once the CUDA context exists, before any arena."""
@@ -306,6 +331,22 @@ class CupyBackend(Backend):
         with self.streams[stream]:
             getattr(self.ops, op)(*args)
         self._op = ""
+        if stream is Stream.COMPUTE:
+            self._bound_run_ahead()
+
+    def _bound_run_ahead(self) -> None:
+        """Mark the compute stream every RUN_AHEAD_OPS / 4 ops; past four marks, wait for the
+        oldest (module docstring: a full launch queue must never block a GIL-holding call)."""
+        self._compute_ops += 1
+        if self._compute_ops % (RUN_AHEAD_OPS // 4):
+            return
+        self._marks.append(self.record(Stream.COMPUTE))
+        if len(self._marks) > 4:
+            _wait_polling(self._marks.popleft())
+
+    def _quiesce(self) -> None:
+        """Wait until every host function queued so far has run (GIL released)."""
+        _wait_polling(self.record(Stream.HOST))
 
     def host_call(self, stream: Stream, fn, *, reads=(), writes=(), name: str = "host") -> None:
         self.streams[stream].launch_host_func(lambda _arg: fn(), None)
@@ -414,5 +455,6 @@ class CupyBackend(Backend):
 
     def close(self) -> None:
         self.synchronize()
+        self._marks.clear()
         self.guard.remove()
         self._slabs.clear()

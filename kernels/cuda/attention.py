@@ -10,7 +10,15 @@ mask aligned BOTTOM_RIGHT (key j visible to query i iff j <= i + S' - T = i + q_
 q_offset = 0 that is the ordinary TOP_LEFT causal mask, which is used then. One graph per
 shape (T, S', H, K, E, mask, determinism) per device, built on first use and cached with its
 workspace (or pass `workspace`); the cuDNN handle is one per device, bound to the current CuPy
-stream before each execute. Never synchronises.
+stream before each execute. Never synchronises by itself.
+
+`quiesce` (every public op takes it): the cuDNN frontend holds the GIL through its C++ calls,
+and creating the handle, building a graph and a graph's first execute (whose kernels CUDA loads
+lazily) may synchronise the context. A Python function queued with cudaLaunchHostFunc needs the
+GIL to finish, so such a call deadlocks against it (measured on the H100: 25 s and no return).
+A caller that queues Python host functions passes a `quiesce()` that waits, GIL released, until
+none is pending (dataflow's CuPy backend: its HOST stream's synchronize); it is called before
+each of those first-time calls only, never in the steady state.
 
 dk, dv are OVERWRITTEN for the whole context (rows q_offset + T .. S-1 get zeros) in bf16 on the
 cuDNN path. To accumulate over the chunks of a split sequence into fp32 context buffers, call
@@ -42,6 +50,7 @@ _NAMES = tuple(
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS, _UID_DO, _UID_DQ, _UID_DK, _UID_DV = range(1, 10)
 _HANDLES: dict[int, object] = {}
 _GRAPHS: dict[tuple, list] = {}  # key -> [graph, own workspace array or None, its bytes]
+_EXECUTED: set[int] = set()  # id() of each cached graph that has run once (its kernels loaded)
 FALLBACKS: dict[tuple, str] = {}
 """Graph keys cuDNN refused, with its reason; those shapes run on the simple kernels."""
 
@@ -158,8 +167,10 @@ def _build_bwd(t, s, h, kh, e, mask, deterministic, style):
     return _finish(cudnn, g)
 
 
-def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True):
-    """Cached (graph, workspace) for this shape, or None when cuDNN refuses it (reason kept)."""
+def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True,
+           quiesce=None):
+    """Cached (graph, workspace) for this shape, or None when cuDNN refuses it (reason kept).
+    A build (and the handle's creation) may synchronise: quiesce() first (module docstring)."""
     mask = ("bottom_right" if q_offset > 0 else "top_left") if causal else "none"
     key = (cupy.cuda.runtime.getDevice(), kind, t, s_used, h, kh, e, mask, deterministic)
     hit = _GRAPHS.get(key)
@@ -167,6 +178,8 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=
         return hit, key
     if key in FALLBACKS:
         return None, key
+    if quiesce is not None:
+        quiesce()
     reasons = []
     for style in ("band", "legacy"):
         try:
@@ -187,7 +200,7 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=
 
 def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int,
                               head_dim: int, q_offset: int = 0, deterministic: bool = True,
-                              n_keys: int | None = None) -> int:
+                              n_keys: int | None = None, quiesce=None) -> int:
     """Builds (and caches) the cuDNN graph of kind "fwd" or "bwd" for a chunk of n_q queries at
     q_offset and returns its workspace bytes; call it at set-up so no graph is built and no
     workspace allocated in the hot loop (the graph depends on n_q and q_offset, not on S).
@@ -197,10 +210,10 @@ def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int
         raise ValueError(f"kind must be 'fwd' or 'bwd'; got {kind!r}")
     if n_keys is not None:
         built, _ = _graph(kind, n_q, n_keys, n_heads, n_kv_heads, head_dim, 0, deterministic,
-                          causal=False)
+                          causal=False, quiesce=quiesce)
     else:
         built, _ = _graph(kind, n_q, q_offset + n_q, n_heads, n_kv_heads, head_dim, q_offset,
-                          deterministic)
+                          deterministic, quiesce=quiesce)
     return 0 if built is None else built[2]
 
 
@@ -210,6 +223,7 @@ def forget_graphs() -> None:
     ran without a workspace keeps its own and would hide a region that is too small)."""
     _GRAPHS.clear()
     FALLBACKS.clear()
+    _EXECUTED.clear()
 
 
 def own_workspace_bytes() -> int:
@@ -217,13 +231,18 @@ def own_workspace_bytes() -> int:
     return sum(int(v[1].nbytes) for v in _GRAPHS.values() if v and v[1] is not None)
 
 
-def _run(built, pack: dict, workspace) -> None:
+def _run(built, pack: dict, workspace, quiesce=None) -> None:
     g, ws, ws_bytes = built
     if workspace is not None and workspace.nbytes >= ws_bytes:
         ws = workspace
     elif ws is None:
         ws = built[1] = cupy.empty(max(ws_bytes, 16), dtype=np.uint8)
+    first = id(g) not in _EXECUTED
+    if first and quiesce is not None:
+        quiesce()  # the first execute loads the graph's kernels: it may synchronise
     g.execute(pack, ws.data.ptr, handle=_handle())
+    if first:
+        _EXECUTED.add(id(g))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +257,8 @@ def _epl(e: int) -> int:
     raise ValueError(f"head_dim {e} exceeds the simple attention kernels' limit of 256")
 
 
-def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=None) -> None:
+def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=None,
+                  quiesce=None) -> None:
     """q (T, H, E), k, v (S, K, E) bf16 -> o (T, H, E) bf16, lse (H, T) f32 (written).
 
     Causal GQA: query i (absolute position q_offset + i) attends to keys j <= q_offset + i;
@@ -251,10 +271,10 @@ def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=
     if impl not in ("auto", "cudnn", "simple"):
         raise ValueError(f"impl must be 'auto', 'cudnn' or 'simple'; got {impl!r}")
     if impl != "simple" and q.dtype == BF16:
-        built, key = _graph("fwd", t, q_offset + t, h, kh, e, q_offset)
+        built, key = _graph("fwd", t, q_offset + t, h, kh, e, q_offset, quiesce=quiesce)
         if built is not None:
             _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
-                         _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr}, workspace)
+                         _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr}, workspace, quiesce)
             return
         if impl == "cudnn":
             raise RuntimeError(f"cuDNN SDPA refused {key}: {FALLBACKS[key]}")
@@ -269,7 +289,8 @@ def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=
 
 
 def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "auto",
-                  deterministic: bool = True, workspace=None, causal: bool = True) -> None:
+                  deterministic: bool = True, workspace=None, causal: bool = True,
+                  quiesce=None) -> None:
     """q, o, do (T, H, E), k, v (S, K, E) bf16, lse (H, T) f32 -> dq (T, H, E) bf16, dk, dv
     (S, K, E), all OVERWRITTEN: rows of dk, dv past q_offset + T (seen by no query) get zeros.
 
@@ -296,12 +317,13 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
         raise ValueError("the unmasked (causal=False) backward runs on cuDNN only, in bf16")
     s_used = q_offset + t if causal else s
     if impl != "simple" and q.dtype == BF16 and dk.dtype == BF16:
-        built, key = _graph("bwd", t, s_used, h, kh, e, q_offset, deterministic, causal)
+        built, key = _graph("bwd", t, s_used, h, kh, e, q_offset, deterministic, causal,
+                            quiesce)
         if built is not None:
             _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                          _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr, _UID_DO: do.data.ptr,
                          _UID_DQ: dq.data.ptr, _UID_DK: dk.data.ptr, _UID_DV: dv.data.ptr},
-                 workspace)
+                 workspace, quiesce)
             if s_used < s:
                 utils.fill_(dk[s_used:], 0.0)
                 utils.fill_(dv[s_used:], 0.0)
