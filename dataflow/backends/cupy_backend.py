@@ -53,9 +53,25 @@ memory is under unified addressing (two backends on two GPUs may share a process
 _PIECE_ALIGN = 2 << 20
 """Registration pieces start on 2 MiB (huge page) boundaries."""
 RUN_AHEAD_OPS = 256
-"""Compute-stream ops the CPU may queue ahead of the GPU (a mark every RUN_AHEAD_OPS / 4). Far
-below the CUDA launch queue's depth (about a thousand kernels) even when an op is 3 kernels,
-and seconds of GPU work at 8b: prefetch and compute still overlap fully."""
+"""Compute-stream ops the CPU may queue ahead of the GPU (a mark every RUN_AHEAD_OPS / 4),
+unless DATAFLOW_RUN_AHEAD_OPS says otherwise (a multiple of 4, at least 4). Far below the CUDA
+launch queue's depth (about a thousand kernels) even when an op is 3 kernels, and seconds of
+GPU work at 8b: prefetch and compute still overlap fully."""
+
+
+def run_ahead_ops(env=None) -> int:
+    """RUN_AHEAD_OPS, or DATAFLOW_RUN_AHEAD_OPS; BackendError names a bad value."""
+    raw = ((os.environ if env is None else env).get("DATAFLOW_RUN_AHEAD_OPS") or "").strip()
+    if not raw:
+        return RUN_AHEAD_OPS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 4 or n % 4:
+        raise BackendError(f"DATAFLOW_RUN_AHEAD_OPS={raw!r}; give a multiple of 4, at least 4 "
+                           f"(default {RUN_AHEAD_OPS}); more than about 300 can deadlock cuDNN")
+    return n
 _POLL_S = 1e-4
 
 
@@ -242,6 +258,7 @@ class CupyBackend(Backend):
         self.ops = ops_cuda.CudaOps(quiesce=self._quiesce)
         self.writes = ops_cuda.WRITES
         self._compute_ops = 0
+        self._mark_every = run_ahead_ops() // 4
         self._marks: deque = deque()
         free, self.total_bytes = cp.cuda.runtime.memGetInfo()
         self.baseline_used_bytes = self.total_bytes - free
@@ -335,10 +352,10 @@ class CupyBackend(Backend):
             self._bound_run_ahead()
 
     def _bound_run_ahead(self) -> None:
-        """Mark the compute stream every RUN_AHEAD_OPS / 4 ops; past four marks, wait for the
+        """Mark the compute stream every run_ahead_ops() / 4 ops; past four marks, wait for the
         oldest (module docstring: a full launch queue must never block a GIL-holding call)."""
         self._compute_ops += 1
-        if self._compute_ops % (RUN_AHEAD_OPS // 4):
+        if self._compute_ops % self._mark_every:
             return
         self._marks.append(self.record(Stream.COMPUTE))
         if len(self._marks) > 4:

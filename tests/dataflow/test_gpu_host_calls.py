@@ -58,3 +58,4 @@ def test_pending_host_function_does_not_deadlock_cudnn_first_use_or_a_full_queue
         pytest.fail(f"deadlocked: no return in 120 s; output so far: {exc.stdout!r}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "first use ok" in done.stdout and "full queue ok" in done.stdout, done.stdout
+

@@ -123,3 +123,14 @@ def test_piece_bounds_tile_the_range_on_aligned_starts(nbytes, pieces):
     assert b[0][0] == 0 and sum(n for _, n in b) == nbytes
     assert all(n > 0 and lo % (2 << 20) == 0 for lo, n in b)
     assert all(lo0 + n0 == lo1 for (lo0, n0), (lo1, _) in zip(b, b[1:]))
+
+
+def test_run_ahead_ops_reads_the_environment_and_names_a_bad_value():
+    from dataflow.backend import BackendError
+    from dataflow.backends.cupy_backend import RUN_AHEAD_OPS, run_ahead_ops
+
+    assert run_ahead_ops({}) == RUN_AHEAD_OPS
+    assert run_ahead_ops({"DATAFLOW_RUN_AHEAD_OPS": "64"}) == 64
+    for bad in ("0", "6", "x"):
+        with pytest.raises(BackendError, match="DATAFLOW_RUN_AHEAD_OPS"):
+            run_ahead_ops({"DATAFLOW_RUN_AHEAD_OPS": bad})
