@@ -22,6 +22,7 @@ from kernels.host import norms as host_norms
 from kernels.host.memory import zero_fill
 from memplan import buffers
 from memplan.plan import AttentionBwd, GradAccum, Plan
+from memplan.segments import shares_boundary_kv
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
@@ -221,10 +222,11 @@ class Executor:
     def _save_views(self, ref: Ref, layer: int, chunk: int) -> dict:
         """Saved-activation tensors of (layer, chunk) at its level, inside `ref`."""
         level = self.plan.activations[layer][chunk].level
-        key = (ref, "save", level)
+        kv = not shares_boundary_kv(self.plan, layer, chunk)  # else its K/V: home.ctx_kv
+        key = (ref, "save", level, kv)
         v = self._views.get(key)
         if v is None:
-            specs = buffers.saved_activation_specs(self.cfg, self.T, level)
+            specs = buffers.saved_activation_specs(self.cfg, self.T, level, kv)
             offs = buffers.offsets(specs)
             v = self._views[key] = {s.name: self._view(ref, s.shape, s.dtype, offs[s.name])
                                     for s in specs}

@@ -138,7 +138,7 @@ class LayerCompute:
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
         x = save["x"]
         xn = ws["xn"][:t]
-        k, v = self._kv(chunk, t, (save["k"], save["v"]))
+        k, v = self._kv(chunk, t, (save.get("k"), save.get("v")))  # a shared boundary: none
         # Recompute what the level did not keep. Same kernels as the forward: bit-identical.
         op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t])
         if level is SavedLevel.FULL:

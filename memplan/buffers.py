@@ -55,11 +55,18 @@ def offsets(specs) -> dict[str, int]:
     return out
 
 
-def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel) -> tuple[TensorSpec, ...]:
-    """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel)."""
+def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
+                           kv: bool = True) -> tuple[TensorSpec, ...]:
+    """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (only
+    at INP_ONLY, where x and rstd come first, so their offsets stay): no K and V, for a segment
+    boundary whose K/V the recompute re-forms (memplan.segments.shares_boundary_kv)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32"),
-             TensorSpec("k", (t, k, e), "bf16"), TensorSpec("v", (t, k, e), "bf16")]
+    specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
+    if not kv:
+        if level is not SavedLevel.INP_ONLY:
+            raise ValueError(f"only INP_ONLY activations can leave out K/V; got {level}")
+        return tuple(specs)
+    specs += [TensorSpec("k", (t, k, e), "bf16"), TensorSpec("v", (t, k, e), "bf16")]
     if level in (SavedLevel.INP_ATTN, SavedLevel.FULL):
         specs += [TensorSpec("o", (t, h, e), "bf16"), TensorSpec("lse", (h, t), "f32")]
     if level is SavedLevel.FULL:
@@ -69,8 +76,9 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel) -> 
     return tuple(specs)
 
 
-def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel) -> int:
-    return packed_bytes(saved_activation_specs(cfg, tokens, level))
+def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel,
+                           kv: bool = True) -> int:
+    return packed_bytes(saved_activation_specs(cfg, tokens, level, kv))
 
 
 def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
 from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from memplan.segments import inner_regions, is_inner
+from memplan.segments import KV_REGION, inner_regions, is_inner, kv_region_bytes, \
+    shares_boundary_kv
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
@@ -19,6 +20,7 @@ _FIXED_CATEGORY = {
     "attn_workspace": "workspaces", "library_scratch": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
+    "home.ctx_kv": "saved_activations",
 }
 TOKEN_ID_BYTES = 4
 TOKEN_STAGING_ROWS = 6
@@ -140,8 +142,11 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
             if a.home is Where.HOME and not is_inner(layer, d.segment_layers):
-                out.append((f"home.act.{layer}.{chunk}", act_bytes(a.level)))
+                out.append((f"home.act.{layer}.{chunk}", buffers.saved_activation_bytes(
+                    cfg, ch.chunk_tokens, a.level, kv=False)
+                    if shares_boundary_kv(d, layer, chunk) else act_bytes(a.level)))
     out += inner_regions(d, act_bytes)[1]
+    out.append((KV_REGION, kv_region_bytes(d)))
     out.append(("io_staging", max(elems.values()) * 2))
     out.append(("tokens", TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES))
     out.append(("norm_host", NORM_HOST_BYTES))

@@ -36,7 +36,7 @@ from memplan.events import (
 )
 from memplan.memory import device_regions, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
-from memplan.segments import inner_region, is_inner, segment_bounds
+from memplan.segments import KV_REGION, inner_region, is_inner, segment_bounds, shares_boundary_kv
 from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
@@ -104,6 +104,10 @@ class _Compiler:
         self._tr_specs = {sp.name: sp for sp in buffers.transition_specs(
             self.cfg, self.ch.tokens_per_round)}
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
+        self.kv_stored: dict[int, int] = {}
+        """Chunk -> the D2H record after a shared boundary's K/V rows of it reached KV_REGION."""
+        self.kv_read: int | None = None
+        """The H2D record after the last refill from KV_REGION (its next writer waits for it)."""
         self._build_rings()
 
     # -- refs -------------------------------------------------------------------------------
@@ -168,7 +172,7 @@ class _Compiler:
             for c in range(self.C):
                 a = d.activations[layer][c]
                 nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
-                    self.cfg, self.T, a.level)
+                    self.cfg, self.T, a.level, kv=not shares_boundary_kv(d, layer, c))
                 name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
                     f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
                 (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \
@@ -444,17 +448,41 @@ class _Compiler:
             w = self.weights("r", layer)
             for c in range(self.C):
                 name = f"b.L{layer}.c{c}.seg"  # backward-phase forward work: recompute
+                if self.kv_stored and (layer > first or c % self.ch.chunks_per_seq == 0):
+                    # this chunk re-forms context rows the boundary's K/V copies still read
+                    em.wait(COMPUTE, self.kv_stored[max(self.kv_stored)])
                 if layer == first:
                     src = self.act("r", layer, c)
                     em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, y=buf,
                                    src=src))
                     self.release_act("r", layer, c)
+                    if shares_boundary_kv(self.d, layer, c):
+                        self.store_boundary_kv(c)
                 else:
                     save = self.act("w", layer, c)
                     em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, save=save,
                                    x=buf, y=buf))
                     self.release_act("w", layer, c)
             self.release_weights("r", layer)
+
+    def _kv_rows(self, part: str, c: int) -> Ref:
+        """Chunk c's rows of K (part 'k') or V in KV_REGION: a round's K rows, then its V rows."""
+        row = self.cfg.n_kv_heads * self.cfg.head_dim * 2
+        at = (0 if part == "k" else self.ch.tokens_per_round * row) + c * self.T * row
+        return self.ref(KV_REGION, at, self.T * row)
+
+    def store_boundary_kv(self, c: int) -> None:
+        """After a segment boundary's re-run forward of chunk c formed its K/V in the context
+        buffer, send them to KV_REGION (once the last refill from it has read the rows there)."""
+        em, row = self.em, self.cfg.n_kv_heads * self.cfg.head_dim * 2
+        em.wait(D2H, self.kv_read)
+        em.wait(D2H, em.record(COMPUTE))
+        at = self.ch.chunk_context(c) * row
+        for part in ("k", "v"):
+            em.add(WriteBack(f"ctx.{part}.store.c{c}", self._kv_rows(part, c),
+                             self.ref("context", self._ctx_offsets[f"{part}_ctx"] + at,
+                                      self.T * row)))
+        self.kv_stored[c] = em.record(D2H)
 
     def _tokens(self, rnd: int, row: int | None = None) -> Ref:
         """Pinned token staging of round `rnd` (buffer rnd % 2): rows ids, positions, targets;
@@ -568,15 +596,22 @@ class _Compiler:
                            save=self.act("b", layer, c)))
             return False
         em.wait(H2D, free)
-        em.wait(H2D, self.aring.host_ready.get((layer, c)))
         ctx, row = self._ctx_offsets, cfg.n_kv_heads * cfg.head_dim * 2
+        at = self.ch.chunk_context(c) * row
+        shared = shares_boundary_kv(self.d, layer, c)
+        if shared:
+            em.wait(H2D, self.kv_stored.pop(c))
+        else:
+            em.wait(H2D, self.aring.host_ready.get((layer, c)))
         offs = self._act_offsets[a.level]
         home = self.act_home[(layer, c)]
-        at = self.ch.chunk_context(c) * row
         for part in ("k", "v"):
+            src = self._kv_rows(part, c) if shared else \
+                Ref(home.region, home.offset + offs[part], T * row)
             em.add(Fetch(f"ctx.{part}.L{layer}.c{c}",
-                         self.ref("context", ctx[f"{part}_ctx"] + at, T * row),
-                         Ref(home.region, home.offset + offs[part], T * row)))
+                         self.ref("context", ctx[f"{part}_ctx"] + at, T * row), src))
+        if shared:
+            self.kv_read = em.record(H2D)
         return True
 
     # -- gradient norm and clipping, on the device -------------------------------------------

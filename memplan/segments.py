@@ -4,11 +4,20 @@ the backward; the backward rebuilds the others (the segment's *inner* layers) by
 segment's forward from the boundary, chunk by chunk, into storage reused by every segment
 (`act.seg{p}.{chunk}` on the device, `home.act.seg{p}.{chunk}` at home, p = layer - boundary).
 This module names the segments and that storage; memory.py, cost.py and schedule.py use it.
-Pure Python: never imports array libraries."""
+
+Split sequences: a boundary kept at home at INP_ONLY keeps no K/V (`shares_boundary_kv`). The
+recompute re-forms them in the context buffer anyway (the boundary's forward re-run), and sends
+them to one host region, `home.ctx_kv` (a round's K and V rows, reused by every segment), from
+which the boundary's backward refills its context. At 8b with 524,288 tokens that keeps 2 GiB
+instead of 15 GiB of boundary K/V. Pure Python: never imports array libraries."""
 
 from __future__ import annotations
 
 from memplan.plan import Where
+from models.flops import SavedLevel
+
+KV_REGION = "home.ctx_kv"
+"""K rows then V rows of a round's tokens, for the boundary whose segment is being recomputed."""
 
 
 def segment_bounds(n_layers: int, k: int) -> tuple[tuple[int, int], ...]:
@@ -19,6 +28,27 @@ def segment_bounds(n_layers: int, k: int) -> tuple[tuple[int, int], ...]:
 def is_inner(layer: int, k: int) -> bool:
     """Whether `layer`'s saved activation is rebuilt in the backward rather than kept."""
     return k > 1 and layer % k != 0
+
+
+def shares_boundary_kv(d, layer: int, chunk: int) -> bool:
+    """Whether (layer, chunk)'s saved activation leaves its K/V to KV_REGION: a split sequence's
+    boundary of a segment of two or more layers (so a recompute re-forms its K/V), kept at home
+    at INP_ONLY. `d`: a Plan or Decisions."""
+    k = getattr(d, "segment_layers", 1)
+    if k <= 1 or d.chunking.chunks_per_seq <= 1 or layer % k or \
+            layer + 1 >= len(d.activations):
+        return False
+    a = d.activations[layer][chunk]
+    return a.home is Where.HOME and a.level is SavedLevel.INP_ONLY
+
+
+def kv_region_bytes(d) -> int:
+    """Bytes of KV_REGION for `d`, 0 when no saved activation shares its K/V."""
+    if not any(shares_boundary_kv(d, layer, c) for layer in range(len(d.activations))
+               for c in range(len(d.activations[layer]))):
+        return 0
+    cfg = d.model
+    return 2 * d.chunking.tokens_per_round * cfg.n_kv_heads * cfg.head_dim * 2
 
 
 def inner_region(layer: int, chunk: int, k: int, home: Where) -> str:

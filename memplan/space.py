@@ -73,6 +73,17 @@ class Space:
         self.rank = {layer: r for r, layer in enumerate(self.order)}
         self.kept_rank = {kept[i]: r for r, i in enumerate(spread_order(len(kept)))}
         self.n_kept = len(kept)
+        # Split sequences: boundaries kept at home at INP_ONLY leave their K/V to one shared
+        # region (memplan.segments.shares_boundary_kv); a last segment of one layer keeps them.
+        self.kv_free_b = self.kv_region_b = 0
+        self.kv_keeper = None
+        if self.k > 1 and ch.chunks_per_seq > 1:
+            t = ch.chunk_tokens
+            self.kv_free_b = buffers.saved_activation_bytes(cfg, t, SavedLevel.INP_ONLY) \
+                - buffers.saved_activation_bytes(cfg, t, SavedLevel.INP_ONLY, kv=False)
+            self.kv_region_b = buffers.align(
+                2 * ch.tokens_per_round * cfg.n_kv_heads * cfg.head_dim * 2)
+            self.kv_keeper = kept[-1] if self.L - kept[-1] == 1 else None
         self.n_inner = (self.L - self.n_kept) * self.C
         """Rebuilt activations per round; their storage is reused by every segment:"""
         self.n_inner_slots = (min(self.k, self.L) - 1) * self.C
@@ -151,6 +162,13 @@ class Space:
                 home_max = max(home_max, size)
             else:
                 dev += self.n_inner_slots * size
+        if self.kv_free_b and s.acts[5]:
+            n = s.acts[5]
+            if self.kv_keeper is not None:
+                n -= sum(hi - lo for cls, lo, hi in self._layer_classes(
+                    self.kv_keeper, self._bounds(s)) if cls == 5)
+            if n:
+                host += self.kv_region_b - n * self.kv_free_b
         dev += s.act_slots * home_max
         if self._any_streamed_opt(s):
             dev += self.opt_stage_b

@@ -11,7 +11,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dataflow.backend import Place
 from memplan.plan import Budget, OptimizerWhere, Where
 from memplan.segments import with_segments
 from models.config import load_config
@@ -103,3 +102,29 @@ def test_segment_plans_use_exactly_their_budgets_and_less_host(runs):
             full = dict(base.memory.host)["saved_activations"]
             # k kept + k - 1 rebuilt layers' worth: less than all four at k = 2, as much at 4
             assert acts < full if k == 2 else acts <= full, (name, k)
+
+
+def test_split_boundaries_kept_at_home_leave_their_kv_to_one_shared_region(runs):
+    """A split sequence's boundary kept at home at INP_ONLY stores x and rstd only; the
+    recompute sends its re-formed K/V to home.ctx_kv and the backward refills from there (the
+    bit-identity test above runs it). Other levels, device-homed chunks and inner layers keep
+    theirs; packed chunks (no context to refill) too."""
+    from memplan.buffers import align, saved_activation_bytes
+    from memplan.memory import host_regions
+    from memplan.schedule import compile_schedule
+
+    plan = runs[("split", 2)][0]
+    cfg, ch = plan.model, plan.chunking
+    host = dict(host_regions(plan))
+    assert host["home.ctx_kv"] == align(2 * ch.tokens_per_round * cfg.n_kv_heads
+                                        * cfg.head_dim * 2)
+    inp = SavedLevel.INP_ONLY
+    for c in (0, 3):
+        assert host[f"home.act.0.{c}"] == saved_activation_bytes(cfg, ch.chunk_tokens, inp,
+                                                                 kv=False)
+    assert host["home.act.0.2"] == saved_activation_bytes(cfg, ch.chunk_tokens,
+                                                          SavedLevel.FULL)
+    names = {getattr(ev, "name", "") for ev in compile_schedule(plan).events}
+    assert {"ctx.k.store.c0", "ctx.v.store.c3"} <= names
+    assert "ctx.k.store.c2" not in names and "ctx.k.store.c1" not in names
+    assert "home.ctx_kv" not in dict(host_regions(runs[("packed", N_LAYERS)][0]))
