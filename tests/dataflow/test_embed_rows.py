@@ -13,7 +13,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
 from memplan import make_plan
-from memplan.memory import embed_row_parts
+from memplan.memory import embed_row_parts, host_regions
 from memplan.plan import Budget, OptimizerWhere
 from memplan.profiles import get_profile
 from memplan.schedule import (STREAMS, Fetch, HostTask, Record, Wait, WriteBack, _Compiler,
@@ -80,6 +80,20 @@ def unordered_row_accesses(events, n_ids):
     return bad
 
 
+def test_host_plan_counts_one_part_for_one_round_and_two_for_more():
+    """tokens_per_round x model_dim bf16 rows per part: 1 part at one round a step, 2 at 2 or 4;
+    no region when the table is on the device."""
+    for rounds, parts in ((1, 1), (2, 2), (4, 2)):
+        plan = _plan(rounds)
+        ch, cfg = plan.chunking, plan.model
+        assert embed_row_parts(ch) == parts
+        host = dict(host_regions(plan))
+        assert host[ROWS] == parts * ch.tokens_per_round * cfg.model_dim * 2, rounds
+        sch = compile_schedule(plan)
+        assert sch.regions.get(ROWS).nbytes == host[ROWS]
+    assert ROWS not in dict(host_regions(_plan(1, home=False)))
+
+
 @pytest.mark.parametrize("rounds", [1, 2, 3])
 def test_gradient_rows_share_their_rounds_gather_buffer_in_order(rounds):
     """Round r gathers into part r % parts, fetches from it, takes its gradient rows back into
@@ -130,12 +144,13 @@ def test_one_part_over_several_rounds_stages_after_the_backward():
     assert unordered_row_accesses(sch.events, sch.n_ids)
 
 
-def test_8b_at_524288_uses_one_part_and_orders_it():
-    """8b at 524,288 tokens (one round a step, HOME embedding): every round uses part 0 of
-    embed_rows, and its accesses are ordered."""
-    plan = make_plan(load_config("8b"), 524288, Budget.from_gib(140, 24), get_profile("h100"))
+def test_8b_at_524288_keeps_one_part_and_orders_it():
+    """8b at 524,288 tokens (one round a step, HOME embedding): embed_rows is one part, 4 GiB,
+    and its accesses are ordered."""
+    plan = make_plan(load_config("8b"), 524288, Budget.from_gib(130, 24), get_profile("h100"))
     assert plan.chunking.rounds_per_step == 1 and plan.embed.weights.value == "home"
     sch = compile_schedule(plan)
+    assert sch.regions.get(ROWS).nbytes == 524288 * 4096 * 2
     assert {e.dst.offset for e in sch.events if type(e) is WriteBack and e.name == "embed.dx"} \
         == {0}
     assert unordered_row_accesses(sch.events, sch.n_ids) == []
