@@ -364,7 +364,7 @@ class Executor:
                          lambda: np.take(table, ids, axis=0, out=rows, mode="clip"),
                          reads=(table, ids), writes=(rows,), name=ev.name)
         elif ev.op == "embed_scatter":
-            rows = self.host.view("embed_rows", (3, n, d), "bf16")[2]
+            rows = self._view(ev.src, (n, d), "bf16")  # the round's part of embed_rows
             grads = self.emb_lay.view(self._view(ev.dst, dtype=self.gdt), "embed_tokens")
             be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids, rows, grads),
                          reads=(ids, rows), writes=(grads,), name=ev.name)

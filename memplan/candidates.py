@@ -239,15 +239,19 @@ def _space_states(sp: Space, opts: dict) -> tuple[set[State], list[State]]:
 
 
 def _candidates(sp: Space, opts: dict, index: int, states) -> list[Candidate]:
-    """States of space number `index` as candidates, with their memory and bounds."""
+    """States of space number `index` as candidates, with their memory and bounds. The rounds
+    of the bound are the most the state's plan can run (its simulated rounds take at least
+    the bound's, so Score.rounds_per_step is never more), so the memory at those rounds never
+    counts a HOME embedding's rows short (one part at one round, two at more: exact unless the
+    bound allows 2+ rounds and the plan runs 1)."""
     tokens = sp.ch.tokens_per_round
     out = []
     for s in sorted(states):
-        dev, host = sp.memory(s)
         lb_round = sp.round_lower_bound_s(s)
         opt_s = sp.optimizer(s).time_s
         rounds = opts.get("rounds_per_step") or rounds_for_target(
             lb_round, lb_round, opt_s, opts["target_optimizer_frac"], max_rounds(tokens))
+        dev, host = sp.memory(s, rounds)
         lb = (rounds * lb_round + opt_s) / (rounds * tokens)
         out.append(Candidate(dev, host, lb, index, s))
     return out

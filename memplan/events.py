@@ -121,13 +121,16 @@ class HostTask:
     """CPU work on the host stream. op: 'tokens_stage' (the round's data into the bytes `dst`
     names of the pinned token buffer: both rows take the input ids and RoPE positions, the
     second row alone takes the targets, once the positions have left it), 'embed_gather' /
-    'embed_scatter' (embedding rows of a HOME table), 'zero' (clear `dst`)."""
+    'embed_scatter' (embedding rows of a HOME table: the gather writes the round's rows into
+    `dst`; the scatter adds the gradient rows at `src` into the gradient `dst`), 'zero' (clear
+    `dst`)."""
 
     name: str
     op: str
     round: int = -1
     dst: Ref | None = None
     stream: str = HOST
+    src: Ref | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

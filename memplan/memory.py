@@ -26,11 +26,28 @@ TOKEN_ID_BYTES = 4
 TOKEN_STAGING_ROWS = 6
 """Pinned token staging: two buffers (rounds alternate, so the next round stages while this one
 runs) of three rows each: ids, RoPE positions, targets."""
-EMBED_ROW_BUFFERS = 3
-"""Pinned embedding rows of a HOME table: two gather buffers (alternate rounds) and the
-backward's gradient rows."""
 NORM_HOST_BYTES = 256
 """Pinned fp32 scalars: the host's part of the squared gradient norm, the clip scale."""
+
+
+def row_parts(rounds_per_step: int) -> int:
+    """Parts (tokens_per_round x model_dim bf16 rows each) of the pinned embedding rows of a HOME
+    table at `rounds_per_step` rounds a step: a gather buffer per round in flight, two for
+    alternate rounds when a step has more than one (the next round is gathered while this one
+    runs), one otherwise. The backward's gradient rows come home into the gather buffer of
+    their round, whose rows have left for the device by then (memplan/schedule.py orders both
+    by events)."""
+    return 1 if rounds_per_step == 1 else 2
+
+
+def embed_row_parts(chunking) -> int:
+    """row_parts of a chunking's rounds per step."""
+    return row_parts(chunking.rounds_per_step)
+
+
+def embed_rows_bytes(cfg, chunking) -> int:
+    """Bytes of the `embed_rows` host region (unaligned)."""
+    return embed_row_parts(chunking) * chunking.tokens_per_round * cfg.model_dim * 2
 
 
 def region_category(name: str) -> str:
@@ -151,7 +168,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     out.append(("tokens", TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES))
     out.append(("norm_host", NORM_HOST_BYTES))
     if d.embed.weights is Where.HOME:
-        out.append(("embed_rows", EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2))
+        out.append(("embed_rows", embed_rows_bytes(cfg, ch)))
     return tuple((name, buffers.align(n)) for name, n in out if n > 0)
 
 

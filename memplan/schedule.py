@@ -34,7 +34,7 @@ from memplan.events import (
     Wait,
     WriteBack,
 )
-from memplan.memory import device_regions, grad_bpe, host_regions
+from memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
 from memplan.segments import KV_REGION, inner_region, is_inner, segment_bounds, shares_boundary_kv
 from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
@@ -96,6 +96,14 @@ class _Compiler:
         """Per pinned staging buffer: what must finish before it is restaged (its fetches, and
         the embedding scatter that read its ids)."""
         self.stage_free: list[int | None] = [None, None]
+        self.row_parts = embed_row_parts(self.ch)
+        """Parts of the pinned embedding rows (a HOME table): round r gathers into, fetches
+        from and takes its gradient rows back into part r % row_parts."""
+        self.rows_free: list[list[int]] = [[] for _ in range(self.row_parts)]
+        """Per part of the embedding rows: what must finish before it is gathered into again
+        (the fetch out of it, the scatter that read the gradient rows in it)."""
+        self.rows_sent: dict[int, int] = {}
+        """Round -> the H2D record after its gathered rows left their part for the device."""
         self._regions = self.table.by_name()
         self._ctx_offsets = buffers.offsets(buffers.context_specs(
             self.cfg, self.ch.seqlen, self.T, self.ch.chunks_per_seq))
@@ -317,8 +325,11 @@ class _Compiler:
         return ("resid_a", "resid_b") if layer % 2 == 0 else ("resid_b", "resid_a")
 
     def stage_next(self, rnd: int) -> None:
-        """After round `rnd`'s embedding: the next round's host work hides behind this round."""
-        self.stage(rnd + 1)
+        """After round `rnd`'s embedding: the next round's host work hides behind this round
+        (unless both rounds share one part of the embedding rows: the next round is then staged
+        when its tokens load, after this round's backward)."""
+        if self.stage_ahead_ok(rnd + 1):
+            self.stage(rnd + 1)
 
     def input_arrives(self, rnd: int, backward: bool, layer: int, buffer: str,
                       chunk: int) -> None:
@@ -492,11 +503,12 @@ class _Compiler:
         return self.ref("tokens", at, 3 * n4) if row is None else \
             self.ref("tokens", at + row * n4, n4)
 
-    def _rows(self, part: int) -> Ref:
-        """Pinned embedding rows: parts 0 and 1 the gathered rows of alternate rounds, part 2
-        the gradient rows the backward sends home."""
+    def _rows(self, rnd: int) -> Ref:
+        """Round `rnd`'s part of the pinned embedding rows (part rnd % row_parts: two parts for
+        alternate rounds when a step has more than one round, else one): its gathered rows, and
+        later the gradient rows the backward sends home over them."""
         nb = self.ch.tokens_per_round * self.cfg.model_dim * 2
-        return self.ref("embed_rows", part * nb, nb)
+        return self.ref("embed_rows", (rnd % self.row_parts) * nb, nb)
 
     def stage(self, rnd: int) -> None:
         """Round `rnd`'s host work: its ids, positions and targets (the trainer's data) into
@@ -506,13 +518,24 @@ class _Compiler:
         if rnd in self.staged or rnd >= self.n_rounds:
             return
         em = self.em
-        for ev in self.buf_free[rnd % 2]:
+        gather = self.block("embed", "weights", False) is None
+        waits = self.buf_free[rnd % 2]
+        if gather:  # with two parts these are already among the staging buffer's
+            part = rnd % self.row_parts
+            waits = waits + [ev for ev in self.rows_free[part] if ev not in waits]
+            self.rows_free[part] = []
+        for ev in waits:
             em.wait(HOST, ev)
         self.buf_free[rnd % 2] = []
         em.add(HostTask("tokens.stage", "tokens_stage", rnd, self._tokens(rnd)))
-        if self.block("embed", "weights", False) is None:
-            em.add(HostTask("embed.gather", "embed_gather", rnd, self._rows(rnd % 2)))
+        if gather:
+            em.add(HostTask("embed.gather", "embed_gather", rnd, self._rows(rnd)))
         self.staged[rnd] = em.record(HOST)
+
+    def stage_ahead_ok(self, rnd: int) -> bool:
+        """Whether round `rnd` may be staged before the previous round's backward: not when
+        both share one part of the embedding rows, whose gradient rows come home only then."""
+        return self.block("embed", "weights", False) is not None or self.row_parts > 1
 
     def load_tokens(self, rnd: int) -> None:
         """Token ids, RoPE positions and targets of the round (staged on the host, usually one
@@ -538,10 +561,12 @@ class _Compiler:
             em.add(Compute("embed.fwd", "embed_fwd", rnd, weights=dev, y=out))
             return
         off, nb = self._transition(out)
-        em.add(Fetch("embed.rows", self.ref("transitions", off, nb), self._rows(rnd % 2)))
+        em.add(Fetch("embed.rows", self.ref("transitions", off, nb), self._rows(rnd)))
         ev = em.record(H2D)
         em.wait(COMPUTE, ev)
         self.buf_free[rnd % 2].append(ev)
+        self.rows_free[rnd % self.row_parts].append(ev)
+        self.rows_sent[rnd] = ev
 
     def embed_bwd(self, rnd: int, dx: str) -> None:
         em = self.em
@@ -551,18 +576,23 @@ class _Compiler:
             self.sumsq(rnd, "embed", dev)
             return
         em.wait(D2H, em.record(COMPUTE))
-        em.wait(D2H, self.embed_grads_ready)  # the last scatter has read the gradient rows
+        em.wait(D2H, self.embed_grads_ready)  # the last scatter is done (kept: the D2H order)
+        # The gradient rows come home over the round's gathered rows: after those left for the
+        # device (the next gather into this part waits for the scatter: rows_free).
+        em.wait(D2H, self.rows_sent[rnd])
         off, n = self._transition(dx)
-        em.add(WriteBack("embed.dx", self._rows(2), self.ref("transitions", off, n)))
+        rows = self._rows(rnd)
+        em.add(WriteBack("embed.dx", rows, self.ref("transitions", off, n)))
         self.dx_sent = em.record(D2H)
         em.wait(HOST, self.dx_sent)
         home = self.block("embed", "grads", True)
-        em.add(HostTask("embed.scatter", "embed_scatter", rnd, home))
+        em.add(HostTask("embed.scatter", "embed_scatter", rnd, home, src=rows))
         if rnd == self.last_round:  # the squared norm of the finished sum, on the host
             em.add(HostTask("gnorm.embed", "grad_sumsq", rnd, home))
         ev = em.record(HOST)
         self.embed_grads_ready = ev
         self.buf_free[rnd % 2].append(ev)  # the scatter read this round's ids
+        self.rows_free[rnd % self.row_parts].append(ev)  # and the gradient rows in its part
 
     def head(self, rnd: int, final: str, dfinal: str) -> None:
         w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)

@@ -14,8 +14,8 @@ from memplan.chunking import head_sub_tokens
 from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload,
                            segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
-from memplan.memory import (EMBED_ROW_BUFFERS, NORM_HOST_BYTES, TOKEN_ID_BYTES,
-                             TOKEN_STAGING_ROWS, grad_bpe)
+from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
+                             row_parts)
 from memplan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
                           Slots, Where)
 from memplan.segments import is_inner, segment_bounds
@@ -104,7 +104,9 @@ class Space:
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(
             cfg, t, ch.seqlen, deterministic=attention_bwd is AttentionBwd.DETERMINISTIC))
         self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
-        self.rows_b = buffers.align(EMBED_ROW_BUFFERS * ch.tokens_per_round * cfg.model_dim * 2)
+        part = ch.tokens_per_round * cfg.model_dim * 2
+        self.rows_b = {n: buffers.align(n * part) for n in (1, 2)}
+        """Host bytes of a HOME embedding's pinned rows by their parts (memory.row_parts)."""
         self.fixed_host = max(e.values()) * 2 + buffers.align(
             TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES) + NORM_HOST_BYTES
         self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
@@ -137,9 +139,14 @@ class Space:
     def _any_streamed_opt(self, s: State) -> bool:
         return s.opt_streamed and (s.resident < self.L or not s.embed_dev or not s.head_dev)
 
-    def memory(self, s: State) -> tuple[int, int]:
-        """(device bytes, host bytes) of the materialised plan, computed in O(1)."""
+    def memory(self, s: State, rounds_per_step: int | None = None) -> tuple[int, int]:
+        """(device bytes, host bytes) of the materialised plan at `rounds_per_step` rounds a
+        step (default: this space's chunking's), computed in O(1). Only a HOME embedding's
+        pinned rows depend on the rounds (one part at one round, two at more); the device
+        bytes never do."""
         e, L = self.elems, self.L
+        if rounds_per_step is None:
+            rounds_per_step = self.ch.rounds_per_step
         dev = self.fixed_device + s.resident * self.block_state["layer"]
         host = self.fixed_host + (L - s.resident) * self.block_state["layer"]
         if s.resident < L:
@@ -147,7 +154,7 @@ class Space:
         if s.embed_dev:
             dev += self.block_state["embed"]
         else:
-            host += self.block_state["embed"] + self.rows_b
+            host += self.block_state["embed"] + self.rows_b[row_parts(rounds_per_step)]
         if s.head_dev:
             dev += 2 * e["head"] * 2
         else:

@@ -9,6 +9,7 @@ from memplan import buffers
 from memplan.decisions import Decisions, validate_decisions
 from memplan.memory import device_regions, host_regions, memory_map, region_category
 from memplan.plan import GradAccum, LayerPlacement, OptimizerWhere, Where
+from models.config import load_config
 from models.errors import ConfigError
 from models.flops import SavedLevel
 
@@ -64,15 +65,18 @@ def test_home_activations_and_slot_size_is_largest_home_level(h100):
 
 
 def test_embed_at_home_needs_no_device_region_and_head_always_has_two(h100):
-    """Embed HOME: no device region, rows staging on the host (two gather buffers for
-    alternate rounds and the gradient rows); head HOME: weights and grads regions stay on the
-    device, m and v go home."""
+    """Embed HOME: no device region, rows staging on the host (one round a step: one buffer,
+    the gathered rows and then the gradient rows over them); head HOME: weights and grads
+    regions stay on the device, m and v go home."""
     plan = forced(h100, "tiny", 64, embed=HOME_HOST, head=HOME_STREAMED, opt_stage_elems=64)
     dev, host = dict(device_regions(plan)), dict(host_regions(plan))
     assert not any(n.startswith("embed") for n in dev)
     assert "head.weights" in dev and "head.grads" in dev and "head.m" not in dev
     assert {"home.embed.weights", "home.embed.v", "home.head.m", "embed_rows"} <= set(host)
-    assert host["embed_rows"] == 3 * 64 * 64 * 2
+    assert plan.chunking.rounds_per_step == 1 and host["embed_rows"] == 1 * 64 * 64 * 2
+    two = forced(h100, "tiny", 64, chunk_tokens=64, rounds=2, embed=HOME_HOST)
+    assert two.chunking.tokens_per_round == 64
+    assert dict(host_regions(two))["embed_rows"] == 2 * 64 * 64 * 2  # alternate rounds
 
 
 def test_memory_map_sums_regions_by_category(h100):
@@ -133,3 +137,46 @@ def test_activation_table_shape_is_checked(h100):
     """activations must be n_layers rows of chunks_per_round entries."""
     with pytest.raises(ConfigError, match="rows"):
         forced(h100, "tiny", 64, activations=acts(2, 2))
+
+
+@pytest.mark.parametrize("model,seqlen,segments", [("small", 2048, False), ("1b", 131072, False),
+                                                   ("8b", 524288, True)])
+def test_candidate_memory_never_counts_the_embedding_rows_short(h100, prng, model, seqlen,
+                                                                segments):
+    """A search candidate's memory is taken at the rounds of its lower bound (the most its plan
+    can run): for sampled candidates with a HOME embedding, device bytes equal the materialised
+    plan's at the scored rounds, host bytes are at least its own, and equal unless the bound
+    allowed several rounds while the plan runs one (then exactly one part of rows more: 1b at
+    131072 has such candidates)."""
+    from memplan.cost import max_rounds, rounds_for_target
+    from memplan.search import _decisions, _options, _table
+
+    cfg = load_config(model)
+    frac = dict(_options(cfg, {}))["target_optimizer_frac"]
+    table = _table(cfg, seqlen, h100, GradAccum.BF16, {}, segments=segments)
+
+    def bound(c):
+        sp = table.spaces[c.space]
+        lb = sp.round_lower_bound_s(c.state)
+        return rounds_for_target(lb, lb, sp.optimizer(c.state).time_s, frac,
+                                 max_rounds(sp.ch.tokens_per_round))
+
+    home = [c for c in table.candidates if not c.state.embed_dev]
+    one = [c for c in home if bound(c) == 1]
+    more = [c for c in home if bound(c) > 1]
+    picked = prng.sample(one, min(40, len(one))) + prng.sample(more, min(40, len(more)))
+    picked += [c for c in more if table.score(c).rounds_per_step == 1][:20]
+    seen = set()
+    for c in picked:
+        sp = table.spaces[c.space]
+        mm = memory_map(_decisions(table, c))
+        rounds = table.score(c).rounds_per_step
+        assert c.device_bytes == mm.device_bytes + h100.library_reserve_bytes
+        assert rounds <= bound(c)
+        part = sp.ch.tokens_per_round * cfg.model_dim * 2
+        one_more = buffers.align(2 * part) - buffers.align(part)
+        short = bound(c) > 1 and rounds == 1
+        assert c.host_bytes - mm.host_bytes == (one_more if short else 0), (c.state, rounds)
+        seen.add((bound(c) > 1, rounds > 1))
+    if model == "1b":  # the one case that counts a part more was checked
+        assert (True, False) in seen

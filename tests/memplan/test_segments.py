@@ -31,7 +31,9 @@ def test_segment_state_memory_and_work_match_the_materialised_plan(prng, h100, m
             assert d.segment_layers == k
             mm = memory_map(d)
             reserve = getattr(h100, "library_reserve_bytes", 0)  # beside the arena
-            assert sp.memory(s) == (mm.device_bytes + reserve, mm.host_bytes), (k, s)
+            assert sp.memory(s, 2) == (mm.device_bytes + reserve, mm.host_bytes), (k, s)
+            one = memory_map(sp.decisions(s, rounds_per_step=1))
+            assert sp.memory(s, 1) == (one.device_bytes + reserve, one.host_bytes), (k, s)
             fast, full = sp.workload(s), workload_of(d, h100)
             for f in dataclasses.fields(full):
                 a, b = getattr(fast, f.name), getattr(full, f.name)

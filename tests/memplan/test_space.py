@@ -25,17 +25,22 @@ def _random_state(r, sp: Space) -> State:
 @pytest.mark.parametrize("model,seqlen", [("tiny", 256), ("small", 2048), ("8b", 65536),
                                           ("1b", 512)])
 def test_state_memory_and_work_match_the_materialised_plan(prng, h100, model, seqlen):
-    """For random States, Space.memory equals memory_map and Space.workload equals
-    workload_of on the decisions the State materialises to."""
+    """For random States, Space.memory equals memory_map (at one round a step and at more: a
+    HOME embedding's rows take one part or two) and Space.workload equals workload_of on the
+    decisions the State materialises to."""
     cfg = load_config(model)
     for ch in chunking_candidates(cfg, seqlen):
         for accum in GradAccum:
             sp = Space(cfg, ch, h100, accum)
             for _ in range(4):
                 s = _random_state(prng, sp)
+                for rounds in (1, 3):
+                    mm = memory_map(sp.decisions(s, rounds_per_step=rounds))
+                    assert sp.memory(s, rounds) == (mm.device_bytes + sp.p.library_reserve_bytes,
+                                                    mm.host_bytes), (s, rounds)
                 d = sp.decisions(s, rounds_per_step=2)
                 mm = memory_map(d)
-                assert sp.memory(s) == (mm.device_bytes + sp.p.library_reserve_bytes,
+                assert sp.memory(s, 2) == (mm.device_bytes + sp.p.library_reserve_bytes,
                                            mm.host_bytes), s
                 fast, full = sp.workload(s), workload_of(d, h100)
                 for f in dataclasses.fields(full):
