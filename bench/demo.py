@@ -234,7 +234,7 @@ class _Run:
         self.pcie = PcieSampler(counter) if counter else None
 
     def train(self, stop) -> None:
-        from dataflow.progress import Progress
+        from dataflow.progress import Progress, StepWatch
 
         args, eng = self.args, self.eng
         with eng, Progress(args.steps, "steps", logger=log) as bar:
@@ -245,8 +245,9 @@ class _Run:
                 if self.pcie:
                     self.pcie.start()
                 try:
-                    with stop.abortable():  # a second signal abandons the step at once
-                        r = eng.train_step(batch)
+                    with stop.abortable(), StepWatch(eng.step_progress,
+                                                     f"step {args.steps_done + 1}", bar.info):
+                        r = eng.train_step(batch)  # long steps report every 30 s
                 except NonFiniteError as exc:
                     self.status = f"nonfinite {exc.what} at step {exc.step}"
                     moved = self.pcie.stop() if self.pcie else None

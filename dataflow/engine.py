@@ -462,6 +462,13 @@ class Engine:
             raise ConfigError("every label of the evaluation batch is -100; keep at least one")
         return self.ex.evaluate(batch).loss
 
+    def step_progress(self):
+        """How far the train_step or evaluate in flight has got (dataflow.executor.StepProgress:
+        events dispatched of the schedule's, the last one's name), None between steps. Safe to
+        call from another thread: a long step (8b at 524k tokens takes over 13 minutes) can
+        report progress while it runs, as dataflow-demo does every 30 s."""
+        return self.ex.progress()
+
     def set_lr(self, lr: float) -> None:
         """Use `lr` for every later step (replaces the lr schedule, if any); a train_step's own
         lr= still wins for that step."""

@@ -51,6 +51,23 @@ class StepStats:
     """Global L2 norm of the step's gradients before clipping (None for an evaluation)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepProgress:
+    """How far the step (or evaluation) in flight has been dispatched: `dispatched` of `events`
+    schedule events, the last of them named `at`. The NumPy backend runs each event as it is
+    dispatched; the CuPy backend lets the compute stream run at most a few hundred ops ahead of
+    the GPU (dataflow.backends.cupy_backend.RUN_AHEAD_OPS), so it is a close lower bound there
+    too. Read from another thread while a long step runs (the demo's progress lines)."""
+
+    dispatched: int
+    events: int
+    at: str
+
+    @property
+    def fraction(self) -> float:
+        return self.dispatched / max(1, self.events)
+
+
 class Executor:
     def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None):
         self.plan, self.be, self.cfg = plan, be, plan.model
@@ -92,6 +109,8 @@ class Executor:
                           Update: self._update, Record: self._record, Wait: self._wait}
         self.dispatched: list | None = None
         """Set to a list to have every dispatched event appended (tests, the null backend)."""
+        self._n_events = self._n_done = 0
+        self._at = None
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
@@ -179,19 +198,31 @@ class Executor:
         self._round_chunks = [round_chunks(self.plan.chunking, batch, r)
                               for r in range(sch.rounds)]
         self._events = [None] * sch.n_ids
+        self._n_done, self._at, self._n_events = 0, None, len(sch.events)
 
     def _run(self, events) -> None:
-        dispatch, log = self._dispatch, self.dispatched
-        for ev in events:
+        dispatch, log, base = self._dispatch, self.dispatched, self._n_done
+        for i, ev in enumerate(events):
             dispatch[type(ev)](ev)
             if log is not None:
                 log.append(ev)
+            if not i & 63:  # for progress(), read by another thread; every event would cost
+                self._n_done, self._at = base + i + 1, ev
+        self._n_done = base + len(events)
+
+    def progress(self) -> StepProgress | None:
+        """The step or evaluation in flight (None between them): see StepProgress."""
+        total, at = self._n_events, self._at
+        if not total:
+            return None
+        return StepProgress(min(self._n_done, total), total, getattr(at, "name", "") or "")
 
     def _finish(self, sch: Schedule, rounds: int, tokens: int, t0: float,
                 norm: bool = False) -> StepStats:
         # Reading the losses (and the gradient norm) is the one host sync of the step: it orders
         # the next step after this one.
         scalars = self.download(self.tr["scalars"][:8 + 2 * rounds])
+        self._n_events = 0  # nothing in flight
         loss_pairs = scalars[8:].reshape(-1, 2)
         self._batch = None
         stats = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))

@@ -1,11 +1,13 @@
 """Progress for long work (model init, training steps): a bar redrawn in place when stderr is a
 terminal, plain periodic lines otherwise (logs, CI). Log lines pass through `info` so they never
-tangle with the bar. No dependencies; never prints to stdout (that is for --json)."""
+tangle with the bar. `StepWatch` reports inside one long step from a background thread. No
+dependencies; never prints to stdout (that is for --json)."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 
 
@@ -81,3 +83,37 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StepWatch:
+    """While a step runs, every `interval_s` write `say(line)` with how far it has got:
+    `with StepWatch(eng.step_progress, "step 3", log.info): eng.train_step(...)`. A step
+    shorter than the interval writes nothing. `position()` returns an object with `fraction`,
+    `dispatched`, `events` and `at` (dataflow.executor.StepProgress), or None."""
+
+    def __init__(self, position, label: str, say, *, interval_s: float = 30.0):
+        self.position, self.label, self.say, self.interval_s = position, label, say, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dataflow-step-watch",
+                                        daemon=True)
+        self._t0 = time.perf_counter()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            p = self.position()
+            if p is None:
+                continue
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / p.fraction - elapsed if p.fraction > 0.02 else None
+            self.say(f"{self.label}: {p.fraction:.0%} of its {p.events:,} events dispatched "
+                     f"({p.at}), {elapsed:.0f} s" + (f", about {eta:.0f} s to go" if eta
+                                                     else ""))
+
+    def __enter__(self) -> "StepWatch":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
