@@ -45,8 +45,14 @@ class SweepConfig:
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
-    """Short HEAD commit of the code that runs the cells, '+dirty' when tracked files differ."""
+    """Short HEAD commit of the code that runs the cells, '+dirty' when tracked files differ.
+    A tree exported by `git archive` (no .git of its own, perhaps inside another checkout, as
+    on the GPU machine) gives the commit it was archived from, never the enclosing repo's."""
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=10)
+        if top.returncode or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+            return _archived_commit(root)
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
                               capture_output=True, text=True, timeout=10)
         if head.returncode:
@@ -57,6 +63,16 @@ def git_commit(root: Path = REPO_ROOT) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def _archived_commit(root: Path) -> str | None:
+    """The commit `git archive` wrote into bench/ARCHIVE_COMMIT (.gitattributes: export-subst);
+    None in a checkout, where it holds the unexpanded placeholder."""
+    try:
+        text = (Path(root) / "bench" / "ARCHIVE_COMMIT").read_text().strip()
+    except OSError:
+        return None
+    return None if not text or "$" in text else text + "+archive"
 
 
 def is_finished(record: CellRecord | None, predict_only: bool) -> bool:

@@ -242,3 +242,31 @@ def test_fast_attention_sweep_plans_with_it_and_one_directory_holds_one_kind(tmp
     assert "fast attention backward; run with --fast-attention" in capsys.readouterr().err
     assert main([*base, "--fast-attention", "--out", str(tmp_path / "d")]) == 2
     assert "deterministic attention backward; run without" in capsys.readouterr().err
+
+
+def test_git_commit_of_an_archived_tree_is_the_archived_commit_not_the_enclosing_repos(tmp_path):
+    """Records made in a `git archive` export (the GPU machine runs one inside another checkout)
+    name the archived commit; a checkout names its HEAD; a plain folder names none."""
+    import shutil
+    import subprocess
+
+    from bench.sweep.sweep import REPO_ROOT, git_commit
+
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("needs git and a checkout")
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    inside = REPO_ROOT / ".pytest-archive" / tmp_path.name
+    inside.mkdir(parents=True)
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "HEAD",
+                                  "bench/ARCHIVE_COMMIT"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(inside)], input=archive.stdout, check=True)
+        got = git_commit(inside)
+        assert got is not None and got.endswith("+archive") and head.startswith(got[:-8])
+        (inside / "bench" / "ARCHIVE_COMMIT").write_text("$Format:%h$\n")
+        assert git_commit(inside) is None
+    finally:
+        shutil.rmtree(REPO_ROOT / ".pytest-archive")
+    assert not git_commit(REPO_ROOT).endswith("+archive")
+    assert git_commit(tmp_path) is None
