@@ -25,8 +25,9 @@ EXAMPLES = int(os.environ.get("DATAFLOW_FUZZ_EXAMPLES", "40"))
 """Examples per CLI fuzz test; raise it to fuzz deeper (the engine tests take 5/8 of it)."""
 LIMIT_S = 5.0
 """Most CPU seconds one input may take (the issue's 'no input hangs longer than 5 s'). CPU time
-of this process, not hypothesis' wall-clock deadline, so a busy 2-core CI box does not make the
-test flaky."""
+(of the calling thread for the CLIs, of this process for the engine, whose kernels may use
+threads), not hypothesis' wall-clock deadline, so a busy 2-core CI box does not make the test
+flaky."""
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -73,7 +74,9 @@ def _call(main, argv):
     """(exit code, stderr) of main(argv), whether it returns or raises SystemExit; at most
     LIMIT_S of CPU time either way."""
     err = io.StringIO()
-    t0 = time.process_time()
+    # This thread's CPU time: the CLIs plan on the calling thread, and the process's time also
+    # counts every other thread (once 14.9 s for an input that takes 0.1-1.8 s alone).
+    t0 = time.thread_time()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
@@ -81,7 +84,7 @@ def _call(main, argv):
             except SystemExit as exc:
                 code = exc.code
     finally:
-        assert time.process_time() - t0 < LIMIT_S, argv
+        assert time.thread_time() - t0 < LIMIT_S, argv
     return code, err.getvalue()
 
 
