@@ -140,28 +140,19 @@ def check_plan_matches(plan, cfg, seqlen: int, host_gb: float, dev_gb: float) ->
                           f"{plan.chunking.seqlen} {plan.model.name}) or drop --plan")
 
 
-def check_budgets_fit_machine(plan, backend, available: int | None = None) -> None:
+def check_budgets_fit_machine(plan, backend) -> None:
     """Refuse budgets larger than this machine's available host memory (both NumPy slabs live
-    there), counting the process overhead the plan states beside the host budget (what the
-    interpreter and libraries hold: a run that fits its budget but not that would be killed
-    mid-run), or the GPU's free memory, before anything is allocated."""
+    there) or the GPU's free memory, before anything is allocated."""
     import psutil
 
     b = plan.budget
-    # the stated overhead was measured with the CUDA libraries loaded; NumPy's is far smaller
-    overhead = 0 if backend.name == "numpy" else getattr(plan.profile, "host_overhead_bytes", 0)
-    host_need = b.host_bytes + (b.device_bytes if backend.name == "numpy" else 0) + overhead
-    avail = psutil.virtual_memory().available if available is None else available
+    host_need = b.host_bytes + (b.device_bytes if backend.name == "numpy" else 0)
+    avail = psutil.virtual_memory().available
     if host_need > avail:
-        numpy = backend.name == "numpy"
-        what = "host + device budgets" if numpy else "host budget"
-        beside = f" plus the {size_text(overhead)} the process needs beside it" if overhead \
-            else ""
-        fit = int((avail - host_need + b.host_bytes) // GIB)
-        hint = f"try host_gb {fit}" if fit >= 1 else "lower host_gb"
-        raise ConfigError(f"{what}{beside} ({size_text(host_need)}) exceed the "
-                          f"{size_text(avail)} of memory this machine has available; {hint}"
-                          f"{' or dev_gb' if numpy else ''}")
+        what = "host + device budgets" if backend.name == "numpy" else "host budget"
+        raise ConfigError(f"{what} {size_text(host_need)} exceed the {size_text(avail)} of "
+                          f"memory this machine has available; lower host_gb"
+                          f"{' or dev_gb' if backend.name == 'numpy' else ''} to fit")
     if backend.name != "numpy":
         free = _gpu_free_bytes()
         if free is not None and b.device_bytes > free:

@@ -244,30 +244,3 @@ def test_finite_budget_too_large_for_bytes_is_refused_by_name(capsys, main):
         code = exc.code
     err = _one_line_refusal(capsys, code)
     assert "device budget 1.67423e+299 GiB" in err and "1 PiB" in err
-
-
-def test_host_budget_plus_the_stated_process_overhead_must_fit_the_machine():
-    """On a GPU backend the host budget and the overhead the plan states beside it (the
-    interpreter and CUDA libraries) must fit this machine's available memory, or the run would
-    be killed mid-way; the message names both and a host_gb that fits. The NumPy backend counts
-    both slabs and no overhead."""
-    from types import SimpleNamespace
-
-    from memplan import make_plan
-    from memplan.plan import Budget
-    from memplan.profiles import get_profile
-    from models.errors import ConfigError
-    from models.hf import model_config
-
-    gib = 2**30
-    plan = make_plan(model_config("1b"), 8192, Budget.from_gib(40, 16), get_profile("h100"))
-    over = plan.profile.host_overhead_bytes
-    gpu, cpu = SimpleNamespace(name="cupy"), SimpleNamespace(name="numpy")
-    with pytest.raises(ConfigError) as err:
-        demo_checks.check_budgets_fit_machine(plan, gpu, available=40 * gib + over - 1)
-    msg = str(err.value)
-    assert "host budget plus the 2.50 GiB the process needs beside it" in msg
-    assert "try host_gb 39" in msg
-    demo_checks.check_budgets_fit_machine(plan, cpu, available=56 * gib)  # slabs only: fits
-    with pytest.raises(ConfigError, match=r"host \+ device budgets .* or dev_gb"):
-        demo_checks.check_budgets_fit_machine(plan, cpu, available=55 * gib)
