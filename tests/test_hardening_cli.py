@@ -150,6 +150,31 @@ def test_demo_refuses_budgets_above_available_memory_naming_both(capsys, monkeyp
     err = _one_line_refusal(capsys, demo_main(["2", "0.25", "256", "tiny", "--backend",
                                               "numpy"]))
     assert "2.25 GiB" in err and "2.00 GiB" in err and "available" in err
+    assert "DATAFLOW_HOST_CHECK=off" in err
+
+
+def test_host_check_off_lets_budgets_above_available_memory_through(monkeypatch):
+    """DATAFLOW_HOST_CHECK=off: a machine whose memory grows as it is used is not refused (the
+    engine is reached; here a sentinel stands in for it)."""
+    import psutil
+
+    from dataflow.engine import Engine
+
+    reached = []
+
+    def sentinel(*a, **k):
+        reached.append(True)
+        raise RuntimeError("sentinel: the engine was reached")
+
+    monkeypatch.setattr(Engine, "from_plan", classmethod(sentinel))
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=2 * 2**30))
+    monkeypatch.setenv("DATAFLOW_HOST_CHECK", "off")
+    try:
+        demo_main(["2", "0.25", "256", "tiny", "--backend", "numpy"])
+    except BaseException:  # noqa: BLE001 - the sentinel, however the demo reports it
+        pass
+    assert reached
 
 
 def test_size_text_uses_mib_below_one_gib():
