@@ -22,7 +22,7 @@ from kernels.host import norms as host_norms
 from kernels.host.memory import zero_fill
 from memplan import buffers
 from memplan.plan import AttentionBwd, GradAccum, Plan
-from memplan.segments import shares_boundary_kv
+from memplan.segments import boundary_kv_sharers
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
@@ -111,6 +111,8 @@ class Executor:
         """Set to a list to have every dispatched event appended (tests, the null backend)."""
         self._n_events = self._n_done = 0
         self._at = None
+        self._kv_sharers = boundary_kv_sharers(plan)
+        """(layer, chunk)s whose saved activation keeps no K/V (memplan.segments)."""
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
@@ -253,7 +255,7 @@ class Executor:
     def _save_views(self, ref: Ref, layer: int, chunk: int) -> dict:
         """Saved-activation tensors of (layer, chunk) at its level, inside `ref`."""
         level = self.plan.activations[layer][chunk].level
-        kv = not shares_boundary_kv(self.plan, layer, chunk)  # else its K/V: home.ctx_kv
+        kv = (layer, chunk) not in self._kv_sharers  # else its K/V: home.ctx_kv
         key = (ref, "save", level, kv)
         v = self._views.get(key)
         if v is None:

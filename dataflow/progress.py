@@ -96,7 +96,7 @@ class StepWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dataflow-step-watch",
                                         daemon=True)
-        self._t0 = time.perf_counter()
+        self._t0 = 0.0  # set when the step starts (__enter__)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

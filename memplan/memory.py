@@ -10,8 +10,8 @@ from __future__ import annotations
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
 from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from memplan.segments import KV_REGION, inner_regions, is_inner, kv_region_bytes, \
-    shares_boundary_kv
+from memplan.segments import KV_REGION, boundary_kv_sharers, inner_regions, is_inner, \
+    kv_region_bytes
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
@@ -156,12 +156,13 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
     out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
     act_bytes = _act_sizes(cfg, ch.chunk_tokens)
+    sharers = boundary_kv_sharers(d)
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
             if a.home is Where.HOME and not is_inner(layer, d.segment_layers):
                 out.append((f"home.act.{layer}.{chunk}", buffers.saved_activation_bytes(
                     cfg, ch.chunk_tokens, a.level, kv=False)
-                    if shares_boundary_kv(d, layer, chunk) else act_bytes(a.level)))
+                    if (layer, chunk) in sharers else act_bytes(a.level)))
     out += inner_regions(d, act_bytes)[1]
     out.append((KV_REGION, kv_region_bytes(d)))
     out.append(("io_staging", max(elems.values()) * 2))

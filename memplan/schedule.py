@@ -36,7 +36,8 @@ from memplan.events import (
 )
 from memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
-from memplan.segments import KV_REGION, inner_region, is_inner, segment_bounds, shares_boundary_kv
+from memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
+                              segment_bounds)
 from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
@@ -112,6 +113,8 @@ class _Compiler:
         self._tr_specs = {sp.name: sp for sp in buffers.transition_specs(
             self.cfg, self.ch.tokens_per_round)}
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
+        self.kv_sharers = boundary_kv_sharers(self.d)
+        """(layer, chunk)s whose K/V go through KV_REGION (memplan.segments)."""
         self.kv_stored: dict[int, int] = {}
         """Chunk -> the D2H record after a shared boundary's K/V rows of it reached KV_REGION."""
         self.kv_read: int | None = None
@@ -180,7 +183,7 @@ class _Compiler:
             for c in range(self.C):
                 a = d.activations[layer][c]
                 nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
-                    self.cfg, self.T, a.level, kv=not shares_boundary_kv(d, layer, c))
+                    self.cfg, self.T, a.level, kv=(layer, c) not in self.kv_sharers)
                 name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
                     f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
                 (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \
@@ -467,7 +470,7 @@ class _Compiler:
                     em.add(Compute(name, "layer_refwd", rnd, layer, c, weights=w, y=buf,
                                    src=src))
                     self.release_act("r", layer, c)
-                    if shares_boundary_kv(self.d, layer, c):
+                    if (layer, c) in self.kv_sharers:
                         self.store_boundary_kv(c)
                 else:
                     save = self.act("w", layer, c)
@@ -628,7 +631,7 @@ class _Compiler:
         em.wait(H2D, free)
         ctx, row = self._ctx_offsets, cfg.n_kv_heads * cfg.head_dim * 2
         at = self.ch.chunk_context(c) * row
-        shared = shares_boundary_kv(self.d, layer, c)
+        shared = (layer, c) in self.kv_sharers
         if shared:
             em.wait(H2D, self.kv_stored.pop(c))
         else:

@@ -42,13 +42,20 @@ def shares_boundary_kv(d, layer: int, chunk: int) -> bool:
     return a.home is Where.HOME and a.level is SavedLevel.INP_ONLY
 
 
+def boundary_kv_sharers(d) -> frozenset[tuple[int, int]]:
+    """Every (layer, chunk) of `d` for which shares_boundary_kv holds."""
+    return frozenset((layer, c) for layer, row in enumerate(d.activations)
+                     for c in range(len(row)) if shares_boundary_kv(d, layer, c))
+
+
+def kv_region_nbytes(cfg, chunking) -> int:
+    """Bytes of KV_REGION when it exists: a round's K rows, then its V rows, bf16."""
+    return 2 * chunking.tokens_per_round * cfg.n_kv_heads * cfg.head_dim * 2
+
+
 def kv_region_bytes(d) -> int:
     """Bytes of KV_REGION for `d`, 0 when no saved activation shares its K/V."""
-    if not any(shares_boundary_kv(d, layer, c) for layer in range(len(d.activations))
-               for c in range(len(d.activations[layer]))):
-        return 0
-    cfg = d.model
-    return 2 * d.chunking.tokens_per_round * cfg.n_kv_heads * cfg.head_dim * 2
+    return kv_region_nbytes(d.model, d.chunking) if boundary_kv_sharers(d) else 0
 
 
 def inner_region(layer: int, chunk: int, k: int, home: Where) -> str:

@@ -18,7 +18,7 @@ from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS,
                              row_parts)
 from memplan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
                           Slots, Where)
-from memplan.segments import is_inner, segment_bounds
+from memplan.segments import is_inner, kv_region_nbytes, segment_bounds
 from memplan.sim import Workload
 from models.config import ModelConfig
 from models.flops import SavedLevel
@@ -81,8 +81,7 @@ class Space:
             t = ch.chunk_tokens
             self.kv_free_b = buffers.saved_activation_bytes(cfg, t, SavedLevel.INP_ONLY) \
                 - buffers.saved_activation_bytes(cfg, t, SavedLevel.INP_ONLY, kv=False)
-            self.kv_region_b = buffers.align(
-                2 * ch.tokens_per_round * cfg.n_kv_heads * cfg.head_dim * 2)
+            self.kv_region_b = buffers.align(kv_region_nbytes(cfg, ch))
             self.kv_keeper = kept[-1] if self.L - kept[-1] == 1 else None
         self.n_inner = (self.L - self.n_kept) * self.C
         """Rebuilt activations per round; their storage is reused by every segment:"""
