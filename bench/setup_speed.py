@@ -10,19 +10,20 @@
            variant also across a piece boundary, and the time to free it.
   engine   each --runs entry in a fresh process ('PIN:warm' or 'PIN:cold', PIN = register |
            alloc): Engine setup phases (backend, plan, executor = schedule + arenas + pinning,
-           zero_state, init_weights, synchronize; the pinning's own map/touch/register split),
-           the warm-up (dataflow.warmup) when 'warm', then --steps steps: step 1 minus step 2 is
-           what first-use builds still cost. Runs share one cache directory pair (CuPy kernels,
-           numba), fresh unless --keep-caches, so the first run shows a cold start and later
-           runs a warm disk cache. Default: register:warm (first run ever), register:warm (the
-           second run issue 16 asks about), alloc:cold (today's pinning, and what the disk
-           caches alone leave in step 1 without the warm-up).
+           zero_state, init_weights, synchronize, warm_up; the pinning's own map/touch/register
+           split; warm_up's parts and how many cuDNN graphs it built or read from disk), then
+           --steps steps: step 1 minus step 2 is what first-use builds still cost (--steps 0:
+           setup only). Runs share one set of disk caches (CuPy kernels, numba, cuDNN graphs),
+           fresh unless --keep-caches, so the first run shows a cold start and later runs a warm
+           one; a 'cold' run has the cuDNN graph cache off (every graph built). Default:
+           register:warm (first run ever), register:warm (the second run issue 16 asks about),
+           alloc:cold.
 
     python -m bench.setup_speed --out bench/records/setup-speed-h100.json      # 40 GiB, 1b@8k 40/16
     python -m bench.setup_speed --gib 100 --model 8b --host-gb 80 --dev-gb 24 --out runs/s8b.json
 
 The short table comes last on stdout. Never changes the engine's code paths: it sets
-DATAFLOW_PIN for each engine process and calls dataflow.warmup itself."""
+DATAFLOW_PIN (and for a cold run DATAFLOW_CUDNN_CACHE_DIR=off) for each engine process."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ _COPY_BYTES = 1 << 30
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec:
-    """One engine process: how its host slab is pinned and whether it warms up before step 1."""
+    """One engine process: how its host slab is pinned and whether it may read cuDNN graphs
+    from the disk cache (warm) or must build them (cold)."""
 
     pin: str
     warm: bool
@@ -101,14 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-gb", type=positive(float), default=40.0)
     p.add_argument("--dev-gb", type=positive(float), default=16.0)
     p.add_argument("--runs", default="register:warm,register:warm,alloc:cold",
-                   help="engine processes in order, PIN:warm|cold each (PIN register|alloc)")
-    p.add_argument("--steps", type=positive(int), default=2, help="steps per engine run (>= 2)")
+                   help="engine processes in order, PIN:warm|cold each (PIN register|alloc; cold: "
+                        "cuDNN graphs built, not read from disk)")
+    p.add_argument("--steps", type=_steps, default=2,
+                   help="steps per engine run: 0 (setup only) or >= 2 (default 2)")
     p.add_argument("--keep-caches", action="store_true",
-                   help="use this user's CuPy and numba caches instead of a fresh pair")
+                   help="use this user's CuPy, numba and cuDNN graph caches instead of fresh ones")
     p.add_argument("--run-timeout", type=positive(float), default=300.0,
                    help="seconds one engine process may take (default 300)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
+
+
+def _steps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 0")
+    return n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,8 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.run_list = parse_runs(args.runs)
     except ValueError as exc:
         p.error(str(exc))
-    if args.steps < 2 and args.run_list:
-        p.error(f"--steps {args.steps}: step 1 is compared with step 2, so give at least 2")
+    if args.steps == 1 and args.run_list:
+        p.error(f"--steps {args.steps}: step 1 is compared with step 2, so give at least 2 "
+                f"(or 0 for setup only)")
     return args
 
 
@@ -258,6 +273,8 @@ class CudaProbe:
         cmd = [sys.executable, "-m", "bench.setup_speed", "--out", "-", "--child",
                json.dumps(child)]
         env = {**os.environ, **env, "DATAFLOW_PIN": spec.pin}
+        if not spec.warm:
+            env["DATAFLOW_CUDNN_CACHE_DIR"] = "off"
         t0 = time.perf_counter()
         try:
             done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -289,7 +306,6 @@ def child_main(spec_json: str) -> int:
     import numpy as np
 
     from dataflow.engine import Engine
-    from dataflow.warmup import warm_up
 
     imports_s = time.perf_counter() - t_proc
     t0 = time.perf_counter()
@@ -299,9 +315,8 @@ def child_main(spec_json: str) -> int:
            "rss_after_setup_minus_host_budget_bytes": _rss() - int(spec["host_gb"] * GIB),
            "setup_phases_s": dict(getattr(eng, "setup_seconds", {})),
            "pin": getattr(eng.be, "last_pin", None)}
-    t0 = time.perf_counter()
-    out["warmup_parts_s"] = warm_up(eng.plan, eng.be, eng.ex.schedule) if spec["warm"] else {}
-    out["warmup_s"] = time.perf_counter() - t0
+    out["warmup_parts_s"] = dict(getattr(eng, "warm_up_parts", {}))  # the engine warms itself
+    out["warmup_s"] = out["setup_phases_s"].get("warm_up")
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, eng.plan.model.vocab_size, (eng.seqs_per_step, spec["seqlen"] + 1),
                           dtype=np.int64)
@@ -316,7 +331,7 @@ def child_main(spec_json: str) -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     out["peak_rss_minus_host_budget_bytes"] = peak - int(spec["host_gb"] * GIB)
-    out["step1_minus_step2_s"] = steps[0]["wall_s"] - steps[1]["wall_s"]
+    out["step1_minus_step2_s"] = steps[0]["wall_s"] - steps[1]["wall_s"] if steps else None
     out["time_to_first_step_s"] = time.perf_counter() - t_proc - sum(s["wall_s"] for s in steps)
     eng.close()
     print(json.dumps(out), flush=True)
@@ -349,12 +364,18 @@ def collect(args: argparse.Namespace, probe, log=print) -> dict:
     if args.run_list and not args.keep_caches:
         cache_root = tempfile.mkdtemp(prefix="dataflow-setup-speed-")
         env = {"CUPY_CACHE_DIR": os.path.join(cache_root, "cupy"),
-               "NUMBA_CACHE_DIR": os.path.join(cache_root, "numba")}
+               "NUMBA_CACHE_DIR": os.path.join(cache_root, "numba"),
+               "DATAFLOW_CUDNN_CACHE_DIR": os.path.join(cache_root, "cudnn")}
         record["cache_dirs"] = env
     for i, spec in enumerate(args.run_list):
         log(f"engine run {i + 1}/{len(args.run_list)}: {spec.label} ...")
         record["engine_runs"].append(probe.engine_run(args, spec, env))
     return record
+
+
+def _graphs(parts: dict) -> str:
+    built, disk = parts.get("attention_graphs_built"), parts.get("attention_graphs_from_cache")
+    return "-" if built is None else f"{built}/{disk}"
 
 
 def _f(value, fmt: str = "{:.2f}") -> str:
@@ -385,7 +406,7 @@ def table(record: dict) -> str:
     if record["engine_runs"]:
         lines.append(f"{'engine run':16s} {'setup s':>7s} {'pin s':>6s} {'zero s':>6s} "
                      f"{'init s':>6s} {'warm s':>6s} {'step1 s':>7s} {'step2 s':>7s} "
-                     f"{'1-2 s':>6s} {'to step1 s':>10s}")
+                     f"{'1-2 s':>6s} {'to step1 s':>10s} {'graphs built/disk':>17s}")
         for r in record["engine_runs"]:
             if r.get("status") != "ok":
                 lines.append(f"{r['run']:16s} {r.get('status')} {r.get('error', '')}")
@@ -399,7 +420,8 @@ def table(record: dict) -> str:
                          f"{_f(steps[0]['wall_s'] if steps else None):>7s} "
                          f"{_f(steps[1]['wall_s'] if len(steps) > 1 else None):>7s} "
                          f"{_f(r.get('step1_minus_step2_s')):>6s} "
-                         f"{_f(r.get('time_to_first_step_s')):>10s}")
+                         f"{_f(r.get('time_to_first_step_s')):>10s} "
+                         f"{_graphs(r.get('warmup_parts_s') or {}):>17s}")
     return "\n".join(lines)
 
 

@@ -173,7 +173,9 @@ class Engine:
 
         # what step 1 would build on first use (CUDA modules, cuDNN graphs, numba kernels),
         # built now, after the seal, so the guard sees any allocation it might make
-        warm_up(plan, be, self.ex.schedule)
+        self.warm_up_parts = warm_up(plan, be, self.ex.schedule)
+        """warm_up's own breakdown: seconds per part (host_kernels, and on the GPU cuda_modules,
+        attention_graphs) and, on the GPU, attention_graphs_built / _from_cache (counts)."""
         clock.lap("warm_up")
         self.setup_seconds = clock.laps
         """Wall seconds of each setup phase (constructor also: backend, plan), in order."""

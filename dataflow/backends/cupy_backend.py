@@ -406,7 +406,8 @@ class CupyBackend(Backend):
         built deterministic, and also non-deterministic when the deterministic workspace does
         not fit the lent attention workspace (the choice dataflow.ops_cuda makes at run time).
         Allocates nothing from the device arena; call after lend_scratch, before the first
-        step. Seconds per part."""
+        step. Seconds per part, and the process's graph counts (attention_graphs_built,
+        attention_graphs_from_cache: kernels.cuda.graph_cache's disk cache)."""
         from kernels import cuda as K
         from kernels.cuda.warm import precompile
 
@@ -435,6 +436,9 @@ class CupyBackend(Backend):
                         K.attention_workspace_bytes("bwd", shape.n_q, *heads, deterministic=False,
                                                     n_keys=b - a)
             seconds["attention_graphs"] = time.perf_counter() - t0
+        sources = K.graph_sources()  # how many were built, how many read from the disk cache
+        seconds["attention_graphs_built"] = sources["built"]
+        seconds["attention_graphs_from_cache"] = sources["cache"]
         return seconds
 
     def memory_report(self) -> dict[str, int]:

@@ -9,7 +9,9 @@ the key prefix S' = q_offset + T (a contiguous prefix of k, v: no copy) with cuD
 mask aligned BOTTOM_RIGHT (key j visible to query i iff j <= i + S' - T = i + q_offset); with
 q_offset = 0 that is the ordinary TOP_LEFT causal mask, which is used then. One graph per
 shape (T, S', H, K, E, mask, determinism) per device, built on first use and cached with its
-workspace (or pass `workspace`); the cuDNN handle is one per device, bound to the current CuPy
+workspace (or pass `workspace`); a built graph is also serialised to disk and a later process
+deserialises it instead of building (kernels.cuda.graph_cache; DATAFLOW_CUDNN_CACHE_DIR=off
+turns that off); the cuDNN handle is one per device, bound to the current CuPy
 stream before each execute. Never synchronises by itself.
 
 `quiesce` (every public op takes it): the cuDNN frontend holds the GIL through its C++ calls,
@@ -51,6 +53,7 @@ _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS, _UID_DO, _UID_DQ, _UID_DK, _UID_DV =
 _HANDLES: dict[int, object] = {}
 _GRAPHS: dict[tuple, list] = {}  # key -> [graph, own workspace array or None, its bytes]
 _EXECUTED: set[int] = set()  # id() of each cached graph that has run once (its kernels loaded)
+SOURCES: dict[tuple, str] = {}  # key -> "built" or "cache" (see graph_sources)
 FALLBACKS: dict[tuple, str] = {}
 """Graph keys cuDNN refused, with its reason; those shapes run on the simple kernels."""
 
@@ -167,6 +170,41 @@ def _build_bwd(t, s, h, kh, e, mask, deterministic, style):
     return _finish(cudnn, g)
 
 
+def _cache_key(key: tuple) -> tuple:
+    """The on-disk key of a graph key: the shape without the device ordinal (graph_cache adds
+    the device's name and capability, cuDNN's and the frontend's versions)."""
+    return ("sdpa", 1) + tuple(key[1:])
+
+
+def _load_cached(key: tuple):
+    """[graph, None, workspace bytes] deserialised from kernels.cuda.graph_cache, or None."""
+    from kernels.cuda import graph_cache
+
+    if graph_cache.cache_dir() is None:
+        return None
+    cudnn = _cudnn()
+    handle = _handle()
+    g = graph_cache.load(_cache_key(key), cudnn.pygraph,
+                         graph_cache.environment(cudnn, key[0]), handle)
+    return None if g is None else [g, None, int(g.get_workspace_size())]
+
+
+def _store_cached(key: tuple, graph) -> None:
+    from kernels.cuda import graph_cache
+
+    if graph_cache.cache_dir() is not None:
+        graph_cache.store(_cache_key(key), graph, graph_cache.environment(_cudnn(), key[0]))
+
+
+def graph_sources() -> dict[str, int]:
+    """How this process's cached graphs came to be: {"built": n, "cache": m} (loaded from
+    kernels.cuda.graph_cache)."""
+    out = {"built": 0, "cache": 0}
+    for source in SOURCES.values():
+        out[source] += 1
+    return out
+
+
 def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True,
            quiesce=None):
     """Cached (graph, workspace) for this shape, or None when cuDNN refuses it (reason kept).
@@ -180,6 +218,11 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=
         return None, key
     if quiesce is not None:
         quiesce()
+    cached = _load_cached(key)
+    if cached is not None:
+        _GRAPHS[key] = cached
+        SOURCES[key] = "cache"
+        return cached, key
     reasons = []
     for style in ("band", "legacy"):
         try:
@@ -191,6 +234,8 @@ def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=
             reasons.append(f"[{style}] {type(exc).__name__}: {exc}")
             continue
         _GRAPHS[key] = built
+        SOURCES[key] = "built"
+        _store_cached(key, built[0])
         return built, key
     FALLBACKS[key] = "; ".join(reasons)
     log.warning("cuDNN SDPA %s refused %s (%s); using the simple attention kernels",
@@ -222,6 +267,7 @@ def forget_graphs() -> None:
     check that nothing outside the arena is used call this first: a graph an earlier caller
     ran without a workspace keeps its own and would hide a region that is too small)."""
     _GRAPHS.clear()
+    SOURCES.clear()
     FALLBACKS.clear()
     _EXECUTED.clear()
 

@@ -6,13 +6,14 @@ invalid: cuDNN's backend version, the frontend's version, the device's name and 
 capability. A missing, stale or unreadable entry is a miss, never an error: the caller builds the
 graph and stores it. Never builds a graph itself and never touches device memory.
 
-Where: DATAFLOW_CUDNN_CACHE_DIR, else ~/.cache/dataflow/cudnn. Clearing it is always safe.
+Where: DATAFLOW_CUDNN_CACHE_DIR, else ~/.cache/dataflow/cudnn; the value "off" turns the cache
+off (every graph is built). Clearing the directory is always safe.
 
-Use (inside attention._graph, around the build):
+Use (kernels.cuda.attention._graph, around the build):
     env = graph_cache.environment(cudnn, device_id)
-    g = graph_cache.load(key, lambda: cudnn.pygraph(handle=_handle(), ...same types...), env)
+    g = graph_cache.load(key, cudnn.pygraph, env, handle)
     if g is None:
-        g = <build as today>               # validate ... build_plans
+        g = <build>                        # validate ... build_plans
         graph_cache.store(key, g, env)
 """
 
@@ -27,9 +28,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path:
-    """The directory of serialised graphs (created on first store)."""
+def cache_dir() -> Path | None:
+    """The directory of serialised graphs (created on first store), or None when the cache is
+    off (DATAFLOW_CUDNN_CACHE_DIR=off)."""
     root = os.environ.get("DATAFLOW_CUDNN_CACHE_DIR")
+    if root is not None and root.strip().lower() == "off":
+        return None
     return Path(root) if root else Path.home() / ".cache" / "dataflow" / "cudnn"
 
 
@@ -44,23 +48,34 @@ def environment(cudnn, device_id: int) -> tuple:
             (int(props["major"]), int(props["minor"])))
 
 
-def entry_path(key: tuple, env: tuple) -> Path:
-    """The file of (key, env): a hash of their repr, so any field change is a new entry."""
+def entry_path(key: tuple, env: tuple) -> Path | None:
+    """The file of (key, env): a hash of their repr, so any field change is a new entry (None
+    when the cache is off)."""
+    root = cache_dir()
+    if root is None:
+        return None
     digest = hashlib.sha256(repr((tuple(key), tuple(env))).encode()).hexdigest()[:32]
-    return cache_dir() / f"{digest}.cudnn"
+    return root / f"{digest}.cudnn"
 
 
-def load(key: tuple, new_graph, env: tuple):
-    """A graph deserialised from the entry of (key, env), made by `new_graph()` (an empty
-    cudnn.pygraph on the right handle), or None on a miss or any failure to deserialise."""
+def load(key: tuple, new_graph, env: tuple, handle=None):
+    """A graph deserialised from the entry of (key, env) into `new_graph()` (an empty
+    cudnn.pygraph), through `handle` when given (cuDNN then takes the device's properties from
+    it), or None on a miss, with the cache off, or on any failure to deserialise."""
     path = entry_path(key, env)
+    if path is None:
+        return None
     try:
         data = path.read_bytes()
     except OSError:
         return None
     try:
         g = new_graph()
-        g.deserialize(list(data))  # pybind11 takes a list of ints for std::vector<uint8_t>
+        blob = list(data)  # pybind11 takes a list of ints for std::vector<uint8_t>
+        if handle is None:
+            g.deserialize(blob)
+        else:
+            g.deserialize(handle, blob)
         return g
     except Exception as exc:  # noqa: BLE001 - a stale or foreign entry is only a miss
         log.info("cuDNN graph cache entry %s not usable (%s); rebuilding", path.name, exc)
@@ -71,13 +86,22 @@ def store(key: tuple, graph, env: tuple) -> bool:
     """Serialise a built graph into the entry of (key, env), atomically; False (logged) when
     this cuDNN cannot serialise the graph or the directory is not writable."""
     path = entry_path(key, env)
+    if path is None:
+        return False
     try:
         data = bytes(graph.serialize())
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(data)
-        os.replace(tmp.name, path)
-        return True
     except Exception as exc:  # noqa: BLE001 - the cache is an optimisation, never a failure
         log.info("cannot cache cuDNN graph %s: %s", key, exc)
+        return False
+    tmp = None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+            tmp.write(data)
+        os.replace(tmp.name, path)  # readers see the whole entry or none
+        return True
+    except Exception as exc:  # noqa: BLE001
+        log.info("cannot cache cuDNN graph %s: %s", key, exc)
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
         return False

@@ -62,6 +62,7 @@ def test_defaults_measure_40_gib_and_three_engine_runs_of_1b():
     (["--variants", "alloc,mmap"], "known: alloc"),
     (["--gib", "-3"], "positive"),
     (["--steps", "1"], "at least 2"),
+    (["--steps", "-1"], ">= 0"),
 ])
 def test_bad_arguments_exit_2_naming_the_fix(capsys, argv, words):
     """Each mistake exits with argparse's status 2 and a message saying what would work."""
@@ -84,9 +85,10 @@ def test_record_holds_device_commit_config_and_every_measurement(tmp_path, capsy
     assert probe.pins[0] == ("alloc", 2 << 30, 4)
     assert [r["run"] for r in rec["engine_runs"]] == ["register:warm", "register:warm",
                                                       "alloc:cold"]
-    # every engine run shares one fresh cache pair, so run 2 sees what run 1 compiled
+    # every engine run shares one fresh set of caches, so run 2 sees what run 1 compiled
     envs = [env for _, env in probe.runs]
-    assert envs[0] == envs[1] == envs[2] and set(envs[0]) == {"CUPY_CACHE_DIR", "NUMBA_CACHE_DIR"}
+    assert envs[0] == envs[1] == envs[2] and set(envs[0]) == {"CUPY_CACHE_DIR", "NUMBA_CACHE_DIR",
+                                                                 "DATAFLOW_CUDNN_CACHE_DIR"}
     text = capsys.readouterr().out
     assert "register-pieces" in text and "alloc:cold" in text and "FAKE H100" in text
     assert text.rstrip().splitlines()[-1].startswith("record written to")

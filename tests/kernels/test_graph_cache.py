@@ -51,3 +51,15 @@ def test_unserialisable_graph_and_undeserialisable_entry_are_misses(tmp_path, mo
     assert not graph_cache.store(key, _FakeGraph(None), ENV)
     assert graph_cache.store(key, _FakeGraph(b"abc"), ENV)
     assert graph_cache.load(key, lambda: _FakeGraph(fail_deserialize=True), ENV) is None
+
+
+def test_off_stores_nothing_and_loads_nothing(tmp_path, monkeypatch):
+    """DATAFLOW_CUDNN_CACHE_DIR=off: no directory, every store refused, every load a miss."""
+    monkeypatch.setenv("DATAFLOW_CUDNN_CACHE_DIR", "off")
+    assert graph_cache.cache_dir() is None
+    assert not graph_cache.store(("fwd",), _FakeGraph(b"abc"), ENV)
+    assert graph_cache.load(("fwd",), _FakeGraph, ENV) is None
+    monkeypatch.setenv("DATAFLOW_CUDNN_CACHE_DIR", str(tmp_path))
+    assert graph_cache.store(("fwd",), _FakeGraph(b"abc"), ENV)
+    monkeypatch.setenv("DATAFLOW_CUDNN_CACHE_DIR", "OFF")
+    assert graph_cache.load(("fwd",), _FakeGraph, ENV) is None
