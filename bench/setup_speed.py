@@ -147,15 +147,10 @@ def config_of(args: argparse.Namespace) -> dict:
 
 
 def git_commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty else "") if head.returncode == 0 else None
+    """This tree's commit (bench.sweep's: a checkout's HEAD, +dirty, or a git archive's)."""
+    from bench.sweep.sweep import git_commit as commit_of
+
+    return commit_of(REPO_ROOT)
 
 
 def mem_available_bytes() -> int | None:

@@ -114,9 +114,9 @@ class Engine:
                 options[key] = value
         plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb),
                          profile or default_profile(be), **options)
+        t2 = time.perf_counter()
         self._start(plan, be, **run)
-        self.setup_seconds = {"backend": t1 - t0, "plan": time.perf_counter() - t1,
-                              **self.setup_seconds}
+        self.setup_seconds = {"backend": t1 - t0, "plan": t2 - t1, **self.setup_seconds}
 
     @classmethod
     def from_plan(cls, plan: Plan, **run) -> "Engine":

@@ -93,3 +93,19 @@ def test_reload_clears_dirty_state_and_writes_weights_through_home(rng, backend)
         _assert_weights_equal_fresh_init(eng, seed)
         for key, part, view in _state_views(eng):
             assert not eng.be.to_numpy(view).view(np.uint8).any(), (key, part)
+
+
+def test_setup_phases_are_disjoint_and_add_up_to_at_most_the_wall_time():
+    """Engine.setup_seconds times each phase once ('plan' is the planner alone, not the planner
+    and everything after it), so the phases sum to no more than the constructor's wall time;
+    warm_up's own parts are reported beside them."""
+    import time
+
+    t0 = time.perf_counter()
+    eng = Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=128, backend="numpy")
+    wall = time.perf_counter() - t0
+    phases = eng.setup_seconds
+    assert {"backend", "plan", "executor", "init_weights", "warm_up"} <= set(phases)
+    assert sum(phases.values()) <= wall + 1e-3, phases
+    assert "host_kernels" in eng.warm_up_parts
+    eng.close()
