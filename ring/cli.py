@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits for a neighbour before giving up (default 120)")
     p.add_argument("--out", metavar="DIR", default="",
                    help="write each rank's losses (rank<r>.json) and weights (rank<r>.npz)")
+    p.add_argument("--rounds", type=positive(int), default=None, metavar="N",
+                   help="rounds per step on every rank (default: the planner's choice); the "
+                        "global batch is N rounds of the chunks per round")
+    p.add_argument("--no-weights", action="store_true",
+                   help="with --out, leave out rank<r>.npz (a large model's weights are tens of "
+                        "GB per rank)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
@@ -74,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     # Without --out the launcher still reads rank 0's step times, from a folder it removes.
     out = args.out or ("" if env else tempfile.mkdtemp(prefix="dataflow-ring-"))
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
-                  save_weights=bool(args.out), steps=args.steps, seed=args.seed, lr=args.lr,
+                  save_weights=bool(args.out) and not args.no_weights, steps=args.steps, seed=args.seed, lr=args.lr,
                   backend=args.backend, replicas=args.replicas,
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
-                  timeout_s=args.timeout, out_dir=out)
+                  timeout_s=args.timeout, out_dir=out,
+                  constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
 
 

@@ -130,6 +130,9 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "step_times_s": times,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
+                "chunking": {"chunk_tokens": rp.plan.chunking.chunk_tokens,
+                             "chunks_per_round": rp.plan.chunking.chunks_per_round,
+                             "rounds_per_step": rp.plan.chunking.rounds_per_step},
                 "device_bytes": rp.plan.memory.device_bytes,
                 "host_bytes": rp.plan.memory.host_bytes}))
         rank.close()

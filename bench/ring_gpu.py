@@ -1,0 +1,345 @@
+"""The ring on a machine with several GPUs against one GPU (issue 18). Runs, each in fresh
+processes and one after the other:
+
+  ring     N ranks, one GPU each (NCCL), per-device budgets --ring-budget, launched by
+           `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m ring.cli` (--launcher);
+           every rank's losses and step times come back through ring.cli's --out files.
+  single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
+           ring's own chunking (chunk tokens, chunks per round, rounds per step, read from rank
+           0's record), so both train the same global batches (ring.worker.batches: the shipped
+           text) from the same initial weights, with the ring's learning rate and seed.
+
+While each runs, every process of it is sampled every 0.5 s: its RSS (psutil) and its device
+memory (NVML, per process, CUDA context included); a child that only creates a CuPy context
+first measures that context. The record (JSON, --out/ring_gpu.json) holds the device names,
+commit, config, per-process peaks against the per-device budgets, both runs' losses and step
+times, the losses' differences and the ring's tok/s over the single GPU's (steps after the first).
+The short table comes last on stdout. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+
+    python -m bench.ring_gpu --out runs/ring8b 8b 8192 --ring-budget 60:24 --single-budget 120:24
+    python -m bench.ring_gpu --out runs/ring32b 32b 8192 --ring-budget 125:40 --no-single \\
+        --launcher torchrun --steps 2
+
+Never trains in its own process and never creates a CUDA context in it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+INTERVAL_S = 0.5
+LAUNCHERS = ("dataflow-ring", "torchrun")
+
+
+def _budget(text: str) -> tuple[float, float]:
+    try:
+        host, dev = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write HOST_GB:DEV_GB, e.g. 60:24") from None
+    if host <= 0 or dev <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: both budgets must be > 0")
+    return host, dev
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.ring_gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("seqlen", type=int)
+    p.add_argument("--out", required=True, help="directory for the record and the logs")
+    p.add_argument("--gpus", type=int, default=2, help="ranks of the ring, one GPU each")
+    p.add_argument("--ring-budget", type=_budget, default=(60.0, 24.0), metavar="HOST:DEV",
+                   help="per-device budgets of each rank, GiB (default 60:24)")
+    p.add_argument("--single-budget", type=_budget, default=(120.0, 24.0), metavar="HOST:DEV",
+                   help="budgets of the one-GPU run, GiB (default 120:24)")
+    p.add_argument("--no-single", action="store_true", help="run the ring only")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds per step (ring.cli --rounds; default: the planner's)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--backend", choices=("cupy", "numpy"), default="cupy",
+                   help="numpy: a CPU smoke run of this script (shared-memory transport)")
+    p.add_argument("--timeout", type=float, default=480.0,
+                   help="seconds each run may take before it is killed (default 480)")
+    p.add_argument("--single-child", help=argparse.SUPPRESS)
+    return p
+
+
+# -- sampling ------------------------------------------------------------------------------------
+class ProcessPeaks:
+    """Peak RSS and NVML device memory of every process in the tree under a pid, per pid."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+        self.rss: dict[int, int] = {}
+        self.dev: dict[int, int] = {}
+        self.gpu_of: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                            for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # noqa: BLE001 - no NVML: RSS only
+            self.nvml, self.handles = None, []
+
+    def device_names(self) -> list[str]:
+        out = []
+        for h in self.handles:
+            name = self.nvml.nvmlDeviceGetName(h)
+            out.append(name.decode() if isinstance(name, bytes) else str(name))
+        return out
+
+    def watch(self, pid: int) -> "ProcessPeaks":
+        self._thread = threading.Thread(target=self._loop, args=(pid,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self, pid: int) -> None:
+        while not self._stop.is_set():
+            self._sample(pid)
+            self._stop.wait(INTERVAL_S)
+
+    def _sample(self, pid: int) -> None:
+        try:
+            root = self.psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except self.psutil.Error:
+            return
+        for proc in procs:
+            try:
+                rss = proc.memory_info().rss
+                if proc.pid not in self.names:
+                    self.names[proc.pid] = " ".join(proc.cmdline()[:6])[:120]
+            except self.psutil.Error:
+                continue
+            self.rss[proc.pid] = max(self.rss.get(proc.pid, 0), rss)
+        for gpu, h in enumerate(self.handles):
+            try:
+                listed = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            except Exception:  # noqa: BLE001
+                continue
+            for p in listed:
+                used = int(p.usedGpuMemory or 0)
+                if p.pid in self.rss and used > self.dev.get(p.pid, -1):
+                    self.dev[p.pid], self.gpu_of[p.pid] = used, gpu
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def report(self) -> list[dict]:
+        """One row per process that held GPU memory (the ranks), then the largest other RSS."""
+        rows = [{"pid": pid, "gpu": self.gpu_of[pid], "device_used_bytes": self.dev[pid],
+                 "rss_bytes": self.rss.get(pid), "cmd": self.names.get(pid, "")}
+                for pid in sorted(self.dev, key=lambda q: self.gpu_of[q])]
+        return rows
+
+
+def _run(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> tuple[int, float, list]:
+    """(exit code or 'timeout' as -9, wall seconds, per-process peaks) of one sampled run."""
+    peaks = ProcessPeaks()
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env=env, start_new_session=True)
+        peaks.watch(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+        finally:
+            peaks.stop()
+    return rc, time.monotonic() - t0, peaks.report()
+
+
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0"}
+
+
+def context_bytes(out: Path) -> int | None:
+    """NVML's per-process device memory of a process that only made a CuPy context on GPU 0."""
+    code = ("import cupy, time, sys; cupy.zeros(1); cupy.cuda.Device().synchronize(); "
+            "print('ready', flush=True); time.sleep(3)")
+    rc, _, rows = _run([sys.executable, "-c", code], out / "context.log", 60, _env())
+    return max((r["device_used_bytes"] for r in rows), default=None) if rc == 0 else None
+
+
+# -- the two runs -------------------------------------------------------------------------------
+def ring_command(args) -> list[str]:
+    host, dev = args.ring_budget
+    common = [f"{host:g}", f"{dev:g}", str(args.seqlen), args.model, "--backend", args.backend,
+              "--steps", str(args.steps), "--lr", f"{args.lr:g}", "--out",
+              str(Path(args.out) / "ring"), "--no-weights", "--timeout", "300"]
+    if args.rounds:
+        common += ["--rounds", str(args.rounds)]
+    if args.launcher == "torchrun":
+        exe = shutil.which("torchrun") or "torchrun"
+        return [exe, "--standalone", f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
+    transport = "nccl" if args.backend == "cupy" else "shm"
+    return [sys.executable, "-m", "ring.cli", "--gpus", str(args.gpus), "--transport", transport,
+            *common]
+
+
+def single_child(spec_json: str) -> int:
+    """The one-GPU run in this fresh process: prints one JSON line (losses, step times)."""
+    spec = json.loads(spec_json)
+    from dataflow.engine import Engine
+    from dataflow.optimizer import AdamWConfig
+    from ring.worker import RingJob, batches, model_config
+
+    cfg = model_config(spec["model"])
+    host, dev = spec["budget"]
+    job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev,
+                  steps=spec["steps"], lr=spec["lr"])
+    t0 = time.perf_counter()
+    eng = Engine(cfg, host_gb=host, dev_gb=dev, seqlen=spec["seqlen"], backend=spec["backend"],
+                 plan_options=dict(spec["chunking"]), seed=job.seed,
+                 optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
+    out = {"setup_s": time.perf_counter() - t0, "losses": [], "step_times_s": [],
+           "tokens_per_step": eng.plan.chunking.tokens_per_step,
+           "device_bytes": eng.plan.memory.device_bytes, "host_bytes": eng.plan.memory.host_bytes}
+    for batch in batches(job, cfg, eng.seqs_per_step):
+        r = eng.train_step(batch)
+        out["losses"].append(r.loss)
+        out["step_times_s"].append(r.step_time_s)
+        print(f"single step {len(out['losses'])}: loss {r.loss:.6f} {r.tok_per_s:,.0f} tok/s",
+              file=sys.stderr, flush=True)
+    eng.close()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def _tok_s(rec: dict | None) -> float | None:
+    if not rec or not rec.get("step_times_s"):
+        return None
+    times = rec["step_times_s"][1:] or rec["step_times_s"]
+    return rec["tokens_per_step"] / (sum(times) / len(times))
+
+
+def _last_json(path: Path) -> dict | None:
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def collect(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from bench.sweep.sweep import git_commit
+
+    probe = ProcessPeaks()
+    record = {"kind": "ring_gpu", "commit": git_commit(REPO_ROOT), "devices": probe.device_names(),
+              "config": {"model": args.model, "seqlen": args.seqlen, "gpus": args.gpus,
+                         "ring_budget_gib": list(args.ring_budget),
+                         "single_budget_gib": None if args.no_single else list(args.single_budget),
+                         "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
+                         "rounds": args.rounds},
+              "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
+    print(f"CUDA context: {None if ctx is None else round(ctx / GIB, 3)} GiB", flush=True)
+    cmd = ring_command(args)
+    print("ring:", " ".join(cmd), flush=True)
+    rc, wall, rows = _run(cmd, out / "ring.log", args.timeout, _env())
+    ring = {"exit_code": rc, "wall_s": wall, "processes": rows}
+    for r in range(args.gpus):
+        try:
+            ring[f"rank{r}"] = json.loads((out / "ring" / f"rank{r}.json").read_text())
+        except (OSError, ValueError):
+            ring[f"rank{r}"] = None
+    record["ring"] = ring
+    rank0 = ring.get("rank0")
+    print(f"ring exit {rc} in {wall:.0f} s; losses {rank0 and rank0['losses']}", flush=True)
+    if not args.no_single and rank0 and rank0.get("chunking"):
+        spec = {"model": args.model, "seqlen": args.seqlen, "budget": list(args.single_budget),
+                "backend": args.backend,
+                "steps": args.steps, "lr": args.lr, "chunking": rank0["chunking"]}
+        cmd = [sys.executable, "-m", "bench.ring_gpu", args.model, str(args.seqlen), "--out",
+               str(out), "--single-child", json.dumps(spec)]
+        env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
+        rc, wall, rows = _run(cmd, out / "single.log", args.timeout, env)
+        record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
+                            **(_last_json(out / "single.log") or {})}
+    _judge(record, args)
+    return record
+
+
+def _judge(record: dict, args) -> None:
+    """Per-process budget checks and the ring against the single GPU."""
+    ctx = record.get("context_bytes") or 0
+    host, dev = args.ring_budget
+    checks = []
+    for row in record["ring"]["processes"]:
+        checks.append({"gpu": row["gpu"],
+                       "device_minus_context_minus_budget_gib":
+                           (row["device_used_bytes"] - ctx) / GIB - dev,
+                       "rss_minus_host_budget_gib":
+                           None if row["rss_bytes"] is None else row["rss_bytes"] / GIB - host})
+    record["ring"]["budget_checks"] = checks
+    rank0, single = record["ring"].get("rank0"), record.get("single")
+    cmp = {"ring_tok_per_s": _tok_s(rank0), "single_tok_per_s": _tok_s(single)}
+    if cmp["ring_tok_per_s"] and cmp["single_tok_per_s"]:
+        cmp["speedup"] = cmp["ring_tok_per_s"] / cmp["single_tok_per_s"]
+    if rank0 and single and single.get("losses"):
+        a, b = rank0["losses"], single["losses"]
+        cmp["losses_identical"] = a == b
+        cmp["loss_max_rel_diff"] = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
+    record["comparison"] = cmp
+
+
+def table(record: dict) -> str:
+    c, ring = record["comparison"], record["ring"]
+    lines = [f"devices {record['devices']}  commit {record['commit']}",
+             f"ring of {record['config']['gpus']} ({record['config']['launcher']}) exit "
+             f"{ring['exit_code']} in {ring['wall_s']:.0f} s; losses "
+             f"{ring.get('rank0') and ring['rank0']['losses']}"]
+    for chk in ring.get("budget_checks", []):
+        rss = chk["rss_minus_host_budget_gib"]
+        lines.append(f"  GPU {chk['gpu']}: device used - context - budget "
+                     f"{chk['device_minus_context_minus_budget_gib']:+.2f} GiB, RSS - host budget "
+                     f"{'n/a' if rss is None else f'{rss:+.2f}'} GiB")
+    s = record.get("single")
+    if s:
+        lines.append(f"single GPU exit {s['exit_code']} in {s['wall_s']:.0f} s; losses "
+                     f"{s.get('losses')}")
+    fmt = lambda v: "n/a" if v is None else f"{v:,.0f}"  # noqa: E731
+    lines.append(f"tok/s ring {fmt(c.get('ring_tok_per_s'))}, single {fmt(c.get('single_tok_per_s'))}"
+                 + (f", speedup {c['speedup']:.3f}x" if c.get("speedup") else "")
+                 + (f"; losses identical {c['losses_identical']}, max rel diff "
+                    f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.single_child:
+        return single_child(args.single_child)
+    record = collect(args)
+    path = Path(args.out) / "ring_gpu.json"
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(table(record))
+    return 0 if record["ring"]["exit_code"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
