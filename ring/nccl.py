@@ -91,11 +91,15 @@ class NcclTransport(Transport):
         self.inn: dict[int, tuple] = {}
         """ring peer -> (communicator, peer's index in it) this rank receives from it on."""
         self.world = self.group = None
+        self._made: list = []
+        """This process's communicators in the one global order of `communicators` (close
+        destroys them in it: see close)."""
         for i, (what, members) in enumerate(comms):
             if me not in members:
                 continue
             comm = _communicator(nccl, len(members), raw[i * size:(i + 1) * size],
                                  members.index(me))
+            self._made.append(comm)
             if what == "world":
                 self.world = comm
             elif what == "replicas":
@@ -208,8 +212,10 @@ class NcclTransport(Transport):
         return [host[p].copy() for p in range(self.total)]
 
     def _comms(self) -> list:
+        """Every communicator of this process: the shared ones in the global order they were
+        made in (the same on every process), then its 1-rank ones."""
         seen, out = set(), []
-        for comm in (self.world, self.group, *(c for c, _ in self.out.values()),
+        for comm in (*self._made, self.world, self.group, *(c for c, _ in self.out.values()),
                      *(c for c, _ in self.inn.values())):
             if comm is not None and id(comm) not in seen:
                 seen.add(id(comm))
@@ -228,8 +234,13 @@ class NcclTransport(Transport):
             return
         for stream in self.streams.values():
             stream.synchronize()
+        # ncclCommDestroy finalises the communicator first, which waits for its other members
+        # to finalise it too: destroyed in per-process orders that differ (rank 0 its send pair
+        # first, rank 1 its own send pair first) two ranks wait for each other for ever (seen
+        # on 2 H200s at cc3682e: every ring trained, then hung at exit). One global order.
         for comm in self._comms():
             comm.destroy()
+        self._made = []
         self.world = self.group = self._stage = self._gather = None
         self.out.clear()
         self.inn.clear()

@@ -135,7 +135,14 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                              "rounds_per_step": rp.plan.chunking.rounds_per_step},
                 "device_bytes": rp.plan.memory.device_bytes,
                 "host_bytes": rp.plan.memory.host_bytes}))
-        rank.close()
+        import faulthandler
+
+        # a close that hangs (a communicator waiting for a peer) says where, once a minute
+        faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
+        try:
+            rank.close()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         transport = None
         return 0
     except RingError as exc:
