@@ -124,9 +124,12 @@ def _ring_text(cfg, args, budget, profile) -> str:
     """Per-device plans of a ring of args.gpus, its predicted throughput and the scaling model."""
     import json
 
-    from memplan.ring_plan import LINKS, best_rank_plans, predict_ring, scaling, scaling_text
+    from memplan.ring_plan import (LINKS, _speedup, best_rank_plans, predict_ring, ring_profile,
+                                   scaling, scaling_text)
 
-    plans = best_rank_plans(cfg, args.seqlen, budget, profile, args.gpus)
+    # the ranks run over NCCL on GPUs: their device budget also holds its buffers
+    plans = best_rank_plans(cfg, args.seqlen, budget, ring_profile(profile, args.gpus, "nccl"),
+                            args.gpus)
     preds, single, note = scaling(cfg, args.seqlen, budget, profile)
     here = [predict_ring(plans, link, single) for link in LINKS]
     if args.json:
@@ -145,9 +148,10 @@ def _ring_text(cfg, args, budget, profile) -> str:
         lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
                      f"{p.memory.device_bytes / gib:.2f} GiB, host {p.memory.host_bytes / gib:.2f}"
                      f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")
-    lines.append(f"  predicted ring throughput (single device: {single:,.0f} tok/s):")
+    alone = "does not fit" if single is None else f"{single:,.0f} tok/s"
+    lines.append(f"  predicted ring throughput (single device: {alone}):")
     for p in here:
-        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({p.speedup:.2f}x; step "
+        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({_speedup(p.speedup)}; step "
                      f"{p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
     return "\n".join(lines + [scaling_text(preds, single, note)])
 

@@ -16,6 +16,21 @@ from models.config import ModelConfig
 from models.errors import ConfigError
 
 MAX_RANKS = 64
+NCCL_RESERVE_BYTES = 1 << 30
+"""Device memory NCCL holds in each process of a ring beside the arena and the libraries
+(communicator buffers, proxy state, the transport's staging): measured 1.00 GiB per process on
+2 H200s over NVLink (3 communicators: world and the two directed pairs; 8b at 60/24,
+bench/records/ring-h200x2-d3a8afd/), which the plans did not count. Part of the device budget."""
+
+
+def ring_profile(profile: HardwareProfile, processes: int, transport: str) -> HardwareProfile:
+    """The profile a rank plans with: the device budget also holds NCCL's memory when the ring
+    runs over NCCL with more than one process (a GPU profile only: the NumPy backend's device is
+    host memory, and the shared-memory transport stages in pinned host memory)."""
+    if transport != "nccl" or processes < 2 or not profile.library_reserve_bytes:
+        return profile
+    return dataclasses.replace(
+        profile, library_reserve_bytes=profile.library_reserve_bytes + NCCL_RESERVE_BYTES)
 
 
 def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:
@@ -162,7 +177,8 @@ class RingPrediction:
     step_time_s: float
     tok_per_s: float
     speedup: float
-    """tok_per_s over the single-device plan's prediction under the same per-device budgets."""
+    """tok_per_s over the single-device plan's prediction under the same per-device budgets
+    (NaN when one device does not fit them)."""
     device_bytes: int
     """Per device (the largest rank's plan)."""
     host_bytes: int
@@ -198,7 +214,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     return RingPrediction(
         n_ranks=n, link=link.name, chunks_per_round=chunks, rank_step_time_s=rank_s,
         bubble_frac=bubble, fill_s=fill_s, link_s=link_s, step_time_s=step_s, tok_per_s=tok_s,
-        speedup=tok_s / single_tok_per_s if single_tok_per_s else 1.0,
+        speedup=tok_s / single_tok_per_s if single_tok_per_s else math.nan,
         device_bytes=max(rp.plan.memory.device_bytes for rp in rank_plans),
         host_bytes=max(rp.plan.memory.host_bytes for rp in rank_plans))
 
@@ -227,17 +243,24 @@ def best_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hard
 
 def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
             ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
-            links: tuple[Link, ...] = LINKS) -> tuple[tuple[RingPrediction, ...], float, str]:
+            links: tuple[Link, ...] = LINKS, transport: str = "nccl",
+            ) -> tuple[tuple[RingPrediction, ...], float | None, str]:
     """(predictions for every N in `ranks` that the model's layer count allows and every link,
-    the single-device tok/s, a note on the ring sizes left out). For each N the ring is planned
-    twice, with the planner's chunking and with at least N chunks per round (a full ring), and
-    the faster prediction is kept."""
-    single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
-    out, skipped = [], [n for n in ranks if n > cfg.n_layers]
+    the single-device tok/s or None when one device does not fit the budgets, a note on the ring
+    sizes left out). For each N the ring is planned twice, with the planner's chunking and with
+    at least N chunks per round (a full ring), and the faster prediction is kept; the ranks
+    plan with `transport`'s device memory reserved (ring_profile)."""
     refused = []
+    try:
+        single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+    except InfeasibleBudget as exc:  # a ring may fit where one device does not (issue 18's 32b)
+        single = None
+        refused.append(f"one device does not fit these budgets ({str(exc).split(';')[0][:160]})")
+    out, skipped = [], [n for n in ranks if n > cfg.n_layers]
     for n in (n for n in ranks if n <= cfg.n_layers):
         try:
-            options = rank_plan_options(cfg, seqlen, budget, profile, n)
+            options = rank_plan_options(cfg, seqlen, budget, ring_profile(profile, n, transport),
+                                        n)
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             refused.append(f"N = {n} refused by the planner ({str(exc).split(';')[0][:120]})")
             continue
@@ -250,16 +273,20 @@ def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProf
     return tuple(out), single, "\n  ".join(notes)
 
 
+def _speedup(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
+
+
 def scaling_text(preds: tuple[RingPrediction, ...], single_tok_per_s: float, note: str) -> str:
     """The scaling model as a table: one line per (N, link)."""
-    lines = [f"ring scaling (model, per-device budgets; single device {single_tok_per_s:,.0f} "
-             "tok/s):",
+    alone = "does not fit" if single_tok_per_s is None else f"{single_tok_per_s:,.0f} tok/s"
+    lines = [f"ring scaling (model, per-device budgets; single device {alone}):",
              f"  {'N':>3} {'link':<16} {'C':>3} {'bubble':>7} {'fill s':>8} {'link s':>8} "
              f"{'step s':>9} {'tok/s':>12} {'speedup':>8} {'dev GiB':>8} {'host GiB':>9}"]
     for p in preds:
         lines.append(f"  {p.n_ranks:>3} {p.link:<16} {p.chunks_per_round:>3} "
                      f"{p.bubble_frac:>6.0%} {p.fill_s:>8.3f} {p.link_s:>8.3f} "
-                     f"{p.step_time_s:>9.3f} {p.tok_per_s:>12,.0f} {p.speedup:>7.2f}x "
+                     f"{p.step_time_s:>9.3f} {p.tok_per_s:>12,.0f} {_speedup(p.speedup):>8s} "
                      f"{p.device_bytes / 2**30:>8.2f} {p.host_bytes / 2**30:>9.2f}")
     if note:
         lines.append("  " + note)

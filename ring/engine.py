@@ -102,7 +102,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     its backend, its transport and its blocks initialised as one device would."""
     from dataflow.engine import default_profile
     from memplan.plan import Budget, GradAccum
-    from memplan.ring_plan import make_rank_plan
+    from memplan.ring_plan import make_rank_plan, ring_profile
     from ring.rank import RingRank
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
@@ -110,6 +110,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     be = make_rank_backend(backend, transport if transport != "auto" else "nccl", env)
     kind = transport_kind(transport, be.name)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
+    profile = ring_profile(profile, env.world_size, kind)  # NCCL's own device memory
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
     tr = make_transport(kind, env, replicas, timeout_s)

@@ -136,12 +136,38 @@ def test_plan_cli_prints_each_device_and_the_scaling_model(capsys):
     """dataflow-plan --gpus 2 lists both devices, the predicted ring throughput and the table."""
     from memplan.cli import main
 
-    assert main(["1", "1", "64", "tiny", "--gpus", "2"]) == 0  # a GPU profile: 0.75 GiB reserve
+    # a GPU profile: 0.75 GiB for the libraries and 1 GiB for NCCL (ring_profile) per device
+    assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "device 0: layers 0 + embedding" in out and "device 1: layers 1 + head" in out
     assert "ring scaling" in out and "internet-1g" in out
     assert main(["1", "1", "64", "tiny", "--gpus", "3"]) == 2
     assert "at most 2 ranks" in capsys.readouterr().err
+
+
+def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
+    """32b at 125/40 per device (issue 18): one GPU needs about 233 GiB of host, a ring of 2 fits;
+    dataflow-plan says so instead of refusing, and shows no speedup over a device that cannot
+    run it."""
+    from memplan.cli import main
+
+    assert main(["125", "40", "8192", "32b", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "single device: does not fit" in out and "one device does not fit" in out
+    assert "device 1: layers 1, 3, ..., 63 (32) + head" in out and "n/a" in out
+
+
+def test_ring_profile_reserves_nccl_memory_on_gpus_only():
+    """An NCCL ring of two or more processes on a GPU profile reserves NCCL_RESERVE_BYTES more
+    device memory; one process, the shared-memory transport or the CPU profile reserve none."""
+    from memplan.profiles import get_profile
+    from memplan.ring_plan import NCCL_RESERVE_BYTES, ring_profile
+
+    gpu, cpu = get_profile("h100"), get_profile("cpu")
+    assert ring_profile(gpu, 2, "nccl").library_reserve_bytes == \
+        gpu.library_reserve_bytes + NCCL_RESERVE_BYTES
+    assert ring_profile(gpu, 1, "nccl") == gpu and ring_profile(gpu, 2, "shm") == gpu
+    assert ring_profile(cpu, 4, "nccl") == cpu
 
 
 def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
