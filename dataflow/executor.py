@@ -98,7 +98,7 @@ class Executor:
             cfg, ch.seqlen, self.T, ch.chunks_per_seq))
         self.tr = self.dev.tensors("transitions", buffers.transition_specs(cfg, ch.tokens_per_round))
         self.hb = self.dev.tensors("head_buffers", buffers.head_specs(
-            cfg, self.T, plan.slots.head_sub_tokens))
+            cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
         self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
         self.embed, self.layers, self.head = bind_blocks(plan, self.dev, self.host, self.gdt)
         self.act_specs = {}

@@ -49,6 +49,10 @@ class Decisions:
     """See Plan.segment_layers."""
     attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC
     """See Plan.attention_bwd."""
+    holds_embed: bool = True
+    """See Plan.holds_embed."""
+    holds_head: bool = True
+    """See Plan.holds_head."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -58,7 +62,8 @@ def decisions_of(obj) -> Decisions:
     return Decisions(model=obj.model, chunking=obj.chunking, slots=obj.slots, layers=obj.layers,
                      activations=obj.activations, embed=obj.embed, head=obj.head,
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
-                     attention_bwd=obj.attention_bwd)
+                     attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
+                     holds_head=obj.holds_head)
 
 
 def _positive(where: str, value) -> None:

@@ -93,7 +93,8 @@ def _act_sizes(cfg, tokens: int):
 def device_regions(plan) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of every device region, each size aligned to 256 B, zero-sized ones left
     out, in this order: resident layer state (layer{i}.weights/.grads/.m/.v), weight_slots,
-    grad_slots, embed.*, head.weights, head.grads (always present), head.m/.v, act.{layer}.{chunk}
+    grad_slots, embed.*, head.weights, head.grads (present unless the plan does not hold the head:
+    a ring rank's), head.m/.v, act.{layer}.{chunk}
     (saved activations kept on the device; with segments, the boundary layers' only, then
     act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, context, transitions,
     head_buffers, opt_stage."""
@@ -108,11 +109,13 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
         out.append(("weight_slots", s.weight_slots * elems["layer"] * 2))
     if any(p.grads is Where.HOME for p in d.layers):
         out.append(("grad_slots", s.grad_slots * elems["layer"] * gbpe))
-    out += _state_regions("embed", d.embed, elems["embed"], gbpe, Where.DEVICE)
-    out.append(("head.weights", elems["head"] * 2))
-    out.append(("head.grads", elems["head"] * gbpe))
-    if d.head.optimizer is OptimizerWhere.DEVICE:
-        out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
+    if d.holds_embed:
+        out += _state_regions("embed", d.embed, elems["embed"], gbpe, Where.DEVICE)
+    if d.holds_head:
+        out.append(("head.weights", elems["head"] * 2))
+        out.append(("head.grads", elems["head"] * gbpe))
+        if d.head.optimizer is OptimizerWhere.DEVICE:
+            out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
     t = ch.chunk_tokens
     act_bytes = _act_sizes(cfg, t)
     home_max = 0
@@ -132,8 +135,9 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
         cfg, ch.seqlen, t, ch.chunks_per_seq))))
     out.append(("transitions", buffers.packed_bytes(buffers.transition_specs(
         cfg, ch.tokens_per_round))))
-    out.append(("head_buffers", buffers.packed_bytes(buffers.head_specs(
-        cfg, t, s.head_sub_tokens))))
+    if d.holds_head:
+        out.append(("head_buffers", buffers.packed_bytes(buffers.head_specs(
+            cfg, t, s.head_sub_tokens))))
     if any_streamed_optimizer(d):
         gdt = "bf16" if d.grad_accum is GradAccum.BF16 else "f32"
         out.append(("opt_stage", buffers.packed_bytes(buffers.opt_stage_specs(
@@ -153,8 +157,10 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     out: list[tuple[str, int]] = []
     for i, p in enumerate(d.layers):
         out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME)
-    out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
-    out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
+    if d.holds_embed:
+        out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
+    if d.holds_head:
+        out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
     act_bytes = _act_sizes(cfg, ch.chunk_tokens)
     sharers = boundary_kv_sharers(d)
     for layer, row in enumerate(d.activations):
@@ -165,10 +171,11 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
                     if (layer, chunk) in sharers else act_bytes(a.level)))
     out += inner_regions(d, act_bytes)[1]
     out.append((KV_REGION, kv_region_bytes(d)))
-    out.append(("io_staging", max(elems.values()) * 2))
+    held = [elems["layer"]] + [elems["embed"]] * d.holds_embed + [elems["head"]] * d.holds_head
+    out.append(("io_staging", max(held) * 2))
     out.append(("tokens", TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES))
     out.append(("norm_host", NORM_HOST_BYTES))
-    if d.embed.weights is Where.HOME:
+    if d.embed.weights is Where.HOME and d.holds_embed:
         out.append(("embed_rows", embed_rows_bytes(cfg, ch)))
     return tuple((name, buffers.align(n)) for name, n in out if n > 0)
 

@@ -235,6 +235,12 @@ class Plan:
                                                     metadata={"omit_if_default": True})
     """Which fused-attention backward chunks that attend to themselves use (AttentionBwd); the
     plan reserves its workspace. Left out of the JSON (and hash) while deterministic."""
+    holds_embed: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
+    """False for a ring rank that does not own the embedding (memplan.ring_plan): no region of
+    the embedding's state or pinned rows exists on it. Left out of the JSON while True."""
+    holds_head: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
+    """False for a ring rank that does not own the final norm and lm_head: no region of the
+    head's state or buffers exists on it. Left out of the JSON while True."""
 
     def to_json(self) -> str:
         return to_json(self)

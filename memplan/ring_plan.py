@@ -67,9 +67,9 @@ def head_rank(n_layers: int, n_ranks: int) -> int:
 
 
 def rank_model(cfg: ModelConfig, n_ranks: int, rank: int) -> ModelConfig:
-    """The model one rank plans and allocates: the same shapes with only its own layers. Every
-    rank also gets an embedding and a head in its plan (only the owners use them: a known waste
-    of one embedding and one head per rank)."""
+    """The model one rank plans: the same shapes with only its own layers (the search plans an
+    embedding and a head on every rank; _holding then drops the regions of those it does not
+    own)."""
     n = len(owned_layers(cfg.n_layers, n_ranks, rank))
     if n_ranks == 1:
         return cfg
@@ -135,10 +135,24 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
                   rounds_per_step=ch.rounds_per_step)
     plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r), seqlen, budget, profile,
                                           grad_accum=grad_accum, **shared)
+    has_embed, has_head = r == embed_rank(cfg.n_layers, n_ranks), \
+        r == head_rank(cfg.n_layers, n_ranks)
     return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r),
-                    has_embed=r == embed_rank(cfg.n_layers, n_ranks),
-                    has_head=r == head_rank(cfg.n_layers, n_ranks), n_layers=cfg.n_layers,
-                    plan=plan, replicas=replicas)
+                    has_embed=has_embed, has_head=has_head, n_layers=cfg.n_layers,
+                    plan=_holding(plan, has_embed, has_head), replicas=replicas)
+
+
+def _holding(plan: Plan, embed: bool, head: bool) -> Plan:
+    """The rank's plan without the regions of the embedding / head it does not own. The search
+    planned the rank as if it held both (so it stays within budget with room to spare; its
+    prediction still counts the head's compute on every rank); the memory map is then the
+    regions that exist, as the executor allocates them."""
+    if embed and head:
+        return plan
+    from memplan.memory import memory_map
+
+    held = dataclasses.replace(plan, holds_embed=embed, holds_head=head)
+    return dataclasses.replace(held, memory=memory_map(held))
 
 
 # -- the scaling model --------------------------------------------------------------------------

@@ -207,11 +207,11 @@ class _Compiler:
             self.a_index = {use: j for j, use in enumerate(order)}
         head = d.head
         nh = self.numel["head"]
-        if head.weights is Where.HOME:
+        if head.weights is Where.HOME and d.holds_head:
             self.hw_ring = _Ring(em, [self.ref("head.weights", 0, nh * 2)], "headw")
             self.hw_uses = [_Use("head", self.block("head", "weights", True))]
             self.hw_assigned = self.hw_ring.assign_rounds(self.hw_uses)
-        if head.grads is Where.HOME:
+        if head.grads is Where.HOME and d.holds_head:
             self.hg_ring = _Ring(em, [self.ref("head.grads", 0, nh * gb)], "headg")
             hg = self.block("head", "grads", True)
             self.hg_uses = {f: [_Use("head", ZERO if f else hg, hg, self.gdt)]
@@ -521,7 +521,7 @@ class _Compiler:
         if rnd in self.staged or rnd >= self.n_rounds:
             return
         em = self.em
-        gather = self.block("embed", "weights", False) is None
+        gather = self.gathers_rows()
         waits = self.buf_free[rnd % 2]
         if gather:  # with two parts these are already among the staging buffer's
             part = rnd % self.row_parts
@@ -538,7 +538,12 @@ class _Compiler:
     def stage_ahead_ok(self, rnd: int) -> bool:
         """Whether round `rnd` may be staged before the previous round's backward: not when
         both share one part of the embedding rows, whose gradient rows come home only then."""
-        return self.block("embed", "weights", False) is not None or self.row_parts > 1
+        return not self.gathers_rows() or self.row_parts > 1
+
+    def gathers_rows(self) -> bool:
+        """The host gathers each round's embedding rows: a HOME table this plan holds (a ring
+        rank without the embedding gathers nothing)."""
+        return self.d.holds_embed and self.block("embed", "weights", False) is None
 
     def load_tokens(self, rnd: int) -> None:
         """Token ids, RoPE positions and targets of the round (staged on the host, usually one

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from memplan import get_profile
+from memplan import get_profile, make_plan
 from memplan.plan import Budget
 from memplan.ring_plan import (
     LINKS,
@@ -216,3 +216,29 @@ def test_ring_schedules_round_trip_through_json_and_time_together():
         assert all(tl.total_s >= tl.compute_busy_s > 0 for tl in lines)
         steps.append(step)
     assert steps == sorted(steps)
+
+
+def test_a_rank_holds_no_region_of_the_embedding_or_head_it_does_not_own():
+    """A ring rank's plan leaves out the state, rows and buffers of the blocks other ranks own
+    (32b at 125/40: 5.8 GiB of host on the head's rank, 6.5 GiB of device on the other), its
+    memory map is the regions that exist, and a single-device plan's JSON is as before."""
+    from memplan.memory import device_regions, host_regions, memory_map
+    from memplan.plan import Budget
+    from memplan.profiles import get_profile
+    from memplan.ring_plan import make_rank_plans
+
+    cfg = load_config("tiny")
+    r0, r1 = make_rank_plans(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"), 2)
+    names = {r: {n for n, _ in device_regions(rp.plan) + host_regions(rp.plan)}
+             for r, rp in ((0, r0), (1, r1))}
+    assert (r0.plan.holds_embed, r0.plan.holds_head) == (True, False)
+    assert (r1.plan.holds_embed, r1.plan.holds_head) == (False, True)
+    assert not any(n.startswith(("head.", "home.head.")) or n == "head_buffers"
+                   for n in names[0])
+    assert not any(n.startswith(("embed.", "home.embed.")) or n == "embed_rows"
+                   for n in names[1])
+    assert "head_buffers" in names[1]
+    for rp in (r0, r1):
+        assert rp.plan.memory == memory_map(rp.plan)
+    single = make_plan(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"))
+    assert "holds_" not in single.to_json()
