@@ -124,7 +124,7 @@ def _ring_text(cfg, args, budget, profile) -> str:
     """Per-device plans of a ring of args.gpus, its predicted throughput and the scaling model."""
     import json
 
-    from memplan.ring_plan import (LINKS, _speedup, best_rank_plans, predict_ring, ring_profile,
+    from memplan.ring_plan import (LINKS, speedup_text, best_rank_plans, predict_ring, ring_profile,
                                    scaling, scaling_text)
 
     # the ranks run over NCCL on GPUs: their device budget also holds its buffers
@@ -151,7 +151,7 @@ def _ring_text(cfg, args, budget, profile) -> str:
     alone = "does not fit" if single is None else f"{single:,.0f} tok/s"
     lines.append(f"  predicted ring throughput (single device: {alone}):")
     for p in here:
-        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({_speedup(p.speedup)}; step "
+        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({speedup_text(p.speedup)}; step "
                      f"{p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
     return "\n".join(lines + [scaling_text(preds, single, note)])
 

@@ -287,7 +287,8 @@ def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProf
     return tuple(out), single, "\n  ".join(notes)
 
 
-def _speedup(x: float) -> str:
+def speedup_text(x: float) -> str:
+    """A ring prediction's speedup for a table: "1.96x", or "n/a" when one device does not fit."""
     return "n/a" if math.isnan(x) else f"{x:.2f}x"
 
 
@@ -300,7 +301,7 @@ def scaling_text(preds: tuple[RingPrediction, ...], single_tok_per_s: float, not
     for p in preds:
         lines.append(f"  {p.n_ranks:>3} {p.link:<16} {p.chunks_per_round:>3} "
                      f"{p.bubble_frac:>6.0%} {p.fill_s:>8.3f} {p.link_s:>8.3f} "
-                     f"{p.step_time_s:>9.3f} {p.tok_per_s:>12,.0f} {_speedup(p.speedup):>8s} "
+                     f"{p.step_time_s:>9.3f} {p.tok_per_s:>12,.0f} {speedup_text(p.speedup):>8s} "
                      f"{p.device_bytes / 2**30:>8.2f} {p.host_bytes / 2**30:>9.2f}")
     if note:
         lines.append("  " + note)
