@@ -287,15 +287,20 @@ def collect(args) -> dict:
 def _judge(record: dict, args) -> None:
     """Per-process budget checks and the ring against the single GPU."""
     ctx = record.get("context_bytes") or 0
-    host, dev = args.ring_budget
-    checks = []
-    for row in record["ring"]["processes"]:
-        checks.append({"gpu": row["gpu"],
-                       "device_minus_context_minus_budget_gib":
-                           (row["device_used_bytes"] - ctx) / GIB - dev,
-                       "rss_minus_host_budget_gib":
-                           None if row["rss_bytes"] is None else row["rss_bytes"] / GIB - host})
-    record["ring"]["budget_checks"] = checks
+
+    def checks(rows, budget):
+        host, dev = budget
+        return [{"gpu": row["gpu"],
+                 "device_minus_context_minus_budget_gib":
+                     (row["device_used_bytes"] - ctx) / GIB - dev,
+                 "rss_minus_host_budget_gib":
+                     None if row["rss_bytes"] is None else row["rss_bytes"] / GIB - host}
+                for row in rows]
+
+    record["ring"]["budget_checks"] = checks(record["ring"]["processes"], args.ring_budget)
+    if record.get("single"):
+        record["single"]["budget_checks"] = checks(record["single"]["processes"],
+                                                   args.single_budget)
     rank0, single = record["ring"].get("rank0"), record.get("single")
     cmp = {"ring_tok_per_s": _tok_s(rank0), "single_tok_per_s": _tok_s(single)}
     if cmp["ring_tok_per_s"] and cmp["single_tok_per_s"]:
@@ -313,21 +318,28 @@ def table(record: dict) -> str:
              f"ring of {record['config']['gpus']} ({record['config']['launcher']}) exit "
              f"{ring['exit_code']} in {ring['wall_s']:.0f} s; losses "
              f"{ring.get('rank0') and ring['rank0']['losses']}"]
-    for chk in ring.get("budget_checks", []):
-        rss = chk["rss_minus_host_budget_gib"]
-        lines.append(f"  GPU {chk['gpu']}: device used - context - budget "
-                     f"{chk['device_minus_context_minus_budget_gib']:+.2f} GiB, RSS - host budget "
-                     f"{'n/a' if rss is None else f'{rss:+.2f}'} GiB")
+    lines += _check_lines(ring)
     s = record.get("single")
     if s:
         lines.append(f"single GPU exit {s['exit_code']} in {s['wall_s']:.0f} s; losses "
                      f"{s.get('losses')}")
+        lines += _check_lines(s)
     fmt = lambda v: "n/a" if v is None else f"{v:,.0f}"  # noqa: E731
     lines.append(f"tok/s ring {fmt(c.get('ring_tok_per_s'))}, single {fmt(c.get('single_tok_per_s'))}"
                  + (f", speedup {c['speedup']:.3f}x" if c.get("speedup") else "")
                  + (f"; losses identical {c['losses_identical']}, max rel diff "
                     f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else ""))
     return "\n".join(lines)
+
+
+def _check_lines(run: dict) -> list[str]:
+    out = []
+    for chk in run.get("budget_checks", []):
+        rss = chk["rss_minus_host_budget_gib"]
+        out.append(f"  GPU {chk['gpu']}: device used - context - budget "
+                   f"{chk['device_minus_context_minus_budget_gib']:+.2f} GiB, RSS - host budget "
+                   f"{'n/a' if rss is None else f'{rss:+.2f}'} GiB")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
