@@ -147,6 +147,22 @@ class Engine:
                     progress, schedule)
 
     def _setup(self, plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule) -> None:
+        from dataflow.warmup import start_host_compile
+
+        # numba compiles the plan's host kernels (seconds each, cold) in another process while
+        # this one pins, clears and initialises; warm_up then loads them from numba's cache
+        background = start_host_compile(plan)
+        try:
+            self._setup_parts(plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule,
+                              background)
+        except BaseException:
+            if background is not None:
+                background.kill()
+                background.wait()
+            raise
+
+    def _setup_parts(self, plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule,
+                     background) -> None:
         self.plan, self.be = plan, be
         self.last_trace = None
         self._progress = progress
@@ -173,7 +189,7 @@ class Engine:
 
         # what step 1 would build on first use (CUDA modules, cuDNN graphs, numba kernels),
         # built now, after the seal, so the guard sees any allocation it might make
-        self.warm_up_parts = warm_up(plan, be, self.ex.schedule)
+        self.warm_up_parts = warm_up(plan, be, self.ex.schedule, background)
         """warm_up's own breakdown: seconds per part (host_kernels, and on the GPU cuda_modules,
         attention_graphs) and, on the GPU, attention_graphs_built / _from_cache (counts)."""
         clock.lap("warm_up")

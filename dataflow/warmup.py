@@ -53,6 +53,62 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
 
 
 HOST_KERNELS = ("adamw", "embedding_bwd", "sumsq")
+_WARM: set[tuple[str, str]] = set()
+"""(kernel, gradient dtype name) pairs warm_host_kernels has loaded in this process: numba keeps
+them for the process's life, so a later engine need not compile them in the background again."""
+
+
+def host_kernels_of_plan(plan: Plan) -> frozenset[str]:
+    """The host kernels `plan`'s schedule will run, from the plan alone (before the schedule is
+    compiled): AdamW for any block updated on the host, the embedding scatter and sum of squares
+    for a HOME embedding gradient it holds. The same set as host_kernels_used(its schedule)."""
+    from memplan.plan import OptimizerWhere, Where
+
+    blocks = [*plan.layers] + [plan.embed] * plan.holds_embed + [plan.head] * plan.holds_head
+    used = set()
+    if any(b.optimizer is OptimizerWhere.HOST for b in blocks):
+        used.add("adamw")
+    if plan.holds_embed and plan.embed.grads is Where.HOME:
+        used |= {"embedding_bwd", "sumsq"}
+    return frozenset(used)
+
+
+def start_host_compile(plan: Plan):
+    """Compile (into numba's disk cache) the host kernels `plan` runs that this process has not
+    loaded yet, in a background process, so the compile overlaps the rest of setup (pinning,
+    initialisation: seconds each on a large model) instead of following it; warm_up waits for it
+    and then loads from the cache. None when there is nothing to compile. A failed or killed
+    background compile only means warm_up compiles in this process, as it would without it."""
+    import os
+    import subprocess
+    import sys
+
+    from memplan.plan import GradAccum
+
+    gdt = "float32" if plan.grad_accum is GradAccum.FP32 else "bfloat16"
+    todo = sorted(k for k in host_kernels_of_plan(plan) if (k, gdt) not in _WARM)
+    if not todo:
+        return None
+    code = ("import numpy as np, ml_dtypes; from dataflow.warmup import warm_host_kernels; "
+            f"warm_host_kernels({tuple(todo)!r}, "
+            f"(np.dtype(ml_dtypes.bfloat16) if {gdt!r} == 'bfloat16' else np.dtype('float32'),))")
+    try:
+        return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=os.environ.copy())
+    except OSError:
+        return None
+
+
+def _join(background, timeout_s: float = 600.0) -> None:
+    """Wait for start_host_compile's process (killed after timeout_s: warm_up then compiles)."""
+    if background is None:
+        return
+    try:
+        background.wait(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a stuck compile must not stop the engine
+        background.kill()
+        background.wait()
 
 
 def host_kernels_used(schedule) -> frozenset[str]:
@@ -101,19 +157,22 @@ def warm_host_kernels(kernels=HOST_KERNELS, grad_dtypes=(BF16, F32)) -> dict[str
             t0 = time.perf_counter()
             host_norms.sumsq(rng.standard_normal(n).astype(gdt))
             seconds[f"sumsq_{gdt.name}"] = time.perf_counter() - t0
+        _WARM.update((k, gdt.name) for k in kernels)
     return seconds
 
 
-def warm_up(plan: Plan, be, schedule=None) -> dict[str, float]:
+def warm_up(plan: Plan, be, schedule=None, background=None) -> dict[str, float]:
     """Warm everything step 1 would build; seconds per part ('host_kernels', and from a backend
     with warm_up — the CuPy one — 'cuda_modules', 'attention_graphs'). With the executor's
     compiled `schedule`, only the host kernels it runs, at the plan's gradient dtype (numba
     compiles are seconds each); without, all of them at both dtypes. Call after the arenas
     exist (the backend sizes cuDNN's choice of backward from its lent workspace), before the
-    first step."""
+    first step. `background`: start_host_compile's process, waited for first (its wait is
+    part of 'host_kernels')."""
     from memplan.plan import GradAccum
 
     t0 = time.perf_counter()
+    _join(background)
     if schedule is None:
         warm_host_kernels()
     else:

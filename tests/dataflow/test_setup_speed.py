@@ -187,3 +187,45 @@ def test_warm_up_with_a_schedule_warms_only_the_host_kernels_it_runs(monkeypatch
     W.warm_up(plan, object(), host)
     gname = "float32" if plan.grad_accum.value == "fp32" else "bfloat16"
     assert calls == [([], [gname]), (["adamw", "embedding_bwd", "sumsq"], [gname])]
+
+
+def test_the_plan_names_the_host_kernels_its_schedule_runs():
+    """host_kernels_of_plan (known before the schedule is compiled, so the background compile can
+    start first) gives what host_kernels_used reads off the compiled schedule, for every path
+    plan and both ranks of a ring (the rank without the embedding runs no scatter)."""
+    from dataflow.warmup import host_kernels_of_plan, host_kernels_used
+    from memplan.ring_plan import make_rank_plans
+    from memplan.ring_schedule import compile_ring_schedule
+    from memplan.schedule import compile_schedule
+    from models.config import load_config
+    from tests.dataflow.plans import path_plans
+
+    cfg = load_config("tiny")
+    seen = set()
+    for _, plan in path_plans(cfg):
+        want = host_kernels_used(compile_schedule(plan))
+        assert host_kernels_of_plan(plan) == want
+        seen |= want
+    assert seen == {"adamw", "embedding_bwd", "sumsq"}
+    for rp in make_rank_plans(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"), 2):
+        assert host_kernels_of_plan(rp.plan) == host_kernels_used(compile_ring_schedule(rp))
+
+
+def test_the_background_compile_fills_numbas_cache_for_warm_up(tmp_path, monkeypatch):
+    """start_host_compile compiles the plan's host kernels in another process into numba's cache
+    (here a fresh NUMBA_CACHE_DIR); warm_up waits for it; a process that has the kernels loaded
+    starts none."""
+    import dataflow.warmup as W
+    from models.config import load_config
+    from tests.dataflow.plans import path_plans
+
+    plan = dict(path_plans(load_config("tiny")))["streamed_1_slot_host_opt"]  # AdamW only
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(W, "_WARM", set())
+    proc = W.start_host_compile(plan)
+    assert proc is not None
+    W._join(proc)
+    assert proc.returncode == 0
+    assert list(tmp_path.rglob("*.nbi")), "nothing reached numba's cache"
+    monkeypatch.setattr(W, "_WARM", {("adamw", "bfloat16")})
+    assert W.start_host_compile(plan) is None
