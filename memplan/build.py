@@ -57,7 +57,8 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
     return Plan(model=d.model, budget=budget, profile=profile, chunking=d.chunking, slots=d.slots,
                 layers=d.layers, activations=d.activations, embed=d.embed, head=d.head,
                 grad_accum=d.grad_accum, memory=mem, prediction=predict(d, profile),
-                planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd)
+                planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
+                holds_embed=d.holds_embed, holds_head=d.holds_head)
 
 
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,

@@ -166,7 +166,8 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
     spaces, cands, chains = [], [], []
     for ch in chunking_candidates(cfg, seqlen, chunk_tokens=opts.get("chunk_tokens"),
                                   chunks_per_round=opts.get("chunks_per_round")):
-        sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"])
+        sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
+                   holds=(opts["holds_embed"], opts["holds_head"]))
         states, chain = _space_states(sp, opts)
         cands += _candidates(sp, opts, len(spaces), states)
         spaces.append(sp)
@@ -189,7 +190,8 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
     for base, chain in zip(plain.spaces, plain.chain_states):
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:
-                sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd)
+                sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,
+                           holds=base.holds)
                 states = {_carried(s, base.N, sp) for s in chain}
                 cands += _candidates(sp, plain.opts, len(spaces), states)
                 spaces.append(sp)

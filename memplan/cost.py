@@ -191,13 +191,14 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops,
                   gbpe) -> Workload:
     """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head."""
     cfg, ch, L = d.model, d.chunking, d.model.n_layers
-    head_s = sum(c.head_s for c in costs)
+    emb, head = d.holds_embed, d.holds_head  # a ring rank runs only the blocks it owns
+    head_s = sum(c.head_s for c in costs) if head else 0.0
     rows = ch.tokens_per_round * cfg.model_dim * 2
     opt = {OptimizerWhere.DEVICE: 0, OptimizerWhere.STREAMED: 0, OptimizerWhere.HOST: 0}
     for placement, n in ((q, elems["layer"]) for q in d.layers):
         opt[placement.optimizer] += n
-    opt[d.embed.optimizer] += elems["embed"]
-    opt[d.head.optimizer] += elems["head"]
+    opt[d.embed.optimizer] += elems["embed"] * emb
+    opt[d.head.optimizer] += elems["head"] * head
     return Workload(
         n_layers=L, fwd_s=fwd_s, bwd_s=bwd_s, head_s=head_s,
         streamed=[q.weights is Where.HOME for q in d.layers],
@@ -206,10 +207,10 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops,
         layer_bytes=elems["layer"] * 2, grad_bytes=elems["layer"] * gbpe,
         weight_slots=d.slots.weight_slots, grad_slots=d.slots.grad_slots,
         act_slots=d.slots.act_slots,
-        head_w_bytes=elems["head"] * 2 if d.head.weights is Where.HOME else 0,
-        head_g_bytes=elems["head"] * gbpe if d.head.grads is Where.HOME else 0,
-        embed_rows_bytes=rows if d.embed.weights is Where.HOME else 0,
-        embed_grad_rows_bytes=rows if d.embed.grads is Where.HOME else 0,
+        head_w_bytes=elems["head"] * 2 if head and d.head.weights is Where.HOME else 0,
+        head_g_bytes=elems["head"] * gbpe if head and d.head.grads is Where.HOME else 0,
+        embed_rows_bytes=rows if emb and d.embed.weights is Where.HOME else 0,
+        embed_grad_rows_bytes=rows if emb and d.embed.grads is Where.HOME else 0,
         compute_s=L * (fwd_s + sum(c.bwd_s for c in costs)) + head_s, recompute_s=rec_s,
         extra_flops=rec_flops + L * sum(c.flash_flops for c in costs),
         opt_device_elems=opt[OptimizerWhere.DEVICE],

@@ -67,9 +67,8 @@ def head_rank(n_layers: int, n_ranks: int) -> int:
 
 
 def rank_model(cfg: ModelConfig, n_ranks: int, rank: int) -> ModelConfig:
-    """The model one rank plans: the same shapes with only its own layers (the search plans an
-    embedding and a head on every rank; _holding then drops the regions of those it does not
-    own)."""
+    """The model one rank plans: the same shapes with only its own layers (its plan holds only
+    the embedding and head it owns: make_plan's holds_embed / holds_head)."""
     n = len(owned_layers(cfg.n_layers, n_ranks, rank))
     if n_ranks == 1:
         return cfg
@@ -110,7 +109,7 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
     rank's smallest budgets."""
     _check(cfg.n_layers, n_ranks, replicas=replicas)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
-                      grad_accum=grad_accum, **constraints)
+                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
     return tuple(_rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
                             constraints, replicas) for r in range(n_ranks))
 
@@ -123,9 +122,18 @@ def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
     fixes the chunking, as in make_rank_plans, so every rank agrees without talking."""
     _check(cfg.n_layers, n_ranks, rank, replicas)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
-                      grad_accum=grad_accum, **constraints)
+                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
     return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
                       replicas)
+
+
+def _holds(cfg: ModelConfig, n_ranks: int, r: int) -> dict:
+    """make_plan's holds_embed / holds_head for rank r: it plans and allocates only the
+    embedding and head it owns (Plan.holds_embed)."""
+    if n_ranks == 1:
+        return {}
+    return {"holds_embed": r == embed_rank(cfg.n_layers, n_ranks),
+            "holds_head": r == head_rank(cfg.n_layers, n_ranks)}
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
@@ -134,25 +142,12 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
     shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                   rounds_per_step=ch.rounds_per_step)
     plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r), seqlen, budget, profile,
-                                          grad_accum=grad_accum, **shared)
-    has_embed, has_head = r == embed_rank(cfg.n_layers, n_ranks), \
-        r == head_rank(cfg.n_layers, n_ranks)
+                                          grad_accum=grad_accum, **shared,
+                                          **_holds(cfg, n_ranks, r))
     return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r),
-                    has_embed=has_embed, has_head=has_head, n_layers=cfg.n_layers,
-                    plan=_holding(plan, has_embed, has_head), replicas=replicas)
-
-
-def _holding(plan: Plan, embed: bool, head: bool) -> Plan:
-    """The rank's plan without the regions of the embedding / head it does not own. The search
-    planned the rank as if it held both (so it stays within budget with room to spare; its
-    prediction still counts the head's compute on every rank); the memory map is then the
-    regions that exist, as the executor allocates them."""
-    if embed and head:
-        return plan
-    from memplan.memory import memory_map
-
-    held = dataclasses.replace(plan, holds_embed=embed, holds_head=head)
-    return dataclasses.replace(held, memory=memory_map(held))
+                    has_embed=r == embed_rank(cfg.n_layers, n_ranks),
+                    has_head=r == head_rank(cfg.n_layers, n_ranks), n_layers=cfg.n_layers,
+                    plan=plan, replicas=replicas)
 
 
 # -- the scaling model --------------------------------------------------------------------------

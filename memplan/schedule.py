@@ -98,6 +98,7 @@ class _Compiler:
         the embedding scatter that read its ids)."""
         self.stage_free: list[int | None] = [None, None]
         self.row_parts = embed_row_parts(self.ch)
+        self.has_embed, self.has_head = d.holds_embed, d.holds_head  # a ring rank's plan: its own
         """Parts of the pinned embedding rows (a HOME table): round r gathers into, fetches
         from and takes its gradient rows back into part r % row_parts."""
         self.rows_free: list[list[int]] = [[] for _ in range(self.row_parts)]
@@ -353,8 +354,10 @@ class _Compiler:
         right before its squared norm (one device: nothing more to add)."""
 
     def owned_blocks(self) -> list[str]:
-        """The blocks the optimizer updates (one device: all of them)."""
-        return [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
+        """The blocks the optimizer updates (one device: all of them; a plan that does not hold
+        the embedding or head: not those)."""
+        return [f"layer{i}" for i in range(self.L)] + ["embed"] * self.has_embed \
+            + ["head"] * self.has_head
 
     def round(self, rnd: int) -> None:
         em, L, first = self.em, self.L, rnd == 0

@@ -27,7 +27,8 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
            "BATCH_CONSTRAINTS", "batch_chunkings", "global_batch"]
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
-               "home_optimizer", "max_resident_layers", "attention_bwd")
+               "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
+               "holds_head")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -75,6 +76,11 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
     if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= cfg.n_layers:
         raise ConfigError(f"max_resident_layers must be in 0..{cfg.n_layers}, got {cap!r}")
     opts["max_resident_layers"], opts["target_optimizer_frac"] = cap, float(frac)
+    for key in ("holds_embed", "holds_head"):  # a ring rank's: see Plan.holds_embed
+        v = opts.get(key, True)
+        if not isinstance(v, bool):
+            raise ConfigError(f"constraint {key} must be True or False, got {v!r}")
+        opts[key] = v
     attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
     try:
         opts["attention_bwd"] = AttentionBwd(attn)

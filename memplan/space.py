@@ -62,9 +62,13 @@ class Space:
 
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
                  segment_layers: int = 1, inner_class: int = 5,
-                 attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC):
+                 attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
+                 holds: tuple[bool, bool] = (True, True)):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
+        self.holds = holds
+        """(embedding, head) this plan holds: a ring rank holds only those it owns."""
+        self.holds_embed, self.holds_head = holds
         self.L, self.C = cfg.n_layers, ch.chunks_per_round
         self.k, self.inner_class = segment_layers, inner_class
         kept = [first for first, _ in segment_bounds(self.L, self.k)]
@@ -98,15 +102,18 @@ class Space:
             buffers.chunk_workspace_specs(cfg, t),
             buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
             buffers.transition_specs(cfg, ch.tokens_per_round),
-            buffers.library_scratch_specs(cfg),
-            buffers.head_specs(cfg, t, self.head_sub))) + e["head"] * 2 + e["head"] * self.gbpe
+            buffers.library_scratch_specs(cfg)))
+        if self.holds_head:  # its buffers, and its weights and grads (a region or a slot)
+            self.fixed_device += buffers.packed_bytes(buffers.head_specs(cfg, t, self.head_sub)) \
+                + e["head"] * 2 + e["head"] * self.gbpe
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(
             cfg, t, ch.seqlen, deterministic=attention_bwd is AttentionBwd.DETERMINISTIC))
         self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
         part = ch.tokens_per_round * cfg.model_dim * 2
         self.rows_b = {n: buffers.align(n * part) for n in (1, 2)}
         """Host bytes of a HOME embedding's pinned rows by their parts (memory.row_parts)."""
-        self.fixed_host = max(e.values()) * 2 + buffers.align(
+        held = [e["layer"]] + [e["embed"]] * self.holds_embed + [e["head"]] * self.holds_head
+        self.fixed_host = max(held) * 2 + buffers.align(
             TOKEN_STAGING_ROWS * ch.tokens_per_round * TOKEN_ID_BYTES) + NORM_HOST_BYTES
         self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
@@ -121,7 +128,8 @@ class Space:
                 self.recf_pre[i].append(self.recf_pre[i][-1] + c.rec_flops[i])
         self.fwd_s = sum(c.fwd_s for c in self.costs)
         self.bwd0 = sum(c.bwd_s for c in self.costs)
-        self.compute_round_s = self.L * (self.fwd_s + self.bwd0) + sum(c.head_s for c in self.costs)
+        self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
+            + self.holds_head * sum(c.head_s for c in self.costs)
         self.min_rec_s = tuple(min(c.rec_s[LEVEL_INDEX[lv]] for c in self.costs)
                                for _, lv in ACT_CLASSES)
         self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
@@ -150,11 +158,15 @@ class Space:
         host = self.fixed_host + (L - s.resident) * self.block_state["layer"]
         if s.resident < L:
             dev += s.weight_slots * self.layer_b + s.grad_slots * self.layer_g
-        if s.embed_dev:
+        if not self.holds_embed:
+            pass
+        elif s.embed_dev:
             dev += self.block_state["embed"]
         else:
             host += self.block_state["embed"] + self.rows_b[row_parts(rounds_per_step)]
-        if s.head_dev:
+        if not self.holds_head:
+            pass
+        elif s.head_dev:
             dev += 2 * e["head"] * 2
         else:
             host += self.block_state["head"]
@@ -182,9 +194,9 @@ class Space:
 
     def optimizer(self, s: State) -> OptimizerCost:
         e, L = self.elems, self.L
-        dev = s.resident * e["layer"] + s.embed_dev * e["embed"] + s.head_dev * e["head"]
-        home = (L - s.resident) * e["layer"] + (not s.embed_dev) * e["embed"] \
-            + (not s.head_dev) * e["head"]
+        emb, head = e["embed"] * self.holds_embed, e["head"] * self.holds_head
+        dev = s.resident * e["layer"] + s.embed_dev * emb + s.head_dev * head
+        home = (L - s.resident) * e["layer"] + (not s.embed_dev) * emb + (not s.head_dev) * head
         return adamw_cost(dev, home * s.opt_streamed, home * (not s.opt_streamed), self.gbpe,
                           self.p)
 
@@ -254,7 +266,8 @@ class Space:
         return Decisions(model=self.cfg, chunking=ch, slots=slots, layers=layers,
                          activations=activations, embed=RESIDENT if s.embed_dev else home,
                          head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
-                         segment_layers=self.k, attention_bwd=self.attention_bwd)
+                         segment_layers=self.k, attention_bwd=self.attention_bwd,
+                         holds_embed=self.holds_embed, holds_head=self.holds_head)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""
