@@ -127,7 +127,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     """The fastest predicted plan that fits `budget`. Constraints (all optional): chunk_tokens,
     chunks_per_round, rounds_per_step, target_optimizer_frac (default 0.02), home_optimizer
     ('streamed' or 'host'), max_resident_layers, attention_bwd ('deterministic', the default,
-    or 'fast': see AttentionBwd), and the trainer's global batch as
+    or 'fast': see AttentionBwd), holds_embed and holds_head (False for a ring rank that does
+    not own the embedding / head: memplan.ring_plan), and the trainer's global batch as
     seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes exactly that
     many sequences per step (chunks x rounds chosen to fit it). Raises InfeasibleBudget naming
     the smallest budgets that work."""
