@@ -97,8 +97,8 @@ class _Compiler:
         """Per pinned staging buffer: what must finish before it is restaged (its fetches, and
         the embedding scatter that read its ids)."""
         self.stage_free: list[int | None] = [None, None]
-        self.row_parts = embed_row_parts(self.ch)
         self.has_embed, self.has_head = d.holds_embed, d.holds_head  # a ring rank's plan: its own
+        self.row_parts = embed_row_parts(self.ch)
         """Parts of the pinned embedding rows (a HOME table): round r gathers into, fetches
         from and takes its gradient rows back into part r % row_parts."""
         self.rows_free: list[list[int]] = [[] for _ in range(self.row_parts)]
