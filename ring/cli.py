@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.backend == "numpy" and args.transport == "nccl":
             raise ConfigError("the NCCL transport needs --backend cupy")
+        from memplan.cost import MAX_ROUNDS_PER_STEP
+
+        if args.rounds is not None and args.rounds > MAX_ROUNDS_PER_STEP:
+            raise ConfigError(f"--rounds {args.rounds} exceeds the planner's "
+                              f"{MAX_ROUNDS_PER_STEP}; give fewer (the global batch is rounds x "
+                              "chunks per round)")
         env, n = ring_processes(args.model, args.gpus, args.replicas)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

@@ -182,6 +182,10 @@ def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
     assert main(["1", "0.25", "64", "tiny"]) == 2
     assert "--gpus N" in capsys.readouterr().err
     assert main(["1", "-1", "64", "tiny", "--gpus", "2"]) == 2
+    capsys.readouterr()
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--rounds", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rounds 100000 exceeds" in err
 
 
 def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
