@@ -5,7 +5,7 @@ only bytes moved. (2) 2 data-parallel replicas of one device sharing the GPU (sh
 all-reduce of device gradients) against one device running both replicas' rows. (3) The NCCL
 transport as far as one GPU allows: a send to itself and a receive from itself inside one
 group, all-reduces over a 1-rank communicator (device and pinned host bytes) and the
-all-gather, byte-exact."""
+all-gather, byte-exact. (4) On a machine with two GPUs, an NCCL ring of 2 against one GPU."""
 
 from __future__ import annotations
 
@@ -151,6 +151,27 @@ def test_nccl_transport_moves_bf16_bytes_exactly(rng):
     finally:
         tr.close()
         be.close()
+
+
+def test_nccl_ring_on_two_gpus_reproduces_one_gpu_and_exits(tmp_path):
+    """Issue 18 in small, on a machine with two GPUs: a ring of 2 over NCCL (one GPU each, the
+    NCCL reserve in their plans) trains the Engine's losses and weights bit for bit, and both
+    ranks exit (at cc3682e every ring hung in ncclCommDestroy after its last step)."""
+    import time
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=3, seed=5,
+                  data="random:13", lr=1e-3, backend="cupy", transport="nccl", timeout_s=60,
+                  out_dir=str(tmp_path), constraints=CHUNKING)
+    t0 = time.monotonic()
+    losses, got = _launched(job, 2)
+    assert time.monotonic() - t0 < 120, "the ring did not exit in time"
+    want_losses, want = _single_device(job, 3.0)
+    assert losses[0] == losses[1] == want_losses, (losses, want_losses)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key], want[key].view(np.uint16)), key
 
 
 def test_nccl_ranks_need_a_gpu_each():
