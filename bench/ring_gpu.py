@@ -14,7 +14,9 @@ memory (NVML, per process, CUDA context included); a child that only creates a C
 first measures that context. The record (JSON, --out/ring_gpu.json) holds the device names,
 commit, config, per-process peaks against the per-device budgets, both runs' losses and step
 times, the losses' differences and the ring's tok/s over the single GPU's (steps after the first).
-The short table comes last on stdout. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+The short table comes last on stdout. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0);
+every NCCL_* variable the ranks see is recorded (try NCCL_MAX_NCHANNELS or
+NCCL_P2P_USE_CUDA_MEMCPY=1 to take NCCL's copies off the SMs).
 
     python -m bench.ring_gpu --out runs/ring8b 8b 8192 --ring-budget 60:24 --single-budget 120:24
     python -m bench.ring_gpu --out runs/ring32b 32b 8192 --ring-budget 125:40 --no-single \\
@@ -255,7 +257,8 @@ def collect(args) -> dict:
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
                          "rounds": args.rounds},
-              "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
     record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
     print(f"CUDA context: {None if ctx is None else round(ctx / GIB, 3)} GiB", flush=True)
     cmd = ring_command(args)
