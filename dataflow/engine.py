@@ -128,6 +128,12 @@ class Engine:
         carries its breakdown and `last_trace` the step's spans); progress (anything with
         update(), called once per block initialised or loaded); schedule (a compiled
         memplan.schedule.Schedule to run instead of compiling the plan's)."""
+        if not (plan.holds_embed and plan.holds_head):
+            raise ConfigError(f"this plan of {plan.model.name} is one ring rank's (it holds "
+                              f"{'no embedding' if not plan.holds_embed else 'the embedding'} "
+                              f"and {'no head' if not plan.holds_head else 'the head'}); train "
+                              "it as a ring (Engine(..., ring=ring.engine.Ring()), dataflow-ring) "
+                              "or plan one device with make_plan")
         self = cls.__new__(cls)
         be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
                       run.get("sanitize_seed", 0))

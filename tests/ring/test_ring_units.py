@@ -246,3 +246,16 @@ def test_a_rank_holds_no_region_of_the_embedding_or_head_it_does_not_own():
         assert rp.plan.memory == memory_map(rp.plan)
     single = make_plan(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"))
     assert "holds_" not in single.to_json()
+
+
+def test_the_engine_refuses_a_ring_ranks_plan():
+    """A rank's plan holds only part of the model: Engine.from_plan says so instead of training
+    a model without its head."""
+    from dataflow.engine import Engine
+    from memplan.profiles import get_profile
+    from memplan.ring_plan import make_rank_plans
+
+    r0, _ = make_rank_plans(load_config("tiny"), 64, Budget.from_gib(1, 0.25),
+                            get_profile("cpu"), 2)
+    with pytest.raises(ConfigError, match="one ring rank's .* no head"):
+        Engine.from_plan(r0.plan, backend="numpy")
