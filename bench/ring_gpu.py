@@ -194,8 +194,7 @@ def ring_command(args) -> list[str]:
     if args.rounds:
         common += ["--rounds", str(args.rounds)]
     if args.launcher == "torchrun":
-        exe = shutil.which("torchrun") or "torchrun"
-        return [exe, "--standalone", f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
+        return [shutil.which("torchrun") or "torchrun", "--standalone", f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
     transport = "nccl" if args.backend == "cupy" else "shm"
     return [sys.executable, "-m", "ring.cli", "--gpus", str(args.gpus), "--transport", transport,
             *common]
@@ -346,9 +345,15 @@ def _check_lines(run: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.single_child:
         return single_child(args.single_child)
+    if args.launcher == "torchrun" and shutil.which("torchrun") is None:
+        parser.error("--launcher torchrun: no torchrun on PATH (it comes with PyTorch); use "
+                     "--launcher dataflow-ring")
+    if args.gpus < 1 or args.steps < 1:
+        parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)
     path = Path(args.out) / "ring_gpu.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")

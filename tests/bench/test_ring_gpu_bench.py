@@ -22,8 +22,19 @@ def test_ring_and_single_device_agree_and_the_record_says_so(tmp_path, capsys):
     assert "losses identical True" in capsys.readouterr().out
 
 
-def test_budgets_are_refused_with_the_expected_form():
+def test_bad_input_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A budget without its device half, a missing torchrun, no steps: exit 2, one message,
+    nothing written."""
     import pytest
 
     with pytest.raises(SystemExit):
         ring_gpu.build_parser().parse_args(["8b", "8192", "--out", "x", "--ring-budget", "60"])
+    monkeypatch.setattr(ring_gpu.shutil, "which", lambda name: None)
+    out = tmp_path / "never"
+    for extra in (["--launcher", "torchrun"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            ring_gpu.main(["tiny", "64", "--out", str(out), *extra])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "no torchrun on PATH" in err and "--steps 0" in err
+    assert not out.exists()
