@@ -89,9 +89,7 @@ def start_host_compile(plan: Plan):
     todo = sorted(k for k in host_kernels_of_plan(plan) if (k, gdt) not in _WARM)
     if not todo:
         return None
-    code = ("import numpy as np, ml_dtypes; from dataflow.warmup import warm_host_kernels; "
-            f"warm_host_kernels({tuple(todo)!r}, "
-            f"(np.dtype(ml_dtypes.bfloat16) if {gdt!r} == 'bfloat16' else np.dtype('float32'),))")
+    code = f"from dataflow.warmup import warm_host_kernels; warm_host_kernels({todo!r}, ({gdt!r},))"
     try:
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

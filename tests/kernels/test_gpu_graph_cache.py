@@ -17,22 +17,16 @@ import numpy as np
 import pytest
 
 from dataflow.backends.cupy_backend import gpu_available
+from tests.gpu import random_bf16_preamble
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and CuPy")]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_SCRIPT = textwrap.dedent("""
+_SCRIPT = random_bf16_preamble(11) + textwrap.dedent("""
     import json, sys, time
-    import cupy as cp, ml_dtypes, numpy as np
     from kernels import cuda as K
-
-    BF16 = np.dtype(ml_dtypes.bfloat16)
-    rng = np.random.default_rng(11)
-    def bf(shape):
-        a = rng.standard_normal(shape).astype(np.float32).astype(BF16)
-        return cp.asarray(a.view(np.uint16)).view(BF16)
 
     t, h, kh, e = 512, 8, 2, 128
     outs = {}
