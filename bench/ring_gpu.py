@@ -53,7 +53,8 @@ def _budget(text: str) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.ring_gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.ring_gpu",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("seqlen", type=int)
     p.add_argument("--out", required=True, help="directory for the record and the logs")
@@ -194,7 +195,8 @@ def ring_command(args) -> list[str]:
     if args.rounds:
         common += ["--rounds", str(args.rounds)]
     if args.launcher == "torchrun":
-        return [shutil.which("torchrun") or "torchrun", "--standalone", f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
+        return [shutil.which("torchrun") or "torchrun", "--standalone",
+                f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
     transport = "nccl" if args.backend == "cupy" else "shm"
     return [sys.executable, "-m", "ring.cli", "--gpus", str(args.gpus), "--transport", transport,
             *common]
@@ -327,7 +329,8 @@ def table(record: dict) -> str:
                      f"{s.get('losses')}")
         lines += _check_lines(s)
     fmt = lambda v: "n/a" if v is None else f"{v:,.0f}"  # noqa: E731
-    lines.append(f"tok/s ring {fmt(c.get('ring_tok_per_s'))}, single {fmt(c.get('single_tok_per_s'))}"
+    lines.append(f"tok/s ring {fmt(c.get('ring_tok_per_s'))}, "
+                 f"single {fmt(c.get('single_tok_per_s'))}"
                  + (f", speedup {c['speedup']:.3f}x" if c.get("speedup") else "")
                  + (f"; losses identical {c['losses_identical']}, max rel diff "
                     f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else ""))

@@ -151,8 +151,8 @@ def _ring_text(cfg, args, budget, profile) -> str:
     alone = "does not fit" if single is None else f"{single:,.0f} tok/s"
     lines.append(f"  predicted ring throughput (single device: {alone}):")
     for p in here:
-        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({speedup_text(p.speedup)}; step "
-                     f"{p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
+        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  "
+                     f"({speedup_text(p.speedup)}; step {p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
     return "\n".join(lines + [scaling_text(preds, single, note)])
 
 

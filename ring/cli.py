@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     # Without --out the launcher still reads rank 0's step times, from a folder it removes.
     out = args.out or ("" if env else tempfile.mkdtemp(prefix="dataflow-ring-"))
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
-                  save_weights=bool(args.out) and not args.no_weights, steps=args.steps, seed=args.seed, lr=args.lr,
+                  save_weights=bool(args.out) and not args.no_weights, steps=args.steps,
+                  seed=args.seed, lr=args.lr,
                   backend=args.backend, replicas=args.replicas,
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
