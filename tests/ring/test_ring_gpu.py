@@ -179,8 +179,10 @@ def test_nccl_ranks_need_a_gpu_each():
     missing GPU, and rank 0 (waiting at the rendezvous) is stopped within the grace time."""
     if cp.cuda.runtime.getDeviceCount() > 1:
         pytest.skip("more than one GPU: the 2-GPU run is issue 18's")
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=1,
+    # 3 GiB: a rank of an NCCL ring plans NCCL's 1 GiB reserve, so with half of DEV_GB rank 0
+    # would itself fail (InfeasibleBudget) instead of waiting at the rendezvous.
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=1,
                   data="random:1", backend="cupy", transport="nccl", timeout_s=60,
                   constraints=CHUNKING)
     res = launch(job, 2, grace_s=30)
-    assert res.first_failure is not None and res.wall_s < 120, res
+    assert res.first_failure == 1 and res.exit_codes[1] == 1 and res.wall_s < 120, res
