@@ -22,7 +22,7 @@ from kernels.host import norms as host_norms
 from kernels.host.memory import zero_fill
 from memplan import buffers
 from memplan.plan import AttentionBwd, GradAccum, Plan
-from memplan.segments import boundary_kv_sharers
+from memplan.segments import kv_less
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
@@ -111,7 +111,8 @@ class Executor:
         """Set to a list to have every dispatched event appended (tests, the null backend)."""
         self._n_events = self._n_done = 0
         self._at = None
-        self._kv_sharers = boundary_kv_sharers(plan)
+        self._kv_less = kv_less(plan)
+        """(layer, chunk)s whose saved activation keeps no K/V (memplan.segments.kv_less)."""
         """(layer, chunk)s whose saved activation keeps no K/V (memplan.segments)."""
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
@@ -255,7 +256,7 @@ class Executor:
     def _save_views(self, ref: Ref, layer: int, chunk: int) -> dict:
         """Saved-activation tensors of (layer, chunk) at its level, inside `ref`."""
         level = self.plan.activations[layer][chunk].level
-        kv = (layer, chunk) not in self._kv_sharers  # else its K/V: home.ctx_kv
+        kv = (layer, chunk) not in self._kv_less  # else home.ctx_kv has them, or a rebuild
         key = (ref, "save", level, kv)
         v = self._views.get(key)
         if v is None:
@@ -311,6 +312,14 @@ class Executor:
             for part in ("k", "v"):
                 self.be.launch(Stream.COMPUTE, "cast", save[part], self.ctx[f"{part}_ctx"][rows],
                                name=f"ctx.{part}.L{ev.layer}.c{ev.chunk}")
+        elif ev.op == "kv_rebuild":
+            chunk = self._round_chunks[ev.round][ev.chunk]
+            at = chunk.context
+            rows = slice(at, at + self.T)
+            self.compute.rebuild_kv(ev.name, self._block_views(ev.weights, self.lay),
+                                    self._view(ev.save, (self.T, self.cfg.model_dim), "bf16"),
+                                    self.ctx["k_ctx"][rows], self.ctx["v_ctx"][rows],
+                                    tr["positions"][chunk.rows])
         elif ev.op == "embed_fwd":
             table = self.emb_lay.view(self._view(ev.weights, dtype="bf16"), "embed_tokens")
             self.be.launch(Stream.COMPUTE, "embedding_fwd", tr["ids"], table, tr[ev.y],

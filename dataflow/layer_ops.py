@@ -106,6 +106,19 @@ class LayerCompute:
                 out[n] = save[n]
         return out
 
+    def rebuild_kv(self, tag: str, w: dict, x, k, v, pos) -> None:
+        """A split chunk's K/V re-formed from its saved input x into its context rows k, v
+        (Plan.kv_rebuild): the forward's RMSNorm, K and V projections and RoPE, the same
+        kernels on the same shapes into the same rows, so the same bits."""
+        self.tag = tag
+        cfg, op = self.cfg, self._op
+        t = x.shape[0]
+        xn = self.ws["xn"][:t]
+        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, self.ws["rstd"][:t])
+        op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
+        op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+        op("rope_fwd", k, pos, rope_table(cfg), k)
+
     def _qkv(self, w, x, xn, rstd, q, k, v, pos) -> None:
         cfg, op = self.cfg, self._op
         t = x.shape[0]

@@ -57,16 +57,16 @@ def offsets(specs) -> dict[str, int]:
 
 def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
                            kv: bool = True) -> tuple[TensorSpec, ...]:
-    """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (only
-    at INP_ONLY, where x and rstd come first, so their offsets stay): no K and V, for a segment
-    boundary whose K/V the recompute re-forms (memplan.segments.shares_boundary_kv)."""
+    """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (at
+    INP_ONLY and INP_ATTN; x and rstd come first, so their offsets stay): no K and V, for a
+    split sequence's activation whose K/V the backward re-forms (memplan.segments.keeps_kv)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
-    if not kv:
-        if level is not SavedLevel.INP_ONLY:
-            raise ValueError(f"only INP_ONLY activations can leave out K/V; got {level}")
-        return tuple(specs)
-    specs += [TensorSpec("k", (t, k, e), "bf16"), TensorSpec("v", (t, k, e), "bf16")]
+    if not kv and level is SavedLevel.FULL:
+        raise ValueError("FULL activations keep their K/V; only INP_ONLY and INP_ATTN can "
+                         "leave them out")
+    if kv:
+        specs += [TensorSpec("k", (t, k, e), "bf16"), TensorSpec("v", (t, k, e), "bf16")]
     if level in (SavedLevel.INP_ATTN, SavedLevel.FULL):
         specs += [TensorSpec("o", (t, h, e), "bf16"), TensorSpec("lse", (h, t), "f32")]
     if level is SavedLevel.FULL:
@@ -79,6 +79,18 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
 def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel,
                            kv: bool = True) -> int:
     return packed_bytes(saved_activation_specs(cfg, tokens, level, kv))
+
+
+KV_REBUILD_STAGES = 2
+"""Saved inputs x a K/V rebuild stages on the device: the next comes over H2D while the compute
+re-forms K/V from the last."""
+
+
+def kv_rebuild_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
+    """Device staging of a K/V rebuild (Plan.kv_rebuild): KV_REBUILD_STAGES chunks' saved
+    inputs x (memplan.schedule uses them in turn)."""
+    return tuple(TensorSpec(f"x{i}", (tokens, cfg.model_dim), "bf16")
+                 for i in range(KV_REBUILD_STAGES))
 
 
 def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:

@@ -58,13 +58,14 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
                 layers=d.layers, activations=d.activations, embed=d.embed, head=d.head,
                 grad_accum=d.grad_accum, memory=mem, prediction=predict(d, profile),
                 planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
-                holds_embed=d.holds_embed, holds_head=d.holds_head)
+                holds_embed=d.holds_embed, holds_head=d.holds_head, segment_layers=d.segment_layers,
+                kv_rebuild=d.kv_rebuild)
 
 
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,
                chunking: Chunking, slots: Slots, layers: tuple[LayerPlacement, ...] | list,
                activations, embed: LayerPlacement, head: LayerPlacement,
-               grad_accum: GradAccum = GradAccum.BF16) -> Plan:
+               grad_accum: GradAccum = GradAccum.BF16, kv_rebuild: bool = False) -> Plan:
     """A Plan from explicit decisions (no search): validates them (placement triples, slot
     counts, chunking shape), computes the memory map and prediction, and raises InfeasibleBudget
     when they do not fit `budget`. `activations[layer][chunk]` is a SavedActivation."""
@@ -76,5 +77,6 @@ def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareP
             if not isinstance(a, SavedActivation):
                 raise ConfigError(f"activations must hold SavedActivation entries, got {a!r}")
     d = Decisions(model=cfg, chunking=chunking, slots=slots, layers=tuple(layers),
-                  activations=acts, embed=embed, head=head, grad_accum=grad_accum)
+                  activations=acts, embed=embed, head=head, grad_accum=grad_accum,
+                  kv_rebuild=kv_rebuild)
     return finish_plan(d, budget, profile)

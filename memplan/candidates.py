@@ -166,15 +166,24 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
     spaces, cands, chains = [], [], []
     for ch in chunking_candidates(cfg, seqlen, chunk_tokens=opts.get("chunk_tokens"),
                                   chunks_per_round=opts.get("chunks_per_round")):
-        sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
-                   holds=(opts["holds_embed"], opts["holds_head"]))
-        states, chain = _space_states(sp, opts)
-        cands += _candidates(sp, opts, len(spaces), states)
-        spaces.append(sp)
-        chains.append(chain)
+        for rebuild in kv_rebuild_choices(ch, opts.get("kv_rebuild")):
+            sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
+                       holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild)
+            states, chain = _space_states(sp, opts)
+            cands += _candidates(sp, opts, len(spaces), states)
+            spaces.append(sp)
+            chains.append(chain)
     table = Table(spaces, cands, opts)
     table.chain_states = tuple(chains)
     return table
+
+
+def kv_rebuild_choices(ch, wanted: bool | None) -> tuple[bool, ...]:
+    """Plan.kv_rebuild values the search tries for chunking `ch`: both for split sequences
+    unless the caller fixed one (None), only False for packed ones."""
+    if ch.chunks_per_seq < 2:
+        return (False,)
+    return (False, True) if wanted is None else (wanted,)
 
 
 @functools.lru_cache(maxsize=16)
@@ -188,6 +197,8 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
     plain = candidate_table(cfg, seqlen, p, grad_accum, options)
     spaces, cands = [], []
     for base, chain in zip(plain.spaces, plain.chain_states):
+        if base.kv_rebuild:  # segments keep their own boundary K/V scheme (memplan.segments)
+            continue
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:
                 sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,

@@ -18,7 +18,7 @@ from memplan.decisions import decisions_of
 from memplan.memory import grad_bpe
 from memplan.plan import (AttentionBwd, Chunking, HardwareProfile, OptimizerWhere, Prediction,
                           Where)
-from memplan.segments import segment_bounds
+from memplan.segments import kv_rebuilt, segment_bounds
 from memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
 from models.config import ModelConfig
 from models.flops import (
@@ -144,6 +144,15 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     return tuple(out)
 
 
+def kv_rebuild_cost(cfg: ModelConfig, tokens: int, p: HardwareProfile) -> tuple[float, float]:
+    """(seconds, FLOPs) of re-forming one chunk's K/V from its saved input (Plan.kv_rebuild):
+    RMSNorm of x, the K and V projections, RoPE on K. Hardware FLOPs: HFU counts them."""
+    flops = 2.0 * tokens * cfg.model_dim * 2 * cfg.kv_dim
+    moved = tokens * (cfg.model_dim * 2 * 2 + cfg.kv_dim * 2 * 4)  # x in, xn out; K, V; RoPE
+    gemm = gemm_flop_per_s(cfg, p, tokens)
+    return (flops / gemm + moved / p.device_mem_bytes_per_s) * (1.0 + LAUNCH_OVERHEAD_FRAC), flops
+
+
 def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int,
                       k: int) -> tuple[list[float], float]:
     """Layer-segment recompute (memplan/segments.py): (seconds added to each layer's backward
@@ -167,19 +176,26 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
-    act_size = {lv: buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv) for lv in SavedLevel}
+    act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
+                for lv in SavedLevel for kv in (True, False) if kv or lv is not SavedLevel.FULL}
     fwd_s = sum(c.fwd_s for c in costs)
     bwd0 = sum(c.bwd_s for c in costs)
     bwd_s, act_count, act_bytes = [], [], []
     rec_s = rec_flops = 0.0
     seg_s, seg_flops = segment_recompute(costs, cfg.n_layers, d.segment_layers)
     rec_flops += seg_flops
+    rebuilt = kv_rebuilt(d)
+    kv_s, kv_flops = kv_rebuild_cost(cfg, ch.chunk_tokens, p)
     for layer, row in enumerate(d.activations):
-        r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row)) + seg_s[layer]
-        rec_flops += sum(costs[c].rec_flops[LEVEL_INDEX[a.level]] for c, a in enumerate(row))
+        n_kv = sum((layer, c) in rebuilt for c in range(len(row)))
+        r = sum(costs[c].rec_s[LEVEL_INDEX[a.level]] for c, a in enumerate(row)) + seg_s[layer] \
+            + n_kv * kv_s
+        rec_flops += sum(costs[c].rec_flops[LEVEL_INDEX[a.level]] for c, a in enumerate(row)) \
+            + n_kv * kv_flops
         bwd_s.append(bwd0 + r)
         rec_s += r
-        home = [act_size[a.level] for a in row if a.home is Where.HOME]
+        home = [act_size[(a.level, (layer, c) not in rebuilt)] for c, a in enumerate(row)
+                if a.home is Where.HOME]
         act_count.append(len(home))
         act_bytes.append(sum(home))
     return make_workload(d, p, fwd_s=fwd_s, bwd_s=bwd_s, act_count=act_count,
@@ -313,6 +329,7 @@ def event_seconds(plan, p: HardwareProfile):
     rows = ch.tokens_per_round * cfg.model_dim * 2
     head_s = sum(c.head_s for c in costs)
     ctx_s = 4 * ch.chunk_tokens * cfg.kv_dim * 2 / hbm
+    kv_s = kv_rebuild_cost(cfg, ch.chunk_tokens, p)[0]
 
     def seconds(ev) -> float:
         kind = type(ev).__name__
@@ -326,6 +343,8 @@ def event_seconds(plan, p: HardwareProfile):
                 return head_s
             if ev.op == "ctx_cast":
                 return ctx_s
+            if ev.op == "kv_rebuild":
+                return kv_s
             return 2 * rows / hbm  # embedding rows gathered or scattered on the device
         if kind == "Update":
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)

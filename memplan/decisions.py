@@ -53,6 +53,8 @@ class Decisions:
     """See Plan.holds_embed."""
     holds_head: bool = True
     """See Plan.holds_head."""
+    kv_rebuild: bool = False
+    """See Plan.kv_rebuild."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -63,7 +65,7 @@ def decisions_of(obj) -> Decisions:
                      activations=obj.activations, embed=obj.embed, head=obj.head,
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
                      attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
-                     holds_head=obj.holds_head)
+                     holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild)
 
 
 def _positive(where: str, value) -> None:
@@ -142,6 +144,11 @@ def validate_decisions(d: Decisions) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.n_layers:
         raise ConfigError(f"segment_layers must be in 1..{cfg.n_layers} (1: no segments), "
                           f"got {k!r}")
+    if d.kv_rebuild is not False and (d.kv_rebuild is not True or ch.chunks_per_seq < 2
+                                      or k > 1):
+        raise ConfigError(f"kv_rebuild {d.kv_rebuild!r} needs split sequences (chunks_per_seq "
+                          f"{ch.chunks_per_seq}) and no segments (segment_layers {k}); use "
+                          "kv_rebuild=False")
     _positive("slots.head_sub_tokens", s.head_sub_tokens)
     if s.head_sub_tokens > ch.chunk_tokens or ch.chunk_tokens % s.head_sub_tokens:
         raise ConfigError(f"slots.head_sub_tokens {s.head_sub_tokens} must divide chunk_tokens "

@@ -99,8 +99,9 @@ class Compute:
     or from the rows of x, keeping that input and what its level says in `save`, writing its
     output over the rows of y, which may be x), 'head' (final norm, lm_head and loss of one round, all chunks,
     forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a
-    chunk's saved K/V into the sequence context). x and y name the transition buffers read and
-    written."""
+    chunk's saved K/V into the sequence context), 'kv_rebuild' (re-form a chunk's K/V in the
+    sequence context from the x at the start of `save` with the layer's `weights`:
+    Plan.kv_rebuild). x and y name the transition buffers read and written."""
 
     name: str
     op: str

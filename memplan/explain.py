@@ -52,6 +52,9 @@ def _activation_line(plan: Plan) -> str:
         line += (f"; layer segments of {k}: layers 0, {k}, ... keep theirs from the forward, the "
                  f"others are rebuilt in the backward (storage for {min(k, plan.model.n_layers) - 1}"
                  " layers, reused by every segment)")
+    if plan.kv_rebuild:
+        line += ("; inp_only and inp_attn keep no K/V: the backward re-forms them from the saved "
+                 "input")
     return line
 
 
@@ -168,6 +171,11 @@ def _act_reason(plan: Plan) -> str:
         out += ("; no plan without layer segments fits these budgets (or one predicts less), "
                 "so each segment re-runs its forward before its backward (one more forward of "
                 "every layer: HFU counts it, MFU not)")
+    if plan.kv_rebuild:
+        out += ("; K/V are re-formed from each chunk's saved input before its layer's backward "
+                "(the K and V projections again, and its input over PCIe once more) instead of "
+                "kept, so the memory they took holds more attention outputs (less attention "
+                "recompute)")
     return out
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
 from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from memplan.segments import KV_REGION, boundary_kv_sharers, inner_regions, is_inner, \
+from memplan.segments import KV_REGION, REBUILT_KV_LEVELS, inner_regions, is_inner, kv_less, \
     kv_region_bytes
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
     "weight_slots": "weights", "grad_slots": "grads", "act_slots": "saved_activations",
     "workspace": "workspaces", "context": "workspaces", "head_buffers": "workspaces",
-    "attn_workspace": "workspaces", "library_scratch": "workspaces",
+    "attn_workspace": "workspaces", "library_scratch": "workspaces", "kv_rebuild": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
     "home.ctx_kv": "saved_activations",
@@ -79,14 +79,16 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
     return out
 
 
-def _act_sizes(cfg, tokens: int):
-    """level -> bytes of one saved activation of a chunk of `tokens` (cached per call site)."""
+def _act_sizes(cfg, tokens: int, kv_rebuild: bool = False):
+    """level -> bytes of one saved activation of a chunk of `tokens` (cached per call site);
+    with `kv_rebuild`, the levels it re-forms K/V for keep none (memplan.segments)."""
     sizes = {}
 
-    def size(level) -> int:
-        if level not in sizes:
-            sizes[level] = buffers.saved_activation_bytes(cfg, tokens, level)
-        return sizes[level]
+    def size(level, kv: bool = True) -> int:
+        kv = kv and not (kv_rebuild and level in REBUILT_KV_LEVELS)
+        if (level, kv) not in sizes:
+            sizes[(level, kv)] = buffers.saved_activation_bytes(cfg, tokens, level, kv)
+        return sizes[(level, kv)]
     return size
 
 
@@ -96,8 +98,9 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     grad_slots, embed.*, head.weights, head.grads (present unless the plan does not hold the head:
     a ring rank's), head.m/.v, act.{layer}.{chunk}
     (saved activations kept on the device; with segments, the boundary layers' only, then
-    act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, context, transitions,
-    head_buffers, opt_stage."""
+    act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, attn_workspace,
+    library_scratch, kv_rebuild (a kv_rebuild plan's), context, transitions, head_buffers,
+    opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
     elems = buffers.block_elems(cfg)
@@ -117,7 +120,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
         if d.head.optimizer is OptimizerWhere.DEVICE:
             out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
     t = ch.chunk_tokens
-    act_bytes = _act_sizes(cfg, t)
+    act_bytes = _act_sizes(cfg, t, d.kv_rebuild)
     home_max = 0
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
@@ -131,6 +134,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     out.append(("attn_workspace", buffers.attention_workspace_bytes(
         cfg, t, ch.seqlen, deterministic=d.attention_bwd is AttentionBwd.DETERMINISTIC)))
     out.append(("library_scratch", buffers.packed_bytes(buffers.library_scratch_specs(cfg))))
+    if d.kv_rebuild:
+        out.append(("kv_rebuild", buffers.packed_bytes(buffers.kv_rebuild_specs(cfg, t))))
     out.append(("context", buffers.packed_bytes(buffers.context_specs(
         cfg, ch.seqlen, t, ch.chunks_per_seq))))
     out.append(("transitions", buffers.packed_bytes(buffers.transition_specs(
@@ -161,14 +166,13 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
         out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
     if d.holds_head:
         out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
-    act_bytes = _act_sizes(cfg, ch.chunk_tokens)
-    sharers = boundary_kv_sharers(d)
+    act_bytes = _act_sizes(cfg, ch.chunk_tokens, d.kv_rebuild)
+    no_kv = kv_less(d)
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
             if a.home is Where.HOME and not is_inner(layer, d.segment_layers):
-                out.append((f"home.act.{layer}.{chunk}", buffers.saved_activation_bytes(
-                    cfg, ch.chunk_tokens, a.level, kv=False)
-                    if (layer, chunk) in sharers else act_bytes(a.level)))
+                out.append((f"home.act.{layer}.{chunk}",
+                            act_bytes(a.level, kv=(layer, chunk) not in no_kv)))
     out += inner_regions(d, act_bytes)[1]
     out.append((KV_REGION, kv_region_bytes(d)))
     held = [elems["layer"]] + [elems["embed"]] * d.holds_embed + [elems["head"]] * d.holds_head

@@ -241,6 +241,12 @@ class Plan:
     holds_head: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
     """False for a ring rank that does not own the final norm and lm_head: no region of the
     head's state or buffers exists on it. Left out of the JSON while True."""
+    kv_rebuild: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """Split sequences only, without segments: INP_ONLY and INP_ATTN activations keep no K/V
+    (a third of an INP_ONLY one); before a layer's backward fills the sequence's context, each
+    chunk's K/V are re-formed from its saved input x (RMSNorm, the K and V projections and RoPE,
+    the forward's own kernels, so bit for bit), x coming over H2D into the `kv_rebuild` staging
+    for a chunk kept at home. Left out of the JSON while False."""
 
     def to_json(self) -> str:
         return to_json(self)

@@ -36,8 +36,9 @@ from memplan.events import (
 )
 from memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
+from memplan.buffers import KV_REBUILD_STAGES
 from memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
-                              segment_bounds)
+                              kv_rebuilt, segment_bounds)
 from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
 from models.flops import SavedLevel
 from models.layout import embed_layout, head_layout, layer_layout
@@ -116,6 +117,12 @@ class _Compiler:
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
         self.kv_sharers = boundary_kv_sharers(self.d)
         """(layer, chunk)s whose K/V go through KV_REGION (memplan.segments)."""
+        self.kv_rebuilt = kv_rebuilt(self.d)
+        """(layer, chunk)s whose K/V the backward re-forms from x (Plan.kv_rebuild)."""
+        self.kv_stage_free: list[int | None] = [None] * KV_REBUILD_STAGES
+        """Per kv_rebuild staging buffer: the compute record after the last re-forming that read
+        it (its next H2D waits for it)."""
+        self.kv_stage_next = 0
         self.kv_stored: dict[int, int] = {}
         """Chunk -> the D2H record after a shared boundary's K/V rows of it reached KV_REGION."""
         self.kv_read: int | None = None
@@ -184,7 +191,8 @@ class _Compiler:
             for c in range(self.C):
                 a = d.activations[layer][c]
                 nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
-                    self.cfg, self.T, a.level, kv=(layer, c) not in self.kv_sharers)
+                    self.cfg, self.T, a.level,
+                    kv=(layer, c) not in self.kv_sharers and (layer, c) not in self.kv_rebuilt)
                 name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
                     f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
                 (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \
@@ -415,7 +423,7 @@ class _Compiler:
                 seq, j = divmod(c, cps)
                 if split and j == cps - 1:
                     if (layer, seq) not in prefilled:
-                        self.fill_context(rnd, layer, c)
+                        self.fill_context(rnd, layer, c, w)
                     else:  # not a record taken now: the queue may hold later layers' fetches
                         em.wait(COMPUTE, prefilled.pop((layer, seq)))
                 self.before_write(dx, c)
@@ -423,7 +431,7 @@ class _Compiler:
                 em.add(Compute(f"b.L{name}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
                                grads=g, save=save, x=dy, y=dx))
                 if split:
-                    self.prefill_context(rnd, layer, seq, j, prefilled)
+                    self.prefill_context(rnd, layer, seq, j, prefilled, w)
                 self.release_act("b", layer, c)
                 self.output_leaves(rnd, True, layer, dx, c)
             if layer == 0 and self.has_embed:
@@ -434,21 +442,23 @@ class _Compiler:
             self.release_grads(layer)
             self.release_weights("b", layer)
 
-    def prefill_context(self, rnd: int, layer: int, seq: int, j: int, prefilled: dict) -> None:
+    def prefill_context(self, rnd: int, layer: int, seq: int, j: int, prefilled: dict,
+                        w: Ref) -> None:
         """A split sequence's backward chunk j reads context rows of chunks 0..j only, so once
         it is enqueued the rows of chunk j are free: queue the next (layer, sequence)'s rows
         there now, first in the H2D queue, instead of all of them after its last chunk (the
         whole fill then waited behind the weight and gradient fetches: ~30 ms per layer at
         8b@64k). Not across a segment's top layer, whose recompute must rebuild its K/V
-        first."""
+        first, nor into the next layer of a kv_rebuild plan: re-forming its K/V needs that
+        layer's weights, which `w` (this layer's) are not."""
         if seq > 0:
             nxt = (layer, seq - 1)
-        elif layer > 0 and layer - 1 not in self.recompute_top:
+        elif layer > 0 and layer - 1 not in self.recompute_top and not self.d.kv_rebuild:
             nxt = (layer - 1, self.C // self.ch.chunks_per_seq - 1)
         else:
             return
         c = nxt[1] * self.ch.chunks_per_seq + j
-        if self.fill_context_rows(rnd, nxt[0], c, self.em.record(COMPUTE)):
+        if self.fill_context_rows(rnd, nxt[0], c, self.em.record(COMPUTE), w):
             prefilled[nxt] = self.em.record(H2D)
         else:
             prefilled.setdefault(nxt, None)
@@ -616,22 +626,28 @@ class _Compiler:
         if self.hw_ring:
             self.hw_ring.release(0)
 
-    def fill_context(self, rnd: int, layer: int, last: int) -> None:
-        """Before the backward of a split sequence at `layer`, gather its K/V from every chunk's
-        saved activation (device copies on compute; home copies straight over H2D)."""
+    def fill_context(self, rnd: int, layer: int, last: int, w: Ref) -> None:
+        """Before the backward of a split sequence at `layer` (weights `w`), gather its K/V from
+        every chunk's saved activation (device copies on compute; home copies straight over
+        H2D; re-formed from x where the plan rebuilds them)."""
         first = last - self.ch.chunks_per_seq + 1
         free = self.em.record(COMPUTE)
-        fetched = [self.fill_context_rows(rnd, layer, c, free) for c in range(first, last + 1)]
+        fetched = [self.fill_context_rows(rnd, layer, c, free, w)
+                   for c in range(first, last + 1)]
         if any(fetched):
             self.em.wait(COMPUTE, self.em.record(H2D))
 
-    def fill_context_rows(self, rnd: int, layer: int, c: int, free: int) -> bool:
+    def fill_context_rows(self, rnd: int, layer: int, c: int, free: int, w: Ref) -> bool:
         """Chunk c's K/V rows of the context at `layer`, once compute passes record `free` (the
-        last reader of those rows): a cast on compute for a device-resident chunk, else two
-        H2D copies from its home copy; True when it queued copies (compute must wait for the
-        H2D stream before it reads them)."""
+        last reader of those rows): a cast on compute for a device-resident chunk, two H2D
+        copies from its home copy, or (Plan.kv_rebuild) a re-forming from its saved x with the
+        layer's weights `w`; True when it queued copies into the context (compute must wait
+        for the H2D stream before it reads them)."""
         em, T, cfg = self.em, self.T, self.cfg
         a = self.d.activations[layer][c]
+        if (layer, c) in self.kv_rebuilt:
+            self.rebuild_kv(rnd, layer, c, w)
+            return False
         if a.home is Where.DEVICE:
             em.add(Compute(f"ctx.L{layer}.c{c}", "ctx_cast", rnd, layer, c,
                            save=self.act("b", layer, c)))
@@ -654,6 +670,28 @@ class _Compiler:
         if shared:
             self.kv_read = em.record(H2D)
         return True
+
+    def rebuild_kv(self, rnd: int, layer: int, c: int, w: Ref) -> None:
+        """Re-form chunk c's K/V rows of the context at `layer` on compute, from its saved x:
+        in place for a device-resident activation, else after x came over H2D into a
+        kv_rebuild staging buffer (KV_REBUILD_STAGES of them, used in turn). Compute writes
+        the context rows in its own order, after every earlier reader of them."""
+        em = self.em
+        if self.d.activations[layer][c].home is Where.DEVICE:
+            src = self.act_dev[(layer, c)]
+        else:
+            xb = self.T * self.cfg.model_dim * 2  # x comes first in every saved layout
+            i = self.kv_stage_next
+            self.kv_stage_next = (i + 1) % KV_REBUILD_STAGES
+            src = self.ref("kv_rebuild", i * buffers.align(xb), xb)
+            em.wait(H2D, self.kv_stage_free[i])
+            em.wait(H2D, self.aring.host_ready.get((layer, c)))
+            home = self.act_home[(layer, c)]
+            em.add(Fetch(f"ctx.x.L{layer}.c{c}", src, Ref(home.region, home.offset, xb)))
+            em.wait(COMPUTE, em.record(H2D))
+        em.add(Compute(f"ctx.kv.L{layer}.c{c}", "kv_rebuild", rnd, layer, c, weights=w, save=src))
+        if src.region == "kv_rebuild":
+            self.kv_stage_free[i] = em.record(COMPUTE)
 
     # -- gradient norm and clipping, on the device -------------------------------------------
     def sumsq(self, rnd: int, what: str, grads: Ref) -> None:

@@ -28,7 +28,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head")
+               "holds_head", "kv_rebuild")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -81,6 +81,10 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
         if not isinstance(v, bool):
             raise ConfigError(f"constraint {key} must be True or False, got {v!r}")
         opts[key] = v
+    rebuild = opts.get("kv_rebuild")
+    if rebuild is not None and not isinstance(rebuild, bool):
+        raise ConfigError(f"constraint kv_rebuild must be True, False or None (the search "
+                          f"decides), got {rebuild!r}")
     attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
     try:
         opts["attention_bwd"] = AttentionBwd(attn)
@@ -127,8 +131,10 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     """The fastest predicted plan that fits `budget`. Constraints (all optional): chunk_tokens,
     chunks_per_round, rounds_per_step, target_optimizer_frac (default 0.02), home_optimizer
     ('streamed' or 'host'), max_resident_layers, attention_bwd ('deterministic', the default,
-    or 'fast': see AttentionBwd), holds_embed and holds_head (False for a ring rank that does
-    not own the embedding / head: memplan.ring_plan), and the trainer's global batch as
+    or 'fast': see AttentionBwd), kv_rebuild (True / False; by default the search tries both
+    for split sequences: see Plan.kv_rebuild), holds_embed and holds_head (False for a ring
+    rank that does not own the embedding / head: memplan.ring_plan), and the trainer's global
+    batch as
     seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes exactly that
     many sequences per step (chunks x rounds chosen to fit it). Raises InfeasibleBudget naming
     the smallest budgets that work."""
@@ -273,7 +279,9 @@ def _pick(table: Table, budget: Budget) -> tuple[Table, Candidate, Score] | None
         if best_score is not None and bound > best_score.sec_per_token * (1 + TIE_REL):
             break
         sc = table.score(c)
-        if best is None or _better(sc, c, best_score, best):
+        if best is None or _better(sc, c, best_score, best,
+                                   (table.spaces[c.space].kv_rebuild,
+                                    table.spaces[best.space].kv_rebuild)):
             best, best_score = c, sc
     return table, best, best_score
 
@@ -284,14 +292,17 @@ def _tables(cfg, seqlen, profile, grad_accum, constraints) -> tuple[Table, Table
             _table(cfg, seqlen, profile, grad_accum, constraints, segments=True))
 
 
-def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate) -> bool:
-    """Faster wins; within TIE_REL, fewer PCIe bytes per token, then less memory."""
+def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate,
+            rebuild: tuple[bool, bool] = (False, False)) -> bool:
+    """Faster wins; within TIE_REL, no K/V rebuild (`rebuild`: c's and best's kv_rebuild; the
+    estimate leaves out the re-fetch of x it costs), then fewer PCIe bytes per token, then less
+    memory."""
     if sc.sec_per_token < best_sc.sec_per_token * (1 - TIE_REL):
         return True
     if sc.sec_per_token > best_sc.sec_per_token * (1 + TIE_REL):
         return False
-    return ((sc.pcie_bytes_per_token, c.device_bytes + c.host_bytes)
-            < (best_sc.pcie_bytes_per_token, best.device_bytes + best.host_bytes))
+    return ((rebuild[0], sc.pcie_bytes_per_token, c.device_bytes + c.host_bytes)
+            < (rebuild[1], best_sc.pcie_bytes_per_token, best.device_bytes + best.host_bytes))
 
 
 def _all(tables) -> list[tuple[Table, Candidate]]:

@@ -9,7 +9,10 @@ Split sequences: a boundary kept at home at INP_ONLY keeps no K/V (`shares_bound
 recompute re-forms them in the context buffer anyway (the boundary's forward re-run), and sends
 them to one host region, `home.ctx_kv` (a round's K and V rows, reused by every segment), from
 which the boundary's backward refills its context. At 8b with 524,288 tokens that keeps 2 GiB
-instead of 15 GiB of boundary K/V. Pure Python: never imports array libraries."""
+instead of 15 GiB of boundary K/V. A plan with `kv_rebuild` (no segments) goes further: every
+INP_ONLY or INP_ATTN activation of a split sequence keeps no K/V, and the backward re-forms each
+chunk's K/V from its saved input x (`rebuilds_kv`). Pure Python: never imports array
+libraries."""
 
 from __future__ import annotations
 
@@ -46,6 +49,31 @@ def boundary_kv_sharers(d) -> frozenset[tuple[int, int]]:
     """Every (layer, chunk) of `d` for which shares_boundary_kv holds."""
     return frozenset((layer, c) for layer, row in enumerate(d.activations)
                      for c in range(len(row)) if shares_boundary_kv(d, layer, c))
+
+
+REBUILT_KV_LEVELS = (SavedLevel.INP_ONLY, SavedLevel.INP_ATTN)
+"""Levels whose K/V a Plan.kv_rebuild plan re-forms in the backward instead of keeping."""
+
+
+def rebuilds_kv(d, layer: int, chunk: int) -> bool:
+    """Whether the backward re-forms (layer, chunk)'s K/V from its saved input x (Plan.kv_rebuild:
+    a split sequence's INP_ONLY and INP_ATTN activations keep no K/V)."""
+    return getattr(d, "kv_rebuild", False) and \
+        d.activations[layer][chunk].level in REBUILT_KV_LEVELS
+
+
+def kv_rebuilt(d) -> frozenset[tuple[int, int]]:
+    """Every (layer, chunk) of `d` for which rebuilds_kv holds."""
+    if not getattr(d, "kv_rebuild", False):
+        return frozenset()
+    return frozenset((layer, c) for layer, row in enumerate(d.activations)
+                     for c in range(len(row)) if rebuilds_kv(d, layer, c))
+
+
+def kv_less(d) -> frozenset[tuple[int, int]]:
+    """Every (layer, chunk) whose saved activation keeps no K/V: segment boundaries that share
+    KV_REGION and the activations a kv_rebuild plan re-forms."""
+    return boundary_kv_sharers(d) | kv_rebuilt(d)
 
 
 def kv_region_nbytes(cfg, chunking) -> int:

@@ -11,14 +11,14 @@ import functools
 
 from memplan import buffers
 from memplan.chunking import head_sub_tokens
-from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, make_workload,
-                           segment_recompute)
+from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, kv_rebuild_cost,
+                          make_workload, segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
                              row_parts)
 from memplan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
                           Slots, Where)
-from memplan.segments import is_inner, kv_region_nbytes, segment_bounds
+from memplan.segments import REBUILT_KV_LEVELS, is_inner, kv_region_nbytes, segment_bounds
 from memplan.sim import Workload
 from models.config import ModelConfig
 from models.flops import SavedLevel
@@ -63,9 +63,11 @@ class Space:
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
-                 holds: tuple[bool, bool] = (True, True)):
+                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
+        self.kv_rebuild = kv_rebuild
+        """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
         """(embedding, head) this plan holds: a ring rank holds only those it owns."""
         self.holds_embed, self.holds_head = holds
@@ -96,7 +98,8 @@ class Space:
         self.layer_b, self.layer_g = e["layer"] * 2, e["layer"] * self.gbpe
         self.block_state = {k: 3 * n * 2 + n * self.gbpe for k, n in e.items()}
         t = ch.chunk_tokens
-        self.act_size = tuple(buffers.saved_activation_bytes(cfg, t, lv) for _, lv in ACT_CLASSES)
+        self.act_size = tuple(buffers.saved_activation_bytes(
+            cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
         self.head_sub = head_sub_tokens(t)
         self.fixed_device = sum(buffers.packed_bytes(s) for s in (
             buffers.chunk_workspace_specs(cfg, t),
@@ -109,6 +112,9 @@ class Space:
         self.fixed_device += buffers.align(buffers.attention_workspace_bytes(
             cfg, t, ch.seqlen, deterministic=attention_bwd is AttentionBwd.DETERMINISTIC))
         self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
+        if kv_rebuild:
+            self.fixed_device += buffers.align(buffers.packed_bytes(
+                buffers.kv_rebuild_specs(cfg, t)))
         part = ch.tokens_per_round * cfg.model_dim * 2
         self.rows_b = {n: buffers.align(n * part) for n in (1, 2)}
         """Host bytes of a HOME embedding's pinned rows by their parts (memory.row_parts)."""
@@ -119,19 +125,31 @@ class Space:
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
         self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))
         self.costs = chunk_costs(cfg, ch, p, attention_bwd is AttentionBwd.DETERMINISTIC)
+        kv_s, kv_f = kv_rebuild_cost(cfg, t, p) if kv_rebuild else (0.0, 0.0)
+        rebuilt = [LEVEL_INDEX[lv] for lv in REBUILT_KV_LEVELS] if kv_rebuild else []
+        rec_s = [tuple(r + kv_s * (i in rebuilt) for i, r in enumerate(c.rec_s))
+                 for c in self.costs]
+        rec_f = [tuple(r + kv_f * (i in rebuilt) for i, r in enumerate(c.rec_flops))
+                 for c in self.costs]
         # prefix sums over chunk index of recompute seconds/FLOPs per level index
         self.rec_pre = [[0.0] for _ in range(3)]
         self.recf_pre = [[0.0] for _ in range(3)]
-        for c in self.costs:
+        for rs, rf in zip(rec_s, rec_f):
             for i in range(3):
-                self.rec_pre[i].append(self.rec_pre[i][-1] + c.rec_s[i])
-                self.recf_pre[i].append(self.recf_pre[i][-1] + c.rec_flops[i])
+                self.rec_pre[i].append(self.rec_pre[i][-1] + rs[i])
+                self.recf_pre[i].append(self.recf_pre[i][-1] + rf[i])
         self.fwd_s = sum(c.fwd_s for c in self.costs)
         self.bwd0 = sum(c.bwd_s for c in self.costs)
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
             + self.holds_head * sum(c.head_s for c in self.costs)
-        self.min_rec_s = tuple(min(c.rec_s[LEVEL_INDEX[lv]] for c in self.costs)
-                               for _, lv in ACT_CLASSES)
+        # A chunk kept at home brings x over H2D for its re-forming at the start of its layer's
+        # backward (not prefetched across layers: memplan.schedule.prefill_context); counted as
+        # if nothing hid it, which keeps short contexts, whose layers are brief, from it.
+        self.kv_fetch_s = t * cfg.model_dim * 2 / p.h2d_bytes_per_s if kv_rebuild else 0.0
+        self.class_extra_s = tuple(self.kv_fetch_s if where is Where.HOME and lv in
+                                   REBUILT_KV_LEVELS else 0.0 for where, lv in ACT_CLASSES)
+        self.min_rec_s = tuple(min(r[LEVEL_INDEX[lv]] for r in rec_s) + extra
+                               for (_, lv), extra in zip(ACT_CLASSES, self.class_extra_s))
         self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
         inner_level = ACT_CLASSES[inner_class][1]
         self.inner_rec_s = (self.L - self.n_kept) * (
@@ -238,7 +256,8 @@ class Space:
             k = b = 0
             for cls, c0, c1 in self._layer_classes(layer, bounds):
                 li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
-                r += self.rec_pre[li][c1] - self.rec_pre[li][c0]
+                r += self.rec_pre[li][c1] - self.rec_pre[li][c0] \
+                    + (c1 - c0) * self.class_extra_s[cls]
                 rf += self.recf_pre[li][c1] - self.recf_pre[li][c0]
                 if cls >= 3:
                     k += c1 - c0
@@ -267,7 +286,8 @@ class Space:
                          activations=activations, embed=RESIDENT if s.embed_dev else home,
                          head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
-                         holds_embed=self.holds_embed, holds_head=self.holds_head)
+                         holds_embed=self.holds_embed, holds_head=self.holds_head,
+                         kv_rebuild=self.kv_rebuild)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

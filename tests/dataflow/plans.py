@@ -21,7 +21,8 @@ def streamed(opt: OptimizerWhere) -> LayerPlacement:
 def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1,
                 chunks_per_round=1, rounds=1, layers=None, levels=None, homes=None,
                 weight_slots=2, grad_slots=1, act_slots=2, embed=RESIDENT, head=RESIDENT,
-                grad_accum=GradAccum.BF16, head_sub_tokens=None, opt_stage_elems=None):
+                grad_accum=GradAccum.BF16, head_sub_tokens=None, opt_stage_elems=None,
+                kv_rebuild=False):
     """A plan with exactly these decisions and budgets equal to what it needs."""
     n = cfg.n_layers
     layers = layers or (RESIDENT,) * n
@@ -40,7 +41,7 @@ def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1
                   head_sub_tokens=head_sub_tokens or min(chunk_tokens, 32),
                   opt_stage_elems=stage)
     kw = dict(chunking=ch, slots=slots, layers=tuple(layers), activations=acts, embed=embed,
-              head=head, grad_accum=grad_accum)
+              head=head, grad_accum=grad_accum, kv_rebuild=kv_rebuild)
     big = build_plan(cfg, seqlen, Budget(host_bytes=1 << 32, device_bytes=1 << 32), PROFILE, **kw)
     exact = Budget(host_bytes=big.memory.host_bytes,
                    device_bytes=big.memory.device_bytes + PROFILE.library_reserve_bytes)
@@ -85,6 +86,11 @@ def split_plans(cfg):
         ("split_levels_home_streamed", forced_plan(
             cfg, 256, layers=(streamed(OptimizerWhere.STREAMED),) * n, levels=levels,
             homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n, **common)),
+        # K/V re-formed from x: at home (chunks 0, 3) and on the device (chunk 1); FULL keeps
+        ("split_kv_rebuild", forced_plan(
+            cfg, 256, layers=(streamed(OptimizerWhere.STREAMED),) * n, levels=levels,
+            homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n, kv_rebuild=True,
+            **common)),
     ]
 
 

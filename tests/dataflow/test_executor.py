@@ -158,9 +158,11 @@ def test_two_split_sequences_a_round_refill_the_context_row_by_row():
     common = dict(chunk_tokens=64, chunks_per_seq=2, chunks_per_round=4, rounds=2)
     base_losses, base, _ = _train(forced_plan(cfg, 128, **common))
     levels = [[SavedLevel.INP_ONLY, SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY]] * n
-    plan = forced_plan(cfg, 128, layers=(streamed(OptimizerWhere.STREAMED),) * n, levels=levels,
-                       homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n, **common)
-    losses, w, _ = _train(plan, sanitize_seed=3)
-    assert losses == base_losses
-    for a, b in zip(_blocks(w), _blocks(base)):
-        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    for rebuild in (False, True):  # K/V fetched from their home copies, or re-formed from x
+        plan = forced_plan(cfg, 128, layers=(streamed(OptimizerWhere.STREAMED),) * n,
+                           levels=levels, homes=[[Where.HOME, Where.DEVICE, Where.HOME,
+                                                  Where.HOME]] * n, kv_rebuild=rebuild, **common)
+        losses, w, _ = _train(plan, sanitize_seed=3)
+        assert losses == base_losses, rebuild
+        for a, b in zip(_blocks(w), _blocks(base)):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), rebuild

@@ -49,7 +49,7 @@ def test_gpu_executor_matches_numpy_backend(model):
     start_blocks = [start.embed, *start.layers, start.head]
     plans = path_plans(cfg) + split_plans(cfg)
     if model == "small":
-        plans = plans[:3] + plans[-1:]
+        plans = plans[:3] + plans[-2:]
     for name, plan in plans:
         g_loss, g_w = _run(plan, "cupy")
         n_loss, n_w = _run(plan, "numpy")
@@ -70,6 +70,18 @@ def test_gpu_placement_only_changes_are_bit_identical():
         assert loss == base_loss, name
         for a, b in zip(blocks, base):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), name
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_gpu_kv_rebuild_is_bit_identical_to_keeping_kv(model):
+    """A split plan whose K/V are re-formed from x (at home and on the device) trains the same
+    bits as the same plan keeping its K/V: the forward's kernels on the forward's shapes."""
+    plans = dict(split_plans(load_config(model)))
+    keep_loss, keep = _run(plans["split_levels_home_streamed"], "cupy")
+    loss, blocks = _run(plans["split_kv_rebuild"], "cupy")
+    assert loss == keep_loss
+    for a, b in zip(blocks, keep):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 def test_cupy_pool_does_not_grow_after_first_round():
