@@ -113,7 +113,6 @@ class Executor:
         self._at = None
         self._kv_less = kv_less(plan)
         """(layer, chunk)s whose saved activation keeps no K/V (memplan.segments.kv_less)."""
-        """(layer, chunk)s whose saved activation keeps no K/V (memplan.segments)."""
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is

@@ -59,7 +59,7 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
                            kv: bool = True) -> tuple[TensorSpec, ...]:
     """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (at
     INP_ONLY and INP_ATTN; x and rstd come first, so their offsets stay): no K and V, for a
-    split sequence's activation whose K/V the backward re-forms (memplan.segments.keeps_kv)."""
+    split sequence's activation whose K/V the backward re-forms (memplan.segments.kv_less)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
     if not kv and level is SavedLevel.FULL:

@@ -36,7 +36,6 @@ from memplan.events import (
 )
 from memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
 from memplan.plan import OptimizerWhere, Where
-from memplan.buffers import KV_REBUILD_STAGES
 from memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
                               kv_rebuilt, segment_bounds)
 from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
@@ -119,7 +118,7 @@ class _Compiler:
         """(layer, chunk)s whose K/V go through KV_REGION (memplan.segments)."""
         self.kv_rebuilt = kv_rebuilt(self.d)
         """(layer, chunk)s whose K/V the backward re-forms from x (Plan.kv_rebuild)."""
-        self.kv_stage_free: list[int | None] = [None] * KV_REBUILD_STAGES
+        self.kv_stage_free: list[int | None] = [None] * buffers.KV_REBUILD_STAGES
         """Per kv_rebuild staging buffer: the compute record after the last re-forming that read
         it (its next H2D waits for it)."""
         self.kv_stage_next = 0
@@ -676,22 +675,22 @@ class _Compiler:
         in place for a device-resident activation, else after x came over H2D into a
         kv_rebuild staging buffer (KV_REBUILD_STAGES of them, used in turn). Compute writes
         the context rows in its own order, after every earlier reader of them."""
-        em = self.em
+        em, name = self.em, f"ctx.kv.L{layer}.c{c}"
         if self.d.activations[layer][c].home is Where.DEVICE:
-            src = self.act_dev[(layer, c)]
-        else:
-            xb = self.T * self.cfg.model_dim * 2  # x comes first in every saved layout
-            i = self.kv_stage_next
-            self.kv_stage_next = (i + 1) % KV_REBUILD_STAGES
-            src = self.ref("kv_rebuild", i * buffers.align(xb), xb)
-            em.wait(H2D, self.kv_stage_free[i])
-            em.wait(H2D, self.aring.host_ready.get((layer, c)))
-            home = self.act_home[(layer, c)]
-            em.add(Fetch(f"ctx.x.L{layer}.c{c}", src, Ref(home.region, home.offset, xb)))
-            em.wait(COMPUTE, em.record(H2D))
-        em.add(Compute(f"ctx.kv.L{layer}.c{c}", "kv_rebuild", rnd, layer, c, weights=w, save=src))
-        if src.region == "kv_rebuild":
-            self.kv_stage_free[i] = em.record(COMPUTE)
+            em.add(Compute(name, "kv_rebuild", rnd, layer, c, weights=w,
+                           save=self.act_dev[(layer, c)]))
+            return
+        xb = self.T * self.cfg.model_dim * 2  # x comes first in every saved layout
+        i = self.kv_stage_next
+        self.kv_stage_next = (i + 1) % buffers.KV_REBUILD_STAGES
+        stage = self.ref("kv_rebuild", i * buffers.align(xb), xb)
+        em.wait(H2D, self.kv_stage_free[i])
+        em.wait(H2D, self.aring.host_ready.get((layer, c)))
+        home = self.act_home[(layer, c)]
+        em.add(Fetch(f"ctx.x.L{layer}.c{c}", stage, Ref(home.region, home.offset, xb)))
+        em.wait(COMPUTE, em.record(H2D))
+        em.add(Compute(name, "kv_rebuild", rnd, layer, c, weights=w, save=stage))
+        self.kv_stage_free[i] = em.record(COMPUTE)
 
     # -- gradient norm and clipping, on the device -------------------------------------------
     def sumsq(self, rnd: int, what: str, grads: Ref) -> None:

@@ -134,10 +134,9 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     or 'fast': see AttentionBwd), kv_rebuild (True / False; by default the search tries both
     for split sequences: see Plan.kv_rebuild), holds_embed and holds_head (False for a ring
     rank that does not own the embedding / head: memplan.ring_plan), and the trainer's global
-    batch as
-    seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes exactly that
-    many sequences per step (chunks x rounds chosen to fit it). Raises InfeasibleBudget naming
-    the smallest budgets that work."""
+    batch as seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes
+    exactly that many sequences per step (chunks x rounds chosen to fit it). Raises
+    InfeasibleBudget naming the smallest budgets that work."""
     profile = _profile(profile)
     validate_budget(budget)
     constraints = dict(constraints)
@@ -294,9 +293,8 @@ def _tables(cfg, seqlen, profile, grad_accum, constraints) -> tuple[Table, Table
 
 def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate,
             rebuild: tuple[bool, bool] = (False, False)) -> bool:
-    """Faster wins; within TIE_REL, no K/V rebuild (`rebuild`: c's and best's kv_rebuild; the
-    estimate leaves out the re-fetch of x it costs), then fewer PCIe bytes per token, then less
-    memory."""
+    """Faster wins; within TIE_REL, no K/V rebuild (`rebuild`: c's and best's kv_rebuild; it
+    only pays where it is faster), then fewer PCIe bytes per token, then less memory."""
     if sc.sec_per_token < best_sc.sec_per_token * (1 - TIE_REL):
         return True
     if sc.sec_per_token > best_sc.sec_per_token * (1 + TIE_REL):
