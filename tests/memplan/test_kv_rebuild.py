@@ -89,3 +89,20 @@ def test_search_takes_it_where_the_schedule_is_faster(h100, model, seqlen, host,
     assert plan.kv_rebuild is want
     other = make_plan(cfg, seqlen, budget, h100, kv_rebuild=not want)
     assert predict_schedule(plan, h100).tok_per_s > predict_schedule(other, h100).tok_per_s
+
+
+def test_a_ring_rank_chooses_it_on_its_own_and_its_schedule_reforms_kv(h100):
+    """8b at 131k as a ring of 2 (60/24 per device): each rank's search decides for itself, and
+    the ring's compiled schedule (memplan.ring_schedule, which extends the single-device one)
+    re-forms K/V exactly where its plan says."""
+    from memplan.ring_plan import make_rank_plans
+    from memplan.ring_schedule import compile_ring_schedule
+
+    rps = make_rank_plans(load_config("8b"), 1 << 17, Budget.from_gib(60, 24), h100, 2)
+    assert any(rp.plan.kv_rebuild for rp in rps)
+    for rp in rps:
+        sch = compile_ring_schedule(rp, rounds=1)
+        n = sum(getattr(ev, "op", "") == "kv_rebuild" for ev in sch.events)
+        acts = [a for row in rp.plan.activations for a in row]
+        want = sum(a.level is not SavedLevel.FULL for a in acts) if rp.plan.kv_rebuild else 0
+        assert n == want, (rp.plan.kv_rebuild, n, want)
