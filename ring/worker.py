@@ -134,7 +134,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                              "chunks_per_round": rp.plan.chunking.chunks_per_round,
                              "rounds_per_step": rp.plan.chunking.rounds_per_step},
                 "device_bytes": rp.plan.memory.device_bytes,
-                "host_bytes": rp.plan.memory.host_bytes}))
+                "host_bytes": rp.plan.memory.host_bytes, "plan_hash": rp.plan.hash}))
         import faulthandler
 
         # a close that hangs (a communicator waiting for a peer) says where, once a minute

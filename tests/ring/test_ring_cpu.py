@@ -292,3 +292,32 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng):
     assert sorted(got) == sorted(want)
     for key in want:
         assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+
+
+def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
+    """Split sequences (4 chunks of 128) on a ring of 2 with kv_rebuild: at 44 MiB of device
+    rank 1 keeps its activations at home at INP_ONLY without K/V and re-forms them from x in
+    its backward. Losses and weights equal one device's that keeps every K/V (a larger budget:
+    placement only), bit for bit."""
+    from memplan.ring_plan import make_rank_plans
+    from models.flops import SavedLevel
+    from ring.worker import model_config
+
+    rebuild = (("chunk_tokens", 128), ("chunks_per_round", 4), ("rounds_per_step", 1),
+               ("kv_rebuild", True))
+    job = RingJob(model="small", seqlen=512, host_gb=1.0, dev_gb=44 / 1024, steps=2,
+                  seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
+                  lr=1e-2, timeout_s=120, out_dir=str(tmp_path), constraints=rebuild)
+    rps = make_rank_plans(model_config(job.model), job.seqlen,
+                          Budget.from_gib(job.host_gb, job.dev_gb), get_profile("cpu"), 2,
+                          **dict(rebuild))
+    assert any(a.level is not SavedLevel.FULL for rp in rps if rp.plan.kv_rebuild
+               for row in rp.plan.activations for a in row)
+    want_losses, want = _single_device(dataclasses.replace(job, dev_gb=1.0), kv_rebuild=False)
+    losses, got, _ = _ring(job, 2)
+    for r, rp in enumerate(rps):  # the ranks ran the plans checked above
+        info = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert info["plan_hash"] == rp.plan.hash, r
+    assert losses[0] == losses[1] == want_losses
+    for key in want:
+        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
