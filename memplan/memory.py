@@ -10,8 +10,8 @@ from __future__ import annotations
 from memplan import buffers
 from memplan.decisions import any_streamed_optimizer, decisions_of
 from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from memplan.segments import KV_REGION, REBUILT_KV_LEVELS, inner_regions, is_inner, kv_less, \
-    kv_region_bytes
+from memplan.segments import (KV_REGION, inner_regions, is_inner, kv_less, kv_rebuilt,
+                              kv_region_bytes)
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
@@ -79,13 +79,12 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
     return out
 
 
-def _act_sizes(cfg, tokens: int, kv_rebuild: bool = False):
-    """level -> bytes of one saved activation of a chunk of `tokens` (cached per call site);
-    with `kv_rebuild`, the levels it re-forms K/V for keep none (memplan.segments)."""
+def _act_sizes(cfg, tokens: int):
+    """(level, kv) -> bytes of one saved activation of a chunk of `tokens`, with or without its
+    K/V (memplan.segments.kv_less says which); cached per call site."""
     sizes = {}
 
     def size(level, kv: bool = True) -> int:
-        kv = kv and not (kv_rebuild and level in REBUILT_KV_LEVELS)
         if (level, kv) not in sizes:
             sizes[(level, kv)] = buffers.saved_activation_bytes(cfg, tokens, level, kv)
         return sizes[(level, kv)]
@@ -120,14 +119,18 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
         if d.head.optimizer is OptimizerWhere.DEVICE:
             out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
     t = ch.chunk_tokens
-    act_bytes = _act_sizes(cfg, t, d.kv_rebuild)
+    act_bytes = _act_sizes(cfg, t)
+    # Slots are sized with a segment boundary's K/V although it sends them to home.ctx_kv (the
+    # schedule's slots need less): kept so, plans and their hashes stay as they were.
+    rebuilt = kv_rebuilt(d)
     home_max = 0
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):
+            nb = act_bytes(a.level, kv=(layer, chunk) not in rebuilt)
             if a.home is Where.HOME:
-                home_max = max(home_max, act_bytes(a.level))
+                home_max = max(home_max, nb)
             elif not is_inner(layer, d.segment_layers):
-                out.append((f"act.{layer}.{chunk}", act_bytes(a.level)))
+                out.append((f"act.{layer}.{chunk}", nb))
     out += inner_regions(d, act_bytes)[0]
     out.append(("act_slots", s.act_slots * home_max))
     out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
@@ -166,7 +169,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
         out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
     if d.holds_head:
         out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
-    act_bytes = _act_sizes(cfg, ch.chunk_tokens, d.kv_rebuild)
+    act_bytes = _act_sizes(cfg, ch.chunk_tokens)
     no_kv = kv_less(d)
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):

@@ -185,13 +185,13 @@ class _Compiler:
                                    for i in gstreamed] for first in (True, False)}
             self.g_assigned = {k: self.gring.assign(u) for k, u in self.g_uses.items()}
             self.g_index = {i: j for j, i in enumerate(gstreamed)}
+        no_kv = self.kv_sharers | self.kv_rebuilt
         self.act_bytes, self.act_dev, self.act_home = {}, {}, {}
         for layer in range(L):
             for c in range(self.C):
                 a = d.activations[layer][c]
                 nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
-                    self.cfg, self.T, a.level,
-                    kv=(layer, c) not in self.kv_sharers and (layer, c) not in self.kv_rebuilt)
+                    self.cfg, self.T, a.level, kv=(layer, c) not in no_kv)
                 name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
                     f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
                 (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \
