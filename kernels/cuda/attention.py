@@ -128,7 +128,7 @@ def _finish(cudnn, g):
     return [g, None, ws]
 
 
-def _build_fwd(t, s, h, kh, e, mask, style):
+def _build_fwd(t, s, h, kh, e, mask, style, finish=_finish):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
@@ -143,10 +143,10 @@ def _build_fwd(t, s, h, kh, e, mask, style):
     o.set_uid(_UID_O).set_output(True).set_dim(qd).set_stride(qs).set_data_type(bf)
     stats.set_uid(_UID_STATS).set_output(True).set_dim([1, h, t, 1]) \
         .set_stride([h * t, t, 1, 1]).set_data_type(f32)
-    return _finish(cudnn, g)
+    return finish(cudnn, g)
 
 
-def _build_bwd(t, s, h, kh, e, mask, deterministic, style):
+def _build_bwd(t, s, h, kh, e, mask, deterministic, style, finish=_finish):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
@@ -167,7 +167,7 @@ def _build_bwd(t, s, h, kh, e, mask, deterministic, style):
     dq.set_uid(_UID_DQ).set_output(True).set_dim(qd).set_stride(qs).set_data_type(bf)
     dk.set_uid(_UID_DK).set_output(True).set_dim(kd).set_stride(ks).set_data_type(bf)
     dv.set_uid(_UID_DV).set_output(True).set_dim(kd).set_stride(ks).set_data_type(bf)
-    return _finish(cudnn, g)
+    return finish(cudnn, g)
 
 
 def _cache_key(key: tuple) -> tuple:
