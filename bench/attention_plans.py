@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-workspace-gb", type=float, default=8.0)
+    ap.add_argument("--kernel-cfgs", default="",
+                    help="also time the default plan's engine at these KERNEL_CFG knob values "
+                         "(e.g. 0-63): plans the heuristics do not list")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -97,8 +100,22 @@ def main(argv=None) -> int:
             g = A._build_fwd(t, s, h, kh, e, mask, "band", finish=_plans_finish)
         flops = _flops(kind, t, s, off, causal, h, e)
         n = g.get_execution_plan_count()
+        info = {}
+        if a.kernel_cfgs:
+            eid, _ = g.get_engine_and_knobs_at_index(0)
+            try:
+                info["engine_knobs"] = str(g.get_knobs_for_engine(eid))
+            except Exception as exc:  # noqa: BLE001 - informative only
+                info["engine_knobs"] = f"? {type(exc).__name__}: {exc}"
+            print(name, "engine", eid, "knobs", info["engine_knobs"][:300], flush=True)
+            lo, hi = (int(x) for x in a.kernel_cfgs.split("-"))
+            for val in range(lo, hi + 1):
+                try:
+                    g.create_execution_plan(eid, {cudnn.knob_type.KERNEL_CFG: val})
+                except Exception:  # noqa: BLE001 - a value the engine refuses
+                    continue
         rows = []
-        for i in range(n):
+        for i in range(g.get_execution_plan_count()):
             row = {"index": i}
             try:
                 row["plan"] = g.get_plan_name_at_index(i)
@@ -140,7 +157,7 @@ def main(argv=None) -> int:
                   + (f"  ERR {row['error'][:60]}" if "error" in row else ""), flush=True)
         records.append({"case": name, "kind": kind, "model": model, "T": t, "S": s,
                         "q_offset": off, "causal": causal, "deterministic": det,
-                        "flops": flops, "plans": rows})
+                        "flops": flops, "listed_by_heuristics": n, **info, "plans": rows})
         del q, o, do, k, v, lse, dq, dk, dv
         cp.get_default_memory_pool().free_all_blocks()
 
