@@ -83,10 +83,12 @@ class CudaOps:
     def attention_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
         """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy.
         A context longer than the lent bf16 dK/dV scratch (the planner's key block) is taken
-        one key block at a time (_attention_bwd_blocked)."""
+        one key block at a time (_attention_bwd_blocked), and so is any chunk past the first
+        when the plan lent the fp32 dQ scratch that needs: its mask then covers its own keys
+        only (memplan.buffers.key_block_spans)."""
         end = q_offset + q.shape[0]
         block = self._key_block(k)
-        if block is not None and end > block:
+        if block is not None and (end > block or (q_offset > 0 and "dq32" in self._lent)):
             return self._attention_bwd_blocked(q, k, v, o, lse, do, q_offset, dq, dk, dv, block)
         dk16 = self._scratch("dk16", k.shape, k.dtype)
         dv16 = self._scratch("dv16", v.shape, v.dtype)
@@ -111,8 +113,8 @@ class CudaOps:
 
     def _attention_bwd_blocked(self, q, k, v, o, lse, do, q_offset, dq, dk, dv, block):
         """The backward of one query chunk against a long context, one key block per cuDNN
-        call: the block holding the diagonal (causal, bottom-right), then every block wholly
-        before it (no mask). Exact: each call sees the forward's o and lse, so its softmax
+        call (memplan.buffers.key_block_spans): the chunk against its own keys (causal), the rest
+        of its key block, then every block wholly before it (no mask). Exact: each call sees the forward's o and lse, so its softmax
         weights are the global ones; dK/dV of a block are complete, and dQ is the fp32 sum of
         the blocks' bf16 parts. Bounds the library workspace and the bf16 dK/dV scratch by the
         block instead of the context, and keeps the number of distinct cuDNN graphs small.

@@ -146,20 +146,21 @@ def attention_key_block(cfg: ModelConfig, chunk_tokens: int, seqlen: int) -> int
 
 def key_block_spans(q_offset: int, n_q: int, block: int) -> list[tuple[int, int, bool]]:
     """(first key, end key, causal) of each backward call of n_q queries at q_offset when the
-    context is taken `block` keys at a time: the block holding the diagonal first (causal,
+    context is taken `block` keys at a time: the chunk against its own keys first (causal,
+    top-left: the only call with a mask), then the rest of the key block holding it (unmasked,
     its start on a grid of `block` so few shapes recur), then every earlier block (unmasked).
-    One span when the context fits a block."""
+    Masked tiles are cuDNN's slow ones: a call whose keys reach far before the diagonal ran at
+    450-475 TFLOP/s at 8b where the chunk alone ran 507 and an unmasked block 560-580
+    (bench/records/attention-plans-h100.json). One span when the chunk starts the sequence."""
     if block < n_q:
         raise ValueError(f"a key block of {block} keys is shorter than the {n_q} queries of the "
                          "chunk; the diagonal must fit one block")
     end = q_offset + n_q
-    if end <= block:
-        return [(0, end, True)]
     start = q_offset // block * block
-    if end - start > block:
-        start = end - block
-    return [(start, end, True)] + [(a, min(a + block, start), False)
-                                   for a in range(0, start, block)]
+    spans = [(q_offset, end, True)]
+    if start < q_offset:
+        spans.append((start, q_offset, False))
+    return spans + [(a, a + block, False) for a in range(0, start, block)]
 
 
 def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int, *,
@@ -201,14 +202,14 @@ def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
     """K/V of the whole sequence for split sequences (bf16), fp32 accumulators for dK/dV over
     the context, the bf16 dK/dV one fused-attention backward writes before they are added in
-    (rows: one key block, attention_key_block) and, when the context is longer than a key
-    block, the fp32 dQ of a chunk summed over its key blocks."""
+    (rows: one key block, attention_key_block) and, for split sequences, the fp32 dQ of a chunk
+    summed over the calls of its backward (key_block_spans)."""
     k, e = cfg.n_kv_heads, cfg.head_dim
     rows = max(seqlen, chunk_tokens)
     block = attention_key_block(cfg, chunk_tokens, seqlen)
     specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32"),
              TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16")]
-    if block < rows:
+    if chunks_per_seq > 1:
         specs.append(TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"))
     if chunks_per_seq > 1:
         specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),

@@ -295,7 +295,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng):
 
 
 def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
-    """Split sequences (4 chunks of 128) on a ring of 2 with kv_rebuild: at 44 MiB of device
+    """Split sequences (4 chunks of 128) on a ring of 2 with kv_rebuild: at 44.15 MiB of device
     rank 1 keeps its activations at home at INP_ONLY without K/V and re-forms them from x in
     its backward. Losses and weights equal one device's that keeps every K/V (a larger budget:
     placement only), bit for bit."""
@@ -305,7 +305,7 @@ def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
 
     rebuild = (("chunk_tokens", 128), ("chunks_per_round", 4), ("rounds_per_step", 1),
                ("kv_rebuild", True))
-    job = RingJob(model="small", seqlen=512, host_gb=1.0, dev_gb=44 / 1024, steps=2,
+    job = RingJob(model="small", seqlen=512, host_gb=1.0, dev_gb=44.15 / 1024, steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
                   lr=1e-2, timeout_s=120, out_dir=str(tmp_path), constraints=rebuild)
     rps = make_rank_plans(model_config(job.model), job.seqlen,
