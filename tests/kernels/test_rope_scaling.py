@@ -127,4 +127,6 @@ def test_reference_forward_with_llama3_scaling_equals_direct_float64_llama(rng):
     assert abs(loss - direct) <= 1e-12 * abs(direct)
     plain = llama_loss_float64(cfg, w, tokens, 1.0 / theta ** (np.arange(0, head_dim, 2)
                                                                 / head_dim))
-    assert abs(plain - direct) > 1e-4 * abs(direct)
+    # far above float64 rounding (1e-12); 1e-4 failed for one seed in 25 (4.5e-5 relative:
+    # the scaling moves only the low frequencies, whose effect depends on the random weights)
+    assert abs(plain - direct) > 1e-6 * abs(direct)
