@@ -194,8 +194,10 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
             + n_kv * kv_flops
         bwd_s.append(bwd0 + r)
         rec_s += r
-        home = [act_size[(a.level, (layer, c) not in rebuilt)] for c, a in enumerate(row)
-                if a.home is Where.HOME]
+        # a re-formed chunk at home crosses H2D twice: its activation, and x for the re-forming
+        home = [act_size[(a.level, (layer, c) not in rebuilt)]
+                + ((layer, c) in rebuilt) * ch.chunk_tokens * cfg.model_dim * 2
+                for c, a in enumerate(row) if a.home is Where.HOME]
         act_count.append(len(home))
         act_bytes.append(sum(home))
     return make_workload(d, p, fwd_s=fwd_s, bwd_s=bwd_s, act_count=act_count,

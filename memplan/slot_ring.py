@@ -146,10 +146,20 @@ class _Ring:
                     self.fetched[j] = em.record(H2D)
             self.next_fetch += 1
 
+    def ready(self, i: int) -> bool:
+        """Whether use i may be acquired now, ahead of its turn: its fetch is issued (its slot
+        was free) or it needs none. With one slot, the next use waits for the current one's
+        release."""
+        self.prefetch(i + len(self.slots) - 1)
+        return not self.assigned[i][1] or i in self.fetched or self.next_fetch > i
+
     def acquire(self, i: int) -> Ref:
         """The slot of use i; compute waits for its fetch. Prefetches the next uses."""
         self.prefetch(i + len(self.slots) - 1)
         slot, needs = self.assigned[i]
+        if needs and i not in self.fetched and self.next_fetch <= i:
+            raise RuntimeError(f"slot ring '{self.name}': use {i} acquired before its fetch "
+                               "could be issued (its slot still holds a use not released)")
         if i in self.fetched:
             self.em.wait(COMPUTE, self.fetched.pop(i))
         elif not needs:

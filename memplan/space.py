@@ -142,14 +142,13 @@ class Space:
         self.bwd0 = sum(c.bwd_s for c in self.costs)
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
             + self.holds_head * sum(c.head_s for c in self.costs)
-        # A chunk kept at home brings x over H2D for its re-forming at the start of its layer's
-        # backward (not prefetched across layers: memplan.schedule.prefill_context); counted as
-        # if nothing hid it, which keeps short contexts, whose layers are brief, from it.
-        self.kv_fetch_s = t * cfg.model_dim * 2 / p.h2d_bytes_per_s if kv_rebuild else 0.0
-        self.class_extra_s = tuple(self.kv_fetch_s if where is Where.HOME and lv in
-                                   REBUILT_KV_LEVELS else 0.0 for where, lv in ACT_CLASSES)
-        self.min_rec_s = tuple(min(r[LEVEL_INDEX[lv]] for r in rec_s) + extra
-                               for (_, lv), extra in zip(ACT_CLASSES, self.class_extra_s))
+        # A chunk kept at home brings x over H2D a second time for its re-forming, during the
+        # backward of the layer above (memplan.schedule.prefill_context): H2D bytes of that
+        # layer's activation traffic, which the workload hides behind compute where it can.
+        x_b = t * cfg.model_dim * 2 if kv_rebuild else 0
+        self.class_extra_b = tuple(x_b if where is Where.HOME and lv in REBUILT_KV_LEVELS
+                                   else 0 for where, lv in ACT_CLASSES)
+        self.min_rec_s = tuple(min(r[LEVEL_INDEX[lv]] for r in rec_s) for _, lv in ACT_CLASSES)
         self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
         inner_level = ACT_CLASSES[inner_class][1]
         self.inner_rec_s = (self.L - self.n_kept) * (
@@ -256,12 +255,11 @@ class Space:
             k = b = 0
             for cls, c0, c1 in self._layer_classes(layer, bounds):
                 li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
-                r += self.rec_pre[li][c1] - self.rec_pre[li][c0] \
-                    + (c1 - c0) * self.class_extra_s[cls]
+                r += self.rec_pre[li][c1] - self.rec_pre[li][c0]
                 rf += self.recf_pre[li][c1] - self.recf_pre[li][c0]
                 if cls >= 3:
                     k += c1 - c0
-                    b += (c1 - c0) * self.act_size[cls]
+                    b += (c1 - c0) * (self.act_size[cls] + self.class_extra_b[cls])
             bwd_s.append(self.bwd0 + r)
             rec_s += r
             rec_f += rf
