@@ -13,7 +13,7 @@ import traceback
 
 from models.errors import ConfigError
 from models.serial import to_json
-from memplan.cli_args import OneLineParser, parse_or_exit_code
+from memplan.cli_args import OneLineParser, parse_or_exit_code, print_report
 
 PROG = "dataflow-plan"
 
@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",
               file=sys.stderr)
         return 1
-    print(text)
-    return 0
+    return print_report(text)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,22 @@ def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str], prog: s
         return None, 2
     except SystemExit as exc:  # --help
         return None, int(exc.code or 0)
+
+
+SIGPIPE_EXIT = 141
+"""What a shell reports for a command its reader stopped (128 + SIGPIPE)."""
+
+
+def print_report(text: str) -> int:
+    """Print a command's report: 0, or SIGPIPE_EXIT without a traceback when the reader went
+    away first (`dataflow-plan ... --json | head`): stdout is pointed at /dev/null so the
+    interpreter's final flush does not raise again."""
+    import os
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return SIGPIPE_EXIT
+    return 0

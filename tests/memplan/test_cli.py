@@ -85,3 +85,18 @@ def test_debug_shows_the_traceback(capsys):
     """--debug prints a traceback for an error that otherwise gets one line."""
     code, _, err = _run(capsys, "1", "1", "65536", "32b", "--debug")
     assert code == 2 and "Traceback" in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`dataflow-plan ... --json | head -1`: the plan's 75 KB outgrow the pipe, the reader
+    leaves after one line; the command exits 141 (as a shell reports SIGPIPE) with nothing on
+    stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "memplan.cli", "120", "24", "1048576", "1b",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
