@@ -24,6 +24,10 @@ CASES = {
     "8b-bwd-diag-32k": ("bwd", "8b", 8192, 32768, 24576, True, False),
     "8b-bwd-block-32k": ("bwd", "8b", 8192, 32768, 0, False, False),
     "1b-fwd-512k": ("fwd", "1b", 8192, 524288, 516096, True, True),
+    "1b-fwd-self-16k": ("fwd", "1b", 16384, 16384, 0, True, True),
+    "1b-fwd-diag-96k": ("fwd", "1b", 16384, 98304, 81920, True, True),
+    "1b-fwd-block-96k": ("fwd", "1b", 16384, 98304, 0, False, True),
+    "8b-fwd-block-32k": ("fwd", "8b", 8192, 32768, 0, False, True),
     "1b-bwd-diag-96k": ("bwd", "1b", 8192, 98304, 90112, True, False),
     "1b-bwd-block-96k": ("bwd", "1b", 8192, 98304, 0, False, False),
 }
