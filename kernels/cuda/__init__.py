@@ -13,8 +13,8 @@ on first use (allocated once, outside the steady-state loop).
 
 from kernels.cuda._cublas import set_workspace as set_cublas_workspace
 from kernels.cuda.adamw import adamw_step
-from kernels.cuda.attention import (attention_bwd, attention_fwd, attention_merge,
-                                    attention_workspace_bytes, graph_sources)
+from kernels.cuda.attention import (attention_bwd, attention_fwd, attention_workspace_bytes,
+                                    graph_sources)
 from kernels.cuda.embedding import embedding_bwd, embedding_fwd
 from kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
@@ -24,8 +24,7 @@ from kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
 from kernels.cuda.utils import add_, cast, clip_scale, fill_, sumsq
 
 __all__ = [
-    "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_merge",
-    "attention_workspace_bytes", "cast",
+    "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes", "cast",
     "clip_scale", "embedding_bwd", "embedding_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
     "IGNORE",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "rms_norm_bwd", "rms_norm_bwd_scratch_shape",
