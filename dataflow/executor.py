@@ -122,8 +122,7 @@ class Executor:
         if plan.attention_bwd is AttentionBwd.FAST:
             spare = 0
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
-        scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32", "o_part", "lse_part")
-                   if n in self.ctx}
+        scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
         if region and region >= spare:
             scratch["attn_workspace"] = self.dev.view("attn_workspace", (region,), "u8")

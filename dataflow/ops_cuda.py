@@ -77,21 +77,8 @@ class CudaOps:
         return sum(b.nbytes for b in self._own.values())
 
     def attention_fwd(self, q, k, v, q_offset, o, lse):
-        """One causal call, or, for a chunk past the first where the plan lent the scratch
-        (memplan.buffers.splits_attention_forward), the chunk against its own keys and,
-        unmasked, against the earlier ones, merged: cuDNN's masked calls are the slow ones."""
-        ws = self._lent.get("attn_workspace")
-        if q_offset == 0 or "o_part" not in self._lent:
-            K.attention_fwd(q, k, v, q_offset, o, lse, workspace=ws, quiesce=self._quiesce)
-            return
-        end = q_offset + q.shape[0]
-        o_part = self._scratch("o_part", o.shape, o.dtype)
-        lse_part = self._scratch("lse_part", lse.shape, cp.float32)
-        K.attention_fwd(q, k[q_offset:end], v[q_offset:end], 0, o, lse, workspace=ws,
+        K.attention_fwd(q, k, v, q_offset, o, lse, workspace=self._lent.get("attn_workspace"),
                         quiesce=self._quiesce)
-        K.attention_fwd(q, k[:q_offset], v[:q_offset], 0, o_part, lse_part, workspace=ws,
-                        quiesce=self._quiesce, causal=False)
-        K.attention_merge(o, lse, o_part, lse_part)
 
     def attention_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
         """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy.

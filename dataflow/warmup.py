@@ -29,9 +29,6 @@ class AttentionShape:
     q_offset: int
     key_block: int = 0
     """Keys per backward call (memplan.buffers.key_block_spans); 0: the whole context."""
-    split_forward: bool = False
-    """The forward runs as the chunk's own keys plus the earlier ones unmasked
-    (memplan.buffers.splits_attention_forward)."""
 
     @property
     def self_only(self) -> bool:
@@ -43,17 +40,15 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
     """Distinct attention shapes of a round with one document per row (what
     dataflow.layer_ops calls): per chunk segment, n_q = its rows and q_offset = the context
     before them. Packed documents (doc_ids) make data-dependent shapes that no warm-up knows."""
-    from memplan.buffers import attention_key_block, splits_attention_forward
+    from memplan.buffers import attention_key_block
 
     ch = plan.chunking
     block = attention_key_block(plan.model, ch.chunk_tokens, ch.seqlen)
-    split_fwd = splits_attention_forward(plan.model, ch.chunks_per_seq)
     shapes = set()
     for chunk in default_chunks(ch):
         for a, b, ks in chunk.segments:
             offset = chunk.context + a - ks if chunk.split else 0
-            shapes.add(AttentionShape(b - a, offset, block if chunk.split else 0,
-                                      split_fwd and offset > 0))
+            shapes.add(AttentionShape(b - a, offset, block if chunk.split else 0))
     return tuple(sorted(shapes))
 
 

@@ -198,27 +198,12 @@ def library_scratch_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
             TensorSpec("cublas_workspace", (CUBLAS_WORKSPACE_BYTES,), "u8"))
 
 
-SPLIT_FORWARD_MIN_HEAD_DIM = 128
-"""A split sequence's attention forward past its first chunk runs as two cuDNN calls, the chunk
-against its own keys (causal) and against every earlier key (unmasked), merged by their
-log-sum-exps (kernels.cuda.attention.attention_merge), at head dims from this one: on the H100
-an unmasked 8b call (head dim 128, 8,192 queries, 32k keys) ran at 670 TFLOP/s against 614 for
-one bottom-right causal call over the context, while at 1b's head dim 64 the two were 470 and
-467 (bench/records/attention-plans-fwd-h100.json), not worth the merge and its scratch."""
-
-
-def splits_attention_forward(cfg: ModelConfig, chunks_per_seq: int) -> bool:
-    """Whether a plan's attention forward takes the two calls of SPLIT_FORWARD_MIN_HEAD_DIM."""
-    return chunks_per_seq > 1 and cfg.head_dim >= SPLIT_FORWARD_MIN_HEAD_DIM
-
-
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
     """K/V of the whole sequence for split sequences (bf16), fp32 accumulators for dK/dV over
     the context, the bf16 dK/dV one fused-attention backward writes before they are added in
     (rows: one key block, attention_key_block) and, for split sequences, the fp32 dQ of a chunk
-    summed over the calls of its backward (key_block_spans) and, where the forward is split
-    (splits_attention_forward), the attention over the earlier keys before it is merged in."""
+    summed over the calls of its backward (key_block_spans)."""
     k, e = cfg.n_kv_heads, cfg.head_dim
     rows = max(seqlen, chunk_tokens)
     block = attention_key_block(cfg, chunk_tokens, seqlen)
@@ -226,9 +211,6 @@ def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
              TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16")]
     if chunks_per_seq > 1:
         specs.append(TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"))
-    if splits_attention_forward(cfg, chunks_per_seq):
-        specs += [TensorSpec("o_part", (chunk_tokens, cfg.n_heads, e), "bf16"),
-                  TensorSpec("lse_part", (cfg.n_heads, chunk_tokens), "f32")]
     if chunks_per_seq > 1:
         specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
                   TensorSpec("v_ctx", (seqlen, k, e), "bf16")]

@@ -421,11 +421,7 @@ class CupyBackend(Backend):
             heads = (n_heads, n_kv_heads, head_dim)
             for shape in attention_shapes:
                 args = (shape.n_q, *heads, shape.q_offset)
-                if shape.split_forward:  # as dataflow.ops_cuda calls it: own keys, earlier ones
-                    K.attention_workspace_bytes("fwd", shape.n_q, *heads, 0)
-                    K.attention_workspace_bytes("fwd", shape.n_q, *heads, n_keys=shape.q_offset)
-                else:
-                    K.attention_workspace_bytes("fwd", *args)
+                K.attention_workspace_bytes("fwd", *args)
                 if shape.self_only:
                     need = K.attention_workspace_bytes("bwd", *args, deterministic=True)
                     if ws_bytes is None or need > ws_bytes:

@@ -137,26 +137,3 @@ __global__ void __launch_bounds__(128) attn_simple_bwd_kv(
         }
     }
 }
-
-// attn_merge<T>: (o, lse) of attention over some keys and (o_part, lse_part) over other,
-// disjoint keys of the same queries -> (o, lse) over both, in place. Block per (i, h) row:
-// every thread reads the two lse first, thread 0 writes the merged one after the others have.
-template <typename T>
-__global__ void __launch_bounds__(128) attn_merge(
-    T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ o_part,
-    const float* __restrict__ lse_part, int n_q, int H, int E) {
-    const i64 row = blockIdx.x;  // i * H + h
-    if (row >= (i64)n_q * H) return;
-    const int i = row / H, h = row % H;
-    const float a = lse[(i64)h * n_q + i], b = lse_part[(i64)h * n_q + i];
-    const float m = fmaxf(a, b);
-    if (!(m > NEG_INF)) return;  // neither part saw a key
-    const float wa = expf(a - m), wb = expf(b - m), s = wa + wb;
-    const float ca = wa / s, cb = wb / s;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const i64 idx = row * E + e;
-        o[idx] = from_f<T>(ca * to_f(o[idx]) + cb * to_f(o_part[idx]));
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) lse[(i64)h * n_q + i] = m + logf(s);
-}

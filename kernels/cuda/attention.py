@@ -47,7 +47,6 @@ _NAMES = tuple(
     [f"attn_simple_fwd<{t}, {e}>" for t in _TYPES for e in _EPLS]
     + [f"attn_simple_bwd_q<{t}, {e}>" for t in _TYPES for e in _EPLS]
     + [f"attn_simple_bwd_kv<{t}, {g}, {e}>" for t in _TYPES for g in _TYPES for e in _EPLS]
-    + [f"attn_merge<{t}>" for t in _TYPES]
 )
 
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS, _UID_DO, _UID_DQ, _UID_DK, _UID_DV = range(1, 10)
@@ -305,32 +304,25 @@ def _epl(e: int) -> int:
 
 
 def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=None,
-                  quiesce=None, causal: bool = True) -> None:
+                  quiesce=None) -> None:
     """q (T, H, E), k, v (S, K, E) bf16 -> o (T, H, E) bf16, lse (H, T) f32 (written).
 
     Causal GQA: query i (absolute position q_offset + i) attends to keys j <= q_offset + i;
     scale 1/sqrt(E); lse = natural log-sum-exp of the scaled scores. impl: "auto" (cuDNN, the
     simple kernels where cuDNN refuses the shape), "cudnn" (raise instead), "simple".
-
-    causal=False: every query sees every key of k (a block of keys wholly before the queries,
-    q_offset 0); attention_merge combines it with the attention over the other keys. cuDNN
-    only, in bf16.
     """
-    t, h, e, s, kh = _check(q, k, v, q_offset, causal)
+    t, h, e, s, kh = _check(q, k, v, q_offset)
     _build.check("o", o, (t, h, e), (q.dtype,))
     _build.check("lse", lse, (h, t), (F32,))
     if impl not in ("auto", "cudnn", "simple"):
         raise ValueError(f"impl must be 'auto', 'cudnn' or 'simple'; got {impl!r}")
-    if not causal and (impl == "simple" or q.dtype != BF16):
-        raise ValueError("the unmasked (causal=False) forward runs on cuDNN only, in bf16")
     if impl != "simple" and q.dtype == BF16:
-        built, key = _graph("fwd", t, q_offset + t if causal else s, h, kh, e, q_offset,
-                            causal=causal, quiesce=quiesce)
+        built, key = _graph("fwd", t, q_offset + t, h, kh, e, q_offset, quiesce=quiesce)
         if built is not None:
             _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                          _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr}, workspace, quiesce)
             return
-        if impl == "cudnn" or not causal:
+        if impl == "cudnn":
             raise RuntimeError(f"cuDNN SDPA refused {key}: {FALLBACKS[key]}")
     elif impl == "cudnn":
         raise TypeError(f"the cuDNN path takes bf16 q, k, v; got {q.dtype}")
@@ -395,18 +387,3 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
     _build.kernel(_SRC, _NAMES, f"attn_simple_bwd_kv<{tq}, {tg}, {epl}>")(
         (-(-s * kh // 4),), (128,), (q, k, v, o, lse, do, dk, dv, *scalars))
 
-
-
-def attention_merge(o, lse, o_part, lse_part) -> None:
-    """(o, lse) of attention over some keys, (o_part, lse_part) over disjoint other keys of
-    the same queries (o (T, H, E), lse (H, T) f32) -> o, lse over both, in place, math in fp32
-    (kernels.reference.attention.attention_merge)."""
-    t, h, e = o.shape
-    _build.check("o", o, None, (BF16, F32))
-    _build.check("o_part", o_part, (t, h, e), (o.dtype,))
-    _build.check("lse", lse, (h, t), (F32,))
-    _build.check("lse_part", lse_part, (h, t), (F32,))
-    if t * h:
-        _build.kernel(_SRC, _NAMES, f"attn_merge<{_build.ctype(o.dtype, 'o')}>")(
-            (t * h,), (min(128, -(-e // 32) * 32),),
-            (o, lse, o_part, lse_part, np.int32(t), np.int32(h), np.int32(e)))

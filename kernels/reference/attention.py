@@ -73,18 +73,3 @@ def attention_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, ls
             dq[r0:r1, head] = ds @ kf[:, kvh]
             dk[:, kvh] += ds.T @ qf[r0:r1, head]
     return dq.astype(q.dtype), dk, dv
-
-
-def attention_merge(o: np.ndarray, lse: np.ndarray, o_part: np.ndarray,
-                    lse_part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Attention of the same queries over two disjoint sets of keys, (o, lse) and (o_part,
-    lse_part) (o (T, H, E), lse (H, T)), combined into the attention over both: lse' =
-    log(exp(lse) + exp(lse_part)), o' = o exp(lse - lse') + o_part exp(lse_part - lse'). Math
-    in float32 (at least), o' in o's dtype, lse' in lse's."""
-    dt = acc_dtype(o, o_part)
-    a, b = lse.astype(dt).T[:, :, None], lse_part.astype(dt).T[:, :, None]  # (T, H, 1)
-    m = np.maximum(a, b)
-    wa, wb = np.exp(a - m), np.exp(b - m)
-    s = wa + wb
-    out = (wa / s) * o.astype(dt) + (wb / s) * o_part.astype(dt)
-    return out.astype(o.dtype), (m + np.log(s))[:, :, 0].T.astype(lse.dtype)

@@ -121,14 +121,13 @@ def test_keep_caches_passes_no_cache_directories():
 def test_attention_shapes_of_a_split_sequence_are_one_per_chunk_context():
     from memplan.buffers import attention_key_block
 
-    """A sequence split into chunks gives one shape per chunk position, offsets 0, T, 2T, ...;
-    at 8b's head dim every chunk past the first splits its forward (own keys, earlier ones)."""
+    """A sequence split into chunks gives one shape per chunk position, offsets 0, T, 2T, ..."""
     plan = make_plan(model_config("8b"), 65536, Budget.from_gib(96, 30), get_profile("h100"))
     ch = plan.chunking
     shapes = attention_shapes(plan)
     assert ch.chunks_per_seq > 1
     block = attention_key_block(plan.model, ch.chunk_tokens, ch.seqlen)
-    assert shapes == tuple(AttentionShape(ch.chunk_tokens, i * ch.chunk_tokens, block, i > 0)
+    assert shapes == tuple(AttentionShape(ch.chunk_tokens, i * ch.chunk_tokens, block)
                            for i in range(ch.chunks_per_seq))
     assert [s.self_only for s in shapes] == [True] + [False] * (ch.chunks_per_seq - 1)
 

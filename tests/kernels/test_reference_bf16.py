@@ -154,23 +154,3 @@ def test_adamw_on_bf16_state_is_within_one_ulp_of_float64_arithmetic(rng):
 FP32_SLACK = 4
 """fp32 roundings a term of AdamW's update passes through (constant, product, sum, the scaled
 gradient): the worst case seen for m over 20,000 seeds was 1.6 unit roundoffs of the terms."""
-
-
-def test_attention_merge_of_two_key_sets_is_attention_over_both(rng):
-    """kernels.reference.attention_merge: the chunk against its own keys (causal) merged with
-    the same queries against every earlier key (unmasked, written out here) equals the causal
-    attention over the whole context, in float64."""
-    from kernels.reference.attention import attention_fwd, attention_merge
-
-    t, h, kh, e, off = 16, 4, 2, 8, 40
-    q = rng.standard_normal((t, h, e))
-    k, v = rng.standard_normal((off + t, kh, e)), rng.standard_normal((off + t, kh, e))
-    want_o, want_lse = attention_fwd(q, k, v, off)
-    own_o, own_lse = attention_fwd(q, k[off:], v[off:], 0)
-    kk, vv = np.repeat(k[:off], h // kh, axis=1), np.repeat(v[:off], h // kh, axis=1)
-    sc = np.einsum("the,she->hts", q, kk) / np.sqrt(e)  # (H, T, S): every earlier key
-    lse_b = np.log(np.exp(sc).sum(-1))
-    o_b = np.einsum("hts,she->the", np.exp(sc - lse_b[..., None]), vv)
-    o, lse = attention_merge(own_o, own_lse, o_b, lse_b)
-    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
