@@ -1,0 +1,33 @@
+"""Every kernel the CUDA op table and the CuPy backend call as `K.<name>` is exported by
+kernels.cuda, checked from the sources (CI has no CuPy to import them): a missing export
+otherwise shows only on a GPU, at the first call."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _exports() -> set[str]:
+    tree = ast.parse((ROOT / "kernels" / "cuda" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__"
+                                                for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("kernels/cuda/__init__.py has no __all__")
+
+
+def _uses(path: pathlib.Path) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "K"}
+
+
+def test_every_kernel_called_through_K_is_exported():
+    exported = _exports()
+    for rel in ("dataflow/ops_cuda.py", "dataflow/backends/cupy_backend.py"):
+        used = _uses(ROOT / rel)
+        assert used, rel
+        assert used <= exported, (rel, sorted(used - exported))
