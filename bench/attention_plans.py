@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
+
+from bench.sweep.sweep import git_commit
 
 # name: (kind, model, T queries, S keys, q_offset, causal, deterministic) — the shapes the
 # long-context plans run (8,192-token chunks; key blocks of memplan.buffers.attention_key_block)
@@ -31,14 +32,6 @@ CASES = {
     "1b-bwd-diag-96k": ("bwd", "1b", 8192, 98304, 90112, True, False),
     "1b-bwd-block-96k": ("bwd", "1b", 8192, 98304, 0, False, False),
 }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _flops(kind, t, s, q_offset, causal, h, e) -> float:
@@ -173,7 +166,7 @@ def main(argv=None) -> int:
         print(f"{r['case']:18s} {len(r['plans']):5d} {first:12.1f} {best['tflops']:10.1f}  "
               f"{best['plan'][:60]}")
     out = {"bench": "attention_plans", "device": cp.cuda.runtime.getDeviceProperties(0)["name"]
-           .decode(), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           .decode(), "commit": git_commit() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "cudnn_backend": str(cudnn.backend_version()), "frontend": cudnn.__version__,
            "reps": a.reps, "records": records}
     if a.out:
