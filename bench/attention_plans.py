@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         best = max(timed, key=lambda p: p["tflops"]) if timed else {"tflops": 0, "plan": "-"}
         print(f"{r['case']:18s} {len(r['plans']):5d} {first:12.1f} {best['tflops']:10.1f}  "
               f"{best['plan'][:60]}")
-    out = {"bench": "attention_plans", "device": cp.cuda.runtime.getDeviceProperties(0)["name"]
-           .decode(), "commit": git_commit() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    out = {"bench": "attention_plans",
+           "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "commit": git_commit() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "cudnn_backend": str(cudnn.backend_version()), "frontend": cudnn.__version__,
            "reps": a.reps, "records": records}
     if a.out:

@@ -113,12 +113,13 @@ class CudaOps:
 
     def _attention_bwd_blocked(self, q, k, v, o, lse, do, q_offset, dq, dk, dv, block):
         """The backward of one query chunk against a long context, one key block per cuDNN
-        call (memplan.buffers.key_block_spans): the chunk against its own keys (causal), the rest
-        of its key block, then every block wholly before it (no mask). Exact: each call sees the forward's o and lse, so its softmax
-        weights are the global ones; dK/dV of a block are complete, and dQ is the fp32 sum of
-        the blocks' bf16 parts. Bounds the library workspace and the bf16 dK/dV scratch by the
-        block instead of the context, and keeps the number of distinct cuDNN graphs small.
-        Uses cuDNN's atomic-dQ algorithm (its workspace grows with the block, not T*S)."""
+        call (memplan.buffers.key_block_spans): the chunk against its own keys (causal), the
+        rest of its key block, then every block wholly before it (no mask). Exact: each call
+        sees the forward's o and lse, so its softmax weights are the global ones; dK/dV of a
+        block are complete, and dQ is the fp32 sum of the blocks' bf16 parts. Bounds the
+        library workspace and the bf16 dK/dV scratch by the block instead of the context, and
+        keeps the number of distinct cuDNN graphs small. Uses cuDNN's atomic-dQ algorithm (its
+        workspace grows with the block, not T*S)."""
         ws = self._lent.get("attn_workspace")
         dq32 = self._scratch("dq32", dq.shape, cp.float32)
         kh, e = k.shape[1], k.shape[2]

@@ -210,9 +210,8 @@ def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
     specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32"),
              TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16")]
     if chunks_per_seq > 1:
-        specs.append(TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"))
-    if chunks_per_seq > 1:
-        specs += [TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
+        specs += [TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"),
+                  TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
                   TensorSpec("v_ctx", (seqlen, k, e), "bf16")]
     return tuple(specs)
 

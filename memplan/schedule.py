@@ -460,9 +460,9 @@ class _Compiler:
         first. Into the next layer of a kv_rebuild plan, re-forming its K/V takes that layer's
         weights: their slot is acquired now where the ring can (prefetched layers ahead, so
         this waits on nothing in the steady state; not with a single weight slot), and the x
-        fetches spread over this layer's backward instead of
-        queueing at the next one's start, where compute waited on them (1.9 of the 3.1 s of
-        gaps simulated for 8b at 131k, 120/24)."""
+        fetches spread over this layer's backward instead of queueing at the next one's start,
+        where compute waited on them (1.9 of the 3.1 s of gaps simulated for 8b at 131k,
+        120/24)."""
         if seq > 0:
             nxt, w_next = (layer, seq - 1), w
         elif layer > 0 and layer - 1 not in self.recompute_top:
