@@ -48,7 +48,7 @@ class _Sampler:
         import pynvml
         pynvml.nvmlInit()
         self.nv, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.clock, self.power, self._stop = [], [], threading.Event()
+        self.clock, self.power, self.temp, self._stop = [], [], [], threading.Event()
 
     def __enter__(self):
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -60,6 +60,7 @@ class _Sampler:
         while not self._stop.wait(0.05):
             self.clock.append(nv.nvmlDeviceGetClockInfo(self.h, nv.NVML_CLOCK_SM))
             self.power.append(nv.nvmlDeviceGetPowerUsage(self.h) / 1e3)
+            self.temp.append(nv.nvmlDeviceGetTemperature(self.h, nv.NVML_TEMPERATURE_GPU))
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -68,7 +69,41 @@ class _Sampler:
     def summary(self) -> dict:
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         return {"sm_clock_mhz_mean": mean(self.clock), "sm_clock_mhz_min": min(self.clock or [0]),
-                "power_w_mean": mean(self.power), "samples": len(self.clock)}
+                "power_w_mean": mean(self.power), "temp_c_max": max(self.temp or [0]),
+                "samples": len(self.clock)}
+
+
+class _Copies:
+    """256 MiB pinned-host <-> device copies queued on two streams (one each way) for about
+    `seconds`, timed with events: the PCIe traffic a streaming step runs beside its GEMMs."""
+
+    CHUNK = 256 << 20
+
+    def __init__(self, cp, seconds: float):
+        self.cp = cp
+        self.n = max(1, int(seconds * 55e9 / self.CHUNK))  # outlasts the GEMMs
+        self.host = [cp.cuda.alloc_pinned_memory(self.CHUNK) for _ in range(2)]
+        self.dev = [cp.cuda.alloc(self.CHUNK) for _ in range(2)]
+        self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+        self.ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(2)]
+
+    def start(self) -> None:
+        for way, (s, (e0, _)) in enumerate(zip(self.streams, self.ev)):
+            e0.record(s)
+            for _ in range(self.n):
+                dst, src = ((self.dev[0].ptr, self.host[0].ptr) if way == 0
+                            else (self.host[1].ptr, self.dev[1].ptr))
+                self.cp.cuda.runtime.memcpyAsync(dst, src, self.CHUNK, 1 if way == 0 else 2,
+                                                 s.ptr)
+
+    def finish(self) -> dict:
+        out = {}
+        for name, s, (e0, e1) in zip(("h2d", "d2h"), self.streams, self.ev):
+            e1.record(s)
+            e1.synchronize()
+            sec = self.cp.cuda.get_elapsed_time(e0, e1) / 1e3
+            out[f"{name}_gb_per_s"] = self.n * self.CHUNK / sec / 1e9
+        return out
 
 
 def main(argv=None) -> int:
@@ -77,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="rows of the chunk (T)")
     ap.add_argument("--reps", type=int, default=20, help="burst repetitions per GEMM")
     ap.add_argument("--seconds", type=float, default=8.0, help="sustained run per variant")
+    ap.add_argument("--copies", action="store_true",
+                    help="also run each sustained variant with host-to-device and device-to-host "
+                         "copies of pinned memory streaming beside it, as a training step has")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -139,20 +177,27 @@ def main(argv=None) -> int:
                              "accumulate": acc, "seconds": sec, "tflops": fl / sec / 1e12})
         one = timed(fns, 2)
         reps = max(1, int(a.seconds / one))
-        with _Sampler() as s:
-            sec = timed(fns, reps)
-        variants["fused" if fused else "separate"] = {
-            "layer_seconds": sec, "tflops": sum(flops) / sec / 1e12, "reps": reps, **s.summary()}
+        for copies in (False, True) if a.copies else (False,):
+            link = _Copies(cp, a.seconds) if copies else None
+            with _Sampler() as s:
+                if link:
+                    link.start()
+                sec = timed(fns, reps)
+                gbs = link.finish() if link else {}
+            key = ("fused" if fused else "separate") + (" + copies" if copies else "")
+            variants[key] = {"layer_seconds": sec, "tflops": sum(flops) / sec / 1e12,
+                             "reps": reps, **s.summary(), **gbs}
 
     print(f"{'gemm':16s} {'N':>6s} {'K':>6s} {'ms':>8s} {'TFLOP/s':>8s}")
     for r in rows:
         print(f"{r['gemm'] + (' *' if r['fused'] else ''):16s} {r['N']:6d} {r['K']:6d} "
               f"{r['seconds'] * 1e3:8.3f} {r['tflops']:8.1f}")
-    print(f"\n{'layer, sustained':16s} {'ms':>8s} {'TFLOP/s':>8s} {'SM MHz':>7s} {'min':>6s} "
-          f"{'W':>5s}")
+    print(f"\n{'layer, sustained':20s} {'ms':>8s} {'TFLOP/s':>8s} {'SM MHz':>7s} {'min':>6s} "
+          f"{'W':>5s} {'C':>4s} {'h2d GB/s':>9s} {'d2h GB/s':>9s}")
     for k, v in variants.items():
-        print(f"{k:16s} {v['layer_seconds'] * 1e3:8.3f} {v['tflops']:8.1f} "
-              f"{v['sm_clock_mhz_mean']:7.0f} {v['sm_clock_mhz_min']:6d} {v['power_w_mean']:5.0f}")
+        print(f"{k:20s} {v['layer_seconds'] * 1e3:8.3f} {v['tflops']:8.1f} "
+              f"{v['sm_clock_mhz_mean']:7.0f} {v['sm_clock_mhz_min']:6d} {v['power_w_mean']:5.0f} "
+              f"{v['temp_c_max']:4d} {v.get('h2d_gb_per_s', 0):9.1f} {v.get('d2h_gb_per_s', 0):9.1f}")
     out = {"bench": "gemm_shapes", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "commit": git_commit() or "unknown", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "model": a.model, "tokens": t, "reps": a.reps, "seconds": a.seconds,
