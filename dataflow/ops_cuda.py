@@ -50,10 +50,11 @@ class CudaOps:
         if "cublas_workspace" in scratch:
             K.set_cublas_workspace(scratch["cublas_workspace"])
 
-    def rms_norm_bwd(self, x, w, rstd, dy, dx, dw_acc):
+    def rms_norm_bwd(self, x, w, rstd, dy, dx, dw_acc, residual=None):
         parts, d = K.rms_norm_bwd_scratch_shape(x.shape[0], x.shape[1])
         K.rms_norm_bwd(x, w, rstd, dy, dx, dw_acc,
-                       scratch=self._scratch("norm_scratch", (parts, d), cp.float32))
+                       scratch=self._scratch("norm_scratch", (parts, d), cp.float32),
+                       residual=residual)
 
     def sumsq(self, x, out, accumulate: bool = True):
         K.sumsq(x, out, accumulate, scratch=self._scratch("sumsq_scratch", (1024,), cp.float32))
@@ -98,6 +99,14 @@ class CudaOps:
                         workspace=ws, quiesce=self._quiesce)
         K.add_(dk, dk16)
         K.add_(dv, dv16)
+
+    def attention_bwd_own(self, q, k, v, o, lse, do, dq, dk, dv):
+        """A chunk against its own keys: cuDNN writes dq and the bf16 dk, dv directly (the
+        values attention_bwd would accumulate from zero, with no fp32 pass)."""
+        ws = self._lent.get("attn_workspace")
+        K.attention_bwd(q, k, v, o, lse, do, 0, dq, dk, dv,
+                        deterministic=self._deterministic_fits(q, k, 0, ws),
+                        workspace=ws, quiesce=self._quiesce)
 
     def attention_workspace_nbytes(self) -> int | None:
         """Bytes of the lent attention workspace (None when none was lent)."""

@@ -24,10 +24,12 @@ def rms_norm_fwd(x, w, eps, y, rstd):
     y[...], rstd[...] = ref.rms_norm_fwd(x, w, eps)
 
 
-def rms_norm_bwd(x, w, rstd, dy, dx, dw):
-    """dw accumulates (+=)."""
+def rms_norm_bwd(x, w, rstd, dy, dx, dw, residual=None):
+    """dw accumulates (+=). `residual`: dx then gets it added, as add_(dx, residual) would."""
     dx_, dw_ = ref.rms_norm_bwd(x, w, rstd, dy)
     dx[...] = dx_
+    if residual is not None:
+        _store(dx, residual, True)
     _store(dw, dw_, True)
 
 
@@ -89,6 +91,15 @@ def attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv):
     dv += dv_.astype(dv.dtype)
 
 
+def attention_bwd_own(q, k, v, o, lse, do, dq, dk, dv):
+    """A chunk against its own keys (no context): dq, dk and dv overwritten, dk and dv in
+    k's dtype, the values attention_bwd would accumulate from zero in fp32 and then round."""
+    dq_, dk_, dv_ = ref.attention_bwd(q, k, v, o, lse, do, 0)
+    dq[...] = dq_
+    dk[...] = dk_.astype(F32).astype(dk.dtype)
+    dv[...] = dv_.astype(F32).astype(dv.dtype)
+
+
 def head_loss_fwd_bwd(x, w, targets, logits, grad_scale, dx, dw, loss_acc):
     """Sub-chunks of logits.shape[0] tokens; dw accumulates; loss_acc += [loss_sum, n_valid]."""
     loss, n, dx_, dw_ = ref.head_loss_fwd_bwd(x, w, targets, sub_tokens=logits.shape[0],
@@ -134,7 +145,8 @@ WRITES: dict[str, tuple[int, ...]] = {
     "rms_norm_fwd": (3, 4), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
     "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
     "swiglu_bwd": (3, 4), "embedding_fwd": (2,), "embedding_bwd": (2,),
-    "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9), "head_loss_fwd_bwd": (3, 5, 6, 7),
+    "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
+    "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
     "clip_scale": (2,),
 }

@@ -4,9 +4,11 @@
 // rms_norm_fwd_kernel<T, MAXP>: one block per row of x (T, D); each thread holds up to MAXP
 //   packs of 8 elements in registers, so x is read once. y = (x * rstd) * w, rstd =
 //   1 / sqrt(mean(x^2) + eps). T = bf16 or float storage; D % 8 == 0, rows 16-byte aligned.
-// rms_norm_bwd_kernel<T, MAXP>: grid of P blocks, block b takes rows b, b + P, ...; per row
-//   dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd, and the block keeps its own
-//   partial dw = sum over its rows of dy * n in registers, written to part[b, :] (fp32).
+// rms_norm_bwd_kernel<T, MAXP, RES>: grid of P blocks, block b takes rows b, b + P, ...; per
+//   row dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd, and the block keeps its
+//   own partial dw = sum over its rows of dy * n in registers, written to part[b, :] (fp32).
+//   RES: dx = T(float(T(dx)) + float(res)) instead, the residual branch's gradient added in
+//   (the bits of add_ after it, without a second pass over dx).
 // rms_norm_dw_reduce<W>: dw_acc[c] += sum_b part[b, c], summed in a fixed order (deterministic),
 //   launch (32, 8) threads per 32 columns; W = bf16 or float accumulator.
 
@@ -46,10 +48,11 @@ __global__ void __launch_bounds__(512) rms_norm_fwd_kernel(
     }
 }
 
-template <typename T, int MAXP>
+template <typename T, int MAXP, bool RES>
 __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
     const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ rstd,
-    const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ part, int n_rows, int D) {
+    const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ part, int n_rows, int D,
+    const T* res) {
     __shared__ float red[32];
     const int npacks = D / 8;
     float wv[MAXP][8], acc[MAXP][8];
@@ -88,6 +91,12 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
                 float o[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++) o[k] = r * (g[i][k] - n[i][k] * mean);
+                if (RES) {  // dx rounded to T first: the bits of a separate add_ after it
+                    float rv[8];
+                    vload(res + row * D + 8 * p, rv);
+#pragma unroll
+                    for (int k = 0; k < 8; k++) o[k] = to_f(from_f<T>(o[k])) + rv[k];
+                }
                 vstore(dx + row * D + 8 * p, o);
             }
         }

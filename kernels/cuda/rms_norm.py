@@ -14,7 +14,8 @@ from kernels.cuda._build import BF16, F32
 _SRC = "rms_norm.cu"
 _NAMES = tuple(
     [f"rms_norm_fwd_kernel<{t}, {m}>" for t in ("bf16", "float") for m in (1, 2)]
-    + [f"rms_norm_bwd_kernel<{t}, {m}>" for t in ("bf16", "float") for m in (1, 2)]
+    + [f"rms_norm_bwd_kernel<{t}, {m}, {r}>" for t in ("bf16", "float") for m in (1, 2)
+       for r in ("false", "true")]
     + [f"rms_norm_dw_reduce<{t}>" for t in ("bf16", "float")]
 )
 MAX_PARTS = 256
@@ -59,12 +60,14 @@ def rms_norm_fwd(x, w, eps: float, y, rstd) -> None:
         k((n,), (threads,), (x, w, y, rstd, np.int32(d), np.float32(eps)))
 
 
-def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None) -> None:
+def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> None:
     """x (T, D), w (D,), rstd (T,) f32, dy (T, D) -> dx (T, D) written; dw_acc (D,) bf16|f32 +=.
 
     dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd; dw_acc += sum_t dy * n,
     reduced in two deterministic stages through `scratch` (f32, rms_norm_bwd_scratch_shape;
-    a cached buffer per stream when None). fp32 math. dx may alias dy.
+    a cached buffer per stream when None). fp32 math. dx may alias dy. `residual` (T, D): dx
+    becomes dx rounded to its dtype plus residual, rounded again, the bits of add_(dx,
+    residual) after the plain call, in the same pass.
     """
     n, d = x.shape
     _build.check("x", x, (n, d))
@@ -73,8 +76,10 @@ def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None) -> None:
     _build.check("dy", dy, (n, d), (x.dtype,))
     _build.check("dx", dx, (n, d), (x.dtype,))
     _build.check("dw_acc", dw_acc, (d,), (BF16, F32))
-    if not _build.aligned16(x, w, dy, dx):
-        raise ValueError("rms_norm_bwd needs x, w, dy, dx on 16-byte boundaries")
+    if residual is not None:
+        _build.check("residual", residual, (n, d), (x.dtype,))
+    if not _build.aligned16(x, w, dy, dx, dy if residual is None else residual):
+        raise ValueError("rms_norm_bwd needs x, w, dy, dx, residual on 16-byte boundaries")
     if n == 0:
         return
     parts = min(n, MAX_PARTS)
@@ -89,8 +94,10 @@ def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None) -> None:
                          f"{scratch.shape}")
     threads, maxp = _shape_of_launch(d)
     t = _build.ctype(x.dtype, "x")
-    k1 = _build.kernel(_SRC, _NAMES, f"rms_norm_bwd_kernel<{t}, {maxp}>")
-    k1((parts,), (threads,), (x, w, rstd, dy, dx, scratch, np.int32(n), np.int32(d)))
+    res = "false" if residual is None else "true"
+    k1 = _build.kernel(_SRC, _NAMES, f"rms_norm_bwd_kernel<{t}, {maxp}, {res}>")
+    k1((parts,), (threads,), (x, w, rstd, dy, dx, scratch, np.int32(n), np.int32(d),
+                              dy if residual is None else residual))
     tw = _build.ctype(dw_acc.dtype, "dw_acc")
     k2 = _build.kernel(_SRC, _NAMES, f"rms_norm_dw_reduce<{tw}>")
     k2((-(-d // 32),), (32, 8), (scratch, np.int32(parts), np.int32(d), dw_acc))

@@ -125,6 +125,31 @@ def test_rms_norm_cuda_matches_reference_on_random_bf16(rng, n_tokens, model_dim
         check_close(f"rms_norm_bwd dw_acc {acc_dtype}", host(dw), f64(dw0) + dw_t, dw_ref)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_rms_norm_bwd_residual_is_the_bits_of_a_separate_add(rng, dtype):
+    """rms_norm_bwd(..., residual=r) writes exactly what the plain call followed by add_(dx, r)
+    wrote (the layer's two residual branches, fused); dw is unchanged by it."""
+    n, d = 300, 1024
+    x = rng.standard_normal((n, d)).astype(F32).astype(dtype)
+    w = (1.0 + 0.3 * rng.standard_normal(d)).astype(F32).astype(dtype)
+    dy = rng.standard_normal((n, d)).astype(F32).astype(dtype)
+    r = rng.standard_normal((n, d)).astype(F32).astype(dtype)
+    rstd = (1.0 + rng.random(n)).astype(F32)
+    out = []
+    for fused in (False, True):
+        dx, dw = poisoned((n, d), dtype), cupy.zeros(d, F32)
+        kc.rms_norm_bwd(dev(x), dev(w), dev(rstd), dev(dy), dx, dw,
+                        residual=dev(r) if fused else None)
+        if not fused:
+            kc.add_(dx, dev(r))
+        out.append((host(dx), host(dw)))
+    (dx0, dw0), (dx1, dw1) = out
+    assert np.array_equal(dx0.view(np.uint8), dx1.view(np.uint8))
+    assert np.array_equal(dw0, dw1)
+    dx_r, _ = ref.rms_norm_bwd(f64(x), f64(w), f64(rstd), f64(dy))
+    assert rel(dx1, dx_r + f64(r)) < 1e-2
+
+
 # ------------------------------------------------------------------------------------- linear
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
@@ -371,6 +396,58 @@ def test_attention_chunks_accumulate_into_fp32_context_grads(rng):
         dv_pipe += pv.astype(F32)
     check_close("attention 2 chunks dk (fp32 acc)", host(dk_acc), dk_t, dk_pipe)
     check_close("attention 2 chunks dv (fp32 acc)", host(dv_acc), dv_t, dv_pipe)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_attention_bwd_own_equals_the_fp32_accumulate_path(rng, deterministic):
+    """The op table's attention_bwd_own (a packed chunk's documents, each against its own keys,
+    bf16 dK/dV written directly) gives the values of attention_bwd accumulated from zero in fp32
+    and cast, as the layer took them before, and is within the bf16 bound of the truth."""
+    from dataflow.ops_cuda import CudaOps
+
+    t, h, kh, e = 192, 4, 2, 64
+    segs = ((0, 80), (80, 192))  # two documents packed in one chunk
+    q = bf(rng.standard_normal((t, h, e)))
+    k = bf(rng.standard_normal((t, kh, e)))
+    v = bf(rng.standard_normal((t, kh, e)))
+    do = bf(rng.standard_normal((t, h, e)))
+    o = np.empty((t, h, e), BF16)
+    lse = np.empty((h, t), F32)
+    for a, b in segs:
+        o[a:b], lse[:, a:b] = ref.attention_fwd(q[a:b], k[a:b], v[a:b], 0)
+    ops = CudaOps()
+    if deterministic:  # a lent workspace the deterministic algorithm fits
+        need = max(kc.attention_workspace_bytes("bwd", b - a, h, kh, e, 0, deterministic=True)
+                   for a, b in segs)
+        ops.lend_scratch({"attn_workspace": cupy.empty(max(need, 1), np.uint8)})
+    qd, kd, vd, od, dod = (dev(x) for x in (q, k, v, o, do))
+
+    def lse_d(a, b):
+        return dev(np.ascontiguousarray(lse[:, a:b]))
+
+    dq1, dk1, dv1 = (poisoned(x.shape, BF16) for x in (q, k, v))
+    for a, b in segs:
+        ops.attention_bwd_own(qd[a:b], kd[a:b], vd[a:b], od[a:b], lse_d(a, b), dod[a:b], dq1[a:b],
+                              dk1[a:b], dv1[a:b])
+    dq2 = poisoned(q.shape, BF16)
+    dk32, dv32 = cupy.zeros((t, kh, e), F32), cupy.zeros((t, kh, e), F32)
+    for a, b in segs:
+        ops.attention_bwd(qd[a:b], kd[a:b], vd[a:b], od[a:b], lse_d(a, b), dod[a:b], 0, dq2[a:b],
+                          dk32[a:b], dv32[a:b])
+    dk2, dv2 = poisoned(k.shape, BF16), poisoned(v.shape, BF16)
+    kc.cast(dk32, dk2)
+    kc.cast(dv32, dv2)
+    assert np.array_equal(f64(host(dk1)), f64(host(dk2)))
+    assert np.array_equal(f64(host(dv1)), f64(host(dv2)))
+    if deterministic:  # the atomic algorithm's dQ may differ in its last bits run to run
+        assert np.array_equal(f64(host(dq1)), f64(host(dq2)))
+    for (a, b), name in ((segs[0], "doc 0"), (segs[1], "doc 1")):
+        truth = ref.attention_bwd(f64(q[a:b]), f64(k[a:b]), f64(v[a:b]), f64(o[a:b]),
+                                  f64(lse[:, a:b]), f64(do[a:b]), 0)
+        pipe = _attn_bwd_bf16_pipeline(q[a:b], k[a:b], v[a:b], o[a:b], lse[:, a:b], do[a:b], 0)
+        for i, got in enumerate((dq1, dk1, dv1)):
+            check_close(f"attention_bwd_own {'dq dk dv'.split()[i]} {name}", host(got[a:b]),
+                        truth[i], pipe[i])
 
 
 # ---------------------------------------------------------------------------------- head loss
