@@ -92,10 +92,10 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
 #pragma unroll
                 for (int k = 0; k < 8; k++) o[k] = r * (g[i][k] - n[i][k] * mean);
                 if (RES) {  // dx rounded to T first: the bits of a separate add_ after it
-                    float rv[8];
+                    float rv[8];  // (__fadd_rn: never contracted into an fma with the line above)
                     vload(res + row * D + 8 * p, rv);
 #pragma unroll
-                    for (int k = 0; k < 8; k++) o[k] = to_f(from_f<T>(o[k])) + rv[k];
+                    for (int k = 0; k < 8; k++) o[k] = __fadd_rn(to_f(from_f<T>(o[k])), rv[k]);
                 }
                 vstore(dx + row * D + 8 * p, o);
             }
