@@ -129,17 +129,18 @@ class LayerCompute:
         op("rope_fwd", q, pos, rope_table(cfg), q)
         op("rope_fwd", k, pos, rope_table(cfg), k)
 
-    def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None) -> None:
-        """The FFN's norm, gate and up projections and SwiGLU into act; rstd2, gate and up go
-        to `ws` (the forward's forming views) or the chunk workspace."""
+    def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None, act: bool = True) -> None:
+        """The FFN's norm, gate and up projections and (`act`) SwiGLU into act; rstd2, gate and
+        up go to `ws` (the forward's forming views) or the chunk workspace."""
         cfg, op = self.cfg, self._op
-        t, xn2, act = hres.shape[0], self.ws["xn2"], self.ws["act"]
+        t, xn2 = hres.shape[0], self.ws["xn2"]
         ws = ws or {n: self.ws[n][:t] for n in ("rstd2", "gate", "up")}
         op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, xn2[:t],
            ws["rstd2"])
         op("linear_fwd", xn2[:t], w["mlp.gate_proj"], ws["gate"])
         op("linear_fwd", xn2[:t], w["mlp.up_proj"], ws["up"])
-        op("swiglu_fwd", ws["gate"], ws["up"], act[:t])
+        if act:
+            op("swiglu_fwd", ws["gate"], ws["up"], self.ws["act"][:t])
 
     # -- backward -------------------------------------------------------------------------------
     def backward(self, tag: str, w: dict, g: dict, save: dict, level: SavedLevel, dy, dx, pos,
@@ -159,7 +160,6 @@ class LayerCompute:
             gate, up = save["gate"], save["up"]
             op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, ws["xn2"][:t],
                ws["rstd2"][:t])
-            op("swiglu_fwd", gate, up, ws["act"][:t])
         else:
             q = ws["q"][:t]
             op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
@@ -174,15 +174,17 @@ class LayerCompute:
             hres = ws["h"][:t]
             op("cast", x, hres)
             op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
-            self._ffn_fwd(w, hres, tag=".re")
+            self._ffn_fwd(w, hres, tag=".re", act=False)
             gate, up = ws["gate"][:t], ws["up"][:t]
         act, xn2 = ws["act"][:t], ws["xn2"][:t]
         # FFN
         dact, dgate, dup, dxn, dh = (ws["dact"][:t], ws["dgate"][:t], ws["dup"][:t],
                                      ws["dxn"][:t], ws["dh"][:t])
-        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
+        # SwiGLU's output for the down projection's weight gradient comes out of its backward
+        # (one pass over gate and up instead of two).
         op("linear_bwd_x", dy, w["mlp.down_proj"], dact, False)
-        op("swiglu_bwd", gate, up, dact, dgate, dup)
+        op("swiglu_bwd", gate, up, dact, dgate, dup, act)
+        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
         op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
         op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
         op("linear_bwd_x", dgate, w["mlp.gate_proj"], dxn, False)

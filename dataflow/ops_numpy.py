@@ -62,8 +62,12 @@ def swiglu_fwd(gate, up, out):
     out[...] = ref.swiglu_fwd(gate, up)
 
 
-def swiglu_bwd(gate, up, dh, dgate, dup):
+def swiglu_bwd(gate, up, dh, dgate, dup, out=None):
+    """With `out`: also the forward's silu(gate) * up into it (the backward that needs it)."""
+    h = None if out is None else ref.swiglu_fwd(gate, up)
     dgate[...], dup[...] = ref.swiglu_bwd(gate, up, dh)
+    if out is not None:
+        out[...] = h
 
 
 def embedding_fwd(ids, table, out):
@@ -144,7 +148,7 @@ def sumsq(x, out, accumulate=True):
 WRITES: dict[str, tuple[int, ...]] = {
     "rms_norm_fwd": (3, 4), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
     "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
-    "swiglu_bwd": (3, 4), "embedding_fwd": (2,), "embedding_bwd": (2,),
+    "swiglu_bwd": (3, 4, 5), "embedding_fwd": (2,), "embedding_bwd": (2,),
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),

@@ -9,19 +9,20 @@ import numpy as np
 from kernels.cuda import _build
 
 _SRC = "swiglu.cu"
-_NAMES = tuple(f"swiglu_{d}_kernel<{t}, {v}>" for d in ("fwd", "bwd")
-               for t in ("bf16", "float") for v in (1, 8))
+_NAMES = tuple([f"swiglu_fwd_kernel<{t}, {v}>" for t in ("bf16", "float") for v in (1, 8)]
+               + [f"swiglu_bwd_kernel<{t}, {v}, {h}>" for t in ("bf16", "float") for v in (1, 8)
+                  for h in ("false", "true")])
 _THREADS = 256
 
 
-def _launch(direction: str, arrays: tuple, names: tuple[str, ...]) -> None:
+def _launch(direction: str, arrays: tuple, names: tuple[str, ...], extra: str = "") -> None:
     first = arrays[0]
     for nm, a in zip(names, arrays):
         _build.check(nm, a, tuple(first.shape), (first.dtype,))
     n = first.size
     vec = 8 if _build.aligned16(*arrays) else 1
-    k = _build.kernel(_SRC, _NAMES,
-                      f"swiglu_{direction}_kernel<{_build.ctype(first.dtype, names[0])}, {vec}>")
+    k = _build.kernel(_SRC, _NAMES, f"swiglu_{direction}_kernel"
+                      f"<{_build.ctype(first.dtype, names[0])}, {vec}{extra}>")
     if n:
         k((_build.flat_grid(-(-n // vec), _THREADS),), (_THREADS,), (*arrays, np.int64(n)))
 
@@ -31,10 +32,16 @@ def swiglu_fwd(gate, up, out) -> None:
     _launch("fwd", (gate, up, out), ("gate", "up", "out"))
 
 
-def swiglu_bwd(gate, up, dh, dgate, dup) -> None:
-    """gate, up, dh (T, F) -> dgate = dh * up * silu'(gate), dup = dh * silu(gate).
+def swiglu_bwd(gate, up, dh, dgate, dup, out=None) -> None:
+    """gate, up, dh (T, F) -> dgate = dh * up * silu'(gate), dup = dh * silu(gate); with `out`,
+    also out = silu(gate) * up, the bits swiglu_fwd writes, in the same pass.
 
     dgate may alias gate (or dh) and dup may alias up: each element is read before it is written
-    by the same thread.
+    by the same thread. `out` must alias none of them.
     """
-    _launch("bwd", (gate, up, dh, dgate, dup), ("gate", "up", "dh", "dgate", "dup"))
+    if out is None:
+        _launch("bwd", (gate, up, dh, dgate, dup, dup), ("gate", "up", "dh", "dgate", "dup",
+                                                        "dup"), ", false")
+    else:
+        _launch("bwd", (gate, up, dh, dgate, dup, out), ("gate", "up", "dh", "dgate", "dup",
+                                                        "out"), ", true")

@@ -246,6 +246,24 @@ def test_swiglu_cuda_matches_reference_including_ragged_tail(rng):
     check_close("swiglu_bwd dup", host(du), du_t, du_r)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("shape", [(37, 100), (64, 512)])  # ragged tail; 16-byte packs
+def test_swiglu_bwd_out_is_the_bits_of_swiglu_fwd(rng, dtype, shape):
+    """swiglu_bwd(..., out=h) writes the forward's h with swiglu_fwd's bits and leaves dgate,
+    dup as the plain backward writes them."""
+    gate, up, dh = (rng.standard_normal(shape).astype(F32).astype(dtype) for _ in range(3))
+    h0, h1 = poisoned(shape, dtype), poisoned(shape, dtype)
+    kc.swiglu_fwd(dev(gate), dev(up), h0)
+    grads = []
+    for out in (None, h1):
+        dg, du = poisoned(shape, dtype), poisoned(shape, dtype)
+        kc.swiglu_bwd(dev(gate), dev(up), dev(dh), dg, du, out=out)
+        grads.append((host(dg), host(du)))
+    assert np.array_equal(host(h0).view(np.uint8), host(h1).view(np.uint8))
+    for a, b in zip(*grads):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
 # ---------------------------------------------------------------------------------- embedding
 
 def test_embedding_fwd_cuda_is_an_exact_gather_and_flags_bad_ids(rng):
