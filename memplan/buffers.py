@@ -200,19 +200,20 @@ def library_scratch_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
 
 def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
                   chunks_per_seq: int) -> tuple[TensorSpec, ...]:
-    """K/V of the whole sequence for split sequences (bf16), fp32 accumulators for dK/dV over
+    """For split sequences: K/V of the whole sequence (bf16), fp32 accumulators for dK/dV over
     the context, the bf16 dK/dV one fused-attention backward writes before they are added in
-    (rows: one key block, attention_key_block) and, for split sequences, the fp32 dQ of a chunk
-    summed over the calls of its backward (key_block_spans)."""
+    (rows: one key block, attention_key_block) and the fp32 dQ of a chunk summed over the calls
+    of its backward (key_block_spans). Packed sequences need none of it: their attention
+    backward writes a chunk's bf16 dK/dV whole (attention_bwd_own)."""
+    if chunks_per_seq <= 1:
+        return ()
     k, e = cfg.n_kv_heads, cfg.head_dim
     rows = max(seqlen, chunk_tokens)
     block = attention_key_block(cfg, chunk_tokens, seqlen)
     specs = [TensorSpec("dk_ctx", (rows, k, e), "f32"), TensorSpec("dv_ctx", (rows, k, e), "f32"),
-             TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16")]
-    if chunks_per_seq > 1:
-        specs += [TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"),
-                  TensorSpec("k_ctx", (seqlen, k, e), "bf16"),
-                  TensorSpec("v_ctx", (seqlen, k, e), "bf16")]
+             TensorSpec("dk16", (block, k, e), "bf16"), TensorSpec("dv16", (block, k, e), "bf16"),
+             TensorSpec("dq32", (chunk_tokens, cfg.n_heads, e), "f32"),
+             TensorSpec("k_ctx", (seqlen, k, e), "bf16"), TensorSpec("v_ctx", (seqlen, k, e), "bf16")]
     return tuple(specs)
 
 
