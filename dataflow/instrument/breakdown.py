@@ -140,8 +140,9 @@ def _share(frac: float) -> str:
 
 ALWAYS_REDERIVED = ("rms_norm_fwd", "swiglu_fwd")
 """Forward ops the backward re-runs untagged at every saved-activation level (the input norm,
-and at FULL the FFN norm and SwiGLU from saved gate/up): cheap re-derivations, not the
-recompute a plan chooses, so not counted in recompute_s."""
+and at FULL the FFN norm; SwiGLU from saved gate/up until swiglu_bwd wrote its output, so older
+traces have it): cheap re-derivations, not the recompute a plan chooses, so not counted in
+recompute_s."""
 
 
 def is_level_recompute(name: str) -> bool:
