@@ -77,14 +77,14 @@ class LayerCompute:
         ws = self._forming(save, t)
         q, o, lse = ws["q"], ws["o"], ws["lse"]
         k, v = self._kv(chunk, t, (ws["k"], ws["v"]))
-        self._qkv(w, x, self.ws["xn"][:t], ws["rstd"], q, k, v, pos)
+        hres = ws["h"]
+        # The residual stream's copies (x into h, h into out, which the projections then add
+        # into) come out of the RMSNorm kernels that read those rows anyway.
+        self._qkv(w, x, self.ws["xn"][:t], ws["rstd"], q, k, v, pos, copy=hres)
         for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
             op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
-        hres = ws["h"]
-        op("cast", x, hres)
         op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
-        self._ffn_fwd(w, hres, tag="", ws=ws)
-        op("cast", hres, out)
+        self._ffn_fwd(w, hres, tag="", ws=ws, copy=out)
         op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
         if save is None:
             return
@@ -119,24 +119,27 @@ class LayerCompute:
         op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
         op("rope_fwd", k, pos, rope_table(cfg), k)
 
-    def _qkv(self, w, x, xn, rstd, q, k, v, pos) -> None:
+    def _qkv(self, w, x, xn, rstd, q, k, v, pos, copy=None) -> None:
+        """Input norm (and x into `copy`), Q/K/V projections, RoPE on Q and K."""
         cfg, op = self.cfg, self._op
         t = x.shape[0]
-        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, rstd)
+        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, rstd, copy)
         op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
         op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
         op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
         op("rope_fwd", q, pos, rope_table(cfg), q)
         op("rope_fwd", k, pos, rope_table(cfg), k)
 
-    def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None, act: bool = True) -> None:
-        """The FFN's norm, gate and up projections and (`act`) SwiGLU into act; rstd2, gate and
-        up go to `ws` (the forward's forming views) or the chunk workspace."""
+    def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None, act: bool = True,
+                 copy=None) -> None:
+        """The FFN's norm (and hres into `copy`), gate and up projections and (`act`) SwiGLU
+        into act; rstd2, gate and up go to `ws` (the forward's forming views) or the chunk
+        workspace."""
         cfg, op = self.cfg, self._op
         t, xn2 = hres.shape[0], self.ws["xn2"]
         ws = ws or {n: self.ws[n][:t] for n in ("rstd2", "gate", "up")}
         op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, xn2[:t],
-           ws["rstd2"])
+           ws["rstd2"], copy)
         op("linear_fwd", xn2[:t], w["mlp.gate_proj"], ws["gate"])
         op("linear_fwd", xn2[:t], w["mlp.up_proj"], ws["up"])
         if act:
@@ -154,8 +157,10 @@ class LayerCompute:
         xn = ws["xn"][:t]
         k, v = self._kv(chunk, t, (save.get("k"), save.get("v")))  # a shared boundary: none
         # Recompute what the level did not keep. Same kernels as the forward: bit-identical.
-        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t])
-        if level is SavedLevel.FULL:
+        full = level is SavedLevel.FULL
+        op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t],
+           None if full else ws["h"][:t])  # below the level: x is where h starts
+        if full:
             q, o, lse, hres = save["q"], save["o"], save["lse"], save["h"]
             gate, up = save["gate"], save["up"]
             op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, ws["xn2"][:t],
@@ -172,7 +177,6 @@ class LayerCompute:
                     op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b),
                        tag=".re")
             hres = ws["h"][:t]
-            op("cast", x, hres)
             op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
             self._ffn_fwd(w, hres, tag=".re", act=False)
             gate, up = ws["gate"][:t], ws["up"][:t]

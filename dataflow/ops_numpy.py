@@ -20,7 +20,10 @@ def _store(dst: np.ndarray, value, accumulate: bool) -> None:
         dst[...] = value
 
 
-def rms_norm_fwd(x, w, eps, y, rstd):
+def rms_norm_fwd(x, w, eps, y, rstd, copy=None):
+    """`copy`: also gets x (taken before y is written: y may alias x)."""
+    if copy is not None:
+        copy[...] = x
     y[...], rstd[...] = ref.rms_norm_fwd(x, w, eps)
 
 
@@ -146,7 +149,7 @@ def sumsq(x, out, accumulate=True):
 
 
 WRITES: dict[str, tuple[int, ...]] = {
-    "rms_norm_fwd": (3, 4), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
+    "rms_norm_fwd": (3, 4, 5), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
     "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
     "swiglu_bwd": (3, 4, 5), "embedding_fwd": (2,), "embedding_bwd": (2,),
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),

@@ -1,9 +1,11 @@
 // RMSNorm forward and backward, as transformers' Llama computes it: normalise in fp32, then
 // multiply by the weight. Must match kernels/reference/rms_norm.py (rms_norm_fwd, rms_norm_bwd).
 //
-// rms_norm_fwd_kernel<T, MAXP>: one block per row of x (T, D); each thread holds up to MAXP
-//   packs of 8 elements in registers, so x is read once. y = (x * rstd) * w, rstd =
+// rms_norm_fwd_kernel<T, MAXP, COPY>: one block per row of x (T, D); each thread holds up to
+//   MAXP packs of 8 elements in registers, so x is read once. y = (x * rstd) * w, rstd =
 //   1 / sqrt(mean(x^2) + eps). T = bf16 or float storage; D % 8 == 0, rows 16-byte aligned.
+//   COPY: x is also written to `copy` from those registers (the residual stream's copy a
+//   layer starts from, without a second read of x).
 // rms_norm_bwd_kernel<T, MAXP, RES>: grid of P blocks, block b takes rows b, b + P, ...; per
 //   row dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd, and the block keeps its
 //   own partial dw = sum over its rows of dy * n in registers, written to part[b, :] (fp32).
@@ -12,10 +14,10 @@
 // rms_norm_dw_reduce<W>: dw_acc[c] += sum_b part[b, c], summed in a fixed order (deterministic),
 //   launch (32, 8) threads per 32 columns; W = bf16 or float accumulator.
 
-template <typename T, int MAXP>
+template <typename T, int MAXP, bool COPY>
 __global__ void __launch_bounds__(512) rms_norm_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-    float* __restrict__ rstd, int D, float eps) {
+    float* __restrict__ rstd, int D, float eps, T* copy) {
     __shared__ float red[32];
     const i64 row = blockIdx.x;
     const T* xr = x + row * D;
@@ -44,6 +46,7 @@ __global__ void __launch_bounds__(512) rms_norm_fwd_kernel(
 #pragma unroll
             for (int k = 0; k < 8; k++) o[k] = (v[i][k] * r) * wv[k];
             vstore(yr + 8 * p, o);
+            if (COPY) vstore(copy + row * D + 8 * p, v[i]);  // T -> float -> T: the same bits
         }
     }
 }

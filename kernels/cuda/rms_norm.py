@@ -13,7 +13,8 @@ from kernels.cuda._build import BF16, F32
 
 _SRC = "rms_norm.cu"
 _NAMES = tuple(
-    [f"rms_norm_fwd_kernel<{t}, {m}>" for t in ("bf16", "float") for m in (1, 2)]
+    [f"rms_norm_fwd_kernel<{t}, {m}, {c}>" for t in ("bf16", "float") for m in (1, 2)
+     for c in ("false", "true")]
     + [f"rms_norm_bwd_kernel<{t}, {m}, {r}>" for t in ("bf16", "float") for m in (1, 2)
        for r in ("false", "true")]
     + [f"rms_norm_dw_reduce<{t}>" for t in ("bf16", "float")]
@@ -41,23 +42,28 @@ def rms_norm_bwd_scratch_shape(n_tokens: int, model_dim: int) -> tuple[int, int]
     return (min(n_tokens, MAX_PARTS), model_dim)
 
 
-def rms_norm_fwd(x, w, eps: float, y, rstd) -> None:
+def rms_norm_fwd(x, w, eps: float, y, rstd, copy=None) -> None:
     """x (T, D) bf16|f32, w (D,) same dtype -> y (T, D) same dtype, rstd (T,) f32 (written).
 
     y = (x * rstd) * w with rstd = 1 / sqrt(mean(x^2) + eps), fp32 math. y may alias x.
+    `copy` (T, D): also receives x's bits, from the same read (it must not alias x or y).
     """
     n, d = x.shape
     _build.check("x", x, (n, d))
     _build.check("w", w, (d,), (x.dtype,))
     _build.check("y", y, (n, d), (x.dtype,))
     _build.check("rstd", rstd, (n,), (F32,))
-    if not _build.aligned16(x, w, y):
-        raise ValueError("rms_norm_fwd needs x, w, y on 16-byte boundaries")
+    if copy is not None:
+        _build.check("copy", copy, (n, d), (x.dtype,))
+    if not _build.aligned16(x, w, y, y if copy is None else copy):
+        raise ValueError("rms_norm_fwd needs x, w, y, copy on 16-byte boundaries")
     threads, maxp = _shape_of_launch(d)
     t = _build.ctype(x.dtype, "x")
-    k = _build.kernel(_SRC, _NAMES, f"rms_norm_fwd_kernel<{t}, {maxp}>")
+    c = "false" if copy is None else "true"
+    k = _build.kernel(_SRC, _NAMES, f"rms_norm_fwd_kernel<{t}, {maxp}, {c}>")
     if n:
-        k((n,), (threads,), (x, w, y, rstd, np.int32(d), np.float32(eps)))
+        k((n,), (threads,), (x, w, y, rstd, np.int32(d), np.float32(eps),
+                             y if copy is None else copy))
 
 
 def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> None:

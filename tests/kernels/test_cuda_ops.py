@@ -126,6 +126,24 @@ def test_rms_norm_cuda_matches_reference_on_random_bf16(rng, n_tokens, model_dim
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("model_dim", [256, 1024, 8192])  # one and two packs a thread
+def test_rms_norm_fwd_copy_is_x_and_leaves_y_alone(rng, dtype, model_dim):
+    """rms_norm_fwd(..., copy=c) writes x's bits to c and the same y and rstd as without it."""
+    n = 130
+    x = (rng.standard_normal((n, model_dim)) * 2.0).astype(F32).astype(dtype)
+    w = (1.0 + 0.3 * rng.standard_normal(model_dim)).astype(F32).astype(dtype)
+    outs = []
+    for with_copy in (False, True):
+        y, rstd, c = poisoned(x.shape, dtype), poisoned((n,), F32), poisoned(x.shape, dtype)
+        kc.rms_norm_fwd(dev(x), dev(w), 1e-5, y, rstd, copy=c if with_copy else None)
+        outs.append((host(y), host(rstd), host(c)))
+    (y0, r0, _), (y1, r1, c1) = outs
+    assert np.array_equal(c1.view(np.uint8), x.view(np.uint8))
+    assert np.array_equal(y0.view(np.uint8), y1.view(np.uint8))
+    assert np.array_equal(r0.view(np.uint8), r1.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
 def test_rms_norm_bwd_residual_is_the_bits_of_a_separate_add(rng, dtype):
     """rms_norm_bwd(..., residual=r) writes exactly what the plain call followed by add_(dx, r)
     wrote (the layer's two residual branches, fused); dw is unchanged by it."""
