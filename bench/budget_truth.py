@@ -105,6 +105,13 @@ class BudgetRecord:
     """The demo's own 'initialised ... in X s' (arenas, state, weights)."""
     wall_s: float | None = None
     """The whole demo process, start to exit."""
+    busy_samples: int | None = None
+    """NVML samples with the GPU busy; the means below are over them (bench.sweep.monitor)."""
+    sm_clock_mhz_mean: float | None = None
+    power_w_mean: float | None = None
+    power_capped_frac: float | None = None
+    """Share of busy samples held down by the power cap: tok/s of two runs compare only at
+    similar clocks."""
     device_name: str | None = None
     commit: str | None = None
     hostname: str | None = None
@@ -232,7 +239,9 @@ def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeou
         context_bytes=context,
         device_above_budget_bytes=_minus(dev_peak, budget.device_bytes),
         device_overshoot_bytes=_minus(dev_peak, context, budget.device_bytes),
-        peak_rss_bytes=peaks.rss_bytes,
+        peak_rss_bytes=peaks.rss_bytes, busy_samples=peaks.busy_samples,
+        sm_clock_mhz_mean=peaks.sm_clock_mhz_mean, power_w_mean=peaks.power_w_mean,
+        power_capped_frac=peaks.power_capped_frac,
         host_overshoot_bytes=_minus(peaks.rss_bytes, budget.host_bytes,
                                     budget.device_bytes if backend == "numpy" else 0),
         init_s=float(init[-1]) if init else None, wall_s=wall_s,
@@ -258,10 +267,13 @@ def summary_line(r: BudgetRecord) -> str:
     tok = "n/a" if r.tok_per_s is None else f"{r.tok_per_s:,.0f}"
     pred = "n/a" if r.predicted_tok_per_s is None else f"{r.predicted_tok_per_s:,.0f}"
     init = "n/a" if r.init_s is None else f"{r.init_s:.1f} s"
+    clock = "" if r.sm_clock_mhz_mean is None else (
+        f"; busy GPU at {r.sm_clock_mhz_mean:,.0f} MHz, {r.power_w_mean:.0f} W, power-capped "
+        f"{r.power_capped_frac:.0%} of the time")
     return (f"{r.cell.label}: {r.status}; device overshoot {_gib(r.device_overshoot_bytes)} "
             f"(above budget {_gib(r.device_above_budget_bytes)}), host overshoot "
             f"{_gib(r.host_overshoot_bytes)}; {tok} tok/s (predicted {pred}); init {init}"
-            + (f"; {r.error}" if r.error else ""))
+            + clock + (f"; {r.error}" if r.error else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """Samples a running cell from the parent every 0.2 s: peak resident memory of the cell's process
-tree (psutil) and peak device memory (NVML) when a GPU is present. Never touches CUDA itself, so
-the sweeping process holds no context on the device it measures."""
+tree (psutil) and peak device memory (NVML) when a GPU is present, and, while the GPU is busy,
+its SM clock, board power and whether the power cap throttles it (an H100 training step runs
+power-capped, and its GEMM rate follows the clock: bench/records/fusions-h100-3ad5e21). Never
+touches CUDA itself, so the sweeping process holds no context on the device it measures."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import threading
 import psutil
 
 INTERVAL_S = 0.2
+BUSY_UTILIZATION = 50
+"""NVML utilization (% of the interval a kernel ran) from which a sample counts as busy."""
+_POWER_CAPS = 0x4 | 0x80
+"""NVML clock-throttle reasons SW power cap and HW power brake."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,6 +28,13 @@ class Peaks:
     """'process' (NVML per-process) or 'device-delta' (device-wide used minus the idle level)."""
     device_idle_bytes: int | None
     """Device-wide used before the cell started (other processes, other contexts)."""
+    busy_samples: int | None = None
+    """Samples with the GPU busy (BUSY_UTILIZATION); the three means below are over these.
+    None without NVML or when it cannot report clocks, power and throttle reasons."""
+    sm_clock_mhz_mean: float | None = None
+    power_w_mean: float | None = None
+    power_capped_frac: float | None = None
+    """Share of busy samples in which the power cap (or power brake) held the clock down."""
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -68,6 +81,21 @@ class _Nvml:
         found = [int(p.usedGpuMemory or 0) for p in procs if p.pid in pids]
         return sum(found) if found else None
 
+    def clocks(self) -> tuple[int, float, bool] | None:
+        """(SM clock MHz, board power W, power-capped now) when the GPU is busy; None when it
+        is idle or NVML cannot say."""
+        nv = self.nvml
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        try:
+            if nv.nvmlDeviceGetUtilizationRates(self.handle).gpu < BUSY_UTILIZATION:
+                return None
+            return (int(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM)),
+                    nv.nvmlDeviceGetPowerUsage(self.handle) / 1e3,
+                    bool(reasons(self.handle) & _POWER_CAPS))
+        except nv.NVMLError:
+            return None
+
     def close(self):
         self.nvml.nvmlShutdown()
 
@@ -89,6 +117,7 @@ class PeakSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sweep-sampler", daemon=True)
         self._rss = self._proc_dev = self._dev = None
+        self._clocks: list[tuple[int, float, bool]] = []
 
     def watch(self, pid: int) -> None:
         self._pid = pid
@@ -104,6 +133,9 @@ class PeakSampler:
             per_proc = self.nvml.process_used({p.pid for p in procs})
             if per_proc is not None:
                 self._proc_dev = max(self._proc_dev or 0, per_proc)
+            busy = self.nvml.clocks()
+            if busy is not None:
+                self._clocks.append(busy)
 
     def _loop(self) -> None:
         while True:
@@ -125,5 +157,10 @@ class PeakSampler:
                          device_idle_bytes=None)
         method, used = ("process", self._proc_dev) if self._proc_dev is not None \
             else ("device-delta", self._dev)
+        n = len(self._clocks)
+        busy = {} if not n else dict(
+            busy_samples=n, sm_clock_mhz_mean=sum(c[0] for c in self._clocks) / n,
+            power_w_mean=sum(c[1] for c in self._clocks) / n,
+            power_capped_frac=sum(c[2] for c in self._clocks) / n)
         return Peaks(rss_bytes=self._rss, device_used_bytes=used, device_method=method,
-                     device_idle_bytes=self.nvml.idle)
+                     device_idle_bytes=self.nvml.idle, **busy)

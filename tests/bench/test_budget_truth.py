@@ -1,10 +1,12 @@
 """bench/budget_truth.py on the CPU: two tiny cells run in fresh demo processes and leave one
 strict JSON record each (budgets, plan totals, sampled RSS, overshoot, tok/s, init time); an
-infeasible cell is recorded without a process; bad cells are refused with exit 2."""
+infeasible cell is recorded without a process; bad cells are refused with exit 2; the sampler
+reports clock, power and power cap over busy NVML samples only (a scripted NVML)."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -75,3 +77,68 @@ def test_parse_cell_reads_the_issue_notation():
     assert cell.key == ("8b", 65536, 120.0, 24.0)
     with pytest.raises(ConfigError, match="e.g. '8b:65536:120:24'"):
         parse_cell(":1:2:3")
+
+
+class _FakeNvml:
+    """What bench.sweep.monitor reads from pynvml, scripted: busy at 1,600 MHz and 690 W with the
+    power cap on in two samples of three, then idle."""
+
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.util = [90, 95, 99, 10]
+        self.reasons = [0x4, 0x0, 0x4, 0x0]
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return types.SimpleNamespace(gpu=self.util[0])
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert which == self.NVML_CLOCK_SM
+        return 1600
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 690_000  # mW
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self.reasons[0]
+
+    def step(self):
+        self.util, self.reasons = self.util[1:], self.reasons[1:]
+
+
+def test_sampler_reports_clock_power_and_power_cap_over_busy_samples_only():
+    from bench.sweep import monitor
+
+    fake = _FakeNvml()
+    nv = monitor._Nvml.__new__(monitor._Nvml)
+    nv.nvml, nv.handle = fake, object()
+    got = []
+    for _ in range(4):
+        got.append(nv.clocks())
+        fake.step()
+    assert got[:3] == [(1600, 690.0, True), (1600, 690.0, False), (1600, 690.0, True)]
+    assert got[3] is None  # idle: not counted
+    sampler = monitor.PeakSampler(None)
+    sampler._clocks = [c for c in got if c is not None]
+    sampler.nvml = types.SimpleNamespace(idle=0)
+    sampler._proc_dev = 1
+    peaks = sampler.peaks()
+    assert peaks.busy_samples == 3 and peaks.sm_clock_mhz_mean == 1600
+    assert peaks.power_w_mean == 690.0 and abs(peaks.power_capped_frac - 2 / 3) < 1e-12
+
+
+def test_sampler_gives_none_when_nvml_cannot_say():
+    from bench.sweep import monitor
+
+    fake = _FakeNvml()
+
+    def refuse(handle):
+        raise fake.NVMLError("not supported")
+
+    fake.nvmlDeviceGetPowerUsage = refuse
+    nv = monitor._Nvml.__new__(monitor._Nvml)
+    nv.nvml, nv.handle = fake, object()
+    assert nv.clocks() is None
