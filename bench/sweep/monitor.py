@@ -85,15 +85,18 @@ class _Nvml:
         """(SM clock MHz, board power W, power-capped now) when the GPU is busy; None when it
         is idle or NVML cannot say."""
         nv = self.nvml
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        if getattr(self, "no_clocks", False):
+            return None
         try:
+            reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nv.nvmlDeviceGetCurrentClocksThrottleReasons
             if nv.nvmlDeviceGetUtilizationRates(self.handle).gpu < BUSY_UTILIZATION:
                 return None
             return (int(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM)),
                     nv.nvmlDeviceGetPowerUsage(self.handle) / 1e3,
                     bool(reasons(self.handle) & _POWER_CAPS))
-        except nv.NVMLError:
+        except Exception:  # noqa: BLE001 - an NVML without these: stop asking, keep the memory
+            self.no_clocks = True
             return None
 
     def close(self):

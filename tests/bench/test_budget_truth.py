@@ -142,3 +142,5 @@ def test_sampler_gives_none_when_nvml_cannot_say():
     nv = monitor._Nvml.__new__(monitor._Nvml)
     nv.nvml, nv.handle = fake, object()
     assert nv.clocks() is None
+    fake.nvmlDeviceGetPowerUsage = lambda handle: 690_000
+    assert nv.clocks() is None  # asked once, then not again: the memory samples go on
