@@ -67,6 +67,8 @@ class _Nvml:
         index = int(visible) if visible.isdigit() else 0
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self.idle = self.used()
+        self.no_clocks = False
+        """Set once NVML failed to report clocks, power or throttle reasons."""
 
     def used(self) -> int:
         return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
