@@ -44,7 +44,7 @@ def classify(returncode: int | None, stderr: str, *, timed_out: bool,
     if any(m in stderr for m in DEVICE_OOM_MARKERS):
         return Status.DEVICE_OOM, line
     if returncode is not None and returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
-        return Status.HOST_OOM, f"killed by SIGKILL (likely the kernel's OOM killer)" + (
+        return Status.HOST_OOM, "killed by SIGKILL (likely the kernel's OOM killer)" + (
             f"; last: {line}" if line else "")
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() \

@@ -116,6 +116,12 @@ class CellRecord:
     context_bytes: int | None = None
     """The CUDA context's share of the peak, from the demo's memory report."""
     peak_device_minus_context_bytes: int | None = None
+    busy_samples: int | None = None
+    """NVML samples with the GPU busy; the three columns below are their means (sweep.monitor)."""
+    sm_clock_mhz_mean: float | None = None
+    power_w_mean: float | None = None
+    power_capped_frac: float | None = None
+    """Share of busy samples the power cap held the clock down: cells compare at like clocks."""
     exit_code: int | None = None
     log: str | None = None
     """The cell's stderr log, relative to the sweep directory."""

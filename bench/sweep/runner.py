@@ -142,6 +142,8 @@ def run_cell(job: CellJob) -> CellRecord:
         peak_device_minus_context_bytes=(device_used - context_bytes
                                          if device_used is not None and context_bytes is not None
                                          else None),
+        busy_samples=peaks.busy_samples, sm_clock_mhz_mean=peaks.sm_clock_mhz_mean,
+        power_w_mean=peaks.power_w_mean, power_capped_frac=peaks.power_capped_frac,
         **fields)
     store.save(record)
     return record
