@@ -93,19 +93,21 @@ class CudaOps:
             return self._attention_bwd_blocked(q, k, v, o, lse, do, q_offset, dq, dk, dv, block)
         dk16 = self._scratch("dk16", k.shape, k.dtype)
         dv16 = self._scratch("dv16", v.shape, v.dtype)
-        ws = self._lent.get("attn_workspace")
-        K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16,
-                        deterministic=self._deterministic_fits(q, k, q_offset, ws),
-                        workspace=ws, quiesce=self._quiesce)
+        self._cudnn_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16)
         K.add_(dk, dk16)
         K.add_(dv, dv16)
 
     def attention_bwd_own(self, q, k, v, o, lse, do, dq, dk, dv):
         """A chunk against its own keys: cuDNN writes dq and the bf16 dk, dv directly (the
         values attention_bwd would accumulate from zero, with no fp32 pass)."""
+        self._cudnn_bwd(q, k, v, o, lse, do, 0, dq, dk, dv)
+
+    def _cudnn_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
+        """One cuDNN backward call writing bf16 dq, dk, dv, in the lent workspace: the
+        deterministic algorithm where it fits (_deterministic_fits), else the atomic one."""
         ws = self._lent.get("attn_workspace")
-        K.attention_bwd(q, k, v, o, lse, do, 0, dq, dk, dv,
-                        deterministic=self._deterministic_fits(q, k, 0, ws),
+        K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv,
+                        deterministic=self._deterministic_fits(q, k, q_offset, ws),
                         workspace=ws, quiesce=self._quiesce)
 
     def attention_workspace_nbytes(self) -> int | None:

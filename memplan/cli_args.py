@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 
@@ -52,8 +53,6 @@ def print_report(text: str) -> int:
     """Print a command's report: 0, or SIGPIPE_EXIT without a traceback when the reader went
     away first (`dataflow-plan ... --json | head`): stdout is pointed at /dev/null so the
     interpreter's final flush does not raise again."""
-    import os
-
     try:
         print(text, flush=True)
     except BrokenPipeError:

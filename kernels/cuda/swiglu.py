@@ -39,9 +39,6 @@ def swiglu_bwd(gate, up, dh, dgate, dup, out=None) -> None:
     dgate may alias gate (or dh) and dup may alias up: each element is read before it is written
     by the same thread. `out` must alias none of them.
     """
-    if out is None:
-        _launch("bwd", (gate, up, dh, dgate, dup, dup), ("gate", "up", "dh", "dgate", "dup",
-                                                        "dup"), ", false")
-    else:
-        _launch("bwd", (gate, up, dh, dgate, dup, out), ("gate", "up", "dh", "dgate", "dup",
-                                                        "out"), ", true")
+    write_h = "false" if out is None else "true"  # without out, dup stands in (never written)
+    _launch("bwd", (gate, up, dh, dgate, dup, dup if out is None else out),
+            ("gate", "up", "dh", "dgate", "dup", "out"), f", {write_h}")
