@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k "
                         "for 1b and 8b) for the plan; dQ may then differ in the last bits from "
                         "run to run (default: deterministic; not built for --gpus yet)")
+    p.add_argument("--eager-update", action="store_true",
+                   help="run each step's AdamW after its last round (default: deferred into "
+                        "the next step's first round, behind its compute, and run before the "
+                        "model is saved or evaluated; the same bits either way)")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -177,7 +181,8 @@ def _run(args, stop: checks.StopSignals) -> int:
     with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar, stop.abortable():
         eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
                                optimizer=training.optimizer, lr_schedule=training.schedule,
-                               trace=True, progress=init_bar)
+                               trace=True, progress=init_bar,
+                               deferred_update=not args.eager_update)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     init_s = time.perf_counter() - t0
     phases = dict(eng.setup_seconds)

@@ -127,7 +127,10 @@ class Engine:
         schedule sanitizer); trace (wrap the backend in a TracingBackend, so every StepResult
         carries its breakdown and `last_trace` the step's spans); progress (anything with
         update(), called once per block initialised or loaded); schedule (a compiled
-        memplan.schedule.Schedule to run instead of compiling the plan's)."""
+        memplan.schedule.Schedule to run instead of compiling the plan's); deferred_update
+        (default True: a step's AdamW runs inside the next step's first round, hidden behind
+        its compute, or before anything reads, saves or evaluates the model; the values are
+        the same bits as False, which updates at the end of each step)."""
         if not (plan.holds_embed and plan.holds_head):
             raise ConfigError(f"this plan of {plan.model.name} is one ring rank's (it holds "
                               f"{'no embedding' if not plan.holds_embed else 'the embedding'} "
@@ -146,9 +149,10 @@ class Engine:
                optimizer: AdamWConfig | None = None,
                lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
                sanitize_seed: int = 0, trace: bool = False, progress=None,
-               schedule=None) -> None:
+               schedule=None, deferred_update: bool = True) -> None:
         opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self._deferred_update = deferred_update
         self._setup(plan, TracingBackend(be) if trace else be, seed, weights, opt, lr_schedule,
                     progress, schedule)
 
@@ -173,7 +177,8 @@ class Engine:
         self.last_trace = None
         self._progress = progress
         clock = _PhaseClock()
-        self.ex = Executor(plan, be, schedule)
+        self.ex = Executor(plan, be, schedule,
+                           deferred_update=getattr(self, "_deferred_update", True))
         clock.lap("executor")  # schedule, both arenas (pinning the host slab), library scratch
         self.optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()
@@ -280,7 +285,17 @@ class Engine:
             if self._progress is not None:
                 self._progress.update()
 
+    def _settle(self) -> None:
+        """Apply a deferred AdamW still pending, so reads, writes and evaluations see the model
+        after the last step (a failed step's update is dropped instead: see train_step)."""
+        if self.ex.update_pending:
+            if getattr(self, "_failed_step", None) is not None:
+                self.ex.drop_pending()
+            else:
+                self.ex.flush()
+
     def _read_block(self, b, part: str) -> np.ndarray:
+        self._settle()
         if b.resident or b.home(part) is None:
             return self.ex.download(b.device(part))
         self.be.synchronize()
@@ -358,6 +373,7 @@ class Engine:
             raise ConfigError(f"state_dict does not fit {self.plan.model.name} "
                               f"({len(problems)} problem(s), nothing was loaded): "
                               + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+        self.ex.drop_pending()  # every block it would update is overwritten or zeroed
         self._zero_state()  # grads (half-accumulated after a failed step), m and v
         for b, part, lay, arrays in writes:
             block = np.zeros(lay.numel, dtype=bf16)
@@ -394,6 +410,7 @@ class Engine:
         """Overwrite one block's weights, AdamW m or v with `array` (numel elements, bf16)."""
         if part not in BLOCK_PARTS:
             raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+        self._settle()  # else the pending update would land on top of the written bytes
         self._write_block(self._target(ref), array, part)
         self.be.synchronize()
 
@@ -425,7 +442,12 @@ class Engine:
         Raises models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
         infinite. After that, or after any exception or interrupt inside the step, the engine
         refuses further steps (StepFailedError) until load_state_dict reloads a state: the
-        step may have left gradients half-accumulated or the AdamW update half-applied."""
+        step may have left gradients half-accumulated or the AdamW update half-applied.
+
+        With deferred_update (the default) this step's AdamW runs inside the next step's first
+        round, or as soon as the model is read, written, saved or evaluated; step_time_s then
+        holds the previous step's update, not this one's. The update of a step that raised
+        NonFiniteError is dropped, so the weights stay those before it."""
         self._check_usable()
         ch, cfg = self.plan.chunking, self.plan.model
         batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
@@ -451,6 +473,7 @@ class Engine:
         except BaseException as exc:  # KeyboardInterrupt too: the step stopped part way
             self._failed_step = (step, "interrupted" if isinstance(exc, KeyboardInterrupt)
                                  else f"{type(exc).__name__}: {exc}")
+            self.ex.drop_pending()
             self.last_trace = None
             if tracer is not None:
                 try:
@@ -465,6 +488,7 @@ class Engine:
         for what, value in (("loss", result.loss), ("grad norm", result.grad_norm)):
             if value is not None and not np.isfinite(value):
                 self._failed_step = (step, f"{what} {value}")
+                self.ex.drop_pending()  # deferred: the blown-up update never lands
                 raise NonFiniteError(
                     f"{what} became {_nonfinite_name(value)} at step {step} (lr {lr:g}); lower "
                     "the learning rate or clip gradients (max_grad_norm), then reload a state "
@@ -484,6 +508,7 @@ class Engine:
                            pad_rows_to=ch.seqs_per_round)
         if batch.counted == 0:
             raise ConfigError("every label of the evaluation batch is -100; keep at least one")
+        self._settle()
         return self.ex.evaluate(batch).loss
 
     def step_progress(self):

@@ -24,7 +24,8 @@ from memplan import buffers
 from memplan.plan import AttentionBwd, GradAccum, Plan
 from memplan.segments import kv_less
 from memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
-                              Wait, WriteBack, compile_eval_schedule, compile_schedule)
+                              Wait, WriteBack, compile_eval_schedule, compile_schedule,
+                              compile_update_schedule)
 from models.layout import embed_layout, head_layout, layer_layout
 
 STREAM = {s.value: s for s in Stream}
@@ -69,13 +70,25 @@ class StepProgress:
 
 
 class Executor:
-    def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None):
+    def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None, *,
+                 deferred_update: bool = False):
+        """deferred_update: a step's AdamW runs inside the next step's round 0 (each streamed
+        layer's update fills the weight slot its forward reads, hiding the update behind that
+        round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred)."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
             raise BackendError(f"rounds_per_step {ch.rounds_per_step} exceeds "
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
-        self.schedule = schedule or compile_schedule(plan)
+        self.deferred = deferred_update and schedule is None
+        self.pending_hyper: tuple | None = None
+        """This step's AdamW hyperparameters while its update waits (deferred_update)."""
+        if self.deferred:
+            self.schedule = compile_schedule(plan, update="deferred")
+            self._first_schedule = compile_schedule(plan, update="none")
+            self._update_schedule = compile_update_schedule(plan)
+        else:
+            self.schedule = schedule or compile_schedule(plan)
         table = self.schedule.regions
         # the libraries' own state lives beside the arena, inside the budget
         self.dev = Arena(be, Place.DEVICE,
@@ -162,6 +175,8 @@ class Executor:
         (inputs and next-token targets, one document per row). The loss is the mean over the
         counted targets: every gradient is scaled by 1 / batch.counted."""
         ch, sch = self.plan.chunking, self.schedule
+        if self.deferred and self.pending_hyper is None:
+            sch = self._first_schedule  # no update of an earlier step to run in round 0
         t0 = time.perf_counter()
         if not isinstance(batch, Batch):
             batch = make_batch(batch, vocab_size=self.cfg.vocab_size, rows=ch.seqs_per_step,
@@ -171,12 +186,38 @@ class Executor:
                                f"{batch.rows}")
         self._begin(batch, sch)
         self.grad_scale = 1.0 / max(1, batch.counted)
+        self.hyper, self.pending_hyper = self.pending_hyper, None  # the last step's, if deferred
         self._run(sch.events[:sch.optimizer_start])                # rounds: layers x chunks
         self.hyper = optimizer.begin_step()
         self.max_norm = optimizer.config.max_grad_norm
-        self._run(sch.events[sch.optimizer_start:])                # norm, AdamW over every block
+        self._run(sch.events[sch.optimizer_start:])                # norm (and AdamW unless deferred)
+        if self.deferred:
+            self.pending_hyper = self.hyper
         self.step_index += 1
         return self._finish(sch, ch.rounds_per_step, ch.tokens_per_step, t0, norm=True)
+
+    @property
+    def update_pending(self) -> bool:
+        """A deferred step's AdamW has not run yet (the home weights are the step's before)."""
+        return self.pending_hyper is not None
+
+    def flush(self) -> float:
+        """Run the pending deferred AdamW now and wait for it; returns its seconds (0.0 when
+        nothing is pending). Reading, saving or evaluating the model needs this first."""
+        if self.pending_hyper is None:
+            return 0.0
+        t0 = time.perf_counter()
+        sch = self._update_schedule
+        self.hyper = self.pending_hyper
+        self._events = [None] * sch.n_ids
+        self._run(sch.events)
+        self.be.synchronize()
+        self.pending_hyper = None
+        return time.perf_counter() - t0
+
+    def drop_pending(self) -> None:
+        """Forget a pending deferred update (a failed step, or state about to be replaced)."""
+        self.pending_hyper = None
 
     def evaluate(self, batch: Batch) -> StepStats:
         """Forward only over `batch` (any whole number of rounds, padded rows counting nothing):
@@ -428,5 +469,6 @@ class Executor:
                               lambda: host_adamw.adamw_step(p, g, m, v, *hp, float(scale[0])),
                               reads=(g, scale), writes=(p, m, v), name=ev.name)
         else:
-            self.be.launch(Stream.COMPUTE, "adamw_step", p, g, m, v, *self.hyper,
+            # a deferred update's kernel runs on the D2H stream (memplan.schedule)
+            self.be.launch(Stream(ev.stream), "adamw_step", p, g, m, v, *self.hyper,
                            self.tr["scalars"][1:2], name=ev.name)

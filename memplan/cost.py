@@ -361,19 +361,21 @@ def event_seconds(plan, p: HardwareProfile):
     return seconds
 
 
-def predict_schedule(plan, p: HardwareProfile) -> Prediction:
+def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Prediction:
     """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by
     the simulation (a first and a later round, then the optimizer; the later round repeats).
     step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
     optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
-    token, are not counted)."""
+    token, are not counted). update: where AdamW runs (memplan.schedule.UPDATE_MODES): by
+    default as the Engine runs it, the previous step's inside round 0 (a step after the first;
+    optimizer_s is then only the norm and clip scale after the last round), or 'end'."""
     from memplan.schedule import compile_schedule
 
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     w = workload_of(d, p)
     R = ch.rounds_per_step
-    sch = compile_schedule(d, rounds=min(R, 2))
+    sch = compile_schedule(d, rounds=min(R, 2), update=update)
     tl = simulate_schedule(sch, event_seconds(d, p), p)
     ends = tl.round_end_s
     first = ends[0]

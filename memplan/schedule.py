@@ -48,8 +48,8 @@ from models.layout import embed_layout, head_layout, layer_layout
 __all__ = [
     "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "STREAMS", "ZERO", "Compute", "Event",
     "Fetch", "Fill", "HostTask", "Record", "Ref", "Region", "RegionTable", "Schedule", "Update",
-    "Wait", "WriteBack", "block_key", "compile_eval_schedule", "compile_schedule", "level_of",
-    "region_table",
+    "Wait", "WriteBack", "UPDATE_MODES", "block_key", "compile_eval_schedule", "compile_schedule",
+    "compile_update_schedule", "level_of", "region_table",
 ]
 
 
@@ -88,6 +88,15 @@ class _Compiler:
         self.segments = segment_bounds(self.L, self.k)
         self.targets_ready: int | None = None
         self.embed_grads_ready: int | None = None
+        self.embed_w_ready: int | None = None
+        """The deferred update of a HOME embedding table has written it back (HOST or D2H)."""
+        self.pending: set[str] = set()
+        """Blocks whose deferred AdamW (update='deferred') is still to be placed in round 0."""
+        self.deferring = False
+        """Compiling a deferred update (its gradients were final before this list began)."""
+        self.scale_on_host: int | None = None
+        self.host_scale_read: int | None = None
+        """HOST record after the deferred host updates read the last step's clip scale."""
         self.dx_sent: int | None = None
         """The last round's embedding gradient rows have left the residual buffer (D2H)."""
         self.n_rounds = self.ch.rounds_per_step
@@ -265,19 +274,41 @@ class _Compiler:
             self.aring.release(self.a_index[(phase, layer, chunk)])
 
     # -- the step ---------------------------------------------------------------------------
-    def compile(self, rounds: int | None = None) -> Schedule:
+    def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
+        """update: 'end' (this step's AdamW after its last round), 'none' (not in this list: a
+        deferred first step), 'deferred' (the previous step's AdamW runs inside round 0, each
+        streamed layer's update filling the weight slot its forward reads; this step's waits
+        for the next step or compile_update_schedule)."""
+        if update not in UPDATE_MODES:
+            raise ValueError(f"update={update!r}; choose one of {', '.join(UPDATE_MODES)}")
         em = self.em
         rounds = self.ch.rounds_per_step if rounds is None else rounds
-        em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
+        off, nb = self._transition("scalars")
+        if update == "deferred":  # the clip scale (scalar 1) is the pending update's
+            em.add(Fill("zero.scalars", self.ref("transitions", off, 4), "f32"))
+            em.add(Fill("zero.scalars", self.ref("transitions", off + 8, nb - 8), "f32"))
+        else:
+            em.add(Fill("zero.scalars", self.ref("transitions", off, nb), "f32"))
         self.last_round, self.n_rounds = rounds - 1, rounds
+        self.pending = set(self.owned_blocks()) if update == "deferred" else set()
         starts = []
         for rnd in range(rounds):
             starts.append(len(em.events))
             self.round(rnd)
+        if self.pending:
+            raise RuntimeError(f"deferred updates never placed: {sorted(self.pending)}")
         opt_start = len(em.events)
         self.grad_norm()
-        self.optimizer()
+        if update == "end":
+            self.optimizer()
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
+
+    def compile_update(self) -> Schedule:
+        """The AdamW of a step compiled with update='none' or 'deferred' alone: what is pending
+        when the trainer reads or saves state, or evaluates, between steps."""
+        self.scale_on_host = None  # the last step's scale reached the host before it ended
+        self.optimizer()
+        return Schedule(self.table, tuple(self.em.events), 0, (), 0, self.em.n_ids)
 
     def compile_eval(self, rounds: int) -> Schedule:
         """Forward-only rounds: tokens, embedding, layers (saving nothing), head loss. No
@@ -387,6 +418,8 @@ class _Compiler:
             self.gring.begin(self.g_uses[first], self.g_assigned[first])
         if self.hg_ring is not None:
             self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
+        if first and self.pending:
+            self.deferred_prefix()
         self.load_tokens(rnd)
         if self.has_embed:
             self.embed_fwd(rnd, self.resid(0)[0])
@@ -408,6 +441,8 @@ class _Compiler:
                     self.release_act("f", layer, c)
                 self.output_leaves(rnd, False, layer, y, c)
             self.release_weights("f", layer)
+            if first and "head" in self.pending and layer == max(L - 2, 0):
+                self.deferred_update("head")
             if self.has_head and layer == L - 2 and self.hw_ring is not None:
                 self.hw_ring.prefetch(0)                              # head weights arrive early
         if self.has_head:
@@ -557,6 +592,8 @@ class _Compiler:
             self.rows_free[part] = []
         for ev in waits:
             em.wait(HOST, ev)
+        if gather:  # a deferred update of the table it gathers from
+            em.wait(HOST, self.embed_w_ready)
         self.buf_free[rnd % 2] = []
         em.add(HostTask("tokens.stage", "tokens_stage", rnd, self._tokens(rnd)))
         if gather:
@@ -731,6 +768,7 @@ class _Compiler:
         keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
         if any(self.placement(k).optimizer is OptimizerWhere.HOST for k in keys):
             em.wait(D2H, em.record(COMPUTE))
+            em.wait(D2H, self.host_scale_read)  # deferred host updates read the last scale
             em.add(WriteBack("gnorm.scale", self.ref("norm_host", 4, 4),
                              self.ref("transitions", self._scalar(1), 4)))
             self.scale_on_host = em.record(D2H)
@@ -788,14 +826,18 @@ class _Compiler:
         em.add(Fill("zero_grads.embed", home, self.gdt, HOST))
         self.embed_grads_ready = em.record(HOST)
 
-    def update_streamed(self, key: str) -> None:
-        """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW on compute -> D2H p, m, v."""
+    def update_streamed(self, key: str, params: Ref | None = None) -> int:
+        """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW on compute -> D2H p, m, v.
+        `params`: a device copy of the whole block to update the weights in (a deferred
+        update filling the weight slot the next forward reads) instead of the stage. Returns
+        the D2H record after the last write-back."""
         em = self.em
         n_stage = self.d.slots.opt_stage_elems
         specs = buffers.opt_stage_specs(n_stage, self.gdt)
         offs = buffers.offsets(specs)
         self._grads_ready(key, H2D)
-        em.wait(H2D, em.record(COMPUTE))
+        if not self.deferring:  # the step's own update: after its last backward
+            em.wait(H2D, em.record(COMPUTE))
         home = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
         bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
         numel = self._numel(key)
@@ -803,23 +845,106 @@ class _Compiler:
             n = min(n_stage, numel - start)
             buf = i % 2
             dev = [self.ref("opt_stage", offs[f"{x}{buf}"], n * b) for x, b in zip("pgmv", bpe)]
+            if params is not None:
+                dev[0] = Ref(params.region, params.offset + start * 2, n * 2)
             host = [Ref(h.region, h.offset + start * b, n * b) for h, b in zip(home, bpe)]
             em.wait(H2D, self.stage_free[buf])
             for dst, src in zip(dev, host):
                 em.add(Fetch(f"opt.h2d.{key}", dst, src))
-            em.wait(COMPUTE, em.record(H2D))
-            em.add(Update(f"adamw.{key}.{i}", key, start, n, *dev))
-            em.wait(D2H, em.record(COMPUTE))
+            # A deferred update's kernel runs on the D2H stream, between its piece's arrival
+            # and write-back, so the compute stream never queues behind its fetches.
+            ust = D2H if self.deferring else COMPUTE
+            em.wait(ust, em.record(H2D))
+            em.add(Update(f"adamw.{key}.{i}", key, start, n, *dev, stream=ust))
+            if ust != D2H:
+                em.wait(D2H, em.record(ust))
+            elif start + n == numel:
+                self.params_ready = em.record(D2H)  # the last piece's kernel, before its copies
             for j in (0, 2, 3):
                 em.add(WriteBack(f"opt.d2h.{key}", host[j], dev[j]))
             self.stage_free[buf] = em.record(D2H)
-        em.record(D2H)
+        return em.record(D2H)
+
+    # -- the previous step's update, deferred into round 0 (update='deferred') ---------------
+    def fused(self, key: str) -> bool:
+        """A streamed layer whose deferred update fills the weight slot of its round-0
+        forward: the update's H2D of the weights is that forward's fetch."""
+        if not key.startswith("layer") or self.wring is None:
+            return False
+        p = self.placement(key)
+        return p.weights is Where.HOME and p.optimizer is OptimizerWhere.STREAMED
+
+    def deferred_prefix(self) -> None:
+        """Round 0's start: the pending updates that are not fused into a weight fetch (the
+        embedding, resident and host-updated layers), before anything reads those blocks;
+        then the first fused layer fetches are queued, ahead of the token and row uploads."""
+        for key in [k for k in self.owned_blocks() if k != "head" and not self.fused(k)]:
+            self.deferred_update(key)
+        if self.wring is not None:
+            self.wring.fill = self.fill_weights
+            self.wring.prefetch(len(self.wring.slots) - 1)
+
+    def deferred_update(self, key: str) -> None:
+        """The pending AdamW of `key`, placed where the round no longer reads its old state;
+        marks when its home weights and gradients are free again for the round's own copies."""
+        self.pending.discard(key)
+        where = self.placement(key).optimizer
+        self.deferring = True
+        if where is OptimizerWhere.DEVICE:
+            self.update_device(key)
+        elif where is OptimizerWhere.HOST:
+            self.update_host(key)
+            done = self.host_scale_read = self.em.record(HOST)
+            self._home_updated(key, done)
+        else:
+            self._home_updated(key, self.update_streamed(key))
+        self.deferring = False
+
+    def _home_updated(self, key: str, done: int) -> None:
+        """After `done`, key's home weights hold the update and its home gradient was read:
+        the round's weight fetches, gradient write-backs, gathers and zero fills wait for it."""
+        if key == "embed":
+            self.embed_w_ready = self.embed_grads_ready = done
+            return
+        rings = (self.wring, self.gring) if key.startswith("layer") else \
+            (self.hw_ring, self.hg_ring)
+        rkey = int(key[5:]) if key.startswith("layer") else key
+        for ring in rings:
+            if ring is not None:
+                ring.host_ready[rkey] = done
+
+    def fill_weights(self, use, slot: Ref) -> tuple[int, int] | None:
+        """The weight ring's fill hook in round 0 of a deferred step: a pending streamed
+        layer's first fetch is its update, in the slot (None: fetch as usual). Returns (compute
+        record, D2H record after the updated weights left the slot)."""
+        key = f"layer{use.key}"
+        if key not in self.pending or not self.fused(key):
+            return None
+        self.pending.discard(key)
+        self.deferring = True
+        done = self.update_streamed(key, params=slot)
+        self.deferring = False
+        self._home_updated(key, done)
+        return self.params_ready, done
 
 
-def compile_schedule(plan, *, rounds: int | None = None) -> Schedule:
+UPDATE_MODES = ("end", "none", "deferred")
+"""Where a step's AdamW runs (_Compiler.compile): after its last round, not in its list, or the
+previous step's inside its round 0."""
+
+
+def compile_schedule(plan, *, rounds: int | None = None, update: str = "end") -> Schedule:
     """The event list of one step of `plan` (a Plan or Decisions). `rounds` overrides the
-    plan's rounds per step (the search times a first and a later round this way)."""
-    return _Compiler(plan).compile(rounds)
+    plan's rounds per step (the search times a first and a later round this way); `update`
+    says where AdamW runs (UPDATE_MODES; 'end' unless the trainer defers it)."""
+    return _Compiler(plan).compile(rounds, update)
+
+
+def compile_update_schedule(plan) -> Schedule:
+    """The AdamW over every block alone, reading the clip scale a step compiled with
+    update='none' or 'deferred' left on the device: the pending update, run before state is
+    read, saved or evaluated between steps."""
+    return _Compiler(plan).compile_update()
 
 
 def compile_eval_schedule(plan, rounds: int = 1) -> Schedule:

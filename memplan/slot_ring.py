@@ -60,6 +60,13 @@ class _Ring:
         self.free: list[int | None] = [None] * len(slots)
         self.host_ready: dict[Hashable, int] = {}
         """Event after which the home copy of a key holds its latest bytes."""
+        self.fill = None
+        """Optional hook (use, slot ref) -> (ready, read out) or None: fills a slot in place of
+        its fetch (a deferred AdamW writes the updated weights into it: memplan.schedule).
+        `ready` orders the use's compute; `read out` is the D2H record after the slot's bytes
+        were copied home, which the slot's next fill waits for."""
+        self.read_out: dict[int, int] = {}
+        """Slot -> D2H record after a fill hook's write-back out of it."""
 
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
         """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
@@ -141,9 +148,14 @@ class _Ring:
                 else:
                     em.wait(H2D, self.free[slot])
                     em.wait(H2D, self.host_ready.get(use.key))
-                    em.add(Fetch(f"{self.name}.h2d{use.key}",
-                                 self._slot_part(slot, use.fetch.nbytes), use.fetch))
-                    self.fetched[j] = em.record(H2D)
+                    em.wait(H2D, self.read_out.pop(slot, None))
+                    part = self._slot_part(slot, use.fetch.nbytes)
+                    filled = self.fill(use, part) if self.fill is not None else None
+                    if filled is None:
+                        em.add(Fetch(f"{self.name}.h2d{use.key}", part, use.fetch))
+                        self.fetched[j] = em.record(H2D)
+                    else:
+                        self.fetched[j], self.read_out[slot] = filled
             self.next_fetch += 1
 
     def ready(self, i: int) -> bool:

@@ -147,15 +147,16 @@ def report(trace: StepTrace, *, n_layers: int | None = None, top: int = 12) -> s
 
 
 # -- the planner's simulation, as a trace -----------------------------------------------------
-def simulated_trace(plan) -> StepTrace:
+def simulated_trace(plan, update: str = "deferred") -> StepTrace:
     """One step of `plan` as memplan's event simulation times it (its own profile), as a
     StepTrace: the same stall analysis as a measured step, at event granularity (one compute
-    span per layer and chunk, not per op)."""
+    span per layer and chunk, not per op). update: where AdamW runs (the Engine's default:
+    the previous step's, deferred into round 0; 'end' for --eager-update)."""
     from memplan.cost import event_seconds
     from memplan.schedule import compile_schedule
     from memplan.sim import simulate_schedule
 
-    sch = compile_schedule(plan)
+    sch = compile_schedule(plan, update=update)
     tl = simulate_schedule(sch, event_seconds(plan, plan.profile), plan.profile, spans=True)
     spans = tuple(Span(1, None, Stream(stream), name,
                        SpanKind.COPY if nbytes else SpanKind.OP, nbytes, a, b)

@@ -99,3 +99,28 @@ def test_cupy_pool_does_not_grow_after_first_round():
             eng.be.synchronize()
             used.append(pool.used_bytes())
     assert used[1] == used[0] and used[2] == used[0], used
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_gpu_deferred_update_is_the_bits_of_updating_at_the_end(model):
+    """On the GPU (real streams, the AdamW kernel on the D2H stream inside round 0): three
+    steps with the update deferred give the losses, gradient norms and final weights, m and v
+    of updating at the end of each step, bit for bit, with clipping engaged."""
+    cfg = load_config(model)
+    plans = path_plans(cfg) + split_plans(cfg)
+    for name, plan in plans[1:3] + plans[-3:-1] + [plans[-1]]:
+        ch = plan.chunking
+        out = []
+        for deferred in (False, True):
+            opt = AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=0.05)
+            with Engine.from_plan(plan, backend="cupy", optimizer=opt,
+                                  deferred_update=deferred) as eng:
+                res = [eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
+                                                   start=s * ch.seqs_per_step * ch.seqlen))
+                       for s in range(3)]
+                out.append(([(r.loss, r.grad_norm) for r in res], eng.state_dict()))
+        (eager, e_state), (lazy, l_state) = out
+        assert lazy == eager, name
+        for k in e_state:
+            a, b = np.atleast_1d(e_state[k]), np.atleast_1d(l_state[k])
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: {k}"
