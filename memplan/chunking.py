@@ -24,6 +24,10 @@ work grows with chunks per round, and this keeps planning any seqlen up to MAX_S
 second. Only sequences longer than 256 chunk targets (2M tokens on 8b) are affected."""
 HEAD_SUB_TARGET_TOKENS = 1024
 """Head/cross-entropy sub-chunk: the smallest divisor of the chunk at least this long."""
+HEAD_SUB_TARGETS = (HEAD_SUB_TARGET_TOKENS, 2048)
+"""Sub-chunk targets the search tries: a longer one holds more fp32 logits on the device
+(0.5 GiB more at 2048 for a 128k vocabulary) and accumulates the head's weight gradient half as
+often (memplan.cost.head_seconds)."""
 
 
 def chunk_target_tokens(cfg: ModelConfig) -> int:
@@ -130,6 +134,12 @@ def chunking_candidates(cfg: ModelConfig, seqlen: int, *, chunk_tokens: int | No
     return tuple(out)
 
 
-def head_sub_tokens(chunk_tokens: int) -> int:
-    return next(d for d in _divisors(chunk_tokens)
-                if d >= min(HEAD_SUB_TARGET_TOKENS, chunk_tokens))
+def head_sub_tokens(chunk_tokens: int, target: int = HEAD_SUB_TARGET_TOKENS) -> int:
+    """The smallest divisor of the chunk at least `target` tokens long (the chunk itself when
+    it is shorter)."""
+    return next(d for d in _divisors(chunk_tokens) if d >= min(target, chunk_tokens))
+
+
+def head_sub_choices(chunk_tokens: int) -> tuple[int, ...]:
+    """The head sub-chunks the search tries for a chunk (HEAD_SUB_TARGETS, deduplicated)."""
+    return tuple(sorted({head_sub_tokens(chunk_tokens, t) for t in HEAD_SUB_TARGETS}))

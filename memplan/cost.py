@@ -98,12 +98,24 @@ class ChunkCosts:
     """Extra seconds by level: (FULL, INP_ATTN, INP_ONLY)."""
     rec_flops: tuple[float, float, float]
     flash_flops: float
-    head_s: float
     fwd_flops: float = 0.0
     """Forward FLOPs (GEMMs and attention): what a segment recompute repeats per layer."""
 
 
 LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 2}
+
+
+def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_bytes: int,
+                 p: HardwareProfile) -> float:
+    """The head of one chunk: its three GEMMs, the cross-entropy passes over fp32 logits, and
+    the weight gradient's accumulation, which reads and writes the whole (V, D) gradient once
+    per sub-chunk (at 8b, 2 GiB of bf16 a time: a 2048-token sub-chunk halves it)."""
+    t = chunk_tokens
+    hbm = p.device_mem_bytes_per_s
+    ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
+    acc_bytes = (t // sub_tokens) * cfg.vocab_size * cfg.model_dim * grad_bytes * 2
+    return (head_flops(cfg, t) / gemm_flop_per_s(cfg, p, t) + (ce_bytes + acc_bytes) / hbm) \
+        * (1.0 + LAUNCH_OVERHEAD_FRAC)
 
 
 @functools.lru_cache(maxsize=256)
@@ -120,8 +132,6 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     ew_s = elementwise_fwd_bytes(cfg, t) / hbm
     mm = layer_matmul_flops(cfg, t)
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
-    ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
-    head_s = (head_flops(cfg, t) / gemm + ce_bytes / hbm) * over
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -140,7 +150,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         rec_a = (rec_attn / gemm + ew_s) * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(0.0, rec_a, rec_a + a_fwd_s * over),
                               rec_flops=(0.0, rec_attn, rec_attn + a_fwd), flash_flops=flash,
-                              head_s=head_s, fwd_flops=mm + a_fwd))
+                              fwd_flops=mm + a_fwd))
     return tuple(out)
 
 
@@ -210,7 +220,8 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops,
     """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head."""
     cfg, ch, L = d.model, d.chunking, d.model.n_layers
     emb, head = d.holds_embed, d.holds_head  # a ring rank runs only the blocks it owns
-    head_s = sum(c.head_s for c in costs) if head else 0.0
+    head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
+                                                gbpe, p) if head else 0.0
     rows = ch.tokens_per_round * cfg.model_dim * 2
     opt = {OptimizerWhere.DEVICE: 0, OptimizerWhere.STREAMED: 0, OptimizerWhere.HOST: 0}
     for placement, n in ((q, elems["layer"]) for q in d.layers):
@@ -329,7 +340,8 @@ def event_seconds(plan, p: HardwareProfile):
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2
-    head_s = sum(c.head_s for c in costs)
+    head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
+                                                grad_bpe(d.grad_accum), p)
     ctx_s = 4 * ch.chunk_tokens * cfg.kv_dim * 2 / hbm
     kv_s = kv_rebuild_cost(cfg, ch.chunk_tokens, p)[0]
 

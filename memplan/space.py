@@ -11,8 +11,8 @@ import functools
 
 from memplan import buffers
 from memplan.chunking import head_sub_tokens
-from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, kv_rebuild_cost,
-                          make_workload, segment_recompute)
+from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, head_seconds,
+                          kv_rebuild_cost, make_workload, segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
                              row_parts)
@@ -63,7 +63,8 @@ class Space:
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
-                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False):
+                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
+                 head_sub: int | None = None):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.kv_rebuild = kv_rebuild
@@ -100,7 +101,8 @@ class Space:
         t = ch.chunk_tokens
         self.act_size = tuple(buffers.saved_activation_bytes(
             cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
-        self.head_sub = head_sub_tokens(t)
+        self.head_sub = head_sub or head_sub_tokens(t)
+        """Slots.head_sub_tokens: fp32 logits held (below) against gradient accumulations."""
         self.fixed_device = sum(buffers.packed_bytes(s) for s in (
             buffers.chunk_workspace_specs(cfg, t),
             buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
@@ -141,7 +143,7 @@ class Space:
         self.fwd_s = sum(c.fwd_s for c in self.costs)
         self.bwd0 = sum(c.bwd_s for c in self.costs)
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
-            + self.holds_head * sum(c.head_s for c in self.costs)
+            + self.holds_head * self.C * head_seconds(cfg, t, self.head_sub, self.gbpe, p)
         # A chunk kept at home brings x over H2D a second time for its re-forming, during the
         # backward of the layer above (memplan.schedule.prefill_context): H2D bytes of that
         # layer's activation traffic, which the workload hides behind compute where it can.
