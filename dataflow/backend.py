@@ -17,6 +17,9 @@ class Stream(enum.Enum):
     D2H = "d2h"
     HOST = "host"
     """CPU work ordered with the device streams (host AdamW, embedding gather/scatter)."""
+    OPT = "opt"
+    """A deferred AdamW's kernels and write-backs (memplan.schedule), beside the round's own
+    copies, so the activations' write-backs never queue behind the update's fetches."""
 
 
 class Place(enum.Enum):

@@ -469,6 +469,6 @@ class Executor:
                               lambda: host_adamw.adamw_step(p, g, m, v, *hp, float(scale[0])),
                               reads=(g, scale), writes=(p, m, v), name=ev.name)
         else:
-            # a deferred update's kernel runs on the D2H stream (memplan.schedule)
+            # a deferred update's kernel runs on the OPT stream (memplan.schedule)
             self.be.launch(Stream(ev.stream), "adamw_step", p, g, m, v, *self.hyper,
                            self.tr["scalars"][1:2], name=ev.name)

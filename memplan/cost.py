@@ -399,7 +399,9 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Pred
         """Round 0, then the later round repeated: the same extrapolation as the step."""
         return per_round[0] + (R - 1) * (per_round[1] if len(ends) > 1 else per_round[0])
 
-    exp = {k: rounds_total([r[k] for r in tl.exposed_by_round]) for k in ("h2d", "d2h", "host")}
+    exp = {k: rounds_total([r[k] for r in tl.exposed_by_round])
+           for k in ("h2d", "d2h", "host", "opt")}
+    opt_s += exp["opt"]  # rounds waiting on a deferred update count as optimizer time
     busy = rounds_total(list(tl.busy_by_round))
     h2d, d2h = sch.bytes_moved(state_only=True)
     if len(ends) > 1:  # the later round's bytes repeat

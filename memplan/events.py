@@ -10,8 +10,8 @@ import dataclasses
 import json
 from typing import Union
 
-STREAMS = ("compute", "h2d", "d2h", "host")
-COMPUTE, H2D, D2H, HOST = STREAMS
+STREAMS = ("compute", "h2d", "d2h", "host", "opt")
+COMPUTE, H2D, D2H, HOST, OPT = STREAMS
 
 
 # -- the region table ---------------------------------------------------------------------------

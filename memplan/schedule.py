@@ -19,6 +19,7 @@ from memplan.events import (
     EVENT_TYPES,
     H2D,
     HOST,
+    OPT,
     STREAMS,
     Compute,
     Event,
@@ -46,7 +47,7 @@ from models.layout import embed_layout, head_layout, layer_layout
 # memplan/slot_ring.py; the public names are re-exported here, where the rest of the code imports
 # them.
 __all__ = [
-    "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "STREAMS", "ZERO", "Compute", "Event",
+    "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "OPT", "STREAMS", "ZERO", "Compute", "Event",
     "Fetch", "Fill", "HostTask", "Record", "Ref", "Region", "RegionTable", "Schedule", "Update",
     "Wait", "WriteBack", "UPDATE_MODES", "block_key", "compile_eval_schedule", "compile_schedule",
     "compile_update_schedule", "level_of", "region_table",
@@ -851,19 +852,20 @@ class _Compiler:
             em.wait(H2D, self.stage_free[buf])
             for dst, src in zip(dev, host):
                 em.add(Fetch(f"opt.h2d.{key}", dst, src))
-            # A deferred update's kernel runs on the D2H stream, between its piece's arrival
-            # and write-back, so the compute stream never queues behind its fetches.
-            ust = D2H if self.deferring else COMPUTE
+            # A deferred update's kernel and write-backs run on their own stream: the compute
+            # stream never queues behind its fetches, nor the activations' write-backs behind
+            # its copies.
+            ust, wst = (OPT, OPT) if self.deferring else (COMPUTE, D2H)
             em.wait(ust, em.record(H2D))
             em.add(Update(f"adamw.{key}.{i}", key, start, n, *dev, stream=ust))
-            if ust != D2H:
-                em.wait(D2H, em.record(ust))
+            if wst != ust:
+                em.wait(wst, em.record(ust))
             elif start + n == numel:
-                self.params_ready = em.record(D2H)  # the last piece's kernel, before its copies
+                self.params_ready = em.record(OPT)  # the last piece's kernel, before its copies
             for j in (0, 2, 3):
-                em.add(WriteBack(f"opt.d2h.{key}", host[j], dev[j]))
-            self.stage_free[buf] = em.record(D2H)
-        return em.record(D2H)
+                em.add(WriteBack(f"opt.d2h.{key}", host[j], dev[j], stream=wst))
+            self.stage_free[buf] = em.record(wst)
+        return em.record(wst)
 
     # -- the previous step's update, deferred into round 0 (update='deferred') ---------------
     def fused(self, key: str) -> bool:

@@ -240,7 +240,8 @@ class Timeline:
     """Compute-stream time at the end of each round (the optimizer follows the last)."""
     compute_busy_s: float
     exposed_s: dict
-    """Seconds the compute stream waited on 'h2d', 'd2h' and 'host'."""
+    """Seconds the compute stream waited on 'h2d', 'd2h', 'host' and 'opt' (a deferred
+    update)."""
     exposed_by_round: tuple
     """The same, per round, then the optimizer."""
     busy_by_round: tuple
@@ -260,10 +261,10 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
     gives the compute / host / fill durations (memplan.cost.event_seconds). `comm` (a ring
     rank's: memplan.ring_schedule.RingComm) times the events on its `streams` (Send, Recv,
     AllReduce): `comm.finish(event, start)` is when one ends."""
-    clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
     recorded = [0.0] * schedule.n_ids
     origin = [""] * schedule.n_ids
-    exposed = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    exposed = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
     for s in comm.streams if comm is not None else ():
         clock[s] = exposed[s] = 0.0
     busy = 0.0
@@ -273,6 +274,8 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
     one_way = {"h2d": p.h2d_bytes_per_s, "d2h": p.d2h_bytes_per_s}
     duplex = {"h2d": p.h2d_duplex_bytes_per_s, "d2h": p.d2h_duplex_bytes_per_s}
     other = {"h2d": "d2h", "d2h": "h2d"}
+    link = {"h2d": "h2d", "d2h": "d2h", "opt": "d2h"}
+    """A deferred update's write-backs (the 'opt' stream) cross the D2H link."""
     for i, ev in enumerate(schedule.events):
         if boundaries and i in boundaries:
             round_end.append(clock["compute"])
@@ -294,7 +297,10 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
             if spans:
                 timed.append((s, ev.name, start, clock[s], 0))
         elif kind in ("Fetch", "WriteBack"):
-            rate = duplex[s] if clock[other[s]] > clock[s] else one_way[s]
+            d = link[s]
+            rate = duplex[d] if clock[other[d]] > clock[s] else one_way[d]
+            if s == "opt" and clock["d2h"] > clock[s]:
+                rate /= 2  # sharing the D2H link with the round's own write-backs
             start = clock[s]
             clock[s] += ev.dst.nbytes / rate
             if spans:

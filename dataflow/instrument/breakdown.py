@@ -160,11 +160,13 @@ def compute_breakdown(trace: StepTrace) -> StepBreakdown:
         iv = (max(lo, s.start_s), min(hi, s.end_s))
         if iv[1] <= iv[0]:
             iv = None
-        if s.stream in nbytes:
-            nbytes[s.stream] += s.nbytes
+        # a deferred update's write-backs (the OPT stream) cross the D2H link
+        stream = Stream.D2H if s.stream is Stream.OPT and s.nbytes else s.stream
+        if stream in nbytes:
+            nbytes[stream] += s.nbytes
         if iv is None:
             continue
-        by_stream[s.stream].append(iv)
+        by_stream[stream].append(iv)
         if s.stream is Stream.COMPUTE and is_level_recompute(s.name):
             recompute.append(iv)
         if is_optimizer(s.name):

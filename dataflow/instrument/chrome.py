@@ -15,8 +15,8 @@ from dataflow.instrument.spans import Span, StepTrace, parse_name
 
 PID = 1
 STEP_TID = 0
-STREAM_TIDS = {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 3, Stream.HOST: 4}
-"""Track ids: the thread names are the streams' values (compute, h2d, d2h, host)."""
+STREAM_TIDS = {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 3, Stream.HOST: 4, Stream.OPT: 5}
+"""Track ids: the thread names are the streams' values (compute, h2d, d2h, host, opt)."""
 
 
 def _us(seconds: float) -> float:
