@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 
-from memplan.chunking import chunking_candidates, head_sub_choices
+from memplan.chunking import chunking_candidates
 from memplan.cost import round_times, max_rounds, rounds_for_target
 from memplan.plan import GradAccum, HardwareProfile, OptimizerWhere
 from memplan.space import Space, State
@@ -167,14 +166,9 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
     spaces, cands, chains = [], [], []
     for ch in chunking_candidates(cfg, seqlen, chunk_tokens=opts.get("chunk_tokens"),
                                   chunks_per_round=opts.get("chunks_per_round")):
-        # A split sequence's head is a few percent of its step: one sub-chunk, half the search.
-        heads = head_sub_choices(ch.chunk_tokens) \
-            if opts["holds_head"] and ch.chunks_per_seq == 1 else (None,)
-        for rebuild, head_sub in itertools.product(
-                kv_rebuild_choices(ch, opts.get("kv_rebuild")), heads):
+        for rebuild in kv_rebuild_choices(ch, opts.get("kv_rebuild")):
             sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
-                       holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild,
-                       head_sub=head_sub)
+                       holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild)
             states, chain = _space_states(sp, opts)
             cands += _candidates(sp, opts, len(spaces), states)
             spaces.append(sp)
@@ -208,7 +202,7 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:
                 sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,
-                           holds=base.holds, head_sub=base.head_sub)
+                           holds=base.holds)
                 states = {_carried(s, base.N, sp) for s in chain}
                 cands += _candidates(sp, plain.opts, len(spaces), states)
                 spaces.append(sp)

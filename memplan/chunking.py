@@ -25,9 +25,9 @@ second. Only sequences longer than 256 chunk targets (2M tokens on 8b) are affec
 HEAD_SUB_TARGET_TOKENS = 1024
 """Head/cross-entropy sub-chunk: the smallest divisor of the chunk at least this long."""
 HEAD_SUB_TARGETS = (HEAD_SUB_TARGET_TOKENS, 2048)
-"""Sub-chunk targets the search tries: a longer one holds more fp32 logits on the device
-(0.5 GiB more at 2048 for a 128k vocabulary) and accumulates the head's weight gradient half as
-often (memplan.cost.head_seconds)."""
+"""Sub-chunk targets a chosen plan may take (memplan.search._longer_head_sub): a longer one
+holds more fp32 logits on the device (0.5 GiB more at 2048 for a 128k vocabulary) and
+accumulates the head's weight gradient half as often (memplan.cost.head_seconds)."""
 
 
 def chunk_target_tokens(cfg: ModelConfig) -> int:
@@ -141,5 +141,5 @@ def head_sub_tokens(chunk_tokens: int, target: int = HEAD_SUB_TARGET_TOKENS) -> 
 
 
 def head_sub_choices(chunk_tokens: int) -> tuple[int, ...]:
-    """The head sub-chunks the search tries for a chunk (HEAD_SUB_TARGETS, deduplicated)."""
+    """The head sub-chunks a plan of this chunk may take (HEAD_SUB_TARGETS, deduplicated)."""
     return tuple(sorted({head_sub_tokens(chunk_tokens, t) for t in HEAD_SUB_TARGETS}))

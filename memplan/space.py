@@ -63,8 +63,7 @@ class Space:
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
-                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
-                 head_sub: int | None = None):
+                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.kv_rebuild = kv_rebuild
@@ -101,8 +100,7 @@ class Space:
         t = ch.chunk_tokens
         self.act_size = tuple(buffers.saved_activation_bytes(
             cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
-        self.head_sub = head_sub or head_sub_tokens(t)
-        """Slots.head_sub_tokens: fp32 logits held (below) against gradient accumulations."""
+        self.head_sub = head_sub_tokens(t)
         self.fixed_device = sum(buffers.packed_bytes(s) for s in (
             buffers.chunk_workspace_specs(cfg, t),
             buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
