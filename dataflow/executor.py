@@ -223,6 +223,7 @@ class Executor:
         """Forward only over `batch` (any whole number of rounds, padded rows counting nothing):
         the loss per round and overall; no gradient, weight or AdamW state changes."""
         ch = self.plan.chunking
+        self.flush()  # its list zeroes the clip scale a pending update still reads
         t0 = time.perf_counter()
         rounds = -(-batch.rows // ch.seqs_per_round)
         if rounds * ch.seqs_per_round != batch.rows or rounds > buffers.MAX_ROUNDS_PER_STEP:

@@ -90,7 +90,7 @@ class _Compiler:
         self.targets_ready: int | None = None
         self.embed_grads_ready: int | None = None
         self.embed_w_ready: int | None = None
-        """The deferred update of a HOME embedding table has written it back (HOST or D2H)."""
+        """The deferred update of a HOME embedding table has written it back (HOST or OPT)."""
         self.pending: set[str] = set()
         """Blocks whose deferred AdamW (update='deferred') is still to be placed in round 0."""
         self.deferring = False
@@ -98,6 +98,8 @@ class _Compiler:
         self.scale_on_host: int | None = None
         self.host_scale_read: int | None = None
         """HOST record after the deferred host updates read the last step's clip scale."""
+        self.params_ready: int | None = None
+        """OPT record after a deferred streamed update's last kernel (before its write-backs)."""
         self.dx_sent: int | None = None
         """The last round's embedding gradient rows have left the residual buffer (D2H)."""
         self.n_rounds = self.ch.rounds_per_step
@@ -828,10 +830,11 @@ class _Compiler:
         self.embed_grads_ready = em.record(HOST)
 
     def update_streamed(self, key: str, params: Ref | None = None) -> int:
-        """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW on compute -> D2H p, m, v.
-        `params`: a device copy of the whole block to update the weights in (a deferred
-        update filling the weight slot the next forward reads) instead of the stage. Returns
-        the D2H record after the last write-back."""
+        """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW -> write-back of p, m, v (on the
+        compute and D2H streams; a deferred update's on the OPT stream). `params`: a device copy
+        of the whole block to update the weights in (a deferred update filling the weight slot
+        the next forward reads) instead of the stage. Returns the record after the last
+        write-back."""
         em = self.em
         n_stage = self.d.slots.opt_stage_elems
         specs = buffers.opt_stage_specs(n_stage, self.gdt)
@@ -917,8 +920,8 @@ class _Compiler:
 
     def fill_weights(self, use, slot: Ref) -> tuple[int, int] | None:
         """The weight ring's fill hook in round 0 of a deferred step: a pending streamed
-        layer's first fetch is its update, in the slot (None: fetch as usual). Returns (compute
-        record, D2H record after the updated weights left the slot)."""
+        layer's first fetch is its update, in the slot (None: fetch as usual). Returns (OPT
+        record after its last kernel, OPT record after the updated weights left the slot)."""
         key = f"layer{use.key}"
         if key not in self.pending or not self.fused(key):
             return None

@@ -63,10 +63,10 @@ class _Ring:
         self.fill = None
         """Optional hook (use, slot ref) -> (ready, read out) or None: fills a slot in place of
         its fetch (a deferred AdamW writes the updated weights into it: memplan.schedule).
-        `ready` orders the use's compute; `read out` is the D2H record after the slot's bytes
-        were copied home, which the slot's next fill waits for."""
+        `ready` orders the use's compute; `read out` is the record after the slot's bytes were
+        copied home, which the slot's next fill waits for."""
         self.read_out: dict[int, int] = {}
-        """Slot -> D2H record after a fill hook's write-back out of it."""
+        """Slot -> the record after a fill hook's write-back out of it."""
 
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
         """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
