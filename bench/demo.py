@@ -292,6 +292,10 @@ class _Run:
                  "HFU %s  %.2f s (FLOP model %s)", r.step, r.loss, r.lr, norm, r.tok_per_s,
                  r.model_tflop_per_s, mfu, hfu, r.step_time_s, r.flop_model_version)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
+        if len(self.results) == 1 and getattr(getattr(self.eng, "ex", None), "deferred", False):
+            bar.info("step %d ran no AdamW update: each step's update runs inside the next "
+                     "step's first round (--eager-update: at its own end), so tok/s is steady "
+                     "from the second step on", r.step)
         first = self.results[0].loss
         if r.loss > 2 * first and not getattr(self, "_warned", False):
             self._warned = True  # finite but diverging (e.g. --lr 10): say so once
