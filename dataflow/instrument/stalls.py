@@ -54,7 +54,8 @@ def find_stalls(trace: StepTrace, min_gap_s: float = MIN_GAP_S) -> list[Stall]:
     lo, hi = trace.start_s, trace.end_s
     comp = sorted((s for s in trace.spans if s.stream is Stream.COMPUTE and s.end_s > lo
                    and s.start_s < hi), key=lambda s: s.start_s)
-    copies = [s for s in trace.spans if s.stream in (Stream.H2D, Stream.D2H)]
+    copies = [s for s in trace.spans if s.stream in (Stream.H2D, Stream.D2H)
+              or (s.stream is Stream.OPT and s.nbytes)]  # a deferred update's write-backs
     host = union([(s.start_s, s.end_s) for s in trace.spans if s.stream is Stream.HOST])
     copy_iv = union([(s.start_s, s.end_s) for s in copies])
     out: list[Stall] = []
