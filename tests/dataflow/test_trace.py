@@ -211,6 +211,21 @@ def test_breakdown_of_known_spans_is_exact():
     assert bd.recompute_s == 3 and bd.recompute_frac == 0.75 and bd.optimizer_s == 0.5
 
 
+def test_a_deferred_updates_opt_stream_counts_its_copies_as_d2h():
+    """The opt stream (a deferred AdamW): its write-back [2,4] joins the D2H link's busy time and
+    bytes; its kernel [1,2] is optimizer time, not a copy; compute [0,1] and [4,5]."""
+    def span(stream, a, b, name="x", nbytes=0):
+        return Span(1, 0, stream, name, SpanKind.COPY if nbytes else SpanKind.OP, nbytes, a, b)
+
+    spans = (span(Stream.COMPUTE, 0, 1), span(Stream.COMPUTE, 4, 5),
+             span(Stream.OPT, 1, 2, "adamw.layer0.0"),
+             span(Stream.OPT, 2, 4, "opt.d2h.layer0", 400))
+    bd = compute_breakdown(StepTrace(step=1, start_s=0.0, end_s=5.0, spans=spans,
+                                     clock=Clock.HOST))
+    assert (bd.d2h_busy_s, bd.d2h_bytes, bd.copy_exposed_s) == (2, 400, 2)
+    assert bd.optimizer_s == 3 and bd.idle_s == 1
+
+
 def test_names_parse_into_layer_chunk_and_category():
     """The executor's naming scheme maps to layer, chunk and category."""
     assert parse_name("f.L3.c1.linear_fwd") == {"category": "forward", "layer": 3, "chunk": 1}
