@@ -139,7 +139,9 @@ def _reasons(plan: Plan, pr) -> list[str]:
         opt = home[0].optimizer
         how = ("streamed through the device (PCIe bound)" if opt is OptimizerWhere.STREAMED
                else "on the host (host-memory bound, no PCIe traffic)")
-        out.append(f"optimizer: home blocks update {how}; device blocks update in HBM")
+        out.append(f"optimizer: home blocks update {how}; device blocks update in HBM; "
+                   "the Engine runs a step's update inside the next step's first round "
+                   "(what it does not hide there is the prediction's optimizer time)")
     rows = ch.tokens_per_round * cfg.model_dim * 2
     if plan.embed.weights is Where.HOME:
         out.append(f"embedding: the host gathers {_size(rows)} of rows per round instead of the "
