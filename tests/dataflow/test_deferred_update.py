@@ -58,6 +58,20 @@ def test_deferred_update_is_the_bits_of_updating_at_the_end(name, plan, clip):
     _same_state(lazy_state, eager_state, name)
 
 
+def test_deferred_update_with_layer_segments_is_the_bits_of_updating_at_the_end():
+    """Layer-segment plans (the backward re-runs each segment's forward, whose weight uses
+    join the ring): packed with one segment of all layers, split with segments of 2."""
+    from tests.dataflow.test_segments import SEGMENTS, _exact, _plans
+
+    for name, plan in _plans().items():
+        seg = _exact(plan, SEGMENTS[name])
+        assert seg.segment_layers > 1
+        eager_results, eager_state = _run(seg, False, 0.05)
+        lazy_results, lazy_state = _run(seg, True, 0.05, sanitize_seed=1)
+        assert lazy_results == eager_results, name
+        _same_state(lazy_state, eager_state, name)
+
+
 def test_round_zero_carries_every_update_and_the_tail_none():
     """The deferred step's list holds one AdamW over every element of every block, all before
     round 1, none after its last round; the update schedule alone covers them too."""
