@@ -134,3 +134,28 @@ def test_a_non_finite_step_drops_its_deferred_update():
         got = eng.weights()
     for a, b in zip([got.embed, *got.layers, got.head], [want.embed, *want.layers, want.head]):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("model,seqlen,host,dev", [
+    ("8b", 262144, 120, 24),  # layer segments of 4, one round a step
+    ("1b", 1 << 20, 120, 24),  # K/V re-formed from x, one round a step
+    ("15b", 8192, 112, 24),  # every block streamed, 67 rounds a step
+])
+def test_real_plans_place_every_deferred_update_exactly_once(model, seqlen, host, dev):
+    """The planner's own plans for long and large cells compile deferred (two rounds, or the
+    one a step has): round 0 updates every element of every block once, as many as the update
+    schedule alone does, and nothing updates after round 0."""
+    from memplan import get_profile, make_plan
+    from memplan.plan import Budget
+
+    plan = make_plan(load_config(model), seqlen, Budget.from_gib(host, dev), get_profile("h100"))
+    sch = compile_schedule(plan, rounds=min(2, plan.chunking.rounds_per_step), update="deferred")
+    end = sch.round_starts[1] if len(sch.round_starts) > 1 else sch.optimizer_start
+    seen: dict[tuple[str, int], int] = {}
+    for e in sch.events[:end]:
+        if type(e) is Update:
+            seen[(e.block, e.start)] = seen.get((e.block, e.start), 0) + e.count
+    assert all(type(e) is not Update for e in sch.events[end:])
+    alone = {(e.block, e.start): e.count for e in compile_update_schedule(plan).events
+             if type(e) is Update}
+    assert seen == alone
