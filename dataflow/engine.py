@@ -178,7 +178,7 @@ class Engine:
         self._progress = progress
         clock = _PhaseClock()
         self.ex = Executor(plan, be, schedule,
-                           deferred_update=getattr(self, "_deferred_update", True))
+                           deferred_update=self._deferred_update)
         clock.lap("executor")  # schedule, both arenas (pinning the host slab), library scratch
         self.optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()

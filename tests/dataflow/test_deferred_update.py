@@ -39,10 +39,9 @@ def _same_state(a: dict, b: dict, name: str) -> None:
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name}: {k} differs"
 
 
-CASES = [(name, plan, clip) for name, plan in path_plans(load_config("tiny"))
-         + split_plans(load_config("tiny")) for clip in (None,)] \
-    + [(name + "_clipped", plan, 0.05) for name, plan in path_plans(load_config("tiny"))[1:3]
-       + path_plans(load_config("tiny"))[-1:]]
+_TINY = path_plans(load_config("tiny"))
+CASES = [(name, plan, None) for name, plan in _TINY + split_plans(load_config("tiny"))] \
+    + [(name + "_clipped", plan, 0.05) for name, plan in _TINY[1:3] + _TINY[-1:]]
 
 
 @pytest.mark.parametrize("name,plan,clip", CASES, ids=[c[0] for c in CASES])
