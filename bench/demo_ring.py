@@ -35,5 +35,6 @@ def run_ring(args, parser, lr: float) -> int:
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
                   max_grad_norm=args.max_grad_norm or None, backend=args.backend,
                   transport="auto", timeout_s=300.0, save_weights=False,
+                  eager_update=args.eager_update,
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
     return run_job(job, env, n, as_json=args.json, prog="dataflow-demo", keep_out=False)

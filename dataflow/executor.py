@@ -71,10 +71,12 @@ class StepProgress:
 
 class Executor:
     def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None, *,
-                 deferred_update: bool = False):
+                 deferred_update: bool = False, compile_step=None, compile_update=None):
         """deferred_update: a step's AdamW runs inside the next step's round 0 (each streamed
         layer's update fills the weight slot its forward reads, hiding the update behind that
-        round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred)."""
+        round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred).
+        compile_step(update) and compile_update(): the step's and the lone update's schedules
+        (default: memplan.schedule's of `plan`; a ring rank's add its messages)."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
@@ -83,12 +85,13 @@ class Executor:
         self.deferred = deferred_update and schedule is None
         self.pending_hyper: tuple | None = None
         """This step's AdamW hyperparameters while its update waits (deferred_update)."""
+        step = compile_step or (lambda update: compile_schedule(plan, update=update))
         if self.deferred:
-            self.schedule = compile_schedule(plan, update="deferred")
-            self._first_schedule = compile_schedule(plan, update="none")
-            self._update_schedule = compile_update_schedule(plan)
+            self.schedule = step("deferred")
+            self._first_schedule = step("none")
+            self._update_schedule = (compile_update or (lambda: compile_update_schedule(plan)))()
         else:
-            self.schedule = schedule or compile_schedule(plan)
+            self.schedule = schedule or step("end")
         table = self.schedule.regions
         # the libraries' own state lives beside the arena, inside the budget
         self.dev = Arena(be, Place.DEVICE,

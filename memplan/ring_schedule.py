@@ -190,8 +190,8 @@ class _RingCompiler(_ReplicaCompiler):
         keys = [f"layer{j}" for j in range(len(self.rp.layers))]
         return keys + ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
 
-    def compile(self, rounds: int | None = None) -> Schedule:
-        sched = super().compile(rounds)
+    def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
+        sched = super().compile(rounds, update)
         # Every send must be done before the step ends (the executor synchronises the backend's
         # streams, which do not include a GPU transport's send stream).
         for ev in self.sent.values():
@@ -200,9 +200,23 @@ class _RingCompiler(_ReplicaCompiler):
         return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
 
 
-def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None) -> Schedule:
-    """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv."""
-    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp).compile(rounds)
+def _compiler(rp: RankPlan) -> _ReplicaCompiler:
+    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp)
+
+
+def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
+                          update: str = "end") -> Schedule:
+    """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv.
+    `update` as memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
+    this rank's own blocks inside its round 0 (no message is involved: the gradients were
+    all-reduced and the clip scale made global before the previous step ended)."""
+    return _compiler(rp).compile(rounds, update)
+
+
+def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
+    """The AdamW of this rank's own blocks alone, after a step compiled with update='none' or
+    'deferred' (as memplan.schedule.compile_update_schedule): no sends, no receives."""
+    return _compiler(rp).compile_update()
 
 
 RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce)}
@@ -260,11 +274,12 @@ class RingComm:
 
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
-                  profile=None) -> tuple:
+                  profile=None, update: str = "deferred") -> tuple:
     """The ring's step: every rank's compiled schedule timed by memplan.sim, all at once (a
     thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
     per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
-    assumed link, not a measurement."""
+    assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
+    the previous step's inside round 0, a step after the first; or 'end')."""
     import threading
 
     from memplan.cost import event_seconds
@@ -276,7 +291,7 @@ def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
         p = profile or rp.plan.profile
         try:
             out[rp.rank] = simulate_schedule(
-                compile_ring_schedule(rp), event_seconds(rp.plan, p), p,
+                compile_ring_schedule(rp, update=update), event_seconds(rp.plan, p), p,
                 comm=RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
                               latency_s=latency_s, arrivals=arrivals))
         except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive(int), default=None, metavar="N",
                    help="rounds per step on every rank (default: the planner's choice); the "
                         "global batch is N rounds of the chunks per round")
+    p.add_argument("--eager-update", action="store_true",
+                   help="run each step's AdamW after its last round (default: deferred into the "
+                        "next step's first round, behind its compute; the same bits either way)")
     p.add_argument("--no-weights", action="store_true",
                    help="with --out, leave out rank<r>.npz (a large model's weights are tens of "
                         "GB per rank)")
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                   backend=args.backend, replicas=args.replicas,
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
-                  timeout_s=args.timeout, out_dir=out,
+                  timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
 

@@ -97,9 +97,10 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               replicas: int = 1, backend: str = "auto", transport: str = "auto",
               timeout_s: float = 120.0, seed: int = 0, optimizer=None,
               lr_schedule: Callable[[int], float] | None = None, grad_accum: str = "bf16",
-              profile=None, **constraints):
+              profile=None, deferred_update: bool = True, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
-    its backend, its transport and its blocks initialised as one device would."""
+    its backend, its transport and its blocks initialised as one device would.
+    deferred_update: as the Engine's (each step's AdamW inside the next step's first round)."""
     from dataflow.engine import default_profile
     from memplan.plan import Budget, GradAccum
     from memplan.ring_plan import make_rank_plan, ring_profile
@@ -115,8 +116,8 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
                         replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
     tr = make_transport(kind, env, replicas, timeout_s)
     try:
-        return RingRank(rp, be, tr, seed=seed, optimizer=optimizer,
-                        lr_schedule=lr_schedule), tr
+        return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,
+                        deferred_update=deferred_update), tr
     except BaseException:
         tr.abort("setup failed")
         tr.close()
@@ -136,7 +137,9 @@ class RingEngine:
     global batch (the same tokens on every process) returns a dataflow.engine.StepResult with
     the whole ring's loss, tokens and throughput (MFU over every GPU of every replica; HFU is
     not computed for a ring: NaN). Checkpoints, eval_step and state_dict are not built for a
-    ring yet: weights() gives this rank's blocks by global key."""
+    ring yet: weights() gives this rank's blocks by global key. As on one device, each step's
+    AdamW runs inside the next step's first round unless deferred_update=False, and weights()
+    runs a pending one first."""
 
     def __init__(self, ring: Ring, model, *, host_gb: float, dev_gb: float, seqlen: int,
                  backend: str = "auto", seed: int = 0, lr: float = 3e-4,
@@ -144,7 +147,8 @@ class RingEngine:
                  weight_decay: float = 0.0, max_grad_norm: float | None = None,
                  optimizer=None, lr_schedule: Callable[[int], float] | None = None,
                  plan_options: dict | None = None, seqs_per_step: int | None = None,
-                 tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None):
+                 tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None,
+                 deferred_update: bool = True):
         from dataflow.optimizer import AdamWConfig
         from models.config import ModelConfig
         from models.hf import model_config
@@ -163,7 +167,7 @@ class RingEngine:
             self.cfg, seqlen, host_gb, dev_gb, env=self.env, replicas=ring.replicas,
             backend=backend, transport=ring.transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=grad_accum, profile=profile,
-            **options)
+            deferred_update=deferred_update, **options)
         self.rank_plan = self.rank.rp
         self.plan = self.rank_plan.plan
         self._closed = False

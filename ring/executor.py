@@ -13,14 +13,20 @@ import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
 from memplan.ring_plan import RankPlan, head_rank
-from memplan.ring_schedule import COMM_STREAMS, AllReduce, Recv, Send, compile_ring_schedule
+from memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send, compile_ring_schedule,
+                                   compile_ring_update_schedule)
 from memplan.schedule import Record, Schedule, Wait
 from ring.transport import Transport
 
 
 class RingExecutor(Executor):
-    def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None):
-        super().__init__(rp.plan, be, schedule or compile_ring_schedule(rp))
+    def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None,
+                 *, deferred_update: bool = False):
+        """deferred_update: as the single-device Executor's (each step's AdamW of this rank's
+        blocks inside the next step's round 0, or in flush())."""
+        super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
+                         compile_step=lambda update: compile_ring_schedule(rp, update=update),
+                         compile_update=lambda: compile_ring_update_schedule(rp))
         self.rp, self.transport = rp, transport
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                Record: self._ring_record, Wait: self._ring_wait})

@@ -25,9 +25,12 @@ class RingRank:
     gets the same tokens: the embedding's rank reads the ids, the head's rank the targets)."""
 
     def __init__(self, rp: RankPlan, be, transport: Transport, *, seed: int = 0,
-                 optimizer: AdamWConfig | None = None, lr_schedule=None):
+                 optimizer: AdamWConfig | None = None, lr_schedule=None,
+                 deferred_update: bool = True):
+        """deferred_update: each step's AdamW of this rank's blocks runs inside the next step's
+        first round (dataflow.executor.Executor); weights() runs a pending one first."""
         self.rp, self.be = rp, be
-        self.ex = RingExecutor(rp, be, transport)
+        self.ex = RingExecutor(rp, be, transport, deferred_update=deferred_update)
         self.optimizer = AdamW(optimizer or AdamWConfig(), lr_schedule)
         self._init_state(seed)
         be.synchronize()
@@ -88,7 +91,9 @@ class RingRank:
                             self.optimizer)
 
     def weights(self) -> dict[str, np.ndarray]:
-        """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head')."""
+        """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head'),
+        after the last step's update (a deferred one runs now)."""
+        self.ex.flush()
         self.be.synchronize()
         out = {}
         for key, b in self._blocks():

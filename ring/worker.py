@@ -38,6 +38,9 @@ class RingJob:
     max_grad_norm: float | None = None
     grad_accum: str = "bf16"
     """'bf16' or 'fp32' gradient accumulation (memplan.plan.GradAccum)."""
+    eager_update: bool = False
+    """Run each step's AdamW at its own end (default: inside the next step's first round, and
+    the last step's before the weights are written; the same bits either way)."""
     replicas: int = 1
     """Data-parallel rings: the launched processes form `replicas` rings of world / replicas
     ranks; each ring trains its slice of the global batch (replicas x seqs_per_step rows)."""
@@ -103,7 +106,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             cfg, job.seqlen, job.host_gb, job.dev_gb, env=env, replicas=job.replicas,
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
-            grad_accum=job.grad_accum, **dict(job.constraints))
+            grad_accum=job.grad_accum, deferred_update=not job.eager_update,
+            **dict(job.constraints))
         rp = rank.rp
         n = rp.n_ranks
         losses, times = [], []

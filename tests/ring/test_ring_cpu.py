@@ -257,10 +257,12 @@ def _in_threads(fn, n: int) -> list:
     return [out[i] for i in range(n)]
 
 
-def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng):
+@pytest.mark.parametrize("deferred", [True, False])
+def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     """Engine(..., ring=Ring(env=...)) in each of 2 threads returns that rank's RingEngine; on
     the global batch they give one device's losses (the Engine without ring=) bit for bit, and
-    between them every block's final weights."""
+    between them every block's final weights, whether each rank runs a step's AdamW inside the
+    next step's first round (the default; weights() runs the last one) or at the step's end."""
     from dataflow.engine import StepResult
     from ring.engine import Ring, RingEngine
     from ring.launch import RankEnv
@@ -279,9 +281,12 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng):
     def rank(r, run_id):
         env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
-        with Engine("tiny", ring=Ring(env=env, timeout_s=30), **common) as eng:
+        with Engine("tiny", ring=Ring(env=env, timeout_s=30), deferred_update=deferred,
+                    **common) as eng:
             assert isinstance(eng, RingEngine) and eng.seqs_per_step == rows
+            assert eng.rank.ex.deferred is deferred
             results = [eng.train_step(b) for b in data]
+            assert eng.rank.ex.update_pending is deferred
             assert all(isinstance(res, StepResult) for res in results)
             return [res.loss for res in results], eng.weights()
 

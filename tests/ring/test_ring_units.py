@@ -18,7 +18,14 @@ from memplan.ring_plan import (
     predict_ring,
     rank_model,
 )
-from memplan.ring_schedule import Recv, Send, compile_ring_schedule
+from memplan.ring_schedule import (
+    AllReduce,
+    Recv,
+    Send,
+    compile_ring_schedule,
+    compile_ring_update_schedule,
+)
+from memplan.schedule import Update
 from models.config import load_config
 from models.errors import ConfigError
 from ring.launch import rank_env
@@ -68,6 +75,31 @@ def test_every_send_has_a_matching_receive_on_the_neighbour():
     total = sum(type(e) is Send for s in scheds for e in s.events)
     # forward: every layer but the last sends each chunk; backward: every layer but the first
     assert total == 2 * (5 - 1) * 2 * 2
+
+
+def test_a_deferred_ring_step_updates_each_owned_block_once_in_round_zero():
+    """Each rank's deferred schedule runs AdamW over exactly its own blocks' elements, as many
+    as its update schedule alone does, all inside round 0 (so its sends and receives are the
+    eager step's, in the same order), and the update schedule alone moves no message."""
+    n = 3
+    plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, n, **CHUNKING)
+    for rp in plans:
+        eager = compile_ring_schedule(rp)
+        sch = compile_ring_schedule(rp, update="deferred")
+        alone_sch = compile_ring_update_schedule(rp)
+        messages = [(type(e), e.peer, e.tag) for e in sch.events if type(e) in (Send, Recv)]
+        assert messages == [(type(e), e.peer, e.tag) for e in eager.events
+                            if type(e) in (Send, Recv)]
+        assert not any(type(e) in (Send, Recv, AllReduce) for e in alone_sch.events)
+        end = sch.round_starts[1]
+        assert all(type(e) is not Update for e in sch.events[end:])
+        seen: dict[tuple[str, int], int] = {}
+        for e in sch.events[:end]:
+            if type(e) is Update:
+                seen[(e.block, e.start)] = seen.get((e.block, e.start), 0) + e.count
+        alone = {(e.block, e.start): e.count for e in alone_sch.events if type(e) is Update}
+        assert seen == alone
+        assert {b for b, _ in alone} == {e.block for e in eager.events if type(e) is Update}
 
 
 def test_ring_prediction_grows_with_a_faster_link():
