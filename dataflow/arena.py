@@ -1,6 +1,8 @@
-"""Arenas: one slab per place of exactly the bytes the executor asks for (the host budget; the
-device budget less the libraries' reserve), the plan's regions laid out in it by byte offset in a
-fixed order. Views are made by name; nothing is allocated after construction.
+"""Arenas: one slab per place, the plan's regions laid out in it by byte offset in a fixed order:
+on the device the whole budget the executor gives (the budget less the libraries' reserve: what
+the regions leave is lent to cuDNN as workspace), on the host the regions' bytes only, rounded up
+to SLAB_ROUND_BYTES (pinning what no region uses would only raise the process's RSS and its
+set-up time). Views are made by name; nothing is allocated after construction.
 Never decides what the regions are (memplan.memory lists them)."""
 
 from __future__ import annotations
@@ -9,9 +11,17 @@ from dataflow.backend import Backend, BackendError, Place
 from memplan.buffers import TensorSpec, align, offsets
 
 
+SLAB_ROUND_BYTES = 2 << 20
+"""A slab smaller than its budget is a whole number of 2 MiB pages (what the host pinning maps
+as huge pages where the kernel allows)."""
+
+
 class Arena:
     def __init__(self, be: Backend, place: Place, budget_bytes: int,
-                 regions: tuple[tuple[str, int], ...] | list[tuple[str, int]]):
+                 regions: tuple[tuple[str, int], ...] | list[tuple[str, int]], *,
+                 whole_budget: bool = True):
+        """whole_budget: the slab is `budget_bytes`; else only the regions' bytes (rounded up
+        to SLAB_ROUND_BYTES, at most the budget)."""
         self.be = be
         self.place = place
         self._where: dict[str, tuple[int, int]] = {}
@@ -26,7 +36,9 @@ class Arena:
                 f"{place.value} regions need {at / 2**30:.3f} GiB but the budget is "
                 f"{budget_bytes / 2**30:.3f} GiB; the plan and the arena disagree")
         self.used_bytes = at
-        self.slab = be.alloc(budget_bytes, place)
+        size = budget_bytes if whole_budget else min(
+            budget_bytes, max(SLAB_ROUND_BYTES, -(-at // SLAB_ROUND_BYTES) * SLAB_ROUND_BYTES))
+        self.slab = be.alloc(size, place)
 
     def has(self, name: str) -> bool:
         return name in self._where and self._where[name][1] > 0

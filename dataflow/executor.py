@@ -98,7 +98,7 @@ class Executor:
                          plan.budget.device_bytes - plan.profile.library_reserve_bytes,
                          [(r.name, r.nbytes) for r in table.device])
         self.host = Arena(be, Place.HOST, plan.budget.host_bytes,
-                          [(r.name, r.nbytes) for r in table.host])
+                          [(r.name, r.nbytes) for r in table.host], whole_budget=False)
         self._arena = {r.name: self.dev for r in table.device}
         self._arena.update({r.name: self.host for r in table.host})
         self.gdt = "f32" if plan.grad_accum is GradAccum.FP32 else "bf16"

@@ -1,6 +1,6 @@
 """CuPy backend: one cudaMalloc of exactly the device arena (the budget less the libraries'
-reserve) and one pinned host slab of exactly the host budget (not through CuPy's pools, which
-round up), sub-allocated by offset;
+reserve) and one pinned host slab of exactly the host arena (the plan's host regions:
+dataflow/arena.py), not through CuPy's pools, which round up; sub-allocated by offset;
 compute, H2D, D2H and HOST streams (HOST runs CPU callbacks in stream order); ordering only
 through CUDA events. Ops come from dataflow.ops_cuda. Never decides placement.
 

@@ -1,5 +1,5 @@
-"""NumPy backend: the 'device' is a NumPy slab of exactly the device budget and the host another
-of exactly the host budget; copies are memcpy; streams are queues. In plain mode ops run at once
+"""NumPy backend: the 'device' is a NumPy slab of exactly the device arena and the host another
+of exactly the host arena (dataflow/arena.py); copies are memcpy; streams are queues. In plain mode ops run at once
 in program order; in sanitizer mode they are checked for races and run in a random order that
 respects events (see sanitizer.py). Never decides placement."""
 

@@ -91,11 +91,12 @@ def test_segment_plans_match_reference_trainer_within_bf16_tolerance(runs):
 
 
 def test_segment_plans_use_exactly_their_budgets_and_less_host(runs):
-    """The arenas are the budgets, and rebuilding inner activations needs no more host memory
-    for saved activations than keeping them all (less at k = 2)."""
+    """The device arena is the budget, the host arena the plan's host memory within the
+    budget, and rebuilding inner activations needs no more host memory for saved activations
+    than keeping them all (less at k = 2)."""
     for (name, k), (plan, (_, _, (dev, host))) in runs.items():
         assert dev == plan.budget.device_bytes - _reserve(plan)
-        assert host == plan.budget.host_bytes
+        assert plan.memory.host_bytes <= host <= plan.budget.host_bytes
         if k > 1:
             base = runs[(name, 1)][0]
             acts = dict(plan.memory.host)["saved_activations"]
