@@ -1,6 +1,6 @@
 """Arenas: one slab per place, the plan's regions laid out in it by byte offset in a fixed order:
 on the device the whole budget the executor gives (the budget less the libraries' reserve: what
-the regions leave is lent to cuDNN as workspace), on the host the regions' bytes only, rounded up
+the regions leave may be lent to cuDNN as workspace), on the host the regions' bytes only, rounded up
 to SLAB_ROUND_BYTES (pinning what no region uses would only raise the process's RSS and its
 set-up time). Views are made by name; nothing is allocated after construction.
 Never decides what the regions are (memplan.memory lists them)."""

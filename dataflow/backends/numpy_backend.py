@@ -1,7 +1,7 @@
 """NumPy backend: the 'device' is a NumPy slab of exactly the device arena and the host another
-of exactly the host arena (dataflow/arena.py); copies are memcpy; streams are queues. In plain mode ops run at once
-in program order; in sanitizer mode they are checked for races and run in a random order that
-respects events (see sanitizer.py). Never decides placement."""
+of exactly the host arena (dataflow/arena.py); copies are memcpy; streams are queues. In plain
+mode ops run at once in program order; in sanitizer mode they are checked for races and run in a
+random order that respects events (see sanitizer.py). Never decides placement."""
 
 from __future__ import annotations
 
