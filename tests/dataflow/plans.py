@@ -96,3 +96,15 @@ def split_plans(cfg):
 
 def with_grad_accum(plan, grad_accum):
     return dataclasses.replace(plan, grad_accum=grad_accum)
+
+
+def updated_pieces(events) -> dict[tuple[str, int], int]:
+    """Elements AdamW updates in `events`, summed per (block, first element) piece (a deferred
+    update's pieces must add up to the lone update schedule's)."""
+    from memplan.schedule import Update
+
+    out: dict[tuple[str, int], int] = {}
+    for e in events:
+        if type(e) is Update:
+            out[(e.block, e.start)] = out.get((e.block, e.start), 0) + e.count
+    return out

@@ -29,6 +29,7 @@ from memplan.schedule import Update
 from models.config import load_config
 from models.errors import ConfigError
 from ring.launch import rank_env
+from tests.dataflow.plans import updated_pieces
 
 CPU = get_profile("cpu")
 BUDGET = Budget.from_gib(0.25, 0.25)
@@ -93,12 +94,8 @@ def test_a_deferred_ring_step_updates_each_owned_block_once_in_round_zero():
         assert not any(type(e) in (Send, Recv, AllReduce) for e in alone_sch.events)
         end = sch.round_starts[1]
         assert all(type(e) is not Update for e in sch.events[end:])
-        seen: dict[tuple[str, int], int] = {}
-        for e in sch.events[:end]:
-            if type(e) is Update:
-                seen[(e.block, e.start)] = seen.get((e.block, e.start), 0) + e.count
-        alone = {(e.block, e.start): e.count for e in alone_sch.events if type(e) is Update}
-        assert seen == alone
+        alone = updated_pieces(alone_sch.events)
+        assert updated_pieces(sch.events[:end]) == alone
         assert {b for b, _ in alone} == {e.block for e in eager.events if type(e) is Update}
 
 
