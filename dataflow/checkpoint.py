@@ -113,61 +113,107 @@ def save_checkpoint(eng, root: str | Path, *, data: dict | None = None, rng=None
     state is stored) or such a state dict. extra: any JSON-able dict. keep: afterwards delete
     the oldest sealed checkpoints under root so that `keep` remain. A save that fails or is
     killed leaves at most a hidden `.step_*.tmp-*` directory, removed by a later save."""
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ConfigError(f"keep must be a positive integer or None, got {keep!r}")
-    if rng is not None and not isinstance(rng, dict):
-        rng = rng.bit_generator.state
+    keep, rng = checked_keep(keep), rng_state(rng)
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
     step = eng.optimizer.step_count
-    final = root / step_dir_name(step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_temp_dir(root, step)
     try:
-        files, manifest_blocks = [], []
-        for ref in eng.block_refs():
-            lay = eng.layout(ref)
-            base = block_file(ref.kind, ref.layer)
-            for part in ("weights", "m", "v"):
-                array = eng.read_block(ref, part)  # one block at a time: bounded host memory
-                name = base if part == "weights" else base.replace(".bin", f".{part}.bin")
-                nbytes, sha = _write_file(tmp / name, array)
-                files.append({"file": name, "block": ref.name, "part": part,
-                              "dtype": _dtype_name(array.dtype, name), "numel": int(array.size),
-                              "nbytes": nbytes, "sha256": sha})
-                if part == "weights":
-                    manifest_blocks.append(_manifest_entry(lay, ref.layer, nbytes, sha))
-                del array
-        cfg = eng.plan.model
-        manifest = {"format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
-                    "byte_order": "little", "blocks": manifest_blocks}
-        for name, text in (("config.json", to_json(cfg) + "\n"),
-                           ("manifest.json", json.dumps(manifest, indent=1) + "\n")):
-            body = text.encode()
-            files.append({"file": name, "nbytes": len(body), "sha256": _write_bytes(tmp / name,
-                                                                                   body)})
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-            "plan_hash": eng.plan.hash, "plan": json.loads(eng.plan.to_json()),
-            "model": to_dict(cfg), "optimizer": to_dict(eng.optimizer.config),
-            "schedule": _schedule_record(eng.optimizer.schedule),
-            "data": data, "rng": rng, "extra": extra, "files": files,
-        }
-        body = (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
-        sha = _write_bytes(tmp / META, body)
-        _write_bytes(tmp / SEAL, (sha + "\n").encode())  # last: the checkpoint is now whole
-        _fsync_dir(tmp)
-        _move_into_place(tmp, final)
+        files, manifest_blocks = write_block_files(eng, eng.block_refs(), tmp)
+        seal(tmp, eng.plan.model, files, manifest_blocks,
+             checkpoint_meta(eng.optimizer, eng.plan, step, data, rng, extra))
+        final = root / step_dir_name(step)
+        move_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finish(root, final, keep)
+    return final
+
+
+def checked_keep(keep):
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"keep must be a positive integer or None, got {keep!r}")
+    return keep
+
+
+def rng_state(rng) -> dict | None:
+    """A numpy Generator's bit generator state, or the state dict itself, or None."""
+    return rng if rng is None or isinstance(rng, dict) else rng.bit_generator.state
+
+
+def temp_dir_name(step: int, pid: int, tag: str) -> str:
+    """`.step_<step>.tmp-<pid>-<tag>`: hidden, and removable once process `pid` is gone."""
+    return f".{step_dir_name(step)}.tmp-{pid}-{tag}"
+
+
+def new_temp_dir(root: Path, step: int, pid: int | None = None, tag: str | None = None) -> Path:
+    """Create `root` if needed, remove temporaries that dead saves left there, and create this
+    save's temporary directory (named for process `pid`, default this one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    tmp = root / temp_dir_name(step, os.getpid() if pid is None else pid,
+                               uuid.uuid4().hex[:8] if tag is None else tag)
+    tmp.mkdir()
+    return tmp
+
+
+def write_block_files(eng, refs, directory: Path) -> tuple[list[dict], list[dict]]:
+    """Write weights, m and v of each block of `refs` (through eng.read_block, one block in host
+    memory at a time) into `directory`: (file entries for checkpoint.json, weight entries for
+    the model manifest), in the order of `refs`."""
+    files, manifest_blocks = [], []
+    for ref in refs:
+        lay = eng.layout(ref)
+        base = block_file(ref.kind, ref.layer)
+        for part in ("weights", "m", "v"):
+            array = eng.read_block(ref, part)
+            name = base if part == "weights" else base.replace(".bin", f".{part}.bin")
+            nbytes, sha = _write_file(directory / name, array)
+            files.append({"file": name, "block": ref.name, "part": part,
+                          "dtype": _dtype_name(array.dtype, name), "numel": int(array.size),
+                          "nbytes": nbytes, "sha256": sha})
+            if part == "weights":
+                manifest_blocks.append(_manifest_entry(lay, ref.layer, nbytes, sha))
+            del array
+    return files, manifest_blocks
+
+
+def checkpoint_meta(optimizer, plan, step: int, data, rng, extra) -> dict:
+    """checkpoint.json's fields besides the file list."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+            "plan_hash": plan.hash, "plan": json.loads(plan.to_json()),
+            "optimizer": to_dict(optimizer.config),
+            "schedule": _schedule_record(optimizer.schedule),
+            "data": data, "rng": rng, "extra": extra}
+
+
+def seal(tmp: Path, cfg: ModelConfig, files: list[dict], manifest_blocks: list[dict],
+         meta: dict) -> None:
+    """Complete a checkpoint whose block files are in `tmp`: write config.json and manifest.json
+    (the weights then form a models.storage model directory), checkpoint.json with `meta`, the
+    model and every file's size and sha256, and last the seal."""
+    manifest = {"format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
+                "byte_order": "little", "blocks": manifest_blocks}
+    files = list(files)
+    for name, text in (("config.json", to_json(cfg) + "\n"),
+                       ("manifest.json", json.dumps(manifest, indent=1) + "\n")):
+        body = text.encode()
+        files.append({"file": name, "nbytes": len(body), "sha256": write_bytes(tmp / name,
+                                                                               body)})
+    meta = {**meta, "model": to_dict(cfg), "files": files}
+    body = (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
+    sha = write_bytes(tmp / META, body)
+    write_bytes(tmp / SEAL, (sha + "\n").encode())  # last: the checkpoint is now whole
+    _fsync_dir(tmp)
+
+
+def finish(root: Path, final: Path, keep: int | None) -> None:
+    """After `final` is in place: make the rename durable, then keep the newest `keep`."""
     _fsync_dir(root)
     if keep is not None:
         for old in list_checkpoints(root)[:-keep]:
             if old != final:
                 shutil.rmtree(old)
-    return final
 
 
 def _schedule_record(schedule) -> dict | None:
@@ -208,7 +254,7 @@ def _write_file(path: Path, array: np.ndarray) -> tuple[int, str]:
     return len(data), digest.hexdigest()
 
 
-def _write_bytes(path: Path, body: bytes) -> str:
+def write_bytes(path: Path, body: bytes) -> str:
     with open(path, "wb") as f:
         f.write(body)
         f.flush()
@@ -224,7 +270,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
+def move_into_place(tmp: Path, final: Path) -> None:
     """Rename tmp to final; an existing checkpoint of the same step is moved aside first and
     deleted only once the new one is in place."""
     old = None
@@ -364,15 +410,26 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
     checkpoint is refused with the engine untouched. An engine built without a schedule adopts
     the checkpoint's."""
     path, meta = read_checkpoint(path)
+    adopt = check_settings(path, meta, eng.plan.model, eng.optimizer, allow_changes)
+    todo = block_entries(path, meta, eng, eng.block_refs())
+    if verify:
+        verify_files(path, meta)
+    return apply(eng, path, meta, todo, adopt, eng.plan.hash)
+
+
+def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
+                   allow_changes: bool):
+    """Refuse a checkpoint of another model, or (unless allow_changes) of other optimizer
+    settings or another lr schedule; returns the schedule an engine built without one adopts
+    (None: keep the engine's)."""
     where = str(path / META)
     cfg = from_dict(ModelConfig, meta["model"], where=f"{where} model")
-    mine = eng.plan.model
-    if dataclasses.replace(cfg, name=mine.name) != mine:
+    if dataclasses.replace(cfg, name=model.name) != model:
         raise ConfigError(f"checkpoint {path} is for model {to_dict(cfg)}, this engine runs "
-                          f"{to_dict(mine)}; build the Engine for the checkpoint's model")
+                          f"{to_dict(model)}; build the Engine for the checkpoint's model")
     opt = from_dict(AdamWConfig, meta["optimizer"], where=f"{where} optimizer")
-    changes = _differences(to_dict(opt), to_dict(eng.optimizer.config), "optimizer")
-    stored, schedule = meta.get("schedule"), eng.optimizer.schedule
+    changes = _differences(to_dict(opt), to_dict(optimizer.config), "optimizer")
+    stored, schedule = meta.get("schedule"), optimizer.schedule
     adopt = None
     if schedule is None and stored is not None and stored.get("kind") != "callable":
         adopt = schedule_from_dict(stored)
@@ -386,28 +443,41 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
         raise ConfigError(f"checkpoint {path} was trained with different settings: "
                           f"{'; '.join(changes)}; construct the Engine with the checkpoint's "
                           "settings for an exact resume, or pass allow_changes=True")
+    return adopt
+
+
+def block_entries(path: Path, meta: dict, eng, refs) -> list[tuple]:
+    """(ref, part, file entry) for weights, m and v of each block of `refs`, each checked
+    against the block's element count (eng.layout)."""
     by_name = {(e["block"], e["part"]): e for e in meta["files"] if "part" in e}
-    plan = []
-    for ref in eng.block_refs():
+    todo = []
+    for ref in refs:
         numel = eng.layout(ref).numel
         for part in ("weights", "m", "v"):
             entry = by_name.get((ref.name, part))
             if entry is None or entry["numel"] != numel or entry["dtype"] not in _DTYPES:
                 raise ConfigError(f"checkpoint {path} has no valid {part} of block {ref.name} "
                                   f"({numel} elements); {META} is inconsistent, re-save it")
-            plan.append((ref, part, entry))
-    if verify:
-        verify_files(path, meta)
-    for ref, part, entry in plan:
+            todo.append((ref, part, entry))
+    return todo
+
+
+def apply(eng, path: Path, meta: dict, todo: list[tuple], adopt, plan_hash: str) -> CheckpointInfo:
+    """Write the checked blocks of `todo` into `eng` (eng.write_block), set its step count and
+    adopt the schedule; the CheckpointInfo of `meta`."""
+    for ref, part, entry in todo:
         eng.write_block(ref, _read_array(path / entry["file"], entry), part)
     eng.optimizer.step_count = int(meta["step"])
     if adopt is not None:
         eng.optimizer.schedule = adopt
-    if meta["plan_hash"] != eng.plan.hash:
+    if meta["plan_hash"] != plan_hash:
         log.info("checkpoint %s was saved under plan %s; resuming under plan %s", path,
-                 meta["plan_hash"], eng.plan.hash)
+                 meta["plan_hash"], plan_hash)
     return CheckpointInfo(path=str(path), step=int(meta["step"]), plan_hash=meta["plan_hash"],
-                          model=cfg, optimizer=opt, schedule=stored, data=meta.get("data"),
+                          model=from_dict(ModelConfig, meta["model"], where="checkpoint model"),
+                          optimizer=from_dict(AdamWConfig, meta["optimizer"],
+                                              where="checkpoint optimizer"),
+                          schedule=meta.get("schedule"), data=meta.get("data"),
                           rng=meta.get("rng"), extra=meta.get("extra"))
 
 

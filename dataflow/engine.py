@@ -14,10 +14,11 @@ import numpy as np
 from dataflow.backend import Backend, Place, Stream
 from dataflow.backends import make_backend
 from dataflow.batch import make_batch
+from dataflow.block_io import is_host_array, read_part, write_part
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from kernels.host.memory import copy_into, zero_fill
+from kernels.host.memory import zero_fill
 from memplan.plan import Budget, Plan
 from models.config import ModelConfig
 from models.hf import is_hf_dir, model_config
@@ -233,16 +234,7 @@ class Engine:
         return [(b.key, b.kind, b.layer, b) for b in self.ex.blocks()]
 
     def _write_block(self, b, array: np.ndarray, part: str = "weights") -> None:
-        home, dev = b.home(part), b.device(part)
-        if home is not None:
-            self.be.synchronize()  # a queued copy may still read or write this home copy
-            _host_copy(home, array)
-        # A HOME block's device weights region is only a slot (the head's): the home copy rules.
-        if dev is not None and (home is None or part != "weights" or b.resident):
-            if _is_host_array(home):
-                self.be.copy(dev, home, Stream.H2D, name="upload")  # pinned: async, no staging
-            else:
-                self.ex.upload(dev, array)
+        write_part(self.ex, self.be, b, array, part)
 
     def _init_weights(self, seed: int) -> None:
         """Initialise each block straight into where it lives: its home copy, else its device
@@ -266,7 +258,7 @@ class Engine:
             else:
                 self.be.synchronize()  # the previous block's copy may still read the staging
                 out = self.ex.host.view("io_staging", (b.numel,), "bf16")
-            if _is_host_array(out):
+            if is_host_array(out):
                 fill[kind](layer, out)
                 if to_device:
                     self.be.copy(dev, out, Stream.H2D, name="upload")
@@ -296,10 +288,7 @@ class Engine:
 
     def _read_block(self, b, part: str) -> np.ndarray:
         self._settle()
-        if b.resident or b.home(part) is None:
-            return self.ex.download(b.device(part))
-        self.be.synchronize()
-        return np.array(b.home(part), copy=True)
+        return read_part(self.ex, self.be, b, part)
 
     def weights(self):
         """The current parameters as a models.init.ModelWeights (host copies)."""
@@ -659,24 +648,11 @@ def _as_numpy_any(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def _is_host_array(view) -> bool:
-    return isinstance(view, np.ndarray) and view.flags.c_contiguous
-
-
 def _host_zero(view) -> None:
-    if _is_host_array(view):
+    if is_host_array(view):
         zero_fill(view)
     else:
         view[...] = 0
-
-
-def _host_copy(dst, array) -> None:
-    """dst[...] = array, in parallel when both are contiguous host arrays of one dtype."""
-    if _is_host_array(dst) and _is_host_array(array) and array.dtype == dst.dtype \
-            and array.size == dst.size:
-        copy_into(dst, array)
-    else:
-        dst[...] = array
 
 
 def _nonfinite_name(value: float) -> str:

@@ -136,10 +136,12 @@ class RingEngine:
     """This process's rank of a ring, with the Engine's training surface: train_step on the
     global batch (the same tokens on every process) returns a dataflow.engine.StepResult with
     the whole ring's loss, tokens and throughput (MFU over every GPU of every replica; HFU is
-    not computed for a ring: NaN). Checkpoints, eval_step and state_dict are not built for a
-    ring yet: weights() gives this rank's blocks by global key. As on one device, each step's
-    AdamW runs inside the next step's first round unless deferred_update=False, and weights()
-    runs a pending one first."""
+    not computed for a ring: NaN). save_checkpoint / load_checkpoint write and read checkpoints
+    of the whole model in the Engine's format (collective: every process calls them; one
+    device loads a ring's checkpoint and a ring one device's). eval_step and state_dict are not
+    built for a ring yet: weights() gives this rank's blocks by global key. As on one device,
+    each step's AdamW runs inside the next step's first round unless deferred_update=False, and
+    weights(), save_checkpoint and load_checkpoint run a pending one first."""
 
     def __init__(self, ring: Ring, model, *, host_gb: float, dev_gb: float, seqlen: int,
                  backend: str = "auto", seed: int = 0, lr: float = 3e-4,
@@ -184,11 +186,9 @@ class RingEngine:
         Engine.train_step). Collective: every process of the ring calls it."""
         from dataflow.batch import make_batch
         from dataflow.engine import StepResult
-        from models.errors import ConfigError
         from models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
 
-        if self._closed:
-            raise ConfigError("this RingEngine is closed; create a new one")
+        self._check_open()
         ch = self.plan.chunking
         batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
                            vocab_size=self.cfg.vocab_size, rows=self.seqs_per_step,
@@ -219,6 +219,35 @@ class RingEngine:
     def weights(self) -> dict[str, np.ndarray]:
         """Host copies of this rank's blocks ('embed', 'layer<global index>', 'head')."""
         return self.rank.weights()
+
+    def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
+                        extra: dict | None = None, keep: int | None = None):
+        """Save the whole ring's weights, AdamW m and v, step and schedule (and process 0's
+        data / rng / extra) to `path/step_<step>`, as Engine.save_checkpoint does; every rank
+        writes its own blocks. Collective; `path` must be one directory that every process
+        sees. Returns the checkpoint's path on every process."""
+        from ring.checkpoint import save_ring_checkpoint
+
+        self._check_open()
+        return save_ring_checkpoint(self.rank, self.transport, self.cfg, path, data=data,
+                                    rng=rng, extra=extra, keep=keep)
+
+    def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
+        """Restore this rank's blocks, the step and the schedule from a checkpoint of the whole
+        model (one device's or any ring's); as Engine.load_checkpoint, and if any process
+        refuses the checkpoint (damaged file, other model or settings) none loads anything.
+        Collective. Returns a dataflow.checkpoint.CheckpointInfo."""
+        from ring.checkpoint import load_ring_checkpoint
+
+        self._check_open()
+        return load_ring_checkpoint(self.rank, self.transport, self.cfg, path, verify=verify,
+                                    allow_changes=allow_changes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from models.errors import ConfigError
+
+            raise ConfigError("this RingEngine is closed; create a new one")
 
     def close(self) -> None:
         if not self._closed:

@@ -11,11 +11,14 @@ import numpy as np
 
 from dataflow.backend import Stream
 from dataflow.batch import Batch, make_batch
+from dataflow.block_io import read_part, write_part
+from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
 from dataflow.optimizer import AdamW, AdamWConfig
 from memplan.ring_plan import RankPlan
 from models import init
 from models.errors import ConfigError
+from models.layout import BlockKind
 from ring.executor import RingExecutor
 from ring.transport import Transport
 
@@ -62,12 +65,44 @@ class RingRank:
             self._write(b, block)
 
     def _write(self, b, array: np.ndarray) -> None:
-        home, dev = b.home("weights"), b.device("weights")
-        if home is not None:
-            self.be.synchronize()
-            home[...] = array
-        if dev is not None and (home is None or b.resident):
-            self.ex.upload(dev, array)
+        write_part(self.ex, self.be, b, array)
+
+    # -- block access (what dataflow.checkpoint reads and writes, as on the Engine) -------------
+    def block_refs(self) -> tuple[BlockRef, ...]:
+        """The blocks this rank owns, in model order, by global layer index."""
+        rp = self.rp
+        refs = [BlockRef(BlockKind.EMBED)] if rp.has_embed else []
+        refs += [BlockRef(BlockKind.LAYER, g) for g in rp.layers]
+        return tuple(refs + ([BlockRef(BlockKind.HEAD)] if rp.has_head else []))
+
+    def _block(self, ref: BlockRef):
+        ex, rp = self.ex, self.rp
+        owned = (ref.kind is BlockKind.EMBED and rp.has_embed) or (
+            ref.kind is BlockKind.HEAD and rp.has_head) or (
+            ref.kind is BlockKind.LAYER and ref.layer in rp.layers)
+        if not owned:
+            raise ConfigError(f"block {ref.name} is not on ring rank {rp.rank} (it owns "
+                              f"{', '.join(r.name for r in self.block_refs())})")
+        if ref.kind is BlockKind.LAYER:
+            return ex.layers[rp.layers.index(ref.layer)]
+        return ex.embed if ref.kind is BlockKind.EMBED else ex.head
+
+    def layout(self, ref: BlockRef):
+        return self._block(ref).layout
+
+    def read_block(self, ref: BlockRef, part: str = "weights") -> np.ndarray:
+        """A host copy of an owned block's weights, AdamW m or v, after the last step's update
+        (a deferred one runs now; it moves no message, so no other rank takes part)."""
+        _check_part(part)
+        self.ex.flush()
+        return read_part(self.ex, self.be, self._block(ref), part)
+
+    def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
+        """Overwrite an owned block's weights, AdamW m or v (numel bf16 elements)."""
+        _check_part(part)
+        self.ex.flush()  # else the pending update would land on top of the written bytes
+        write_part(self.ex, self.be, self._block(ref), array, part)
+        self.be.synchronize()
 
     def train_step(self, batch) -> StepStats:
         """The global batch, the same on every process: (replicas * seqs_per_step, seqlen + 1)
@@ -93,15 +128,7 @@ class RingRank:
     def weights(self) -> dict[str, np.ndarray]:
         """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head'),
         after the last step's update (a deferred one runs now)."""
-        self.ex.flush()
-        self.be.synchronize()
-        out = {}
-        for key, b in self._blocks():
-            if b.resident or b.home("weights") is None:
-                out[key] = self.ex.download(b.device("weights"))
-            else:
-                out[key] = np.array(b.home("weights"), copy=True)
-        return out
+        return {_key(ref): self.read_block(ref) for ref in self.block_refs()}
 
     def close(self) -> None:
         self.be.synchronize()
@@ -116,6 +143,16 @@ def replica_slice(batch: Batch, replica: int, rows: int) -> Batch:
     return dataclasses.replace(
         batch, ids=batch.ids[sl], targets=batch.targets[sl], positions=batch.positions[sl],
         doc_starts=None if batch.doc_starts is None else batch.doc_starts[sl])
+
+
+def _key(ref: BlockRef) -> str:
+    """The key weights() uses: 'embed', 'layer<global index>' or 'head'."""
+    return f"layer{ref.layer}" if ref.kind is BlockKind.LAYER else ref.kind.value
+
+
+def _check_part(part: str) -> None:
+    if part not in BLOCK_PARTS:
+        raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
 
 
 def _with_layers(cfg, n_layers: int):

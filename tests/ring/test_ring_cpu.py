@@ -23,6 +23,7 @@ from models.config import load_config
 from models.serial import to_json
 from ring.launch import launch
 from ring.worker import RingJob
+from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
 """Two sequences of 64 tokens per chunk, two chunks per round, two rounds per step."""
@@ -216,45 +217,12 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng):
         finally:
             rank.close()
 
-    out = _in_threads(replica, 2)
+    out = in_threads(replica, 2)
     for q in range(2):
         losses, got = out[q]
         assert losses == want_losses, (q, losses, want_losses)
         for key in want:
             assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), (q, key)
-
-
-def _in_threads(fn, n: int) -> list:
-    """fn(i, run_id) for i < n, each in a thread of this process (ring processes without the
-    start-up cost; the shared-memory transport works between threads alike): their results,
-    or the first failure's traceback as an AssertionError."""
-    import threading
-    import traceback
-    import uuid
-
-    from ring.shm import cleanup
-
-    run_id, out = uuid.uuid4().hex[:12], {}
-
-    def run(i):
-        try:
-            out[i] = fn(i, run_id)
-        except Exception:  # noqa: BLE001 - reported below
-            out[i] = AssertionError(traceback.format_exc())
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-    finally:
-        cleanup(run_id)
-    for i in range(n):
-        assert i in out, f"thread {i} did not finish"
-        if isinstance(out[i], AssertionError):
-            raise out[i]
-    return [out[i] for i in range(n)]
 
 
 @pytest.mark.parametrize("deferred", [True, False])
@@ -291,7 +259,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
             return [res.loss for res in results], eng.weights()
 
     got = {}
-    for losses, blocks in _in_threads(rank, 2):
+    for losses, blocks in in_threads(rank, 2):
         assert losses == want_losses
         got.update(blocks)
     assert sorted(got) == sorted(want)

@@ -1,0 +1,141 @@
+"""Checkpoints of a ring, in dataflow.checkpoint's format: a ring's checkpoint is a checkpoint of
+the whole model, which one device (or a ring of another size) loads, and a ring loads one
+device's. Saving: process 0 creates the temporary directory and the transport's all-gather
+tells every process its name; each rank of replica 0 writes its own blocks' files (the other
+replicas hold the same bits) and a list of them; process 0 merges the lists in model order,
+seals and renames. Loading: every process checks the settings and hashes its own blocks' files;
+only when every process found its files sound does any write, so a damaged checkpoint leaves
+the whole ring as it was. Every process of the ring must call each function (collective).
+The directory must be one that every process sees (one host, or a shared file system). Never
+moves a tensor through the transport: each rank reads and writes its own files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from dataflow import checkpoint as ckpt
+from models.errors import ChecksumError, ConfigError
+
+_LIST = "rank{rank}.files.json"
+"""What rank `rank` wrote into the temporary directory; merged and removed by process 0."""
+
+
+def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None, rng=None,
+                         extra: dict | None = None, keep: int | None = None) -> Path:
+    """Write the ring's state to `root/step_<step>` (dataflow.checkpoint's layout and checks)
+    and return that path on every process. rank: this process's ring.rank.RingRank; cfg: the
+    whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's, taken from
+    process 0."""
+    keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)
+    root, step = Path(root), rank.optimizer.step_count
+    leader = transport.rank == 0 and transport.replica == 0
+    tmp, failure = None, ""
+    if leader:
+        try:
+            tag = uuid.uuid4().hex[:8]
+            tmp = ckpt.new_temp_dir(root, step, tag=tag)
+            token = [float(os.getpid()), float(int(tag, 16))]
+        except OSError as exc:
+            token, failure = [-1.0, 0.0], f"process 0 cannot create a checkpoint in {root}: {exc}"
+    else:
+        token = [0.0, 0.0]
+    rows = transport.allgather(np.array(token + [float(step)], np.float64))
+    try:
+        pid, tag, step0 = int(rows[0][0]), f"{int(rows[0][1]):08x}", int(rows[0][2])
+        if pid < 0:
+            raise ConfigError(failure or "process 0 could not create the checkpoint's "
+                              f"temporary directory under {root} (its error says why)")
+        if step0 != step:  # every rank counts the same steps; a mismatch is a bug, not data
+            raise ConfigError(f"ring ranks disagree on the step to save ({step} here, {step0} "
+                              "on process 0)")
+        tmp = root / ckpt.temp_dir_name(step, pid, tag)
+        ok = 1.0
+        if transport.replica == 0:
+            try:
+                files, manifest = ckpt.write_block_files(rank, rank.block_refs(), tmp)
+                _write_list(tmp / _LIST.format(rank=transport.rank), files, manifest)
+            except (OSError, ConfigError) as exc:
+                ok, failure = 0.0, f"rank {transport.rank} could not write its blocks: {exc}"
+        written = transport.allgather(np.array([ok]))
+        if min(float(r[0]) for r in written) < 1.0:
+            bad = [i for i, r in enumerate(written) if float(r[0]) < 1.0]
+            raise ConfigError(failure or f"process(es) {bad} could not write their blocks "
+                              "(their errors say why); nothing was saved")
+        ok = 1.0
+        final = root / ckpt.step_dir_name(step)
+        if leader:
+            try:
+                files, manifest = _merged_lists(tmp, transport.world_size, cfg.n_layers)
+                meta = ckpt.checkpoint_meta(rank.optimizer, rank.rp.plan, step, data, rng, extra)
+                meta["ring"] = {"ranks": transport.world_size, "replicas": transport.replicas}
+                ckpt.seal(tmp, cfg, files, manifest, meta)
+                ckpt.move_into_place(tmp, final)
+                ckpt.finish(root, final, keep)
+            except (OSError, ConfigError) as exc:
+                ok, failure = 0.0, f"process 0 could not seal the checkpoint: {exc}"
+        sealed = transport.allgather(np.array([ok]))
+        if float(sealed[0][0]) < 1.0:
+            raise ConfigError(failure or "process 0 could not seal the checkpoint (its error "
+                              "says why); nothing was saved")
+        return final
+    except BaseException:
+        if leader and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_list(path: Path, files: list[dict], manifest: list[dict]) -> None:
+    ckpt.write_bytes(path, json.dumps({"files": files, "manifest": manifest}).encode())
+
+
+def _merged_lists(tmp: Path, ranks: int, n_layers: int) -> tuple[list[dict], list[dict]]:
+    """Every rank's file and manifest entries in model order (embed, layers, head; weights, m,
+    v), the rank lists removed; refuses a model with a block missing or written twice."""
+    files, manifest = [], []
+    for r in range(ranks):
+        path = tmp / _LIST.format(rank=r)
+        part = json.loads(path.read_text())
+        files += part["files"]
+        manifest += part["manifest"]
+        path.unlink()
+    order = {"embed": 0, "head": n_layers + 1, **{f"layers.{i}": 1 + i for i in range(n_layers)}}
+    parts = {"weights": 0, "m": 1, "v": 2}
+    files.sort(key=lambda e: (order[e["block"]], parts[e["part"]]))
+    manifest.sort(key=lambda e: (0 if e["kind"] == "embed" else
+                                 n_layers + 1 if e["kind"] == "head" else 1 + e["layer"]))
+    blocks = [e["block"] for e in files if e["part"] == "weights"]
+    if blocks != sorted(order, key=order.get):
+        raise ConfigError(f"the ranks wrote blocks {blocks}; a model of {n_layers} layers needs "
+                          "each of embed, layers.0.. and head exactly once")
+    return files, manifest
+
+
+def load_ring_checkpoint(rank, transport, cfg, path, *, verify: bool = True,
+                         allow_changes: bool = False) -> ckpt.CheckpointInfo:
+    """Restore this rank's blocks, the step and the schedule from a checkpoint of the whole
+    model (a step directory, or the newest under a root), written by a ring of any size or by
+    one device. Checks and (with verify) hashes come first on every process; if any process
+    refuses, every process raises and none has written anything."""
+    problem = None
+    try:
+        path, meta = ckpt.read_checkpoint(path)
+        adopt = ckpt.check_settings(path, meta, cfg, rank.optimizer, allow_changes)
+        todo = ckpt.block_entries(path, meta, rank, rank.block_refs())
+        if verify:
+            ckpt.verify_files(path, {"files": [entry for _, _, entry in todo]})
+    except (ConfigError, ChecksumError, OSError) as exc:
+        problem = exc
+    rows = transport.allgather(np.array([0.0 if problem else 1.0]))
+    if problem is not None:
+        raise problem
+    bad = [i for i, r in enumerate(rows) if float(r[0]) < 1.0]
+    if bad:
+        raise ConfigError(f"process(es) {bad} refused checkpoint {path} (their errors say why); "
+                          "no rank loaded anything")
+    return ckpt.apply(rank, path, meta, todo, adopt, rank.rp.plan.hash)
