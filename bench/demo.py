@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPU (default 1: this process alone); spawns the ranks, or under "
                         "torchrun/srun pass N = WORLD_SIZE. A ring prints each rank's steps and "
                         "one summary line (--json: ring shape, exit codes, losses, step times); "
-                        "constant --lr; --plan, --trace, --metrics, the batch, schedule, data "
-                        "and checkpoint options are not built for it yet (see docs/ring.md)")
+                        "constant --lr; checkpoints as on one GPU; --plan, --trace, --metrics, "
+                        "the batch, schedule and data options are not built for it yet (see "
+                        "docs/ring.md)")
     p.add_argument("--trace", metavar="FILE.json", type=checks.writable_file,
                    help="write the steps' timeline as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--metrics", metavar="FILE", type=_metrics_path,

@@ -2,7 +2,8 @@
 (layer i on rank i mod N; budgets per device) through ring.cli's launcher: it spawns the ranks
 (or, under torchrun / srun with --gpus equal to WORLD_SIZE, is one of them), prints each rank's
 step lines and one summary line (tok/s of the whole ring). Constant lr, clipping as
---max-grad-norm, the shipped text. Never decides placement and never trains in the launching
+--max-grad-norm, the shipped text; --checkpoint-dir, --save-every, --keep and --resume as on one
+GPU (the same checkpoint format). Never decides placement and never trains in the launching
 process."""
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from models.errors import ConfigError
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
                   "rounds": "--rounds", "seqs_per_step": "--seqs-per-step",
                   "tokens_per_step": "--tokens-per-step", "warmup": "--warmup",
-                  "min_lr": "--min-lr", "data": "--data", "eval_every": "--eval-every",
-                  "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every",
-                  "resume": "--resume"}
+                  "min_lr": "--min-lr", "data": "--data", "eval_every": "--eval-every"}
 """Demo options a ring does not take yet (dest -> flag)."""
 
 
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
-    from ring.cli import ring_processes, run_job
+    from ring.cli import check_checkpoint_flags, ring_processes, run_job
     from ring.worker import RingJob
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
@@ -30,11 +29,13 @@ def run_ring(args, parser, lr: float) -> int:
     if used:
         raise ConfigError(f"--gpus {args.gpus} trains a ring, which does not take "
                           f"{', '.join(used)} yet; drop them, or train on one GPU")
+    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
     env, n = ring_processes(args.model, args.gpus, 1)
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
                   max_grad_norm=args.max_grad_norm or None, backend=args.backend,
                   transport="auto", timeout_s=300.0, save_weights=False,
-                  eager_update=args.eager_update,
+                  eager_update=args.eager_update, checkpoint_dir=args.checkpoint_dir or "",
+                  save_every=args.save_every, keep=args.keep, resume=args.resume,
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
     return run_job(job, env, n, as_json=args.json, prog="dataflow-demo", keep_out=False)

@@ -58,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weights", action="store_true",
                    help="with --out, leave out rank<r>.npz (a large model's weights are tens of "
                         "GB per rank)")
+    p.add_argument("--checkpoint-dir", metavar="D", default="",
+                   help="directory of checkpoints (step_NNNNNNNN/), one that every rank sees; "
+                        "the Engine's format, so one device or a ring of another size resumes "
+                        "from them")
+    p.add_argument("--save-every", type=positive(int), default=0, metavar="N",
+                   help="save a checkpoint every N steps and at the last step")
+    p.add_argument("--keep", type=int, default=3, metavar="K",
+                   help="keep the newest K checkpoints (default 3; 0 keeps all)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (from step 0 "
+                        "when there is none); --steps is then the run's total")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--rounds {args.rounds} exceeds the planner's "
                               f"{MAX_ROUNDS_PER_STEP}; give fewer (the global batch is rounds x "
                               "chunks per round)")
+        check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume)
         env, n = ring_processes(args.model, args.gpus, args.replicas)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -95,8 +107,20 @@ def main(argv: list[str] | None = None) -> int:
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
+                  checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
+                  keep=args.keep, resume=args.resume,
                   constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
+
+
+def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool) -> None:
+    """Refuse checkpoint flags that cannot work (ConfigError, one line)."""
+    if (save_every or resume) and not checkpoint_dir:
+        raise ConfigError("--save-every and --resume need --checkpoint-dir D")
+    if keep < 0:
+        raise ConfigError(f"--keep {keep} is negative; give 0 (keep all) or more")
+    if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {checkpoint_dir} is a file; pass a directory")
 
 
 def ring_processes(model: str, gpus: int | None, replicas: int):

@@ -55,6 +55,16 @@ class RingJob:
     """Write rank<r>.npz, the rank's blocks' final weights, beside rank<r>.json."""
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
+    checkpoint_dir: str = ""
+    """Where the ring saves checkpoints (step_NNNNNNNN/, dataflow.checkpoint's format: one
+    device or a ring of another size can resume from them); one directory every rank sees."""
+    save_every: int = 0
+    """Save every this many steps and at the last step (0: never)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints (0: all)."""
+    resume: bool = False
+    """Start from the newest checkpoint in checkpoint_dir (from step 0 when there is none);
+    `steps` is then the run's total, so a run resumed at step 3 of 6 trains 3 more."""
     fault: str = ""
     """Tests only: 'kill:<rank>:<step>' makes that rank SIGKILL itself before that step."""
 
@@ -77,16 +87,20 @@ def model_config(spec: str):
     return load_config(spec)
 
 
-def batches(job: RingJob, cfg, seqs_per_step: int):
-    """The global batch of each step, the same on every rank and in the single-device run."""
+def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
+    """The global batch of each step from step `start` (0-based) to job.steps, the same on
+    every rank and in the single-device run (a resumed run continues where the saved one was)."""
     if job.data.startswith("random:"):
         rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
-        for _ in range(job.steps):
-            yield rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1), dtype=np.int32)
+        for step in range(job.steps):
+            batch = rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1),
+                                 dtype=np.int32)
+            if step >= start:
+                yield batch
         return
     from dataflow.data import token_stream
 
-    for step in range(job.steps):
+    for step in range(start, job.steps):
         yield token_stream(job.seqlen, seqs_per_step, cfg.vocab_size,
                            start=step * seqs_per_step * job.seqlen)
 
@@ -113,7 +127,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
         losses, times = [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas
-        for step, batch in enumerate(batches(job, cfg, seqs)):
+        start = _resume(job, rank, transport, cfg, tag)
+        for step, batch in enumerate(batches(job, cfg, seqs, start), start):
             if kill and int(kill[1]) == env.rank and int(kill[2]) == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             stats = rank.train_step(batch)
@@ -122,6 +137,16 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             print(f"{tag} step {step + 1}/{job.steps} loss {stats.loss:.6f} "
                   f"{stats.tokens / max(stats.step_time_s, 1e-12):,.0f} tok/s "
                   f"({stats.step_time_s:.3f} s)", file=sys.stderr, flush=True)
+            if job.save_every and ((step + 1) % job.save_every == 0 or step + 1 == job.steps):
+                from ring.checkpoint import save_ring_checkpoint
+
+                t0 = time.perf_counter()
+                path = save_ring_checkpoint(rank, transport, cfg, job.checkpoint_dir,
+                                            data={"source": job.data, "step": step + 1},
+                                            keep=job.keep or None)
+                if env.rank == 0:
+                    print(f"{tag} step {step + 1}: checkpoint {path} "
+                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         if job.out_dir:
             out = Path(job.out_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +190,33 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 transport.close()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
+
+
+def _resume(job: RingJob, rank, transport, cfg, tag: str) -> int:
+    """With job.resume, load the newest checkpoint in job.checkpoint_dir into this rank (every
+    rank the same one) and return its step; else 0."""
+    if not job.resume:
+        return 0
+    from dataflow.checkpoint import latest_checkpoint
+    from models.errors import ConfigError
+    from ring.checkpoint import load_ring_checkpoint
+
+    path = latest_checkpoint(job.checkpoint_dir)
+    found = transport.allgather(np.array([-1.0 if path is None else float(path.name[5:])]))
+    if len({float(row[0]) for row in found}) > 1:
+        raise ConfigError(f"the ranks see different newest checkpoints in {job.checkpoint_dir} "
+                          f"(steps {[int(row[0]) for row in found]}); give every rank the same "
+                          "directory")
+    if path is None:
+        print(f"{tag} no checkpoint in {job.checkpoint_dir} yet: starting at step 0",
+              file=sys.stderr, flush=True)
+        return 0
+    info = load_ring_checkpoint(rank, transport, cfg, path)
+    if info.data is not None and info.data.get("source", job.data) != job.data:
+        log.warning("%s checkpoint %s was trained on data %r; this run reads %r", tag, path,
+                    info.data.get("source"), job.data)
+    print(f"{tag} resumed from {path} at step {info.step}", file=sys.stderr, flush=True)
+    return info.step
 
 
 def child_main(job_json: str, env_json: str) -> None:

@@ -166,3 +166,24 @@ def test_a_damaged_block_file_is_refused_by_every_rank_and_nothing_loads(tmp_pat
     (kind0, msg0), (kind1, msg1) = _ring(2, load)
     assert kind1 == "ChecksumError" and "layer_001.m.bin" in msg1
     assert kind0 == "ConfigError" and "process(es) [1]" in msg0
+
+
+def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
+    """`dataflow-ring --gpus 2 ... --steps 4 --checkpoint-dir D --save-every 2` saves at steps 2
+    and 4; with step 4's checkpoint removed, `--resume --steps 4` continues from step 2 on the
+    shipped text's next batches and its steps 3-4 give the first run's losses exactly."""
+    import json
+    import shutil
+
+    from ring.cli import main
+
+    ck = tmp_path / "ck"
+    args = ["1", "0.25", "64", "tiny", "--gpus", "2", "--steps", "4", "--checkpoint-dir",
+            str(ck)]
+    assert main(args + ["--save-every", "2", "--out", str(tmp_path / "a")]) == 0
+    first = json.loads((tmp_path / "a" / "rank0.json").read_text())["losses"]
+    assert [p.name for p in list_checkpoints(ck)] == ["step_00000002", "step_00000004"]
+    shutil.rmtree(ck / "step_00000004")
+    assert main(args + ["--resume", "--out", str(tmp_path / "b")]) == 0
+    again = json.loads((tmp_path / "b" / "rank0.json").read_text())["losses"]
+    assert again == first[2:]

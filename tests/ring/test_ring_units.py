@@ -215,6 +215,11 @@ def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
     assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--rounds", "100000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--rounds 100000 exceeds" in err
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "need --checkpoint-dir" in err
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--checkpoint-dir", __file__]) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
@@ -229,6 +234,8 @@ def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
     assert err.count("\n") == 1 and "does not take --trace" in err
     assert main(["1", "0.25", "64", "tiny", "--gpus", "3", "--backend", "numpy"]) == 2
     assert "--gpus 2 or fewer" in capsys.readouterr().err
+    assert main(["1", "0.25", "64", "tiny", "--gpus", "2", "--save-every", "2"]) == 2
+    assert "need --checkpoint-dir" in capsys.readouterr().err
 
 
 def test_ring_schedules_round_trip_through_json_and_time_together():
