@@ -5,7 +5,8 @@ only bytes moved. (2) 2 data-parallel replicas of one device sharing the GPU (sh
 all-reduce of device gradients) against one device running both replicas' rows. (3) The NCCL
 transport as far as one GPU allows: a send to itself and a receive from itself inside one
 group, all-reduces over a 1-rank communicator (device and pinned host bytes) and the
-all-gather, byte-exact. (4) On a machine with two GPUs, an NCCL ring of 2 against one GPU."""
+all-gather, byte-exact. (4) On a machine with two GPUs, an NCCL ring of 2 against one GPU.
+(5) One device resumes from the checkpoint of a ring sharing the GPU."""
 
 from __future__ import annotations
 
@@ -67,6 +68,29 @@ def test_ring_of_two_sharing_one_gpu_reproduces_one_device(tmp_path):
     want_losses, want = _single_device(job, DEV_GB)
     losses, got = _launched(job, 2)
     assert losses[0] == losses[1] == want_losses, (losses, want_losses)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key], want[key].view(np.uint16)), key
+
+
+def test_one_gpu_resumes_from_the_checkpoint_of_a_ring_sharing_it(tmp_path):
+    """A ring of 2 sharing the GPU trains 2 steps and saves after each; one device (the Engine,
+    CuPy) loads the step-1 checkpoint and its step 2 gives the ring's loss and final weights
+    bit for bit."""
+    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
+                  seed=5, data="random:13", lr=1e-3, backend="cupy", transport="shm",
+                  timeout_s=120, out_dir=str(tmp_path / "out"), constraints=CHUNKING,
+                  checkpoint_dir=str(tmp_path / "ck"), save_every=1)
+    losses, got = _launched(job, 2)
+    cfg = model_config(job.model)
+    with Engine(cfg, host_gb=job.host_gb, dev_gb=DEV_GB, seqlen=job.seqlen, backend="cupy",
+                plan_options=dict(CHUNKING), seed=job.seed + 1, lr=job.lr) as eng:
+        assert eng.load_checkpoint(tmp_path / "ck" / "step_00000001").step == 1
+        second = list(batches(job, cfg, eng.seqs_per_step))[1]
+        assert eng.train_step(second).loss == losses[0][1]
+        w = eng.weights()
+    want = {"embed": w.embed, "head": w.head}
+    want.update({f"layer{i}": b for i, b in enumerate(w.layers)})
     assert sorted(got) == sorted(want)
     for key in want:
         assert np.array_equal(got[key], want[key].view(np.uint16)), key
