@@ -71,12 +71,14 @@ class StepProgress:
 
 class Executor:
     def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None, *,
-                 deferred_update: bool = False, compile_step=None, compile_update=None):
+                 deferred_update: bool = False, compile_step=None, compile_update=None,
+                 compile_eval=None):
         """deferred_update: a step's AdamW runs inside the next step's round 0 (each streamed
         layer's update fills the weight slot its forward reads, hiding the update behind that
         round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred).
-        compile_step(update) and compile_update(): the step's and the lone update's schedules
-        (default: memplan.schedule's of `plan`; a ring rank's add its messages)."""
+        compile_step(update), compile_update() and compile_eval(rounds): the step's, the lone
+        update's and an evaluation's schedules (default: memplan.schedule's of `plan`; a ring
+        rank's add its messages)."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
@@ -86,6 +88,7 @@ class Executor:
         self.pending_hyper: tuple | None = None
         """This step's AdamW hyperparameters while its update waits (deferred_update)."""
         step = compile_step or (lambda update: compile_schedule(plan, update=update))
+        self._compile_eval = compile_eval or (lambda rounds: compile_eval_schedule(plan, rounds))
         if self.deferred:
             self.schedule = step("deferred")
             self._first_schedule = step("none")
@@ -234,7 +237,7 @@ class Executor:
                                f"(at most {buffers.MAX_ROUNDS_PER_STEP}); got {batch.rows}")
         sch = self._eval_schedules.get(rounds)
         if sch is None:
-            sch = self._eval_schedules[rounds] = compile_eval_schedule(self.plan, rounds)
+            sch = self._eval_schedules[rounds] = self._compile_eval(rounds)
         self._begin(batch, sch)
         self.grad_scale = 0.0
         self._run(sch.events)

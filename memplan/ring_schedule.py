@@ -191,9 +191,14 @@ class _RingCompiler(_ReplicaCompiler):
         return keys + ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
 
     def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
-        sched = super().compile(rounds, update)
-        # Every send must be done before the step ends (the executor synchronises the backend's
-        # streams, which do not include a GPU transport's send stream).
+        return self._sends_done(super().compile(rounds, update))
+
+    def compile_eval(self, rounds: int) -> Schedule:
+        return self._sends_done(super().compile_eval(rounds))
+
+    def _sends_done(self, sched: Schedule) -> Schedule:
+        """Every send must be done before the step ends (the executor synchronises the backend's
+        streams, which do not include a GPU transport's send stream)."""
         for ev in self.sent.values():
             self.em.wait(COMPUTE, ev)
         self.sent.clear()
@@ -217,6 +222,15 @@ def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
     """The AdamW of this rank's own blocks alone, after a step compiled with update='none' or
     'deferred' (as memplan.schedule.compile_update_schedule): no sends, no receives."""
     return _compiler(rp).compile_update()
+
+
+def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1) -> Schedule:
+    """A forward-only evaluation of `rounds` rounds on rank `rp.rank` (as
+    memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
+    input arrives from the rank before it and its output leaves for the rank after."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
+    return _compiler(rp).compile_eval(rounds)
 
 
 RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce)}

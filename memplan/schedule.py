@@ -315,7 +315,9 @@ class _Compiler:
 
     def compile_eval(self, rounds: int) -> Schedule:
         """Forward-only rounds: tokens, embedding, layers (saving nothing), head loss. No
-        gradient leaves the device, nothing is written home and no optimizer event runs."""
+        gradient leaves the device, nothing is written home and no optimizer event runs. The
+        training round's hooks apply (a ring rank runs the embedding or head only if it holds
+        them, and receives and sends each layer's input and output)."""
         em, L = self.em, self.L
         self.n_rounds = rounds
         em.add(Fill("zero.scalars", self.ref("transitions", *self._transition("scalars")), "f32"))
@@ -334,26 +336,35 @@ class _Compiler:
             if self.hw_ring is not None:
                 self.hw_ring.begin(self.hw_uses, for_round(self.hw_assigned, rnd))
             self.load_tokens(rnd)
-            x, y = "resid_a", "resid_b"
-            self.embed_fwd(rnd, x)
+            if self.has_embed:
+                self.embed_fwd(rnd, self.resid(0)[0])
             for layer in range(L):
+                x, y = self.resid(layer)
+                name = self.global_layer(layer)
                 dev = self.block(f"layer{layer}", "weights", False)
                 w = dev if dev is not None else ring.acquire(index[layer])
                 for c in range(self.C):
-                    em.add(Compute(f"f.L{layer}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
+                    self.input_arrives(rnd, False, layer, x, c)
+                    self.before_write(y, c)
+                    em.add(Compute(f"f.L{name}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
                                    x=x, y=y))
+                    self.output_leaves(rnd, False, layer, y, c)
                 if dev is None:
                     ring.release(index[layer])
-                if layer == L - 2 and self.hw_ring is not None:
+                if self.has_head and layer == L - 2 and self.hw_ring is not None:
                     self.hw_ring.prefetch(0)
-                x, y = y, x
+            if not self.has_head:
+                continue
+            other, final = self.resid(L - 1)
+            for c in range(self.C):
+                self.before_write(other, c)
             w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
             em.wait(COMPUTE, self.targets_ready)
             # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
             # into the device head.grads region (a slot or the resident sum, idle between steps).
             em.add(Compute("head", "head_loss", rnd, weights=w,
                            grads=self.ref("head.grads", 0, self.numel["head"] * (
-                               2 if self.gdt == "bf16" else 4)), x=x, y=y))
+                               2 if self.gdt == "bf16" else 4)), x=final, y=other))
             if self.hw_ring is not None:
                 self.hw_ring.release(0)
         end = len(em.events)

@@ -138,10 +138,11 @@ class RingEngine:
     the whole ring's loss, tokens and throughput (MFU over every GPU of every replica; HFU is
     not computed for a ring: NaN). save_checkpoint / load_checkpoint write and read checkpoints
     of the whole model in the Engine's format (collective: every process calls them; one
-    device loads a ring's checkpoint and a ring one device's). eval_step and state_dict are not
-    built for a ring yet: weights() gives this rank's blocks by global key. As on one device,
-    each step's AdamW runs inside the next step's first round unless deferred_update=False, and
-    weights(), save_checkpoint and load_checkpoint run a pending one first."""
+    device loads a ring's checkpoint and a ring one device's); eval_step is the Engine's, over
+    the whole ring. state_dict is not built for a ring: weights() gives this rank's blocks by
+    global key. As on one device, each step's AdamW runs inside the next step's first round
+    unless deferred_update=False, and weights(), eval_step, save_checkpoint and
+    load_checkpoint run a pending one first."""
 
     def __init__(self, ring: Ring, model, *, host_gb: float, dev_gb: float, seqlen: int,
                  backend: str = "auto", seed: int = 0, lr: float = 3e-4,
@@ -215,6 +216,23 @@ class RingEngine:
             flop_model_version=FLOP_MODEL_VERSION, h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes, lr=lr, grad_norm=stats.grad_norm,
             loss_tokens=batch.counted)
+
+    def eval_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None) -> float:
+        """The mean loss over the counted targets of `tokens` (any number of rows of seqlen + 1
+        ids, the same on every process; labels / doc_ids / position_ids as train_step), forward
+        only, as Engine.eval_step: no weight, AdamW state or step count changes. Rows are padded
+        to whole rounds of every replica, which each evaluate their share. Collective."""
+        from dataflow.batch import make_batch
+        from models.errors import ConfigError
+
+        self._check_open()
+        ch = self.plan.chunking
+        batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
+                           vocab_size=self.cfg.vocab_size, seqlen=ch.seqlen,
+                           pad_rows_to=ch.seqs_per_round * self.rank_plan.replicas)
+        if batch.counted == 0:
+            raise ConfigError("every label of the evaluation batch is -100; keep at least one")
+        return self.rank.evaluate(batch).loss
 
     def weights(self) -> dict[str, np.ndarray]:
         """Host copies of this rank's blocks ('embed', 'layer<global index>', 'head')."""

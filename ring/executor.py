@@ -13,7 +13,8 @@ import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
 from memplan.ring_plan import RankPlan, head_rank
-from memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send, compile_ring_schedule,
+from memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send,
+                                   compile_ring_eval_schedule, compile_ring_schedule,
                                    compile_ring_update_schedule)
 from memplan.schedule import Record, Schedule, Wait
 from ring.transport import Transport
@@ -26,7 +27,8 @@ class RingExecutor(Executor):
         blocks inside the next step's round 0, or in flush())."""
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update),
-                         compile_update=lambda: compile_ring_update_schedule(rp))
+                         compile_update=lambda: compile_ring_update_schedule(rp),
+                         compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds))
         self.rp, self.transport = rp, transport
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                Record: self._ring_record, Wait: self._ring_wait})
@@ -99,9 +101,18 @@ class RingExecutor(Executor):
         `counted` is the whole global batch's, so every replica scales its gradients alike). The
         loss is the head ranks' round sums of every replica, in replica order: the rounds of the
         single-device step over the global batch."""
-        stats = super().step(batch, optimizer)
-        ch = self.plan.chunking
-        pairs = self.download(self.tr["scalars"][8:8 + 2 * ch.rounds_per_step])
+        return self._ring_loss(super().step(batch, optimizer))
+
+    def evaluate(self, batch) -> StepStats:
+        """A forward-only evaluation of this replica's slice (whole rounds, the same number on
+        every process); the loss over every replica's rows, as step's. Collective."""
+        return self._ring_loss(super().evaluate(batch))
+
+    def _ring_loss(self, stats: StepStats) -> StepStats:
+        """`stats` with the loss and rounds of the head ranks of every replica (their round sums
+        gathered through the transport), tokens counted over the replicas."""
+        rounds = len(stats.rounds)
+        pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds])
         rows = self.transport.allgather(pairs.astype(np.float64))
         head = head_rank(self.rp.n_layers, self.rp.n_ranks)
         loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head]

@@ -125,6 +125,16 @@ class RingRank:
         return self.ex.step(replica_slice(batch, self.ex.transport.replica, ch.seqs_per_step),
                             self.optimizer)
 
+    def evaluate(self, batch: Batch) -> StepStats:
+        """Forward only over the global evaluation batch (the same on every process, its rows a
+        multiple of replicas x seqs_per_round): each replica evaluates its equal share of the
+        rows; the loss is over all of them. Collective; changes no weight or AdamW state."""
+        q, per_round = self.rp.replicas, self.rp.plan.chunking.seqs_per_round
+        if batch.rows % (q * per_round):
+            raise ConfigError(f"a ring evaluation takes whole rounds on every replica: rows in "
+                              f"multiples of {q * per_round}, got {batch.rows}")
+        return self.ex.evaluate(replica_slice(batch, self.ex.transport.replica, batch.rows // q))
+
     def weights(self) -> dict[str, np.ndarray]:
         """Host copies of the owned blocks' weights, by global key ('embed', 'layer3', 'head'),
         after the last step's update (a deferred one runs now)."""
