@@ -83,8 +83,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(a file or directory; column 'tokens')")
     g.add_argument("--eval-every", type=_count, default=0, metavar="N",
                    help=f"every N steps, the validation loss on {EVAL_SEQS} held-out sequences "
-                        "(the end of the data, never trained on; the last file for Parquet); "
-                        "computed on the host, slow for large models")
+                        "(the end of the data, never trained on; the last file for Parquet), "
+                        "forward only on the engine (Engine.eval_step)")
     g.add_argument("--checkpoint-dir", metavar="D",
                    help="directory of checkpoints (step_NNNNNNNN/ subdirectories)")
     g.add_argument("--save-every", type=_count, default=0, metavar="N",
@@ -165,9 +165,7 @@ class Training:
         """Validation and checkpoint after step `result.step`, when their interval says so."""
         args, step = self.args, result.step
         if args.eval_every and step % args.eval_every == 0:
-            from dataflow.host_forward import eval_loss
-
-            loss = eval_loss(eng, self.source.eval_batch(EVAL_SEQS))
+            loss = eng.eval_step(self.source.eval_batch(EVAL_SEQS))
             self.eval_losses.append((step, loss))
             log.info("step %d: validation loss %.4f (%d held-out sequences)", step, loss,
                      EVAL_SEQS)

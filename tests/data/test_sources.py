@@ -114,8 +114,9 @@ def test_parquet_source_holds_out_the_last_file(tmp_path, rng):
 
 
 def test_eval_loss_matches_the_engines_loss_and_changes_nothing():
-    """The host forward's loss on a batch equals (to bf16 tolerance) the loss train_step
-    reports for it, and evaluating leaves weights and step untouched."""
+    """The host forward's loss on a batch equals (to bf16 tolerance) the engine's forward-only
+    eval_step and the loss train_step reports for it, and evaluating leaves weights and step
+    untouched."""
     from dataflow.engine import Engine
     from dataflow.host_forward import eval_loss
 
@@ -124,6 +125,7 @@ def test_eval_loss_matches_the_engines_loss_and_changes_nothing():
         ref = eng.block_refs()[1]
         before = eng.read_block(ref).copy()
         loss = eval_loss(eng, batch)
+        assert eng.eval_step(batch) == pytest.approx(loss, rel=2e-3)  # the demo's --eval-every
         assert eng.optimizer.step_count == 0
         assert np.array_equal(eng.read_block(ref).view(np.uint16), before.view(np.uint16))
         assert eng.train_step(batch).loss == pytest.approx(loss, rel=2e-3)
