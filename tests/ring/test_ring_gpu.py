@@ -6,7 +6,8 @@ all-reduce of device gradients) against one device running both replicas' rows. 
 transport as far as one GPU allows: a send to itself and a receive from itself inside one
 group, all-reduces over a 1-rank communicator (device and pinned host bytes) and the
 all-gather, byte-exact. (4) On a machine with two GPUs, an NCCL ring of 2 against one GPU.
-(5) One device resumes from the checkpoint of a ring sharing the GPU."""
+(5) One device resumes from the checkpoint of a ring sharing the GPU; a ring sharing it (ranks
+as threads) evaluates as one device does."""
 
 from __future__ import annotations
 
@@ -94,6 +95,31 @@ def test_one_gpu_resumes_from_the_checkpoint_of_a_ring_sharing_it(tmp_path):
     assert sorted(got) == sorted(want)
     for key in want:
         assert np.array_equal(got[key], want[key].view(np.uint16)), key
+
+
+def test_a_ring_sharing_the_gpu_evaluates_as_one_device(rng):
+    """Two ranks as threads of this process, each a RingEngine on this GPU (shared-memory
+    transport, half the device budget), evaluate a held-out batch before and after a step to
+    one device's eval_step losses, and train to its loss, bit for bit."""
+    from ring.engine import Ring
+    from tests.ring.threads import in_threads
+
+    cfg = model_config("small")
+    common = dict(host_gb=HOST_GB, seqlen=256, backend="cupy", seed=6, lr=1e-3,
+                  plan_options=dict(CHUNKING))
+    with Engine(cfg, dev_gb=DEV_GB, **common) as eng:
+        train = rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 257), dtype=np.int32)
+        held = rng.integers(0, cfg.vocab_size, (3, 257), dtype=np.int32)
+        want = [eng.eval_step(held), eng.train_step(train).loss, eng.eval_step(held)]
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+                      master_port=0, run_id=run_id)
+        with Engine(cfg, dev_gb=DEV_GB / 2, ring=Ring(env=env, transport="shm", timeout_s=120),
+                    **common) as e:
+            return [e.eval_step(held), e.train_step(train).loss, e.eval_step(held)]
+
+    assert in_threads(rank, 2) == [want, want]
 
 
 def test_two_replicas_sharing_one_gpu_match_one_device(tmp_path):
