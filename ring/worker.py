@@ -55,6 +55,10 @@ class RingJob:
     """Write rank<r>.npz, the rank's blocks' final weights, beside rank<r>.json."""
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
+    eval_seqs: int = 0
+    """After the last step, the forward-only loss (RingRank.evaluate) of this many sequences that
+    no step of the run trained on (the next ids of a 'random:' stream, or the shipped text after
+    the run's last batch), written as eval_loss beside the losses."""
     checkpoint_dir: str = ""
     """Where the ring saves checkpoints (step_NNNNNNNN/, dataflow.checkpoint's format: one
     device or a ring of another size can resume from them); one directory every rank sees."""
@@ -105,6 +109,19 @@ def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
                            start=step * seqs_per_step * job.seqlen)
 
 
+def eval_batch(job: RingJob, cfg, seqs_per_step: int):
+    """The job's eval_seqs rows of seqlen + 1 ids that follow its training batches."""
+    if job.data.startswith("random:"):
+        rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
+        for _ in range(job.steps):
+            rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1), dtype=np.int32)
+        return rng.integers(0, cfg.vocab_size, (job.eval_seqs, job.seqlen + 1), dtype=np.int32)
+    from dataflow.data import token_stream
+
+    return token_stream(job.seqlen, job.eval_seqs, cfg.vocab_size,
+                        start=job.steps * seqs_per_step * job.seqlen)
+
+
 def run_rank(job: RingJob, env: RankEnv) -> int:
     """Train `job` as rank env.rank. 0 done; 1 with one line on stderr when this rank or the
     ring failed (a RingError names the rank that died or hung)."""
@@ -147,6 +164,16 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 if env.rank == 0:
                     print(f"{tag} step {step + 1}: checkpoint {path} "
                           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        eval_loss = None
+        if job.eval_seqs:
+            from dataflow.batch import make_batch
+
+            q = rp.plan.chunking.seqs_per_round * job.replicas
+            held = make_batch(eval_batch(job, cfg, seqs), vocab_size=cfg.vocab_size,
+                              seqlen=job.seqlen, pad_rows_to=q)
+            eval_loss = rank.evaluate(held).loss
+            print(f"{tag} eval loss {eval_loss:.6f} ({job.eval_seqs} sequences)",
+                  file=sys.stderr, flush=True)
         if job.out_dir:
             out = Path(job.out_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +184,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
                 "layers": list(rp.layers),
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
-                "step_times_s": times,
+                "step_times_s": times, "eval_loss": eval_loss,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
                 "chunking": {"chunk_tokens": rp.plan.chunking.chunk_tokens,
                              "chunks_per_round": rp.plan.chunking.chunks_per_round,

@@ -93,3 +93,26 @@ def test_each_ranks_evaluation_receives_what_its_neighbour_sends():
                 if isinstance(ev, (Send, Recv)) and ".b." in ev.name]
     # layers 0..3 on ranks 0, 1, 2, 0: 3 hops a chunk, 2 chunks a round, 2 rounds
     assert len(sends) == 3 * 2 * 2
+
+
+def test_dataflow_ring_processes_evaluate_after_training_as_one_device(tmp_path):
+    """A launched ring of 2 (RingJob.eval_seqs = 3) trains 2 steps and writes the loss of the 3
+    sequences after its batches; one device training the same batches evaluates them to the
+    same loss."""
+    import json
+
+    from models.serial import to_json
+    from ring.launch import launch
+    from ring.worker import RingJob, batches, eval_batch
+
+    job = RingJob(model=to_json(CFG), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2, seed=11,
+                  data="random:5", lr=1e-2, timeout_s=60, out_dir=str(tmp_path), eval_seqs=3,
+                  constraints=CHUNKING)
+    res = launch(job, 2)
+    assert res.exit_codes == (0, 0), res
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    with Engine(CFG, **COMMON) as eng:  # the job's seed, lr, budgets and chunking
+        losses = [eng.train_step(b).loss for b in batches(job, CFG, eng.seqs_per_step)]
+        want = eng.eval_step(eval_batch(job, CFG, eng.seqs_per_step))
+    assert [g["losses"] for g in got] == [losses, losses]
+    assert [g["eval_loss"] for g in got] == [want, want]

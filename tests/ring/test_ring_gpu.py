@@ -6,8 +6,7 @@ all-reduce of device gradients) against one device running both replicas' rows. 
 transport as far as one GPU allows: a send to itself and a receive from itself inside one
 group, all-reduces over a 1-rank communicator (device and pinned host bytes) and the
 all-gather, byte-exact. (4) On a machine with two GPUs, an NCCL ring of 2 against one GPU.
-(5) One device resumes from the checkpoint of a ring sharing the GPU; a ring sharing it (ranks
-as threads) evaluates as one device does."""
+(5) One device resumes from the checkpoint of a ring sharing the GPU."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ cp = require_gpu()
 from dataflow.engine import Engine  # noqa: E402
 from memplan.plan import GradAccum  # noqa: E402
 from ring.launch import RankEnv, launch  # noqa: E402
-from ring.worker import RingJob, batches, model_config  # noqa: E402
+from ring.worker import RingJob, batches, eval_batch, model_config  # noqa: E402
 
 CHUNKING = (("chunk_tokens", 256), ("chunks_per_round", 2), ("rounds_per_step", 2))
 HOST_GB, DEV_GB = 2.0, 2.0
@@ -41,6 +40,8 @@ def _single_device(job: RingJob, dev_gb: float, **constraints):
                 plan_options=options, seed=job.seed, lr=job.lr,
                 max_grad_norm=job.max_grad_norm) as eng:
         losses = [eng.train_step(b).loss for b in batches(job, cfg, eng.seqs_per_step)]
+        if job.eval_seqs:  # the ring's eval_loss, appended
+            losses.append(eng.eval_step(eval_batch(job, cfg, eng.seqs_per_step)))
         w = eng.weights()
     blocks = {"embed": w.embed, "head": w.head}
     blocks.update({f"layer{i}": b for i, b in enumerate(w.layers)})
@@ -53,7 +54,8 @@ def _launched(job: RingJob, n: int):
     losses, blocks = [], {}
     for r in range(n):
         with open(os.path.join(job.out_dir, f"rank{r}.json")) as f:
-            losses.append(json.load(f)["losses"])
+            info = json.load(f)
+        losses.append(info["losses"] + ([info["eval_loss"]] if job.eval_seqs else []))
         with np.load(os.path.join(job.out_dir, f"rank{r}.npz")) as z:
             for key in z.files:
                 if key in blocks:  # replicas hold the same block: they must agree exactly
@@ -63,9 +65,11 @@ def _launched(job: RingJob, n: int):
 
 
 def test_ring_of_two_sharing_one_gpu_reproduces_one_device(tmp_path):
+    """3 steps, then the forward-only loss of 3 more sequences (RingRank.evaluate): the losses,
+    the evaluation and the weights are one device's."""
     job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
                   seed=3, data="random:11", lr=1e-3, backend="cupy", transport="shm",
-                  timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING)
+                  timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING, eval_seqs=3)
     want_losses, want = _single_device(job, DEV_GB)
     losses, got = _launched(job, 2)
     assert losses[0] == losses[1] == want_losses, (losses, want_losses)
@@ -95,31 +99,6 @@ def test_one_gpu_resumes_from_the_checkpoint_of_a_ring_sharing_it(tmp_path):
     assert sorted(got) == sorted(want)
     for key in want:
         assert np.array_equal(got[key], want[key].view(np.uint16)), key
-
-
-def test_a_ring_sharing_the_gpu_evaluates_as_one_device(rng):
-    """Two ranks as threads of this process, each a RingEngine on this GPU (shared-memory
-    transport, half the device budget), evaluate a held-out batch before and after a step to
-    one device's eval_step losses, and train to its loss, bit for bit."""
-    from ring.engine import Ring
-    from tests.ring.threads import in_threads
-
-    cfg = model_config("small")
-    common = dict(host_gb=HOST_GB, seqlen=256, backend="cupy", seed=6, lr=1e-3,
-                  plan_options=dict(CHUNKING))
-    with Engine(cfg, dev_gb=DEV_GB, **common) as eng:
-        train = rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 257), dtype=np.int32)
-        held = rng.integers(0, cfg.vocab_size, (3, 257), dtype=np.int32)
-        want = [eng.eval_step(held), eng.train_step(train).loss, eng.eval_step(held)]
-
-    def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
-                      master_port=0, run_id=run_id)
-        with Engine(cfg, dev_gb=DEV_GB / 2, ring=Ring(env=env, transport="shm", timeout_s=120),
-                    **common) as e:
-            return [e.eval_step(held), e.train_step(train).loss, e.eval_step(held)]
-
-    assert in_threads(rank, 2) == [want, want]
 
 
 def test_two_replicas_sharing_one_gpu_match_one_device(tmp_path):
