@@ -190,16 +190,19 @@ def _run(args, stop: checks.StopSignals) -> int:
     log.info("initialised %s in %.1f s (%s)", cfg.name, init_s,
              ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     warm = getattr(eng, "warm_up_parts", {})
-    if warm:
-        log.info("warm_up: %s", ", ".join(
-            f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in warm.items()))
+    prebuild = getattr(eng, "prebuild_parts", {})
+    for what, parts in (("built while pinning", prebuild), ("warm_up", warm)):
+        if parts:
+            log.info("%s: %s", what, ", ".join(f"{k} {v:.1f} s" if isinstance(v, float)
+                                              else f"{k} {v}" for k, v in parts.items()))
     pin = getattr(getattr(eng.be, "inner", eng.be), "last_pin", None)
     if pin:  # the host slab's pinning is most of the executor phase on a large host budget
         log.info("pinned %.1f GiB of host by %s in %.1f s (%s)", pin["nbytes"] / 2**30,
                  pin["method"], pin["seconds"], ", ".join(
                      f"{k[:-2]} {v:.1f} s" for k, v in pin.items() if k.endswith("_s")))
     run = _Run(args, plan, eng, be_probe)
-    run.setup = {"init_s": init_s, "phases_s": phases, "warm_up": warm, "pin": pin}
+    run.setup = {"init_s": init_s, "phases_s": phases, "warm_up": warm, "prebuild": prebuild,
+                 "pin": pin}
     run.training = training
     try:
         run.train(stop)
@@ -229,8 +232,8 @@ class _Run:
         self.mem = None
         self.setup = None
         """Engine setup: {'init_s': wall seconds, 'phases_s': Engine.setup_seconds, 'warm_up':
-        Engine.warm_up_parts, 'pin': the CuPy backend's last_pin (how the host slab was pinned,
-        seconds per part) or None}."""
+        Engine.warm_up_parts, 'prebuild': Engine.prebuild_parts, 'pin': the CuPy backend's
+        last_pin (how the host slab was pinned, seconds per part) or None}."""
         self.status = "failed"
         args.steps_done = 0
         device = getattr(eng.be, "device_name", self.backend)

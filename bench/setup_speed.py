@@ -311,6 +311,7 @@ def child_main(spec_json: str) -> int:
            "setup_phases_s": dict(getattr(eng, "setup_seconds", {})),
            "pin": getattr(eng.be, "last_pin", None)}
     out["warmup_parts_s"] = dict(getattr(eng, "warm_up_parts", {}))  # the engine warms itself
+    out["prebuild_parts_s"] = dict(getattr(eng, "prebuild_parts", {}))  # in a thread, pinning
     out["warmup_s"] = out["setup_phases_s"].get("warm_up")
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, eng.plan.model.vocab_size, (eng.seqs_per_step, spec["seqlen"] + 1),

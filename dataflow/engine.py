@@ -177,9 +177,17 @@ class Engine:
         self.plan, self.be = plan, be
         self.last_trace = None
         self._progress = progress
+        from dataflow.warmup import start_prebuild
+
         clock = _PhaseClock()
-        self.ex = Executor(plan, be, schedule,
-                           deferred_update=self._deferred_update)
+        # CUDA modules and cuDNN graphs are built in a thread while the executor pins the host
+        # slab (host work both; pinning 120 GiB takes 10-30 s); warm_up then finds them built
+        prebuild = start_prebuild(plan, be)
+        try:
+            self.ex = Executor(plan, be, schedule, deferred_update=self._deferred_update)
+        finally:
+            self.prebuild_parts = prebuild.join() if prebuild is not None else {}
+            """What the setup-time build in a thread took (seconds per part, and total)."""
         clock.lap("executor")  # schedule, both arenas (pinning the host slab), library scratch
         self.optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()

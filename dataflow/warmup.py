@@ -109,6 +109,50 @@ def _join(background, timeout_s: float = 600.0) -> None:
         background.wait()
 
 
+class Prebuild:
+    """The backend's prebuild of `plan`'s CUDA modules and cuDNN graphs, running in a thread
+    while setup pins host memory and allocates the arenas (seconds each on a large budget; the
+    builds are host work too, NVRTC and cuDNN's planner). warm_up afterwards finds them built.
+    join() waits for it and returns its seconds per part; a failure only means warm_up builds
+    the rest itself (logged)."""
+
+    def __init__(self, plan: Plan, be):
+        import threading
+
+        cfg = plan.model
+        self.seconds: dict[str, float] = {}
+        self._args = (attention_shapes(plan), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self._fn = be.prebuild
+        self._thread = threading.Thread(target=self._run, name="dataflow-prebuild", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import logging
+
+        t0 = time.perf_counter()
+        try:
+            self.seconds = dict(self._fn(*self._args))
+        except Exception as exc:  # noqa: BLE001 - warm_up builds whatever is missing
+            logging.getLogger(__name__).warning("building CUDA modules and cuDNN graphs during "
+                                                "setup failed (%s); warm_up builds them", exc)
+        self.seconds["total"] = time.perf_counter() - t0
+
+    def join(self) -> dict[str, float]:
+        self._thread.join()
+        return self.seconds
+
+
+def start_prebuild(plan: Plan, be) -> Prebuild | None:
+    """Start the backend's prebuild (the CuPy backend's) in a thread; None for a backend that
+    builds nothing (NumPy) or when DATAFLOW_PREBUILD=0 (everything is then built in warm_up,
+    after the arenas, as before)."""
+    import os
+
+    if getattr(be, "prebuild", None) is None or os.environ.get("DATAFLOW_PREBUILD", "1") == "0":
+        return None
+    return Prebuild(plan, be)
+
+
 def host_kernels_used(schedule) -> frozenset[str]:
     """Which numba host kernels a compiled schedule runs: AdamW for updates on the host stream,
     the embedding scatter and sum of squares for a HOME embedding's host tasks."""

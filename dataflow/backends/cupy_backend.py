@@ -406,8 +406,28 @@ class CupyBackend(Backend):
         built deterministic, and also non-deterministic when the deterministic workspace does
         not fit the lent attention workspace (the choice dataflow.ops_cuda makes at run time).
         Allocates nothing from the device arena; call after lend_scratch, before the first
-        step. Seconds per part, and the process's graph counts (attention_graphs_built,
-        attention_graphs_from_cache: kernels.cuda.graph_cache's disk cache)."""
+        step (what prebuild built already is found at once). Seconds per part, and the
+        process's graph counts (attention_graphs_built, attention_graphs_from_cache:
+        kernels.cuda.graph_cache's disk cache)."""
+        from kernels import cuda as K
+
+        seconds = self._build(attention_shapes, (n_heads, n_kv_heads, head_dim),
+                              self.ops.attention_workspace_nbytes())
+        sources = K.graph_sources()  # how many were built, how many read from the disk cache
+        seconds["attention_graphs_built"] = sources["built"]
+        seconds["attention_graphs_from_cache"] = sources["cache"]
+        return seconds
+
+    def prebuild(self, attention_shapes, n_heads: int, n_kv_heads: int,
+                 head_dim: int) -> dict[str, float]:
+        """warm_up's builds before the arenas exist, for a thread that runs while setup pins
+        host memory (dataflow.warmup.start_prebuild): the lent workspace is not known yet, so a
+        self-only chunk's backward is built both deterministic and not. Enqueues no kernel and
+        allocates nothing from CuPy's pool. Seconds per part."""
+        self.device.use()  # this thread's current device
+        return self._build(attention_shapes, (n_heads, n_kv_heads, head_dim), None)
+
+    def _build(self, attention_shapes, heads: tuple[int, int, int], ws_bytes) -> dict:
         from kernels import cuda as K
         from kernels.cuda.warm import precompile
 
@@ -417,8 +437,6 @@ class CupyBackend(Backend):
             precompile()
             seconds["cuda_modules"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ws_bytes = self.ops.attention_workspace_nbytes()
-            heads = (n_heads, n_kv_heads, head_dim)
             for shape in attention_shapes:
                 args = (shape.n_q, *heads, shape.q_offset)
                 K.attention_workspace_bytes("fwd", *args)
@@ -436,9 +454,6 @@ class CupyBackend(Backend):
                         K.attention_workspace_bytes("bwd", shape.n_q, *heads, deterministic=False,
                                                     n_keys=b - a)
             seconds["attention_graphs"] = time.perf_counter() - t0
-        sources = K.graph_sources()  # how many were built, how many read from the disk cache
-        seconds["attention_graphs_built"] = sources["built"]
-        seconds["attention_graphs_from_cache"] = sources["cache"]
         return seconds
 
     def memory_report(self) -> dict[str, int]:

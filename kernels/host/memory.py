@@ -29,7 +29,7 @@ def _zero_nonzero_pages(words, page):
             seg[:] = 0
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)  # setup's prebuild thread runs meanwhile
 def _touch_pages(buf, page):
     """One zero byte per page; numba's prange hands each thread one contiguous range, so a
     thread faults in whole huge pages where the kernel backs the mapping with them."""

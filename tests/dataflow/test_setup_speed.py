@@ -229,3 +229,42 @@ def test_the_background_compile_fills_numbas_cache_for_warm_up(tmp_path, monkeyp
     assert list(tmp_path.rglob("*.nbi")), "nothing reached numba's cache"
     monkeypatch.setattr(W, "_WARM", {("adamw", "bfloat16")})
     assert W.start_host_compile(plan) is None
+
+
+def test_prebuild_runs_the_backends_build_in_a_thread_and_survives_its_failure(monkeypatch,
+                                                                              caplog):
+    """start_prebuild hands the plan's attention shapes to the backend's prebuild in a thread
+    and join() returns its seconds; a failing build is logged (warm_up builds instead), and
+    there is none for a backend without prebuild or with DATAFLOW_PREBUILD=0. An engine on the
+    NumPy backend reports no prebuild."""
+    import threading
+
+    from dataflow.engine import Engine
+    from dataflow.warmup import start_prebuild
+
+    cfg = model_config("1b")
+    plan = make_plan(cfg, 32768, Budget.from_gib(40, 16), get_profile("h100"))
+
+    class Fake:
+        def __init__(self, fail=False):
+            self.fail, self.calls = fail, []
+
+        def prebuild(self, shapes, h, kh, e):
+            self.calls.append((shapes, h, kh, e, threading.current_thread().name))
+            if self.fail:
+                raise RuntimeError("no cuDNN today")
+            return {"cuda_modules": 0.5, "attention_graphs": 1.5}
+
+    be = Fake()
+    parts = start_prebuild(plan, be).join()
+    assert parts["attention_graphs"] == 1.5 and parts["total"] >= 0
+    shapes, h, kh, e, thread = be.calls[0]
+    assert shapes == attention_shapes(plan) and (h, kh, e) == (32, 8, 64)
+    assert thread == "dataflow-prebuild"
+    parts = start_prebuild(plan, Fake(fail=True)).join()
+    assert set(parts) == {"total"} and "no cuDNN today" in caplog.text
+    assert start_prebuild(plan, object()) is None
+    monkeypatch.setenv("DATAFLOW_PREBUILD", "0")
+    assert start_prebuild(plan, Fake()) is None
+    with Engine("tiny", host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy") as eng:
+        assert eng.prebuild_parts == {}
