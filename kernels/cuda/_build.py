@@ -73,18 +73,31 @@ def kernel_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(sorted(found.items()))
 
 
-def precompile(sources=None) -> dict[str, float]:
+def precompile(sources=None, workers: int | None = None) -> dict[str, float]:
     """Compile (or load from CuPy's disk cache) every module of `sources` ((source, names)
     pairs; default kernel_sources()) for the current device, and return the seconds each took.
     Call at setup: the first launch of each kernel then finds its module in memory. Runs NVRTC
-    on the host; enqueues nothing and never synchronises."""
+    on the host, one module per thread of `workers` (default: up to 8 and the CPU count; CuPy
+    releases the GIL inside NVRTC, so cold compiles run side by side); enqueues nothing and
+    never synchronises."""
+    from concurrent.futures import ThreadPoolExecutor
+
     dev = cupy.cuda.runtime.getDevice()
-    seconds = {}
-    for source, names in (kernel_sources() if sources is None else sources):
+    mods = [(source, _module(source, tuple(names), dev))  # made here: _MODULES has one writer
+            for source, names in (kernel_sources() if sources is None else sources)]
+
+    def build(item):
+        source, mod = item
+        cupy.cuda.Device(dev).use()  # a worker thread's current device
         t0 = time.perf_counter()
-        _module(source, tuple(names), dev).compile()
-        seconds[source] = time.perf_counter() - t0
-    return seconds
+        mod.compile()
+        return source, time.perf_counter() - t0
+
+    workers = workers or max(1, min(8, len(mods), os.cpu_count() or 1))
+    if workers == 1:
+        return dict(map(build, mods))
+    with ThreadPoolExecutor(workers, thread_name_prefix="dataflow-nvrtc") as pool:
+        return dict(pool.map(build, mods))
 
 
 def cache_dir() -> str:
