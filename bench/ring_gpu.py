@@ -6,8 +6,9 @@ processes and one after the other:
            every rank's losses and step times come back through ring.cli's --out files.
   single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
            ring's own chunking (chunk tokens, chunks per round, rounds per step, read from rank
-           0's record), so both train the same global batches (ring.worker.batches: the shipped
-           text) from the same initial weights, with the ring's learning rate and seed.
+           0's record) and its head rank's head sub-chunk, so both train the same global
+           batches (ring.worker.batches: the shipped text) from the same initial weights, with
+           the ring's learning rate and seed.
 
 While each runs, every process of it is sampled every 0.5 s: its RSS (psutil) and its device
 memory (NVML, per process, CUDA context included); a child that only creates a CuPy context
@@ -205,6 +206,7 @@ def ring_command(args) -> list[str]:
 def single_child(spec_json: str) -> int:
     """The one-GPU run in this fresh process: prints one JSON line (losses, step times)."""
     spec = json.loads(spec_json)
+    from dataflow.backends import make_backend
     from dataflow.engine import Engine
     from dataflow.optimizer import AdamWConfig
     from ring.worker import RingJob, batches, model_config
@@ -214,9 +216,9 @@ def single_child(spec_json: str) -> int:
     job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev,
                   steps=spec["steps"], lr=spec["lr"])
     t0 = time.perf_counter()
-    eng = Engine(cfg, host_gb=host, dev_gb=dev, seqlen=spec["seqlen"], backend=spec["backend"],
-                 plan_options=dict(spec["chunking"]), seed=job.seed,
-                 optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
+    be = make_backend(spec["backend"])
+    eng = Engine.from_plan(_single_plan(cfg, spec, be), backend=be, seed=job.seed,
+                           optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
     out = {"setup_s": time.perf_counter() - t0, "losses": [], "step_times_s": [],
            "tokens_per_step": eng.plan.chunking.tokens_per_step,
            "device_bytes": eng.plan.memory.device_bytes, "host_bytes": eng.plan.memory.host_bytes}
@@ -229,6 +231,30 @@ def single_child(spec_json: str) -> int:
     eng.close()
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _single_plan(cfg, spec: dict, be):
+    """The one-GPU plan: this GPU's profile, the ring's chunking and, where the ring's head rank
+    took a shorter head sub-chunk than the planner gives one device (the planner lengthens it
+    where memory allows), that one: the loss and the head's gradient are then summed in the same
+    pieces, so the two runs can agree bit for bit."""
+    import dataclasses
+
+    from dataflow.engine import default_profile
+    from memplan import make_plan
+    from memplan.build import finish_plan
+    from memplan.decisions import decisions_of
+    from memplan.plan import Budget
+
+    host, dev = spec["budget"]
+    plan = make_plan(cfg, spec["seqlen"], Budget.from_gib(host, dev), default_profile(be),
+                     **dict(spec["chunking"]))
+    sub = spec.get("head_sub_tokens")
+    if sub and sub != plan.slots.head_sub_tokens:
+        d = decisions_of(plan)
+        plan = finish_plan(dataclasses.replace(d, slots=dataclasses.replace(
+            d.slots, head_sub_tokens=sub)), plan.budget, plan.profile)
+    return plan
 
 
 def _tok_s(rec: dict | None) -> float | None:
@@ -275,9 +301,12 @@ def collect(args) -> dict:
     rank0 = ring.get("rank0")
     print(f"ring exit {rc} in {wall:.0f} s; losses {rank0 and rank0['losses']}", flush=True)
     if not args.no_single and rank0 and rank0.get("chunking"):
+        head = next((ring[f"rank{r}"] for r in range(args.gpus) if ring.get(f"rank{r}")
+                     and ring[f"rank{r}"].get("head_sub_tokens")), None)
         spec = {"model": args.model, "seqlen": args.seqlen, "budget": list(args.single_budget),
                 "backend": args.backend,
-                "steps": args.steps, "lr": args.lr, "chunking": rank0["chunking"]}
+                "steps": args.steps, "lr": args.lr, "chunking": rank0["chunking"],
+                "head_sub_tokens": head and head["head_sub_tokens"]}
         cmd = [sys.executable, "-m", "bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]
         env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}

@@ -189,6 +189,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "chunking": {"chunk_tokens": rp.plan.chunking.chunk_tokens,
                              "chunks_per_round": rp.plan.chunking.chunks_per_round,
                              "rounds_per_step": rp.plan.chunking.rounds_per_step},
+                "head_sub_tokens": rp.plan.slots.head_sub_tokens if rp.has_head else None,
                 "device_bytes": rp.plan.memory.device_bytes,
                 "host_bytes": rp.plan.memory.host_bytes, "plan_hash": rp.plan.hash}))
         import faulthandler

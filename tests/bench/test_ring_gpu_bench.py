@@ -38,3 +38,21 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "no torchrun on PATH" in err and "--steps 0" in err
     assert not out.exists()
+
+
+def test_the_single_run_takes_the_ring_head_ranks_head_sub_chunk():
+    """One H200 at 120/24 plans a 2,048-token head sub-chunk for 8b at 8k where a ring rank at
+    60/24 keeps 1,024: the single run takes the ring's, so the loss and the head's gradient are
+    summed in the same pieces (on the H200 pair the two runs' losses differed by 2e-4 from it)."""
+    from types import SimpleNamespace
+
+    from bench.ring_gpu import _single_plan
+    from models.config import load_config
+
+    chunking = {"chunk_tokens": 8192, "chunks_per_round": 2, "rounds_per_step": 24}
+    spec = {"seqlen": 8192, "budget": [120, 24], "chunking": chunking}
+    be = SimpleNamespace(name="cupy", device_name="NVIDIA H200")
+    cfg = load_config("8b")
+    assert _single_plan(cfg, spec, be).slots.head_sub_tokens == 2048
+    plan = _single_plan(cfg, {**spec, "head_sub_tokens": 1024}, be)
+    assert plan.slots.head_sub_tokens == 1024 and plan.chunking.rounds_per_step == 24
