@@ -95,10 +95,9 @@ def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
     """The global batch of each step from step `start` (0-based) to job.steps, the same on
     every rank and in the single-device run (a resumed run continues where the saved one was)."""
     if job.data.startswith("random:"):
-        rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
+        stream = _random_rows(job, cfg)
         for step in range(job.steps):
-            batch = rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1),
-                                 dtype=np.int32)
+            batch = stream(seqs_per_step)
             if step >= start:
                 yield batch
         return
@@ -112,14 +111,20 @@ def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
 def eval_batch(job: RingJob, cfg, seqs_per_step: int):
     """The job's eval_seqs rows of seqlen + 1 ids that follow its training batches."""
     if job.data.startswith("random:"):
-        rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
+        stream = _random_rows(job, cfg)
         for _ in range(job.steps):
-            rng.integers(0, cfg.vocab_size, (seqs_per_step, job.seqlen + 1), dtype=np.int32)
-        return rng.integers(0, cfg.vocab_size, (job.eval_seqs, job.seqlen + 1), dtype=np.int32)
+            stream(seqs_per_step)
+        return stream(job.eval_seqs)
     from dataflow.data import token_stream
 
     return token_stream(job.seqlen, job.eval_seqs, cfg.vocab_size,
                         start=job.steps * seqs_per_step * job.seqlen)
+
+
+def _random_rows(job: RingJob, cfg):
+    """rows -> the next (rows, seqlen + 1) uniform random ids of a 'random:<seed>' job."""
+    rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
+    return lambda rows: rng.integers(0, cfg.vocab_size, (rows, job.seqlen + 1), dtype=np.int32)
 
 
 def run_rank(job: RingJob, env: RankEnv) -> int:
