@@ -31,12 +31,25 @@ class RingRank:
                  optimizer: AdamWConfig | None = None, lr_schedule=None,
                  deferred_update: bool = True):
         """deferred_update: each step's AdamW of this rank's blocks runs inside the next step's
-        first round (dataflow.executor.Executor); weights() runs a pending one first."""
+        first round (dataflow.executor.Executor); weights() runs a pending one first. As the
+        Engine, it warms up before the first step (dataflow.warmup: CUDA modules, cuDNN graphs,
+        numba host kernels), so step 1 builds nothing."""
+        from dataflow.warmup import start_host_compile, warm_up
+
         self.rp, self.be = rp, be
-        self.ex = RingExecutor(rp, be, transport, deferred_update=deferred_update)
-        self.optimizer = AdamW(optimizer or AdamWConfig(), lr_schedule)
-        self._init_state(seed)
-        be.synchronize()
+        background = start_host_compile(rp.plan)  # numba's compile, beside the setup
+        try:
+            self.ex = RingExecutor(rp, be, transport, deferred_update=deferred_update)
+            self.optimizer = AdamW(optimizer or AdamWConfig(), lr_schedule)
+            self._init_state(seed)
+            be.synchronize()
+        except BaseException:
+            if background is not None:
+                background.kill()
+                background.wait()
+            raise
+        self.warm_up_parts = warm_up(rp.plan, be, self.ex.schedule, background)
+        """warm_up's seconds per part (and, on a GPU, the cuDNN graphs built / read from disk)."""
 
     def _blocks(self):
         """(global key, Block) for the blocks this rank owns."""

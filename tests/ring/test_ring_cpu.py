@@ -252,6 +252,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
         with Engine("tiny", ring=Ring(env=env, timeout_s=30), deferred_update=deferred,
                     **common) as eng:
             assert isinstance(eng, RingEngine) and eng.seqs_per_step == rows
+            assert "host_kernels" in eng.rank.warm_up_parts  # warmed up as the Engine is
             assert eng.rank.ex.deferred is deferred
             results = [eng.train_step(b) for b in data]
             assert eng.rank.ex.update_pending is deferred
