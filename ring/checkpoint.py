@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dataflow import checkpoint as ckpt
-from models.errors import ChecksumError, ConfigError
+from models.errors import ConfigError
 
 _LIST = "rank{rank}.files.json"
 """What rank `rank` wrote into the temporary directory; merged and removed by process 0."""
@@ -55,19 +55,20 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
             raise ConfigError(f"ring ranks disagree on the step to save ({step} here, {step0} "
                               "on process 0)")
         tmp = root / ckpt.temp_dir_name(step, pid, tag)
-        ok = 1.0
+        error = None  # this process's own failure: re-raised once every process knows
         if transport.replica == 0:
             try:
                 files, manifest = ckpt.write_block_files(rank, rank.block_refs(), tmp)
                 _write_list(tmp / _LIST.format(rank=transport.rank), files, manifest)
-            except (OSError, ConfigError) as exc:
-                ok, failure = 0.0, f"rank {transport.rank} could not write its blocks: {exc}"
-        written = transport.allgather(np.array([ok]))
-        if min(float(r[0]) for r in written) < 1.0:
-            bad = [i for i, r in enumerate(written) if float(r[0]) < 1.0]
-            raise ConfigError(failure or f"process(es) {bad} could not write their blocks "
-                              "(their errors say why); nothing was saved")
-        ok = 1.0
+            except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
+                error = exc
+        written = transport.allgather(np.array([0.0 if error else 1.0]))
+        if error is not None:
+            raise error
+        bad = [i for i, r in enumerate(written) if float(r[0]) < 1.0]
+        if bad:
+            raise ConfigError(f"process(es) {bad} could not write their blocks (their errors "
+                              "say why); nothing was saved")
         final = root / ckpt.step_dir_name(step)
         if leader:
             try:
@@ -77,12 +78,14 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
                 ckpt.seal(tmp, cfg, files, manifest, meta)
                 ckpt.move_into_place(tmp, final)
                 ckpt.finish(root, final, keep)
-            except (OSError, ConfigError) as exc:
-                ok, failure = 0.0, f"process 0 could not seal the checkpoint: {exc}"
-        sealed = transport.allgather(np.array([ok]))
+            except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
+                error = exc
+        sealed = transport.allgather(np.array([0.0 if error else 1.0]))
+        if error is not None:
+            raise error
         if float(sealed[0][0]) < 1.0:
-            raise ConfigError(failure or "process 0 could not seal the checkpoint (its error "
-                              "says why); nothing was saved")
+            raise ConfigError("process 0 could not complete the checkpoint (its error says "
+                              "why)")
         return final
     except BaseException:
         if leader and tmp is not None:
@@ -129,7 +132,7 @@ def load_ring_checkpoint(rank, transport, cfg, path, *, verify: bool = True,
         todo = ckpt.block_entries(path, meta, rank, rank.block_refs())
         if verify:
             ckpt.verify_files(path, {"files": [entry for _, _, entry in todo]})
-    except (ConfigError, ChecksumError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
         problem = exc
     rows = transport.allgather(np.array([0.0 if problem else 1.0]))
     if problem is not None:

@@ -187,3 +187,37 @@ def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
     assert main(args + ["--resume", "--out", str(tmp_path / "b")]) == 0
     again = json.loads((tmp_path / "b" / "rank0.json").read_text())["losses"]
     assert again == first[2:]
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothing(
+        tmp_path, rng, monkeypatch):
+    """Rank 1's block files fail to write (a full disk): rank 1 raises its own OSError, rank 0
+    a ConfigError naming process 1; no checkpoint and no temporary directory remain, and the
+    next save succeeds."""
+    from dataflow import checkpoint as ckpt
+
+    real = ckpt.write_block_files
+
+    def full_disk(eng, refs, directory):
+        if eng.rp.rank == 1 and not getattr(full_disk, "healed", False):
+            raise OSError(28, "No space left on device")
+        return real(eng, refs, directory)
+
+    monkeypatch.setattr(ckpt, "write_block_files", full_disk)
+    data = rng.integers(0, CFG.vocab_size, (8, 65), dtype=np.int32)
+
+    def save(eng):
+        eng.train_step(data)
+        try:
+            eng.save_checkpoint(tmp_path)
+        except (OSError, ConfigError) as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    (kind0, msg0), (kind1, msg1) = _ring(2, save)
+    assert kind1 == "OSError" and "No space" in msg1
+    assert kind0 == "ConfigError" and "process(es) [1]" in msg0
+    assert list_checkpoints(tmp_path) == [] and not list(tmp_path.iterdir())
+    full_disk.healed = True
+    paths = _ring(2, lambda eng: (eng.train_step(data), eng.save_checkpoint(tmp_path))[1])
+    assert list_checkpoints(tmp_path) == [paths[0]]
