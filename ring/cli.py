@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weights", action="store_true",
                    help="with --out, leave out rank<r>.npz (a large model's weights are tens of "
                         "GB per rank)")
+    p.add_argument("--eval-seqs", type=positive(int), default=0, metavar="N",
+                   help="after the last step, the forward-only loss of the N sequences that "
+                        "follow the run's training data (RingEngine.eval_step's evaluation)")
     p.add_argument("--checkpoint-dir", metavar="D", default="",
                    help="directory of checkpoints (step_NNNNNNNN/), one that every rank sees; "
                         "the Engine's format, so one device or a ring of another size resumes "
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                   transport=args.transport if args.transport != "auto" else
                   "nccl" if args.backend == "cupy" else "shm",
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
+                  eval_seqs=args.eval_seqs,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
@@ -171,6 +175,8 @@ def run_job(job, env, n: int, *, as_json: bool, prog: str, keep_out: bool = True
         tok_s = info["tokens_per_step"] / (sum(times) / len(times))
         speed = f"; {tok_s:,.0f} tok/s (mean of steps after the first), loss " \
                 f"{info['losses'][-1]:.4f}"
+    if info and info.get("eval_loss") is not None:
+        speed += f"; eval loss {info['eval_loss']:.4f}"
     print(f"{prog}: {shape} {'finished' if ok else 'FAILED'} in {res.wall_s:.1f} s; exit codes "
           f"{list(res.exit_codes)}" + ("" if ok else f"; rank {res.first_failure} failed first")
           + (speed if ok else ""), file=sys.stderr)
@@ -179,7 +185,8 @@ def run_job(job, env, n: int, *, as_json: bool, prog: str, keep_out: bool = True
                "wall_s": res.wall_s, "first_failure": res.first_failure,
                "losses": info["losses"] if info else None,
                "step_times_s": info["step_times_s"] if info else None,
-               "tokens_per_step": info["tokens_per_step"] if info else None}
+               "tokens_per_step": info["tokens_per_step"] if info else None,
+               "eval_loss": info.get("eval_loss") if info else None}
         print(json.dumps(doc))
     return 0 if ok else 1
 

@@ -171,7 +171,8 @@ def test_a_damaged_block_file_is_refused_by_every_rank_and_nothing_loads(tmp_pat
 def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
     """`dataflow-ring --gpus 2 ... --steps 4 --checkpoint-dir D --save-every 2` saves at steps 2
     and 4; with step 4's checkpoint removed, `--resume --steps 4` continues from step 2 on the
-    shipped text's next batches and its steps 3-4 give the first run's losses exactly."""
+    shipped text's next batches and its steps 3-4 give the first run's losses exactly (and,
+    with --eval-seqs, an evaluation loss after them)."""
     import json
     import shutil
 
@@ -184,9 +185,10 @@ def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
     first = json.loads((tmp_path / "a" / "rank0.json").read_text())["losses"]
     assert [p.name for p in list_checkpoints(ck)] == ["step_00000002", "step_00000004"]
     shutil.rmtree(ck / "step_00000004")
-    assert main(args + ["--resume", "--out", str(tmp_path / "b")]) == 0
-    again = json.loads((tmp_path / "b" / "rank0.json").read_text())["losses"]
-    assert again == first[2:]
+    assert main(args + ["--resume", "--out", str(tmp_path / "b"), "--eval-seqs", "2"]) == 0
+    again = json.loads((tmp_path / "b" / "rank0.json").read_text())
+    assert again["losses"] == first[2:]
+    assert np.isfinite(again["eval_loss"])  # --eval-seqs: the loss after the last step
 
 
 def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothing(
