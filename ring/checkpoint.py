@@ -62,13 +62,8 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
                 _write_list(tmp / _LIST.format(rank=transport.rank), files, manifest)
             except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
                 error = exc
-        written = transport.allgather(np.array([0.0 if error else 1.0]))
-        if error is not None:
-            raise error
-        bad = [i for i, r in enumerate(written) if float(r[0]) < 1.0]
-        if bad:
-            raise ConfigError(f"process(es) {bad} could not write their blocks (their errors "
-                              "say why); nothing was saved")
+        _agree(transport, error, "could not write their blocks (their errors say why); nothing "
+               "was saved")
         final = root / ckpt.step_dir_name(step)
         if leader:
             try:
@@ -80,17 +75,23 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
                 ckpt.finish(root, final, keep)
             except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
                 error = exc
-        sealed = transport.allgather(np.array([0.0 if error else 1.0]))
-        if error is not None:
-            raise error
-        if float(sealed[0][0]) < 1.0:
-            raise ConfigError("process 0 could not complete the checkpoint (its error says "
-                              "why)")
+        _agree(transport, error, "could not complete the checkpoint (its error says why)")
         return final
     except BaseException:
         if leader and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _agree(transport, error: BaseException | None, what: str) -> None:
+    """Collective: tell every process whether this one failed; re-raise this process's own
+    `error`, else raise ConfigError naming the processes that failed ("process(es) [1] `what`")."""
+    rows = transport.allgather(np.array([0.0 if error is not None else 1.0]))
+    if error is not None:
+        raise error
+    bad = [i for i, r in enumerate(rows) if float(r[0]) < 1.0]
+    if bad:
+        raise ConfigError(f"process(es) {bad} {what}")
 
 
 def _write_list(path: Path, files: list[dict], manifest: list[dict]) -> None:
@@ -134,11 +135,6 @@ def load_ring_checkpoint(rank, transport, cfg, path, *, verify: bool = True,
             ckpt.verify_files(path, {"files": [entry for _, _, entry in todo]})
     except Exception as exc:  # noqa: BLE001 - told to the others, then re-raised
         problem = exc
-    rows = transport.allgather(np.array([0.0 if problem else 1.0]))
-    if problem is not None:
-        raise problem
-    bad = [i for i, r in enumerate(rows) if float(r[0]) < 1.0]
-    if bad:
-        raise ConfigError(f"process(es) {bad} refused checkpoint {path} (their errors say why); "
-                          "no rank loaded anything")
+    _agree(transport, problem, f"refused checkpoint {path} (their errors say why); no rank "
+           "loaded anything")
     return ckpt.apply(rank, path, meta, todo, adopt, rank.rp.plan.hash)
