@@ -223,3 +223,19 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_nothin
     full_disk.healed = True
     paths = _ring(2, lambda eng: (eng.train_step(data), eng.save_checkpoint(tmp_path))[1])
     assert list_checkpoints(tmp_path) == [paths[0]]
+
+
+def test_the_demo_on_a_ring_saves_checkpoints_one_device_can_resume(tmp_path, monkeypatch):
+    """`dataflow-demo ... --gpus 2 --checkpoint-dir D --save-every 1` saves a checkpoint after
+    each step, and an Engine on one device loads the newest (its own optimizer settings, so
+    allow_changes)."""
+    from bench.demo import main
+
+    for var in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    ck = tmp_path / "ck"
+    args = ["1", "0.25", "64", "tiny", "--backend", "numpy", "--checkpoint-dir", str(ck)]
+    assert main(args + ["--gpus", "2", "--steps", "2", "--save-every", "1"]) == 0
+    assert [p.name for p in list_checkpoints(ck)] == ["step_00000001", "step_00000002"]
+    with Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=64, backend="numpy", lr=3e-4) as eng:
+        assert eng.load_checkpoint(ck, allow_changes=True).step == 2
