@@ -21,7 +21,8 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
-    from ring.cli import check_checkpoint_flags, ring_processes, run_job
+    from memplan.cli_args import check_checkpoint_flags
+    from ring.cli import ring_processes, run_job
     from ring.worker import RingJob
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()

@@ -99,11 +99,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(args) -> None:
     """Refuse combinations argparse cannot see (raised as ConfigError: exit 2)."""
-    if (args.save_every or args.resume) and not args.checkpoint_dir:
-        raise ConfigError("--save-every and --resume need --checkpoint-dir D")
-    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() \
-            and not Path(args.checkpoint_dir).is_dir():
-        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is a file; pass a directory")
+    from memplan.cli_args import check_checkpoint_flags
+
+    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
     if args.data is not None and not Path(args.data).exists():
         raise ConfigError(f"--data {args.data} does not exist; pass a text, .npy, .bin or "
                           ".parquet file")

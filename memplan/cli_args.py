@@ -1,6 +1,7 @@
 """Argument parsing shared by the command lines (dataflow-plan, dataflow-ring, dataflow-sweep): a
-parser whose errors are one line (the caller prints it and exits 2, no usage dump) and a
-positive-number argument type, and the parse step every main() shares. Pure Python; never imports array libraries."""
+parser whose errors are one line (the caller prints it and exits 2, no usage dump), a
+positive-number argument type, the parse step every main() shares and the checkpoint flags'
+checks. Pure Python; never imports array libraries."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def print_report(text: str) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return SIGPIPE_EXIT
     return 0
+
+
+def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool) -> None:
+    """Refuse checkpoint flags that cannot work (ConfigError, one line): the same for
+    dataflow-demo (one GPU or a ring) and dataflow-ring."""
+    from models.errors import ConfigError
+
+    if (save_every or resume) and not checkpoint_dir:
+        raise ConfigError("--save-every and --resume need --checkpoint-dir D")
+    if keep < 0:
+        raise ConfigError(f"--keep {keep} is negative; give 0 (keep all) or more")
+    if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {checkpoint_dir} is a file; pass a directory")

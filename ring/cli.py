@@ -14,7 +14,8 @@ import shutil
 import sys
 import tempfile
 
-from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
+from memplan.cli_args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
+                               positive)
 from models.errors import ConfigError
 
 PROG = "dataflow-ring"
@@ -115,16 +116,6 @@ def main(argv: list[str] | None = None) -> int:
                   keep=args.keep, resume=args.resume,
                   constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
-
-
-def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool) -> None:
-    """Refuse checkpoint flags that cannot work (ConfigError, one line)."""
-    if (save_every or resume) and not checkpoint_dir:
-        raise ConfigError("--save-every and --resume need --checkpoint-dir D")
-    if keep < 0:
-        raise ConfigError(f"--keep {keep} is negative; give 0 (keep all) or more")
-    if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-        raise ConfigError(f"--checkpoint-dir {checkpoint_dir} is a file; pass a directory")
 
 
 def ring_processes(model: str, gpus: int | None, replicas: int):
