@@ -390,12 +390,15 @@ class Executor:
     def _refwd(self, ev: Compute) -> None:
         """A segment's recompute of one layer on one chunk: the forward's own kernels, from the
         boundary's saved input (`src`) or from rows of x first kept into `save`, so its output
-        may overwrite those rows and what it keeps is bit-identical to a forward's."""
+        may overwrite those rows and what it keeps is bit-identical to a forward's. A boundary
+        that kept its attention output (INP_ATTN, FULL) skips the attention: memplan.cost
+        charges that re-run as refwd_kept_s."""
         chunk = self._round_chunks[ev.round][ev.chunk]
         rows, tr = chunk.rows, self.tr
-        save = None
+        save = attn_out = None
         if ev.src is not None:
-            x = self._save_views(ev.src, ev.layer, ev.chunk)["x"]
+            kept = self._save_views(ev.src, ev.layer, ev.chunk)
+            x, attn_out = kept["x"], kept.get("o")  # a boundary that kept its attention output
         else:
             save = self._save_views(ev.save, ev.layer, ev.chunk)
             self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"],
@@ -403,7 +406,8 @@ class Executor:
             x = save["x"]
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
                              tr["positions"][rows], chunk, save,
-                             self.plan.activations[ev.layer][ev.chunk].level, input_saved=True)
+                             self.plan.activations[ev.layer][ev.chunk].level, input_saved=True,
+                             attn_out=attn_out)
 
     def _head(self, ev: Compute) -> None:
         """Final norm, lm_head and loss of every chunk of the round; for 'head' also their

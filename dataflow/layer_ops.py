@@ -65,13 +65,35 @@ class LayerCompute:
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, tag: str, w: dict, x, out, pos, chunk: ChunkInfo, save: dict,
-                level: SavedLevel, input_saved: bool = False) -> None:
+                level: SavedLevel, input_saved: bool = False, attn_out=None) -> None:
         """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`,
         or keeps nothing when `save` is None (evaluation). `input_saved`: x already is
-        save["x"] (a segment recompute, whose output may overwrite the rows x came from)."""
+        save["x"] (a segment recompute, whose output may overwrite the rows x came from).
+        `attn_out`: this chunk's attention output as the forward formed it (a segment
+        boundary's saved "o", with `save` None): Q and the attention are skipped (K/V too
+        unless the chunk is one of a split sequence, whose later chunks attend to them); the
+        rest is the same kernels on the same values, so the same bits."""
         self.tag = tag
         cfg, op = self.cfg, self._op
         t, h, e = x.shape[0], cfg.n_heads, cfg.head_dim
+        if attn_out is not None:
+            if save is not None:
+                raise ValueError("a forward from a saved attention output keeps nothing")
+            hres = self.ws["h"][:t]
+            if chunk.split:  # later chunks of the sequence may attend to this one's K/V
+                k, v = self._kv(chunk, t, None)
+                xn = self.ws["xn"][:t]
+                op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn,
+                   self.ws["rstd"][:t], hres)
+                op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
+                op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+                op("rope_fwd", k, pos, rope_table(cfg), k)
+            else:
+                op("cast", x, hres)
+            op("linear_fwd", attn_out.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+            self._ffn_fwd(w, hres, tag="", copy=out)
+            op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
+            return
         # Tensors the level keeps are formed in the saved region itself, not copied there after:
         # the copies were 9 to 13 device copies per (layer, chunk), 4.5 % of a 1b step.
         ws = self._forming(save, t)

@@ -101,6 +101,15 @@ class ChunkCosts:
     flash_flops: float
     fwd_flops: float = 0.0
     """Forward FLOPs (GEMMs and attention): what a segment recompute repeats per layer."""
+    refwd_kept_s: float = 0.0
+    refwd_kept_flops: float = 0.0
+    """A segment boundary's re-run from the attention output it kept (KEEPS_ATTN_OUT): the
+    O projection and the FFN (and K/V of a split sequence), no Q projection or attention."""
+
+
+KEEPS_ATTN_OUT = (SavedLevel.INP_ATTN, SavedLevel.FULL)
+"""Levels whose saved activation holds the attention output, so a segment's re-run of that
+boundary skips the attention (dataflow.layer_ops.LayerCompute.forward's attn_out)."""
 
 
 LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 2}
@@ -135,6 +144,8 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     hbm = p.device_mem_bytes_per_s
     ew_s = elementwise_fwd_bytes(cfg, t) / hbm
     mm = layer_matmul_flops(cfg, t)
+    # O-proj and FFN; K and V too for a split sequence (its later chunks attend to them)
+    mm_kept = mm - 2 * t * cfg.model_dim * (cfg.q_dim + 2 * cfg.kv_dim * (ch.chunks_per_seq == 1))
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
     out = []
     for c in range(ch.chunks_per_round):
@@ -154,7 +165,8 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         rec_a = (rec_attn / gemm + ew_s) * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(0.0, rec_a, rec_a + a_fwd_s * over),
                               rec_flops=(0.0, rec_attn, rec_attn + a_fwd), flash_flops=flash,
-                              fwd_flops=mm + a_fwd))
+                              fwd_flops=mm + a_fwd, refwd_kept_s=(mm_kept / gemm + ew_s) * over,
+                              refwd_kept_flops=mm_kept))
     return tuple(out)
 
 
@@ -167,12 +179,14 @@ def kv_rebuild_cost(cfg: ModelConfig, tokens: int, p: HardwareProfile) -> tuple[
     return (flops / gemm + moved / p.device_mem_bytes_per_s) * (1.0 + LAUNCH_OVERHEAD_FRAC), flops
 
 
-def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int,
-                      k: int) -> tuple[list[float], float]:
+def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int, k: int,
+                      boundary_level=None) -> tuple[list[float], float]:
     """Layer-segment recompute (memplan/segments.py): (seconds added to each layer's backward
     window, FLOPs per round). A segment of m >= 2 layers re-runs all m layers' forward over
     every chunk before the backward of its top layer; hardware FLOPs, so HFU counts them and
-    MFU does not."""
+    MFU does not. `boundary_level(layer, chunk)`: the level a boundary kept; where it keeps
+    the attention output, the boundary's re-run is refwd_kept_s. Without it, every re-run is
+    a whole forward (memplan.space takes the boundaries' share off per level)."""
     per_layer_s = [0.0] * n_layers
     fwd_s, fwd_flops = sum(c.fwd_s for c in costs), sum(c.fwd_flops for c in costs)
     flops = 0.0
@@ -180,6 +194,11 @@ def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int,
         if end - first >= 2:
             per_layer_s[end - 1] = (end - first) * fwd_s
             flops += (end - first) * fwd_flops
+            if boundary_level is not None:
+                for c, cc in enumerate(costs):
+                    if boundary_level(first, c) in KEEPS_ATTN_OUT:
+                        per_layer_s[end - 1] -= cc.fwd_s - cc.refwd_kept_s
+                        flops -= cc.fwd_flops - cc.refwd_kept_flops
     return per_layer_s, flops
 
 
@@ -196,7 +215,8 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     bwd0 = sum(c.bwd_s for c in costs)
     bwd_s, act_count, act_bytes = [], [], []
     rec_s = rec_flops = 0.0
-    seg_s, seg_flops = segment_recompute(costs, cfg.n_layers, d.segment_layers)
+    seg_s, seg_flops = segment_recompute(costs, cfg.n_layers, d.segment_layers,
+                                         lambda layer, c: d.activations[layer][c].level)
     rec_flops += seg_flops
     rebuilt = kv_rebuilt(d)
     kv_s, kv_flops = kv_rebuild_cost(cfg, ch.chunk_tokens, p)
@@ -352,6 +372,9 @@ def event_seconds(plan, p: HardwareProfile):
     def seconds(ev) -> float:
         kind = type(ev).__name__
         if kind == "Compute":
+            if ev.op == "layer_refwd" and ev.src is not None and \
+                    d.activations[ev.layer][ev.chunk].level in KEEPS_ATTN_OUT:
+                return costs[ev.chunk].refwd_kept_s  # a boundary that kept its attention
             if ev.op in ("layer_fwd", "layer_refwd"):  # a segment's recompute: a forward
                 return costs[ev.chunk].fwd_s
             if ev.op == "layer_bwd":

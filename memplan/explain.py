@@ -172,7 +172,8 @@ def _act_reason(plan: Plan) -> str:
     if plan.segment_layers > 1:
         out += ("; no plan without layer segments fits these budgets (or one predicts less), "
                 "so each segment re-runs its forward before its backward (one more forward of "
-                "every layer: HFU counts it, MFU not)")
+                "every layer, without attention for a boundary that kept its output: HFU counts "
+                "it, MFU not)")
     if plan.kv_rebuild:
         out += ("; K/V are re-formed from each chunk's saved input before its layer's backward "
                 "(the K and V projections again, and its input over PCIe once more) instead of "

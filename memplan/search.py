@@ -23,6 +23,7 @@ from memplan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, Optim
 from memplan.segments import finish_segment_plan
 from models.config import ModelConfig
 from models.errors import ConfigError
+from models.flops import SavedLevel
 
 __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONSTRAINTS",
            "BATCH_CONSTRAINTS", "batch_chunkings", "global_batch"]
@@ -104,14 +105,19 @@ def _table(cfg, seqlen, profile, grad_accum, constraints, *, segments: bool = Fa
     return make(cfg, seqlen, profile, grad_accum, _options(cfg, constraints))
 
 
+def _KEEPS_ATTN(layer: int, chunk: int) -> SavedLevel:
+    """Every boundary at INP_ATTN: its re-run the cheapest (a floor must not overcount)."""
+    return SavedLevel.INP_ATTN
+
+
 def _segment_floor(table: Table) -> float:
     """No segment plan of this request predicts fewer seconds per token: every one adds a
     forward of each layer in a segment of two or more to the plain compute (search.py asks
     for the segment candidates only when the best plain plan is slower than this)."""
     floors = []
     for sp in table.spaces:
-        extra = min((sum(segment_recompute(sp.costs, sp.L, k)[0]) for k in range(2, sp.L + 1)),
-                    default=float("inf"))
+        extra = min((sum(segment_recompute(sp.costs, sp.L, k, _KEEPS_ATTN)[0])
+                     for k in range(2, sp.L + 1)), default=float("inf"))
         floors.append((sp.compute_round_s + extra) / sp.ch.tokens_per_round)
     return min(floors, default=float("inf"))
 

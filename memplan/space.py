@@ -11,7 +11,7 @@ import functools
 
 from memplan import buffers
 from memplan.chunking import head_sub_tokens
-from memplan.cost import (LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, head_seconds,
+from memplan.cost import (KEEPS_ATTN_OUT, LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, head_seconds,
                           kv_rebuild_cost, make_workload, segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
@@ -148,8 +148,29 @@ class Space:
         x_b = t * cfg.model_dim * 2 if kv_rebuild else 0
         self.class_extra_b = tuple(x_b if where is Where.HOME and lv in REBUILT_KV_LEVELS
                                    else 0 for where, lv in ACT_CLASSES)
-        self.min_rec_s = tuple(min(r[LEVEL_INDEX[lv]] for r in rec_s) for _, lv in ACT_CLASSES)
         self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
+        # A boundary of a segment of two or more layers that keeps its attention output is
+        # re-run without attention: seg_s charges a whole forward to the segment's top layer,
+        # which gets the difference back per boundary chunk at such a level (prefix sums by
+        # level index; zero for INP_ONLY).
+        self.top_of = {first: end - 1 for first, end in segment_bounds(self.L, self.k)
+                       if end - first >= 2}
+        self.rerun_pre = [[0.0] for _ in range(3)]
+        self.rerunf_pre = [[0.0] for _ in range(3)]
+        for cc in self.costs:
+            for i, lv in enumerate((SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY)):
+                kept = lv in KEEPS_ATTN_OUT
+                self.rerun_pre[i].append(self.rerun_pre[i][-1]
+                                         + kept * (cc.fwd_s - cc.refwd_kept_s))
+                self.rerunf_pre[i].append(self.rerunf_pre[i][-1]
+                                          + kept * (cc.fwd_flops - cc.refwd_kept_flops))
+        rerun = bool(self.top_of)
+        self.min_rec_s = tuple(
+            min(r[LEVEL_INDEX[lv]] - rerun * (self.rerun_pre[LEVEL_INDEX[lv]][c + 1]
+                                              - self.rerun_pre[LEVEL_INDEX[lv]][c])
+                for c, r in enumerate(rec_s)) for _, lv in ACT_CLASSES)
+        """Per class, the least recompute of one of its items (a boundary's re-run saving
+        counted off: a bound)."""
         inner_level = ACT_CLASSES[inner_class][1]
         self.inner_rec_s = (self.L - self.n_kept) * (
             self.rec_pre[LEVEL_INDEX[inner_level]][-1]) + sum(self.seg_s)
@@ -250,13 +271,21 @@ class Space:
         bounds = self._bounds(s)
         bwd_s, act_count, act_bytes = [], [], []
         rec_s, rec_f = 0.0, self.seg_flops
+        saved = {}  # segment top layer -> re-run (seconds, FLOPs) its boundary saves
         for layer in range(self.L):
             r, rf = self.seg_s[layer], 0.0
+            r_off, rf_off = saved.pop(layer, (0.0, 0.0))
+            r, rf = r - r_off, rf - rf_off
             k = b = 0
+            top = self.top_of.get(layer)
             for cls, c0, c1 in self._layer_classes(layer, bounds):
                 li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
                 r += self.rec_pre[li][c1] - self.rec_pre[li][c0]
                 rf += self.recf_pre[li][c1] - self.recf_pre[li][c0]
+                if top is not None:
+                    a, af = saved.get(top, (0.0, 0.0))
+                    saved[top] = (a + self.rerun_pre[li][c1] - self.rerun_pre[li][c0],
+                                  af + self.rerunf_pre[li][c1] - self.rerunf_pre[li][c0])
                 if cls >= 3:
                     k += c1 - c0
                     b += (c1 - c0) * (self.act_size[cls] + self.class_extra_b[cls])

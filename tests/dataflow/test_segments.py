@@ -6,6 +6,7 @@ the reference trainer; the arenas are exactly the budgets."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -161,3 +162,33 @@ def test_shared_boundary_kv_is_ordered_and_bit_identical_with_two_sequences_a_ro
         assert losses == want_losses, seed
         for a, b in zip(_blocks(weights), _blocks(want)):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), seed
+
+
+def test_a_boundary_that_kept_its_attention_output_is_re_run_without_attention():
+    """The split k = 2 plan's boundaries (layers 0 and 2) keep chunks 1 and 2 at INP_ATTN and
+    FULL: their re-run launches no attention and no Q projection but still forms K/V (chunk 3,
+    at INP_ONLY, attends to them); chunks 0 and 3 and the inner layers run the whole forward.
+    (Their bits: test_segment_plans_are_bit_identical_to_the_plan_without_segments.)"""
+    from dataflow.engine import Engine
+    from tests.dataflow.test_executor import _batches
+
+    plan = _exact(_plans()["split"], 2)
+    eng = Engine.from_plan(plan, backend="numpy", seed=0)
+    names, launch = [], eng.be.launch
+
+    def recording(stream, op, *args, name=None, **kw):
+        names.append(name)
+        return launch(stream, op, *args, name=name, **kw)
+
+    eng.be.launch = recording
+    with eng:
+        eng.train_step(_batches(plan)[0])
+    count = collections.Counter(names)
+    for layer in range(N_LAYERS):
+        for c, a in enumerate(plan.activations[layer]):
+            tag = f"b.L{layer}.c{c}.seg"
+            kept = layer % 2 == 0 and a.level in (SavedLevel.INP_ATTN, SavedLevel.FULL)
+            assert count[f"{tag}.attention_fwd"] == (not kept), (layer, c)
+            # Q, K, V, O, gate, up, down; without Q when kept. RoPE on Q and K; on K when kept.
+            assert count[f"{tag}.linear_fwd"] == 7 - kept, (layer, c)
+            assert count[f"{tag}.rope_fwd"] == 2 - kept, (layer, c)
