@@ -25,12 +25,18 @@ class Progress:
         self.done = 0
         self.info_text = ""
         self._t0 = time.perf_counter()
+        self._first = None
+        """(time, units done) after the first update: the ETA's rate is taken from there on, so
+        work before the first unit ends (an engine's setup before its weights) never inflates
+        it; the first line has no ETA."""
         self._last_line = None
         self._drawn = False
 
     def update(self, n: int = 1, info: str = "") -> None:
         """Count `n` more units done; `info` is shown beside the count."""
         self.done = min(self.total, self.done + n)
+        if self._first is None:
+            self._first = (time.perf_counter(), self.done)
         self.info_text = info or self.info_text
         if self.tty:
             self._draw()
@@ -43,12 +49,13 @@ class Progress:
             self.stream.flush()
 
     def _text(self) -> str:
-        elapsed = time.perf_counter() - self._t0
+        now = time.perf_counter()
+        elapsed = now - self._t0
         frac = self.done / self.total
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
         head = f"{self.label}: {self.done}/{self.total} ({frac:.0%}) {elapsed:.1f} s"
-        if self.done < self.total and self.done:
-            head += f", eta {eta:.0f} s"
+        t1, d1 = self._first or (now, self.done)
+        if d1 < self.done < self.total and now > t1:
+            head += f", eta {(now - t1) / (self.done - d1) * (self.total - self.done):.0f} s"
         return head + (f"  {self.info_text}" if self.info_text else "")
 
     def _draw(self) -> None:

@@ -54,3 +54,23 @@ def test_step_watch_writes_nothing_for_a_short_step():
                    interval_s=10.0):
         pass
     assert lines == []
+
+
+def test_progress_eta_is_taken_from_the_rate_after_the_first_unit(monkeypatch):
+    """A slow start (setup before the first unit: 26.5 s of an 8b engine) does not make the
+    ETA extrapolate it: after units taking 1 s each, the ETA is 1 s a unit left."""
+    import io
+
+    from dataflow import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    bar = progress.Progress(34, "init 8b", stream=out, interval_s=0.0)
+    now[0] += 26.5
+    bar.update()
+    assert "eta" not in out.getvalue().splitlines()[-1]
+    for _ in range(3):
+        now[0] += 1.0
+        bar.update()
+    assert out.getvalue().splitlines()[-1] == "init 8b: 4/34 (12%) 29.5 s, eta 30 s"
