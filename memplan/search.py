@@ -381,6 +381,8 @@ def _infeasible(cfg, seqlen, budget: Budget, tables: tuple[Table, Table],
         why = (f"the smallest plan needs device {size_text(mb.device_bytes)} "
                f"({categories_text(mem.device)})")
         way = f"try dev_gb {mb.device_gib}"
+        if mb.host_bytes > budget.host_bytes:  # that plan's host does not fit either
+            way += f" with host_gb {mb.host_gib}"
     k = t.spaces[closest.space].k
     if k > 1:
         why += f", recomputing segments of {k} layers"

@@ -100,3 +100,13 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and err == b""
+
+
+def test_refusal_below_both_budgets_names_both(capsys):
+    """8b at 8192 on 1/1 GiB: no device budget of 1 GiB works and the host is short too, so the
+    way out names both ('try dev_gb 9.8' alone pointed at a budget pair that still fails)."""
+    code = main(["1", "1", "8192", "8b"])
+    err = capsys.readouterr().err
+    assert code == 2
+    way = err.split("; try ", 1)[1]
+    assert way.startswith("dev_gb ") and " with host_gb " in way.split(";")[0], err
