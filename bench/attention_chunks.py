@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     rec = {"bench": "attention_chunks", "device": dev.decode() if isinstance(dev, bytes) else dev,
            "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "config": {"model": a.model, "seqlen": s, "reps": a.reps}, "rows": rows}
-    print(f"{a.model} at {s:,} tokens: one sequence's attention, estimated from the positions timed")
+    print(f"{a.model} at {s:,} tokens: one sequence's attention, estimated from the positions "
+          "timed")
     print(f"{'chunk':>7} {'key block':>9} {'fwd s':>8} {'TFLOP/s':>8} {'bwd s':>8} {'TFLOP/s':>8}"
           "  bwd TFLOP/s per position")
     for r in rows:

@@ -95,7 +95,8 @@ class Compute:
     """One unit of model work on the compute stream. op: 'embed_fwd' / 'embed_bwd' (device
     table), 'layer_fwd' / 'layer_bwd' (one layer on one chunk; a forward with no `save` keeps
     nothing, as in evaluation), 'layer_refwd' (a segment's recompute in the backward: the
-    same forward, reading its input from the saved activation `src` (the segment's boundary)
+    same forward, reading its input from the saved activation `src` (the segment's boundary,
+    whose kept attention output, if its level has one, spares the Q projection and attention)
     or from the rows of x, keeping that input and what its level says in `save`, writing its
     output over the rows of y, which may be x), 'head' (final norm, lm_head and loss of one round, all chunks,
     forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a

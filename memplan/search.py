@@ -105,18 +105,19 @@ def _table(cfg, seqlen, profile, grad_accum, constraints, *, segments: bool = Fa
     return make(cfg, seqlen, profile, grad_accum, _options(cfg, constraints))
 
 
-def _KEEPS_ATTN(layer: int, chunk: int) -> SavedLevel:
+def _boundary_keeps_attention(layer: int, chunk: int) -> SavedLevel:
     """Every boundary at INP_ATTN: its re-run the cheapest (a floor must not overcount)."""
     return SavedLevel.INP_ATTN
 
 
 def _segment_floor(table: Table) -> float:
     """No segment plan of this request predicts fewer seconds per token: every one adds a
-    forward of each layer in a segment of two or more to the plain compute (search.py asks
-    for the segment candidates only when the best plain plan is slower than this)."""
+    forward of each layer in a segment of two or more to the plain compute, a boundary's
+    without attention at best (search.py asks for the segment candidates only when the best
+    plain plan is slower than this)."""
     floors = []
     for sp in table.spaces:
-        extra = min((sum(segment_recompute(sp.costs, sp.L, k, _KEEPS_ATTN)[0])
+        extra = min((sum(segment_recompute(sp.costs, sp.L, k, _boundary_keeps_attention)[0])
                      for k in range(2, sp.L + 1)), default=float("inf"))
         floors.append((sp.compute_round_s + extra) / sp.ch.tokens_per_round)
     return min(floors, default=float("inf"))
@@ -381,8 +382,10 @@ def _infeasible(cfg, seqlen, budget: Budget, tables: tuple[Table, Table],
         why = (f"the smallest plan needs device {size_text(mb.device_bytes)} "
                f"({categories_text(mem.device)})")
         way = f"try dev_gb {mb.device_gib}"
-        if mb.host_bytes > budget.host_bytes:  # that plan's host does not fit either
-            way += f" with host_gb {mb.host_gib}"
+        # at that (rounded-up) device budget, the least host a plan needs may still be more
+        host_there = _host_within(tables, Budget.from_gib(1.0, mb.device_gib).device_bytes)
+        if host_there is not None and host_there > budget.host_bytes:
+            way += f" with host_gb {gib_up(host_there)}"
     k = t.spaces[closest.space].k
     if k > 1:
         why += f", recomputing segments of {k} layers"

@@ -11,8 +11,8 @@ import functools
 
 from memplan import buffers
 from memplan.chunking import head_sub_tokens
-from memplan.cost import (KEEPS_ATTN_OUT, LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs, head_seconds,
-                          kv_rebuild_cost, make_workload, segment_recompute)
+from memplan.cost import (KEEPS_ATTN_OUT, LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs,
+                          head_seconds, kv_rebuild_cost, make_workload, segment_recompute)
 from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
                              row_parts)

@@ -110,3 +110,20 @@ def test_refusal_below_both_budgets_names_both(capsys):
     assert code == 2
     way = err.split("; try ", 1)[1]
     assert way.startswith("dev_gb ") and " with host_gb " in way.split(";")[0], err
+
+
+def test_refusal_just_below_the_minimum_suggests_one_consistent_pair():
+    """Budgets a byte under the smallest pair: the rounded-up device budget already works with
+    this host, so the way out names no host and no second, contradicting device figure."""
+    from memplan.errors import InfeasibleBudget
+    from memplan.plan import Budget
+    from memplan.search import make_plan, minimum_budgets
+    from models.config import load_config
+
+    cfg, prof = load_config("tiny"), get_profile("h100")
+    mb = minimum_budgets(cfg, 256, prof)
+    with pytest.raises(InfeasibleBudget) as exc:
+        make_plan(cfg, 256, Budget(host_bytes=mb.host_bytes - 1,
+                                   device_bytes=mb.device_bytes - 1), prof)
+    way = str(exc.value).split("; try ", 1)[1]
+    assert way.startswith(f"dev_gb {mb.device_gib};"), way
