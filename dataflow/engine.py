@@ -19,12 +19,12 @@ from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
 from kernels.host.memory import zero_fill
+from memplan.cost import workload_of
 from memplan.plan import Budget, Plan
 from models.config import ModelConfig
 from models.hf import is_hf_dir, model_config
 from models.errors import ConfigError, NonFiniteError, StepFailedError
-from models.flops import (flash_recompute_flops, level_recompute_flops, model_flops_per_seq,
-                          FLOP_MODEL_VERSION)
+from models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
 from models.layout import BlockKind
 
 
@@ -535,14 +535,9 @@ class Engine:
     def _result(self, stats, lr: float, loss_tokens: int) -> StepResult:
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
         model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
-        extra = 0.0
-        for layer in range(cfg.n_layers):
-            for c in range(ch.chunks_per_round):
-                ctxt = ch.chunk_context(c)
-                for _ in range(ch.seqs_per_chunk):
-                    n = min(ch.chunk_tokens, ch.seqlen)
-                    extra += flash_recompute_flops(cfg, n, ctxt) + level_recompute_flops(
-                        cfg, plan.activations[layer][c].level, n, ctxt)
+        # The hardware FLOPs the prediction counts (recompute by level, attention score
+        # recompute, segment re-runs, K/V re-forming): the same count, so HFU compares.
+        extra = workload_of(plan, plan.profile).extra_flops
         hw_flops = model_flops + extra * ch.rounds_per_step
         t = max(stats.step_time_s, 1e-12)
         peak = plan.profile.peak_bf16_flop_per_s
