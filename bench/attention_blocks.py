@@ -23,6 +23,54 @@ def _commit() -> str:
         return "unknown"
 
 
+def chunk_positions(n_chunks: int, count: int) -> list[int]:
+    """`count` chunk indices spread evenly from the first chunk to the last."""
+    return sorted({round(i * (n_chunks - 1) / max(1, count - 1)) for i in range(count)})
+
+
+def seconds_per_call(call, reps: int) -> float:
+    """GPU seconds of one `call()` (after one untimed call), averaged over `reps` by CUDA
+    events."""
+    import cupy as cp
+
+    call()
+    cp.cuda.Device().synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        call()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
+
+
+def bf16_normal(rng, shape):
+    """Standard normal bf16 values on the device (fresh random inputs, never zeros)."""
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+
+    return rng.standard_normal(shape, dtype=cp.float32).astype(np.dtype(ml_dtypes.bfloat16))
+
+
+def gpu_record(bench: str, config: dict, rows: list) -> dict:
+    """A bench's JSON record: its name, the device's name, the commit, the time, config and
+    rows."""
+    import cupy as cp
+
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    return {"bench": bench, "device": dev.decode() if isinstance(dev, bytes) else dev,
+            "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "config": config, "rows": rows}
+
+
+def write_record(rec: dict, path: str | None) -> None:
+    """`rec` as indented JSON at `path` (nothing when no path was asked for)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(rec, fh, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="8b")
@@ -39,7 +87,6 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dataflow.ops_cuda import CudaOps
-    from memplan import buffers
     from models.config import load_config
 
     cfg = load_config(a.model)
@@ -49,15 +96,14 @@ def main(argv=None) -> int:
     rnd = cp.random.default_rng(0)
 
     def randn(shape):
-        return rnd.standard_normal(shape, dtype=cp.float32).astype(bf16)
+        return bf16_normal(rnd, shape)
 
     k, v = randn((s, kh, e)), randn((s, kh, e))
     q, o, do = randn((t, h, e)), randn((t, h, e)), randn((t, h, e))
     lse = rnd.standard_normal((h, t), dtype=cp.float32) + 5.0
     dq = cp.empty((t, h, e), bf16)
     dk, dv = cp.zeros((s, kh, e), cp.float32), cp.zeros((s, kh, e), cp.float32)
-    positions = sorted({round(i * (n_chunks - 1) / max(1, a.positions - 1))
-                        for i in range(a.positions)})
+    positions = chunk_positions(n_chunks, a.positions)
     rows = []
     for block in [int(b) for b in a.blocks.split(",")]:
         ops = CudaOps()
@@ -72,17 +118,9 @@ def main(argv=None) -> int:
         per = {}
         for c in positions:
             off = c * t
-            call = lambda: ops.attention_bwd(q, k[:off + t], v[:off + t], o, lse, do, off,  # noqa: E731
-                                             dq, dk[:off + t], dv[:off + t])
-            call()
-            cp.cuda.Device().synchronize()
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            for _ in range(a.reps):
-                call()
-            end.record()
-            end.synchronize()
-            per[c] = cp.cuda.get_elapsed_time(start, end) / 1e3 / a.reps
+            per[c] = seconds_per_call(
+                lambda: ops.attention_bwd(q, k[:off + t], v[:off + t], o, lse, do, off, dq,
+                                          dk[:off + t], dv[:off + t]), a.reps)
         # hardware FLOPs of a causal chunk backward: 2.5 x the forward's 4*T*keys*H*E matmuls
         flops = {c: 2.5 * 4 * t * (c * t + t / 2) * h * e for c in positions}
         # whole-sequence estimate: interpolate time per key linearly over the positions timed
@@ -93,22 +131,17 @@ def main(argv=None) -> int:
                      "tflops_per_chunk": {str(c): flops[c] / per[c] / 1e12 for c in positions},
                      "sequence_bwd_seconds_est": est,
                      "sequence_tflops_est": total_flops / est / 1e12})
-        del ops, lent
+        ops = lent = None  # free the scratch before the next block's
         cp.get_default_memory_pool().free_all_blocks()
-    dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    rec = {"bench": "attention_blocks", "device": dev.decode() if isinstance(dev, bytes) else dev,
-           "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "config": {"model": a.model, "seqlen": s, "chunk": t, "positions": positions},
-           "rows": rows}
+    rec = gpu_record("attention_blocks", {"model": a.model, "seqlen": s, "chunk": t,
+                                          "positions": positions}, rows)
     print(f"{'block':>8} {'scratch GiB':>11} {'seq bwd s':>10} {'TFLOP/s':>8}  per position "
           "(TFLOP/s)")
     for r in rows:
         per = " ".join(f"{c}:{x:.0f}" for c, x in r["tflops_per_chunk"].items())
         print(f"{r['block'] or 'whole':>8} {r['scratch_bytes'] / 2**30:>11.2f} "
               f"{r['sequence_bwd_seconds_est']:>10.2f} {r['sequence_tflops_est']:>8.0f}  {per}")
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(rec, fh, indent=1)
+    write_record(rec, a.out)
     return 0
 
 

@@ -11,10 +11,9 @@ JSON record. GPU only.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
-from bench.attention_blocks import _commit
+from bench.attention_blocks import (bf16_normal, chunk_positions, gpu_record, seconds_per_call,
+                                    write_record)
 
 
 def main(argv=None) -> int:
@@ -28,7 +27,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import cupy as cp
-    import ml_dtypes
     import numpy as np
 
     from dataflow.ops_cuda import CudaOps
@@ -36,32 +34,20 @@ def main(argv=None) -> int:
     from models.config import load_config
 
     cfg = load_config(a.model)
-    bf16 = np.dtype(ml_dtypes.bfloat16)
     s, h, kh, e = a.seqlen, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     rnd = cp.random.default_rng(0)
-
-    def randn(shape):
-        return rnd.standard_normal(shape, dtype=cp.float32).astype(bf16)
-
-    k, v = randn((s, kh, e)), randn((s, kh, e))
+    k, v = bf16_normal(rnd, (s, kh, e)), bf16_normal(rnd, (s, kh, e))
+    bf16 = k.dtype
     dk, dv = cp.zeros((s, kh, e), cp.float32), cp.zeros((s, kh, e), cp.float32)
 
     def timed(call) -> float:
-        call()
-        cp.cuda.Device().synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(a.reps):
-            call()
-        end.record()
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) / 1e3 / a.reps
+        return seconds_per_call(call, a.reps)
 
     rows = []
     for t in [int(c) for c in a.chunks.split(",")]:
         n_chunks = s // t
         block = attention_key_block(cfg, t, s)
-        q, o, do = randn((t, h, e)), randn((t, h, e)), randn((t, h, e))
+        q, o, do = (bf16_normal(rnd, (t, h, e)) for _ in range(3))
         lse = rnd.standard_normal((h, t), dtype=cp.float32) + 5.0
         dq = cp.empty((t, h, e), bf16)
         ops = CudaOps()
@@ -70,8 +56,7 @@ def main(argv=None) -> int:
                           "dk16": cp.empty((block, kh, e), bf16),
                           "dv16": cp.empty((block, kh, e), bf16),
                           "dq32": cp.empty((t, h, e), cp.float32)})
-        positions = sorted({round(i * (n_chunks - 1) / max(1, a.positions - 1))
-                            for i in range(a.positions)})
+        positions = chunk_positions(n_chunks, a.positions)
         fwd, bwd = {}, {}
         for c in positions:
             off = c * t
@@ -95,10 +80,7 @@ def main(argv=None) -> int:
                      "sequence_fwd_s_est": est["fwd"], "sequence_bwd_s_est": est["bwd"],
                      "sequence_fwd_tflops": total / est["fwd"] / 1e12,
                      "sequence_bwd_tflops": 2.5 * total / est["bwd"] / 1e12})
-    dev = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    rec = {"bench": "attention_chunks", "device": dev.decode() if isinstance(dev, bytes) else dev,
-           "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "config": {"model": a.model, "seqlen": s, "reps": a.reps}, "rows": rows}
+    rec = gpu_record("attention_chunks", {"model": a.model, "seqlen": s, "reps": a.reps}, rows)
     print(f"{a.model} at {s:,} tokens: one sequence's attention, estimated from the positions "
           "timed")
     print(f"{'chunk':>7} {'key block':>9} {'fwd s':>8} {'TFLOP/s':>8} {'bwd s':>8} {'TFLOP/s':>8}"
@@ -108,9 +90,7 @@ def main(argv=None) -> int:
         print(f"{r['chunk']:>7} {r['key_block']:>9} {r['sequence_fwd_s_est']:>8.2f} "
               f"{r['sequence_fwd_tflops']:>8.0f} {r['sequence_bwd_s_est']:>8.2f} "
               f"{r['sequence_bwd_tflops']:>8.0f}  {per}")
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(rec, fh, indent=1)
+    write_record(rec, a.out)
     return 0
 
 
