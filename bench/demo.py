@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each step's AdamW after its last round (default: deferred into "
                         "the next step's first round, behind its compute, and run before the "
                         "model is saved or evaluated; the same bits either way)")
+    p.add_argument("--backward-update", action="store_true",
+                   help="run each step's AdamW inside its own last round, each streamed "
+                        "layer's right after its gradient is final, instead of in the next "
+                        "step's first round (needs --max-grad-norm 0: clipping needs the whole "
+                        "gradient's norm first; the same bits, but a non-finite step's update "
+                        "is then not dropped)")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -141,8 +147,15 @@ def _run(args, stop: checks.StopSignals) -> int:
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
                               "the deterministic backward); drop one of them")
+        if args.backward_update:
+            raise ConfigError("--backward-update is for one device (a ring rank updates after "
+                              "its gradients are summed); drop it or --gpus")
 
         return run_ring(args, build_parser(), lr)
+    if args.backward_update and (args.eager_update or args.max_grad_norm):
+        raise ConfigError(f"--backward-update runs the update in the step's last round, so it "
+                          f"takes no --eager-update and no clipping (--max-grad-norm "
+                          f"{args.max_grad_norm:g}); add --max-grad-norm 0")
     plan = checks.load_plan(args.plan) if args.plan else None
     if plan is not None:
         if args.rounds or args.seqs_per_step or args.tokens_per_step or args.fast_attention:
@@ -183,7 +196,8 @@ def _run(args, stop: checks.StopSignals) -> int:
         eng = Engine.from_plan(plan, backend=backend, seed=args.seed, weights=weights,
                                optimizer=training.optimizer, lr_schedule=training.schedule,
                                trace=True, progress=init_bar,
-                               deferred_update=not args.eager_update)
+                               deferred_update=not args.eager_update,
+                               backward_update=args.backward_update)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     init_s = time.perf_counter() - t0
     phases = dict(eng.setup_seconds)
@@ -296,7 +310,9 @@ class _Run:
                  "HFU %s  %.2f s (FLOP model %s)", r.step, r.loss, r.lr, norm, r.tok_per_s,
                  r.model_tflop_per_s, mfu, hfu, r.step_time_s, r.flop_model_version)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
-        if len(self.results) == 1 and getattr(getattr(self.eng, "ex", None), "deferred", False):
+        ex = getattr(self.eng, "ex", None)
+        if len(self.results) == 1 and getattr(ex, "deferred", False) \
+                and not getattr(ex, "backward_update", False):
             bar.info("step %d ran no AdamW update: each step's update runs inside the next "
                      "step's first round (--eager-update: at its own end), so tok/s is steady "
                      "from the second step on", r.step)

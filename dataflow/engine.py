@@ -131,7 +131,11 @@ class Engine:
         memplan.schedule.Schedule to run instead of compiling the plan's); deferred_update
         (default True: a step's AdamW runs inside the next step's first round, hidden behind
         its compute, or before anything reads, saves or evaluates the model; the values are
-        the same bits as False, which updates at the end of each step)."""
+        the same bits as False, which updates at the end of each step); backward_update
+        (default False: a step that does not clip runs its AdamW inside its own last round,
+        each streamed layer's right after its gradient is final, so nothing of it is left for
+        the next step's first round; the same bits again, but a step that raises
+        NonFiniteError has then already updated the weights, as with deferred_update=False)."""
         if not (plan.holds_embed and plan.holds_head):
             raise ConfigError(f"this plan of {plan.model.name} is one ring rank's (it holds "
                               f"{'no embedding' if not plan.holds_embed else 'the embedding'} "
@@ -150,10 +154,12 @@ class Engine:
                optimizer: AdamWConfig | None = None,
                lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
                sanitize_seed: int = 0, trace: bool = False, progress=None,
-               schedule=None, deferred_update: bool = True) -> None:
+               schedule=None, deferred_update: bool = True,
+               backward_update: bool = False) -> None:
         opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         self._deferred_update = deferred_update
+        self._backward_update = backward_update
         self._setup(plan, TracingBackend(be) if trace else be, seed, weights, opt, lr_schedule,
                     progress, schedule)
 
@@ -184,7 +190,8 @@ class Engine:
         # slab (host work both; pinning 120 GiB takes 10-30 s); warm_up then finds them built
         prebuild = start_prebuild(plan, be)
         try:
-            self.ex = Executor(plan, be, schedule, deferred_update=self._deferred_update)
+            self.ex = Executor(plan, be, schedule, deferred_update=self._deferred_update,
+                               backward_update=self._backward_update)
         finally:
             self.prebuild_parts = prebuild.join() if prebuild is not None else {}
             """What the setup-time build in a thread took (seconds per part, and total)."""

@@ -72,22 +72,28 @@ class StepProgress:
 class Executor:
     def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None, *,
                  deferred_update: bool = False, compile_step=None, compile_update=None,
-                 compile_eval=None):
+                 compile_eval=None, backward_update: bool = False):
         """deferred_update: a step's AdamW runs inside the next step's round 0 (each streamed
         layer's update fills the weight slot its forward reads, hiding the update behind that
         round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred).
         compile_step(update), compile_update() and compile_eval(rounds): the step's, the lone
         update's and an evaluation's schedules (default: memplan.schedule's of `plan`; a ring
-        rank's add its messages)."""
+        rank's add its messages). backward_update: a step that does not clip runs its AdamW
+        inside its own last round (update='backward': each streamed layer's right after its
+        gradient is final, from its slots; the same bits as at the end), after running any
+        deferred update still pending; clipped steps keep the mode above."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
             raise BackendError(f"rounds_per_step {ch.rounds_per_step} exceeds "
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
         self.deferred = deferred_update and schedule is None
+        self.backward_update = backward_update and schedule is None
+        self._backward_schedule = None  # compiled on the first step that uses it
         self.pending_hyper: tuple | None = None
         """This step's AdamW hyperparameters while its update waits (deferred_update)."""
         step = compile_step or (lambda update: compile_schedule(plan, update=update))
+        self._compile_step = step
         self._compile_eval = compile_eval or (lambda rounds: compile_eval_schedule(plan, rounds))
         if self.deferred:
             self.schedule = step("deferred")
@@ -181,7 +187,13 @@ class Executor:
         (inputs and next-token targets, one document per row). The loss is the mean over the
         counted targets: every gradient is scaled by 1 / batch.counted."""
         ch, sch = self.plan.chunking, self.schedule
-        if self.deferred and self.pending_hyper is None:
+        in_backward = self.backward_update and optimizer.config.max_grad_norm is None
+        if in_backward:
+            self.flush()  # a clipped step's deferred update first
+            if self._backward_schedule is None:
+                self._backward_schedule = self._compile_step("backward")
+            sch = self._backward_schedule
+        elif self.deferred and self.pending_hyper is None:
             sch = self._first_schedule  # no update of an earlier step to run in round 0
         t0 = time.perf_counter()
         if not isinstance(batch, Batch):
@@ -193,11 +205,14 @@ class Executor:
         self._begin(batch, sch)
         self.grad_scale = 1.0 / max(1, batch.counted)
         self.hyper, self.pending_hyper = self.pending_hyper, None  # the last step's, if deferred
+        if in_backward:  # this step's own AdamW runs inside its last round
+            self.hyper, self.max_norm = optimizer.begin_step(), None
         self._run(sch.events[:sch.optimizer_start])                # rounds: layers x chunks
-        self.hyper = optimizer.begin_step()
-        self.max_norm = optimizer.config.max_grad_norm
+        if not in_backward:
+            self.hyper = optimizer.begin_step()
+            self.max_norm = optimizer.config.max_grad_norm
         self._run(sch.events[sch.optimizer_start:])                # norm (and AdamW unless deferred)
-        if self.deferred:
+        if self.deferred and not in_backward:
             self.pending_hyper = self.hyper
         self.step_index += 1
         return self._finish(sch, ch.rounds_per_step, ch.tokens_per_step, t0, norm=True)

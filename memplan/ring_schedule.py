@@ -215,6 +215,9 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
     `update` as memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
     all-reduced and the clip scale made global before the previous step ended)."""
+    if update == "backward":
+        raise ValueError("a ring rank updates after its replicas' gradients are summed and its "
+                         "clip scale is global; update='backward' is for one device")
     return _compiler(rp).compile(rounds, update)
 
 

@@ -11,6 +11,8 @@ memplan/events.py. Pure Python: never imports array libraries, never touches a d
 
 from __future__ import annotations
 
+import dataclasses
+
 from memplan import buffers
 from memplan.decisions import decisions_of
 from memplan.events import (
@@ -95,6 +97,10 @@ class _Compiler:
         """Blocks whose deferred AdamW (update='deferred') is still to be placed in round 0."""
         self.deferring = False
         """Compiling a deferred update (its gradients were final before this list began)."""
+        self.in_backward: frozenset[str] = frozenset()
+        """Layers whose AdamW update='backward' runs in the last round (_backward_updated)."""
+        self.backward_done: int | None = None
+        """OPT record after the last such update's write-back."""
         self.scale_on_host: int | None = None
         self.host_scale_read: int | None = None
         """HOST record after the deferred host updates read the last step's clip scale."""
@@ -281,7 +287,9 @@ class _Compiler:
         """update: 'end' (this step's AdamW after its last round), 'none' (not in this list: a
         deferred first step), 'deferred' (the previous step's AdamW runs inside round 0, each
         streamed layer's update filling the weight slot its forward reads; this step's waits
-        for the next step or compile_update_schedule)."""
+        for the next step or compile_update_schedule), 'backward' (this step's AdamW inside its
+        last round, each streamed layer's from its slots right after its backward: for steps
+        that do not clip)."""
         if update not in UPDATE_MODES:
             raise ValueError(f"update={update!r}; choose one of {', '.join(UPDATE_MODES)}")
         em = self.em
@@ -294,6 +302,12 @@ class _Compiler:
             em.add(Fill("zero.scalars", self.ref("transitions", off, nb), "f32"))
         self.last_round, self.n_rounds = rounds - 1, rounds
         self.pending = set(self.owned_blocks()) if update == "deferred" else set()
+        self.in_backward = self._backward_updated() if update == "backward" else frozenset()
+        if self.in_backward:
+            # No clipping: the scale every update reads is 1 from the start (clip_scale of a
+            # zero norm under an infinite max norm), not after the last round.
+            em.add(Compute("unit_scale", "clip_scale", 0))
+        self.backward_done = None
         starts = []
         for rnd in range(rounds):
             starts.append(len(em.events))
@@ -301,10 +315,38 @@ class _Compiler:
         if self.pending:
             raise RuntimeError(f"deferred updates never placed: {sorted(self.pending)}")
         opt_start = len(em.events)
+        # The last in-round update still reads the scale that clip_scale rewrites (to 1 again),
+        # and the step ends after its write-back.
+        em.wait(COMPUTE, self.backward_done)
         self.grad_norm()
-        if update == "end":
-            self.optimizer()
+        if update in ("end", "backward"):
+            self.optimizer(skip=self.in_backward)
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), opt_start, em.n_ids)
+
+    def _backward_updated(self) -> frozenset[str]:
+        """The layers update='backward' updates inside the last round: streamed ones whose
+        weights and gradients both pass through slots and whose AdamW streams through the
+        device."""
+        if self.wring is None or self.gring is None:
+            return frozenset()
+        return frozenset(f"layer{i}" for i in range(self.L)
+                         if self.placement(f"layer{i}").weights is Where.HOME
+                         and self.placement(f"layer{i}").grads is Where.HOME
+                         and self.placement(f"layer{i}").optimizer is OptimizerWhere.STREAMED)
+
+    def update_in_backward(self, layer: int, w: Ref, g: Ref) -> None:
+        """update='backward': right after the last round's backward of `layer`, its AdamW from
+        the weight and gradient slots (m and v come over H2D), on the OPT stream so the next
+        layer's backward does not queue behind it; the gradient slot is free after the
+        kernels, the weight slot after the weights' write-back."""
+        em, key = self.em, f"layer{layer}"
+        em.wait(OPT, em.record(COMPUTE))  # the layer's backward and gradient norm are done
+        self.deferring = True
+        done = self.update_streamed(key, params=w, grads=g)
+        self.deferring = False
+        self.gring.release(self.g_index[layer], after=self.params_ready)
+        self.wring.release(self.w_index[("b", layer)], after=done)
+        self.backward_done = done
 
     def compile_update(self) -> Schedule:
         """The AdamW of a step compiled with update='none' or 'deferred' alone: what is pending
@@ -429,7 +471,11 @@ class _Compiler:
         if self.hw_ring is not None:
             self.hw_ring.begin(self.hw_uses, for_round(self.hw_assigned, rnd))
         if self.gring is not None:
-            self.gring.begin(self.g_uses[first], self.g_assigned[first])
+            uses = self.g_uses[first]
+            if self.in_backward and rnd == self.last_round:  # the update reads the slot
+                uses = [dataclasses.replace(u, writeback=None)
+                        if f"layer{u.key}" in self.in_backward else u for u in uses]
+            self.gring.begin(uses, self.g_assigned[first])
         if self.hg_ring is not None:
             self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
         if first and self.pending:
@@ -496,6 +542,9 @@ class _Compiler:
                 # gradient rows to leave, not for layer 0's gradient write-back.
                 self.embed_bwd(rnd, dx)
             self.sumsq(rnd, f"L{name}", g)
+            if rnd == self.last_round and f"layer{layer}" in self.in_backward:
+                self.update_in_backward(layer, w, g)
+                continue
             self.release_grads(layer)
             self.release_weights("b", layer)
 
@@ -791,8 +840,8 @@ class _Compiler:
         return self._transition("scalars")[0] + 4 * i
 
     # -- the optimizer ----------------------------------------------------------------------
-    def optimizer(self) -> None:
-        for key in self.owned_blocks():
+    def optimizer(self, skip=frozenset()) -> None:
+        for key in [k for k in self.owned_blocks() if k not in skip]:
             where = self.placement(key).optimizer
             if where is OptimizerWhere.DEVICE:
                 self.update_device(key)
@@ -840,12 +889,14 @@ class _Compiler:
         em.add(Fill("zero_grads.embed", home, self.gdt, HOST))
         self.embed_grads_ready = em.record(HOST)
 
-    def update_streamed(self, key: str, params: Ref | None = None) -> int:
+    def update_streamed(self, key: str, params: Ref | None = None,
+                        grads: Ref | None = None) -> int:
         """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW -> write-back of p, m, v (on the
         compute and D2H streams; a deferred update's on the OPT stream). `params`: a device copy
         of the whole block to update the weights in (a deferred update filling the weight slot
-        the next forward reads) instead of the stage. Returns the record after the last
-        write-back."""
+        the next forward reads) instead of the stage. `grads`: the whole gradient on the device
+        (update='backward': its slot), and then `params` already holds the weights, so neither
+        comes over H2D. Returns the record after the last write-back."""
         em = self.em
         n_stage = self.d.slots.opt_stage_elems
         specs = buffers.opt_stage_specs(n_stage, self.gdt)
@@ -862,10 +913,13 @@ class _Compiler:
             dev = [self.ref("opt_stage", offs[f"{x}{buf}"], n * b) for x, b in zip("pgmv", bpe)]
             if params is not None:
                 dev[0] = Ref(params.region, params.offset + start * 2, n * 2)
+            if grads is not None:
+                dev[1] = Ref(grads.region, grads.offset + start * bpe[1], n * bpe[1])
             host = [Ref(h.region, h.offset + start * b, n * b) for h, b in zip(home, bpe)]
             em.wait(H2D, self.stage_free[buf])
-            for dst, src in zip(dev, host):
-                em.add(Fetch(f"opt.h2d.{key}", dst, src))
+            for j, (dst, src) in enumerate(zip(dev, host)):
+                if grads is None or j >= 2:  # in place: weights and gradient are on the device
+                    em.add(Fetch(f"opt.h2d.{key}", dst, src))
             # A deferred update's kernel and write-backs run on their own stream: the compute
             # stream never queues behind its fetches, nor the activations' write-backs behind
             # its copies.
@@ -944,9 +998,11 @@ class _Compiler:
         return self.params_ready, done
 
 
-UPDATE_MODES = ("end", "none", "deferred")
-"""Where a step's AdamW runs (_Compiler.compile): after its last round, not in its list, or the
-previous step's inside its round 0."""
+UPDATE_MODES = ("end", "none", "deferred", "backward")
+"""Where a step's AdamW runs (_Compiler.compile): after its last round, not in its list, the
+previous step's inside its round 0, or inside its own last round, each streamed layer's right
+after its gradient is final ('backward': no clipping, whose global norm would have to come
+first; the other blocks after the last round, as 'end')."""
 
 
 def compile_schedule(plan, *, rounds: int | None = None, update: str = "end") -> Schedule:

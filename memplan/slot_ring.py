@@ -180,11 +180,14 @@ class _Ring:
             self.em.wait(COMPUTE, self.free[slot])
         return self.slots[slot]
 
-    def release(self, i: int) -> None:
-        """Use i's compute is enqueued: write back if asked, mark the slot free, prefetch on."""
+    def release(self, i: int, after: int | None = None) -> None:
+        """Use i's compute is enqueued: write back if asked, mark the slot free, prefetch on.
+        `after`: a record later than every use of the slot (work on another stream that read
+        or copied it out, itself ordered after the compute), which the slot's next fill waits
+        for instead of the compute."""
         em = self.em
         slot = self.assigned[i][0]
-        done = em.record(COMPUTE)
+        done = em.record(COMPUTE) if after is None else after
         use = self.uses[i]
         if use.writeback is not None:
             em.wait(D2H, done)
