@@ -5,6 +5,7 @@ hyperparameters and the step counter; the executor owns the schedule. Never deci
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from pathlib import Path
 from typing import Callable
@@ -595,6 +596,11 @@ class Engine:
             self.be.synchronize()
             self.be.close()
             self._closed = True
+            # Collect this engine's reference cycles now, on this thread: left to a later
+            # collection, one triggered inside a host function that runs on the CUDA driver's
+            # thread frees CuPy memory, events and streams there, where CUDA refuses it
+            # (cudaErrorNotPermitted, seen once in a GPU test that ran two engines in a row).
+            gc.collect()
 
     def __enter__(self) -> "Engine":
         return self
