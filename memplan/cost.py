@@ -407,34 +407,38 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Pred
     optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
     token, are not counted). update: where AdamW runs (memplan.schedule.UPDATE_MODES): by
     default as the Engine runs it, the previous step's inside round 0 (a step after the first;
-    optimizer_s is then only the norm and clip scale after the last round), or 'end'."""
+    optimizer_s is then only the norm and clip scale after the last round), 'end', or
+    'backward' (an unclipped step's own, inside its last round)."""
     from memplan.schedule import compile_schedule
 
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     w = workload_of(d, p)
     R = ch.rounds_per_step
-    sch = compile_schedule(d, rounds=min(R, 2), update=update)
+    # update='backward' makes the last round unlike the middle ones: simulate first, middle
+    # and last; otherwise the rounds from 1 on are alike: first and one later.
+    n = min(R, 3 if update == "backward" else 2)
+    sch = compile_schedule(d, rounds=n, update=update)
     tl = simulate_schedule(sch, event_seconds(d, p), p)
     ends = tl.round_end_s
-    first = ends[0]
-    later = ends[1] - ends[0] if len(ends) > 1 else first
     opt_s = tl.total_s - ends[-1]
-    step = first + (R - 1) * later + opt_s
 
     def rounds_total(per_round: list) -> float:
-        """Round 0, then the later round repeated: the same extrapolation as the step."""
-        return per_round[0] + (R - 1) * (per_round[1] if len(ends) > 1 else per_round[0])
+        """Every simulated round once, the middle one (round 1) R - n more times: the same
+        extrapolation as the step."""
+        return sum(per_round) + (R - n) * per_round[min(1, n - 1)]
+
+    step = rounds_total([e - s for s, e in zip([0.0, *ends[:-1]], ends)]) + opt_s
 
     exp = {k: rounds_total([r[k] for r in tl.exposed_by_round])
            for k in ("h2d", "d2h", "host", "opt")}
     opt_s += exp["opt"]  # rounds waiting on a deferred update count as optimizer time
     busy = rounds_total(list(tl.busy_by_round))
     h2d, d2h = sch.bytes_moved(state_only=True)
-    if len(ends) > 1:  # the later round's bytes repeat
-        later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], sch.optimizer_start,
-                                               state_only=True)
-        h2d, d2h = h2d + (R - 2) * later_h2d, d2h + (R - 2) * later_d2h
+    if R > n:  # the middle round's bytes repeat
+        mid_end = sch.round_starts[2] if n > 2 else sch.optimizer_start
+        later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], mid_end, state_only=True)
+        h2d, d2h = h2d + (R - n) * later_h2d, d2h + (R - n) * later_d2h
     model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
     hw_flops = model_flops + R * w.extra_flops
     opt = optimizer_cost(w, p)
