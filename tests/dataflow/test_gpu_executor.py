@@ -101,51 +101,38 @@ def test_cupy_pool_does_not_grow_after_first_round():
     assert used[1] == used[0] and used[2] == used[0], used
 
 
-@pytest.mark.parametrize("model", ["tiny", "small"])
-def test_gpu_deferred_update_is_the_bits_of_updating_at_the_end(model):
-    """On the GPU (real streams, the AdamW kernel on the D2H stream inside round 0): three
-    steps with the update deferred give the losses, gradient norms and final weights, m and v
-    of updating at the end of each step, bit for bit, with clipping engaged."""
+def _bits_of_updating_at_the_end(model: str, clip, **mode) -> None:
+    """Three steps of five path and split plans with the update mode `mode` (Engine options)
+    and with the update at the end of each step: the same losses, gradient norms and final
+    weights, m and v, bit for bit."""
     cfg = load_config(model)
     plans = path_plans(cfg) + split_plans(cfg)
     for name, plan in plans[1:3] + plans[-3:-1] + [plans[-1]]:
         ch = plan.chunking
         out = []
-        for deferred in (False, True):
-            opt = AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=0.05)
-            with Engine.from_plan(plan, backend="cupy", optimizer=opt,
-                                  deferred_update=deferred) as eng:
+        for kwargs in ({"deferred_update": False}, mode):
+            opt = AdamWConfig(lr=LR, weight_decay=0.1, max_grad_norm=clip)
+            with Engine.from_plan(plan, backend="cupy", optimizer=opt, **kwargs) as eng:
                 res = [eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
                                                    start=s * ch.seqs_per_step * ch.seqlen))
                        for s in range(3)]
                 out.append(([(r.loss, r.grad_norm) for r in res], eng.state_dict()))
-        (eager, e_state), (lazy, l_state) = out
-        assert lazy == eager, name
+        (eager, e_state), (other, o_state) = out
+        assert other == eager, name
         for k in e_state:
-            a, b = np.atleast_1d(e_state[k]), np.atleast_1d(l_state[k])
+            a, b = np.atleast_1d(e_state[k]), np.atleast_1d(o_state[k])
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: {k}"
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_gpu_deferred_update_is_the_bits_of_updating_at_the_end(model):
+    """On the GPU (real streams, the AdamW kernel on its own stream inside round 0), with
+    clipping engaged."""
+    _bits_of_updating_at_the_end(model, 0.05, deferred_update=True)
 
 
 @pytest.mark.parametrize("model", ["tiny", "small"])
 def test_gpu_update_in_the_last_round_is_the_bits_of_updating_at_the_end(model):
-    """On the GPU (the in-round AdamW on its own stream beside the backward): three unclipped
-    steps with Engine(backward_update=True) give the losses, gradient norms and final weights,
-    m and v of updating at the end of each step, bit for bit."""
-    cfg = load_config(model)
-    plans = path_plans(cfg) + split_plans(cfg)
-    for name, plan in plans[1:3] + plans[-3:-1] + [plans[-1]]:
-        ch = plan.chunking
-        out = []
-        for backward in (False, True):
-            opt = AdamWConfig(lr=LR, weight_decay=0.1)
-            with Engine.from_plan(plan, backend="cupy", optimizer=opt, deferred_update=backward,
-                                  backward_update=backward) as eng:
-                res = [eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
-                                                   start=s * ch.seqs_per_step * ch.seqlen))
-                       for s in range(3)]
-                out.append(([(r.loss, r.grad_norm) for r in res], eng.state_dict()))
-        (eager, e_state), (inround, i_state) = out
-        assert inround == eager, name
-        for k in e_state:
-            a, b = np.atleast_1d(e_state[k]), np.atleast_1d(i_state[k])
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: {k}"
+    """On the GPU (the in-round AdamW on its own stream beside the backward), unclipped, with
+    Engine(backward_update=True)."""
+    _bits_of_updating_at_the_end(model, None, deferred_update=True, backward_update=True)
