@@ -425,8 +425,9 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Pred
 
     def rounds_total(per_round: list) -> float:
         """Every simulated round once, the middle one (round 1) R - n more times: the same
-        extrapolation as the step."""
-        return sum(per_round) + (R - n) * per_round[min(1, n - 1)]
+        extrapolation as the step (a per-round list may end with the tail after the rounds,
+        which the optimizer's time holds)."""
+        return sum(per_round[:n]) + (R - n) * per_round[min(1, n - 1)]
 
     step = rounds_total([e - s for s, e in zip([0.0, *ends[:-1]], ends)]) + opt_s
 
