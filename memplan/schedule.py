@@ -329,10 +329,13 @@ class _Compiler:
         device."""
         if self.wring is None or self.gring is None:
             return frozenset()
-        return frozenset(f"layer{i}" for i in range(self.L)
-                         if self.placement(f"layer{i}").weights is Where.HOME
-                         and self.placement(f"layer{i}").grads is Where.HOME
-                         and self.placement(f"layer{i}").optimizer is OptimizerWhere.STREAMED)
+        out = set()
+        for key in (f"layer{i}" for i in range(self.L)):
+            p = self.placement(key)
+            if p.weights is Where.HOME and p.grads is Where.HOME \
+                    and p.optimizer is OptimizerWhere.STREAMED:
+                out.add(key)
+        return frozenset(out)
 
     def update_in_backward(self, layer: int, w: Ref, g: Ref) -> None:
         """update='backward': right after the last round's backward of `layer`, its AdamW from
