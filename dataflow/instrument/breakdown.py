@@ -52,6 +52,10 @@ class StepBreakdown:
     optimizer_s: float
     """Union over all streams of optimizer spans (spans.OPTIMIZER_PREFIXES)."""
     n_spans: int
+    attention_s: float = 0.0
+    """Union of compute spans of fused attention (forward and backward) that are no recompute:
+    the part of a long-context step that no schedule can shorten (bench/floors.py). 0 in
+    records written before it existed."""
 
     @property
     def compute_idle_s(self) -> float:
@@ -150,11 +154,19 @@ def is_level_recompute(name: str) -> bool:
     return is_recompute(name) and name.rsplit(".", 1)[-1] not in ALWAYS_REDERIVED
 
 
+def is_attention(name: str) -> bool:
+    """A fused attention op of the forward or the backward ('f.L3.c0.attention_fwd',
+    'b.L3.c1.attention_bwd_own'), recompute included (is_level_recompute tells those apart)."""
+    parts = name.split(".")
+    op = parts[-2] if parts[-1] == "re" and len(parts) > 1 else parts[-1]
+    return op.startswith("attention_")
+
+
 def compute_breakdown(trace: StepTrace) -> StepBreakdown:
     """The StepBreakdown of one step; spans are clipped to the step's window."""
     lo, hi = trace.start_s, trace.end_s
     by_stream: dict[Stream, Intervals] = defaultdict(list)
-    recompute, optimizer = [], []
+    recompute, optimizer, attention = [], [], []
     nbytes = {Stream.H2D: 0, Stream.D2H: 0}
     for s in trace.spans:
         iv = (max(lo, s.start_s), min(hi, s.end_s))
@@ -169,6 +181,8 @@ def compute_breakdown(trace: StepTrace) -> StepBreakdown:
         by_stream[stream].append(iv)
         if s.stream is Stream.COMPUTE and is_level_recompute(s.name):
             recompute.append(iv)
+        elif s.stream is Stream.COMPUTE and is_attention(s.name):
+            attention.append(iv)
         if is_optimizer(s.name):
             optimizer.append(iv)
     comp = union(by_stream[Stream.COMPUTE])
@@ -189,7 +203,7 @@ def compute_breakdown(trace: StepTrace) -> StepBreakdown:
         h2d_exposed_s=length(subtract(h2d, comp)), d2h_exposed_s=length(subtract(d2h, comp)),
         h2d_bytes=nbytes[Stream.H2D], d2h_bytes=nbytes[Stream.D2H],
         recompute_s=length(union(recompute)), optimizer_s=length(union(optimizer)),
-        n_spans=len(trace.spans))
+        n_spans=len(trace.spans), attention_s=length(union(attention)))
 
 
 def op_totals(spans: list[Span] | tuple[Span, ...], stream: Stream = Stream.COMPUTE

@@ -211,6 +211,21 @@ def test_breakdown_of_known_spans_is_exact():
     assert bd.recompute_s == 3 and bd.recompute_frac == 0.75 and bd.optimizer_s == 0.5
 
 
+def test_attention_time_leaves_out_its_recompute():
+    """attention_s: the forward and backward attention spans, overlaps counted once, without
+    the backward's re-run forward attention (recompute) or other ops."""
+    def span(a, b, name):
+        return Span(1, 0, Stream.COMPUTE, name, SpanKind.OP, 0, a, b)
+
+    spans = (span(0, 2, "f.L0.c0.attention_fwd"), span(1, 3, "f.L0.c1.attention_fwd"),
+             span(3, 4, "f.L0.c1.linear_fwd"), span(4, 5, "b.L0.c1.attention_fwd.re"),
+             span(5, 7, "b.L0.c1.attention_bwd"), span(7, 8, "b.L0.c0.attention_bwd_own"),
+             span(8, 9, "b.L0.c0.linear_bwd_x"))
+    bd = compute_breakdown(StepTrace(step=1, start_s=0.0, end_s=10.0, spans=spans,
+                                     clock=Clock.HOST))
+    assert bd.attention_s == 6 and bd.recompute_s == 1 and bd.compute_busy_s == 9
+
+
 def test_a_deferred_updates_opt_stream_counts_its_copies_as_d2h():
     """The opt stream (a deferred AdamW): its write-back [2,4] joins the D2H link's busy time and
     bytes; its kernel [1,2] is optimizer time, not a copy; compute [0,1] and [4,5]."""
