@@ -343,7 +343,15 @@ class _Run:
 
         args, eng = self.args, self.eng
         if self.results and self.status == "done":
-            log.info("%s", self.results[-1].breakdown.table())
+            last = self.results[-1]
+            log.info("%s", last.breakdown.table())
+            ceil = last.breakdown.ceilings(last.tokens)
+            if ceil["no_stalls"]:
+                log.info("ceilings at this step's kernel rates (python -m bench.floors): %s tok/s "
+                         "with every copy hidden, %s with no recompute either (more memory)%s",
+                         f"{ceil['no_stalls']:,.0f}", f"{ceil['no_recompute']:,.0f}",
+                         f"; its attention alone {ceil['attention_alone']:,.0f}"
+                         if ceil["attention_alone"] else "")
             log.info("largest compute costs (last step): %s", ", ".join(
                 f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(eng.last_trace.spans)[:5]))
         if self.trace:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench.sweep.sweep import git_commit
+from dataflow.instrument.breakdown import ceilings
 
 _COSTS = re.compile(r"largest compute costs \(last step\): (.*)$", re.M)
 _OP = re.compile(r"([\w.]+) ([\d.]+) ms")
@@ -71,18 +72,14 @@ def floors(run: dict, log_text: str | None = None) -> dict:
         if from_log:
             attention, source = from_log, "log: five largest ops"
     plan = run.get("plan") or {}
-
-    def rate(seconds):
-        return tokens / seconds if seconds > 0 else None
-
+    ceil = ceilings(tokens, busy, recompute, attention)
     return {
         "cell": _cell(plan), "tokens": tokens, "wall_s": bd["wall_s"],
         "measured_tok_s": step["tok_per_s"], "compute_busy_s": busy, "recompute_s": recompute,
         "attention_s": attention or None, "attention_source": source if attention else None,
         "setup_s": (run.get("setup") or {}).get("init_s"),
-        "no_stalls_tok_s": rate(busy), "no_recompute_tok_s": rate(busy - recompute),
-        "no_recompute_step_s": busy - recompute,
-        "attention_alone_tok_s": rate(attention) if attention else None,
+        "no_stalls_tok_s": ceil["no_stalls"], "no_recompute_tok_s": ceil["no_recompute"],
+        "no_recompute_step_s": busy - recompute, "attention_alone_tok_s": ceil["attention_alone"],
     }
 
 

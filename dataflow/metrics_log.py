@@ -59,6 +59,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("optimizer_s", "float64", "union of optimizer spans on any stream"),
     ("optimizer_frac", "float64", "optimizer_s / wall_s, fraction"),
     ("n_spans", "int64", "spans traced this step"),
+    ("attention_s", "float64", "union of fused-attention spans that are no recompute"),
     ("pcie_h2d_bytes", "int64", "NVML PCIe RX link bytes over the step (headers included), "
      "empty without NVML"),
     ("pcie_d2h_bytes", "int64", "NVML PCIe TX link bytes over the step (headers and H2D read "

@@ -89,6 +89,10 @@ class StepBreakdown:
         """Share of the wall time with optimizer work running on some stream."""
         return self.optimizer_s / self.wall_s if self.wall_s > 0 else 0.0
 
+    def ceilings(self, tokens: int) -> dict[str, float | None]:
+        """Tokens per second this step could reach at its own kernel rates (ceilings())."""
+        return ceilings(tokens, self.compute_busy_s, self.recompute_s, self.attention_s)
+
     def parts(self) -> dict[str, float]:
         """The four parts of the wall time, in seconds; they sum to wall_s."""
         return {"compute_busy_s": self.compute_busy_s, "copy_exposed_s": self.copy_exposed_s,
@@ -122,6 +126,19 @@ class StepBreakdown:
         rows.append(f"  recompute {self.recompute_frac:.1%} of compute, optimizer "
                     f"{self.optimizer_frac:.1%} of wall, {self.n_spans} spans")
         return "\n".join(rows)
+
+
+def ceilings(tokens: int, compute_busy_s: float, recompute_s: float,
+             attention_s: float = 0.0) -> dict[str, float | None]:
+    """What a better schedule alone could reach at the kernel rates a step ran at, tok/s:
+    'no_stalls' (every copy, host call and bubble hidden), 'no_recompute' (that, and every
+    activation kept: more memory), 'attention_alone' (its non-recompute attention, which no
+    schedule removes; None when unknown). A target above 'no_recompute' needs faster kernels."""
+    def rate(seconds: float) -> float | None:
+        return tokens / seconds if seconds > 0 else None
+
+    return {"no_stalls": rate(compute_busy_s), "no_recompute": rate(compute_busy_s - recompute_s),
+            "attention_alone": rate(attention_s)}
 
 
 def _bytes(n: int) -> str:
