@@ -107,6 +107,10 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     yield "rms_norm_fwd", lambda: kc.rms_norm_fwd(x, w_norm, 1e-5, y, rstd), 4 * t * d + 4 * t, 0
     yield ("rms_norm_bwd (dw f32 +=)", lambda: kc.rms_norm_bwd(x, w_norm, rstd, dy, dx, dw_norm),
            6 * t * d + 8 * d, 0)
+    res = a.randn("res", (t, d), bf16)
+    yield ("rms_norm_bwd + residual (as the layers call it)",
+           lambda: kc.rms_norm_bwd(x, w_norm, rstd, dy, dx, dw_norm, residual=res),
+           8 * t * d + 8 * d, 0)
 
     w1 = a.randn("w1", (f, d), bf16, d ** -0.5)
     w2 = a.randn("w2", (d, f), bf16, f ** -0.5)

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
     }
     for (i64 row = blockIdx.x; row < n_rows; row += gridDim.x) {
         const float r = rstd[row];
-        float g[MAXP][8], n[MAXP][8];
+        float g[MAXP][8], n[MAXP][8], rv[RES ? MAXP : 1][8];
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXP; i++) {
@@ -77,6 +77,9 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
                 float xv[8], dv[8];
                 vload(x + row * D + 8 * p, xv);
                 vload(dy + row * D + 8 * p, dv);
+                // The residual is loaded with x and dy, so its latency overlaps theirs instead of
+                // following the block reduction (a row's work was two memory round trips).
+                if (RES) vload(res + row * D + 8 * p, rv[RES ? i : 0]);
 #pragma unroll
                 for (int k = 0; k < 8; k++) {
                     n[i][k] = xv[k] * r;
@@ -95,10 +98,10 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(
 #pragma unroll
                 for (int k = 0; k < 8; k++) o[k] = r * (g[i][k] - n[i][k] * mean);
                 if (RES) {  // dx rounded to T first: the bits of a separate add_ after it
-                    float rv[8];  // (__fadd_rn: never contracted into an fma with the line above)
-                    vload(res + row * D + 8 * p, rv);
+                    // (__fadd_rn: never contracted into an fma with the line above)
 #pragma unroll
-                    for (int k = 0; k < 8; k++) o[k] = __fadd_rn(to_f(from_f<T>(o[k])), rv[k]);
+                    for (int k = 0; k < 8; k++)
+                        o[k] = __fadd_rn(to_f(from_f<T>(o[k])), rv[RES ? i : 0][k]);
                 }
                 vstore(dx + row * D + 8 * p, o);
             }
