@@ -22,7 +22,8 @@ _NAMES = tuple(
 MAX_PARTS = 256
 """Row groups (blocks) of the backward's first stage; its scratch is (min(T, MAX_PARTS), D) fp32.
 A function of T alone, so the summation order (and the bits) do not depend on the device; 256
-blocks of up to 94 registers x 256 threads fill a 132-SM H100 in one wave (2 blocks per SM)."""
+blocks of 256 threads (at most 128 registers each, __launch_bounds__(512)) fill a 132-SM H100
+in one wave (2 blocks per SM)."""
 
 _SCRATCH: dict[tuple, cupy.ndarray] = {}
 
