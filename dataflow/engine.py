@@ -182,6 +182,10 @@ class Engine:
     def _setup_parts(self, plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule,
                      background) -> None:
         self.plan, self.be = plan, be
+        # The hardware FLOPs a round adds beyond the model's (recompute by level, attention
+        # score recompute, segment re-runs, K/V re-forming), as the prediction counts them, so
+        # HFU compares with it; fixed by the plan, so counted once, not every step.
+        self._round_extra_flops = workload_of(plan, plan.profile).extra_flops
         self.last_trace = None
         self._progress = progress
         from dataflow.warmup import start_prebuild
@@ -543,10 +547,7 @@ class Engine:
     def _result(self, stats, lr: float, loss_tokens: int) -> StepResult:
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
         model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
-        # The hardware FLOPs the prediction counts (recompute by level, attention score
-        # recompute, segment re-runs, K/V re-forming): the same count, so HFU compares.
-        extra = workload_of(plan, plan.profile).extra_flops
-        hw_flops = model_flops + extra * ch.rounds_per_step
+        hw_flops = model_flops + self._round_extra_flops * ch.rounds_per_step
         t = max(stats.step_time_s, 1e-12)
         peak = plan.profile.peak_bf16_flop_per_s
         return StepResult(
