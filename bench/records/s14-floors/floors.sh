@@ -9,6 +9,7 @@ python -m bench.floors --out $R/s14-floors/floors.json \
   $R/s13-final-h100-3cca050/demo-15b-8k-3cca050.json:5000 \
   $R/s14-h100-d2bba44/bt/8b-s65536-h96-d30.demo.json:5100 \
   $R/s13-final-h100-cb56c17/bt/8b-s65536-h96-d30.demo.json:5100 \
+  $R/s14-final-h100-8f6187e/bt/8b-s131072-h120-d24.demo.json:3400 \
   $R/s14-h100-cd7016f/bt/8b-s131072-h120-d24.demo.json:3400 \
   $R/s13-h100-6b7f5ac/bt/8b-s131072-h120-d24.demo.json:3400 \
   $R/s14-h100-d2bba44/bt/8b-s262144-h120-d24.demo.json:1700 \
