@@ -69,16 +69,16 @@ def _moves(sp: Space, s: State, opts: dict, act_moves) -> list[tuple[str, State]
     cap = opts["max_resident_layers"]
     if s.resident < cap:
         step = -(-L // RESIDENT_MOVE_GROUPS)
-        out.append(("resident", dataclasses.replace(s, resident=min(cap, s.resident + step))))
+        out.append(("resident", s.but(resident=min(cap, s.resident + step))))
     if s.resident < L:
         if s.weight_slots < min(MAX_WEIGHT_SLOTS, L - s.resident):
-            out.append(("weight_slot", dataclasses.replace(s, weight_slots=s.weight_slots + 1)))
+            out.append(("weight_slot", s.but(weight_slots=s.weight_slots + 1)))
         if s.grad_slots < min(MAX_GRAD_SLOTS, L - s.resident):
-            out.append(("grad_slot", dataclasses.replace(s, grad_slots=s.grad_slots + 1)))
+            out.append(("grad_slot", s.but(grad_slots=s.grad_slots + 1)))
     n_home = sum(s.acts[3:])
     if n_home and s.act_slots < min(MAX_ACT_SLOTS, n_home):
         nxt = min(n_home, s.act_slots + max(1, s.act_slots // 4))
-        out.append(("act_slot", dataclasses.replace(s, act_slots=nxt)))
+        out.append(("act_slot", s.but(act_slots=nxt)))
     by_count = -(-N // ACT_MOVE_GROUPS)
     reach = max(ACT_MOVE_MIN_BYTES, sp.memory(s)[0] * ACT_MOVE_DEVICE_FRAC)
     for src, dst in act_moves:
@@ -87,13 +87,13 @@ def _moves(sp: Space, s: State, opts: dict, act_moves) -> list[tuple[str, State]
             acts = list(s.acts)
             acts[src] -= n
             acts[dst] += n
-            out.append((f"acts{src}{dst}", dataclasses.replace(s, acts=tuple(acts))))
+            out.append((f"acts{src}{dst}", s.but(acts=tuple(acts))))
     if not s.embed_dev:
-        out.append(("embed", dataclasses.replace(s, embed_dev=True)))
+        out.append(("embed", s.but(embed_dev=True)))
     if not s.head_dev:
-        out.append(("head", dataclasses.replace(s, head_dev=True)))
+        out.append(("head", s.but(head_dev=True)))
     if not s.opt_streamed and opts.get("home_optimizer") is None:
-        out.append(("opt", dataclasses.replace(s, opt_streamed=True)))
+        out.append(("opt", s.but(opt_streamed=True)))
     return out
 
 
@@ -154,7 +154,7 @@ def _home_upgrades(sp: Space, s: State, base: int) -> list[State]:
     if base == 5:
         homes = [(0, min(n, u), n - min(n, u)) for u in ups] + homes
     slots = sorted({s.act_slots, min(2 * s.act_slots, MAX_ACT_SLOTS, n)})
-    return [dataclasses.replace(s, acts=s.acts[:3] + h, act_slots=k) for h in homes for k in slots]
+    return [s.but(acts=s.acts[:3] + h, act_slots=k) for h in homes for k in slots]
 
 
 @functools.lru_cache(maxsize=64)
@@ -212,9 +212,9 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
 def _carried(s: State, n_from: int, sp: Space) -> State:
     """`s` with its activation counts scaled from n_from items to the kept layers' sp.N."""
     acts = [n * sp.N // n_from for n in s.acts]
-    big = max(range(6), key=lambda i: acts[i])
+    big = acts.index(max(acts))  # the first of the largest
     acts[big] += sp.N - sum(acts)
-    return dataclasses.replace(s, acts=tuple(acts))
+    return s.but(acts=tuple(acts))
 
 
 SEGMENT_INNER_CLASSES = (5, 4, 2)
@@ -240,7 +240,7 @@ def _space_states(sp: Space, opts: dict) -> tuple[set[State], list[State]]:
     states, chain = set(), []
     for home_class, act_moves in CHAINS:
         acts = tuple(N if i == home_class else 0 for i in range(6))
-        for s in _chain(sp, dataclasses.replace(base, acts=acts), score, opts, act_moves):
+        for s in _chain(sp, base.but(acts=acts), score, opts, act_moves):
             states.add(s)
             chain.append(s)
             states.update(_home_upgrades(sp, s, home_class))
@@ -259,7 +259,7 @@ def _candidates(sp: Space, opts: dict, index: int, states) -> list[Candidate]:
     bound allows 2+ rounds and the plan runs 1)."""
     tokens = sp.ch.tokens_per_round
     out = []
-    for s in sorted(states):
+    for s in sorted(states, key=State.key):
         lb_round = sp.round_lower_bound_s(s)
         opt_s = sp.optimizer(s).time_s
         rounds = opts.get("rounds_per_step") or rounds_for_target(

@@ -90,60 +90,78 @@ class _Items:
 def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResult:
     """Seconds of one round (`first`: the round after an optimizer step: no running gradient sums
     to fetch, no weights left in slots) and the part of it compute waited for each stream."""
+    # The search calls this twice per candidate it scores: the per-layer lists are read into
+    # locals and two-way maxima written as conditionals (same values, a third of the time).
     L, S, GS, AS = w.n_layers, w.weight_slots, w.grad_slots, w.act_slots
-    order = [i for i in range(L) if w.streamed[i]]
+    streamed, grads_home, act_count, act_bytes = w.streamed, w.grads_home, w.act_count, w.act_bytes
+    bwd_s, fwd_s, layer_bytes, grad_bytes = w.bwd_s, w.fwd_s, w.layer_bytes, w.grad_bytes
+    order = [i for i in range(L) if streamed[i]]
     n = len(order)
     fpos = {layer: j for j, layer in enumerate(order)}
     held = min(S, n)
-    n_g = sum(w.grads_home)
-    acts = sum(w.act_bytes)
+    n_g = sum(grads_home)
+    acts = sum(act_bytes)
     sums = 0 if first else 1
-    h_f = w.embed_rows_bytes + (n if first else n - held) * w.layer_bytes + w.head_w_bytes \
+    h_f = w.embed_rows_bytes + (n if first else n - held) * layer_bytes + w.head_w_bytes \
         + sums * w.head_g_bytes
-    h_b = (n - held) * w.layer_bytes + sums * n_g * w.grad_bytes + acts
-    d_b = n_g * w.grad_bytes + w.head_g_bytes + w.embed_grad_rows_bytes
+    h_b = (n - held) * layer_bytes + sums * n_g * grad_bytes + acts
+    d_b = n_g * grad_bytes + w.head_g_bytes + w.embed_grad_rows_bytes
     rhf, rdf = duplex_rates(h_f, acts, p)
     rhb, rdb = duplex_rates(h_b, d_b, p)
+    layer_f, layer_b, grad_b = layer_bytes / rhf, layer_bytes / rhb, grad_bytes / rhb
+    grad_d = grad_bytes / rdb
 
-    t = hfree = dfree = exp_h = exp_d = 0.0
+    t = dfree = exp_h = exp_d = 0.0
     use_end: list[float] = []
     fwd_items, bwd_items = _Items(), _Items()
-    n_items = sum(w.act_count)
+    fwd_time, bwd_time = fwd_items.time, bwd_items.time
+    n_items = sum(act_count)
     hfree = w.embed_rows_bytes / rhf  # the round's embedding rows, needed by layer 0
     fi = 0
     for layer in range(L):  # forward
         arr_w, slot_first = (hfree if layer == 0 else 0.0), 0.0
-        if w.streamed[layer]:
+        is_streamed = streamed[layer]
+        if is_streamed:
             j = fpos[layer]
             if first or j >= S:
-                hfree = max(hfree, use_end[j - S] if j >= S else 0.0) + w.layer_bytes / rhf
+                if j >= S and use_end[j - S] > hfree:
+                    hfree = use_end[j - S]
+                hfree += layer_f
                 arr_w = hfree
-        k = w.act_count[layer]
+        k = act_count[layer]
         if k and fi - AS >= 0:
-            slot_first = fwd_items.time(fi - AS)
-        start = max(t, arr_w, slot_first)
+            slot_first = fwd_time(fi - AS)
+        start = t
+        if arr_w > start:
+            start = arr_w
+        if slot_first > start:
+            start = slot_first
         if start > t:
             if arr_w >= slot_first:
                 exp_h += start - t
             else:
                 exp_d += start - t
-        c = w.fwd_s
+        c = fwd_s
         end = start + c
         if k:
-            item_s = w.act_bytes[layer] / k / rdf
-            begin = max(dfree, start + c / k)
+            item_s = act_bytes[layer] / k / rdf
+            begin = start + c / k
+            if dfree > begin:
+                begin = dfree
             last = fi + k - 1 - AS
             if last >= fi:
                 slot_last = begin + (last - fi + 1) * item_s
             else:
-                slot_last = fwd_items.time(last) if last >= 0 else 0.0
+                slot_last = fwd_time(last) if last >= 0 else 0.0
             if slot_last + c / k > end:
                 exp_d += slot_last + c / k - end
                 end = slot_last + c / k
-            dfree = max(begin + k * item_s, end + item_s)
+            dfree = begin + k * item_s
+            if end + item_s > dfree:
+                dfree = end + item_s
             fwd_items.add(fi, k, begin + item_s, dfree)
             fi += k
-        if w.streamed[layer]:
+        if is_streamed:
             use_end.append(end)
         t = end
 
@@ -161,33 +179,51 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     for layer in reversed(range(L)):  # backward
         arr_w = arr_g = arr_a = 0.0
         g_wait_is_d2h = False
-        if w.streamed[layer]:
+        is_streamed = streamed[layer]
+        if is_streamed:
             j = fpos[layer]
-            pos = len(use_end)
             if j < n - held:
-                hfree = max(hfree, use_end[pos - S]) + w.layer_bytes / rhb
+                u = use_end[len(use_end) - S]
+                if u > hfree:
+                    hfree = u
+                hfree += layer_b
                 arr_w = hfree
-        if w.grads_home[layer]:
+        g_home = grads_home[layer]
+        if g_home:
             q = len(g_done)
             slot = g_done[q - GS] if q >= GS else 0.0
             if first:
                 arr_g, g_wait_is_d2h = slot, True
             else:
-                hfree = max(hfree, slot) + w.grad_bytes / rhb
+                if slot > hfree:
+                    hfree = slot
+                hfree += grad_b
                 arr_g = hfree
-        k = w.act_count[layer]
+        k = act_count[layer]
         if k:
-            item_s = w.act_bytes[layer] / k / rhb
-            begin = max(hfree, _act_slot(bj - AS, bwd_items, fwd_items, n_items))
+            item_s = act_bytes[layer] / k / rhb
+            i = bj - AS
+            if i >= 0:
+                free = bwd_time(i)
+            else:
+                i += n_items
+                free = fwd_time(i) if i >= 0 else 0.0
+            begin = hfree if hfree >= free else free
             arr_a = begin + item_s
             hfree = begin + k * item_s
-        start = max(t, arr_w, arr_g, arr_a)
+        start = t
+        if arr_w > start:
+            start = arr_w
+        if arr_g > start:
+            start = arr_g
+        if arr_a > start:
+            start = arr_a
         if start > t:
-            if g_wait_is_d2h and arr_g >= max(arr_w, arr_a):
+            if g_wait_is_d2h and arr_g >= arr_w and arr_g >= arr_a:
                 exp_d += start - t
             else:
                 exp_h += start - t
-        c = w.bwd_s[layer]
+        c = bwd_s[layer]
         end = start + c
         if k:
             last = bj + k - 1 - AS
@@ -195,16 +231,17 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
                 slot_last = start + (last - bj + 1) * c / k
             else:
                 slot_last = _act_slot(last, bwd_items, fwd_items, n_items)
-            hfree = max(hfree, slot_last + item_s)
+            if slot_last + item_s > hfree:
+                hfree = slot_last + item_s
             if hfree + c / k > end:
                 exp_h += hfree + c / k - end
                 end = hfree + c / k
             bwd_items.add(bj, k, start + c / k, end)
             bj += k
-        if w.grads_home[layer]:
-            dfree = max(dfree, end) + w.grad_bytes / rdb
+        if g_home:
+            dfree = (dfree if dfree >= end else end) + grad_d
             g_done.append(dfree)
-        if w.streamed[layer]:
+        if is_streamed:
             use_end.append(end)
         t = end
     if w.embed_grad_rows_bytes:

@@ -27,6 +27,8 @@ ACT_CLASSES = ((Where.DEVICE, SavedLevel.FULL), (Where.DEVICE, SavedLevel.INP_AT
                (Where.DEVICE, SavedLevel.INP_ONLY), (Where.HOME, SavedLevel.FULL),
                (Where.HOME, SavedLevel.INP_ATTN), (Where.HOME, SavedLevel.INP_ONLY))
 """Saved-activation classes in the order they are laid along the spread order (State.acts)."""
+_CLASS_LEVEL = tuple(LEVEL_INDEX[level] for _, level in ACT_CLASSES)
+"""LEVEL_INDEX of each class (the search's inner loops look it up per layer)."""
 OPT_STAGE_TARGET_ELEMS = 1 << 24
 """Elements per piece of a STREAMED optimizer (param, grad, m, v double-buffered)."""
 
@@ -45,6 +47,22 @@ class State:
     acts: tuple[int, int, int, int, int, int]
     """Counts per ACT_CLASSES entry; they sum to kept layers x chunks per round (every layer
     without segments; the segments' boundary layers with them)."""
+
+    def but(self, **changes) -> State:
+        """This State with `changes`: dataclasses.replace without its scan of the fields (the
+        search makes some 10^5 States a request)."""
+        kw = {"resident": self.resident, "embed_dev": self.embed_dev,
+              "head_dev": self.head_dev, "opt_streamed": self.opt_streamed,
+              "weight_slots": self.weight_slots, "grad_slots": self.grad_slots,
+              "act_slots": self.act_slots, "acts": self.acts}
+        kw.update(changes)
+        return State(**kw)
+
+    def key(self) -> tuple:
+        """The fields in order: sorted(states, key=State.key) orders as sorted(states), with
+        one tuple built per State instead of two per comparison."""
+        return (self.resident, self.embed_dev, self.head_dev, self.opt_streamed,
+                self.weight_slots, self.grad_slots, self.act_slots, self.acts)
 
 
 def spread_order(n: int) -> list[int]:
@@ -253,11 +271,16 @@ class Space:
             return [(self.inner_class, 0, C)]
         rho, L = self.kept_rank[layer], self.n_kept
         out = []
-        for k in range(6):
-            lo = max(0, -(-(bounds[k] - rho) // L))
-            hi = min(C, -(-(bounds[k + 1] - rho) // L))
-            if hi > lo:
-                out.append((k, C - hi, C - lo))
+        b0 = bounds[0]
+        for k in range(6):  # an empty class (equal bounds) has no chunks: skipped unclipped
+            b1 = bounds[k + 1]
+            if b1 > b0:
+                lo = -(-(b0 - rho) // L)
+                hi = -(-(b1 - rho) // L)
+                lo, hi = (lo if lo > 0 else 0), (hi if hi < C else C)
+                if hi > lo:
+                    out.append((k, C - hi, C - lo))
+            b0 = b1
         return out
 
     @staticmethod
@@ -279,7 +302,7 @@ class Space:
             k = b = 0
             top = self.top_of.get(layer)
             for cls, c0, c1 in self._layer_classes(layer, bounds):
-                li = LEVEL_INDEX[ACT_CLASSES[cls][1]]
+                li = _CLASS_LEVEL[cls]
                 r += self.rec_pre[li][c1] - self.rec_pre[li][c0]
                 rf += self.recf_pre[li][c1] - self.recf_pre[li][c0]
                 if top is not None:
