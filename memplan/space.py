@@ -194,6 +194,8 @@ class Space:
             self.rec_pre[LEVEL_INDEX[inner_level]][-1]) + sum(self.seg_s)
         """Recompute seconds of the rebuilt layers (their levels and the segments' forward)."""
         self.resident_set = functools.cache(self._resident_set)
+        self._work_by_acts: dict = {}
+        """State.acts -> _layer_work (lists shared by Workloads: nothing mutates them)."""
 
     def _resident_set(self, k: int) -> frozenset[int]:
         return frozenset(self.order[:k])
@@ -291,6 +293,19 @@ class Space:
         return b
 
     def workload(self, s: State) -> Workload:
+        # Most of the search's moves (resident layers, slots, embedding, head, optimizer) keep
+        # the activation classes: their per-layer work is computed once per `acts`.
+        per_layer = self._work_by_acts.get(s.acts)
+        if per_layer is None:
+            per_layer = self._work_by_acts[s.acts] = self._layer_work(s)
+        bwd_s, act_count, act_bytes, rec_s, rec_f = per_layer
+        return make_workload(self._shell(s), self.p, fwd_s=self.fwd_s, bwd_s=bwd_s,
+                             act_count=act_count, act_bytes=act_bytes, rec_s=rec_s,
+                             rec_flops=rec_f, costs=self.costs, elems=self.elems, gbpe=self.gbpe)
+
+    def _layer_work(self, s: State) -> tuple:
+        """(backward seconds, home activation count, their bytes) per layer, and the round's
+        recompute seconds and FLOPs, of `s`'s activation classes (nothing else of `s`)."""
         bounds = self._bounds(s)
         bwd_s, act_count, act_bytes = [], [], []
         rec_s, rec_f = 0.0, self.seg_flops
@@ -317,9 +332,7 @@ class Space:
             rec_f += rf
             act_count.append(k)
             act_bytes.append(b)
-        return make_workload(self._shell(s), self.p, fwd_s=self.fwd_s, bwd_s=bwd_s,
-                             act_count=act_count, act_bytes=act_bytes, rec_s=rec_s,
-                             rec_flops=rec_f, costs=self.costs, elems=self.elems, gbpe=self.gbpe)
+        return bwd_s, act_count, act_bytes, rec_s, rec_f
 
     def _shell(self, s: State, rounds_per_step: int = 1, activations=()) -> Decisions:
         home = HOME_STREAMED if s.opt_streamed else HOME_HOST
