@@ -3,8 +3,9 @@ array libraries, never touches a device, never reads the clock.
 
 The candidates (candidates.py) do not depend on the budgets: the answer for a budget is the
 fastest candidate that fits it, found exactly by scoring candidates in order of a lower bound
-on their time. So more memory never predicts less throughput, and the smallest budgets named in
-errors are exact over the same candidate set."""
+on their time. So more memory never predicts less throughput than a smaller budget's plan was
+ranked at (the longer head sub-chunk a chosen plan takes afterward, _longer_head_sub, is outside
+the ranking), and the smallest budgets named in errors are exact over the same candidate set."""
 
 from __future__ import annotations
 
