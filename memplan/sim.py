@@ -91,7 +91,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     """Seconds of one round (`first`: the round after an optimizer step: no running gradient sums
     to fetch, no weights left in slots) and the part of it compute waited for each stream."""
     # The search calls this twice per candidate it scores: the per-layer lists are read into
-    # locals and two-way maxima written as conditionals (same values, a third of the time).
+    # locals and two-way maxima written as conditionals (same values, about a quarter less time).
     L, S, GS, AS = w.n_layers, w.weight_slots, w.grad_slots, w.act_slots
     streamed, grads_home, act_count, act_bytes = w.streamed, w.grads_home, w.act_count, w.act_bytes
     bwd_s, fwd_s, layer_bytes, grad_bytes = w.bwd_s, w.fwd_s, w.layer_bytes, w.grad_bytes
@@ -114,7 +114,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     t = dfree = exp_h = exp_d = 0.0
     use_end: list[float] = []
     fwd_items, bwd_items = _Items(), _Items()
-    fwd_time, bwd_time = fwd_items.time, bwd_items.time
+    fwd_time = fwd_items.time
     n_items = sum(act_count)
     hfree = w.embed_rows_bytes / rhf  # the round's embedding rows, needed by layer 0
     fi = 0
@@ -202,12 +202,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
         k = act_count[layer]
         if k:
             item_s = act_bytes[layer] / k / rhb
-            i = bj - AS
-            if i >= 0:
-                free = bwd_time(i)
-            else:
-                i += n_items
-                free = fwd_time(i) if i >= 0 else 0.0
+            free = _act_slot(bj - AS, bwd_items, fwd_items, n_items)
             begin = hfree if hfree >= free else free
             arr_a = begin + item_s
             hfree = begin + k * item_s
