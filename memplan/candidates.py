@@ -238,12 +238,14 @@ def _space_states(sp: Space, opts: dict) -> tuple[set[State], list[State]]:
     base = State(resident=0, embed_dev=False, head_dev=False, opt_streamed=streamed,
                  weight_slots=1, grad_slots=1, act_slots=1, acts=(0, 0, 0, 0, 0, N))
     states, chain = set(), []
+    sp.start_chains()
     for home_class, act_moves in CHAINS:
         acts = tuple(N if i == home_class else 0 for i in range(6))
         for s in _chain(sp, base.but(acts=acts), score, opts, act_moves):
             states.add(s)
             chain.append(s)
             states.update(_home_upgrades(sp, s, home_class))
+    sp.end_chains()
     if opts["max_resident_layers"] == L:
         for acts in ((N, 0, 0, 0, 0, 0), (0, 0, N, 0, 0, 0)):  # all on device; least host
             states.add(State(resident=L, embed_dev=True, head_dev=True, opt_streamed=streamed,
