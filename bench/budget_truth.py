@@ -7,6 +7,7 @@ measures, and it never trains in its own process.
 
     python -m bench.budget_truth --out bench/records/budget-truth-h100            # issue 13's cells
     python -m bench.budget_truth --out runs/bt --backend numpy --steps 2 tiny:256:2:0.25
+    python -m bench.budget_truth --out runs/bt --fast-attention --steps 3 8b:8192:80:24
 
 A peak is the largest 0.2 s sample, so a spike shorter than that can be missed; the device
 overshoot subtracts the CUDA context the demo itself reports, so a cell that dies before its
@@ -64,6 +65,9 @@ class BudgetRecord:
     """'numpy' or 'cupy': what the demo was told to run on."""
     profile: str
     """The hardware profile the plan (and its prediction) was made for."""
+    attention_bwd: str = "deterministic"
+    """The plan's attention backward: 'fast' with --fast-attention (cuDNN's atomic dQ, as
+    dataflow-demo --fast-attention), else 'deterministic'."""
     status: str
     """A bench.sweep.record.Status value: ok, infeasible (the planner refused: no process),
     device_oom, host_oom, timeout or crash."""
@@ -182,17 +186,20 @@ def _minus(a: int | None, *others: int | None) -> int | None:
 
 
 def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeout_s: float,
-             commit: str | None = None) -> BudgetRecord:
-    """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json."""
+             commit: str | None = None,
+             attention_bwd: str = "deterministic") -> BudgetRecord:
+    """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json.
+    The plan file carries `attention_bwd` to the demo."""
     budget = Budget.from_gib(cell.host_gib, cell.dev_gib)
     base = {"model": cell.model, "seqlen": cell.seqlen, "host_gib": cell.host_gib,
             "dev_gib": cell.dev_gib, "host_budget_bytes": budget.host_bytes,
             "device_budget_bytes": budget.device_bytes, "steps": steps, "backend": backend,
-            "profile": profile.name, "commit": commit, "hostname": socket.gethostname(),
-            "started_at": now_iso()}
+            "profile": profile.name, "attention_bwd": attention_bwd, "commit": commit,
+            "hostname": socket.gethostname(), "started_at": now_iso()}
     slug = cell.slug
     try:
-        plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile)
+        plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile,
+                         attention_bwd=attention_bwd)
     except InfeasibleBudget as exc:
         record = BudgetRecord(status=Status.INFEASIBLE.value,
                               error=str(exc).strip().splitlines()[-1], **base)
@@ -295,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per cell before it is killed and recorded as a timeout")
     p.add_argument("--gpu", metavar="NAME", help="plan for this built-in profile instead of "
                                                   "the local device's")
+    p.add_argument("--fast-attention", action="store_true",
+                   help="plan every cell with cuDNN's atomic-dQ attention backward, as "
+                        "dataflow-demo --fast-attention does (faster; dQ may differ in the last "
+                        "bits between runs; split sequences use it either way)")
     return p
 
 
@@ -319,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         log.info("%s: running on %s (profile %s)", cell.label, backend, profile.name)
         record = run_cell(cell, out=out, steps=args.steps, backend=backend, profile=profile,
-                          timeout_s=args.timeout, commit=commit)
+                          timeout_s=args.timeout, commit=commit,
+                          attention_bwd="fast" if args.fast_attention else "deterministic")
         log.info("%s", summary_line(record))
     return 0
 

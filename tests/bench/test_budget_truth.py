@@ -30,6 +30,7 @@ def test_two_tiny_cells_run_in_fresh_processes_and_write_their_records(tmp_path,
         r = _record(tmp_path, slug)
         cell = parse_cell(text)
         assert r.status == "ok" and r.exit_code == 0 and r.error is None, r
+        assert r.attention_bwd == "deterministic"
         assert (r.model, r.seqlen, r.host_gib, r.dev_gib) == cell.key
         assert r.host_budget_bytes == int(cell.host_gib * 2**30)
         assert r.device_budget_bytes == 2**28
@@ -46,6 +47,17 @@ def test_two_tiny_cells_run_in_fresh_processes_and_write_their_records(tmp_path,
         assert r.tok_per_s > 0 and r.predicted_tok_per_s > 0 and r.steps_averaged == 1
         assert 0 < r.init_s < r.wall_s
         assert (tmp_path / r.log).read_text().count("step 2:") >= 1
+
+
+def test_fast_attention_plans_the_cell_with_the_atomic_backward(tmp_path):
+    """--fast-attention reaches the demo through the plan file and is recorded."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "1",
+                 "--fast-attention", "tiny:256:1:0.25"]) == 0
+    r = _record(tmp_path, "tiny-s256-h1-d0.25")
+    assert r.status == "ok" and r.attention_bwd == "fast", r
+    plan = json.loads((tmp_path / "tiny-s256-h1-d0.25.plan.json").read_text())
+    assert plan["attention_bwd"] == "fast"
+    assert r.plan_hash in (tmp_path / "tiny-s256-h1-d0.25.demo.json").read_text()
 
 
 def test_infeasible_cell_is_recorded_without_a_process(tmp_path):
