@@ -182,7 +182,8 @@ def _run(args, stop: checks.StopSignals) -> int:
         plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,
                          **extra)
     checks.check_budgets_fit_machine(plan, be_probe)
-    log.info("%s", explain(plan))
+    log.info("%s", explain(plan, update="backward" if args.backward_update
+                           else "end" if args.eager_update else "deferred"))
     from bench.demo_training import Training
 
     training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints

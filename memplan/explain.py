@@ -91,10 +91,12 @@ def _memory_lines(plan: Plan) -> list[str]:
     return out
 
 
-def _prediction_lines(plan: Plan, pr) -> list[str]:
+def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
     est = plan.prediction.tok_per_s
+    mode = "" if update == "deferred" else f", the update {UPDATE_WHERE[update]}"
     return [
-        (f"Prediction on {plan.profile.name} (its compiled schedule, simulated): step {_t(pr.step_time_s)} = compute "
+        (f"Prediction on {plan.profile.name} (its compiled schedule{mode}, simulated): step "
+        f"{_t(pr.step_time_s)} = compute "
         f"{_t(pr.compute_s)} + recompute {_t(pr.recompute_s)} + exposed h2d "
         f"{_t(pr.exposed_h2d_s)} + exposed d2h {_t(pr.exposed_d2h_s)} + optimizer "
         f"{_t(pr.optimizer_s)}"),
@@ -106,7 +108,7 @@ def _prediction_lines(plan: Plan, pr) -> list[str]:
     ]
 
 
-def _reasons(plan: Plan, pr) -> list[str]:
+def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
     """The reasons, with shares and the bottleneck from `pr`, the simulated prediction printed
     above them (the search's per-round estimate could name another bottleneck)."""
     cfg, ch, s = plan.model, plan.chunking, plan.slots
@@ -140,7 +142,7 @@ def _reasons(plan: Plan, pr) -> list[str]:
         how = ("streamed through the device (PCIe bound)" if opt is OptimizerWhere.STREAMED
                else "on the host (host-memory bound, no PCIe traffic)")
         out.append(f"optimizer: home blocks update {how}; device blocks update in HBM; "
-                   "the Engine runs a step's update inside the next step's first round "
+                   f"the Engine runs a step's update {UPDATE_WHERE[update]} "
                    "(what it does not hide there is the prediction's optimizer time)")
     rows = ch.tokens_per_round * cfg.model_dim * 2
     if plan.embed.weights is Where.HOME:
@@ -182,8 +184,20 @@ def _act_reason(plan: Plan) -> str:
     return out
 
 
-def explain(plan: Plan) -> str:
-    """A terminal overview of `plan` and the reason for each decision."""
+UPDATE_WHERE = {
+    "deferred": "inside the next step's first round",
+    "end": "at the end of its own step (--eager-update)",
+    "backward": ("inside its own last round, each streamed layer's right after its gradient is "
+                 "final (--backward-update)"),
+}
+"""Where the Engine runs a step's AdamW, by memplan.schedule.UPDATE_MODES name."""
+
+
+def explain(plan: Plan, update: str = "deferred") -> str:
+    """A terminal overview of `plan` and the reason for each decision, the prediction for the
+    update mode the run uses (UPDATE_WHERE; the Engine's default, 'deferred', unless told)."""
+    if update not in UPDATE_WHERE:
+        raise ValueError(f"update={update!r}; choose one of {', '.join(UPDATE_WHERE)}")
     cfg, b = plan.model, plan.budget
     head = (f"Plan for {cfg.name} at seqlen {plan.chunking.seqlen:,} on {plan.profile.name}: "
             f"budgets host {_size(b.host_bytes)}, device {_size(b.device_bytes)} "
@@ -192,12 +206,12 @@ def explain(plan: Plan) -> str:
     s = plan.slots
     from memplan.cost import predict_schedule
 
-    pr = predict_schedule(plan, plan.profile)
+    pr = predict_schedule(plan, plan.profile, update=update)
     lines = [head, *_chunking_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
              f"{s.opt_stage_elems:,} elements"),
              _placement_line(plan), _activation_line(plan), *_memory_lines(plan),
-             *_prediction_lines(plan, pr), "Why:"]
-    lines += [f"  - {r}" for r in _reasons(plan, pr)]
+             *_prediction_lines(plan, pr, update), "Why:"]
+    lines += [f"  - {r}" for r in _reasons(plan, pr, update)]
     return "\n".join(lines)

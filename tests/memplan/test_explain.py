@@ -45,3 +45,24 @@ def test_why_names_the_bottleneck_and_shares_of_the_simulated_prediction():
     assert f"bottleneck: {pr.bottleneck} (" in why
     assert f"of {pr.step_time_s:.2f} s)" in why and f"bottleneck: {pr.bottleneck}" in \
         text.split("Why:")[0]
+
+
+def test_explain_predicts_the_update_mode_the_run_uses(h100):
+    """dataflow-demo --eager-update / --backward-update print the prediction of their own
+    schedule (an earlier note: the demo printed the deferred update's for every mode)."""
+    import pytest
+
+    from memplan.cost import predict_schedule
+
+    plan = make_plan(load_config("8b"), 8192, Budget.from_gib(80, 24), h100)
+    for update, flag in (("end", "--eager-update"), ("backward", "--backward-update")):
+        text = explain(plan, update=update)
+        step = predict_schedule(plan, plan.profile, update=update).step_time_s
+        head = text.split("Why:")[0]
+        assert flag in head and f"step {step:.2f} s" in head, update
+        assert flag in text.split("Why:")[1]
+    default = explain(plan)
+    assert "--eager-update" not in default and "inside the next step's first round" in default
+    assert f"step {predict_schedule(plan, plan.profile).step_time_s:.2f} s" in default
+    with pytest.raises(ValueError, match="update='later'"):
+        explain(plan, update="later")
