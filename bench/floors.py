@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.sweep.sweep import git_commit
-from dataflow.instrument.breakdown import ceilings
+from dataflow.instrument.breakdown import ceilings, is_attention, is_level_recompute
 
 _COSTS = re.compile(r"largest compute costs \(last step\): (.*)$", re.M)
 _OP = re.compile(r"([\w.]+) ([\d.]+) ms")
@@ -48,14 +48,10 @@ def attention_from_log(text: str) -> float | None:
         pass  # the last step's line
     if m is None:
         return None
-    total = 0.0
-    for name, ms in _OP.findall(m.group(1)):
-        parts = name.split(".")
-        if parts[-1] == "re" or "seg" in parts[:-1]:
-            continue  # the backward's re-run forward attention is recompute
-        if parts[-1].startswith("attention_"):
-            total += float(ms) / 1e3
-    return total
+    # the same classification as compute_breakdown's attention_s: the backward's re-run
+    # forward attention is recompute
+    return sum(float(ms) / 1e3 for name, ms in _OP.findall(m.group(1))
+               if is_attention(name) and not is_level_recompute(name))
 
 
 def floors(run: dict, log_text: str | None = None) -> dict:
