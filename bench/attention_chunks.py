@@ -5,14 +5,14 @@ estimate per chunk size (time per chunk interpolated over the positions timed). 
 whether a longer query chunk makes long-context attention faster. Prints a table and writes a
 JSON record. GPU only.
 
-    python -m bench.attention_chunks --model 1b --seqlen 1048576 --chunks 16384,32768,65536 \
+    python -m dataflow.bench.attention_chunks --model 1b --seqlen 1048576 --chunks 16384,32768,65536 \
         --out bench/records/attention-chunks-1b-h100.json"""
 
 from __future__ import annotations
 
 import argparse
 
-from bench.attention_blocks import (bf16_normal, chunk_positions, gpu_record, seconds_per_call,
+from dataflow.bench.attention_blocks import (bf16_normal, chunk_positions, gpu_record, seconds_per_call,
                                     write_record)
 
 
@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dataflow.ops_cuda import CudaOps
-    from memplan.buffers import attention_key_block
-    from models.config import load_config
+    from dataflow.memplan.buffers import attention_key_block
+    from dataflow.models.config import load_config
 
     cfg = load_config(a.model)
     s, h, kh, e = a.seqlen, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             bwd[c] = timed(lambda: ops.attention_bwd(q, k[:off + t], v[:off + t], o, lse, do,
                                                      off, dq, dk[:off + t], dv[:off + t]))
 
-        def pairs(c):  # causal query/key pairs of chunk c, as models.flops counts them
+        def pairs(c):  # causal query/key pairs of chunk c, as dataflow.models.flops counts them
             return t * (c * t + t / 2)
 
         fl = {c: 4 * pairs(c) * h * e for c in positions}  # forward matmuls; backward 2.5x

@@ -1,10 +1,10 @@
 """Every execution plan cuDNN offers for the engine's fused-attention shapes, timed: which
-engine and knobs the heuristics pick (what kernels.cuda.attention runs) against the others
+engine and knobs the heuristics pick (what dataflow.kernels.cuda.attention runs) against the others
 heuristic modes A, B and FALLBACK list, so a faster plan the default walk misses shows up.
 Prints a table and writes a JSON record. GPU only.
 
-    python -m bench.attention_plans --out bench/records/attention-plans-h100.json
-    python -m bench.attention_plans --cases 8b-bwd-block,1b-fwd --reps 5
+    python -m dataflow.bench.attention_plans --out bench/records/attention-plans-h100.json
+    python -m dataflow.bench.attention_plans --cases 8b-bwd-block,1b-fwd --reps 5
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import json
 import time
 
-from bench.sweep.sweep import git_commit
+from dataflow.bench.sweep.sweep import git_commit
 
 # name: (kind, model, T queries, S keys, q_offset, causal, deterministic) — the shapes the
-# long-context plans run (8,192-token chunks; key blocks of memplan.buffers.attention_key_block)
+# long-context plans run (8,192-token chunks; key blocks of dataflow.memplan.buffers.attention_key_block)
 CASES = {
     "8b-fwd-8k": ("fwd", "8b", 8192, 8192, 0, True, True),
     "8b-bwd-8k-det": ("bwd", "8b", 8192, 8192, 0, True, True),
@@ -36,14 +36,14 @@ CASES = {
 
 def _flops(kind, t, s, q_offset, causal, h, e) -> float:
     """Hardware FLOPs of one call: 4*H*E per visible (query, key) pair forward, 2.5x that
-    backward (the same count bench.attention_blocks uses)."""
+    backward (the same count dataflow.bench.attention_blocks uses)."""
     pairs = t * s if not causal else t * q_offset + t * (t + 1) / 2
     fwd = 4.0 * h * e * pairs
     return fwd if kind == "fwd" else 2.5 * fwd
 
 
 def _plans_finish(cudnn, g):
-    """kernels.cuda.attention._finish without the build: every heuristic mode's plans listed."""
+    """dataflow.kernels.cuda.attention._finish without the build: every heuristic mode's plans listed."""
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
 
-    from kernels.cuda import attention as A
-    from models.config import load_config
+    from dataflow.kernels.cuda import attention as A
+    from dataflow.models.config import load_config
 
     cudnn = A._cudnn()
     bf16 = np.dtype(ml_dtypes.bfloat16)

@@ -5,9 +5,9 @@ tok/s, measured peaks, overshoot past each budget, tok/s, init time and status. 
 plans (pure Python) and samples: it never creates a CUDA context, so it adds nothing to what it
 measures, and it never trains in its own process.
 
-    python -m bench.budget_truth --out bench/records/budget-truth-h100            # issue 13's cells
-    python -m bench.budget_truth --out runs/bt --backend numpy --steps 2 tiny:256:2:0.25
-    python -m bench.budget_truth --out runs/bt --fast-attention --steps 3 8b:8192:80:24
+    python -m dataflow.bench.budget_truth --out bench/records/budget-truth-h100            # issue 13's cells
+    python -m dataflow.bench.budget_truth --out runs/bt --backend numpy --steps 2 tiny:256:2:0.25
+    python -m dataflow.bench.budget_truth --out runs/bt --fast-attention --steps 3 8b:8192:80:24
 
 A peak is the largest 0.2 s sample, so a spike shorter than that can be missed; the device
 overshoot subtracts the CUDA context the demo itself reports, so a cell that dies before its
@@ -28,19 +28,19 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sweep.classify import classify
-from bench.sweep.grid import Cell, format_number
-from bench.sweep.monitor import INTERVAL_S, PeakSampler, open_nvml
-from bench.sweep.planning import now_iso, resolve_backend, resolve_profile
-from bench.sweep.record import Status
-from bench.sweep.runner import measured_fields
-from bench.sweep.sweep import git_commit
-from memplan import InfeasibleBudget, make_plan
-from memplan.cost import predict_schedule
-from memplan.plan import Budget
-from models.errors import ConfigError
-from models.hf import model_config
-from models.serial import to_json
+from dataflow.bench.sweep.classify import classify
+from dataflow.bench.sweep.grid import Cell, format_number
+from dataflow.bench.sweep.monitor import INTERVAL_S, PeakSampler, open_nvml
+from dataflow.bench.sweep.planning import now_iso, resolve_backend, resolve_profile
+from dataflow.bench.sweep.record import Status
+from dataflow.bench.sweep.runner import measured_fields
+from dataflow.bench.sweep.sweep import git_commit
+from dataflow.memplan import InfeasibleBudget, make_plan
+from dataflow.memplan.cost import predict_schedule
+from dataflow.memplan.plan import Budget
+from dataflow.models.errors import ConfigError
+from dataflow.models.hf import model_config
+from dataflow.models.serial import to_json
 
 log = logging.getLogger("dataflow.budget_truth")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ class BudgetRecord:
     """The plan's attention backward: 'fast' with --fast-attention (cuDNN's atomic dQ, as
     dataflow-demo --fast-attention), else 'deterministic'."""
     status: str
-    """A bench.sweep.record.Status value: ok, infeasible (the planner refused: no process),
+    """A dataflow.bench.sweep.record.Status value: ok, infeasible (the planner refused: no process),
     device_oom, host_oom, timeout or crash."""
     error: str | None = None
     """The last line the demo wrote to stderr, or the planner's refusal."""
@@ -79,7 +79,7 @@ class BudgetRecord:
     """Sum of the plan's device regions (the arena is the whole budget; this is what it uses)."""
     planned_host_bytes: int | None = None
     predicted_tok_per_s: float | None = None
-    """The planner's prediction for the compiled schedule (memplan.cost.predict_schedule)."""
+    """The planner's prediction for the compiled schedule (dataflow.memplan.cost.predict_schedule)."""
     peak_device_used_bytes: int | None = None
     """Largest NVML sample: per-process used memory, or device-wide used minus the level before
     the cell started (device_method says which); includes the CUDA context. None without NVML."""
@@ -110,7 +110,7 @@ class BudgetRecord:
     wall_s: float | None = None
     """The whole demo process, start to exit."""
     busy_samples: int | None = None
-    """NVML samples with the GPU busy; the means below are over them (bench.sweep.monitor)."""
+    """NVML samples with the GPU busy; the means below are over them (dataflow.bench.sweep.monitor)."""
     sm_clock_mhz_mean: float | None = None
     power_w_mean: float | None = None
     power_capped_frac: float | None = None
@@ -147,7 +147,7 @@ def parse_cell(text: str) -> Cell:
 
 
 def _demo_command(cell: Cell, steps: int, backend: str, plan_path: Path) -> list[str]:
-    return [sys.executable, "-m", "bench.demo", format_number(cell.host_gib),
+    return [sys.executable, "-m", "dataflow.bench.demo", format_number(cell.host_gib),
             format_number(cell.dev_gib), str(cell.seqlen), cell.model, "--steps", str(steps),
             "--backend", backend, "--plan", str(plan_path), "--json"]
 
@@ -285,7 +285,7 @@ def summary_line(r: BudgetRecord) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.budget_truth",
+        prog="python -m dataflow.bench.budget_truth",
         description="Run the demo for each cell in a fresh process, sample process-tree RSS "
                     f"and NVML device memory every {INTERVAL_S:g} s, and write OUT/<cell>.json "
                     "per cell (budgets, plan totals, peaks, overshoot, tok/s, init time, "

@@ -4,8 +4,8 @@ not assumed; when torch and transformers are importable it also loads the export
 LlamaForCausalLM.from_pretrained and prints the largest logits difference against our forward.
 Run on the GPU machine, e.g.:
 
-    python -m bench.checkpoint_bench 80 24 8192 8b --dir /tmp/ckpt      # 8b save/load timing
-    python -m bench.checkpoint_bench 8 4 256 small --dir /tmp/ck --hf-check
+    python -m dataflow.bench.checkpoint_bench 80 24 8192 8b --dir /tmp/ckpt      # 8b save/load timing
+    python -m dataflow.bench.checkpoint_bench 8 4 256 small --dir /tmp/ck --hf-check
 
 Writes one JSON document to stdout (human lines to stderr). Never changes what it measures:
 the engine trains one step (so m and v are not zero), then saves, loads and exports."""
@@ -58,7 +58,7 @@ def _digest(eng) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.checkpoint_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dataflow.bench.checkpoint_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("host_gb", type=float)
     p.add_argument("dev_gb", type=float)

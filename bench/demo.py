@@ -10,9 +10,9 @@ import logging
 import sys
 import time
 
-from bench import demo_checks as checks
-from bench.demo_training import default_lr
-from models.errors import ConfigError, NonFiniteError
+from dataflow.bench import demo_checks as checks
+from dataflow.bench.demo_training import default_lr
+from dataflow.models.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger("dataflow.demo")
 
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON document to stdout: status, plan, memory, setup "
                         "phases and one record per step")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
-    from bench.demo_training import add_flags
+    from dataflow.bench.demo_training import add_flags
 
     add_flags(p)  # --warmup --min-lr --max-grad-norm --data --eval-every, checkpoints, --resume
     return p
@@ -135,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, stop: checks.StopSignals) -> int:
     from dataflow.backend import BackendError
     from dataflow.backends import make_backend
-    from memplan import explain, make_plan
-    from memplan.plan import Budget
-    from models.hf import model_config
+    from dataflow.memplan import explain, make_plan
+    from dataflow.memplan.plan import Budget
+    from dataflow.models.hf import model_config
 
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
     lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
-        from bench.demo_ring import run_ring
+        from dataflow.bench.demo_ring import run_ring
 
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
@@ -184,7 +184,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     checks.check_budgets_fit_machine(plan, be_probe)
     log.info("%s", explain(plan, update="backward" if args.backward_update
                            else "end" if args.eager_update else "deferred"))
-    from bench.demo_training import Training
+    from dataflow.bench.demo_training import Training
 
     training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
     if stop.signum:
@@ -348,7 +348,7 @@ class _Run:
             log.info("%s", last.breakdown.table())
             ceil = last.breakdown.ceilings(last.tokens)
             if ceil["no_stalls"]:
-                log.info("ceilings at this step's kernel rates (python -m bench.floors): %s tok/s "
+                log.info("ceilings at this step's kernel rates (python -m dataflow.bench.floors): %s tok/s "
                          "with every copy hidden, %s with no recompute either (more memory)%s",
                          f"{ceil['no_stalls']:,.0f}", f"{ceil['no_recompute']:,.0f}",
                          f"; its attention alone {ceil['attention_alone']:,.0f}"
@@ -368,7 +368,7 @@ class _Run:
                      mem["device_regions"] / 2**30, mem["host_arena"] / 2**30,
                      mem["host_regions"] / 2**30)
         if args.json:
-            from models.serial import to_dict
+            from dataflow.models.serial import to_dict
 
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
                        "backend": self.backend, "memory": mem, "setup": self.setup,
@@ -384,7 +384,7 @@ def _nonfinite(value: float) -> str:
 
 
 def _is_zoo(name: str) -> bool:
-    from models.config import zoo_names
+    from dataflow.models.config import zoo_names
 
     return name in zoo_names()
 

@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 log = logging.getLogger("dataflow.demo")
 
@@ -57,7 +57,7 @@ def positive_int(text: str) -> int:
 
 
 def seqlen(text: str) -> int:
-    from memplan.chunking import MAX_SEQLEN
+    from dataflow.memplan.chunking import MAX_SEQLEN
 
     value = positive_int(text)
     if value > MAX_SEQLEN:
@@ -104,7 +104,7 @@ def readable_file(text: str) -> str:
 # -- checks before any allocation --------------------------------------------------------------
 def load_plan(path: str):
     """The Plan in `path`; ConfigError (exit 2) when it is not one."""
-    from memplan.plan import Plan
+    from dataflow.memplan.plan import Plan
 
     try:
         text = Path(path).read_text()
@@ -120,7 +120,7 @@ def load_plan(path: str):
 def check_plan_matches(plan, cfg, seqlen: int, host_gb: float, dev_gb: float) -> None:
     """Refuse a plan whose model, seqlen or budgets differ from the positionals (they used to be
     ignored silently, and a different seqlen failed only after initialisation)."""
-    from memplan.plan import Budget
+    from dataflow.memplan.plan import Budget
 
     want = Budget.from_gib(host_gb, dev_gb)
     diffs = []

@@ -1,5 +1,5 @@
 """`dataflow-demo <host_gb> <dev_gb> <seqlen> <model> --gpus N`: the demo as a ring of N ranks
-(layer i on rank i mod N; budgets per device) through ring.cli's launcher: it spawns the ranks
+(layer i on rank i mod N; budgets per device) through dataflow.ring.cli's launcher: it spawns the ranks
 (or, under torchrun / srun with --gpus equal to WORLD_SIZE, is one of them), prints each rank's
 step lines and one summary line (tok/s of the whole ring). Constant lr, clipping as
 --max-grad-norm, the shipped text; --checkpoint-dir, --save-every, --keep and --resume as on one
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
                   "rounds": "--rounds", "seqs_per_step": "--seqs-per-step",
@@ -21,9 +21,9 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
-    from memplan.cli_args import check_checkpoint_flags
-    from ring.cli import ring_processes, run_job
-    from ring.worker import RingJob
+    from dataflow.memplan.cli_args import check_checkpoint_flags
+    from dataflow.ring.cli import ring_processes, run_job
+    from dataflow.ring.worker import RingJob
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
             if getattr(args, dest, None) != parser.get_default(dest)]

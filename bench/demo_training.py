@@ -9,7 +9,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 log = logging.getLogger("dataflow.demo")
 
@@ -99,7 +99,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(args) -> None:
     """Refuse combinations argparse cannot see (raised as ConfigError: exit 2)."""
-    from memplan.cli_args import check_checkpoint_flags
+    from dataflow.memplan.cli_args import check_checkpoint_flags
 
     check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
     if args.data is not None and not Path(args.data).exists():

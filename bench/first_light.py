@@ -2,7 +2,7 @@
 process with a time limit, and writes one JSON record (device, commit, configs, per-step numbers,
 memory) to bench/records/. Prints a table last. Usage:
 
-    python -m bench.first_light [--out FILE] [--steps N] [--only 8b,1b-8k,1b-4k]
+    python -m dataflow.bench.first_light [--out FILE] [--steps N] [--only 8b,1b-8k,1b-4k]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = {}
     for name in args.only.split(","):
-        cmd = [sys.executable, "-m", "bench.demo", *CONFIGS[name], "--steps", str(args.steps),
+        cmd = [sys.executable, "-m", "dataflow.bench.demo", *CONFIGS[name], "--steps", str(args.steps),
                "--json"]
         if args.trace_dir:
             cmd += ["--trace", str(Path(args.trace_dir, f"{name}.trace.json"))]

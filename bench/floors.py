@@ -1,5 +1,5 @@
-"""How far a better schedule alone could take a measured step. From a run's JSON (`bench.demo
---json`, or bench.budget_truth's `*.demo.json`) the last step's breakdown gives three ceilings,
+"""How far a better schedule alone could take a measured step. From a run's JSON (`dataflow.bench.demo
+--json`, or dataflow.bench.budget_truth's `*.demo.json`) the last step's breakdown gives three ceilings,
 at the kernel rates that very run measured (clocks, power cap and all):
 
   - no stalls: every copy, host call and bubble hidden (tokens / compute busy);
@@ -11,7 +11,7 @@ at the kernel rates that very run measured (clocks, power cap and all):
 A target above the no-recompute ceiling needs faster kernels, not another plan. Reads records
 only (no GPU); prints a table and writes a JSON record.
 
-    python -m bench.floors bench/records/s13-h100-6b7f5ac/bt/8b-s131072-h120-d24.demo.json:3400
+    python -m dataflow.bench.floors bench/records/s13-h100-6b7f5ac/bt/8b-s131072-h120-d24.demo.json:3400
 
 Records older than StepBreakdown.attention_s take the attention time from the run's log beside
 the JSON (its "largest compute costs" line: the five largest ops, so the figure is a lower
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sweep.sweep import git_commit
+from dataflow.bench.sweep.sweep import git_commit
 from dataflow.instrument.breakdown import ceilings, is_attention, is_level_recompute
 
 _COSTS = re.compile(r"largest compute costs \(last step\): (.*)$", re.M)
@@ -59,7 +59,7 @@ def floors(run: dict, log_text: str | None = None) -> dict:
     step = run["steps"][-1]
     bd = step.get("breakdown") or {}
     if not bd:
-        raise ValueError("the run's last step has no breakdown (was it traced? bench.demo "
+        raise ValueError("the run's last step has no breakdown (was it traced? dataflow.bench.demo "
                          "--json records one per step)")
     tokens, busy, recompute = step["tokens"], bd["compute_busy_s"], bd["recompute_s"]
     attention, source = bd.get("attention_s", 0.0), "breakdown"
@@ -122,13 +122,13 @@ def main(argv=None) -> int:
         try:
             run = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            print(f"bench.floors: cannot read {path}: {exc}", file=sys.stderr)
+            print(f"dataflow.bench.floors: cannot read {path}: {exc}", file=sys.stderr)
             return 2
         log = _log_of(path)
         try:
             row = floors(run, log.read_text() if log.exists() else None)
         except (KeyError, IndexError, ValueError) as exc:
-            print(f"bench.floors: {path} is not a run record with a step breakdown ({exc})",
+            print(f"dataflow.bench.floors: {path} is not a run record with a step breakdown ({exc})",
                   file=sys.stderr)
             return 2
         row.update(run=str(path), target_tok_s=target, verdict=_verdict(row, target))

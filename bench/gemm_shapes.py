@@ -5,7 +5,7 @@ SM clock and board power sampled, so a gap between the kernels' burst rate and t
 step's GEMM rate can be told apart: small shapes, or a clock the card lowers under load.
 Prints a table and writes a JSON record. GPU only.
 
-    python -m bench.gemm_shapes --model 8b --tokens 8192 --out bench/records/gemm-shapes-h100.json
+    python -m dataflow.bench.gemm_shapes --model 8b --tokens 8192 --out bench/records/gemm-shapes-h100.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import threading
 import time
 
-from bench.sweep.sweep import git_commit
+from dataflow.bench.sweep.sweep import git_commit
 
 
 def layer_gemms(d: int, q_out: int, kv_out: int, f: int, fused: bool):
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
 
-    from kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
-    from models.config import load_config
+    from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
+    from dataflow.models.config import load_config
 
     cfg = load_config(a.model)
     d, f, t = cfg.model_dim, cfg.ffn_dim, a.tokens

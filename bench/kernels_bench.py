@@ -1,4 +1,4 @@
-"""Times every kernels.cuda op at Llama3-8B shapes on the current GPU and writes a JSON record.
+"""Times every dataflow.kernels.cuda op at Llama3-8B shapes on the current GPU and writes a JSON record.
 
 Each op runs on fresh random data (never zeros), with warm-up, then each repeat between two
 CUDA events on the current stream; the median is reported beside the op's minimum bytes moved
@@ -6,7 +6,7 @@ CUDA events on the current stream; the median is reported beside the op's minimu
 a fraction of the ceilings (3.0 TB/s HBM, 780 TFLOP/s bf16 dense, both measured on the lent
 H100, DESIGN.md §6). Needs CuPy and a GPU; nvidia-cudnn-frontend for attention.
 
-    python -m bench.kernels_bench [--out FILE] [--repeats N]
+    python -m dataflow.bench.kernels_bench [--out FILE] [--repeats N]
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
                                         loss),
            0, 3 * 2 * t * d * v)
     del dw_head_bf16
-    from kernels.cuda.head_loss import xent_kernel
+    from dataflow.kernels.cuda.head_loss import xent_kernel
     xent = xent_kernel(4)
     tgt_sub = targets[:sub]
     kc.linear_fwd(x[:sub], w_head, logits)              # real logits to start from
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kernels_bench needs CuPy and an NVIDIA GPU; none here", file=sys.stderr)
         return 2
-    import kernels.cuda as kc
+    import dataflow.kernels.cuda as kc
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         cudnn_version = f"frontend {cudnn.__version__}, backend {cudnn.backend_version()}"
     except Exception as exc:  # attention fell back or the frontend is absent
         cudnn_version = f"unavailable ({type(exc).__name__})"
-    from kernels.cuda import attention
+    from dataflow.kernels.cuda import attention
     record = {
         "schema_version": 1,
         "kind": "kernels_bench",

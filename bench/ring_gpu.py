@@ -2,12 +2,12 @@
 processes and one after the other:
 
   ring     N ranks, one GPU each (NCCL), per-device budgets --ring-budget, launched by
-           `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m ring.cli` (--launcher);
-           every rank's losses and step times come back through ring.cli's --out files.
+           `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m dataflow.ring.cli` (--launcher);
+           every rank's losses and step times come back through dataflow.ring.cli's --out files.
   single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
            ring's own chunking (chunk tokens, chunks per round, rounds per step, read from rank
            0's record) and its head rank's head sub-chunk, so both train the same global
-           batches (ring.worker.batches: the shipped text) from the same initial weights, with
+           batches (dataflow.ring.worker.batches: the shipped text) from the same initial weights, with
            the ring's learning rate and seed.
 
 While each runs, every process of it is sampled every 0.5 s: its RSS (psutil) and its device
@@ -19,8 +19,8 @@ The short table comes last on stdout. NCCL's NVLink multicast stays off (NCCL_NV
 every NCCL_* variable the ranks see is recorded (try NCCL_MAX_NCHANNELS or
 NCCL_P2P_USE_CUDA_MEMCPY=1 to take NCCL's copies off the SMs).
 
-    python -m bench.ring_gpu --out runs/ring8b 8b 8192 --ring-budget 60:24 --single-budget 120:24
-    python -m bench.ring_gpu --out runs/ring32b 32b 8192 --ring-budget 125:40 --no-single \\
+    python -m dataflow.bench.ring_gpu --out runs/ring8b 8b 8192 --ring-budget 60:24 --single-budget 120:24
+    python -m dataflow.bench.ring_gpu --out runs/ring32b 32b 8192 --ring-budget 125:40 --no-single \\
         --launcher torchrun --steps 2
 
 Never trains in its own process and never creates a CUDA context in it."""
@@ -54,7 +54,7 @@ def _budget(text: str) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.ring_gpu",
+    p = argparse.ArgumentParser(prog="python -m dataflow.bench.ring_gpu",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("seqlen", type=int)
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=None,
-                   help="rounds per step (ring.cli --rounds; default: the planner's)")
+                   help="rounds per step (dataflow.ring.cli --rounds; default: the planner's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--backend", choices=("cupy", "numpy"), default="cupy",
                    help="numpy: a CPU smoke run of this script (shared-memory transport)")
@@ -197,9 +197,9 @@ def ring_command(args) -> list[str]:
         common += ["--rounds", str(args.rounds)]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
-                f"--nproc-per-node={args.gpus}", "-m", "ring.cli", *common]
+                f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]
     transport = "nccl" if args.backend == "cupy" else "shm"
-    return [sys.executable, "-m", "ring.cli", "--gpus", str(args.gpus), "--transport", transport,
+    return [sys.executable, "-m", "dataflow.ring.cli", "--gpus", str(args.gpus), "--transport", transport,
             *common]
 
 
@@ -209,7 +209,7 @@ def single_child(spec_json: str) -> int:
     from dataflow.backends import make_backend
     from dataflow.engine import Engine
     from dataflow.optimizer import AdamWConfig
-    from ring.worker import RingJob, batches, model_config
+    from dataflow.ring.worker import RingJob, batches, model_config
 
     cfg = model_config(spec["model"])
     host, dev = spec["budget"]
@@ -241,10 +241,10 @@ def _single_plan(cfg, spec: dict, be):
     import dataclasses
 
     from dataflow.engine import default_profile
-    from memplan import make_plan
-    from memplan.build import finish_plan
-    from memplan.decisions import decisions_of
-    from memplan.plan import Budget
+    from dataflow.memplan import make_plan
+    from dataflow.memplan.build import finish_plan
+    from dataflow.memplan.decisions import decisions_of
+    from dataflow.memplan.plan import Budget
 
     host, dev = spec["budget"]
     plan = make_plan(cfg, spec["seqlen"], Budget.from_gib(host, dev), default_profile(be),
@@ -275,7 +275,7 @@ def _last_json(path: Path) -> dict | None:
 def collect(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from bench.sweep.sweep import git_commit
+    from dataflow.bench.sweep.sweep import git_commit
 
     probe = ProcessPeaks()
     record = {"kind": "ring_gpu", "commit": git_commit(REPO_ROOT), "devices": probe.device_names(),
@@ -307,7 +307,7 @@ def collect(args) -> dict:
                 "backend": args.backend,
                 "steps": args.steps, "lr": args.lr, "chunking": rank0["chunking"],
                 "head_sub_tokens": head and head["head_sub_tokens"]}
-        cmd = [sys.executable, "-m", "bench.ring_gpu", args.model, str(args.seqlen), "--out",
+        cmd = [sys.executable, "-m", "dataflow.bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]
         env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
         rc, wall, rows = _run(cmd, out / "single.log", args.timeout, env)

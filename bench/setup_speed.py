@@ -19,8 +19,8 @@
            register:warm (first run ever), register:warm (the second run issue 16 asks about),
            alloc:cold.
 
-    python -m bench.setup_speed --out bench/records/setup-speed-h100.json      # 40 GiB, 1b@8k 40/16
-    python -m bench.setup_speed --gib 100 --model 8b --host-gb 80 --dev-gb 24 --out runs/s8b.json
+    python -m dataflow.bench.setup_speed --out bench/records/setup-speed-h100.json      # 40 GiB, 1b@8k 40/16
+    python -m dataflow.bench.setup_speed --gib 100 --model 8b --host-gb 80 --dev-gb 24 --out runs/s8b.json
 
 The short table comes last on stdout. Never changes the engine's code paths: it sets
 DATAFLOW_PIN (and for a cold run DATAFLOW_CUDNN_CACHE_DIR=off) for each engine process."""
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memplan.cli_args import positive
+from dataflow.memplan.cli_args import positive
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIN_VARIANTS = ("alloc", "register", "register-pieces", "register-untouched",
@@ -88,7 +88,7 @@ def parse_variants(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.setup_speed",
+        prog="python -m dataflow.bench.setup_speed",
         description="Time host pinning, engine setup phases and step 1 vs step 2 on this GPU. "
                     "GB means GiB (2^30 bytes).")
     p.add_argument("--out", required=True, help="JSON record to write")
@@ -147,8 +147,8 @@ def config_of(args: argparse.Namespace) -> dict:
 
 
 def git_commit() -> str | None:
-    """This tree's commit (bench.sweep's: a checkout's HEAD, +dirty, or a git archive's)."""
-    from bench.sweep.sweep import git_commit as commit_of
+    """This tree's commit (dataflow.bench.sweep's: a checkout's HEAD, +dirty, or a git archive's)."""
+    from dataflow.bench.sweep.sweep import git_commit as commit_of
 
     return commit_of(REPO_ROOT)
 
@@ -177,7 +177,7 @@ class CudaProbe:
         cp.cuda.runtime.deviceSynchronize()
         import numpy as np
 
-        from kernels.host.memory import prefault_zero
+        from dataflow.kernels.host.memory import prefault_zero
 
         prefault_zero(np.zeros(1 << 16, np.uint8))  # load (or compile) the touch kernel now
 
@@ -265,7 +265,7 @@ class CudaProbe:
     def engine_run(self, args, spec: RunSpec, env: dict) -> dict:
         child = {"model": args.model, "seqlen": args.seqlen, "host_gb": args.host_gb,
                  "dev_gb": args.dev_gb, "steps": args.steps, "warm": spec.warm}
-        cmd = [sys.executable, "-m", "bench.setup_speed", "--out", "-", "--child",
+        cmd = [sys.executable, "-m", "dataflow.bench.setup_speed", "--out", "-", "--child",
                json.dumps(child)]
         env = {**os.environ, **env, "DATAFLOW_PIN": spec.pin}
         if not spec.warm:

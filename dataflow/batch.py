@@ -18,9 +18,9 @@ import dataclasses
 import numpy as np
 
 from dataflow.layer_ops import ChunkInfo
-from kernels.reference import IGNORE
-from memplan.plan import Chunking
-from models.errors import ConfigError
+from dataflow.kernels.reference import IGNORE
+from dataflow.memplan.plan import Chunking
+from dataflow.models.errors import ConfigError
 
 MAX_POSITION = (1 << 31) - 1
 """Position ids travel as int32."""

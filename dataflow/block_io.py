@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dataflow.backend import Stream
-from kernels.host.memory import copy_into
+from dataflow.kernels.host.memory import copy_into
 
 
 def is_host_array(view) -> bool:

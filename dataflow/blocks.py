@@ -9,8 +9,8 @@ import dataclasses
 from typing import Any
 
 from dataflow.arena import Arena
-from memplan.plan import LayerPlacement, Where
-from models.layout import BlockKind, embed_layout, head_layout, layer_layout
+from dataflow.memplan.plan import LayerPlacement, Where
+from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 
 PARTS = ("weights", "grads", "m", "v")
 

@@ -6,7 +6,7 @@ deletes a directory it did not name, and never loads bytes that disagree with th
 
 Layout of one checkpoint, `<root>/step_00000042/`:
     embed.bin, layer_000.bin, ..., head.bin       weights: together with config.json and
-                                                  manifest.json a models.storage model directory
+                                                  manifest.json a dataflow.models.storage model directory
     embed.m.bin, embed.v.bin, layer_000.m.bin ... AdamW m and v, same layout as the weights
     checkpoint.json                               step, plan, optimizer, schedule, data, rng, and
                                                   every file above with its size and sha256
@@ -31,14 +31,14 @@ import numpy as np
 
 from dataflow.lr_schedule import schedule_from_dict, schedule_to_dict
 from dataflow.optimizer import AdamWConfig
-from models.config import ModelConfig
-from models.errors import ChecksumError, ConfigError
-from models.init import BF16
-from models.layout import BlockKind
-from models.serial import from_dict, to_dict, to_json
-from models.storage import FORMAT as MODEL_FORMAT
-from models.storage import FORMAT_VERSION as MODEL_FORMAT_VERSION
-from models.storage import block_file
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ChecksumError, ConfigError
+from dataflow.models.init import BF16
+from dataflow.models.layout import BlockKind
+from dataflow.models.serial import from_dict, to_dict, to_json
+from dataflow.models.storage import FORMAT as MODEL_FORMAT
+from dataflow.models.storage import FORMAT_VERSION as MODEL_FORMAT_VERSION
+from dataflow.models.storage import block_file
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def checkpoint_meta(optimizer, plan, step: int, data, rng, extra) -> dict:
 def seal(tmp: Path, cfg: ModelConfig, files: list[dict], manifest_blocks: list[dict],
          meta: dict) -> None:
     """Complete a checkpoint whose block files are in `tmp`: write config.json and manifest.json
-    (the weights then form a models.storage model directory), checkpoint.json with `meta`, the
+    (the weights then form a dataflow.models.storage model directory), checkpoint.json with `meta`, the
     model and every file's size and sha256, and last the seal."""
     manifest = {"format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
                 "byte_order": "little", "blocks": manifest_blocks}
@@ -233,7 +233,7 @@ def _dtype_name(dtype, name: str) -> str:
 
 
 def _manifest_entry(lay, layer, nbytes: int, sha: str) -> dict:
-    """One block entry of models.storage's manifest.json (so the weights form a model dir)."""
+    """One block entry of dataflow.models.storage's manifest.json (so the weights form a model dir)."""
     return {"file": block_file(lay.kind, layer), "kind": lay.kind.value, "layer": layer,
             "nbytes": nbytes, "sha256": sha,
             "tensors": [{"name": lay.full_name(t.name, layer), "offset_bytes": 2 * t.offset,

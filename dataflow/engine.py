@@ -19,14 +19,14 @@ from dataflow.block_io import is_host_array, read_part, write_part
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from kernels.host.memory import zero_fill
-from memplan.cost import workload_of
-from memplan.plan import Budget, Plan
-from models.config import ModelConfig
-from models.hf import is_hf_dir, model_config
-from models.errors import ConfigError, NonFiniteError, StepFailedError
-from models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
-from models.layout import BlockKind
+from dataflow.kernels.host.memory import zero_fill
+from dataflow.memplan.cost import workload_of
+from dataflow.memplan.plan import Budget, Plan
+from dataflow.models.config import ModelConfig
+from dataflow.models.hf import is_hf_dir, model_config
+from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
+from dataflow.models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
+from dataflow.models.layout import BlockKind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +83,7 @@ class Engine:
     """
 
     def __new__(cls, *args, ring=None, **kwargs):
-        if ring is not None:  # the ring builds this process's rank (ring.engine.RingEngine)
+        if ring is not None:  # the ring builds this process's rank (dataflow.ring.engine.RingEngine)
             return ring.engine(*args, **kwargs)
         return super().__new__(cls)
 
@@ -97,11 +97,11 @@ class Engine:
         the budgets (InfeasibleBudget names the smallest budgets for it); default: the
         planner's choice. `run` takes the options of `from_plan`.
 
-        ring: a ring.Ring (from ring.engine) to train as one process of a ring launched by
+        ring: a ring.Ring (from dataflow.ring.engine) to train as one process of a ring launched by
         torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
-        returns that ring's ring.engine.RingEngine for this process (train_step on the global
+        returns that ring's dataflow.ring.engine.RingEngine for this process (train_step on the global
         batch, the same on every process; see docs/ring.md)."""
-        from memplan import make_plan
+        from dataflow.memplan import make_plan
 
         if not isinstance(model, ModelConfig) and is_hf_dir(model):
             run.setdefault("weights", model)  # a Hugging Face directory brings its weights
@@ -129,7 +129,7 @@ class Engine:
         schedule sanitizer); trace (wrap the backend in a TracingBackend, so every StepResult
         carries its breakdown and `last_trace` the step's spans); progress (anything with
         update(), called once per block initialised or loaded); schedule (a compiled
-        memplan.schedule.Schedule to run instead of compiling the plan's); deferred_update
+        dataflow.memplan.schedule.Schedule to run instead of compiling the plan's); deferred_update
         (default True: a step's AdamW runs inside the next step's first round, hidden behind
         its compute, or before anything reads, saves or evaluates the model; the values are
         the same bits as False, which updates at the end of each step); backward_update
@@ -141,7 +141,7 @@ class Engine:
             raise ConfigError(f"this plan of {plan.model.name} is one ring rank's (it holds "
                               f"{'no embedding' if not plan.holds_embed else 'the embedding'} "
                               f"and {'no head' if not plan.holds_head else 'the head'}); train "
-                              "it as a ring (Engine(..., ring=ring.engine.Ring()), dataflow-ring) "
+                              "it as a ring (Engine(..., ring=dataflow.ring.engine.Ring()), dataflow-ring) "
                               "or plan one device with make_plan")
         self = cls.__new__(cls)
         be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
@@ -209,7 +209,7 @@ class Engine:
             clock.lap("init_weights")
         else:
             if isinstance(weights, (str, Path)):
-                from models.hf import open_weights
+                from dataflow.models.hf import open_weights
 
                 weights = open_weights(weights)  # a model directory or a Hugging Face one
             self._load_weights(weights)
@@ -261,7 +261,7 @@ class Engine:
         copy when the device is host memory, else the pinned io staging region and one H2D copy
         from there. No block passes through a temporary; copies from home are asynchronous and
         _setup synchronises once at the end."""
-        from models import init
+        from dataflow.models import init
 
         cfg = self.plan.model
         fill = {BlockKind.EMBED: lambda layer, out: init.init_embed_block(cfg, seed, out=out),
@@ -311,8 +311,8 @@ class Engine:
         return read_part(self.ex, self.be, b, part)
 
     def weights(self):
-        """The current parameters as a models.init.ModelWeights (host copies)."""
-        from models.init import ModelWeights
+        """The current parameters as a dataflow.models.init.ModelWeights (host copies)."""
+        from dataflow.models.init import ModelWeights
 
         blocks = {key: self._read_block(b, "weights") for key, _, _, b in self._targets()}
         cfg = self.plan.model
@@ -448,7 +448,7 @@ class Engine:
         result's grad_norm (before clipping) is reported on every step: it is computed on the
         device with no host sync.
 
-        Raises models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
+        Raises dataflow.models.errors.NonFiniteError when the step's loss or gradient norm is NaN or
         infinite. After that, or after any exception or interrupt inside the step, the engine
         refuses further steps (StepFailedError) until load_state_dict reloads a state: the
         step may have left gradients half-accumulated or the AdamW update half-applied.
@@ -567,7 +567,7 @@ class Engine:
                 "host_arena": self.be.memory_used_bytes(Place.HOST),
                 "device_regions": self.ex.dev.used_bytes, "host_regions": self.ex.host.used_bytes}
 
-    # -- checkpoints and Hugging Face export (dataflow.checkpoint, models.hf) -----------------
+    # -- checkpoints and Hugging Face export (dataflow.checkpoint, dataflow.models.hf) -----------------
     def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
                         extra: dict | None = None, keep: int | None = None):
         """Save weights, AdamW m and v, step, schedule and the caller's data position, RNG
@@ -587,7 +587,7 @@ class Engine:
     def save_pretrained(self, path, *, overwrite: bool = False):
         """Write the weights as a Hugging Face Llama directory in bf16 (config.json and
         safetensors), one block in host memory at a time."""
-        from models.hf import save_pretrained
+        from dataflow.models.hf import save_pretrained
 
         blocks = ((ref.kind, ref.layer, self.read_block(ref)) for ref in self.block_refs())
         return save_pretrained(self.plan.model, blocks, path, overwrite=overwrite)
@@ -679,7 +679,7 @@ def _nonfinite_name(value: float) -> str:
 def default_profile(be):
     """The planner's hardware profile for this backend: 'cpu' for NumPy; for a GPU, the built-in
     (or cached, measured) profile whose name the device name contains, else H100's."""
-    from memplan.profiles import get_profile, known_profiles
+    from dataflow.memplan.profiles import get_profile, known_profiles
 
     if be.name == "numpy":
         return get_profile("cpu")

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from models.errors import ChecksumError, ConfigError
+from dataflow.models.errors import ChecksumError, ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +38,8 @@ def blocks_of(source: str | Path, *, verify: bool = True):
         ckpt = None
     if ckpt is not None:
         return checkpoint_model(ckpt), iter_weight_blocks(ckpt, verify=verify)
-    from models.init import BF16
-    from models.storage import load_block_into, read_manifest
+    from dataflow.models.init import BF16
+    from dataflow.models.storage import load_block_into, read_manifest
 
     cfg, manifest = read_manifest(source)  # refuses, naming what a model directory needs
 
@@ -55,14 +55,14 @@ def blocks_of(source: str | Path, *, verify: bool = True):
 
 
 def _kind(value: str):
-    from models.layout import BlockKind
+    from dataflow.models.layout import BlockKind
 
     return BlockKind(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from models.hf import save_pretrained
+    from dataflow.models.hf import save_pretrained
 
     try:
         cfg, blocks = blocks_of(args.source, verify=not args.no_verify)

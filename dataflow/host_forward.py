@@ -1,5 +1,5 @@
 """Forward-only passes on the host for validation loss and logits: the reference kernels
-(kernels.reference, the oracle the engine matches) applied layer by layer to weights fetched one
+(dataflow.kernels.reference, the oracle the engine matches) applied layer by layer to weights fetched one
 block at a time through Engine.read_block, so host memory holds one block plus the batch's
 activations. Slow (NumPy) but exact to the reference; meant for small held-out batches and for
 comparing logits with transformers. Never updates weights, optimizer state or the step count."""
@@ -9,15 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from dataflow.rope import rope_table
-from kernels.reference import acc_dtype
-from kernels.reference.attention import attention_fwd
-from kernels.reference.embedding import embedding_fwd
-from kernels.reference.head_loss import head_loss_fwd_bwd
-from kernels.reference.linear import linear_fwd
-from kernels.reference.rms_norm import rms_norm_fwd
-from kernels.reference.rope import rope_fwd
-from kernels.reference.swiglu import swiglu_fwd
-from models.layout import BlockKind
+from dataflow.kernels.reference import acc_dtype
+from dataflow.kernels.reference.attention import attention_fwd
+from dataflow.kernels.reference.embedding import embedding_fwd
+from dataflow.kernels.reference.head_loss import head_loss_fwd_bwd
+from dataflow.kernels.reference.linear import linear_fwd
+from dataflow.kernels.reference.rms_norm import rms_norm_fwd
+from dataflow.kernels.reference.rope import rope_fwd
+from dataflow.kernels.reference.swiglu import swiglu_fwd
+from dataflow.models.layout import BlockKind
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:

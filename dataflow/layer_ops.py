@@ -9,8 +9,8 @@ import dataclasses
 
 from dataflow.backend import Backend, Stream
 from dataflow.rope import rope_table
-from models.config import ModelConfig
-from models.flops import SavedLevel
+from dataflow.models.config import ModelConfig
+from dataflow.models.flops import SavedLevel
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +59,7 @@ SCHEDULES = {"warmup_cosine": WarmupCosine}
 def schedule_to_dict(schedule) -> dict | None:
     """{'kind': name, 'params': {...}} for a known schedule; None for no schedule. An arbitrary
     callable cannot be stored: it is refused, naming the serialisable kinds."""
-    from models.serial import to_dict
+    from dataflow.models.serial import to_dict
 
     if schedule is None:
         return None
@@ -72,7 +72,7 @@ def schedule_to_dict(schedule) -> dict | None:
 
 def schedule_from_dict(data: dict | None):
     """Inverse of schedule_to_dict."""
-    from models.serial import from_dict
+    from dataflow.models.serial import from_dict
 
     if data is None:
         return None

@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("run_id", "string", "the run this row belongs to (its entry in the run metadata)"),
@@ -181,7 +181,7 @@ def _jsonable(obj):
     if obj is None:
         return None
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        from models.serial import to_dict
+        from dataflow.models.serial import to_dict
 
         obj = to_dict(obj)
     return json.loads(json.dumps(obj, default=str, sort_keys=True))

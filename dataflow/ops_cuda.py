@@ -1,19 +1,19 @@
 """The op table for the CuPy backend: the same names, signatures and semantics as
-dataflow.ops_numpy, implemented by kernels.cuda. One `CudaOps` per backend (two backends on two
+dataflow.ops_numpy, implemented by dataflow.kernels.cuda. One `CudaOps` per backend (two backends on two
 GPUs can live in one process). Adapts the few places where the CUDA kernels' conventions differ
 (cuDNN writes bf16 dK/dV that the engine accumulates in fp32; AdamW takes keywords). Library
 scratch comes from the device arena: the executor lends the planner's regions (attention
 workspace, bf16 dK/dV of a context) through `lend_scratch`; only a shape that outgrows them
 allocates outside the arena, and `library_workspace_bytes()` reports it. `quiesce` goes to every
-cuDNN call (kernels.cuda.attention says why). Never decides placement."""
+cuDNN call (dataflow.kernels.cuda.attention says why). Never decides placement."""
 
 from __future__ import annotations
 
 import cupy as cp
 
-import kernels.cuda as K
+import dataflow.kernels.cuda as K
 from dataflow.ops_numpy import WRITES
-from memplan.buffers import key_block_spans
+from dataflow.memplan.buffers import key_block_spans
 
 
 class CudaOps:
@@ -37,7 +37,7 @@ class CudaOps:
     def __init__(self, quiesce=None):
         self._quiesce = quiesce
         """Waits, GIL released, until no Python host function is queued (see
-        kernels.cuda.attention)."""
+        dataflow.kernels.cuda.attention)."""
         self._lent: dict = {}
         """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'dq32',
         'norm_scratch', 'sumsq_scratch', 'cublas_workspace'."""
@@ -86,7 +86,7 @@ class CudaOps:
         A context longer than the lent bf16 dK/dV scratch (the planner's key block) is taken
         one key block at a time (_attention_bwd_blocked), and so is any chunk past the first
         when the plan lent the fp32 dQ scratch that needs: its mask then covers its own keys
-        only (memplan.buffers.key_block_spans)."""
+        only (dataflow.memplan.buffers.key_block_spans)."""
         end = q_offset + q.shape[0]
         block = self._key_block(k)
         if block is not None and (end > block or (q_offset > 0 and "dq32" in self._lent)):
@@ -124,7 +124,7 @@ class CudaOps:
 
     def _attention_bwd_blocked(self, q, k, v, o, lse, do, q_offset, dq, dk, dv, block):
         """The backward of one query chunk against a long context, one key block per cuDNN
-        call (memplan.buffers.key_block_spans): the chunk against its own keys (causal), the
+        call (dataflow.memplan.buffers.key_block_spans): the chunk against its own keys (causal), the
         rest of its key block, then every block wholly before it (no mask). Exact: each call
         sees the forward's o and lse, so its softmax weights are the global ones; dK/dV of a
         block are complete, and dQ is the fp32 sum of the blocks' bf16 parts. Bounds the
@@ -152,7 +152,7 @@ class CudaOps:
         """Deterministic (bit-reproducible) backward when a chunk attends to itself only and
         cuDNN's workspace for it (2*T*T*H + ...) fits the lent region; otherwise the atomic-dQ
         algorithm, whose workspace grows with the context, not with T*S. The planner sizes
-        the region the same way (memplan.buffers.attention_workspace_bytes)."""
+        the region the same way (dataflow.memplan.buffers.attention_workspace_bytes)."""
         if k.shape[0] != q.shape[0]:
             return False
         key = (q.shape, k.shape, q_offset)

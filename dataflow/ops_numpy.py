@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import kernels.reference as ref
+import dataflow.kernels.reference as ref
 
 F32 = np.float32
 

@@ -1,5 +1,5 @@
 """AdamW's hyperparameters, learning-rate hook and step counter. Where and in what order blocks are
-updated is part of the compiled schedule (memplan.schedule); the maths lives in the op tables.
+updated is part of the compiled schedule (dataflow.memplan.schedule); the maths lives in the op tables.
 Never decides placement and never issues copies."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class AdamWConfig:
     """Clip the global gradient norm to this value (None: no clipping)."""
 
     def __post_init__(self) -> None:
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         if not self.lr >= 0:
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
@@ -35,7 +35,7 @@ class AdamWConfig:
 
 class AdamW:
     """Hyperparameters and the step counter. The updates themselves are events of the compiled
-    schedule (memplan.schedule: on the device, streamed through the device, or on the host);
+    schedule (dataflow.memplan.schedule: on the device, streamed through the device, or on the host);
     the executor asks `begin_step` for this step's hyperparameters before dispatching them."""
 
     def __init__(self, config: AdamWConfig, schedule: Callable[[int], float] | None = None):

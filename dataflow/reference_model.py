@@ -1,7 +1,7 @@
 """The whole Llama-style model for ONE sequence, forward and backward, composed only from the
 reference ops of this package: the slow, exact oracle that the engine's rounds and chunks must
 reproduce. No chunking, no recompute, no placement: every activation of the sequence is kept.
-Never imports anything of ours outside kernels.reference and models.layout (it lives in
+Never imports anything of ours outside dataflow.kernels.reference and dataflow.models.layout (it lives in
 dataflow/ because kernels/ must not depend on models/).
 
 Per layer (transformers' LlamaDecoderLayer):
@@ -19,15 +19,15 @@ from __future__ import annotations
 import numpy as np
 
 from dataflow.rope import rope_table
-from kernels.reference import acc_dtype
-from kernels.reference.attention import attention_bwd, attention_fwd
-from kernels.reference.embedding import embedding_bwd, embedding_fwd
-from kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
-from kernels.reference.linear import linear_bwd, linear_fwd
-from kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
-from kernels.reference.rope import rope_bwd, rope_fwd
-from kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.kernels.reference import acc_dtype
+from dataflow.kernels.reference.attention import attention_bwd, attention_fwd
+from dataflow.kernels.reference.embedding import embedding_bwd, embedding_fwd
+from dataflow.kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
+from dataflow.kernels.reference.linear import linear_bwd, linear_fwd
+from dataflow.kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
+from dataflow.kernels.reference.rope import rope_bwd, rope_fwd
+from dataflow.kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 
 class Grads:
@@ -101,10 +101,10 @@ def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, 
                      act_dtype=None, labels: np.ndarray | None = None) -> tuple[float, int, Grads]:
     """Loss and gradients of one sequence.
 
-    cfg: models.config.ModelConfig. weights: any object with `.embed`, `.layers`, `.head`, 1-D
-    blocks laid out by models.layout (bf16, or float64 for gradient checks), e.g.
-    models.init.ModelWeights. tokens (S+1,) int: inputs tokens[:-1], targets tokens[1:] (a target
-    equal to kernels.reference.IGNORE is skipped). labels (S+1,) int: targets labels[1:] instead
+    cfg: dataflow.models.config.ModelConfig. weights: any object with `.embed`, `.layers`, `.head`, 1-D
+    blocks laid out by dataflow.models.layout (bf16, or float64 for gradient checks), e.g.
+    dataflow.models.init.ModelWeights. tokens (S+1,) int: inputs tokens[:-1], targets tokens[1:] (a target
+    equal to dataflow.kernels.reference.IGNORE is skipped). labels (S+1,) int: targets labels[1:] instead
     of tokens[1:] (transformers' shift; IGNORE masks). act_dtype: dtype activations are stored in
     (default: the weights' dtype).
 

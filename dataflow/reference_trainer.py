@@ -2,7 +2,7 @@
 chunking, no rounds, no recompute: forward, loss, backward per sequence, gradient accumulation
 over the sequences of a step, then AdamW on every block. Slow and plain on purpose: it is the
 oracle the engine is compared against (DESIGN.md §5). Never plans, never touches a device, and
-computes only through kernels.reference."""
+computes only through dataflow.kernels.reference."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernels.reference import IGNORE, adamw_step
+from dataflow.kernels.reference import IGNORE, adamw_step
 from dataflow.reference_model import forward_backward
-from models.config import ModelConfig
-from models.errors import ConfigError
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CLIP_EPS = 1e-6
@@ -37,8 +37,8 @@ class StepResult:
 
 
 class ReferenceTrainer:
-    """Trains `weights` (models.init.ModelWeights or any object with `.embed`, `.layers`,
-    `.head` 1-D blocks laid out by models.layout) in place.
+    """Trains `weights` (dataflow.models.init.ModelWeights or any object with `.embed`, `.layers`,
+    `.head` 1-D blocks laid out by dataflow.models.layout) in place.
 
     lr, betas, eps, weight_decay: AdamW's (decoupled decay, applied to every block, norms and
     embedding included). grad_accum_dtype: dtype of the per-block gradient accumulators summed

@@ -1,5 +1,5 @@
 """The RoPE inverse-frequency table of a ModelConfig, computed once per (head_dim, rope_theta,
-rope_scaling) by the one shared definition (kernels.reference.rope_inv_freq) and handed to every
+rope_scaling) by the one shared definition (dataflow.kernels.reference.rope_inv_freq) and handed to every
 RoPE op, NumPy and CUDA alike, so both rotate by bit-identical frequencies. Never decides
 placement and never touches a device."""
 
@@ -9,8 +9,8 @@ import functools
 
 import numpy as np
 
-from kernels.reference.rope import rope_inv_freq
-from models.config import ModelConfig, RopeScaling, RopeType
+from dataflow.kernels.reference.rope import rope_inv_freq
+from dataflow.models.config import ModelConfig, RopeScaling, RopeType
 
 
 def rope_table(cfg: ModelConfig) -> np.ndarray:

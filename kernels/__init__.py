@@ -1,5 +1,5 @@
-"""Op implementations behind one interface: `kernels.reference` (NumPy, the definitions of truth)
-and `kernels.cuda` (CuPy RawKernels, cuBLAS, cuDNN). Imports nothing of ours: shapes arrive as
+"""Op implementations behind one interface: `dataflow.kernels.reference` (NumPy, the definitions of truth)
+and `dataflow.kernels.cuda` (CuPy RawKernels, cuBLAS, cuDNN). Imports nothing of ours: shapes arrive as
 plain ints and arrays.
 
 Shape legend used by every docstring:

@@ -2,13 +2,13 @@
 what is prefetched and recomputed, and predicts the step. Pure Python: never imports array
 libraries, never touches a device. See docs/planner.md."""
 
-from memplan.build import build_plan
-from memplan.cost import predict, predict_schedule
-from memplan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
-from memplan.errors import InfeasibleBudget
-from memplan.explain import explain
-from memplan.memory import device_regions, host_regions, memory_map
-from memplan.plan import (
+from dataflow.memplan.build import build_plan
+from dataflow.memplan.cost import predict, predict_schedule
+from dataflow.memplan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
+from dataflow.memplan.errors import InfeasibleBudget
+from dataflow.memplan.explain import explain
+from dataflow.memplan.memory import device_regions, host_regions, memory_map
+from dataflow.memplan.plan import (
                           Budget,
                           Chunking,
                           GradAccum,
@@ -22,8 +22,8 @@ from memplan.plan import (
                           Slots,
                           Where,
 )
-from memplan.profiles import get_profile, known_profiles, load_profile, save_profile
-from memplan.search import MinimumBudgets, make_plan, minimum_budgets
+from dataflow.memplan.profiles import get_profile, known_profiles, load_profile, save_profile
+from dataflow.memplan.search import MinimumBudgets, make_plan, minimum_budgets
 
 __all__ = [
     "build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "explain", "predict", "predict_schedule",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
-from models.flops import SavedLevel
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.models.config import ModelConfig
+from dataflow.models.flops import SavedLevel
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}
 ALIGN_BYTES = 256
@@ -59,7 +59,7 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
                            kv: bool = True) -> tuple[TensorSpec, ...]:
     """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (at
     INP_ONLY and INP_ATTN; x and rstd come first, so their offsets stay): no K and V, for a
-    split sequence's activation whose K/V the backward re-forms (memplan.segments.kv_less)."""
+    split sequence's activation whose K/V the backward re-forms (dataflow.memplan.segments.kv_less)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
     if not kv and level is SavedLevel.FULL:
@@ -88,7 +88,7 @@ re-forms K/V from the last."""
 
 def kv_rebuild_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
     """Device staging of a K/V rebuild (Plan.kv_rebuild): KV_REBUILD_STAGES chunks' saved
-    inputs x (memplan.schedule uses them in turn)."""
+    inputs x (dataflow.memplan.schedule uses them in turn)."""
     return tuple(TensorSpec(f"x{i}", (tokens, cfg.model_dim), "bf16")
                  for i in range(KV_REBUILD_STAGES))
 
@@ -183,9 +183,9 @@ def attention_workspace_bytes(cfg: ModelConfig, chunk_tokens: int, seqlen: int, 
 
 
 NORM_BWD_PARTS = 256
-"""kernels.cuda.rms_norm.MAX_PARTS: the fp32 (parts, D) scratch of an RMSNorm backward."""
+"""dataflow.kernels.cuda.rms_norm.MAX_PARTS: the fp32 (parts, D) scratch of an RMSNorm backward."""
 SUMSQ_PARTS = 1024
-"""kernels.cuda.utils.SUMSQ_PARTS: the fp32 partial sums of a squared-norm reduction."""
+"""dataflow.kernels.cuda.utils.SUMSQ_PARTS: the fp32 partial sums of a squared-norm reduction."""
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 """cuBLAS's workspace, set with cublasSetWorkspace (32 MiB is NVIDIA's advice for Hopper)."""
 

@@ -4,11 +4,11 @@ parity tests to force a particular plan. Never imports array libraries, never de
 
 from __future__ import annotations
 
-from memplan.cost import predict
-from memplan.decisions import Decisions, validate_decisions
-from memplan.errors import InfeasibleBudget, categories_text, gib_text
-from memplan.memory import memory_map
-from memplan.plan import (
+from dataflow.memplan.cost import predict
+from dataflow.memplan.decisions import Decisions, validate_decisions
+from dataflow.memplan.errors import InfeasibleBudget, categories_text, gib_text
+from dataflow.memplan.memory import memory_map
+from dataflow.memplan.plan import (
     Budget,
     Chunking,
     GradAccum,
@@ -18,8 +18,8 @@ from memplan.plan import (
     SavedActivation,
     Slots,
 )
-from models.config import ModelConfig
-from models.errors import ConfigError
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
 
 PLANNER_VERSION = "memplan-1"
 

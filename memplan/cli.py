@@ -11,9 +11,9 @@ import math
 import sys
 import traceback
 
-from models.errors import ConfigError
-from models.serial import to_json
-from memplan.cli_args import OneLineParser, parse_or_exit_code, print_report
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import to_json
+from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, print_report
 
 PROG = "dataflow-plan"
 
@@ -35,7 +35,7 @@ def _seqlen(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of tokens")
-    from memplan.chunking import MAX_SEQLEN
+    from dataflow.memplan.chunking import MAX_SEQLEN
 
     if value > MAX_SEQLEN:  # past it planning would be slow, and no budget fits such a step
         raise argparse.ArgumentTypeError(f"{value:,} tokens is above the {MAX_SEQLEN:,} the "
@@ -98,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> str:
-    from memplan.explain import explain
-    from memplan.plan import Budget
-    from memplan.profiles import get_profile, load_profile
-    from memplan.search import make_plan
-    from models.config import load_config
+    from dataflow.memplan.explain import explain
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.profiles import get_profile, load_profile
+    from dataflow.memplan.search import make_plan
+    from dataflow.models.config import load_config
 
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
     cfg = load_config(args.model)
@@ -124,7 +124,7 @@ def _ring_text(cfg, args, budget, profile) -> str:
     """Per-device plans of a ring of args.gpus, its predicted throughput and the scaling model."""
     import json
 
-    from memplan.ring_plan import (LINKS, speedup_text, best_rank_plans, predict_ring, ring_profile,
+    from dataflow.memplan.ring_plan import (LINKS, speedup_text, best_rank_plans, predict_ring, ring_profile,
                                    scaling, scaling_text)
 
     # the ranks run over NCCL on GPUs: their device budget also holds its buffers

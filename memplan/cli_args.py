@@ -66,7 +66,7 @@ def print_report(text: str) -> int:
 def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool) -> None:
     """Refuse checkpoint flags that cannot work (ConfigError, one line): the same for
     dataflow-demo (one GPU or a ring) and dataflow-ring."""
-    from models.errors import ConfigError
+    from dataflow.models.errors import ConfigError
 
     if (save_every or resume) and not checkpoint_dir:
         raise ConfigError("--save-every and --resume need --checkpoint-dir D")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan.plan import (
+from dataflow.memplan.plan import (
     AttentionBwd,
     Chunking,
     GradAccum,
@@ -16,8 +16,8 @@ from memplan.plan import (
     Slots,
     Where,
 )
-from models.config import ModelConfig
-from models.errors import ConfigError
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
 
 ALLOWED_PLACEMENTS = (
     (Where.DEVICE, Where.DEVICE, OptimizerWhere.DEVICE),

@@ -4,7 +4,7 @@ and as one paragraph for people. Never imports array libraries."""
 
 from __future__ import annotations
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -28,7 +28,7 @@ class Region:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RegionTable:
     """Every byte range a step touches, by place, laid out back to back (aligned) in the order
-    memplan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
+    dataflow.memplan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
 
     device: tuple[Region, ...]
     host: tuple[Region, ...]
@@ -211,7 +211,7 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str, extra_types: dict | None = None) -> "Schedule":
         """Inverse of to_json; `extra_types` names event classes beyond EVENT_TYPES (a ring's
-        Send / Recv / AllReduce: memplan.ring_schedule.RING_EVENT_TYPES)."""
+        Send / Recv / AllReduce: dataflow.memplan.ring_schedule.RING_EVENT_TYPES)."""
         types = {**EVENT_TYPES, **(extra_types or {})}
         raw = json.loads(text)
         regs = raw["regions"]

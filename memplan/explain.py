@@ -4,12 +4,12 @@ the plan only (works for forced plans too). Never imports array libraries."""
 
 from __future__ import annotations
 
-from memplan import buffers
-from memplan.chunking import chunk_target_tokens
-from memplan.cost import DEFAULT_OPT_TARGET_FRAC
-from memplan.memory import CATEGORIES
-from memplan.plan import OptimizerWhere, Plan, Where
-from models.flops import FLOP_MODEL_VERSION, SavedLevel
+from dataflow.memplan import buffers
+from dataflow.memplan.chunking import chunk_target_tokens
+from dataflow.memplan.cost import DEFAULT_OPT_TARGET_FRAC
+from dataflow.memplan.memory import CATEGORIES
+from dataflow.memplan.plan import OptimizerWhere, Plan, Where
+from dataflow.models.flops import FLOP_MODEL_VERSION, SavedLevel
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -190,7 +190,7 @@ UPDATE_WHERE = {
     "backward": ("inside its own last round, each streamed layer's right after its gradient is "
                  "final (--backward-update)"),
 }
-"""Where the Engine runs a step's AdamW, by memplan.schedule.UPDATE_MODES name."""
+"""Where the Engine runs a step's AdamW, by dataflow.memplan.schedule.UPDATE_MODES name."""
 
 
 def explain(plan: Plan, update: str = "deferred") -> str:
@@ -204,7 +204,7 @@ def explain(plan: Plan, update: str = "deferred") -> str:
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
             f"attention backward {plan.attention_bwd.value}]")
     s = plan.slots
-    from memplan.cost import predict_schedule
+    from dataflow.memplan.cost import predict_schedule
 
     pr = predict_schedule(plan, plan.profile, update=update)
     lines = [head, *_chunking_lines(plan),

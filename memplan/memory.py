@@ -7,10 +7,10 @@ Both `device_regions` and `host_regions` accept a Plan or a Decisions (the same 
 
 from __future__ import annotations
 
-from memplan import buffers
-from memplan.decisions import any_streamed_optimizer, decisions_of
-from memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from memplan.segments import (KV_REGION, inner_regions, is_inner, kv_less, kv_rebuilt,
+from dataflow.memplan import buffers
+from dataflow.memplan.decisions import any_streamed_optimizer, decisions_of
+from dataflow.memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
+from dataflow.memplan.segments import (KV_REGION, inner_regions, is_inner, kv_less, kv_rebuilt,
                               kv_region_bytes)
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
@@ -81,7 +81,7 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
 
 def _act_sizes(cfg, tokens: int):
     """(level, kv) -> bytes of one saved activation of a chunk of `tokens`, with or without its
-    K/V (memplan.segments.kv_less says which); cached per call site."""
+    K/V (dataflow.memplan.segments.kv_less says which); cached per call site."""
     sizes = {}
 
     def size(level, kv: bool = True) -> int:

@@ -9,10 +9,10 @@ import dataclasses
 import enum
 import math
 
-from models.config import ModelConfig
-from models.errors import ConfigError
-from models.flops import SavedLevel
-from models.serial import from_json, stable_hash, to_json
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
+from dataflow.models.flops import SavedLevel
+from dataflow.models.serial import from_json, stable_hash, to_json
 
 GIB = 1 << 30
 
@@ -236,7 +236,7 @@ class Plan:
     """Which fused-attention backward chunks that attend to themselves use (AttentionBwd); the
     plan reserves its workspace. Left out of the JSON (and hash) while deterministic."""
     holds_embed: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
-    """False for a ring rank that does not own the embedding (memplan.ring_plan): no region of
+    """False for a ring rank that does not own the embedding (dataflow.memplan.ring_plan): no region of
     the embedding's state or pinned rows exists on it. Left out of the JSON while True."""
     holds_head: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
     """False for a ring rank that does not own the final norm and lm_head: no region of the

@@ -5,16 +5,16 @@ Pure data: never imports array libraries, never touches a GPU.
 
 Efficiencies are fractions of the dense bf16 peak. Attention efficiencies count *hardware*
 FLOPs, as fused-attention benchmarks do: the backward counts the score recompute too (2.5x the
-forward's matmuls, where models.flops counts 2x for model FLOPs)."""
+forward's matmuls, where dataflow.models.flops counts 2x for model FLOPs)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from memplan.plan import GIB, HardwareProfile
-from models.errors import ConfigError
-from models.serial import from_json, to_json
+from dataflow.memplan.plan import GIB, HardwareProfile
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import from_json, to_json
 
 GB = 1e9
 DEFAULT_PROFILE_NAME = "h100"

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from memplan.errors import InfeasibleBudget
-from memplan.plan import Budget, GradAccum, HardwareProfile, Plan
-from memplan.search import make_plan
-from models.config import ModelConfig
-from models.errors import ConfigError
+from dataflow.memplan.errors import InfeasibleBudget
+from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Plan
+from dataflow.memplan.search import make_plan
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
 
 MAX_RANKS = 64
 NCCL_RESERVE_BYTES = 1 << 30
@@ -92,7 +92,7 @@ class RankPlan:
     batch, and each gradient is summed over the R copies of its rank before the optimizer."""
 
     def to_json(self) -> str:
-        from models.serial import to_json
+        from dataflow.models.serial import to_json
 
         return to_json(self)
 

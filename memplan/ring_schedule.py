@@ -6,7 +6,7 @@ Wait events as everything else, so a transport can overlap them with compute. Se
 receives get a stream each ('send', 'recv'): with rendezvous semantics (NCCL, large messages) a
 send that waits for its receiver must never sit in front of a receive the receiver needs first.
 
-Reuses memplan.schedule's compiler whole (slot rings, fetch timing, the round, the optimizer)
+Reuses dataflow.memplan.schedule's compiler whole (slot rings, fetch timing, the round, the optimizer)
 and overrides only its hooks (a layer's input arrives, its output leaves, a block's gradient is
 final, which blocks are owned): no `if ring:` branch exists in the single-device code. Pure
 Python: never imports array libraries, never touches a device, never talks to another rank."""
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan.ring_plan import RankPlan
-from memplan.schedule import COMPUTE, HOST, HostTask, Ref, Schedule, _Compiler
+from dataflow.memplan.ring_plan import RankPlan
+from dataflow.memplan.schedule import COMPUTE, HOST, HostTask, Ref, Schedule, _Compiler
 
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 COMM_STREAMS = (SEND, RECV, REDUCE)
@@ -212,7 +212,7 @@ def _compiler(rp: RankPlan) -> _ReplicaCompiler:
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
                           update: str = "end") -> Schedule:
     """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv.
-    `update` as memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
+    `update` as dataflow.memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
     all-reduced and the clip scale made global before the previous step ended)."""
     if update == "backward":
@@ -223,13 +223,13 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
     """The AdamW of this rank's own blocks alone, after a step compiled with update='none' or
-    'deferred' (as memplan.schedule.compile_update_schedule): no sends, no receives."""
+    'deferred' (as dataflow.memplan.schedule.compile_update_schedule): no sends, no receives."""
     return _compiler(rp).compile_update()
 
 
 def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1) -> Schedule:
     """A forward-only evaluation of `rounds` rounds on rank `rp.rank` (as
-    memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
+    dataflow.memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
     input arrives from the rank before it and its output leaves for the rank after."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
@@ -266,7 +266,7 @@ class Arrivals:
 
 @dataclasses.dataclass(slots=True)
 class RingComm:
-    """How memplan.sim.simulate_schedule times one rank's communication: a Send occupies the
+    """How dataflow.memplan.sim.simulate_schedule times one rank's communication: a Send occupies the
     send stream for bytes / link rate + latency, after which its message has arrived; a Recv
     ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
     is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
@@ -292,15 +292,15 @@ class RingComm:
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
                   profile=None, update: str = "deferred") -> tuple:
-    """The ring's step: every rank's compiled schedule timed by memplan.sim, all at once (a
+    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.sim, all at once (a
     thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
     per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
     assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
     the previous step's inside round 0, a step after the first; or 'end')."""
     import threading
 
-    from memplan.cost import event_seconds
-    from memplan.sim import simulate_schedule
+    from dataflow.memplan.cost import event_seconds
+    from dataflow.memplan.sim import simulate_schedule
 
     arrivals, out = Arrivals(), {}
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan import buffers
-from memplan.decisions import decisions_of
-from memplan.events import (
+from dataflow.memplan import buffers
+from dataflow.memplan.decisions import decisions_of
+from dataflow.memplan.events import (
     COMPUTE,
     D2H,
     EVENT_TYPES,
@@ -37,13 +37,13 @@ from memplan.events import (
     Wait,
     WriteBack,
 )
-from memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
-from memplan.plan import OptimizerWhere, Where
-from memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
+from dataflow.memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
+from dataflow.memplan.plan import OptimizerWhere, Where
+from dataflow.memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
                               kv_rebuilt, segment_bounds)
-from memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
-from models.flops import SavedLevel
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
+from dataflow.models.flops import SavedLevel
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 # The data (Region, Ref, the events, Schedule) lives in memplan/events.py and the slot rings in
 # memplan/slot_ring.py; the public names are re-exported here, where the rest of the code imports
@@ -133,7 +133,7 @@ class _Compiler:
             self.cfg, self.ch.tokens_per_round)}
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
         self.kv_sharers = boundary_kv_sharers(self.d)
-        """(layer, chunk)s whose K/V go through KV_REGION (memplan.segments)."""
+        """(layer, chunk)s whose K/V go through KV_REGION (dataflow.memplan.segments)."""
         self.kv_rebuilt = kv_rebuilt(self.d)
         """(layer, chunk)s whose K/V the backward re-forms from x (Plan.kv_rebuild)."""
         self.kv_stage_free: list[int | None] = [None] * buffers.KV_REBUILD_STAGES

@@ -16,8 +16,8 @@ libraries."""
 
 from __future__ import annotations
 
-from memplan.plan import Where
-from models.flops import SavedLevel
+from dataflow.memplan.plan import Where
+from dataflow.models.flops import SavedLevel
 
 KV_REGION = "home.ctx_kv"
 """K rows then V rows of a round's tokens, for the boundary whose segment is being recomputed."""
@@ -111,11 +111,11 @@ def inner_regions(d, act_bytes) -> tuple[list[tuple[str, int]], list[tuple[str, 
 
 
 def finish_segment_plan(d, budget, profile):
-    """memplan.build.finish_plan for decisions that may use segments: the memory map and the
+    """dataflow.memplan.build.finish_plan for decisions that may use segments: the memory map and the
     prediction are computed from `d` (segments included); the Plan carries its segment_layers."""
     import dataclasses
 
-    from memplan.build import finish_plan
+    from dataflow.memplan.build import finish_plan
 
     return dataclasses.replace(finish_plan(d, budget, profile), segment_layers=d.segment_layers)
 
@@ -125,7 +125,7 @@ def with_segments(plan, k: int, budget=None):
     its own budget (raises InfeasibleBudget when the new layout does not fit)."""
     import dataclasses
 
-    from memplan.decisions import decisions_of
+    from dataflow.memplan.decisions import decisions_of
 
     d = dataclasses.replace(decisions_of(plan), segment_layers=k)
     return finish_segment_plan(d, budget or plan.budget, plan.profile)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from memplan.events import COMPUTE, D2H, H2D, Fetch, Fill, Record, Ref, Wait, WriteBack
+from dataflow.memplan.events import COMPUTE, D2H, H2D, Fetch, Fill, Record, Ref, Wait, WriteBack
 
 ZERO = "zero"
 """A slot use whose fetch is a zero fill (the first round's gradient sums)."""
@@ -62,7 +62,7 @@ class _Ring:
         """Event after which the home copy of a key holds its latest bytes."""
         self.fill = None
         """Optional hook (use, slot ref) -> (ready, read out) or None: fills a slot in place of
-        its fetch (a deferred AdamW writes the updated weights into it: memplan.schedule).
+        its fetch (a deferred AdamW writes the updated weights into it: dataflow.memplan.schedule).
         `ready` orders the use's compute; `read out` is the record after the slot's bytes were
         copied home, which the slot's next fill waits for."""
         self.read_out: dict[int, int] = {}

@@ -12,8 +12,8 @@ import math
 from importlib import resources
 from pathlib import Path
 
-from models.errors import ConfigError
-from models.serial import from_dict, to_json
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import from_dict, to_json
 
 
 class RopeType(enum.Enum):
@@ -32,7 +32,7 @@ class RopeScaling:
     """transformers' `rope_scaling` of a Llama 3.1/3.2 config.json, field for field. Inverse
     frequencies with wavelength 2 pi / f above original_max_position_embeddings / low_freq_factor
     are divided by `factor`, those below original_max_position_embeddings / high_freq_factor are
-    kept, and those between are interpolated smoothly (kernels.reference.rope.rope_inv_freq)."""
+    kept, and those between are interpolated smoothly (dataflow.kernels.reference.rope.rope_inv_freq)."""
 
     rope_type: RopeType = RopeType.LLAMA3
     factor: float
@@ -153,7 +153,7 @@ class ModelConfig:
 
 def zoo_names() -> list[str]:
     """Names of the shipped model configs, small first."""
-    names = [p.name[:-5] for p in resources.files("models.zoo").iterdir()
+    names = [p.name[:-5] for p in resources.files("dataflow.models.zoo").iterdir()
              if p.name.endswith(".json")]
     order = {"tiny": 0, "small": 1}
     return sorted(names, key=lambda n: (order.get(n, 2), _size_key(n)))
@@ -170,7 +170,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     """A zoo name ('tiny', '8b', ...), a config JSON file, or a saved model directory."""
     text = str(name_or_path)
     if text in zoo_names():
-        data = json.loads(resources.files("models.zoo").joinpath(f"{text}.json").read_text())
+        data = json.loads(resources.files("dataflow.models.zoo").joinpath(f"{text}.json").read_text())
         return from_dict(ModelConfig, data, where=f"zoo model '{text}'")
     path = Path(text)
     if path.is_dir():

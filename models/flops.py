@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-from models.config import ModelConfig
+from dataflow.models.config import ModelConfig
 
 FLOP_MODEL_VERSION = "mldf-1"
 """Bumped whenever a formula here changes, and printed beside every MFU/HFU we report."""

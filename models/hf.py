@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling, RopeType, load_config
-from models.errors import ConfigError
-from models.init import BF16
-from models.layout import BlockKind, embed_layout, head_layout, layer_layout
-from models.safetensors_io import SafetensorsFile, SafetensorsWriter
+from dataflow.models.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling, RopeType, load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.init import BF16
+from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
+from dataflow.models.safetensors_io import SafetensorsFile, SafetensorsWriter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -169,16 +169,16 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
 
 
 def model_config(name_or_path) -> ModelConfig:
-    """Like models.config.load_config, but a Hugging Face directory is accepted too."""
+    """Like dataflow.models.config.load_config, but a Hugging Face directory is accepted too."""
     return hf_config(name_or_path) if is_hf_dir(name_or_path) else load_config(name_or_path)
 
 
 def open_weights(path):
-    """Weights at `path`: a Hugging Face directory (HFWeights, read lazily) or a models.storage
+    """Weights at `path`: a Hugging Face directory (HFWeights, read lazily) or a dataflow.models.storage
     model directory (read whole, verified)."""
     if is_hf_dir(path):
         return HFWeights(path)
-    from models.storage import load_model
+    from dataflow.models.storage import load_model
 
     return load_model(path)
 

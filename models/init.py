@@ -20,9 +20,9 @@ import ml_dtypes
 import numba
 import numpy as np
 
-from models.config import ModelConfig
-from models.errors import ConfigError
-from models.layout import (
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
+from dataflow.models.layout import (
     NORM_TENSORS,
     BlockKind,
     BlockLayout,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from models.config import ModelConfig
+from dataflow.models.config import ModelConfig
 
 ALIGN_ELEMS = 128
 """Every tensor starts on a 256-byte boundary (128 bf16), so GPU kernels can load 16 bytes at a

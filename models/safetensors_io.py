@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"),

@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")

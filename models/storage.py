@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.errors import ChecksumError, ConfigError
-from models.init import BF16, ModelWeights
-from models.layout import BlockKind, BlockLayout, embed_layout, head_layout, layer_layout
-from models.serial import from_dict, to_json
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ChecksumError, ConfigError
+from dataflow.models.init import BF16, ModelWeights
+from dataflow.models.layout import BlockKind, BlockLayout, embed_layout, head_layout, layer_layout
+from dataflow.models.serial import from_dict, to_json
 
 FORMAT = "dataflow-model"
 FORMAT_VERSION = 1
@@ -152,7 +152,7 @@ def read_manifest(path: str | Path) -> tuple[ModelConfig, dict]:
     if not _is_model_dir(path):
         raise ConfigError(
             f"{path} is not a model directory (it needs config.json and "
-            "manifest.json); save one with models.storage.save_model"
+            "manifest.json); save one with dataflow.models.storage.save_model"
         )
     try:
         cfg_data = json.loads((path / "config.json").read_text())

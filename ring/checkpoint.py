@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dataflow import checkpoint as ckpt
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 _LIST = "rank{rank}.files.json"
 """What rank `rank` wrote into the temporary directory; merged and removed by process 0."""
@@ -29,7 +29,7 @@ _LIST = "rank{rank}.files.json"
 def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None, rng=None,
                          extra: dict | None = None, keep: int | None = None) -> Path:
     """Write the ring's state to `root/step_<step>` (dataflow.checkpoint's layout and checks)
-    and return that path on every process. rank: this process's ring.rank.RingRank; cfg: the
+    and return that path on every process. rank: this process's dataflow.ring.rank.RingRank; cfg: the
     whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's, taken from
     process 0."""
     keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)

@@ -14,9 +14,9 @@ import shutil
 import sys
 import tempfile
 
-from memplan.cli_args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
+from dataflow.memplan.cli_args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
                                positive)
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 PROG = "dataflow-ring"
 
@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     args, code = parse_or_exit_code(build_parser(), argv, PROG)
     if args is None:
         return code
-    from ring.worker import RingJob
+    from dataflow.ring.worker import RingJob
 
     try:
         if args.backend == "numpy" and args.transport == "nccl":
             raise ConfigError("the NCCL transport needs --backend cupy")
-        from memplan.cost import MAX_ROUNDS_PER_STEP
+        from dataflow.memplan.cost import MAX_ROUNDS_PER_STEP
 
         if args.rounds is not None and args.rounds > MAX_ROUNDS_PER_STEP:
             raise ConfigError(f"--rounds {args.rounds} exceeds the planner's "
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 def ring_processes(model: str, gpus: int | None, replicas: int):
     """(RankEnv when torchrun / srun launched this process else None, processes in all), after
     checking the ring against the model. Raises ConfigError with one line."""
-    from ring.launch import rank_env
-    from ring.worker import model_config
+    from dataflow.ring.launch import rank_env
+    from dataflow.ring.worker import model_config
 
     cfg = model_config(model)
     launched = "RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -148,8 +148,8 @@ def run_job(job, env, n: int, *, as_json: bool, prog: str, keep_out: bool = True
     processes and summarise them: one line on stderr, and with as_json one JSON document on
     stdout (ring shape, exit codes, losses, step times). keep_out=False removes job.out_dir
     after reading it."""
-    from ring.launch import launch
-    from ring.worker import run_rank
+    from dataflow.ring.launch import launch
+    from dataflow.ring.worker import run_rank
 
     if env is not None:  # one rank of a ring someone else launched
         return run_rank(job, env)

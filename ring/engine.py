@@ -2,7 +2,7 @@
 ring=Ring())` in every process of a ring (launched by torchrun, srun or `dataflow-ring`) returns a
 RingEngine, this process's rank, which trains on the global batch as the Engine does. Also the
 one place a ring process is set up (plan, backend, transport, rank), for the worker and the
-Engine alike. Never spawns processes (ring.launch does) and never decides placement."""
+Engine alike. Never spawns processes (dataflow.ring.launch does) and never decides placement."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ring.launch import RankEnv, rank_env
+from dataflow.ring.launch import RankEnv, rank_env
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +41,7 @@ def transport_kind(kind: str, backend_name: str) -> str:
     if kind == "auto":
         return "shm" if backend_name == "numpy" else "nccl"
     if kind not in ("nccl", "shm"):
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         raise ConfigError(f"unknown ring transport '{kind}'; choose auto, nccl or shm")
     return kind
@@ -51,10 +51,10 @@ def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float):
     """The transport of process env.rank: rank env.rank % N of ring env.rank // N."""
     n = ring_size(env, replicas)
     if kind == "nccl":
-        from ring.nccl import NcclTransport
+        from dataflow.ring.nccl import NcclTransport
 
         return NcclTransport(env, ring_size=n, timeout_s=timeout_s)
-    from ring.shm import SharedMemoryTransport
+    from dataflow.ring.shm import SharedMemoryTransport
 
     return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
                                  replicas=replicas, timeout_s=timeout_s)
@@ -63,7 +63,7 @@ def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float):
 def ring_size(env: RankEnv, replicas: int) -> int:
     """Ranks per ring: the processes divided among the replicas."""
     if replicas < 1 or env.world_size % replicas:
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         raise ConfigError(f"{env.world_size} processes do not split into {replicas} equal "
                           "rings; use a process count that is a multiple of the replicas")
@@ -84,7 +84,7 @@ def make_rank_backend(backend: str, kind: str, env: RankEnv):
     except Exception:  # noqa: BLE001 - no CuPy or no GPU: make_backend says which
         return make_backend(backend)
     if kind == "nccl" and env.local_rank >= count:
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         raise ConfigError(f"process {env.rank} needs GPU {env.local_rank} (LOCAL_RANK) but this "
                           f"host has {count}: the NCCL transport takes one GPU per rank (the "
@@ -102,9 +102,9 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     its backend, its transport and its blocks initialised as one device would.
     deferred_update: as the Engine's (each step's AdamW inside the next step's first round)."""
     from dataflow.engine import default_profile
-    from memplan.plan import Budget, GradAccum
-    from memplan.ring_plan import make_rank_plan, ring_profile
-    from ring.rank import RingRank
+    from dataflow.memplan.plan import Budget, GradAccum
+    from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
+    from dataflow.ring.rank import RingRank
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
     n = ring_size(env, replicas)
@@ -126,7 +126,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
 
 def _whole(total: int, parts: int, what: str, by: str) -> int:
     if total % parts:
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         raise ConfigError(f"{what} {total} is not a multiple of {by} {parts}")
     return total // parts
@@ -153,8 +153,8 @@ class RingEngine:
                  tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None,
                  deferred_update: bool = True):
         from dataflow.optimizer import AdamWConfig
-        from models.config import ModelConfig
-        from models.hf import model_config
+        from dataflow.models.config import ModelConfig
+        from dataflow.models.hf import model_config
 
         self.cfg = model if isinstance(model, ModelConfig) else model_config(model)
         self.env = ring.env or rank_env()
@@ -187,7 +187,7 @@ class RingEngine:
         Engine.train_step). Collective: every process of the ring calls it."""
         from dataflow.batch import make_batch
         from dataflow.engine import StepResult
-        from models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
+        from dataflow.models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
 
         self._check_open()
         ch = self.plan.chunking
@@ -223,7 +223,7 @@ class RingEngine:
         only, as Engine.eval_step: no weight, AdamW state or step count changes. Rows are padded
         to whole rounds of every replica, which each evaluate their share. Collective."""
         from dataflow.batch import make_batch
-        from models.errors import ConfigError
+        from dataflow.models.errors import ConfigError
 
         self._check_open()
         ch = self.plan.chunking
@@ -244,7 +244,7 @@ class RingEngine:
         data / rng / extra) to `path/step_<step>`, as Engine.save_checkpoint does; every rank
         writes its own blocks. Collective; `path` must be one directory that every process
         sees. Returns the checkpoint's path on every process."""
-        from ring.checkpoint import save_ring_checkpoint
+        from dataflow.ring.checkpoint import save_ring_checkpoint
 
         self._check_open()
         return save_ring_checkpoint(self.rank, self.transport, self.cfg, path, data=data,
@@ -255,7 +255,7 @@ class RingEngine:
         model (one device's or any ring's); as Engine.load_checkpoint, and if any process
         refuses the checkpoint (damaged file, other model or settings) none loads anything.
         Collective. Returns a dataflow.checkpoint.CheckpointInfo."""
-        from ring.checkpoint import load_ring_checkpoint
+        from dataflow.ring.checkpoint import load_ring_checkpoint
 
         self._check_open()
         return load_ring_checkpoint(self.rank, self.transport, self.cfg, path, verify=verify,
@@ -263,7 +263,7 @@ class RingEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            from models.errors import ConfigError
+            from dataflow.models.errors import ConfigError
 
             raise ConfigError("this RingEngine is closed; create a new one")
 

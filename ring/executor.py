@@ -12,12 +12,12 @@ import dataclasses
 import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
-from memplan.ring_plan import RankPlan, head_rank
-from memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send,
+from dataflow.memplan.ring_plan import RankPlan, head_rank
+from dataflow.memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send,
                                    compile_ring_eval_schedule, compile_ring_schedule,
                                    compile_ring_update_schedule)
-from memplan.schedule import Record, Schedule, Wait
-from ring.transport import Transport
+from dataflow.memplan.schedule import Record, Schedule, Wait
+from dataflow.ring.transport import Transport
 
 
 class RingExecutor(Executor):

@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 DEFAULT_PORT = 29517
 """The rendezvous port (NCCL id exchange) when neither DATAFLOW_RING_PORT nor MASTER_PORT is set
@@ -97,12 +97,12 @@ class LaunchResult:
 def launch(job, n_ranks: int, *, grace_s: float | None = None,
            run_id: str | None = None) -> LaunchResult:
     """Spawn `n_ranks` processes (every rank of every replica: job.replicas rings of
-    n_ranks / job.replicas) running `job` (a ring.worker.RingJob) and wait for them. When one
+    n_ranks / job.replicas) running `job` (a dataflow.ring.worker.RingJob) and wait for them. When one
     fails the others are told to stop (abort flag) and given `grace_s` (default: the job's
     timeout) to exit; any still running then are terminated. NCCL's NVLink multicast stays off
     in the ranks (NCCL_NVLS_ENABLE=0 unless the caller's environment says otherwise)."""
-    from ring.shm import abort_ring, cleanup
-    from ring.worker import child_main
+    from dataflow.ring.shm import abort_ring, cleanup
+    from dataflow.ring.worker import child_main
 
     run_id = run_id or uuid.uuid4().hex[:12]
     grace_s = job.timeout_s if grace_s is None else grace_s

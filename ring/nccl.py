@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ring.transport import RingError, Transport
+from dataflow.ring.transport import RingError, Transport
 
 REDUCE_STAGE_BYTES = 64 << 20
 """Device staging (outside the budget) for all-reducing a gradient kept in pinned host memory."""
@@ -67,7 +67,7 @@ class NcclTransport(Transport):
         import cupy as cp
         from cupy.cuda import nccl
 
-        from ring.rendezvous import share_from_rank0
+        from dataflow.ring.rendezvous import share_from_rank0
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
         self.cp, self.nccl = cp, nccl
@@ -136,7 +136,7 @@ class NcclTransport(Transport):
         self._gather_buffers()
 
     def _gather_buffers(self):
-        from ring.shm import GATHER_MAX
+        from dataflow.ring.shm import GATHER_MAX
 
         if self._gather is None:
             self._gather = (self.cp.empty(GATHER_MAX, self.cp.float64),

@@ -15,12 +15,12 @@ from dataflow.block_io import read_part, write_part
 from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
 from dataflow.optimizer import AdamW, AdamWConfig
-from memplan.ring_plan import RankPlan
-from models import init
-from models.errors import ConfigError
-from models.layout import BlockKind
-from ring.executor import RingExecutor
-from ring.transport import Transport
+from dataflow.memplan.ring_plan import RankPlan
+from dataflow.models import init
+from dataflow.models.errors import ConfigError
+from dataflow.models.layout import BlockKind
+from dataflow.ring.executor import RingExecutor
+from dataflow.ring.transport import Transport
 
 
 class RingRank:

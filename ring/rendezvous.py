@@ -8,7 +8,7 @@ import socket
 import struct
 import time
 
-from ring.transport import RingError
+from dataflow.ring.transport import RingError
 
 MAGIC = b"DFRING1\0"
 

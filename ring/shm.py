@@ -9,7 +9,7 @@ through a pinned staging buffer by copies on that same stream. Never waits forev
 checks the abort flag, the other processes and a deadline, and raises RingError naming the rank.
 
 Relies on x86's store order (the payload is written before the counter that publishes it);
-CPython does not reorder the stores. Between GPUs use ring.nccl instead."""
+CPython does not reorder the stores. Between GPUs use dataflow.ring.nccl instead."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from ring.transport import RingError, Transport
+from dataflow.ring.transport import RingError, Transport
 
 GATHER_MAX = 4096
 """Most float64 values one all-gather carries per process (loss pairs of 512 rounds)."""

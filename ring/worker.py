@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ring.launch import RankEnv
+from dataflow.ring.launch import RankEnv
 
-log = logging.getLogger("ring.worker")
+log = logging.getLogger("dataflow.ring.worker")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,7 +37,7 @@ class RingJob:
     lr: float = 1e-3
     max_grad_norm: float | None = None
     grad_accum: str = "bf16"
-    """'bf16' or 'fp32' gradient accumulation (memplan.plan.GradAccum)."""
+    """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.GradAccum)."""
     eager_update: bool = False
     """Run each step's AdamW at its own end (default: inside the next step's first round, and
     the last step's before the weights are written; the same bits either way)."""
@@ -83,8 +83,8 @@ class RingJob:
 
 
 def model_config(spec: str):
-    from models.config import ModelConfig, load_config
-    from models.serial import from_json
+    from dataflow.models.config import ModelConfig, load_config
+    from dataflow.models.serial import from_json
 
     if spec.lstrip().startswith("{"):
         return from_json(ModelConfig, spec)
@@ -131,8 +131,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
     """Train `job` as rank env.rank. 0 done; 1 with one line on stderr when this rank or the
     ring failed (a RingError names the rank that died or hung)."""
     from dataflow.optimizer import AdamWConfig
-    from ring.engine import open_rank
-    from ring.transport import RingError
+    from dataflow.ring.engine import open_rank
+    from dataflow.ring.transport import RingError
 
     tag = f"[rank {env.rank}/{env.world_size}]"
     transport = None
@@ -160,7 +160,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                   f"{stats.tokens / max(stats.step_time_s, 1e-12):,.0f} tok/s "
                   f"({stats.step_time_s:.3f} s)", file=sys.stderr, flush=True)
             if job.save_every and ((step + 1) % job.save_every == 0 or step + 1 == job.steps):
-                from ring.checkpoint import save_ring_checkpoint
+                from dataflow.ring.checkpoint import save_ring_checkpoint
 
                 t0 = time.perf_counter()
                 path = save_ring_checkpoint(rank, transport, cfg, job.checkpoint_dir,
@@ -231,8 +231,8 @@ def _resume(job: RingJob, rank, transport, cfg, tag: str) -> int:
     if not job.resume:
         return 0
     from dataflow.checkpoint import latest_checkpoint
-    from models.errors import ConfigError
-    from ring.checkpoint import load_ring_checkpoint
+    from dataflow.models.errors import ConfigError
+    from dataflow.ring.checkpoint import load_ring_checkpoint
 
     path = latest_checkpoint(job.checkpoint_dir)
     found = transport.allgather(np.array([-1.0 if path is None else float(path.name[5:])]))

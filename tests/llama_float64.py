@@ -1,5 +1,5 @@
 """A float64 NumPy transcription of transformers' LlamaForCausalLM loss, independent of
-kernels.reference: the truth the reference model is tested against (test_reference_trainer,
+dataflow.kernels.reference: the truth the reference model is tested against (test_reference_trainer,
 kernels/test_rope_scaling)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import math
 
 import numpy as np
 
-from kernels.reference import IGNORE
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.kernels.reference import IGNORE
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 
 def llama_loss_float64(cfg, w, tokens, inv_freq=None):
     """Summed next-token cross-entropy of transformers' LlamaForCausalLM transcribed to float64
-    NumPy, independent of kernels.reference: rotate_half RoPE, repeat_kv GQA, masked softmax.
+    NumPy, independent of dataflow.kernels.reference: rotate_half RoPE, repeat_kv GQA, masked softmax.
     inv_freq: RoPE's inverse frequencies (E/2,); default the plain 1 / theta^(2i/E)."""
     inp, tgt = tokens[:-1], tokens[1:]
     t, e = inp.size, cfg.head_dim

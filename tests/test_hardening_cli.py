@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import demo_checks
-from bench.demo import main as demo_main
-from memplan.chunking import MAX_SEQLEN, _divisors
-from memplan.cli import main as plan_main
+from dataflow.bench import demo_checks
+from dataflow.bench.demo import main as demo_main
+from dataflow.memplan.chunking import MAX_SEQLEN, _divisors
+from dataflow.memplan.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["0.5", "0.25", "64", "tiny"]
@@ -212,7 +212,7 @@ def test_demo_stops_on_nan_with_exit_3_and_marks_the_metrics_row(capsys, tmp_pat
 def _run_and_signal(tmp_path, signals, *extra):
     """Start the demo in a subprocess, send `signals` once its first step line is out, and
     return (exit code, stderr)."""
-    cmd = [sys.executable, "-m", "bench.demo", *FAST, "--backend", "numpy", "--steps", "200",
+    cmd = [sys.executable, "-m", "dataflow.bench.demo", *FAST, "--backend", "numpy", "--steps", "200",
            "--trace", str(tmp_path / "t.json"), "--metrics", str(tmp_path / "m.parquet"),
            "--json", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -13,7 +13,7 @@ import pytest
 
 from dataflow.data import token_stream
 from dataflow.engine import Engine
-from models.errors import ConfigError, NonFiniteError, StepFailedError
+from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.demo import main as demo_main
-from memplan.cli import main as plan_main
-from models.errors import ConfigError
+from dataflow.bench.demo import main as demo_main
+from dataflow.memplan.cli import main as plan_main
+from dataflow.models.errors import ConfigError
 
 EXAMPLES = int(os.environ.get("DATAFLOW_FUZZ_EXAMPLES", "40"))
 """Examples per CLI fuzz test; raise it to fuzz deeper (the engine tests take 5/8 of it)."""

@@ -18,7 +18,7 @@ from dataflow.instrument import ChromeTraceWriter
 from dataflow.instrument.breakdown import compute_breakdown
 from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
 from dataflow.metrics_log import read_metrics, read_run_metadata
-from memplan.cli import main as plan_main
+from dataflow.memplan.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,10 +116,10 @@ def test_engine_at_full_level_reports_no_recompute():
     from dataflow.backends import make_backend
     from dataflow.data import token_stream
     from dataflow.engine import Engine, default_profile
-    from memplan import make_plan
-    from memplan.plan import Budget
-    from models.config import load_config
-    from models.flops import SavedLevel
+    from dataflow.memplan import make_plan
+    from dataflow.memplan.plan import Budget
+    from dataflow.models.config import load_config
+    from dataflow.models.flops import SavedLevel
 
     plan = make_plan(load_config("tiny"), 64, Budget.from_gib(0.5, 0.25),
                      default_profile(make_backend("numpy")))

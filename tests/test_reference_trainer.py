@@ -12,12 +12,12 @@ import pytest
 
 from dataflow.data import token_stream
 from dataflow.reference_trainer import ReferenceTrainer
-from kernels.reference import IGNORE
+from dataflow.kernels.reference import IGNORE
 from dataflow.reference_model import forward_backward
-from models.config import load_config
-from models.errors import ConfigError
-from models.init import init_model
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.init import init_model
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 from tests.llama_float64 import llama_loss_float64
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,7 +1,7 @@
-"""`python -m bench.sweep` is `dataflow-sweep`. Never holds logic of its own."""
+"""`python -m dataflow.bench.sweep` is `dataflow-sweep`. Never holds logic of its own."""
 
 import sys
 
-from bench.sweep.cli import main
+from dataflow.bench.sweep.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import signal
 
-from bench.sweep.record import Status
+from dataflow.bench.sweep.record import Status
 
 HOST_OOM_MARKERS = (
     "cannot allocate the host arena",  # CuPy backend: pinned host slab refused

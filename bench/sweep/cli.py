@@ -9,8 +9,8 @@ import argparse
 import logging
 import sys
 
-from models.errors import ConfigError
-from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
+from dataflow.models.errors import ConfigError
+from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, positive
 
 PROG = "dataflow-sweep"
 
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    from bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
-    from bench.sweep.sweep import SweepConfig
+    from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
+    from dataflow.bench.sweep.sweep import SweepConfig
 
     if args.executor == "local" and (args.cluster or args.partition):
         raise ConfigError("--cluster and --partition apply to --executor submitit only")
@@ -96,15 +96,15 @@ def _config(args):
 
 
 def _run(args) -> int:
-    from bench.sweep.sweep import run_sweep
+    from dataflow.bench.sweep.sweep import run_sweep
 
     config = _config(args)
     executor = None
     if args.executor == "submitit" and not args.predict_only:
         from pathlib import Path
 
-        from bench.sweep.executors import SubmititExecutor
-        from bench.sweep.planning import resolve_backend
+        from dataflow.bench.sweep.executors import SubmititExecutor
+        from dataflow.bench.sweep.planning import resolve_backend
 
         backend = resolve_backend(args.backend)
         executor = SubmititExecutor(str(Path(args.out) / "submitit"), cluster=args.cluster,
@@ -123,7 +123,7 @@ def _plot(args) -> int:
     if not 0 <= lo < hi:
         raise ConfigError(f"--util-range {args.util_range!r}: need 0 <= LO < HI, e.g. 0.35,0.7")
     try:
-        from bench.sweep.plot import plot_sweep
+        from dataflow.bench.sweep.plot import plot_sweep
     except ImportError as exc:
         raise ConfigError(f"plotting needs matplotlib ({exc}); pip install 'dataflow[plot]'") \
             from None

@@ -11,9 +11,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from bench.sweep.classify import last_line
-from bench.sweep.record import CellRecord, Status
-from bench.sweep.runner import CellJob, run_cell
+from dataflow.bench.sweep.classify import last_line
+from dataflow.bench.sweep.record import CellRecord, Status
+from dataflow.bench.sweep.runner import CellJob, run_cell
 
 
 class Executor(Protocol):

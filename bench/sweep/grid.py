@@ -8,7 +8,7 @@ import decimal
 import hashlib
 import re
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 MAX_VALUES = 1000
 """A range longer than this is almost certainly a typo ('16:80:0.001')."""

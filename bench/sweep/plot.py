@@ -11,9 +11,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.sweep.grid import format_number
-from bench.sweep.record import CellRecord, Status
-from bench.sweep.table import read_table
+from dataflow.bench.sweep.grid import format_number
+from dataflow.bench.sweep.record import CellRecord, Status
+from dataflow.bench.sweep.table import read_table
 
 DPI = 100
 REPORT_SIZE_IN = (16, 12)

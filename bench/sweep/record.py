@@ -8,8 +8,8 @@ import dataclasses
 import enum
 import typing
 
-from bench.sweep.grid import Cell
-from models.errors import ConfigError
+from dataflow.bench.sweep.grid import Cell
+from dataflow.models.errors import ConfigError
 
 SCHEMA_VERSION = 1
 """Bump when a column is renamed, removed or changes meaning; readers refuse other versions."""

@@ -1,4 +1,4 @@
-"""Runs one sweep cell: the demo in a child process (`python -m bench.demo ... --json --plan
+"""Runs one sweep cell: the demo in a child process (`python -m dataflow.bench.demo ... --json --plan
 FILE`) with a timeout, sampled by the parent for peak RSS and device memory, then classified and
 saved at once. The child runs the exact plan the parent predicted, so the plan hash and the
 predicted tok/s in the table belong to the run measured. Never plans and never trains in its own
@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sweep.classify import classify
-from bench.sweep.grid import format_number
-from bench.sweep.monitor import PeakSampler, open_nvml
-from bench.sweep.planning import now_iso
-from bench.sweep.record import CellRecord, Status
-from bench.sweep.table import SweepStore
+from dataflow.bench.sweep.classify import classify
+from dataflow.bench.sweep.grid import format_number
+from dataflow.bench.sweep.monitor import PeakSampler, open_nvml
+from dataflow.bench.sweep.planning import now_iso
+from dataflow.bench.sweep.record import CellRecord, Status
+from dataflow.bench.sweep.table import SweepStore
 
 log = logging.getLogger("dataflow.sweep")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ class CellJob:
 
 def demo_command(job: CellJob) -> list[str]:
     r = job.planned
-    return [job.python, "-m", "bench.demo", format_number(r.host_gib), format_number(r.dev_gib),
+    return [job.python, "-m", "dataflow.bench.demo", format_number(r.host_gib), format_number(r.dev_gib),
             str(r.seqlen), r.model, "--steps", str(r.steps), "--backend", r.backend,
             "--plan", job.plan_path, "--json"]
 

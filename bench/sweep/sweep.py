@@ -12,13 +12,13 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.sweep.executors import Executor, LocalExecutor
-from bench.sweep.grid import Cell
-from bench.sweep.planning import gpu_names, plan_cell, resolve_backend, resolve_profile
-from bench.sweep.record import CellRecord, Status
-from bench.sweep.runner import REPO_ROOT, CellJob
-from bench.sweep.table import CSV, PARQUET, SweepStore
-from models.errors import ConfigError
+from dataflow.bench.sweep.executors import Executor, LocalExecutor
+from dataflow.bench.sweep.grid import Cell
+from dataflow.bench.sweep.planning import gpu_names, plan_cell, resolve_backend, resolve_profile
+from dataflow.bench.sweep.record import CellRecord, Status
+from dataflow.bench.sweep.runner import REPO_ROOT, CellJob
+from dataflow.bench.sweep.table import CSV, PARQUET, SweepStore
+from dataflow.models.errors import ConfigError
 
 log = logging.getLogger("dataflow.sweep")
 GIB = 1 << 30

@@ -11,9 +11,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.sweep.grid import Cell
-from bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, column_types
-from models.errors import ConfigError
+from dataflow.bench.sweep.grid import Cell
+from dataflow.bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, column_types
+from dataflow.models.errors import ConfigError
 
 PARQUET = "sweep.parquet"
 CSV = "sweep.csv"

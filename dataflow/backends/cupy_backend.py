@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
-from memplan.buffers import key_block_spans
+from dataflow.memplan.buffers import key_block_spans
 
 try:
     import cupy as cp
@@ -110,7 +110,7 @@ class MappedHostMemory:
     np.asarray(self) is the uint8 array of its bytes (its base is this object, so every view
     keeps the mapping alive). Fresh memory reads as zero.
 
-    populate: 'touch' faults every page in from all threads (kernels.host.memory.prefault_zero)
+    populate: 'touch' faults every page in from all threads (dataflow.kernels.host.memory.prefault_zero)
     before registering, so registration only pins present pages; 'populate' asks mmap to do it
     (MAP_POPULATE, one thread in the kernel); 'none' leaves it to the registration.
     `seconds` holds the time of each part: map, touch, register."""
@@ -142,7 +142,7 @@ class MappedHostMemory:
         self.seconds["map"] = time.perf_counter() - t0
         try:
             if populate == "touch" and self.nbytes:
-                from kernels.host.memory import prefault_zero
+                from dataflow.kernels.host.memory import prefault_zero
 
                 t0 = time.perf_counter()
                 whole = np.frombuffer(self._map, np.uint8, self.nbytes)
@@ -400,7 +400,7 @@ class CupyBackend(Backend):
     def warm_up(self, attention_shapes, n_heads: int, n_kv_heads: int,
                 head_dim: int) -> dict[str, float]:
         """Build what the first step would build on first use: every CUDA module of
-        kernels.cuda (NVRTC, or CuPy's disk cache on a later run) and cuDNN's handle and SDPA
+        dataflow.kernels.cuda (NVRTC, or CuPy's disk cache on a later run) and cuDNN's handle and SDPA
         graphs, forward and backward, for each of `attention_shapes` (dataflow.warmup's
         AttentionShape: n_q, q_offset). The backward of a chunk that attends only to itself is
         built deterministic, and also non-deterministic when the deterministic workspace does
@@ -408,8 +408,8 @@ class CupyBackend(Backend):
         Allocates nothing from the device arena; call after lend_scratch, before the first
         step (what prebuild built already is found at once). Seconds per part, and the
         process's graph counts (attention_graphs_built, attention_graphs_from_cache:
-        kernels.cuda.graph_cache's disk cache)."""
-        from kernels import cuda as K
+        dataflow.kernels.cuda.graph_cache's disk cache)."""
+        from dataflow.kernels import cuda as K
 
         seconds = self._build(attention_shapes, (n_heads, n_kv_heads, head_dim),
                               self.ops.attention_workspace_nbytes())
@@ -428,8 +428,8 @@ class CupyBackend(Backend):
         return self._build(attention_shapes, (n_heads, n_kv_heads, head_dim), None)
 
     def _build(self, attention_shapes, heads: tuple[int, int, int], ws_bytes) -> dict:
-        from kernels import cuda as K
-        from kernels.cuda.warm import precompile
+        from dataflow.kernels import cuda as K
+        from dataflow.kernels.cuda.warm import precompile
 
         seconds = {}
         t0 = time.perf_counter()
@@ -469,7 +469,7 @@ class CupyBackend(Backend):
                   "libraries_and_pool_bytes": used - self.baseline_used_bytes - arena,
                   "cupy_pool_used_bytes": cp.get_default_memory_pool().used_bytes()}
         try:
-            from kernels.cuda.attention import own_workspace_bytes
+            from dataflow.kernels.cuda.attention import own_workspace_bytes
 
             report["cudnn_workspace_bytes"] = own_workspace_bytes()
             report["op_scratch_bytes"] = self.ops.library_workspace_bytes()

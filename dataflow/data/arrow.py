@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 _STATE_KEYS = ("dataset", "document", "epoch", "offset")
 

@@ -10,7 +10,7 @@ from importlib import resources
 
 import numpy as np
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 BYTE_VOCAB = 256
 """Byte-level tokenisation uses ids 0..255, so a model needs at least this many rows."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

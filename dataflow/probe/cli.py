@@ -10,10 +10,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from memplan.cli_args import OneLineParser, parse_or_exit_code, positive
-from memplan.profiles import default_cache_path, known_profiles, save_profile
-from models.config import load_config, zoo_names
-from models.errors import ConfigError
+from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, positive
+from dataflow.memplan.profiles import default_cache_path, known_profiles, save_profile
+from dataflow.models.config import load_config, zoo_names
+from dataflow.models.errors import ConfigError
 
 PROG = "dataflow-probe"
 log = logging.getLogger("dataflow.probe")

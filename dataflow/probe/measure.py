@@ -1,8 +1,8 @@
 """The measurements behind dataflow-probe, on the current GPU, through the engine's own paths:
 copies through CupyBackend (its pinned slabs and H2D/D2H streams), GEMMs through
-kernels.cuda.linear (cuBLAS gemmEx) at one layer's shapes, attention through
-kernels.cuda.attention (cuDNN SDPA, deterministic backward for a packed chunk and the atomic one
-for a split sequence, as dataflow.ops_cuda picks), host work through kernels.host (numba).
+dataflow.kernels.cuda.linear (cuBLAS gemmEx) at one layer's shapes, attention through
+dataflow.kernels.cuda.attention (cuDNN SDPA, deterministic backward for a packed chunk and the atomic one
+for a split sequence, as dataflow.ops_cuda picks), host work through dataflow.kernels.host (numba).
 
 Every device rate is timed with CUDA events around repeated calls after a warm-up; the median
 of the repeats is kept. Compute runs for seconds (`Settings`) so the rates are the sustained,
@@ -23,8 +23,8 @@ import numpy as np
 from dataflow.backend import Place, Stream
 from dataflow.backends.cupy_backend import CupyBackend
 from dataflow.probe.profile import Measurements, attn_flops, gemm_flops
-from memplan.cost import ADAMW_STATE_BYTES_PER_ELEM
-from models.config import ModelConfig
+from dataflow.memplan.cost import ADAMW_STATE_BYTES_PER_ELEM
+from dataflow.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -129,7 +129,7 @@ def _sustained(fn, stream, seconds: float) -> tuple[float, float]:
 
 def _randn_bf16(shape, std: float = 1.0):
     """A bf16 device array of N(0, std^2) values (random data: a zero GEMM draws less power)."""
-    from kernels.cuda import cast
+    from dataflow.kernels.cuda import cast
 
     out = cp.empty(shape, dtype=BF16)
     f32 = cp.random.standard_normal(out.size, dtype=cp.float32)
@@ -190,8 +190,8 @@ def _host_median_s(fn, repeats: int) -> float:
 
 
 def _host_copy_s(nbytes: int) -> float:
-    """Median seconds of kernels.host.memory.copy_into (numba, parallel) over `nbytes`."""
-    from kernels.host.memory import copy_into
+    """Median seconds of dataflow.kernels.host.memory.copy_into (numba, parallel) over `nbytes`."""
+    from dataflow.kernels.host.memory import copy_into
 
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -200,7 +200,7 @@ def _host_copy_s(nbytes: int) -> float:
 
 def measure_host(s: Settings) -> dict[str, float]:
     """Parallel host memcpy (read + write) and the engine's host AdamW, bytes as cost.py counts."""
-    from kernels.host import adamw as host_adamw
+    from dataflow.kernels.host import adamw as host_adamw
 
     copy_s = _host_copy_s(s.host_bytes)
     n = s.adamw_elems
@@ -216,7 +216,7 @@ def measure_host(s: Settings) -> dict[str, float]:
 def measure_gemm(cfg: ModelConfig, s: Settings, stream) -> tuple[float, float]:
     """(first window, sustained) FLOP/s of one layer's forward and backward GEMMs at
     chunk_tokens, shaped and accumulated as dataflow.layer_ops calls them."""
-    from kernels.cuda import linear_bwd_w, linear_bwd_x, linear_fwd
+    from dataflow.kernels.cuda import linear_bwd_w, linear_bwd_x, linear_fwd
 
     t, d, q, kv, f = s.chunk_tokens, cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
     x, xo, act = _randn_bf16((t, d)), _randn_bf16((t, q)), _randn_bf16((t, f))
@@ -245,7 +245,7 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, context: int,
                       deterministic: bool) -> tuple[float, float]:
     """Sustained hardware FLOP/s of the fused attention forward and backward for chunk_tokens
     queries after `context` keys of the same sequence (0: a packed, self-attending chunk)."""
-    from kernels.cuda import attention_bwd, attention_fwd
+    from dataflow.kernels.cuda import attention_bwd, attention_fwd
 
     t, h, kh, e = s.chunk_tokens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     keys = context + t
@@ -268,7 +268,7 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, context: int,
 
 def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
     """Every measurement the profile needs, on device 0, logged as it goes."""
-    from kernels.cuda import attention
+    from dataflow.kernels.cuda import attention
 
     t0 = time.perf_counter()
     name, total, gen = device_info()

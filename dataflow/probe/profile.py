@@ -2,7 +2,7 @@
 that puts it beside the built-in profile. Pure Python over plain numbers: never touches a
 device, never reads the clock, so the tests drive it with made-up measurements.
 
-Efficiencies are stored the way memplan.cost reads them: the measured rate divided by the peak
+Efficiencies are stored the way dataflow.memplan.cost reads them: the measured rate divided by the peak
 times the cost model's own shape factors (`gemm_flop_per_s` / `attn_flop_per_s` at efficiency
 1), so the planner reproduces the measured rate at the measured shape."""
 
@@ -12,12 +12,12 @@ import dataclasses
 import os
 from pathlib import Path
 
-from memplan.cost import ATTN_ATOMIC_BWD_SPEEDUP, attn_flop_per_s, gemm_flop_per_s
-from memplan.plan import GIB, HardwareProfile
-from memplan.profiles import get_profile, known_profiles
-from models.config import ModelConfig
-from models.errors import ConfigError
-from models.flops import attn_bwd_flops, attn_fwd_flops, flash_recompute_flops, layer_matmul_flops
+from dataflow.memplan.cost import ATTN_ATOMIC_BWD_SPEEDUP, attn_flop_per_s, gemm_flop_per_s
+from dataflow.memplan.plan import GIB, HardwareProfile
+from dataflow.memplan.profiles import get_profile, known_profiles
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
+from dataflow.models.flops import attn_bwd_flops, attn_fwd_flops, flash_recompute_flops, layer_matmul_flops
 
 _NO_CACHE = Path(os.devnull)
 """A cache path that is never a regular file, so get_profile answers with the built-in."""
@@ -39,9 +39,9 @@ class Measurements:
     """Host->device while device->host copies of the same size run at once."""
     d2h_duplex_bytes_per_s: float
     host_copy_bytes_per_s: float
-    """Parallel host memcpy (kernels.host.memory.copy_into), read + write: shown, not stored."""
+    """Parallel host memcpy (dataflow.kernels.host.memory.copy_into), read + write: shown, not stored."""
     host_adamw_bytes_per_s: float
-    """kernels.host.adamw over bf16 state and grads, 14 bytes per parameter (as cost.py counts)."""
+    """dataflow.kernels.host.adamw over bf16 state and grads, 14 bytes per parameter (as cost.py counts)."""
     device_mem_bytes_per_s: float
     """Device-to-device copy, read + write."""
     chunk_tokens: int

@@ -1,4 +1,4 @@
-"""CUDA implementations of every op in `kernels.reference`, for the CuPy backend: CuPy arrays in
+"""CUDA implementations of every op in `dataflow.kernels.reference`, for the CuPy backend: CuPy arrays in
 and out, OUTPUT BUFFERS PASSED IN (the engine preallocates everything in one arena), all work
 enqueued on the current CuPy stream (`cupy.cuda.get_current_stream()`), no host synchronisation
 inside any op. Elementwise and reduction ops are CUDA C++ templates (one `.cu` per op beside
@@ -11,17 +11,17 @@ Scratch: the ops that need a reduction scratch (rms_norm_bwd, sumsq) or a cuDNN 
 on first use (allocated once, outside the steady-state loop).
 """
 
-from kernels.cuda._cublas import set_workspace as set_cublas_workspace
-from kernels.cuda.adamw import adamw_step
-from kernels.cuda.attention import (attention_bwd, attention_fwd, attention_workspace_bytes,
+from dataflow.kernels.cuda._cublas import set_workspace as set_cublas_workspace
+from dataflow.kernels.cuda.adamw import adamw_step
+from dataflow.kernels.cuda.attention import (attention_bwd, attention_fwd, attention_workspace_bytes,
                                     graph_sources)
-from kernels.cuda.embedding import embedding_bwd, embedding_fwd
-from kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
-from kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
-from kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
-from kernels.cuda.rope import rope_bwd, rope_fwd
-from kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
-from kernels.cuda.utils import add_, cast, clip_scale, fill_, sumsq
+from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
+from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
+from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
+from dataflow.kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
+from dataflow.kernels.cuda.rope import rope_bwd, rope_fwd
+from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
+from dataflow.kernels.cuda.utils import add_, cast, clip_scale, fill_, sumsq
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes", "cast",

@@ -58,15 +58,15 @@ def _module(source: str, names: tuple[str, ...], dev: int) -> cupy.RawModule:
 
 
 def kernel_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(source, instantiations) of every launcher module in kernels.cuda: each module that names
+    """(source, instantiations) of every launcher module in dataflow.kernels.cuda: each module that names
     its `.cu` in `_SRC` and the instantiations in `_NAMES`."""
-    import kernels.cuda as pkg
+    import dataflow.kernels.cuda as pkg
 
     found = {}
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("_"):
             continue
-        mod = importlib.import_module(f"kernels.cuda.{info.name}")
+        mod = importlib.import_module(f"dataflow.kernels.cuda.{info.name}")
         src, names = getattr(mod, "_SRC", None), getattr(mod, "_NAMES", None)
         if isinstance(src, str) and names:
             found[src] = tuple(names)

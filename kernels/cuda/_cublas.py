@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
-from kernels.cuda._build import BF16, F32
+from dataflow.kernels.cuda._build import BF16, F32
 
 _CUDA_R_32F = 0
 _CUDA_R_16BF = 14

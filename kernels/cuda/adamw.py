@@ -1,13 +1,13 @@
 """AdamW on the GPU (kernels/cuda/adamw.cu): one launch over a whole flat block, in place, fp32
-math, vectorised loads; matches kernels.reference.adamw. Enqueued on the current CuPy stream; no
+math, vectorised loads; matches dataflow.kernels.reference.adamw. Enqueued on the current CuPy stream; no
 sync, no allocation."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import F32
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import F32
 
 _SRC = "adamw.cu"
 _TYPES = ("bf16", "float")

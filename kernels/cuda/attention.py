@@ -1,6 +1,6 @@
 """Causal grouped-query attention that can continue a sequence across chunks, forward and
 backward, through cuDNN's fused SDPA (nvidia-cudnn-frontend, integer device pointers, so torch
-never loads); matches kernels.reference.attention. A simple fp32 RawKernel version
+never loads); matches dataflow.kernels.reference.attention. A simple fp32 RawKernel version
 (kernels/cuda/attention.cu) serves any case cuDNN refuses and cross-checks it in the tests.
 
 How the offset chunk is expressed: query i sits at absolute position q_offset + i and attends
@@ -10,7 +10,7 @@ mask aligned BOTTOM_RIGHT (key j visible to query i iff j <= i + S' - T = i + q_
 q_offset = 0 that is the ordinary TOP_LEFT causal mask, which is used then. One graph per
 shape (T, S', H, K, E, mask, determinism) per device, built on first use and cached with its
 workspace (or pass `workspace`); a built graph is also serialised to disk and a later process
-deserialises it instead of building (kernels.cuda.graph_cache; DATAFLOW_CUDNN_CACHE_DIR=off
+deserialises it instead of building (dataflow.kernels.cuda.graph_cache; DATAFLOW_CUDNN_CACHE_DIR=off
 turns that off); the cuDNN handle is one per device, bound to the current CuPy
 stream before each execute. Never synchronises by itself.
 
@@ -35,8 +35,8 @@ import math
 import cupy
 import numpy as np
 
-from kernels.cuda import _build, utils
-from kernels.cuda._build import BF16, F32
+from dataflow.kernels.cuda import _build, utils
+from dataflow.kernels.cuda._build import BF16, F32
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ def _cache_key(key: tuple) -> tuple:
 
 
 def _load_cached(key: tuple):
-    """[graph, None, workspace bytes] deserialised from kernels.cuda.graph_cache, or None."""
-    from kernels.cuda import graph_cache
+    """[graph, None, workspace bytes] deserialised from dataflow.kernels.cuda.graph_cache, or None."""
+    from dataflow.kernels.cuda import graph_cache
 
     if graph_cache.cache_dir() is None:
         return None
@@ -190,7 +190,7 @@ def _load_cached(key: tuple):
 
 
 def _store_cached(key: tuple, graph) -> None:
-    from kernels.cuda import graph_cache
+    from dataflow.kernels.cuda import graph_cache
 
     if graph_cache.cache_dir() is not None:
         graph_cache.store(_cache_key(key), graph, graph_cache.environment(_cudnn(), key[0]))
@@ -198,7 +198,7 @@ def _store_cached(key: tuple, graph) -> None:
 
 def graph_sources() -> dict[str, int]:
     """How this process's cached graphs came to be: {"built": n, "cache": m} (loaded from
-    kernels.cuda.graph_cache)."""
+    dataflow.kernels.cuda.graph_cache)."""
     out = {"built": 0, "cache": 0}
     for source in SOURCES.values():
         out[source] += 1

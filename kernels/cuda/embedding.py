@@ -1,13 +1,13 @@
 """Token embedding on the GPU (kernels/cuda/embedding.cu): gather forward, deterministic
-scatter-add backward; matches kernels.reference.embedding. Enqueued on the current CuPy stream;
+scatter-add backward; matches dataflow.kernels.reference.embedding. Enqueued on the current CuPy stream;
 no sync, no allocation, no atomics (so repeated runs are bit-identical)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import BF16, F32, I32
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import BF16, F32, I32
 
 _SRC = "embedding.cu"
 _NAMES = tuple(

@@ -1,5 +1,5 @@
 """On-disk cache of built cuDNN frontend graphs (the SDPA forward and backward of
-kernels.cuda.attention), so a later process deserialises an execution plan instead of building it
+dataflow.kernels.cuda.attention), so a later process deserialises an execution plan instead of building it
 (heuristics query, plan build, and whatever kernel compilation cuDNN does inside build_plans).
 An entry is keyed by the caller's graph key together with everything that can make a plan
 invalid: cuDNN's backend version, the frontend's version, the device's name and compute
@@ -9,7 +9,7 @@ graph and stores it. Never builds a graph itself and never touches device memory
 Where: DATAFLOW_CUDNN_CACHE_DIR, else ~/.cache/dataflow/cudnn; the value "off" turns the cache
 off (every graph is built). Clearing the directory is always safe.
 
-Use (kernels.cuda.attention._graph, around the build):
+Use (dataflow.kernels.cuda.attention._graph, around the build):
     env = graph_cache.environment(cudnn, device_id)
     g = graph_cache.load(key, cudnn.pygraph, env, handle)
     if g is None:

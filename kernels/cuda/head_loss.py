@@ -1,5 +1,5 @@
 """Output head and next-token cross-entropy, forward and backward together, in sub-chunks of
-tokens (kernels/cuda/head_loss.cu + cuBLAS); matches kernels.reference.head_loss. Per sub-chunk
+tokens (kernels/cuda/head_loss.cu + cuBLAS); matches dataflow.kernels.reference.head_loss. Per sub-chunk
 of logits.shape[0] tokens: logits = x_s @ w.T into the fp32 scratch (gemmEx), a fused
 softmax-cross-entropy kernel that rewrites that scratch in place as bf16 dlogits (row stride
 2V) and records each row's loss, a deterministic loss reduction into loss_acc, then
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import BF16, F32, I32
-from kernels.cuda._cublas import gemm
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import BF16, F32, I32
+from dataflow.kernels.cuda._cublas import gemm
 
 _SRC = "head_loss.cu"
 _NAMES = ("xent_kernel<4>", "xent_kernel<1>", "xent_finish")
 IGNORE = -100
 """A target equal to IGNORE contributes no loss and no gradient (transformers' ignore index;
-the same value as kernels.reference.IGNORE and head_loss.cu's)."""
+the same value as dataflow.kernels.reference.IGNORE and head_loss.cu's)."""
 
 
 def xent_kernel(elems_per_lane: int = 4):

@@ -1,12 +1,12 @@
 """Linear layer y = x @ w.T (w stored [out_features, in_features]) and its two gradients through
-cuBLAS gemmEx; matches kernels.reference.linear. bf16 operands, fp32 accumulation, outputs bf16
+cuBLAS gemmEx; matches dataflow.kernels.reference.linear. bf16 operands, fp32 accumulation, outputs bf16
 or fp32; `accumulate` adds into the output (beta = 1) to fuse a residual add or to accumulate
 weight gradients over chunks. Enqueued on the current CuPy stream; no sync, no allocation."""
 
 from __future__ import annotations
 
-from kernels.cuda import _build
-from kernels.cuda._cublas import gemm
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._cublas import gemm
 
 
 def linear_fwd(x, w, y, accumulate: bool = False) -> None:

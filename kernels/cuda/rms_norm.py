@@ -1,5 +1,5 @@
 """RMSNorm forward and backward on the GPU (kernels/cuda/rms_norm.cu); matches
-kernels.reference.rms_norm. Launches on the current CuPy stream, never synchronises, never
+dataflow.kernels.reference.rms_norm. Launches on the current CuPy stream, never synchronises, never
 allocates except the backward's partial-sum scratch when the caller passes none (cached, once
 per (device, stream, shape))."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import BF16, F32
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import BF16, F32
 
 _SRC = "rms_norm.cu"
 _NAMES = tuple(

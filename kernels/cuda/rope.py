@@ -1,6 +1,6 @@
 """Rotary position embedding on the GPU (kernels/cuda/rope.cu), half-split convention of
-transformers' Llama (`rotate_half`: dimension j pairs with j + E/2); matches kernels.reference.rope.
-The inverse frequencies are the reference's own float64 table (kernels.reference.rope_inv_freq:
+transformers' Llama (`rotate_half`: dimension j pairs with j + E/2); matches dataflow.kernels.reference.rope.
+The inverse frequencies are the reference's own float64 table (dataflow.kernels.reference.rope_inv_freq:
 plain or Llama 3.1-scaled), passed to the kernel by value as a kernel parameter, so the GPU uses
 bit-identical frequencies and nothing is allocated on the device. Angles pos * inv_freq are
 formed in fp64 inside the kernel, as the reference does, so phase does not drift at long
@@ -12,9 +12,9 @@ import functools
 
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import I32
-from kernels.reference.rope import rope_inv_freq
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import I32
+from dataflow.kernels.reference.rope import rope_inv_freq
 
 _SRC = "rope.cu"
 _NAMES = tuple(f"rope_kernel<{t}, {v}>" for t in ("bf16", "float") for v in (1, 8))
@@ -36,7 +36,7 @@ def freq_param(inv_freq, head_dim: int) -> np.ndarray:
     half = head_dim // 2
     if table.shape != (half,):
         raise ValueError(f"rope inv_freq has shape {table.shape}, head_dim {head_dim} needs "
-                         f"({half},); build it with kernels.reference.rope_inv_freq")
+                         f"({half},); build it with dataflow.kernels.reference.rope_inv_freq")
     if half > MAX_HALF:
         raise ValueError(f"rope head_dim {head_dim} is above this kernel's {2 * MAX_HALF}")
     param = np.zeros(1, _FREQ)
@@ -79,7 +79,7 @@ def _rope(x, positions, inv_freq, out, sign: float) -> None:
 
 def rope_fwd(x, positions, inv_freq, out) -> None:
     """x (T, n, E) bf16|f32, positions (T,) int32 device array, inv_freq (E/2,) float64 host
-    array from kernels.reference.rope_inv_freq (or freq_param's packed form, or a number:
+    array from dataflow.kernels.reference.rope_inv_freq (or freq_param's packed form, or a number:
     plain RoPE's theta) -> out (T, n, E), same dtype.
 
     out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin (x1 = x[..., :E/2]); out may be x.

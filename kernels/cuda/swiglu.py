@@ -1,12 +1,12 @@
 """SwiGLU gate on the GPU (kernels/cuda/swiglu.cu): h = silu(gate) * up and its backward;
-matches kernels.reference.swiglu. fp32 math on bf16|f32 storage. Enqueued on the current CuPy
+matches dataflow.kernels.reference.swiglu. fp32 math on bf16|f32 storage. Enqueued on the current CuPy
 stream; no sync, no allocation."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda import _build
+from dataflow.kernels.cuda import _build
 
 _SRC = "swiglu.cu"
 _NAMES = tuple([f"swiglu_fwd_kernel<{t}, {v}>" for t in ("bf16", "float") for v in (1, 8)]

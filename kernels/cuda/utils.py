@@ -9,8 +9,8 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from kernels.cuda import _build
-from kernels.cuda._build import F32
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import F32
 
 _SRC = "utils.cu"
 _TYPES = ("bf16", "float")

@@ -3,6 +3,6 @@ module compiled by NVRTC (or loaded from CuPy's disk cache). The public face of 
 precompile; cuDNN graphs are built through attention.attention_workspace_bytes. Never allocates
 device memory and never synchronises."""
 
-from kernels.cuda._build import cache_dir, kernel_sources, precompile
+from dataflow.kernels.cuda._build import cache_dir, kernel_sources, precompile
 
 __all__ = ["cache_dir", "kernel_sources", "precompile"]

@@ -1,5 +1,5 @@
 """AdamW over a whole block on the CPU, in parallel pieces: bf16 param/m/v (as uint16 bits), bf16
-or fp32 grad, fp32 math in exactly kernels.reference.adamw_step's order, so the host optimizer and
+or fp32 grad, fp32 math in exactly dataflow.kernels.reference.adamw_step's order, so the host optimizer and
 the NumPy device path give identical bits. Updates in place; never allocates more than one
 piece of fp32 scratch per thread."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-from kernels.host._bf16 import as_f32, bf16_to_f32, f32_to_bf16
+from dataflow.kernels.host._bf16 import as_f32, bf16_to_f32, f32_to_bf16
 
 _PIECE = 1 << 14
 _WORKERS = max(1, os.cpu_count() or 1)

@@ -10,7 +10,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from kernels.host._bf16 import bf16_to_f32, f32_to_bf16
+from dataflow.kernels.host._bf16 import bf16_to_f32, f32_to_bf16
 
 
 def _add(row, acc):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.host._bf16 import as_f32
+from dataflow.kernels.host._bf16 import as_f32
 
 _PIECE = 1 << 20
 

@@ -2,15 +2,15 @@
 against. Clear and vectorised rather than fast; never imports anything of ours but this package.
 Shape legend in `kernels/__init__.py`."""
 
-from kernels.reference._dtypes import acc_dtype
-from kernels.reference.adamw import adamw_step
-from kernels.reference.attention import attention_bwd, attention_fwd
-from kernels.reference.embedding import embedding_bwd, embedding_fwd
-from kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
-from kernels.reference.linear import linear_bwd, linear_fwd
-from kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
-from kernels.reference.rope import rope_bwd, rope_cos_sin, rope_fwd, rope_inv_freq
-from kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
+from dataflow.kernels.reference._dtypes import acc_dtype
+from dataflow.kernels.reference.adamw import adamw_step
+from dataflow.kernels.reference.attention import attention_bwd, attention_fwd
+from dataflow.kernels.reference.embedding import embedding_bwd, embedding_fwd
+from dataflow.kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
+from dataflow.kernels.reference.linear import linear_bwd, linear_fwd
+from dataflow.kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
+from dataflow.kernels.reference.rope import rope_bwd, rope_cos_sin, rope_fwd, rope_inv_freq
+from dataflow.kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
 
 __all__ = [
     "acc_dtype", "adamw_step", "attention_bwd", "attention_fwd", "embedding_bwd", "embedding_fwd", "IGNORE",

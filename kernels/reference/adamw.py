@@ -3,7 +3,7 @@ decay (Loshchilov & Hutter: p -= lr * wd * p, not added to the gradient). Update
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype, up
+from dataflow.kernels.reference._dtypes import acc_dtype, up
 
 
 def adamw_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, *,

@@ -6,7 +6,7 @@ Query head h reads kv head h // (H / K). Scores and softmax in the acc dtype, ne
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype, up
+from dataflow.kernels.reference._dtypes import acc_dtype, up
 
 _Q_BLOCK = 512  # query rows scored at once: bounds the (rows, S) score matrix held in memory
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype
+from dataflow.kernels.reference._dtypes import acc_dtype
 
 
 def embedding_fwd(ids: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -4,7 +4,7 @@ tokens so that logits for a long chunk (T x V, e.g. 8192 x 128256) never exist a
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype, up
+from dataflow.kernels.reference._dtypes import acc_dtype, up
 
 IGNORE = -100
 """A target equal to IGNORE contributes no loss and no gradient: -100, the ignore index of

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype, up
+from dataflow.kernels.reference._dtypes import acc_dtype, up
 
 
 def linear_fwd(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from kernels.reference._dtypes import acc_dtype, up
+from dataflow.kernels.reference._dtypes import acc_dtype, up
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3=None) -> np.ndarray:

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from bench.budget_truth import BudgetRecord, main, parse_cell
-from models.errors import ConfigError
-from models.serial import from_dict
+from dataflow.bench.budget_truth import BudgetRecord, main, parse_cell
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import from_dict
 
 
 def _record(out, slug) -> BudgetRecord:
@@ -92,7 +92,7 @@ def test_parse_cell_reads_the_issue_notation():
 
 
 class _FakeNvml:
-    """What bench.sweep.monitor reads from pynvml, scripted: busy at 1,600 MHz and 690 W with the
+    """What dataflow.bench.sweep.monitor reads from pynvml, scripted: busy at 1,600 MHz and 690 W with the
     power cap on in two samples of three, then idle."""
 
     NVML_CLOCK_SM = 1
@@ -122,7 +122,7 @@ class _FakeNvml:
 
 
 def test_sampler_reports_clock_power_and_power_cap_over_busy_samples_only():
-    from bench.sweep import monitor
+    from dataflow.bench.sweep import monitor
 
     fake = _FakeNvml()
     nv = monitor._Nvml.__new__(monitor._Nvml)
@@ -143,7 +143,7 @@ def test_sampler_reports_clock_power_and_power_cap_over_busy_samples_only():
 
 
 def test_sampler_gives_none_when_nvml_cannot_say():
-    from bench.sweep import monitor
+    from dataflow.bench.sweep import monitor
 
     fake = _FakeNvml()
 

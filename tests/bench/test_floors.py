@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.floors import attention_from_log, floors, main
+from dataflow.bench.floors import attention_from_log, floors, main
 
 GIB = 2**30
 

@@ -1,10 +1,10 @@
 """bench/ring_gpu.py on CPU (--backend numpy: shared-memory ring, NumPy single device): the ring
-and the one-device run train the same global batches to the same losses, ring.cli's --rounds
+and the one-device run train the same global batches to the same losses, dataflow.ring.cli's --rounds
 reaches every rank, and the record and table say so."""
 
 import json
 
-from bench import ring_gpu
+from dataflow.bench import ring_gpu
 
 
 def test_ring_and_single_device_agree_and_the_record_says_so(tmp_path, capsys):
@@ -46,8 +46,8 @@ def test_the_single_run_takes_the_ring_head_ranks_head_sub_chunk():
     summed in the same pieces (on the H200 pair the two runs' losses differed by 2e-4 from it)."""
     from types import SimpleNamespace
 
-    from bench.ring_gpu import _single_plan
-    from models.config import load_config
+    from dataflow.bench.ring_gpu import _single_plan
+    from dataflow.models.config import load_config
 
     chunking = {"chunk_tokens": 8192, "chunks_per_round": 2, "rounds_per_step": 24}
     spec = {"seqlen": 8192, "budget": [120, 24], "chunking": chunking}

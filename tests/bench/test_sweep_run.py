@@ -12,19 +12,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.sweep.grid import Cell, expand
-from bench.sweep.planning import plan_cell
-from bench.sweep.record import Status
-from bench.sweep.runner import REPO_ROOT, CellJob, run_cell
-from bench.sweep.sweep import SweepConfig, run_sweep
-from bench.sweep.table import SweepStore, read_table
+from dataflow.bench.sweep.grid import Cell, expand
+from dataflow.bench.sweep.planning import plan_cell
+from dataflow.bench.sweep.record import Status
+from dataflow.bench.sweep.runner import REPO_ROOT, CellJob, run_cell
+from dataflow.bench.sweep.sweep import SweepConfig, run_sweep
+from dataflow.bench.sweep.table import SweepStore, read_table
 
 ARGS = ["--model", "tiny", "--seqlen", "128", "--host", "1,2", "--dev", "0.25,0.5", "--steps",
         "2", "--backend", "numpy"]
 
 
 def _sweep(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bench.sweep", "run", *ARGS, "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
 
@@ -37,7 +37,7 @@ def _demo_children(pid: int) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "bench.demo" in " ".join(k.cmdline()):
+            if "dataflow.bench.demo" in " ".join(k.cmdline()):
                 out.append(k)
         except psutil.Error:
             pass
@@ -79,7 +79,7 @@ def test_tiny_sweep_killed_mid_cell_resumes_without_redoing_finished_cells_and_p
     cut = [p for p in (out / "logs").glob("*.json") if p.stem != done_cell.slug]
     assert len(cut) == 1 and cut[0].read_text() == ""
 
-    resumed = subprocess.run([sys.executable, "-m", "bench.sweep", "run", *ARGS, "--out", str(out)],
+    resumed = subprocess.run([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "4 cell(s), 1 finished already" in resumed.stderr
@@ -97,13 +97,13 @@ def test_tiny_sweep_killed_mid_cell_resumes_without_redoing_finished_cells_and_p
         assert r.peak_rss_bytes > 50 * 2**20  # python + numpy + the engine, sampled from outside
         assert r.peak_device_used_bytes is None  # no GPU: null, not zero
         assert r.wall_s > r.steps_time_s > 0
-    again = subprocess.run([sys.executable, "-m", "bench.sweep", "run", *ARGS, "--out", str(out)],
+    again = subprocess.run([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "4 finished already" in again.stderr
     assert {r.cell: r for r in read_table(out)} == records
 
     pytest.importorskip("matplotlib")
-    from bench.sweep.plot import heatmap, plot_sweep, report_metrics
+    from dataflow.bench.sweep.plot import heatmap, plot_sweep, report_metrics
 
     paths = plot_sweep(out)
     assert [p.name for p in paths] == ["tiny-128-report.png", "tiny-128-predicted.png",
@@ -124,7 +124,7 @@ def test_cell_over_its_timeout_is_killed_and_recorded_as_timeout(tmp_path):
     """A cell still running at its timeout is killed with its process group and recorded as a
     timeout, with the measured fields left empty."""
     cell = Cell(model="tiny", seqlen=128, host_gib=1.0, dev_gib=0.25)
-    from memplan import get_profile
+    from dataflow.memplan import get_profile
 
     plan, planned = plan_cell(cell, get_profile("cpu"), backend="numpy", steps=50,
                               run_id="t", commit=None)
@@ -142,7 +142,7 @@ def test_submitit_local_executor_runs_cells_into_the_same_table(tmp_path):
     """The submitit executor (its local cluster standing in for Slurm) runs the cells in jobs
     that save their own records; the table is the same as a local sweep's."""
     pytest.importorskip("submitit")
-    from bench.sweep.executors import SubmititExecutor
+    from dataflow.bench.sweep.executors import SubmititExecutor
 
     cells = expand(("tiny",), (128,), (1.0,), (0.25,))  # one job: the path, not the grid, is tested
     executor = SubmititExecutor(str(tmp_path / "submitit"), cluster="local", timeout_s=120)

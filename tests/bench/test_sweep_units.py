@@ -7,13 +7,13 @@ import signal
 
 import pytest
 
-from bench.sweep.classify import classify
-from bench.sweep.cli import main
-from bench.sweep.grid import Cell, expand, parse_ints, parse_numbers
-from bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, Status
-from bench.sweep.sweep import SweepConfig, run_sweep
-from bench.sweep.table import SweepStore, read_table
-from models.errors import ConfigError
+from dataflow.bench.sweep.classify import classify
+from dataflow.bench.sweep.cli import main
+from dataflow.bench.sweep.grid import Cell, expand, parse_ints, parse_numbers
+from dataflow.bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, Status
+from dataflow.bench.sweep.sweep import SweepConfig, run_sweep
+from dataflow.bench.sweep.table import SweepStore, read_table
+from dataflow.models.errors import ConfigError
 
 
 def test_range_includes_stop_and_merges_with_lists(rng):
@@ -180,7 +180,7 @@ def test_cli_refuses_bad_input_with_exit_2_and_one_line(argv, words, capsys, tmp
 def test_cupy_sweep_without_a_gpu_is_refused_before_any_cell(capsys, tmp_path):
     """--backend cupy on a machine NVML shows no GPU exits 2 naming the way out, writing
     nothing; the same grid with --predict-only plans for the H100 instead."""
-    from bench.sweep.planning import gpu_names
+    from dataflow.bench.sweep.planning import gpu_names
 
     if gpu_names():
         pytest.skip("a GPU is present")
@@ -196,7 +196,7 @@ def test_cupy_sweep_without_a_gpu_is_refused_before_any_cell(capsys, tmp_path):
 
 def test_predict_only_with_no_backend_named_plans_for_the_h100_without_a_gpu(tmp_path):
     """A laptop's --predict-only (backend auto) shows the GPU plane, not the NumPy backend's."""
-    from bench.sweep.planning import gpu_names
+    from dataflow.bench.sweep.planning import gpu_names
 
     if gpu_names():
         pytest.skip("a GPU is present")
@@ -209,7 +209,7 @@ def test_predict_only_with_no_backend_named_plans_for_the_h100_without_a_gpu(tmp
 def test_heatmap_labels_a_grid_cell_without_a_record_not_run(rng):
     """A slice of a grid (three of four cells ran) shows the missing cell as 'not run', not a
     blank that reads like a failure or a zero."""
-    from bench.sweep.plot import NOT_RUN_TEXT, heatmap, report_metrics
+    from dataflow.bench.sweep.plot import NOT_RUN_TEXT, heatmap, report_metrics
 
     cells = expand(("tiny",), (128,), (1.0, 2.0), (0.25, 0.5))
     records = [_record(rng, c) for c in cells if (c.host_gib, c.dev_gib) != (2.0, 0.5)]
@@ -226,7 +226,7 @@ def test_fast_attention_sweep_plans_with_it_and_one_directory_holds_one_kind(tmp
     runs carries it; the table has a column for it and predicts more for 1b at 8k); resuming
     that directory without the flag, or a deterministic one with it, is refused with the way
     out, before any cell."""
-    from bench.sweep.planning import gpu_names
+    from dataflow.bench.sweep.planning import gpu_names
 
     if gpu_names():
         pytest.skip("a GPU is present")
@@ -250,7 +250,7 @@ def test_git_commit_of_an_archived_tree_is_the_archived_commit_not_the_enclosing
     import shutil
     import subprocess
 
-    from bench.sweep.sweep import REPO_ROOT, git_commit
+    from dataflow.bench.sweep.sweep import REPO_ROOT, git_commit
 
     if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
         pytest.skip("needs git and a checkout")

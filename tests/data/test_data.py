@@ -15,7 +15,7 @@ from dataflow.data import (
     shipped_tokens,
     token_stream,
 )
-from models import ConfigError
+from dataflow.models import ConfigError
 
 V = 512
 EOS = V - 1

@@ -9,7 +9,7 @@ import pytest
 
 from dataflow.data import token_stream
 from dataflow.data.sources import LLMC_MAGIC, ArraySource, open_source
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 
 def _write(kind: str, tokens: np.ndarray, tmp_path):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan import build_plan, get_profile
-from memplan.plan import (Budget, Chunking, GradAccum, LayerPlacement, OptimizerWhere,
+from dataflow.memplan import build_plan, get_profile
+from dataflow.memplan.plan import (Budget, Chunking, GradAccum, LayerPlacement, OptimizerWhere,
                           SavedActivation, Slots, Where)
-from models.flops import SavedLevel
+from dataflow.models.flops import SavedLevel
 
 PROFILE = get_profile("h100")
 RESIDENT = LayerPlacement(weights=Where.DEVICE, grads=Where.DEVICE, optimizer=OptimizerWhere.DEVICE)
@@ -101,7 +101,7 @@ def with_grad_accum(plan, grad_accum):
 def updated_pieces(events) -> dict[tuple[str, int], int]:
     """Elements AdamW updates in `events`, summed per (block, first element) piece (a deferred
     update's pieces must add up to the lone update schedule's)."""
-    from memplan.schedule import Update
+    from dataflow.memplan.schedule import Update
 
     out: dict[tuple[str, int], int] = {}
     for e in events:

@@ -19,9 +19,9 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.optimizer import AdamWConfig
-from memplan.plan import Plan
-from models.config import load_config
-from models.errors import ChecksumError, ConfigError
+from dataflow.memplan.plan import Plan
+from dataflow.models.config import load_config
+from dataflow.models.errors import ChecksumError, ConfigError
 from tests.dataflow.plans import path_plans
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ import numpy as np
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from memplan.plan import Plan
+from dataflow.memplan.plan import Plan
 plan_file, ckpt, out = sys.argv[1:4]
 plan = Plan.from_json(open(plan_file).read())
 with Engine.from_plan(plan, backend="numpy", seed=99,
@@ -170,7 +170,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.optimizer import AdamWConfig
-from memplan.plan import Plan
+from dataflow.memplan.plan import Plan
 plan = Plan.from_json(open(sys.argv[1]).read())
 root, kill_after = sys.argv[2], int(sys.argv[3])
 with Engine.from_plan(plan, backend="numpy", optimizer=AdamWConfig(lr=2e-3, max_grad_norm=1.0),
@@ -246,8 +246,8 @@ def test_engine_without_schedule_adopts_the_checkpoints(plans, saved):
 
 
 def test_checkpoint_weights_form_a_model_directory(saved):
-    """The weights of a checkpoint load as a models.storage model directory (verified)."""
-    from models.storage import load_model
+    """The weights of a checkpoint load as a dataflow.models.storage model directory (verified)."""
+    from dataflow.models.storage import load_model
 
     root, _, state3 = saved
     weights = load_model(list_checkpoints(root)[-1])

@@ -10,9 +10,9 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from memplan.schedule import Update, compile_schedule, compile_update_schedule
-from models.config import load_config
-from models.errors import NonFiniteError
+from dataflow.memplan.schedule import Update, compile_schedule, compile_update_schedule
+from dataflow.models.config import load_config
+from dataflow.models.errors import NonFiniteError
 from tests.dataflow.plans import path_plans, split_plans, updated_pieces
 
 STEPS = 3
@@ -144,8 +144,8 @@ def test_real_plans_place_every_deferred_update_exactly_once(model, seqlen, host
     """The planner's own plans for long and large cells compile deferred (two rounds, or the
     one a step has): round 0 updates every element of every block once, as many as the update
     schedule alone does, and nothing updates after round 0."""
-    from memplan import get_profile, make_plan
-    from memplan.plan import Budget
+    from dataflow.memplan import get_profile, make_plan
+    from dataflow.memplan.plan import Budget
 
     plan = make_plan(load_config(model), seqlen, Budget.from_gib(host, dev), get_profile("h100"))
     sch = compile_schedule(plan, rounds=min(2, plan.chunking.rounds_per_step), update="deferred")

@@ -12,13 +12,13 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from memplan import make_plan
-from memplan.memory import embed_row_parts, host_regions
-from memplan.plan import Budget, OptimizerWhere
-from memplan.profiles import get_profile
-from memplan.schedule import (STREAMS, Fetch, HostTask, Record, Wait, WriteBack, _Compiler,
+from dataflow.memplan import make_plan
+from dataflow.memplan.memory import embed_row_parts, host_regions
+from dataflow.memplan.plan import Budget, OptimizerWhere
+from dataflow.memplan.profiles import get_profile
+from dataflow.memplan.schedule import (STREAMS, Fetch, HostTask, Record, Wait, WriteBack, _Compiler,
                               compile_eval_schedule, compile_schedule)
-from models.config import load_config
+from dataflow.models.config import load_config
 from tests.dataflow.plans import forced_plan, streamed
 
 LR = 1e-3

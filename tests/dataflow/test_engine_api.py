@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.demo import main as demo_main
+from dataflow.bench.demo import main as demo_main
 from dataflow.data import token_stream
 from dataflow.engine import Engine
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 
 def _engine(**kw):

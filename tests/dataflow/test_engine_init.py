@@ -1,6 +1,6 @@
 """Engine setup writes each block straight into where it lives (home, host-memory device, or the
 pinned staging region then one copy) and clears state in parallel; the bytes must be exactly
-those of the old path: models.init on fresh arrays, copied in, and zeroed state."""
+those of the old path: dataflow.models.init on fresh arrays, copied in, and zeroed state."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from dataflow.backends.numpy_backend import NumpyBackend
 from dataflow.engine import Engine
-from models.config import load_config
-from models.init import init_model
+from dataflow.models.config import load_config
+from dataflow.models.init import init_model
 from tests.dataflow.plans import path_plans
 
 TINY = load_config("tiny")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-import kernels.reference as ref
+import dataflow.kernels.reference as ref
 from dataflow import ops_numpy as ops
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

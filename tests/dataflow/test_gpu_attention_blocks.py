@@ -22,8 +22,8 @@ def test_key_blocks_match_the_one_call_backward_and_allocate_nothing(rng):
     import cupy as cp
     import ml_dtypes
 
-    from kernels.cuda import attention as kattn
-    import kernels.reference as ref
+    from dataflow.kernels.cuda import attention as kattn
+    import dataflow.kernels.reference as ref
     from dataflow.ops_cuda import CudaOps
 
     bf16 = np.dtype(ml_dtypes.bfloat16)

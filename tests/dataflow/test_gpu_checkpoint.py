@@ -18,7 +18,7 @@ from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.lr_schedule import WarmupCosine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
-from models.config import load_config  # noqa: E402
+from dataflow.models.config import load_config  # noqa: E402
 from tests.dataflow.plans import path_plans  # noqa: E402
 
 

@@ -16,7 +16,7 @@ cp = require_gpu()
 from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
-from models.config import load_config  # noqa: E402
+from dataflow.models.config import load_config  # noqa: E402
 from tests.dataflow.plans import path_plans, split_plans  # noqa: E402
 
 LR = 1e-3
@@ -43,7 +43,7 @@ def test_gpu_executor_matches_numpy_backend(model):
     """Loss within 2e-2 relative and the two-step parameter update within 10 % (relative L2)
     of the NumPy backend's, on every forced path."""
     cfg = load_config(model)
-    from models.init import init_model
+    from dataflow.models.init import init_model
 
     start = init_model(cfg, 0)
     start_blocks = [start.embed, *start.layers, start.head]

@@ -17,10 +17,10 @@ cp = require_gpu()
 from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
-from memplan import make_plan  # noqa: E402
-from memplan.plan import AttentionBwd, Budget  # noqa: E402
-from memplan.profiles import get_profile  # noqa: E402
-from models.config import load_config  # noqa: E402
+from dataflow.memplan import make_plan  # noqa: E402
+from dataflow.memplan.plan import AttentionBwd, Budget  # noqa: E402
+from dataflow.memplan.profiles import get_profile  # noqa: E402
+from dataflow.models.config import load_config  # noqa: E402
 
 
 SEQLEN = 2048
@@ -46,10 +46,10 @@ def _losses(attention_bwd: str) -> tuple[list[float], int | None]:
 
 def test_fast_backward_trains_like_the_deterministic_one(monkeypatch):
     monkeypatch.setenv("DATAFLOW_ALLOC_GUARD", "error")
-    from kernels.cuda.attention import forget_graphs
+    from dataflow.kernels.cuda.attention import forget_graphs
 
     forget_graphs()
-    from kernels import cuda as K
+    from dataflow.kernels import cuda as K
 
     det, det_ws = _losses("deterministic")
     fast, fast_ws = _losses("fast")

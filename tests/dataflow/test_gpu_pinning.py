@@ -21,7 +21,7 @@ from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
 from dataflow.warmup import warm_up  # noqa: E402
-from models.config import load_config  # noqa: E402
+from dataflow.models.config import load_config  # noqa: E402
 from tests.dataflow.plans import forced_plan  # noqa: E402
 
 _HOST_MEMORY_TYPE = 1  # cudaMemoryTypeHost: page-locked host memory
@@ -86,7 +86,7 @@ def test_a_failed_registration_falls_back_to_cudaHostAlloc(monkeypatch):
 def _train(monkeypatch, method: str, chunks_per_seq: int, warm: bool):
     """Losses of two steps of a small model; (graphs, modules) counts after warm-up and after
     the steps; warm-up parts; setup phases."""
-    from kernels.cuda import _build, attention
+    from dataflow.kernels.cuda import _build, attention
 
     def built():
         return len(attention._GRAPHS) + len(attention.FALLBACKS), len(_build._MODULES)
@@ -123,7 +123,7 @@ def test_after_warm_up_the_steps_build_no_graph_and_compile_no_module(monkeypatc
 
 def test_precompile_builds_every_kernel_source():
     """Every launcher's .cu compiles (or loads from CuPy's cache) with all its instantiations."""
-    from kernels.cuda import _build
+    from dataflow.kernels.cuda import _build
 
     seconds = _build.precompile()
     assert set(seconds) == {src for src, _ in _build.kernel_sources()}
@@ -136,7 +136,7 @@ def test_the_setup_thread_builds_the_graphs_and_changes_no_result(monkeypatch):
     split (deterministic attention; a split's atomic dQ differs run to run in the last bits)
     the losses equal an engine's built with DATAFLOW_PREBUILD=0 (everything built in warm_up,
     after the arenas)."""
-    from kernels.cuda import attention
+    from dataflow.kernels.cuda import attention
 
     monkeypatch.setenv("DATAFLOW_CUDNN_CACHE_DIR", "off")
     cfg = load_config("small")

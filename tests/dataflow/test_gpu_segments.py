@@ -14,7 +14,7 @@ from tests.gpu import require_gpu  # noqa: E402
 
 cp = require_gpu()
 
-from models.init import init_model  # noqa: E402
+from dataflow.models.init import init_model  # noqa: E402
 from tests.dataflow.test_gpu_executor import _run  # noqa: E402
 from tests.dataflow.test_segments import SEGMENTS, _cfg, _exact, _plans  # noqa: E402
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from dataflow.lr_schedule import WarmupCosine, schedule_from_dict, schedule_to_dict
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 
 def test_warmup_rises_linearly_then_cosine_decays_to_min_lr(rng):

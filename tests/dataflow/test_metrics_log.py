@@ -16,7 +16,7 @@ from dataflow.instrument import Clock, PcieBytes, Span, SpanKind, StepTrace
 from dataflow.metrics_log import (COLUMN_NAMES, COLUMNS, MetricsLog, make_row, meta_path,
                                   read_metrics, read_run_metadata, run_metadata)
 from dataflow.progress import Progress
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "instrumentation.md"
 

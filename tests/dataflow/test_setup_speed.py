@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from bench import setup_speed as ss
+from dataflow.bench import setup_speed as ss
 from dataflow.warmup import AttentionShape, attention_shapes, warm_host_kernels
-from memplan import make_plan
-from memplan.plan import Budget
-from memplan.profiles import get_profile
-from models.hf import model_config
+from dataflow.memplan import make_plan
+from dataflow.memplan.plan import Budget
+from dataflow.memplan.profiles import get_profile
+from dataflow.models.hf import model_config
 
 
 class _FakeProbe:
@@ -119,7 +119,7 @@ def test_keep_caches_passes_no_cache_directories():
 
 
 def test_attention_shapes_of_a_split_sequence_are_one_per_chunk_context():
-    from memplan.buffers import attention_key_block
+    from dataflow.memplan.buffers import attention_key_block
 
     """A sequence split into chunks gives one shape per chunk position, offsets 0, T, 2T, ..."""
     plan = make_plan(model_config("8b"), 65536, Budget.from_gib(96, 30), get_profile("h100"))
@@ -144,7 +144,7 @@ def test_warm_host_kernels_calls_each_kernel_with_the_executors_dtypes(monkeypat
     dtypes and layouts the executor passes (bf16 params, int32 ids, C-contiguous arrays): numba
     compiles per signature, so a different dtype would warm the wrong one. Fakes stand in for
     the kernels (compiling them takes tens of seconds; they have their own tests)."""
-    from kernels.host import adamw, embedding, norms
+    from dataflow.kernels.host import adamw, embedding, norms
 
     seen = []
     monkeypatch.setattr(adamw, "adamw_step", lambda p, g, m, v, *hp: seen.append(
@@ -167,7 +167,7 @@ def test_warm_up_with_a_schedule_warms_only_the_host_kernels_it_runs(monkeypatch
     exactly those, at the plan's gradient dtype; one with none warms none (each numba compile
     costs seconds of setup)."""
     import dataflow.warmup as W
-    from memplan.schedule import HostTask, Update
+    from dataflow.memplan.schedule import HostTask, Update
 
     class _Sched:
         def __init__(self, events):
@@ -194,10 +194,10 @@ def test_the_plan_names_the_host_kernels_its_schedule_runs():
     start first) gives what host_kernels_used reads off the compiled schedule, for every path
     plan and both ranks of a ring (the rank without the embedding runs no scatter)."""
     from dataflow.warmup import host_kernels_of_plan, host_kernels_used
-    from memplan.ring_plan import make_rank_plans
-    from memplan.ring_schedule import compile_ring_schedule
-    from memplan.schedule import compile_schedule
-    from models.config import load_config
+    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.ring_schedule import compile_ring_schedule
+    from dataflow.memplan.schedule import compile_schedule
+    from dataflow.models.config import load_config
     from tests.dataflow.plans import path_plans
 
     cfg = load_config("tiny")
@@ -216,7 +216,7 @@ def test_the_background_compile_fills_numbas_cache_for_warm_up(tmp_path, monkeyp
     (here a fresh NUMBA_CACHE_DIR); warm_up waits for it; a process that has the kernels loaded
     starts none."""
     import dataflow.warmup as W
-    from models.config import load_config
+    from dataflow.models.config import load_config
     from tests.dataflow.plans import path_plans
 
     plan = dict(path_plans(load_config("tiny")))["streamed_1_slot_host_opt"]  # AdamW only

@@ -55,10 +55,10 @@ def test_read_back_from_chrome_trace(tmp_path):
 def test_simulated_step_reads_like_a_trace():
     """The planner's simulation of a tiny plan as a StepTrace: every stream's spans inside the
     step, copies with their bytes, and the same report as a measured step."""
-    from memplan import make_plan
-    from memplan.plan import Budget
-    from memplan.profiles import get_profile
-    from models.config import load_config
+    from dataflow.memplan import make_plan
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.profiles import get_profile
+    from dataflow.models.config import load_config
     from dataflow.instrument.stalls import report, simulated_trace
 
     plan = make_plan(load_config("tiny"), 256, Budget.from_gib(4, 1), get_profile("h100"))
@@ -85,10 +85,10 @@ def test_cli_names_a_file_it_cannot_read(tmp_path, capsys):
 def test_simulated_step_written_as_a_chrome_trace_reads_back(tmp_path, capsys):
     """--simulated --chrome writes the planner's timeline of a plan as a trace that opens like
     a measured one and gives the same report."""
-    from memplan import make_plan
-    from memplan.plan import Budget
-    from memplan.profiles import get_profile
-    from models.config import load_config
+    from dataflow.memplan import make_plan
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.profiles import get_profile
+    from dataflow.models.config import load_config
     from dataflow.instrument.stalls import main
 
     plan = make_plan(load_config("tiny"), 256, Budget.from_gib(4, 1), get_profile("h100"))

@@ -9,7 +9,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.executor import StepProgress
 from dataflow.progress import StepWatch
-from models.config import load_config
+from dataflow.models.config import load_config
 from tests.dataflow.plans import path_plans
 
 

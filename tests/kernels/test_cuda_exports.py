@@ -1,5 +1,5 @@
 """Every kernel the CUDA op table and the CuPy backend call as `K.<name>` is exported by
-kernels.cuda, checked from the sources (CI has no CuPy to import them): a missing export
+dataflow.kernels.cuda, checked from the sources (CI has no CuPy to import them): a missing export
 otherwise shows only on a GPU, at the first call."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every CUDA op in kernels.cuda against its NumPy reference on fresh random bf16 inputs.
+"""Every CUDA op in dataflow.kernels.cuda against its NumPy reference on fresh random bf16 inputs.
 
 Tolerance rule (STYLE §7, after flash-attention's tests): the truth is the reference run in
 float64 on the same (bf16-valued) inputs; the "bf16 reference" is the reference run on the bf16
@@ -31,8 +31,8 @@ if _N_DEVICES == 0:
 
 import ml_dtypes  # noqa: E402
 
-import kernels.cuda as kc  # noqa: E402
-import kernels.reference as ref  # noqa: E402
+import dataflow.kernels.cuda as kc  # noqa: E402
+import dataflow.kernels.reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The on-disk cuDNN graph cache (kernels.cuda.graph_cache) through the attention ops: a second
+"""The on-disk cuDNN graph cache (dataflow.kernels.cuda.graph_cache) through the attention ops: a second
 process deserialises every SDPA graph the first one built (forward, deterministic and atomic
 backward, an offset chunk, an unmasked key block) and gets the same outputs (bit-identical from
 the forward and the deterministic backward; the atomic backward sums dQ in any order, so there
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = random_bf16_preamble(11) + textwrap.dedent("""
     import json, sys, time
-    from kernels import cuda as K
+    from dataflow.kernels import cuda as K
 
     t, h, kh, e = 512, 8, 2, 128
     outs = {}

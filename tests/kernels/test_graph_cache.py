@@ -1,4 +1,4 @@
-"""kernels.cuda.graph_cache without a GPU (fake graphs): a stored graph's bytes come back through
+"""dataflow.kernels.cuda.graph_cache without a GPU (fake graphs): a stored graph's bytes come back through
 deserialize for the same key and environment only; a corrupt entry, an unserialisable graph or
 an unwritable directory is a miss, never an error."""
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dataflow.ops_numpy import adamw_step as reference_step
-from kernels.host.adamw import adamw_step
+from dataflow.kernels.host.adamw import adamw_step
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dataflow.ops_numpy import embedding_bwd as reference_bwd
-from kernels.host.embedding import embedding_bwd
+from dataflow.kernels.host.embedding import embedding_bwd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -1,11 +1,11 @@
-"""kernels.host.memory: the parallel zero-fill and copy leave exactly the bytes `a[...] = 0` and
+"""dataflow.kernels.host.memory: the parallel zero-fill and copy leave exactly the bytes `a[...] = 0` and
 `dst[...] = src` would, at any alignment and length, and skip nothing that is not zero."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.host.memory import PAGE_BYTES, copy_into, zero_fill
+from dataflow.kernels.host.memory import PAGE_BYTES, copy_into, zero_fill
 
 
 def _patchy(rng, n: int) -> np.ndarray:

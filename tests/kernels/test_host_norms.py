@@ -1,4 +1,4 @@
-"""kernels.host.norms.sumsq on fresh random bf16 and fp32 arrays against a float64 NumPy sum
+"""dataflow.kernels.host.norms.sumsq on fresh random bf16 and fp32 arrays against a float64 NumPy sum
 (float64 partials per piece: agreement to float64 rounding), and its refusal of other dtypes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.host.norms import sumsq, sumsq_into
+from dataflow.kernels.host.norms import sumsq, sumsq_into
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])

@@ -1,4 +1,4 @@
-"""kernels.host.memory.prefault_zero: faulting in a fresh mapping from all threads changes no
+"""dataflow.kernels.host.memory.prefault_zero: faulting in a fresh mapping from all threads changes no
 byte of memory that reads as zero, at any length, and refuses arrays it cannot treat as bytes."""
 
 import mmap
@@ -6,7 +6,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kernels.host.memory import PAGE_BYTES, prefault_zero
+from dataflow.kernels.host.memory import PAGE_BYTES, prefault_zero
 
 
 @pytest.mark.parametrize("n", [1, PAGE_BYTES - 1, PAGE_BYTES, 5 * PAGE_BYTES + 3, 3 << 20])

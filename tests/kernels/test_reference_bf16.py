@@ -6,7 +6,7 @@ exact float64 arithmetic."""
 import ml_dtypes
 import numpy as np
 
-from kernels.reference import (adamw_step, attention_bwd, attention_fwd, embedding_bwd,
+from dataflow.kernels.reference import (adamw_step, attention_bwd, attention_fwd, embedding_bwd,
                                embedding_fwd, head_loss_fwd_bwd, linear_bwd, linear_fwd,
                                rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd,
                                swiglu_fwd)

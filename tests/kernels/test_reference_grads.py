@@ -1,4 +1,4 @@
-"""Finite-difference gradient checks for every backward of kernels.reference, plus the forward
+"""Finite-difference gradient checks for every backward of dataflow.kernels.reference, plus the forward
 definitions they rest on (attention against a direct masked softmax, the chunked head loss against
 full logits, AdamW against a hand-written float64 formula).
 
@@ -12,7 +12,7 @@ catching any wrong term (a wrong term gives an error of order 1)."""
 import numpy as np
 import pytest
 
-from kernels.reference import (IGNORE, adamw_step, attention_bwd, attention_fwd, embedding_bwd,
+from dataflow.kernels.reference import (IGNORE, adamw_step, attention_bwd, attention_fwd, embedding_bwd,
                                embedding_fwd, head_loss_fwd_bwd, linear_bwd, linear_fwd,
                                rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd,
                                swiglu_fwd)

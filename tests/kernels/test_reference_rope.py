@@ -4,7 +4,7 @@ positions around a million (angles formed in float64)."""
 
 import numpy as np
 
-from kernels.reference import rope_bwd, rope_fwd
+from dataflow.kernels.reference import rope_bwd, rope_fwd
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 

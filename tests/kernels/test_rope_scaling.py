@@ -10,10 +10,10 @@ import pytest
 
 from dataflow.reference_model import forward_backward
 from dataflow.rope import rope_table
-from kernels.reference import rope_bwd, rope_fwd, rope_inv_freq
-from models.config import RopeScaling, load_config
-from models.init import BF16, init_model
-from models.layout import layer_layout
+from dataflow.kernels.reference import rope_bwd, rope_fwd, rope_inv_freq
+from dataflow.models.config import RopeScaling, load_config
+from dataflow.models.init import BF16, init_model
+from dataflow.models.layout import layer_layout
 from tests.llama_float64 import llama_loss_float64
 
 # (head_dim, theta, (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings))

@@ -13,9 +13,9 @@ from tests.gpu import require_gpu
 
 cupy = require_gpu()
 
-import kernels.cuda as kc  # noqa: E402
-import kernels.reference as ref  # noqa: E402
-from models.init import BF16  # noqa: E402
+import dataflow.kernels.cuda as kc  # noqa: E402
+import dataflow.kernels.reference as ref  # noqa: E402
+from dataflow.models.init import BF16  # noqa: E402
 from tests.kernels.test_cuda_ops import dev as _dev  # noqa: E402
 from tests.kernels.test_cuda_ops import host as _host  # noqa: E402
 from tests.kernels.test_cuda_ops import poisoned as _poisoned  # noqa: E402
@@ -77,7 +77,7 @@ def test_engine_on_gpu_with_llama3_scaling_matches_numpy_backend():
     from dataflow.data import token_stream
     from dataflow.engine import Engine
     from dataflow.optimizer import AdamWConfig
-    from models.config import RopeScaling, load_config
+    from dataflow.models.config import RopeScaling, load_config
 
     cfg = dataclasses.replace(load_config("small"), name="small-llama3", rope_scaling=RopeScaling(
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

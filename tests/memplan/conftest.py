@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from memplan.profiles import BUILTIN_PROFILES
+from dataflow.memplan.profiles import BUILTIN_PROFILES
 
 
 @pytest.fixture(autouse=True)

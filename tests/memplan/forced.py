@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from memplan.build import build_plan
-from memplan.chunking import make_chunking
-from memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT
-from memplan.plan import Budget, GradAccum, SavedActivation, Slots, Where
-from models.config import load_config
-from models.flops import SavedLevel
+from dataflow.memplan.build import build_plan
+from dataflow.memplan.chunking import make_chunking
+from dataflow.memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT
+from dataflow.memplan.plan import Budget, GradAccum, SavedActivation, Slots, Where
+from dataflow.models.config import load_config
+from dataflow.models.flops import SavedLevel
 
 BIG = Budget(host_bytes=1 << 40, device_bytes=1 << 40)
 __all__ = ["forced", "RESIDENT", "HOME_HOST", "HOME_STREAMED", "BIG", "acts", "cfg_of"]

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from memplan import buffers, make_plan
-from memplan.cost import predict_schedule
-from memplan.plan import AttentionBwd, Budget, Plan
-from memplan.profiles import get_profile
-from models.config import load_config
-from models.errors import ConfigError
+from dataflow.memplan import buffers, make_plan
+from dataflow.memplan.cost import predict_schedule
+from dataflow.memplan.plan import AttentionBwd, Budget, Plan
+from dataflow.memplan.profiles import get_profile
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
 
 H100 = get_profile("h100")
 
 
 def _attn_workspace(plan: Plan) -> int:
-    from memplan.memory import device_regions
+    from dataflow.memplan.memory import device_regions
 
     return dict(device_regions(plan))["attn_workspace"]
 
@@ -63,8 +63,8 @@ def test_unknown_choice_is_refused_naming_the_choices():
 def test_fast_attention_on_a_ring_is_refused_not_ignored(capsys):
     """A ring plans the deterministic backward: --fast-attention with --gpus is an error in
     both CLIs (exit 2, one line naming the flag), not a silently ignored flag."""
-    from bench.demo import main as demo_main
-    from memplan.cli import main as plan_main
+    from dataflow.bench.demo import main as demo_main
+    from dataflow.memplan.cli import main as plan_main
 
     assert plan_main(["40", "16", "8192", "1b", "--gpus", "2", "--fast-attention"]) == 2
     assert "--fast-attention is not built for --gpus" in capsys.readouterr().err

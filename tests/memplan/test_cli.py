@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from memplan.cli import main
-from memplan.plan import Plan
-from memplan.profiles import get_profile, save_profile
+from dataflow.memplan.cli import main
+from dataflow.memplan.plan import Plan
+from dataflow.memplan.profiles import get_profile, save_profile
 
 
 def _run(capsys, *argv):
@@ -94,7 +94,7 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "memplan.cli", "120", "24", "1048576", "1b",
+    proc = subprocess.Popen([sys.executable, "-m", "dataflow.memplan.cli", "120", "24", "1048576", "1b",
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"{"
     proc.stdout.close()
@@ -115,10 +115,10 @@ def test_refusal_below_both_budgets_names_both(capsys):
 def test_refusal_just_below_the_minimum_suggests_one_consistent_pair():
     """Budgets a byte under the smallest pair: the rounded-up device budget already works with
     this host, so the way out names no host and no second, contradicting device figure."""
-    from memplan.errors import InfeasibleBudget
-    from memplan.plan import Budget
-    from memplan.search import make_plan, minimum_budgets
-    from models.config import load_config
+    from dataflow.memplan.errors import InfeasibleBudget
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.search import make_plan, minimum_budgets
+    from dataflow.models.config import load_config
 
     cfg, prof = load_config("tiny"), get_profile("h100")
     mb = minimum_budgets(cfg, 256, prof)

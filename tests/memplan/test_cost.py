@@ -1,13 +1,13 @@
 """The cost model: the step is the sum of its parts, copies and recompute are counted where the
-plan puts them, and the FLOP model is the shared one (models.flops)."""
+plan puts them, and the FLOP model is the shared one (dataflow.models.flops)."""
 
 import dataclasses
 
 import pytest
 
-from memplan.cost import predict, rounds_for_target
-from memplan.plan import Where
-from models.flops import FLOP_MODEL_VERSION, SavedLevel, model_flops_per_seq
+from dataflow.memplan.cost import predict, rounds_for_target
+from dataflow.memplan.plan import Where
+from dataflow.models.flops import FLOP_MODEL_VERSION, SavedLevel, model_flops_per_seq
 
 from .forced import HOME_HOST, HOME_STREAMED, RESIDENT, acts, forced
 
@@ -26,7 +26,7 @@ def test_all_resident_plan_moves_nothing_and_is_compute_plus_optimizer(h100):
 
 
 def test_mfu_uses_the_shared_flop_model(h100):
-    """MFU = model FLOPs per sequence (models.flops) x sequences / step / peak."""
+    """MFU = model FLOPs per sequence (dataflow.models.flops) x sequences / step / peak."""
     plan = forced(h100, "small", 256, chunk_tokens=512, rounds=2)
     pr, ch = plan.prediction, plan.chunking
     flops = model_flops_per_seq(plan.model, 256) * ch.seqs_per_step
@@ -110,7 +110,7 @@ def test_faster_pcie_never_predicts_a_slower_step(h100):
 def test_random_forced_plans_predict_consistent_steps(prng, h100):
     """For random decisions on small: the step is the sum of its parts, every part is
     non-negative, HFU >= MFU, and bytes moved are zero exactly when nothing lives at home."""
-    from memplan.plan import GradAccum, SavedActivation
+    from dataflow.memplan.plan import GradAccum, SavedActivation
 
     for _ in range(40):
         placements = [prng.choice([RESIDENT, HOME_HOST, HOME_STREAMED]) for _ in range(4)]

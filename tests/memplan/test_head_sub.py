@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from memplan import get_profile, make_plan
-from memplan.cost import LAUNCH_OVERHEAD_FRAC, head_seconds
-from memplan.decisions import decisions_of
-from memplan.memory import memory_map
-from memplan.plan import Budget
-from models.config import load_config
+from dataflow.memplan import get_profile, make_plan
+from dataflow.memplan.cost import LAUNCH_OVERHEAD_FRAC, head_seconds
+from dataflow.memplan.decisions import decisions_of
+from dataflow.memplan.memory import memory_map
+from dataflow.memplan.plan import Budget
+from dataflow.models.config import load_config
 
 H100 = get_profile("h100")
 

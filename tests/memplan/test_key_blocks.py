@@ -1,4 +1,4 @@
-"""Key blocks of a long context's attention backward (memplan.buffers): the spans the CUDA op
+"""Key blocks of a long context's attention backward (dataflow.memplan.buffers): the spans the CUDA op
 table runs cover exactly the keys a chunk sees, once each, none longer than a block, and the
 planner's scratch shrinks with them."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from memplan import buffers
-from models.config import load_config
+from dataflow.memplan import buffers
+from dataflow.models.config import load_config
 
 
 @pytest.mark.parametrize("q_offset,n_q,block", [(0, 256, 512), (256, 256, 512), (1792, 256, 512),

@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 
-from memplan import buffers
-from memplan.decisions import Decisions, validate_decisions
-from memplan.memory import device_regions, host_regions, memory_map, region_category
-from memplan.plan import GradAccum, LayerPlacement, OptimizerWhere, Where
-from models.config import load_config
-from models.errors import ConfigError
-from models.flops import SavedLevel
+from dataflow.memplan import buffers
+from dataflow.memplan.decisions import Decisions, validate_decisions
+from dataflow.memplan.memory import device_regions, host_regions, memory_map, region_category
+from dataflow.memplan.plan import GradAccum, LayerPlacement, OptimizerWhere, Where
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.flops import SavedLevel
 
 from .forced import HOME_HOST, HOME_STREAMED, RESIDENT, acts, cfg_of, forced
 
@@ -148,8 +148,8 @@ def test_candidate_memory_never_counts_the_embedding_rows_short(h100, prng, mode
     plan's at the scored rounds, host bytes are at least its own, and equal unless the bound
     allowed several rounds while the plan runs one (then exactly one part of rows more: 1b at
     131072 has such candidates)."""
-    from memplan.cost import max_rounds, rounds_for_target
-    from memplan.search import _decisions, _options, _table
+    from dataflow.memplan.cost import max_rounds, rounds_for_target
+    from dataflow.memplan.search import _decisions, _options, _table
 
     cfg = load_config(model)
     frac = dict(_options(cfg, {}))["target_optimizer_frac"]

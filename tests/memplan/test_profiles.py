@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from memplan.profiles import (
+from dataflow.memplan.profiles import (
     BUILTIN_PROFILES,
     default_cache_path,
     get_profile,
@@ -12,7 +12,7 @@ from memplan.profiles import (
     load_profile,
     save_profile,
 )
-from models.errors import ConfigError
+from dataflow.models.errors import ConfigError
 
 
 def test_builtin_profiles_cover_the_issue_gpus_with_datasheet_peaks():

@@ -9,16 +9,16 @@ import time
 
 import pytest
 
-from memplan.candidates import candidate_table
-from memplan.chunking import head_sub_tokens
-from memplan.decisions import decisions_of
-from memplan.errors import GIB, InfeasibleBudget
-from memplan.plan import Budget, OptimizerWhere, Plan, Where
-from memplan.search import make_plan, minimum_budgets
-from memplan.segments import finish_segment_plan
-from models.config import load_config
-from models.errors import ConfigError
-from models.flops import SavedLevel
+from dataflow.memplan.candidates import candidate_table
+from dataflow.memplan.chunking import head_sub_tokens
+from dataflow.memplan.decisions import decisions_of
+from dataflow.memplan.errors import GIB, InfeasibleBudget
+from dataflow.memplan.plan import Budget, OptimizerWhere, Plan, Where
+from dataflow.memplan.search import make_plan, minimum_budgets
+from dataflow.memplan.segments import finish_segment_plan
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.flops import SavedLevel
 
 LARGE = [("1b", 512), ("1b", 65536), ("8b", 4096), ("8b", 8192), ("8b", 24576), ("8b", 262144),
          ("15b", 8192), ("32b", 2048), ("32b", 65536), ("32b", 1 << 20), ("8b", 1 << 20)]
@@ -141,7 +141,7 @@ def test_plans_are_deterministic_and_round_trip_through_json(h100):
     b = make_plan(cfg, 8192, Budget.from_gib(70, 24), h100)
     assert a.to_json() == b.to_json() and a.hash == b.hash
     assert Plan.from_json(a.to_json()) == a and Plan.from_json(a.to_json()).hash == a.hash
-    code = ("from memplan import *; from models.config import load_config; "
+    code = ("from memplan import *; from dataflow.models.config import load_config; "
             "print(make_plan(load_config('8b'), 8192, Budget.from_gib(70, 24), "
             "get_profile('h100')).hash)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

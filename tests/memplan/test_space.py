@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 
-from memplan.chunking import chunking_candidates
-from memplan.cost import workload_of
-from memplan.memory import memory_map
-from memplan.plan import GradAccum
-from memplan.space import Space, State, spread_order
-from models.config import load_config
+from dataflow.memplan.chunking import chunking_candidates
+from dataflow.memplan.cost import workload_of
+from dataflow.memplan.memory import memory_map
+from dataflow.memplan.plan import GradAccum
+from dataflow.memplan.space import Space, State, spread_order
+from dataflow.models.config import load_config
 
 
 def _random_state(r, sp: Space) -> State:

@@ -1,14 +1,14 @@
 """Model configs: the zoo's shapes exactly as issue 2 lists them, loading by name or path with
-errors that list what would work, and a strict JSON round trip through models.serial."""
+errors that list what would work, and a strict JSON round trip through dataflow.models.serial."""
 
 import dataclasses
 import json
 
 import pytest
 
-from models.config import ModelConfig, load_config, zoo_names
-from models.errors import ConfigError
-from models.serial import SCHEMA_VERSION, from_dict, from_json, to_dict
+from dataflow.models.config import ModelConfig, load_config, zoo_names
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import SCHEMA_VERSION, from_dict, from_json, to_dict
 
 # vocab / d / head_dim / layers / heads / kv_heads / ffn / rope_theta, copied from issue 2.
 ZOO = {

@@ -3,8 +3,8 @@ and the recompute FLOPs that HFU adds per saved-activation level."""
 
 import pytest
 
-from models.config import load_config
-from models.flops import (FLOP_MODEL_VERSION, SavedLevel, attn_fwd_flops, flash_recompute_flops,
+from dataflow.models.config import load_config
+from dataflow.models.flops import (FLOP_MODEL_VERSION, SavedLevel, attn_fwd_flops, flash_recompute_flops,
                           hardware_flops_per_seq, model_flops_per_seq, model_flops_per_token)
 
 

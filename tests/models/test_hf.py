@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from dataflow.engine import Engine
-from models.config import ModelConfig
-from models.errors import ConfigError
-from models.hf import HFWeights, hf_config, is_hf_dir, save_pretrained
-from models.init import BF16
-from models.safetensors_io import SafetensorsFile, save_file
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
+from dataflow.models.hf import HFWeights, hf_config, is_hf_dir, save_pretrained
+from dataflow.models.init import BF16
+from dataflow.models.safetensors_io import SafetensorsFile, save_file
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -122,7 +122,7 @@ def _random_hf_tensors(rng, dtype) -> dict:
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_import_of_a_hf_directory_gives_identical_weights(tmp_path, rng, dtype):
     """Engine(model=hf_dir) loads every tensor; bf16 exactly, fp32 rounded to nearest bf16."""
-    from models.hf import hf_config_dict
+    from dataflow.models.hf import hf_config_dict
 
     tensors = _random_hf_tensors(rng, dtype)
     _hf_dir(tmp_path / "m", tensors, hf_config_dict(ODD))
@@ -139,7 +139,7 @@ def test_import_of_a_hf_directory_gives_identical_weights(tmp_path, rng, dtype):
 
 def test_tied_embeddings_start_the_head_as_a_copy(tmp_path, rng):
     """A tie_word_embeddings directory (no lm_head.weight) imports with lm_head = embedding."""
-    from models.hf import hf_config_dict
+    from dataflow.models.hf import hf_config_dict
 
     tensors = _random_hf_tensors(rng, BF16)
     del tensors["lm_head.weight"]
@@ -155,7 +155,7 @@ def test_tied_embeddings_start_the_head_as_a_copy(tmp_path, rng):
                                        ("model_type", "gpt2")])
 def test_configs_we_cannot_run_exactly_are_refused_by_name(tmp_path, key, value):
     """RoPE scaling, biases, other activations or architectures are refused, naming the key."""
-    from models.hf import hf_config_dict
+    from dataflow.models.hf import hf_config_dict
 
     (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(ODD), key: value}))
     with pytest.raises(ConfigError, match=key):

@@ -9,8 +9,8 @@ import numba
 import numpy as np
 import pytest
 
-from models import ConfigError, load_config
-from models.init import (
+from dataflow.models import ConfigError, load_config
+from dataflow.models.init import (
     BF16,
     EMBED_STD,
     f32_to_bf16_bits,
@@ -20,7 +20,7 @@ from models.init import (
     init_model,
     state_dict,
 )
-from models.layout import embed_layout, head_layout, layer_layout
+from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 TINY = load_config("tiny")
 

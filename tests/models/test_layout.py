@@ -5,8 +5,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models.config import load_config, zoo_names
-from models.layout import ALIGN_ELEMS, BlockKind, embed_layout, head_layout, layer_layout
+from dataflow.models.config import load_config, zoo_names
+from dataflow.models.layout import ALIGN_ELEMS, BlockKind, embed_layout, head_layout, layer_layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

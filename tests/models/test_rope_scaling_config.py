@@ -18,12 +18,12 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
 from dataflow.reference_trainer import ReferenceTrainer
-from kernels.reference import rope_inv_freq
-from models.config import ModelConfig, RopeScaling, RopeType, load_config
-from models.errors import ConfigError
-from models.hf import hf_config, hf_config_dict
-from models.init import BF16
-from models.serial import from_dict, from_json, stable_hash, to_dict, to_json
+from dataflow.kernels.reference import rope_inv_freq
+from dataflow.models.config import ModelConfig, RopeScaling, RopeType, load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.hf import hf_config, hf_config_dict
+from dataflow.models.init import BF16
+from dataflow.models.serial import from_dict, from_json, stable_hash, to_dict, to_json
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -58,7 +58,7 @@ def test_config_without_rope_scaling_keeps_its_json_and_hash(name):
     """A config with no scaling writes no rope_scaling key, so JSON and plan hashes recorded
     before the field existed still match."""
     cfg = load_config(name)
-    legacy = json.loads(resources.files("models.zoo").joinpath(f"{name}.json").read_text())
+    legacy = json.loads(resources.files("dataflow.models.zoo").joinpath(f"{name}.json").read_text())
     assert cfg.rope_scaling is None and to_dict(cfg) == legacy
     assert stable_hash(cfg) == stable_hash(from_dict(ModelConfig, legacy))
 

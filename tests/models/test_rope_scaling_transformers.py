@@ -16,9 +16,9 @@ st_numpy = pytest.importorskip("safetensors.numpy")
 
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.host_forward import logits  # noqa: E402
-from models.config import ModelConfig, RopeScaling  # noqa: E402
-from models.hf import hf_config_dict  # noqa: E402
-from models.init import BF16  # noqa: E402
+from dataflow.models.config import ModelConfig, RopeScaling  # noqa: E402
+from dataflow.models.hf import hf_config_dict  # noqa: E402
+from dataflow.models.init import BF16  # noqa: E402
 
 CFG = ModelConfig(name="tiny-llama3", vocab_size=256, model_dim=64, head_dim=16, n_layers=2,
                   n_heads=4, n_kv_heads=2, ffn_dim=128, rope_theta=1e4, norm_eps=1e-5,

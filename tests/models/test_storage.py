@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from models import ChecksumError, ConfigError, load_config
-from models.init import BF16, init_model
-from models.layout import BlockKind, head_layout, layer_layout
-from models.storage import load_block_into, load_model, read_manifest, save_model
+from dataflow.models import ChecksumError, ConfigError, load_config
+from dataflow.models.init import BF16, init_model
+from dataflow.models.layout import BlockKind, head_layout, layer_layout
+from dataflow.models.storage import load_block_into, load_model, read_manifest, save_model
 
 TINY = load_config("tiny")
 

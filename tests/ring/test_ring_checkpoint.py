@@ -13,10 +13,10 @@ import pytest
 
 from dataflow.checkpoint import iter_weight_blocks, list_checkpoints
 from dataflow.engine import Engine
-from models.config import load_config
-from models.errors import ChecksumError, ConfigError
-from ring.engine import Ring
-from ring.launch import RankEnv
+from dataflow.models.config import load_config
+from dataflow.models.errors import ChecksumError, ConfigError
+from dataflow.ring.engine import Ring
+from dataflow.ring.launch import RankEnv
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -176,7 +176,7 @@ def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
     import json
     import shutil
 
-    from ring.cli import main
+    from dataflow.ring.cli import main
 
     ck = tmp_path / "ck"
     args = ["1", "0.25", "64", "tiny", "--gpus", "2", "--steps", "4", "--checkpoint-dir",
@@ -229,7 +229,7 @@ def test_the_demo_on_a_ring_saves_checkpoints_one_device_can_resume(tmp_path, mo
     """`dataflow-demo ... --gpus 2 --checkpoint-dir D --save-every 1` saves a checkpoint after
     each step, and an Engine on one device loads the newest (its own optimizer settings, so
     allow_changes)."""
-    from bench.demo import main
+    from dataflow.bench.demo import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from dataflow.engine import Engine
-from memplan import get_profile, make_plan
-from memplan.plan import Budget
-from models.config import load_config
-from models.serial import to_json
-from ring.launch import launch
-from ring.worker import RingJob
+from dataflow.memplan import get_profile, make_plan
+from dataflow.memplan.plan import Budget
+from dataflow.models.config import load_config
+from dataflow.models.serial import to_json
+from dataflow.ring.launch import launch
+from dataflow.ring.worker import RingJob
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -37,8 +37,8 @@ def _model(n_layers: int) -> str:
 def _single_device(job: RingJob, **constraints):
     """Losses and final weights of the same job on one device (the Engine); `constraints`
     replace the job's (the one device runs the replicas' rounds one after another)."""
-    from memplan.plan import GradAccum
-    from ring.worker import batches, model_config
+    from dataflow.memplan.plan import GradAccum
+    from dataflow.ring.worker import batches, model_config
 
     cfg = model_config(job.model)
     plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
@@ -146,8 +146,8 @@ def test_killed_rank_makes_every_other_rank_exit_with_a_clear_error(tmp_path, ca
 
 def test_ring_refuses_more_ranks_than_layers():
     """A ring of 3 over the 2-layer tiny model is refused up front, naming the limit."""
-    from memplan.ring_plan import make_rank_plans
-    from models.errors import ConfigError
+    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.models.errors import ConfigError
 
     with pytest.raises(ConfigError, match="at most 2 ranks"):
         make_rank_plans(load_config("tiny"), 64, Budget.from_gib(0.25, 0.25), get_profile("cpu"),
@@ -182,11 +182,11 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng):
     replicas' rows as 2 rounds."""
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
-    from memplan.plan import GradAccum, OptimizerWhere
-    from memplan.ring_plan import RankPlan
-    from memplan.ring_schedule import AllReduce, compile_ring_schedule
-    from ring.rank import RingRank
-    from ring.shm import SharedMemoryTransport
+    from dataflow.memplan.plan import GradAccum, OptimizerWhere
+    from dataflow.memplan.ring_plan import RankPlan
+    from dataflow.memplan.ring_schedule import AllReduce, compile_ring_schedule
+    from dataflow.ring.rank import RingRank
+    from dataflow.ring.shm import SharedMemoryTransport
     from tests.dataflow.plans import forced_plan, streamed
 
     cfg = load_config("tiny")
@@ -232,8 +232,8 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     between them every block's final weights, whether each rank runs a step's AdamW inside the
     next step's first round (the default; weights() runs the last one) or at the step's end."""
     from dataflow.engine import StepResult
-    from ring.engine import Ring, RingEngine
-    from ring.launch import RankEnv
+    from dataflow.ring.engine import Ring, RingEngine
+    from dataflow.ring.launch import RankEnv
 
     seed, lr = int(rng.integers(0, 2**31)), 1e-2
     common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
@@ -273,9 +273,9 @@ def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
     rank 1 keeps its activations at home at INP_ONLY without K/V and re-forms them from x in
     its backward. Losses and weights equal one device's that keeps every K/V (a larger budget:
     placement only), bit for bit."""
-    from memplan.ring_plan import make_rank_plans
-    from models.flops import SavedLevel
-    from ring.worker import model_config
+    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.models.flops import SavedLevel
+    from dataflow.ring.worker import model_config
 
     rebuild = (("chunk_tokens", 128), ("chunks_per_round", 4), ("rounds_per_step", 1),
                ("kv_rebuild", True))

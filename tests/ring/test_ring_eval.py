@@ -1,5 +1,5 @@
 """RingEngine.eval_step on CPU (ranks as threads, NumPy backend, shared-memory transport): the
-ring's forward-only evaluation (memplan.ring_schedule.compile_ring_eval_schedule: the forward's
+ring's forward-only evaluation (dataflow.memplan.ring_schedule.compile_ring_eval_schedule: the forward's
 sends and receives, no backward, no optimizer) gives one device's eval_step loss bit for bit,
 with replicas too, and leaves the weights, the pending update and the next step untouched."""
 
@@ -10,13 +10,13 @@ import dataclasses
 import numpy as np
 
 from dataflow.engine import Engine
-from memplan.ring_plan import make_rank_plan
-from memplan.ring_schedule import Recv, Send, compile_ring_eval_schedule
-from memplan import get_profile
-from memplan.plan import Budget
-from models.config import load_config
-from ring.engine import Ring
-from ring.launch import RankEnv
+from dataflow.memplan.ring_plan import make_rank_plan
+from dataflow.memplan.ring_schedule import Recv, Send, compile_ring_eval_schedule
+from dataflow.memplan import get_profile
+from dataflow.memplan.plan import Budget
+from dataflow.models.config import load_config
+from dataflow.ring.engine import Ring
+from dataflow.ring.launch import RankEnv
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -101,9 +101,9 @@ def test_dataflow_ring_processes_evaluate_after_training_as_one_device(tmp_path)
     same loss."""
     import json
 
-    from models.serial import to_json
-    from ring.launch import launch
-    from ring.worker import RingJob, batches, eval_batch
+    from dataflow.models.serial import to_json
+    from dataflow.ring.launch import launch
+    from dataflow.ring.worker import RingJob, batches, eval_batch
 
     job = RingJob(model=to_json(CFG), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2, seed=11,
                   data="random:5", lr=1e-2, timeout_s=60, out_dir=str(tmp_path), eval_seqs=3,

@@ -23,9 +23,9 @@ from tests.gpu import require_gpu  # noqa: E402
 cp = require_gpu()
 
 from dataflow.engine import Engine  # noqa: E402
-from memplan.plan import GradAccum  # noqa: E402
-from ring.launch import RankEnv, launch  # noqa: E402
-from ring.worker import RingJob, batches, eval_batch, model_config  # noqa: E402
+from dataflow.memplan.plan import GradAccum  # noqa: E402
+from dataflow.ring.launch import RankEnv, launch  # noqa: E402
+from dataflow.ring.worker import RingJob, batches, eval_batch, model_config  # noqa: E402
 
 CHUNKING = (("chunk_tokens", 256), ("chunks_per_round", 2), ("rounds_per_step", 2))
 HOST_GB, DEV_GB = 2.0, 2.0
@@ -131,7 +131,7 @@ def test_nccl_transport_moves_bf16_bytes_exactly(rng):
 
     from dataflow.backend import Place, Stream
     from dataflow.backends import make_backend
-    from ring.nccl import NcclTransport
+    from dataflow.ring.nccl import NcclTransport
 
     env = RankEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
                   run_id="nccl-unit")

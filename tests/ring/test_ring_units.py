@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from memplan import get_profile, make_plan
-from memplan.plan import Budget
-from memplan.ring_plan import (
+from dataflow.memplan import get_profile, make_plan
+from dataflow.memplan.plan import Budget
+from dataflow.memplan.ring_plan import (
     LINKS,
     head_rank,
     make_rank_plans,
@@ -18,17 +18,17 @@ from memplan.ring_plan import (
     predict_ring,
     rank_model,
 )
-from memplan.ring_schedule import (
+from dataflow.memplan.ring_schedule import (
     AllReduce,
     Recv,
     Send,
     compile_ring_schedule,
     compile_ring_update_schedule,
 )
-from memplan.schedule import Update
-from models.config import load_config
-from models.errors import ConfigError
-from ring.launch import rank_env
+from dataflow.memplan.schedule import Update
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+from dataflow.ring.launch import rank_env
 from tests.dataflow.plans import updated_pieces
 
 CPU = get_profile("cpu")
@@ -130,8 +130,8 @@ def test_rank_env_reads_torchrun_then_slurm_variables():
 def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):
     """Rank 0's payload reaches ranks 1..3 over TCP; with rank 2 absent rank 0 raises naming it
     within the timeout instead of hanging."""
-    from ring.rendezvous import share_from_rank0
-    from ring.transport import RingError
+    from dataflow.ring.rendezvous import share_from_rank0
+    from dataflow.ring.transport import RingError
 
     port = int(rng.integers(30000, 60000))
     payload = rng.bytes(128)
@@ -163,7 +163,7 @@ def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):
 
 def test_plan_cli_prints_each_device_and_the_scaling_model(capsys):
     """dataflow-plan --gpus 2 lists both devices, the predicted ring throughput and the table."""
-    from memplan.cli import main
+    from dataflow.memplan.cli import main
 
     # a GPU profile: 0.75 GiB for the libraries and 1 GiB for NCCL (ring_profile) per device
     assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
@@ -178,7 +178,7 @@ def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
     """32b at 125/40 per device (issue 18): one GPU needs about 233 GiB of host, a ring of 2 fits;
     dataflow-plan says so instead of refusing, and shows no speedup over a device that cannot
     run it."""
-    from memplan.cli import main
+    from dataflow.memplan.cli import main
 
     assert main(["125", "40", "8192", "32b", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
@@ -189,8 +189,8 @@ def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
 def test_ring_profile_reserves_nccl_memory_on_gpus_only():
     """An NCCL ring of two or more processes on a GPU profile reserves NCCL_RESERVE_BYTES more
     device memory; one process, the shared-memory transport or the CPU profile reserve none."""
-    from memplan.profiles import get_profile
-    from memplan.ring_plan import NCCL_RESERVE_BYTES, ring_profile
+    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.ring_plan import NCCL_RESERVE_BYTES, ring_profile
 
     gpu, cpu = get_profile("h100"), get_profile("cpu")
     assert ring_profile(gpu, 2, "nccl").library_reserve_bytes == \
@@ -201,7 +201,7 @@ def test_ring_profile_reserves_nccl_memory_on_gpus_only():
 
 def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
     """dataflow-ring exits 2 with one line for a ring larger than the model, or no --gpus."""
-    from ring.cli import main
+    from dataflow.ring.cli import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
@@ -225,7 +225,7 @@ def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
 def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
     """dataflow-demo --gpus N exits 2 with one line for options a ring lacks and for a ring
     larger than the model, before any process starts."""
-    from bench.demo import main
+    from dataflow.bench.demo import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
@@ -240,10 +240,10 @@ def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
 
 def test_ring_schedules_round_trip_through_json_and_time_together():
     """A ring schedule (Send / Recv / AllReduce included) survives to_json / from_json, and
-    memplan.sim times every rank's schedule together (a receive waits for its send's arrival):
+    dataflow.memplan.sim times every rank's schedule together (a receive waits for its send's arrival):
     a slower link never gives a faster step, and no rank finishes before its own work."""
-    from memplan.ring_schedule import RING_EVENT_TYPES, AllReduce, simulate_ring
-    from memplan.schedule import Schedule
+    from dataflow.memplan.ring_schedule import RING_EVENT_TYPES, AllReduce, simulate_ring
+    from dataflow.memplan.schedule import Schedule
 
     plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, 3, replicas=2, **CHUNKING)
     sched = compile_ring_schedule(plans[1])
@@ -262,10 +262,10 @@ def test_a_rank_holds_no_region_of_the_embedding_or_head_it_does_not_own():
     """A ring rank's plan leaves out the state, rows and buffers of the blocks other ranks own
     (32b at 125/40: 5.8 GiB of host on the head's rank, 6.5 GiB of device on the other), its
     memory map is the regions that exist, and a single-device plan's JSON is as before."""
-    from memplan.memory import device_regions, host_regions, memory_map
-    from memplan.plan import Budget
-    from memplan.profiles import get_profile
-    from memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.memory import device_regions, host_regions, memory_map
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.ring_plan import make_rank_plans
 
     cfg = load_config("tiny")
     r0, r1 = make_rank_plans(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"), 2)
@@ -288,8 +288,8 @@ def test_the_engine_refuses_a_ring_ranks_plan():
     """A rank's plan holds only part of the model: Engine.from_plan says so instead of training
     a model without its head."""
     from dataflow.engine import Engine
-    from memplan.profiles import get_profile
-    from memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.ring_plan import make_rank_plans
 
     r0, _ = make_rank_plans(load_config("tiny"), 64, Budget.from_gib(1, 0.25),
                             get_profile("cpu"), 2)

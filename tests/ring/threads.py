@@ -12,7 +12,7 @@ def in_threads(fn, n: int) -> list:
     import traceback
     import uuid
 
-    from ring.shm import cleanup
+    from dataflow.ring.shm import cleanup
 
     run_id, out = uuid.uuid4().hex[:12], {}
 
