@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("seqlen", type=int)
     p.add_argument("--out", required=True, help="directory for the record and the logs")
-    p.add_argument("--gpus", type=int, default=2, help="ranks of the ring, one GPU each")
+    p.add_argument("--gpus", type=int, default=2, help="processes in all, one GPU each")
+    p.add_argument("--replicas", default="1", metavar="R|auto",
+                   help="data-parallel replicas (rings of gpus / R); 'auto': the planner's "
+                        "layout (dataflow-ring without --replicas). Default 1: one ring")
     p.add_argument("--ring-budget", type=_budget, default=(60.0, 24.0), metavar="HOST:DEV",
                    help="per-device budgets of each rank, GiB (default 60:24)")
     p.add_argument("--single-budget", type=_budget, default=(120.0, 24.0), metavar="HOST:DEV",
@@ -195,6 +198,8 @@ def ring_command(args) -> list[str]:
               str(Path(args.out) / "ring"), "--no-weights", "--timeout", "300"]
     if args.rounds:
         common += ["--rounds", str(args.rounds)]
+    if args.replicas != "auto":
+        common += ["--replicas", str(args.replicas)]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
                 f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]
@@ -283,7 +288,7 @@ def collect(args) -> dict:
                          "ring_budget_gib": list(args.ring_budget),
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
-                         "rounds": args.rounds},
+                         "rounds": args.rounds, "replicas": args.replicas},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
     record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
@@ -303,9 +308,15 @@ def collect(args) -> dict:
     if not args.no_single and rank0 and rank0.get("chunking"):
         head = next((ring[f"rank{r}"] for r in range(args.gpus) if ring.get(f"rank{r}")
                      and ring[f"rank{r}"].get("head_sub_tokens")), None)
+        chunking = dict(rank0["chunking"])
+        per_replica = chunking["chunk_tokens"] * chunking["chunks_per_round"] * \
+            chunking["rounds_per_step"]
+        replicas = max(1, rank0["tokens_per_step"] // per_replica)
+        if replicas > 1:  # the global batch: each replica's rounds, one after the other
+            chunking["rounds_per_step"] *= replicas
         spec = {"model": args.model, "seqlen": args.seqlen, "budget": list(args.single_budget),
                 "backend": args.backend,
-                "steps": args.steps, "lr": args.lr, "chunking": rank0["chunking"],
+                "steps": args.steps, "lr": args.lr, "chunking": chunking,
                 "head_sub_tokens": head and head["head_sub_tokens"]}
         cmd = [sys.executable, "-m", "dataflow.bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]
@@ -313,8 +324,45 @@ def collect(args) -> dict:
         rc, wall, rows = _run(cmd, out / "single.log", args.timeout, env)
         record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                             **(_last_json(out / "single.log") or {})}
+    record["predicted"] = predicted(args, probe.device_names(), rank0)
     _judge(record, args)
     return record
+
+
+def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
+    """The planner's prediction for what ran (the profile of GPU 0's name, the ring size and
+    replicas rank 0 reports, the same rounds): tok/s over NVLink for the ring, and one device
+    at the single budget with the ring's chunking. A model; the record holds both."""
+    if not rank0 or not rank0.get("chunking"):
+        return None
+    from dataflow.memplan import make_plan
+    from dataflow.memplan.layout import predict_layout
+    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.profiles import get_profile, profile_for_device
+    from dataflow.ring.worker import model_config
+
+    prof = profile_for_device(devices[0]) if devices and args.backend == "cupy" else \
+        get_profile("cpu")
+    cfg = model_config(args.model)
+    ch = rank0["chunking"]
+    per_replica = ch["chunk_tokens"] * ch["chunks_per_round"] * ch["rounds_per_step"]
+    replicas = max(1, rank0["tokens_per_step"] // per_replica)
+    opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
+                         args.gpus // replicas, chunks_per_round=ch["chunks_per_round"],
+                         rounds_per_step=ch["rounds_per_step"])
+    out = {"profile": prof.name, "ring_size": opt.layout.ring_size,
+           "replicas": opt.layout.replicas, "tok_per_s": opt.on("nvlink").tok_per_s,
+           "allreduce_s": opt.on("nvlink").allreduce_s, "bubble_frac": opt.on("nvlink").bubble_frac}
+    if not args.no_single:
+        try:
+            single = make_plan(cfg, args.seqlen, Budget.from_gib(*args.single_budget), prof,
+                               chunk_tokens=ch["chunk_tokens"],
+                               chunks_per_round=ch["chunks_per_round"],
+                               rounds_per_step=ch["rounds_per_step"] * replicas)
+            out["single_tok_per_s"] = single.prediction.tok_per_s
+        except Exception as exc:  # noqa: BLE001 - a record without it, and why
+            out["single_error"] = str(exc)[:200]
+    return out
 
 
 def _judge(record: dict, args) -> None:
@@ -342,13 +390,19 @@ def _judge(record: dict, args) -> None:
         a, b = rank0["losses"], single["losses"]
         cmp["losses_identical"] = a == b
         cmp["loss_max_rel_diff"] = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=None)
+    pred = record.get("predicted") or {}
+    if cmp.get("ring_tok_per_s") and pred.get("tok_per_s"):
+        cmp["ring_measured_over_predicted"] = cmp["ring_tok_per_s"] / pred["tok_per_s"]
+    if cmp.get("single_tok_per_s") and pred.get("single_tok_per_s"):
+        cmp["single_measured_over_predicted"] = cmp["single_tok_per_s"] / pred["single_tok_per_s"]
     record["comparison"] = cmp
 
 
 def table(record: dict) -> str:
     c, ring = record["comparison"], record["ring"]
     lines = [f"devices {record['devices']}  commit {record['commit']}",
-             f"ring of {record['config']['gpus']} ({record['config']['launcher']}) exit "
+             f"{record['config']['gpus']} GPUs, replicas {record['config'].get('replicas')} "
+             f"({record['config']['launcher']}) exit "
              f"{ring['exit_code']} in {ring['wall_s']:.0f} s; losses "
              f"{ring.get('rank0') and ring['rank0']['losses']}"]
     lines += _check_lines(ring)
@@ -363,6 +417,13 @@ def table(record: dict) -> str:
                  + (f", speedup {c['speedup']:.3f}x" if c.get("speedup") else "")
                  + (f"; losses identical {c['losses_identical']}, max rel diff "
                     f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else ""))
+    pred = record.get("predicted") or {}
+    if pred:
+        lines.append(f"predicted ({pred.get('profile')}, {pred.get('replicas')} x ring of "
+                     f"{pred.get('ring_size')}): ring {fmt(pred.get('tok_per_s'))}, single "
+                     f"{fmt(pred.get('single_tok_per_s'))}; measured/predicted ring "
+                     f"{c.get('ring_measured_over_predicted', float('nan')):.3f}, single "
+                     f"{c.get('single_measured_over_predicted', float('nan')):.3f}")
     return "\n".join(lines)
 
 

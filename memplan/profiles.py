@@ -139,6 +139,19 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
     return path
 
 
+def profile_for_device(name: str) -> HardwareProfile:
+    """The profile of a device by the name its driver reports ("NVIDIA H100 80GB HBM3"): the
+    built-in (or cached, measured) profile whose name the device name contains, else H100's."""
+    try:
+        return get_profile(name)
+    except ConfigError:
+        key = "".join(ch for ch in name.lower() if ch.isalnum())
+        for known in known_profiles():
+            if known != "cpu" and known in key:
+                return get_profile(known)
+        return get_profile("h100")
+
+
 def get_profile(name: str = DEFAULT_PROFILE_NAME, *,
                 cache_path: str | Path | None = None) -> HardwareProfile:
     """The built-in profile for GPU `name`, replaced by the cached measured profile when one

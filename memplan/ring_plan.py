@@ -110,8 +110,23 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
     _check(cfg.n_layers, n_ranks, replicas=replicas)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
-    return tuple(_rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
-                            constraints, replicas) for r in range(n_ranks))
+    # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
+    # 64 has at most four kinds): plan each kind once and give the others its plan.
+    kinds: dict[tuple, RankPlan] = {}
+    out = []
+    for r in range(n_ranks):
+        key = (len(owned_layers(cfg.n_layers, n_ranks, r)), *sorted(_holds(cfg, n_ranks, r).items()))
+        if r == 0 or key not in kinds:
+            rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
+                            constraints, replicas)
+            kinds.setdefault(key, rp)
+        else:
+            like = kinds[key]
+            rp = dataclasses.replace(
+                like, rank=r, layers=owned_layers(cfg.n_layers, n_ranks, r),
+                plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r)))
+        out.append(rp)
+    return tuple(out)
 
 
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
@@ -229,15 +244,17 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
 
 
 def rank_plan_options(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
-                      n_ranks: int) -> list[tuple[RankPlan, ...]]:
+                      n_ranks: int, **constraints) -> list[tuple[RankPlan, ...]]:
     """The ring planned with the planner's chunking and, when that has fewer chunks per round
-    than ranks (an under-full ring), again with a multiple of N chunks per round if it fits."""
-    options = [make_rank_plans(cfg, seqlen, budget, profile, n_ranks)]
+    than ranks (an under-full ring), again with a multiple of N chunks per round if it fits.
+    `constraints` go to every rank's make_plan (a global batch as tokens_per_step, say)."""
+    options = [make_rank_plans(cfg, seqlen, budget, profile, n_ranks, **constraints)]
     c = options[0][0].plan.chunking.chunks_per_round
     if c < n_ranks:
         try:
             options.append(make_rank_plans(cfg, seqlen, budget, profile, n_ranks,
-                                           chunks_per_round=math.lcm(c, n_ranks)))
+                                           **dict(constraints,
+                                                  chunks_per_round=math.lcm(c, n_ranks))))
         except (ConfigError, InfeasibleBudget, ValueError):  # more chunks may not fit
             pass
     return options
@@ -245,9 +262,10 @@ def rank_plan_options(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Ha
 
 def best_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                     n_ranks: int, link: Link = LINKS[0]) -> tuple[RankPlan, ...]:
-    """Of rank_plan_options, the one with the faster predicted ring step over `link`."""
-    return min(rank_plan_options(cfg, seqlen, budget, profile, n_ranks),
-               key=lambda rps: predict_ring(rps, link).step_time_s)
+    """Of rank_plan_options, the one with the higher predicted tok/s over `link` (not the
+    shorter step: the options' global batches differ)."""
+    return max(rank_plan_options(cfg, seqlen, budget, profile, n_ranks),
+               key=lambda rps: predict_ring(rps, link).tok_per_s)
 
 
 def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
@@ -275,7 +293,7 @@ def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProf
             continue
         for link in links:
             preds = [predict_ring(rp, link, single) for rp in options]
-            out.append(min(preds, key=lambda p: p.step_time_s))
+            out.append(max(preds, key=lambda p: p.tok_per_s))  # options differ in batch
     notes = refused + ([] if not skipped else [
         f"N = {', '.join(map(str, skipped))} left out: {cfg.name} has {cfg.n_layers} layers and "
         "a ring holds at least one layer per rank"])

@@ -4,6 +4,7 @@ send/receive pairing, the launcher's environment parsing, the TCP rendezvous, an
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -161,17 +162,30 @@ def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):
     assert isinstance(got[0], Exception) and "[2]" in str(got[0])
 
 
-def test_plan_cli_prints_each_device_and_the_scaling_model(capsys):
-    """dataflow-plan --gpus 2 lists both devices, the predicted ring throughput and the table."""
+def test_plan_cli_prints_the_layout_it_chose_the_alternatives_and_the_scaling_model(capsys):
+    """dataflow-plan --gpus N plans for N GPUs: the chosen split with every alternative weighed
+    (tiny: 2 data-parallel replicas and a ring of 2), the chosen ring's devices, the prediction
+    per link, the choice for N = 2..64 and the ring-only table. A number of GPUs beyond the
+    model's layers is still a layout (replicas); beyond 64 processes it is refused."""
     from dataflow.memplan.cli import main
 
     # a GPU profile: 0.75 GiB for the libraries and 1 GiB for NCCL (ring_profile) per device
     assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
-    assert "device 0: layers 0 + embedding" in out and "device 1: layers 1 + head" in out
-    assert "ring scaling" in out and "internet-1g" in out
-    assert main(["1", "1", "64", "tiny", "--gpus", "3"]) == 2
-    assert "at most 2 ranks" in capsys.readouterr().err
+    assert "layout for 2 GPUs over nvlink" in out
+    options = re.findall(r"^ ([* ])\s+(\d+)\s+(\d+)\s+\d+ x", out, re.M)
+    assert sorted((int(r), int(k)) for _, r, k in options) == [(1, 2), (2, 1)], options
+    assert [mark for mark, _, _ in options].count("*") == 1  # the chosen one, listed first
+    assert options[0][0] == "*"
+    assert "device 0: layers 0" in out and "internet-1g" in out and "ring scaling" in out
+    assert "2 GPUs:" in out and "layouts by number of GPUs" in out
+    assert main(["1", "2", "64", "tiny", "--gpus", "3"]) == 0
+    assert "3 data-parallel replicas" in capsys.readouterr().out
+    assert main(["1", "1", "64", "tiny", "--gpus", "3"]) == 2  # NCCL's 1 GiB: nothing fits
+    err = capsys.readouterr().err
+    assert "no split of 3 GPUs fits" in err and "3 replicas of a ring of 1" in err
+    assert main(["1", "2", "64", "tiny", "--gpus", "65"]) == 2
+    assert "65" in capsys.readouterr().err
 
 
 def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
@@ -182,7 +196,8 @@ def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
 
     assert main(["125", "40", "8192", "32b", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
-    assert "single device: does not fit" in out and "one device does not fit" in out
+    assert "one ring of 2" in out and "one device at these budgets: does not fit" in out
+    assert "single device does not fit" in out and "one device does not fit" in out
     assert "device 1: layers 1, 3, ..., 63 (32) + head" in out and "n/a" in out
 
 

@@ -1,0 +1,271 @@
+"""Planning for a number of GPUs, not a ring size: of every way to split G devices into R
+replicas of a ring of N = G / R (N = 1: plain data parallelism; R = 1: one ring), the one whose
+predicted tokens per second is highest under the per-device budgets and an optional cap on the
+global batch. Each candidate is a ring planned as memplan.ring_plan plans it (every rank's own
+plan, the faster of the planner's chunking and a full ring's), its step predicted by
+ring_plan.predict_ring plus the replicas' gradient all-reduce; the alternatives are kept so a
+user sees what was weighed. Pure Python: never imports array libraries, never touches a device;
+the predictions are a model, not measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dataflow.memplan.errors import InfeasibleBudget
+from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Where
+from dataflow.memplan.ring_plan import (LINKS, MAX_RANKS, Link, RankPlan, make_rank_plans,
+                                        predict_ring, ring_profile)
+from dataflow.memplan.search import make_plan
+from dataflow.models.config import ModelConfig
+from dataflow.models.errors import ConfigError
+
+PLACEMENT = "cyclic"
+"""Layer i on rank i mod N: the only placement the executor runs today (docs/ring.md)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    gpus: int
+    ring_size: int
+    replicas: int
+    placement: str
+    tokens_per_step: int
+    """The global batch: every replica's ring trains tokens_per_step / replicas tokens a step."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LinkPrediction:
+    link: str
+    tok_per_s: float
+    speedup: float | None
+    """Against one device under the same per-device budgets; None when one device does not fit."""
+    bubble_frac: float
+    """Share of the step each rank waits: an under-full ring's idle share plus the pipeline's
+    fill and drain, over the step (0 for plain data parallelism)."""
+    step_time_s: float
+    allreduce_s: float
+    """The replicas' gradient all-reduce per step, not overlapped with compute (it runs in the
+    last round where each block's gradient is final, and the compute stream waits for it)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutOption:
+    layout: Layout
+    chunks_per_round: int
+    rounds_per_step: int
+    predictions: tuple[LinkPrediction, ...]
+    device_bytes: int
+    host_bytes: int
+    constraints: tuple[tuple[str, int], ...] = ()
+    """What every rank's make_plan must be given to plan this option (a full ring's chunks per
+    round, a capped batch's tokens per replica); empty for the planner's own chunking."""
+
+    def on(self, link: str) -> LinkPrediction:
+        return next(p for p in self.predictions if p.link == link)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutChoice:
+    chosen: LayoutOption
+    options: tuple[LayoutOption, ...]
+    """Every layout that fit, fastest first over the choosing link."""
+    refused: tuple[str, ...]
+    """One line per ring size that was not possible, saying why."""
+    single_tok_per_s: float | None
+    link: str
+    """The link the choice was made for."""
+    rank_plans: tuple[RankPlan, ...] = dataclasses.field(repr=False, compare=False)
+    """The chosen ring's plans (one per rank); not serialised."""
+
+    def to_json_dict(self) -> dict:
+        from dataflow.models.serial import to_json
+        import json
+
+        def one(o: LayoutOption) -> dict:
+            return json.loads(to_json(o))
+
+        return {"layout": dataclasses.asdict(self.chosen.layout), "link": self.link,
+                "single_tok_per_s": self.single_tok_per_s,
+                "links": [dataclasses.asdict(p) for p in self.chosen.predictions],
+                "chosen": one(self.chosen), "options": [one(o) for o in self.options],
+                "refused": list(self.refused)}
+
+
+def ring_sizes(gpus: int, n_layers: int) -> list[int]:
+    """Ring sizes N that split `gpus` into whole replicas and hold at least a layer per rank."""
+    return [n for n in range(1, gpus + 1) if gpus % n == 0 and n <= n_layers]
+
+
+def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
+    """One step's all-reduce of rank rp's owned gradients over `replicas` copies: a ring
+    all-reduce moves 2 (R - 1) / R of the bytes each way over the link; a gradient kept at home
+    goes through a device staging buffer, so it also crosses PCIe once each way (D2H after the
+    sum, H2D before it). Zero for one replica."""
+    if replicas == 1:
+        return 0.0
+    plan, cfg = rp.plan, rp.plan.model
+    per = 4 if plan.grad_accum == GradAccum.FP32 else 2
+    blocks = [(cfg.layer_params, lp.grads) for lp in plan.layers]
+    if rp.has_embed:
+        blocks.append((cfg.embed_params, plan.embed.grads))
+    if rp.has_head:
+        blocks.append((cfg.head_params, plan.head.grads))
+    total = sum(n for n, _ in blocks) * per
+    home = sum(n for n, where in blocks if where == Where.HOME) * per
+    prof = plan.profile
+    staged = home / prof.h2d_bytes_per_s + home / prof.d2h_bytes_per_s
+    wire = 2 * (replicas - 1) / replicas * total / link.bytes_per_s
+    return wire + staged + len(blocks) * link.latency_s
+
+
+def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Link, ...],
+            single: float | None, constraints: dict) -> LayoutOption:
+    ch = rps[0].plan.chunking
+    tokens = ch.tokens_per_step * replicas
+    preds = []
+    for link in links:
+        ring = predict_ring(rps, link)
+        reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in rps)
+        step = ring.step_time_s + reduce_s
+        tok = tokens / step
+        idle = (ring.step_time_s - ring.rank_step_time_s) / step if len(rps) > 1 else 0.0
+        preds.append(LinkPrediction(
+            link=link.name, tok_per_s=tok, speedup=tok / single if single else None,
+            bubble_frac=max(0.0, idle), step_time_s=step, allreduce_s=reduce_s))
+    return LayoutOption(
+        layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas, placement=PLACEMENT,
+                      tokens_per_step=tokens),
+        chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step,
+        predictions=tuple(preds),
+        device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
+        host_bytes=max(rp.plan.memory.host_bytes for rp in rps),
+        constraints=tuple(sorted(constraints.items())))
+
+
+def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict):
+    """(constraints, rank plans) of a ring of n with the planner's chunking and, when that leaves
+    the ring under-full (fewer chunks per round than ranks), with a multiple of n chunks a round
+    if that fits (the planner then trades recompute or host activations for the room)."""
+    base = make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+    out = [(constraints, base)]
+    c = base[0].plan.chunking.chunks_per_round
+    if c < n:
+        full = dict(constraints, chunks_per_round=math.lcm(c, n))
+        try:
+            out.append((full, make_rank_plans(cfg, seqlen, budget, profile, n, **full)))
+        except (ConfigError, ValueError):  # InfeasibleBudget included: more chunks do not fit
+            pass
+    return out
+
+
+def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
+                  gpus: int, *, tokens_per_step: int | None = None, link: Link = LINKS[0],
+                  links: tuple[Link, ...] = LINKS, transport: str = "nccl",
+                  ring_size: int | None = None,
+                  single_tok_per_s: float | None = ...) -> LayoutChoice:
+    """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
+    tokens_per_step caps the global batch (each replica then takes at most its share, in whole
+    sequences); ring_size fixes the ring (and so the replicas). Raises ConfigError when no ring
+    size fits, naming every refusal."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
+        raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
+    if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
+                                        or not isinstance(tokens_per_step, int)
+                                        or tokens_per_step < seqlen):
+        raise ConfigError(f"tokens per step {tokens_per_step!r} must be a whole number of at "
+                          f"least one sequence ({seqlen:,} tokens)")
+    if link not in links:
+        links = (link, *links)
+    if single_tok_per_s is ...:
+        try:
+            single_tok_per_s = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+        except InfeasibleBudget:  # a ring may fit where one device does not
+            single_tok_per_s = None
+    sizes = ring_sizes(gpus, cfg.n_layers)
+    if ring_size is not None:  # the user fixed the split (--replicas): weigh only that one
+        if ring_size not in sizes:
+            raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size} for "
+                              f"{cfg.name} ({cfg.n_layers} layers); ring sizes that work: "
+                              f"{', '.join(map(str, sizes))}")
+        sizes = [ring_size]
+    options, refused, plans = [], [], {}
+    for n in sizes:
+        replicas = gpus // n
+        constraints = {}
+        if tokens_per_step is not None:
+            seqs = tokens_per_step // replicas // seqlen
+            if seqs < 1:
+                refused.append(f"{replicas} replicas of a ring of {n}: the cap of "
+                               f"{tokens_per_step:,} tokens a step is under one sequence each")
+                continue
+            constraints["tokens_per_step"] = seqs * seqlen
+        try:
+            candidates = _candidates(cfg, seqlen, budget, ring_profile(profile, gpus, transport),
+                                     n, constraints)
+        except ConfigError as exc:  # InfeasibleBudget included
+            refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
+            continue
+        for used, rps in candidates:
+            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used)
+            options.append(opt)
+            plans[id(opt)] = rps
+    if not options:
+        raise ConfigError(
+            f"no split of {gpus} GPUs fits {budget.host_bytes / 2**30:g} GiB host and "
+            f"{budget.device_bytes / 2**30:g} GiB device each for {cfg.name} at seqlen "
+            f"{seqlen}:\n  " + "\n  ".join(refused))
+    # One option per layout (the faster chunking of a ring size), fastest first.
+    best: dict[tuple[int, int], LayoutOption] = {}
+    for o in options:
+        key = (o.layout.ring_size, o.layout.replicas)
+        if key not in best or o.on(link.name).tok_per_s > best[key].on(link.name).tok_per_s:
+            best[key] = o
+    ranked = sorted(best.values(), key=lambda o: -o.on(link.name).tok_per_s)
+    chosen = ranked[0]
+    return LayoutChoice(chosen=chosen, options=tuple(ranked), refused=tuple(refused),
+                        single_tok_per_s=single_tok_per_s, link=link.name,
+                        rank_plans=plans[id(chosen)])
+
+
+def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
+                   gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
+                   transport: str = "nccl", **constraints) -> LayoutOption:
+    """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
+    its ranks planned under `constraints` (a run's chunking, say): what a benchmark compares
+    its measurement with."""
+    if gpus % ring_size:
+        raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
+    rps = make_rank_plans(cfg, seqlen, budget, ring_profile(profile, gpus, transport), ring_size,
+                          **constraints)
+    try:
+        single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+    except InfeasibleBudget:
+        single = None
+    return _option(rps, gpus, gpus // ring_size, links, single, constraints)
+
+
+def layout_text(choice: LayoutChoice) -> str:
+    """The choice and the alternatives weighed, one line each, over the choosing link."""
+    c = choice.chosen.layout
+    alone = ("does not fit" if choice.single_tok_per_s is None
+             else f"{choice.single_tok_per_s:,.0f} tok/s")
+    shape = (f"{c.replicas} replicas of a ring of {c.ring_size}" if c.replicas > 1 and c.ring_size > 1
+             else f"{c.replicas} data-parallel replicas (rings of 1)" if c.ring_size == 1
+             else f"one ring of {c.ring_size}")
+    lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers, "
+             f"{c.tokens_per_step:,} tokens a step (one device at these budgets: {alone})",
+             f"  {'ring':>4} {'replicas':>8} {'C x rounds':>11} {'tokens/step':>12} {'tok/s':>10} "
+             f"{'speedup':>8} {'bubble':>7} {'all-reduce s':>12} {'dev GiB':>8} {'host GiB':>9}"]
+    for o in choice.options:
+        p = o.on(choice.link)
+        mark = "*" if o is choice.chosen else " "
+        speed = "n/a" if p.speedup is None else f"{p.speedup:.2f}x"
+        lines.append(f" {mark}{o.layout.ring_size:>4} {o.layout.replicas:>8} "
+                     f"{o.chunks_per_round:>4} x {o.rounds_per_step:<4} "
+                     f"{o.layout.tokens_per_step:>12,} {p.tok_per_s:>10,.0f} {speed:>8} "
+                     f"{p.bubble_frac:>6.1%} {p.allreduce_s:>12.3f} "
+                     f"{o.device_bytes / 2**30:>8.2f} {o.host_bytes / 2**30:>9.2f}")
+    for r in choice.refused:
+        lines.append(f"  not possible: {r}")
+    return "\n".join(lines)
