@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON document to stdout: status, plan, memory, setup "
                         "phases and one record per step")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
+    import dataflow
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {dataflow.__version__}")
     from dataflow.bench.demo_training import add_flags
 
     add_flags(p)  # --warmup --min-lr --max-grad-norm --data --eval-every, checkpoints, --resume
@@ -111,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second signal, or one before the handlers were installed
         if args.debug:
             raise
-        print(f"dataflow-demo: interrupted at step {getattr(args, 'steps_done', 0)}",
-              file=sys.stderr)
+        print(f"dataflow-demo: {_stop_words(args)}", file=sys.stderr)
         return stop.exit_code if "stop" in locals() else 130
     except NonFiniteError as exc:
         if args.debug:
@@ -139,6 +141,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     from dataflow.memplan.plan import Budget
     from dataflow.models.hf import model_config
 
+    t_start = time.perf_counter()
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
     lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
@@ -156,6 +159,10 @@ def _run(args, stop: checks.StopSignals) -> int:
         raise ConfigError(f"--backward-update runs the update in the step's last round, so it "
                           f"takes no --eager-update and no clipping (--max-grad-norm "
                           f"{args.max_grad_norm:g}); add --max-grad-norm 0")
+    from dataflow.bench.demo_training import Training
+
+    training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
+    training.open_data(args.seqlen)  # a bad --data is refused here, before any work or output
     plan = checks.load_plan(args.plan) if args.plan else None
     if plan is not None:
         if args.rounds or args.seqs_per_step or args.tokens_per_step or args.fast_attention:
@@ -184,9 +191,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     checks.check_budgets_fit_machine(plan, be_probe)
     log.info("%s", explain(plan, update="backward" if args.backward_update
                            else "end" if args.eager_update else "deferred"))
-    from dataflow.bench.demo_training import Training
 
-    training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
     if stop.signum:
         return _interrupted(args, stop)
     from dataflow.engine import Engine
@@ -215,7 +220,7 @@ def _run(args, stop: checks.StopSignals) -> int:
         log.info("pinned %.1f GiB of host by %s in %.1f s (%s)", pin["nbytes"] / 2**30,
                  pin["method"], pin["seconds"], ", ".join(
                      f"{k[:-2]} {v:.1f} s" for k, v in pin.items() if k.endswith("_s")))
-    run = _Run(args, plan, eng, be_probe)
+    run = _Run(args, plan, eng, be_probe, t_start=t_start)
     run.setup = {"init_s": init_s, "phases_s": phases, "warm_up": warm, "prebuild": prebuild,
                  "pin": pin}
     run.training = training
@@ -229,27 +234,45 @@ def _run(args, stop: checks.StopSignals) -> int:
 
 
 def _interrupted(args, stop) -> int:
-    print(f"dataflow-demo: interrupted at step {args.steps_done}", file=sys.stderr)
+    print(f"dataflow-demo: {_stop_words(args)}", file=sys.stderr)
     return stop.exit_code
+
+
+def _stop_words(args) -> str:
+    """Where an interrupted run stopped, in the words its --json status and --metrics use:
+    'interrupted at step 2' (a first signal: step 2 was the last, finished) or 'interrupted in
+    step 3' (a second one abandoned step 3; 2 steps finished)."""
+    done = getattr(args, "steps_done", 0)
+    status = getattr(args, "stop_status", None)
+    if status is None:
+        return f"interrupted at step {done}" + (" (before the first step)" if not done else "")
+    if status.startswith("interrupted in step"):
+        return f"{status} (abandoned it; {done} step(s) finished)"
+    return status
 
 
 class _Run:
     """The training loop and everything it writes (trace, metrics, --json), closed in close()
     on every way out: done, interrupted, non-finite, or failed."""
 
-    def __init__(self, args, plan, eng, be_probe):
+    def __init__(self, args, plan, eng, be_probe, *, t_start: float):
         from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler
         from dataflow.metrics_log import MetricsLog, run_metadata
 
         self.args, self.plan, self.eng, self.be_probe = args, plan, eng, be_probe
         self.backend = be_probe.name
         self.results = []
+        self.last_trace = None
+        """The last finished step's StepTrace (read after the engine is closed)."""
         self.mem = None
         self.setup = None
         """Engine setup: {'init_s': wall seconds, 'phases_s': Engine.setup_seconds, 'warm_up':
         Engine.warm_up_parts, 'prebuild': Engine.prebuild_parts, 'pin': the CuPy backend's
         last_pin (how the host slab was pinned, seconds per part) or None}."""
         self.status = "failed"
+        self.t_start = t_start
+        """perf_counter() when the demo began work (before planning): the summary's total."""
+        self._warned: set[str] = set()
         args.steps_done = 0
         device = getattr(eng.be, "device_name", self.backend)
         self.trace = ChromeTraceWriter(args.trace, process_name=f"dataflow {plan.model.name} "
@@ -284,20 +307,23 @@ class _Run:
                         self.metrics.append(exc.result, pcie=moved)  # the row, loss NaN/inf
                     raise
                 except KeyboardInterrupt:
-                    self.status = f"interrupted in step {args.steps_done + 1}"
+                    self.status = args.stop_status = f"interrupted in step {args.steps_done + 1}"
                     raise
                 moved = self.pcie.stop() if self.pcie else None
                 self.results.append(r)
                 args.steps_done = r.step
                 self._report(r, bar)
+                self.last_trace = eng.last_trace  # kept: Engine.close() drops its own
                 if self.trace:
-                    self.trace.add(eng.last_trace)
+                    self.trace.add(self.last_trace)
                 if self.metrics:
                     self.metrics.append(r, pcie=moved)
                 bar.update(info=f"loss {r.loss:.3f}")
                 self.training.after_step(eng, r)  # validation loss, checkpoint
             self.mem = self._memory()
         self.status = f"interrupted at step {args.steps_done}" if stop.signum else "done"
+        if stop.signum:
+            args.stop_status = self.status
 
     def _report(self, r, bar) -> None:
         plan, backend = self.plan, self.backend
@@ -317,11 +343,22 @@ class _Run:
             bar.info("step %d ran no AdamW update: each step's update runs inside the next "
                      "step's first round (--eager-update: at its own end), so tok/s is steady "
                      "from the second step on", r.step)
+        self._warn_once(r)
+
+    def _warn_once(self, r) -> None:
+        """Warnings (stderr) a run gets at most once each: a loss that diverges while finite,
+        and a gradient norm of exactly 0 (nothing learns: e.g. every label ignored as -100, or
+        a broken backward), which otherwise passes silently with an unchanged loss."""
         first = self.results[0].loss
-        if r.loss > 2 * first and not getattr(self, "_warned", False):
-            self._warned = True  # finite but diverging (e.g. --lr 10): say so once
+        if r.loss > 2 * first and "diverges" not in self._warned:
+            self._warned.add("diverges")  # finite but diverging (e.g. --lr 10)
             log.warning("warning: loss %.4g is over twice step 1's %.4g: training diverges; "
                         "lower --lr", r.loss, first)
+        if r.grad_norm == 0 and "zero_grad" not in self._warned:
+            self._warned.add("zero_grad")
+            log.warning("warning: step %d's gradient norm is exactly 0 (loss %.4f): the weights "
+                        "do not move; check that the data has labels to learn (not all -100) "
+                        "and that --lr is not 0", r.step, r.loss)
 
     def _memory(self) -> dict:
         eng = self.eng
@@ -342,7 +379,7 @@ class _Run:
         """Close the trace and the metrics log and write --json, whatever stopped the loop."""
         from dataflow.instrument import op_totals
 
-        args, eng = self.args, self.eng
+        args = self.args
         if self.results and self.status == "done":
             last = self.results[-1]
             log.info("%s", last.breakdown.table())
@@ -354,7 +391,7 @@ class _Run:
                          f"; its attention alone {ceil['attention_alone']:,.0f}"
                          if ceil["attention_alone"] else "")
             log.info("largest compute costs (last step): %s", ", ".join(
-                f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(eng.last_trace.spans)[:5]))
+                f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(self.last_trace.spans)[:5]))
         if self.trace:
             self.trace.close()
             log.info("trace: %s (%d events; open in ui.perfetto.dev)", args.trace,
@@ -367,6 +404,8 @@ class _Run:
                      "(regions %.3f GiB)", mem["device_arena"] / 2**30,
                      mem["device_regions"] / 2**30, mem["host_arena"] / 2**30,
                      mem["host_regions"] / 2**30)
+        # the run's one-line result: stdout for people, stderr under --json (stdout is the doc)
+        print(self.summary(), file=sys.stderr if args.json else sys.stdout, flush=True)
         if args.json:
             from dataflow.models.serial import to_dict
 
@@ -377,6 +416,25 @@ class _Run:
                        "steps": [to_dict(r) for r in self.results]}, sys.stdout, indent=2)
             print()
             sys.stdout.flush()
+
+    def summary(self) -> str:
+        """'summary: tiny done: 5 step(s) in 3.2 s (init 0.4 s); 9,100 tok/s mean over steps
+        2-5; loss 5.5452 -> 4.9120' (steps after the first: the first runs no update and
+        warms caches, so it is not steady)."""
+        status = _stop_words(self.args) if self.status.startswith("interrupted") \
+            else self.status
+        total_s = time.perf_counter() - self.t_start
+        init = f" (init {self.setup['init_s']:.1f} s)" if self.setup else ""
+        head = f"summary: {self.plan.model.name} {status}: "
+        rs = self.results
+        if not rs:
+            return head + f"no step finished in {total_s:.1f} s{init}"
+        steady = rs[1:] or rs
+        tok_per_s = sum(r.tok_per_s for r in steady) / len(steady)  # as the sweep's table
+        which = f"steps {steady[0].step}-{steady[-1].step}" if len(steady) > 1 \
+            else f"step {steady[0].step}"
+        return (head + f"{len(rs)} step(s) in {total_s:.1f} s{init}; {tok_per_s:,.0f} tok/s "
+                f"mean over {which}; loss {rs[0].loss:.4f} -> {rs[-1].loss:.4f}")
 
 
 def _nonfinite(value: float) -> str:

@@ -57,13 +57,10 @@ def positive_int(text: str) -> int:
 
 
 def seqlen(text: str) -> int:
-    from dataflow.memplan.chunking import MAX_SEQLEN
+    """SEQLEN as dataflow-plan reads it: whole tokens in [1, 16,777,216], too large said so."""
+    from dataflow.memplan.cli_args import seqlen_tokens
 
-    value = positive_int(text)
-    if value > MAX_SEQLEN:
-        raise argparse.ArgumentTypeError(f"{value:,} tokens is above the {MAX_SEQLEN:,} the "
-                                         f"planner handles; use at most {MAX_SEQLEN}")
-    return value
+    return seqlen_tokens(text)
 
 
 def seed(text: str) -> int:

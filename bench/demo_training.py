@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from dataflow.models.errors import ConfigError
 
@@ -52,6 +51,18 @@ def _count(text: str) -> int:
     return value
 
 
+def _interval(text: str) -> int:
+    """Every N steps, N >= 1: 0 would mean never, which leaving the flag out already says."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of steps") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 (every N steps); leave "
+                                         "--eval-every out to run no validation")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -81,10 +92,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "byte-level tokens), .npy or .bin token ids (raw uint16 as nanoGPT "
                         "writes, *.u32.bin raw uint32, or llm.c's header format), or .parquet "
                         "(a file or directory; column 'tokens')")
-    g.add_argument("--eval-every", type=_count, default=0, metavar="N",
-                   help=f"every N steps, the validation loss on {EVAL_SEQS} held-out sequences "
-                        "(the end of the data, never trained on; the last file for Parquet), "
-                        "forward only on the engine (Engine.eval_step)")
+    g.add_argument("--eval-every", type=_interval, default=None, metavar="N",
+                   help=f"every N >= 1 steps, the validation loss on {EVAL_SEQS} held-out "
+                        "sequences (the end of the data, never trained on; the last file for "
+                        "Parquet), forward only on the engine (Engine.eval_step); default: no "
+                        "validation")
     g.add_argument("--checkpoint-dir", metavar="D",
                    help="directory of checkpoints (step_NNNNNNNN/ subdirectories)")
     g.add_argument("--save-every", type=_count, default=0, metavar="N",
@@ -102,9 +114,6 @@ def check_flags(args) -> None:
     from dataflow.memplan.cli_args import check_checkpoint_flags
 
     check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
-    if args.data is not None and not Path(args.data).exists():
-        raise ConfigError(f"--data {args.data} does not exist; pass a text, .npy, .bin or "
-                          ".parquet file")
 
 
 class Training:
@@ -128,14 +137,22 @@ class Training:
         self.source = None
         self.eval_losses: list[tuple[int, float]] = []
 
-    def start(self, eng) -> None:
-        """Open the data, then resume weights, state and data position if asked."""
-        from dataflow.checkpoint import latest_checkpoint
+    def open_data(self, seqlen: int) -> None:
+        """Open --data (or the shipped text) now, before the engine is built, so a bad file is
+        refused (ConfigError: exit 2, naming it) before anything is initialised or written."""
         from dataflow.data.sources import open_source
 
+        self.source = open_source(self.args.data, seqlen, self.cfg.vocab_size,
+                                  eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
+
+    def start(self, eng) -> None:
+        """Open the data (unless open_data did), then resume weights, state and data position
+        if asked."""
+        from dataflow.checkpoint import latest_checkpoint
+
         args = self.args
-        self.source = open_source(args.data, eng.plan.chunking.seqlen, self.cfg.vocab_size,
-                                  eval_seqs=EVAL_SEQS if args.eval_every else 0)
+        if self.source is None:
+            self.open_data(eng.plan.chunking.seqlen)
         if not args.resume:
             return
         path = latest_checkpoint(args.checkpoint_dir)

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dataflow import __version__
 from dataflow.models.errors import ChecksumError, ConfigError
 
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it already holds a Hugging Face model")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 checks")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
 
 

@@ -208,8 +208,9 @@ def meta_path(path: str | Path) -> Path:
 
 
 def lock_path(path: str | Path) -> Path:
-    """The lock file writers of one log share: '<path>.lock' (left in place: removing a lock
-    file that another writer may be waiting on would let two writers in)."""
+    """The lock file writers of one log share: '<path>.lock'. It exists only while a writer holds
+    it: each writer removes it before letting go (see _Locked), so no stray file stays beside
+    the log."""
     return Path(str(path) + ".lock")
 
 
@@ -220,7 +221,11 @@ LOCK_TIMEOUT_S = 60.0
 class _Locked:
     """`with _Locked(path):` an exclusive advisory lock (flock) on lock_path(path), so runs that
     append to one log take turns: each re-reads the file under the lock and rewrites it whole
-    (Parquet) or appends one row (CSV), and no run's rows are lost."""
+    (Parquet) or appends one row (CSV), and no run's rows are lost.
+
+    The holder unlinks the lock file before unlocking, so none is left behind. A writer that
+    opened the old file and locks it after that sees that the path no longer names what it
+    locked, and starts again on the new file; so two writers never both hold "the" lock."""
 
     def __init__(self, path: Path):
         self.path = lock_path(path)
@@ -228,25 +233,43 @@ class _Locked:
     def __enter__(self) -> "_Locked":
         import fcntl
 
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
                 if time.monotonic() > deadline:
-                    os.close(self._fd)
                     raise ConfigError(f"metrics log '{self.path}' stayed locked by another "
                                       f"writer for {LOCK_TIMEOUT_S:.0f} s; log to another "
                                       "file") from None
                 time.sleep(0.01)
+                continue
+            if _same_file(fd, self.path):
+                self._fd = fd
+                return self
+            os.close(fd)  # its holder removed it after we opened it: lock the new one
 
     def __exit__(self, *exc) -> None:
         import fcntl
 
+        try:
+            os.unlink(self.path)  # still holding it: no writer can take it between the two
+        except FileNotFoundError:
+            pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 class MetricsLog:
@@ -254,7 +277,8 @@ class MetricsLog:
     Appends to an existing file of the same columns (refusing one with other columns).
     Parquet files are rewritten whole (atomically) at every append, so the file is always
     readable even if the run dies; CSV rows are appended and flushed. Writers of one file take
-    turns under a lock ('<path>.lock'), so concurrent runs keep all their rows. close(status)
+    turns under a lock ('<path>.lock', present only while one writes), so concurrent runs keep
+    all their rows. close(status)
     records how the run ended ('done', 'interrupted at step 3', ...) in its metadata."""
 
     def __init__(self, path: str | Path, metadata: dict | None = None):

@@ -11,9 +11,16 @@ import math
 import sys
 import traceback
 
+from dataflow.memplan.errors import InfeasibleBudget, categories_text, size_text
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
-from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, print_report
+from dataflow.memplan.cli_args import (
+    OneLineParser,
+    add_version_flag,
+    parse_or_exit_code,
+    print_report,
+    seqlen_tokens,
+)
 
 PROG = "dataflow-plan"
 
@@ -25,21 +32,6 @@ def _budget_gib(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of GiB")
-    return value
-
-
-def _seqlen(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of tokens")
-    from dataflow.memplan.chunking import MAX_SEQLEN
-
-    if value > MAX_SEQLEN:  # past it planning would be slow, and no budget fits such a step
-        raise argparse.ArgumentTypeError(f"{value:,} tokens is above the {MAX_SEQLEN:,} the "
-                                         f"planner handles; use at most {MAX_SEQLEN}")
     return value
 
 
@@ -69,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device memory budgets, and predict the step. GB means GiB (2^30 bytes)."))
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
     p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
-    p.add_argument("seqlen", type=_seqlen, help="tokens per sequence (at most 16,777,216)")
+    p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b) or a config path")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpu", metavar="NAME", default=None,
@@ -77,10 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "dataflow-probe replaces the built-in one of the same name)")
     src.add_argument("--profile", metavar="FILE", help="hardware profile JSON to plan for")
     p.add_argument("--gpus", type=_ranks, default=1, metavar="N",
-                   help="plan a ring of N devices (layer i on device i mod N; budgets are per "
-                        "device): each device's plan and memory, the predicted ring throughput "
-                        "and a scaling model for N = 2..64 over NVLink, InfiniBand, 10 GbE and "
-                        "a 1 Gb/s internet link (see docs/ring.md)")
+                   help="plan for N GPUs (budgets are per device): the split into replicas of a "
+                        "ring (layer i on device i mod ring size) that predicts the most tok/s, "
+                        "with the alternatives weighed, each device's plan, the prediction over "
+                        "NVLink, InfiniBand, 10 GbE and a 1 Gb/s internet link, and the same "
+                        "for N = 2..64 (see docs/ring.md); --tokens-per-step caps the global "
+                        "batch")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--seqs-per-step", type=_count, default=None, metavar="N",
                        help="the trainer's global batch: plan exactly N sequences per step "
@@ -94,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "run to run (default: deterministic; not built for --gpus yet)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_version_flag(p)
     return p
 
 
@@ -116,49 +111,63 @@ def _run(args) -> str:
                                ("tokens_per_step", args.tokens_per_step)) if v is not None}
     if args.fast_attention:
         batch["attention_bwd"] = "fast"
-    plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
-    return plan.to_json() if args.json else explain(plan)
+    try:
+        plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
+    except InfeasibleBudget as exc:
+        hardware = _hardware_text(args, profile)
+        raise ConfigError(f"{_infeasible_text(exc, profile)} {hardware[0].upper()}{hardware[1:]}") \
+            from exc
+    if args.json:  # the plan embeds its profile; stdout holds the one document only
+        return plan.to_json()
+    return f"{explain(plan)}\nHardware: {_hardware_text(args, profile)}"
+
+
+# -- single-device output: which hardware was planned for, and a refusal whose parts add up ----
+def _local_gpu() -> bool:
+    """Whether this machine shows an NVIDIA GPU (read from the driver's files: the planner never
+    imports array libraries, so it cannot ask CuPy as the demo does)."""
+    import glob
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _hardware_text(args, profile) -> str:
+    """One sentence: the profile planned for, where it came from, and, when --gpu/--profile was
+    not given on a machine without a GPU, the profile dataflow-demo here would plan with."""
+    if args.profile:
+        return f"planned for the {profile.name!r} profile of {args.profile}."
+    if args.gpu:
+        return f"planned for the {profile.name!r} profile (--gpu {args.gpu})."
+    if _local_gpu():
+        return (f"planned for the {profile.name!r} profile (the default; --gpu NAME plans for "
+                "another GPU).")
+    return (f"planned for the {profile.name!r} profile (the default), but this machine has no "
+            "GPU: dataflow-demo here runs the NumPy backend, which plans with the 'cpu' profile; "
+            "add --gpu cpu to see that plan.")
+
+
+def _infeasible_text(exc: InfeasibleBudget, profile) -> str:
+    """The planner's refusal with its device list completed: the plan's own categories leave out
+    what the device budget holds outside the arena (the libraries' reserve, and any other fixed
+    part), so the list did not add up to the total it named."""
+    total = size_text(exc.min_device_bytes)
+    listed = f"needs device {total} ({categories_text(exc.device_needed)})"
+    missing = exc.min_device_bytes - exc.device_needed_bytes
+    if listed not in str(exc) or missing <= 0:  # a refusal over the host list, or complete
+        return str(exc)
+    reserve = min(profile.library_reserve_bytes, missing)
+    parts = exc.device_needed + (("library reserve", reserve), ("other fixed", missing - reserve))
+    return str(exc).replace(listed, f"needs device {total} ({categories_text(parts)})", 1)
 
 
 def _ring_text(cfg, args, budget, profile) -> str:
-    """Per-device plans of a ring of args.gpus, its predicted throughput and the scaling model."""
-    import json
+    """The layout chosen for args.gpus GPUs, its rings' plans and predictions (layout_cli)."""
+    from dataflow.memplan.layout_cli import ring_report
 
-    from dataflow.memplan.ring_plan import (LINKS, speedup_text, best_rank_plans, predict_ring, ring_profile,
-                                   scaling, scaling_text)
-
-    # the ranks run over NCCL on GPUs: their device budget also holds its buffers
-    plans = best_rank_plans(cfg, args.seqlen, budget, ring_profile(profile, args.gpus, "nccl"),
-                            args.gpus)
-    preds, single, note = scaling(cfg, args.seqlen, budget, profile)
-    here = [predict_ring(plans, link, single) for link in LINKS]
-    if args.json:
-        return json.dumps({"ranks": [json.loads(rp.to_json()) for rp in plans],
-                           "ring": [json.loads(to_json(p)) for p in here],
-                           "scaling": [json.loads(to_json(p)) for p in preds],
-                           "single_tok_per_s": single, "note": note}, sort_keys=True)
-    gib = 2 ** 30
-    lines = [f"ring of {args.gpus} for {cfg.name} at seqlen {args.seqlen} (budgets per device; "
-             f"chunking {plans[0].plan.chunking.chunk_tokens} tokens x "
-             f"{plans[0].plan.chunking.chunks_per_round} chunks x "
-             f"{plans[0].plan.chunking.rounds_per_step} rounds on every device):"]
-    for rp in plans:
-        p = rp.plan
-        extra = " + embedding" * rp.has_embed + " + head" * rp.has_head
-        lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
-                     f"{p.memory.device_bytes / gib:.2f} GiB, host {p.memory.host_bytes / gib:.2f}"
-                     f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")
-    alone = "does not fit" if single is None else f"{single:,.0f} tok/s"
-    lines.append(f"  predicted ring throughput (single device: {alone}):")
-    for p in here:
-        lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  "
-                     f"({speedup_text(p.speedup)}; step {p.step_time_s:.3f} s, fill {p.fill_s:.3f} s, bubble {p.bubble_frac:.0%})")
-    return "\n".join(lines + [scaling_text(preds, single, note)])
-
-
-def _layers_text(layers) -> str:
-    return ", ".join(map(str, layers)) if len(layers) <= 6 else \
-        f"{layers[0]}, {layers[1]}, ..., {layers[-1]} ({len(layers)})"
+    return ring_report(cfg, args, budget, profile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,48 @@ def positive(kind):
     return parse
 
 
+def seqlen_tokens(text: str) -> int:
+    """An argparse type for SEQLEN: a whole number of tokens in [1, MAX_SEQLEN]. Exponent forms
+    of whole numbers ('8e3') are read; one too large is refused as too large, naming the limit."""
+    from dataflow.memplan.chunking import MAX_SEQLEN
+
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            number = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens; give "
+                                             "e.g. 4096") from None
+        if math.isfinite(number) and number > MAX_SEQLEN:
+            value = MAX_SEQLEN + 1  # exact below; only "too large" matters above
+        elif not math.isfinite(number) or number != int(number):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens; give "
+                                             "e.g. 4096") from None
+        else:
+            value = int(number)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of tokens")
+    if value > MAX_SEQLEN:  # past it planning would be slow, and no budget fits such a step
+        raise argparse.ArgumentTypeError(f"{text!r} tokens is too large: the planner handles at "
+                                         f"most {MAX_SEQLEN:,} tokens per sequence; give at "
+                                         f"most {MAX_SEQLEN}")
+    return value
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """Add --version: prints `PROG VERSION` and exits 0. VERSION is the installed distribution's,
+    read the way dataflow.__version__ reads it (the planner may not import the dataflow
+    package itself, see tests/test_layering.py)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("dataflow")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        text = "0+unknown"
+    parser.add_argument("--version", action="version", version=f"%(prog)s {text}")
+
+
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str], prog: str):
     """(args, None), or (None, exit code): 2 after printing a usage error as one line naming
     --help, or --help's own 0."""

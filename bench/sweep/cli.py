@@ -10,7 +10,12 @@ import logging
 import sys
 
 from dataflow.models.errors import ConfigError
-from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, positive
+from dataflow.memplan.cli_args import (
+    OneLineParser,
+    add_version_flag,
+    parse_or_exit_code,
+    positive,
+)
 
 PROG = "dataflow-sweep"
 
@@ -35,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Memory x throughput sweeps: run the demo's engine for every cell "
                             "of a grid of host and device budgets (each in a fresh process), "
                             "keep one resumable table (Parquet + CSV) and draw heatmaps.")
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", metavar="{run,plot}", parser_class=OneLineParser)
     run = sub.add_parser("run", help="run (or predict) a grid of cells into a sweep directory",
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
@@ -84,10 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args):
     from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
     from dataflow.bench.sweep.sweep import SweepConfig
+    from dataflow.memplan.chunking import MAX_SEQLEN
 
     if args.executor == "local" and (args.cluster or args.partition):
         raise ConfigError("--cluster and --partition apply to --executor submitit only")
-    cells = expand(parse_names(args.model, "--model"), parse_ints(args.seqlen, "--seqlen"),
+    seqlens = parse_ints(args.seqlen, "--seqlen")
+    if max(seqlens) > MAX_SEQLEN:
+        raise ConfigError(f"--seqlen {max(seqlens):,} is too large: the planner handles at most "
+                          f"{MAX_SEQLEN:,} tokens per sequence")
+    cells = expand(parse_names(args.model, "--model"), seqlens,
                    parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,

@@ -14,6 +14,7 @@ from pathlib import Path
 from dataflow.bench.sweep.grid import format_number
 from dataflow.bench.sweep.record import CellRecord, Status
 from dataflow.bench.sweep.table import read_table
+from dataflow.models.errors import ConfigError
 
 DPI = 100
 REPORT_SIZE_IN = (16, 12)
@@ -196,6 +197,16 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _require_matplotlib() -> None:
+    """ConfigError naming the extra to install when matplotlib is missing (checked before any
+    directory is made, so a failed plot leaves nothing behind)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib, which is not installed; pip install "
+                          "'dataflow[plot]' (or pip install matplotlib)") from None
+
+
 def grids(records: list[CellRecord]) -> dict[tuple[str, int], list[CellRecord]]:
     out: dict[tuple[str, int], list[CellRecord]] = {}
     for r in sorted(records, key=lambda r: r.cell.key):
@@ -207,10 +218,12 @@ def plot_sweep(sweep_dir: str | os.PathLike, to: str | os.PathLike | None = None
                util_range: tuple[float, float] = (0.35, 0.7)) -> list[Path]:
     """Write the PNGs of every grid in `sweep_dir`'s table into `to` (default `sweep_dir`):
     MODEL-SEQLEN-report.png always; -predicted.png and -memory.png when cells were measured."""
+    records = read_table(sweep_dir)  # refuses a missing directory or table before any write
+    _require_matplotlib()
     out_dir = Path(to or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for (model, seqlen), recs in grids(read_table(sweep_dir)).items():
+    for (model, seqlen), recs in grids(records).items():
         measured = any(r.state is not Status.PREDICTED and r.state is not Status.INFEASIBLE
                        for r in recs)
         device = next((r.device_name for r in recs if r.state is Status.OK), recs[0].device_name)

@@ -173,7 +173,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     for record in executor.run(jobs):
         _keep(store, records, record)
         progress.cell(record)
-    store.write_table(records.values())
+    records.update((r.cell, r) for r in store.rebuild_table())  # other sweeps' cells too
     mine = [records[c] for c in config.cells if c in records]
     counts = {}
     for r in mine:
@@ -197,7 +197,8 @@ def _refuse_mixed_attention(config: SweepConfig, records) -> None:
 
 
 def _keep(store: SweepStore, records: dict, record: CellRecord) -> None:
-    """Save the cell's record and rewrite the table, so a kill loses nothing finished."""
+    """Save the cell's record and rewrite the table, so a kill loses nothing finished (the table
+    is rebuilt from the directory's records, so another sweep writing there keeps its rows)."""
     store.save(record)
     records[record.cell] = record
-    store.write_table(records.values())
+    store.rebuild_table()

@@ -1,11 +1,14 @@
 """The sweep directory on disk: one JSON record per finished cell under cells/ (the source of
 truth, written atomically the moment a cell finishes, so a killed sweep loses at most the cell in
-flight), and the table rebuilt from them as sweep.parquet and sweep.csv (with a header). Never
-runs or plans cells."""
+flight), and the table rebuilt from them as sweep.parquet and sweep.csv (with a header). Several
+sweeps may write into one directory at once: the table is rebuilt from every record on disk under
+a lock on the directory, so none loses another's rows. Never runs or plans cells."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
 import os
 import tempfile
@@ -31,6 +34,19 @@ def _atomic_write(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """Hold an exclusive flock on the directory itself (no lock file is left behind); it is
+    released when the descriptor closes, also when the process dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class SweepStore:
@@ -62,8 +78,20 @@ class SweepStore:
             out[record.cell] = record
         return out
 
+    def rebuild_table(self) -> list[CellRecord]:
+        """Rewrite sweep.parquet and sweep.csv from every record under cells/ (this sweep's and
+        any other's writing into the same directory at the same time); returns those records.
+
+        The read and the write happen under an exclusive lock on the directory, so the table
+        written last was read after every writer's last save: concurrent sweeps lose no rows."""
+        with _locked(self.root):
+            records = list(self.load().values())
+            self.write_table(records)
+        return records
+
     def write_table(self, records) -> None:
-        """sweep.parquet and sweep.csv from these records, in grid order."""
+        """sweep.parquet and sweep.csv from exactly these records, in grid order (callers that
+        share the directory use rebuild_table)."""
         rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.key)]
         _atomic_write(self.root / PARQUET, lambda tmp: _write_parquet(tmp, rows))
         _atomic_write(self.root / CSV, lambda tmp: _write_csv(tmp, rows))
@@ -98,6 +126,9 @@ def read_table(root: str | os.PathLike) -> list[CellRecord]:
     import pyarrow.parquet as pq
 
     path = Path(root) / PARQUET
+    if not Path(root).is_dir():
+        raise ConfigError(f"sweep directory {root} does not exist; give the --out of a "
+                          f"`dataflow-sweep run` (e.g. dataflow-sweep run ... --out {root})")
     if not path.exists():
         raise ConfigError(f"no {PARQUET} in {root}; run `dataflow-sweep run ... --out {root}` "
                           "first")

@@ -162,14 +162,9 @@ def open_source(path: str | Path | None, seqlen: int, vocab_size: int, *, eval_s
             raise ConfigError(f"--data {path}: no Parquet files there; pass a .parquet file or "
                               "a directory of them")
         return ParquetSource(files, seqlen, vocab_size, eval_seqs=eval_seqs)
-    if not path.is_file():
-        raise ConfigError(f"--data {path} does not exist; pass a text, .npy, .bin or .parquet "
-                          "file")
+    _check_regular_file(path)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ConfigError(f"{path} holds {tokens.dtype} of shape {tokens.shape}; a token "
-                              "file must be a 1-D integer array")
+        tokens = _npy_tokens(path)
     elif path.suffix == ".bin":
         tokens = _bin_tokens(path)
     elif path.suffix in TEXT_SUFFIXES:
@@ -179,6 +174,56 @@ def open_source(path: str | Path | None, seqlen: int, vocab_size: int, *, eval_s
         raise ConfigError(f"--data {path}: unknown kind of file '{path.suffix}'; use text "
                           f"({', '.join(TEXT_SUFFIXES)}), .npy, .bin or .parquet")
     return ArraySource(tokens, seqlen, vocab_size, name=str(path), eval_seqs=eval_seqs)
+
+
+KINDS = "a text (.txt/.md), .npy, .bin or .parquet file"
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse, naming the path, what is not a non-empty regular file: a missing path, a device
+    such as /dev/zero (endless, so never a token file), a FIFO or socket, or an empty file (which
+    NumPy's loaders report as EOFError or 'cannot mmap an empty file', without the path)."""
+    if not path.exists():
+        raise ConfigError(f"--data {path} does not exist; pass {KINDS}")
+    if not path.is_file():
+        raise ConfigError(f"--data {path} is not a regular file (a device, FIFO or socket); "
+                          f"pass {KINDS}")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--data {path} cannot be read ({exc.strerror}); check its "
+                          "permissions or pass another file") from None
+    if size == 0:
+        raise ConfigError(f"--data {path} is empty (0 bytes); pass a file that holds tokens")
+
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_tokens(path: Path) -> np.ndarray:
+    """A .npy file's 1-D integer array, memory-mapped; ConfigError naming the file for anything
+    else (no .npy header, a truncated header, pickled objects, another dtype or shape)."""
+    with open(path, "rb") as f:
+        magic = f.read(len(NPY_MAGIC))
+    if magic != NPY_MAGIC:
+        raise ConfigError(f"--data {path} is not a NumPy .npy file (it does not start with "
+                          "NumPy's header); write token ids with numpy.save(path, "
+                          "tokens_as_1d_int_array), or name raw uint16 tokens *.bin")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        text = str(exc)
+        if "pickle" in text or "object" in text.lower():
+            raise ConfigError(f"--data {path} holds Python objects, not token ids; a token file "
+                              "is a 1-D integer array saved with numpy.save") from None
+        raise ConfigError(f"--data {path} is a truncated or damaged .npy file ({text}); write "
+                          "it again with numpy.save") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(f"{path} holds {tokens.dtype} of shape {tokens.shape}; a token "
+                          "file must be a 1-D integer array")
+    return tokens
 
 
 def _bin_tokens(path: Path) -> np.ndarray:

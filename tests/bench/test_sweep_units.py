@@ -164,7 +164,7 @@ def test_predict_only_and_infeasible_cells_start_no_process(tmp_path, rng):
       "--steps", "0"], "must be positive"),
     (["run", "--model", "tiny", "--seqlen", "128", "--host", "1", "--dev", "1", "--out", "x",
       "--cluster", "local"], "submitit only"),
-    (["plot", "nowhere"], "no sweep.parquet"),
+    (["plot", "nowhere"], "sweep directory nowhere does not exist"),
     ([], "say run or plot"),
 ])
 def test_cli_refuses_bad_input_with_exit_2_and_one_line(argv, words, capsys, tmp_path,
