@@ -201,7 +201,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                 continue
             constraints["tokens_per_step"] = seqs * seqlen
         try:
-            candidates = _candidates(cfg, seqlen, budget, ring_profile(profile, gpus, transport),
+            candidates = _candidates(cfg, seqlen, budget, ring_profile(profile, gpus, transport, replicas),
                                      n, constraints)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
@@ -236,7 +236,8 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
     its measurement with."""
     if gpus % ring_size:
         raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
-    rps = make_rank_plans(cfg, seqlen, budget, ring_profile(profile, gpus, transport), ring_size,
+    rps = make_rank_plans(cfg, seqlen, budget,
+                          ring_profile(profile, gpus, transport, gpus // ring_size), ring_size,
                           **constraints)
     try:
         single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s

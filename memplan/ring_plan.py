@@ -23,14 +23,31 @@ NCCL_RESERVE_BYTES = 1 << 30
 bench/records/ring-h200x2-d3a8afd/), which the plans did not count. Part of the device budget."""
 
 
-def ring_profile(profile: HardwareProfile, processes: int, transport: str) -> HardwareProfile:
+REPLICA_RESERVE_BYTES = 128 << 20
+"""Device memory of the replicas' all-reduce beside NCCL_RESERVE_BYTES: the 64 MiB staging
+buffer a home gradient is all-reduced through (ring/nccl.py REDUCE_STAGE_BYTES) and the replica
+communicator's buffers. Measured: 2 data-parallel replicas of 8b at 60/24 on 2 H200s ran 0.10 GiB
+past a plan that reserved NCCL_RESERVE_BYTES only (bench/records/s16-ring-h200x2-214ea68/)."""
+
+RING_EFFICIENCY = 0.95
+"""Measured ring throughput over the analytical model's, after the single-device model's own
+error: on 2 H200s a ring of 2 (8b, 8k, 60/24) ran at 0.983 of predict_ring while one H200 ran at
+1.033 of its plan's prediction (s16-ring-h200x2-214ea68): the ring loses about 5 % the model
+does not see (NCCL kernels sharing the SMs, the turn between forward and backward). The
+prediction of a ring of two or more ranks is scaled by it; data parallelism (rings of 1) is not."""
+
+
+def ring_profile(profile: HardwareProfile, processes: int, transport: str,
+                 replicas: int = 1) -> HardwareProfile:
     """The profile a rank plans with: the device budget also holds NCCL's memory when the ring
-    runs over NCCL with more than one process (a GPU profile only: the NumPy backend's device is
-    host memory, and the shared-memory transport stages in pinned host memory)."""
+    runs over NCCL with more than one process, and with replicas the all-reduce's staging too (a
+    GPU profile only: the NumPy backend's device is host memory, and the shared-memory transport
+    stages in pinned host memory)."""
     if transport != "nccl" or processes < 2 or not profile.library_reserve_bytes:
         return profile
+    extra = NCCL_RESERVE_BYTES + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
     return dataclasses.replace(
-        profile, library_reserve_bytes=profile.library_reserve_bytes + NCCL_RESERVE_BYTES)
+        profile, library_reserve_bytes=profile.library_reserve_bytes + extra)
 
 
 def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:
@@ -234,6 +251,8 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     sends = max(len(rp.layers) for rp in rank_plans) * chunks * rounds * 2
     link_s = 0.0 if n == 1 else sends * hop_s
     step_s = max(busy_s, link_s) + fill_s
+    if n > 1:
+        step_s /= RING_EFFICIENCY
     tok_s = ch.tokens_per_step / step_s
     return RingPrediction(
         n_ranks=n, link=link.name, chunks_per_round=chunks, rank_step_time_s=rank_s,

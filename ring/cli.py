@@ -34,10 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, ...) or a config path")
     p.add_argument("--gpus", type=positive(int), default=None, metavar="N",
                    help="processes in all (required unless launched by torchrun/srun)")
-    p.add_argument("--replicas", type=positive(int), default=1, metavar="R",
-                   help="data-parallel copies of the ring (default 1): rings of N / R ranks, "
-                        "each training 1/R of the global batch, gradients all-reduced once "
-                        "per step before the optimizer")
+    p.add_argument("--replicas", type=positive(int), default=None, metavar="R",
+                   help="data-parallel copies of the ring: rings of N / R ranks, each training "
+                        "1/R of the global batch, gradients all-reduced once per step before "
+                        "the optimizer (default: the planner's choice, the split of N that "
+                        "predicts the most tok/s; it prints the alternatives it weighed)")
+    p.add_argument("--tokens-per-step", type=positive(int), default=None, metavar="T",
+                   help="cap on the global batch in tokens (a multiple of seqlen per replica); "
+                        "the layout is chosen under it")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -76,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
+    import dataflow
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {dataflow.__version__}")
     return p
 
 
@@ -96,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                               f"{MAX_ROUNDS_PER_STEP}; give fewer (the global batch is rounds x "
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume)
-        env, n = ring_processes(args.model, args.gpus, args.replicas)
+        env, n = ring_processes(args.model, args.gpus, args.replicas or 1)
+        transport = args.transport if args.transport != "auto" else \
+            "nccl" if args.backend == "cupy" else "shm"
+        replicas, constraints = resolve_layout(
+            args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=args.backend,
+            transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
+            rounds=args.rounds, quiet=env is not None and env.rank != 0)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -107,15 +120,57 @@ def main(argv: list[str] | None = None) -> int:
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
                   save_weights=bool(args.out) and not args.no_weights, steps=args.steps,
                   seed=args.seed, lr=args.lr,
-                  backend=args.backend, replicas=args.replicas,
-                  transport=args.transport if args.transport != "auto" else
-                  "nccl" if args.backend == "cupy" else "shm",
+                  backend=args.backend, replicas=replicas, transport=transport,
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   eval_seqs=args.eval_seqs,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
-                  constraints=(("rounds_per_step", args.rounds),) if args.rounds else ())
+                  constraints=constraints)
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
+
+
+def launch_profile(backend: str):
+    """The profile the ranks will plan with, found without a CUDA context in this process: the
+    CPU's for NumPy, else the one of GPU 0's name as NVML reports it."""
+    from dataflow.memplan.profiles import get_profile, profile_for_device
+
+    if backend == "numpy":
+        return get_profile("cpu")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return profile_for_device(name.decode() if isinstance(name, bytes) else name)
+    except Exception:  # noqa: BLE001 - no driver here: plan as the ranks' default would
+        return get_profile("h100")
+
+
+def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: int, *,
+                   backend: str, transport: str, replicas: int | None,
+                   tokens_per_step: int | None, rounds: int | None, quiet: bool = False):
+    """(replicas, plan constraints for every rank) of n processes. With replicas given and
+    nothing else asked, the ring as given (the planner's chunking per rank); otherwise the
+    layout the planner predicts fastest (dataflow.memplan.layout), printed with the
+    alternatives it weighed. Raises ConfigError naming what does not fit."""
+    from dataflow.memplan.layout import choose_layout, layout_text
+    from dataflow.memplan.plan import Budget
+    from dataflow.ring.worker import model_config
+
+    fixed = (("rounds_per_step", rounds),) if rounds else ()
+    if replicas is not None and tokens_per_step is None:
+        return replicas, fixed
+    if rounds and tokens_per_step:
+        raise ConfigError("give --rounds or --tokens-per-step, not both (the global batch is "
+                          "rounds x chunks per round x replicas)")
+    cfg = model_config(model)
+    choice = choose_layout(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), launch_profile(backend),
+                           n, tokens_per_step=tokens_per_step, transport=transport,
+                           ring_size=None if replicas is None else n // replicas)
+    if not quiet:
+        print(layout_text(choice), file=sys.stderr, flush=True)
+    opt = choice.chosen
+    return opt.layout.replicas, tuple(opt.constraints) + fixed
 
 
 def ring_processes(model: str, gpus: int | None, replicas: int):

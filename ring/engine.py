@@ -111,7 +111,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     be = make_rank_backend(backend, transport if transport != "auto" else "nccl", env)
     kind = transport_kind(transport, be.name)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
-    profile = ring_profile(profile, env.world_size, kind)  # NCCL's own device memory
+    profile = ring_profile(profile, env.world_size, kind, replicas)  # NCCL's own memory
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
     tr = make_transport(kind, env, replicas, timeout_s)
