@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="numpy: a CPU smoke run of this script (shared-memory transport)")
     p.add_argument("--timeout", type=float, default=480.0,
                    help="seconds each run may take before it is killed (default 480)")
+    p.add_argument("--link-bytes-per-s", type=float, default=None, metavar="B",
+                   help="predict for this measured one-way link rate (bench.link_bandwidth) "
+                        "instead of the assumed NVLink")
     p.add_argument("--single-child", help=argparse.SUPPRESS)
     return p
 
@@ -339,6 +342,7 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     from dataflow.memplan.layout import predict_layout
     from dataflow.memplan.plan import Budget
     from dataflow.memplan.profiles import get_profile, profile_for_device
+    from dataflow.memplan.ring_plan import LINKS, Link
     from dataflow.ring.worker import model_config
 
     prof = profile_for_device(devices[0]) if devices and args.backend == "cupy" else \
@@ -347,12 +351,17 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     ch = rank0["chunking"]
     per_replica = ch["chunk_tokens"] * ch["chunks_per_round"] * ch["rounds_per_step"]
     replicas = max(1, rank0["tokens_per_step"] // per_replica)
+    link = LINKS[0] if not args.link_bytes_per_s else \
+        Link(name="measured", bytes_per_s=args.link_bytes_per_s, latency_s=100e-6)
     opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
-                         args.gpus // replicas, chunks_per_round=ch["chunks_per_round"],
+                         args.gpus // replicas, links=(link,),
+                         chunks_per_round=ch["chunks_per_round"],
                          rounds_per_step=ch["rounds_per_step"])
-    out = {"profile": prof.name, "ring_size": opt.layout.ring_size,
-           "replicas": opt.layout.replicas, "tok_per_s": opt.on("nvlink").tok_per_s,
-           "allreduce_s": opt.on("nvlink").allreduce_s, "bubble_frac": opt.on("nvlink").bubble_frac}
+    on = opt.on(link.name)
+    out = {"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
+           "link_bytes_per_s": link.bytes_per_s,
+           "replicas": opt.layout.replicas, "tok_per_s": on.tok_per_s,
+           "allreduce_s": on.allreduce_s, "bubble_frac": on.bubble_frac}
     if not args.no_single:
         try:
             single = make_plan(cfg, args.seqlen, Budget.from_gib(*args.single_budget), prof,
