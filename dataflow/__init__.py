@@ -32,6 +32,7 @@ _LAZY = {
     "NonFiniteError": "dataflow.models.errors",
     "ChecksumError": "dataflow.models.errors",
     "StepFailedError": "dataflow.models.errors",
+    "UnknownOptionError": "dataflow.engine_options",
     "ModelConfig": "dataflow.models.config",
     "InfeasibleBudget": "dataflow.memplan.errors",
     "Ring": "dataflow.ring.engine",

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -405,7 +406,9 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
                     allow_changes: bool = False) -> CheckpointInfo:
     """Restore weights, m, v, step and schedule of `eng` from a checkpoint (a step directory, or
     the newest under a root). The plan may differ (placement does not change values); the model
-    must match, and so must the optimizer settings and the schedule unless allow_changes. With
+    must match, and so must the optimizer settings and the schedule unless allow_changes (the
+    config's lr is judged only where the run uses it: ignored under a schedule, else a different
+    one warns, since set_lr and a step's lr= override it). With
     verify every file is hashed BEFORE anything is written into the engine, so a damaged
     checkpoint is refused with the engine untouched. An engine built without a schedule adopts
     the checkpoint's."""
@@ -428,9 +431,9 @@ def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
         raise ConfigError(f"checkpoint {path} is for model {to_dict(cfg)}, this engine runs "
                           f"{to_dict(model)}; build the Engine for the checkpoint's model")
     opt = from_dict(AdamWConfig, meta["optimizer"], where=f"{where} optimizer")
-    changes = _differences(to_dict(opt), to_dict(optimizer.config), "optimizer")
     stored, schedule = meta.get("schedule"), optimizer.schedule
     adopt = None
+    changes = []
     if schedule is None and stored is not None and stored.get("kind") != "callable":
         adopt = schedule_from_dict(stored)
     elif stored is None or stored.get("kind") != "callable":
@@ -439,6 +442,17 @@ def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
         log.warning("checkpoint %s was trained with an lr schedule that could not be stored "
                     "(%s); the engine's own schedule continues from step %d", path,
                     stored.get("repr"), meta["step"])
+    # Judge only what the resumed run uses. With a schedule (the engine's or the adopted one)
+    # the config's lr is never read. Without one it is only the lr of steps that pass no lr=
+    # (set_lr and a step's own lr= override it), so a different one is reported, not refused.
+    ours = dataclasses.replace(optimizer.config, lr=opt.lr)
+    changes = _differences(to_dict(opt), to_dict(ours), "optimizer") + changes
+    if schedule is None and adopt is None and opt.lr != optimizer.config.lr \
+            and not allow_changes:
+        warnings.warn(f"checkpoint {path} was trained with lr {opt.lr:g}; this engine's lr is "
+                      f"{optimizer.config.lr:g}, which steps that pass no lr= will use (pass "
+                      f"lr={opt.lr:g} to continue as saved, or set_lr / train_step(lr=) to "
+                      "choose)", UserWarning, stacklevel=3)
     if changes and not allow_changes:
         raise ConfigError(f"checkpoint {path} was trained with different settings: "
                           f"{'; '.join(changes)}; construct the Engine with the checkpoint's "

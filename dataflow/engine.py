@@ -5,7 +5,10 @@ hyperparameters and the step counter; the executor owns the schedule. Never deci
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import gc
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,6 +19,8 @@ from dataflow.backend import Backend, Place, Stream
 from dataflow.backends import make_backend
 from dataflow.batch import make_batch
 from dataflow.block_io import is_host_array, read_part, write_part
+from dataflow.engine_options import (RunOptions, check_option_names, checkpoint_dir, join_pieces,
+                                     with_checkpoint_defaults)
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
@@ -54,6 +59,11 @@ class StepResult:
     loss_tokens: int | None = None
     """Targets counted in the loss (not -100); the loss is their mean."""
 
+    def to_dict(self) -> dict:
+        """The result as plain JSON types (str, int, float, None, lists, dicts): every field by
+        name, breakdown as a nested dict (or None), for json.dumps, a TensorBoard or W&B log."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRef:
@@ -74,95 +84,165 @@ CONFIGURED = object()
 BLOCK_PARTS = ("weights", "m", "v")
 """The parts of a block that persist across steps (gradients are cleared by every step)."""
 
+_FROM_CHECKPOINT = object()
+"""weights= of an engine built on a checkpoint: leave the blocks for load_checkpoint to write."""
+
+
+def _serialised(method):
+    """A public call: refused by name once the engine is closed, and run under the engine's lock,
+    so calls from several threads take turns instead of interleaving their work (reentrant: a
+    public call may make others, as save_checkpoint reads blocks)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            self._check_open(name)
+            return method(self, *args, **kwargs)
+
+    return call
+
 
 class Engine:
     """Train a model under host and device memory budgets.
 
     >>> with Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=128, backend="numpy") as eng:
     ...     result = eng.train_step(batch)   # batch: (eng.seqs_per_step, 129) token ids
+
+    Thread model: an Engine may be shared by threads. Its public calls (train_step, eval_step,
+    state_dict, load_state_dict, weights, read_block, write_block, save_checkpoint,
+    load_checkpoint, save_pretrained, set_lr, memory_used_bytes, close) are serialised by one
+    lock: a call made while another thread's call runs waits for it, so an eval_step from a
+    background thread runs between two train_steps, never inside one. The order in which
+    waiting threads get the lock is not defined; a trainer that needs an order (step 2 after
+    step 1) orders its own threads. step_progress and the read-only properties (lr, step,
+    seqs_per_step) take no lock, so another thread can watch a long step. After close() every
+    public call raises ConfigError naming the call.
     """
 
     def __new__(cls, *args, ring=None, **kwargs):
         if ring is not None:  # the ring builds this process's rank (dataflow.ring.engine.RingEngine)
             return ring.engine(*args, **kwargs)
+        # Python names only the keyword; this also names the closest one the Engine takes
+        check_option_names(kwargs, _init_keywords(), "Engine()")
         return super().__new__(cls)
 
-    def __init__(self, model: str | ModelConfig, *, host_gb: float, dev_gb: float, seqlen: int,
-                 profile=None, plan_options: dict | None = None,
-                 seqs_per_step: int | None = None, tokens_per_step: int | None = None,
-                 ring=None, **run):
-        """Plan `model` at `seqlen` under the budgets (GiB) with `profile` (default: this
-        backend's), then start it. seqs_per_step (or tokens_per_step, a multiple of seqlen):
-        the trainer's global batch, which the planner keeps, choosing chunks and rounds under
-        the budgets (InfeasibleBudget names the smallest budgets for it); default: the
-        planner's choice. `run` takes the options of `from_plan`.
+    def __init__(self, model: str | Path | ModelConfig, *, host_gb: float, dev_gb: float,
+                 seqlen: int, seqs_per_step: int | None = None,
+                 tokens_per_step: int | None = None, backend: str | Backend = "auto",
+                 seed: int = 0, weights=None, lr: float = 3e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
+                 optimizer: AdamWConfig | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, profile=None,
+                 plan_options: dict | None = None, trace: bool = False, progress=None,
+                 schedule=None, deferred_update: bool = True, backward_update: bool = False,
+                 sanitize: bool = False, sanitize_seed: int = 0, ring=None):
+        """Plan `model` at `seqlen` under the budgets, then start it.
 
-        ring: a ring.Ring (from dataflow.ring.engine) to train as one process of a ring launched by
-        torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
-        returns that ring's dataflow.ring.engine.RingEngine for this process (train_step on the global
-        batch, the same on every process; see docs/ring.md)."""
+        model: a zoo name ('tiny', '1b', '8b', ...), a config JSON, a saved model directory or a
+            Hugging Face Llama directory (its weights are loaded), or a checkpoint directory
+            written by save_checkpoint (a `step_*` directory, or a root: its newest): the
+            engine then resumes it, loading its weights, AdamW m and v, step count and lr
+            schedule; optimizer settings left at their defaults take the checkpoint's.
+        host_gb, dev_gb: the host and device memory budgets in GiB (2^30 bytes).
+        seqlen: tokens per sequence (a batch row holds seqlen + 1 ids).
+        seqs_per_step / tokens_per_step (a multiple of seqlen): the global batch of one
+            optimizer step, which the planner keeps, choosing chunks and rounds under the
+            budgets (InfeasibleBudget names the smallest budgets for it); default: the
+            planner's choice (read it as eng.seqs_per_step).
+        backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
+        seed: the initialisation's seed (unused when weights are loaded).
+        weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.
+        lr: the peak learning rate (default 3e-4) when there is no lr_schedule; a step's own
+            lr= and set_lr() override it.
+        betas, eps, weight_decay: AdamW's (default (0.9, 0.95), 1e-8, 0.0).
+        max_grad_norm: clip the global gradient norm to this value (default 1.0, as
+            dataflow-demo's --max-grad-norm); 0 or None: no clipping.
+        optimizer: a whole dataflow.optimizer.AdamWConfig instead of lr ... max_grad_norm.
+        lr_schedule: step (1-based) -> lr, e.g. dataflow.lr_schedule.WarmupCosine.
+        profile: the planner's hardware profile (default: this backend's, see default_profile).
+        plan_options: further keywords of dataflow.memplan.make_plan.
+        trace: wrap the backend in a TracingBackend, so every StepResult carries its breakdown
+            and `last_trace` the step's spans.
+        progress: anything with update(), called once per block initialised or loaded.
+        schedule: a compiled dataflow.memplan.schedule.Schedule to run instead of the plan's.
+        deferred_update: (default True) a step's AdamW runs inside the next step's first
+            round, hidden behind its compute, or before anything reads, saves or evaluates the
+            model; the same bits as False, which updates at the end of each step.
+        backward_update: (default False) a step runs its AdamW inside its own last round, each
+            streamed layer's right after its gradient is final; the same bits again, but it
+            cannot clip (pass max_grad_norm=0), and a step that raises NonFiniteError has then
+            already updated the weights, as with deferred_update=False.
+        sanitize, sanitize_seed: run the NumPy backend under the schedule sanitizer.
+        ring: a dataflow.ring.engine.Ring, to train as one process of a ring launched by
+            torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
+            returns that ring's RingEngine for this process (see docs/ring.md).
+
+        A misspelt keyword raises UnknownOptionError (a TypeError and a ConfigError) naming
+        the closest valid one."""
         from dataflow.memplan import make_plan
 
-        if not isinstance(model, ModelConfig) and is_hf_dir(model):
-            run.setdefault("weights", model)  # a Hugging Face directory brings its weights
-        cfg = model if isinstance(model, ModelConfig) else model_config(model)
+        options = RunOptions(
+            backend=backend, seed=seed, weights=weights, lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, optimizer=optimizer,
+            lr_schedule=lr_schedule, sanitize=sanitize, sanitize_seed=sanitize_seed,
+            trace=trace, progress=progress, schedule=schedule,
+            deferred_update=deferred_update, backward_update=backward_update)
+        resume = checkpoint_dir(model)
+        if resume is not None:
+            cfg, options = _checkpoint_options(resume, options)
+        else:
+            if not isinstance(model, ModelConfig) and is_hf_dir(model) and weights is None:
+                options = dataclasses.replace(options, weights=model)  # HF brings its weights
+            cfg = model if isinstance(model, ModelConfig) else model_config(model)
+        options.check()
         t0 = time.perf_counter()
-        be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
-                      run.get("sanitize_seed", 0))
+        be = _backend(options)
         t1 = time.perf_counter()
-        options = dict(plan_options or {})
+        plan_kw = dict(plan_options or {})
         for key, value in (("seqs_per_step", seqs_per_step), ("tokens_per_step", tokens_per_step)):
             if value is not None:
-                options[key] = value
+                plan_kw[key] = value
         plan = make_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb),
-                         profile or default_profile(be), **options)
+                         profile or default_profile(be), **plan_kw)
         t2 = time.perf_counter()
-        self._start(plan, be, **run)
+        self._start(plan, be, options)
+        if resume is not None:
+            try:  # the settings the caller passed are deliberate changes of the checkpoint's
+                self.load_checkpoint(resume, allow_changes=True)
+            except BaseException:
+                self.close()  # its blocks were never written: no half-built engine is left
+                raise
         self.setup_seconds = {"backend": t1 - t0, "plan": t2 - t1, **self.setup_seconds}
 
     @classmethod
-    def from_plan(cls, plan: Plan, **run) -> "Engine":
-        """Start a plan you made or edited. Options (the same for the constructor):
-        backend ('auto', 'numpy', 'cupy', or a Backend instance); seed (initialisation); weights (ModelWeights or a
-        saved model directory); lr, betas, eps, weight_decay, max_grad_norm, or a whole
-        `optimizer` AdamWConfig; lr_schedule (step -> lr); sanitize, sanitize_seed (NumPy
-        schedule sanitizer); trace (wrap the backend in a TracingBackend, so every StepResult
-        carries its breakdown and `last_trace` the step's spans); progress (anything with
-        update(), called once per block initialised or loaded); schedule (a compiled
-        dataflow.memplan.schedule.Schedule to run instead of compiling the plan's); deferred_update
-        (default True: a step's AdamW runs inside the next step's first round, hidden behind
-        its compute, or before anything reads, saves or evaluates the model; the values are
-        the same bits as False, which updates at the end of each step); backward_update
-        (default False: a step that does not clip runs its AdamW inside its own last round,
-        each streamed layer's right after its gradient is final, so nothing of it is left for
-        the next step's first round; the same bits again, but a step that raises
-        NonFiniteError has then already updated the weights, as with deferred_update=False)."""
+    def from_plan(cls, plan: Plan, **options) -> "Engine":
+        """Start a plan you made or edited. options: the keywords of Engine() from backend on
+        (backend, seed, weights, lr, betas, eps, weight_decay, max_grad_norm, optimizer,
+        lr_schedule, trace, progress, schedule, deferred_update, backward_update, sanitize,
+        sanitize_seed), with the same defaults and meaning; a misspelt one raises
+        UnknownOptionError naming the closest."""
+        run = RunOptions.from_keywords(options, "Engine.from_plan()")
         if not (plan.holds_embed and plan.holds_head):
             raise ConfigError(f"this plan of {plan.model.name} is one ring rank's (it holds "
                               f"{'no embedding' if not plan.holds_embed else 'the embedding'} "
                               f"and {'no head' if not plan.holds_head else 'the head'}); train "
                               "it as a ring (Engine(..., ring=dataflow.ring.engine.Ring()), dataflow-ring) "
                               "or plan one device with make_plan")
+        run.check()
         self = cls.__new__(cls)
-        be = _backend(run.get("backend", "auto"), run.get("sanitize", False),
-                      run.get("sanitize_seed", 0))
-        self._start(plan, be, **run)
+        self._start(plan, _backend(run), run)
         return self
 
-    def _start(self, plan, be, *, backend: str = "auto", seed: int = 0, weights=None,
-               lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-               weight_decay: float = 0.0, max_grad_norm: float | None = None,
-               optimizer: AdamWConfig | None = None,
-               lr_schedule: Callable[[int], float] | None = None, sanitize: bool = False,
-               sanitize_seed: int = 0, trace: bool = False, progress=None,
-               schedule=None, deferred_update: bool = True,
-               backward_update: bool = False) -> None:
-        opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                                       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        self._deferred_update = deferred_update
-        self._backward_update = backward_update
-        self._setup(plan, TracingBackend(be) if trace else be, seed, weights, opt, lr_schedule,
-                    progress, schedule)
+    def _start(self, plan, be, options: RunOptions) -> None:
+        self._lock = threading.RLock()
+        self._closed = True  # until setup completes
+        self._deferred_update = options.deferred_update
+        self._backward_update = options.backward_update
+        self._setup(plan, TracingBackend(be) if options.trace else be, options.seed,
+                    options.weights, options.adamw(), options.lr_schedule, options.progress,
+                    options.schedule)
 
     def _setup(self, plan, be, seed, weights, opt_cfg, lr_schedule, progress, schedule) -> None:
         from dataflow.warmup import start_host_compile
@@ -201,10 +281,12 @@ class Engine:
             self.prebuild_parts = prebuild.join() if prebuild is not None else {}
             """What the setup-time build in a thread took (seconds per part, and total)."""
         clock.lap("executor")  # schedule, both arenas (pinning the host slab), library scratch
-        self.optimizer = AdamW(opt_cfg, lr_schedule)
+        self._optimizer = AdamW(opt_cfg, lr_schedule)
         self._zero_state()
         clock.lap("zero_state")
-        if weights is None:
+        if weights is _FROM_CHECKPOINT:
+            pass  # the constructor's load_checkpoint writes every block next
+        elif weights is None:
             self._init_weights(seed)
             clock.lap("init_weights")
         else:
@@ -310,6 +392,7 @@ class Engine:
         self._settle()
         return read_part(self.ex, self.be, b, part)
 
+    @_serialised
     def weights(self):
         """The current parameters as a dataflow.models.init.ModelWeights (host copies)."""
         from dataflow.models.init import ModelWeights
@@ -319,6 +402,7 @@ class Engine:
         return ModelWeights(cfg, blocks["embed"],
                             [blocks[f"layer{i}"] for i in range(cfg.n_layers)], blocks["head"])
 
+    @_serialised
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters under transformers' names and shapes, plus AdamW state as
         'optimizer.<name>.exp_avg' / '.exp_avg_sq' and 'optimizer.step'."""
@@ -335,6 +419,7 @@ class Engine:
         out["optimizer.step"] = np.array(self.optimizer.step_count, dtype=np.int64)
         return out
 
+    @_serialised
     def load_state_dict(self, state: dict, *, weights_only: bool = False) -> None:
         """Inverse of state_dict. Every key, shape and dtype is checked before anything is
         written, so a bad state leaves the engine as it was; the error lists each problem with
@@ -395,10 +480,12 @@ class Engine:
         self.be.synchronize()
 
     # -- block access (stable API for checkpoints and interop) ------------------------------
+    @_serialised
     def block_refs(self) -> tuple[BlockRef, ...]:
         """Every block in model order: embed, layers 0..L-1, head."""
         return tuple(BlockRef(kind, layer) for _, kind, layer, _ in self._targets())
 
+    @_serialised
     def layout(self, ref: BlockRef):
         """The block's layout (tensors with transformers' names and shapes, numel, views)."""
         return self._layout(ref.kind)
@@ -408,6 +495,7 @@ class Engine:
         return ex.layers[ref.layer] if ref.kind is BlockKind.LAYER else \
             ex.embed if ref.kind is BlockKind.EMBED else ex.head
 
+    @_serialised
     def read_block(self, ref: BlockRef, part: str = "weights") -> np.ndarray:
         """A host copy of one block's weights, AdamW m or v (synchronous; one block at a time,
         so saving a large model never holds more than a block beside the arenas)."""
@@ -415,6 +503,7 @@ class Engine:
             raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
         return self._read_block(self._target(ref), part)
 
+    @_serialised
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
         """Overwrite one block's weights, AdamW m or v with `array` (numel elements, bf16)."""
         if part not in BLOCK_PARTS:
@@ -433,18 +522,42 @@ class Engine:
     def seqs_per_step(self) -> int:
         return self.plan.chunking.seqs_per_step
 
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (a resumed engine counts the checkpoint's); the next
+        train_step is step + 1. Read-only."""
+        return self._optimizer.step_count
+
+    @property
+    def lr(self) -> float:
+        """The lr the next train_step uses unless it passes lr=: the schedule's for step + 1,
+        else set_lr's or the constructor's. Read-only (use set_lr); the lr a step used is its
+        StepResult.lr."""
+        opt = self._optimizer
+        return opt.schedule(opt.step_count + 1) if opt.schedule else opt.config.lr
+
+    @property
+    def optimizer(self) -> AdamW:
+        """The AdamW driver: its config (AdamWConfig), schedule and step_count. Read-only: set
+        the lr with set_lr or train_step(..., lr=)."""
+        return self._optimizer
+
+    @_serialised
     def train_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None,
                    lr: float | None = None, max_grad_norm=CONFIGURED) -> StepResult:
         """One optimizer step on the trainer's batch.
 
         tokens: (seqs_per_step, seqlen + 1) int ids (NumPy, or anything with __array__ or
-        __dlpack__); inputs are tokens[:, :-1]. labels: the same shape, shifted inside as
+        __dlpack__); inputs are tokens[:, :-1]. Or the batch in pieces: a list, tuple or
+        iterator of 2-D blocks of whole sequences (n_i, seqlen + 1) whose rows add up to
+        seqs_per_step, in order (e.g. one round's sequences at a time); the step is the same
+        bits as passing them joined. labels, doc_ids and position_ids may come in pieces too. labels: the same shape, shifted inside as
         transformers does (the target of input j is labels[:, j + 1]); -100 counts nothing, and
         the loss is the mean over the counted targets. Default: the next tokens. doc_ids or
         position_ids (the same shape): packed documents; attention never crosses a document
         start and RoPE positions restart (see dataflow.batch). lr: this step's learning rate
         (default: the schedule, else set_lr's / the constructor's). max_grad_norm: clip this
-        step's global gradient norm (None: no clipping; default: the constructor's). The
+        step's global gradient norm (0 or None: no clipping; default: the constructor's). The
         result's grad_norm (before clipping) is reported on every step: it is computed on the
         device with no host sync.
 
@@ -459,8 +572,13 @@ class Engine:
         NonFiniteError is dropped, so the weights stay those before it."""
         self._check_usable()
         ch, cfg = self.plan.chunking, self.plan.model
+        rows, seqlen = ch.seqs_per_step, ch.seqlen
+        tokens, labels, doc_ids, position_ids = (
+            join_pieces(value, name, rows, seqlen) for name, value in
+            (("tokens", tokens), ("labels", labels), ("doc_ids", doc_ids),
+             ("position_ids", position_ids)))
         batch = make_batch(tokens, labels, doc_ids=doc_ids, position_ids=position_ids,
-                           vocab_size=cfg.vocab_size, rows=ch.seqs_per_step, seqlen=ch.seqlen)
+                           vocab_size=cfg.vocab_size, rows=rows, seqlen=seqlen)
         if batch.counted == 0:
             raise ConfigError("every label of the batch is -100, so the step has no target to "
                               "learn from; keep at least one label, or skip the batch")
@@ -505,6 +623,7 @@ class Engine:
                     step=step, lr=lr, what=what, value=float(value), result=result)
         return result
 
+    @_serialised
     def eval_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None) -> float:
         """The mean loss over the counted targets of `tokens` (any number of rows of
         seqlen + 1 ids, up to 512 rounds; same labels / doc_ids / position_ids conventions as
@@ -524,18 +643,24 @@ class Engine:
         """How far the train_step or evaluate in flight has got (dataflow.executor.StepProgress:
         events dispatched of the schedule's, the last one's name), None between steps. Safe to
         call from another thread: a long step (8b at 524k tokens takes over 13 minutes) can
-        report progress while it runs, as dataflow-demo does every 30 s."""
+        report progress while it runs, as dataflow-demo does every 30 s. Takes no lock."""
+        self._check_open("step_progress")
         return self.ex.progress()
 
+    @_serialised
     def set_lr(self, lr: float) -> None:
         """Use `lr` for every later step (replaces the lr schedule, if any); a train_step's own
         lr= still wins for that step."""
         self.optimizer.config = dataclasses.replace(self.optimizer.config, lr=lr)
         self.optimizer.schedule = None
 
-    def _check_usable(self) -> None:
+    def _check_open(self, call: str) -> None:
         if self._closed:
-            raise ConfigError("this Engine is closed; create a new one")
+            raise ConfigError(f"Engine is closed: {call} cannot run, because close() released "
+                              "the engine's memory; create a new Engine (pass a checkpoint "
+                              "directory as its model to continue a saved run)")
+
+    def _check_usable(self) -> None:
         failed = getattr(self, "_failed_step", None)
         if failed is not None:
             step, reason = failed
@@ -561,6 +686,7 @@ class Engine:
             breakdown=self.last_trace.breakdown() if self.last_trace is not None else None,
             loss_tokens=loss_tokens)
 
+    @_serialised
     def memory_used_bytes(self) -> dict[str, int]:
         """Arena bytes per place (the budgets) and the bytes the plan's regions occupy."""
         return {"device_arena": self.be.memory_used_bytes(Place.DEVICE),
@@ -568,6 +694,7 @@ class Engine:
                 "device_regions": self.ex.dev.used_bytes, "host_regions": self.ex.host.used_bytes}
 
     # -- checkpoints and Hugging Face export (dataflow.checkpoint, dataflow.models.hf) -----------------
+    @_serialised
     def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
                         extra: dict | None = None, keep: int | None = None):
         """Save weights, AdamW m and v, step, schedule and the caller's data position, RNG
@@ -577,6 +704,7 @@ class Engine:
 
         return save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep)
 
+    @_serialised
     def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
         """Restore from a checkpoint directory (or the newest under a root); any plan of the
         same model loads it. Returns a dataflow.checkpoint.CheckpointInfo (step, data, rng)."""
@@ -584,6 +712,7 @@ class Engine:
 
         return load_checkpoint(self, path, verify=verify, allow_changes=allow_changes)
 
+    @_serialised
     def save_pretrained(self, path, *, overwrite: bool = False):
         """Write the weights as a Hugging Face Llama directory in bf16 (config.json and
         safetensors), one block in host memory at a time."""
@@ -593,10 +722,25 @@ class Engine:
         return save_pretrained(self.plan.model, blocks, path, overwrite=overwrite)
 
     def close(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.be.synchronize()
-            self.be.close()
+        """Release the engine's device and host memory (both arenas, the backend's slabs and
+        library scratch) now; every later public call raises ConfigError naming it. Waits
+        for a call running in another thread; closing twice does nothing."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return  # setup never started
+        with lock:
+            if getattr(self, "_closed", True) and getattr(self, "ex", None) is None:
+                return
             self._closed = True
+            be = getattr(self, "be", None)
+            if be is not None:
+                try:
+                    be.synchronize()
+                finally:
+                    be.close()
+            # Drop every reference to the arenas' memory: the executor (arenas, views, slot
+            # rings), the backend (slabs) and the last trace; then collect the cycles below.
+            self.ex = self.be = self.last_trace = None
             # Collect this engine's reference cycles now, on this thread: left to a later
             # collection, one triggered inside a host function that runs on the CUDA driver's
             # thread frees CuPy memory, events and streams there, where CUDA refuses it
@@ -623,10 +767,56 @@ class _PhaseClock:
         self._t = now
 
 
-def _backend(kind, sanitize: bool, sanitize_seed: int):
+def _backend(options: RunOptions):
+    kind = options.backend
     if isinstance(kind, Backend):
         return kind  # the caller brought its own (a traced or recording backend, a ring rank's)
-    return make_backend(kind, **({"sanitize": True, "seed": sanitize_seed} if sanitize else {}))
+    return make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
+                                 if options.sanitize else {}))
+
+
+@functools.cache
+def _init_keywords() -> frozenset[str]:
+    """The keywords Engine() takes (its signature is the one list of them)."""
+    import inspect
+
+    params = inspect.signature(Engine.__init__).parameters
+    return frozenset(name for name, p in params.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def _checkpoint_options(path: Path, options: RunOptions) -> tuple[ModelConfig, RunOptions]:
+    """The model of checkpoint `path` and the options to resume it with: weights come from the
+    checkpoint, AdamW settings left at their defaults take the checkpoint's."""
+    from dataflow.checkpoint import read_checkpoint
+    from dataflow.models.serial import from_dict
+
+    if options.weights is not None:
+        raise ConfigError(f"{path} is a checkpoint, which brings its own weights, and weights= "
+                          "was passed as well; drop weights=, or build the Engine on a model "
+                          "name and call load_checkpoint yourself")
+    path, meta = read_checkpoint(path)
+    cfg = from_dict(ModelConfig, meta["model"], where=f"{path} model")
+    stored = from_dict(AdamWConfig, meta["optimizer"], where=f"{path} optimizer")
+    adamw = options.optimizer or with_checkpoint_defaults(options.adamw(), stored)
+    return cfg, dataclasses.replace(options, weights=_FROM_CHECKPOINT, optimizer=adamw)
+
+
+def _plain(value):
+    """`value` in JSON's types: dataclasses as dicts, enums by value, NumPy scalars as Python."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, dict):
+        return {str(k.value if isinstance(k, enum.Enum) else k): _plain(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def _checked_tensor(state: dict, name: str, shape: tuple, bf16: np.dtype):

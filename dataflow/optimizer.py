@@ -5,6 +5,7 @@ Never decides placement and never issues copies."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable
 
 
@@ -16,8 +17,9 @@ class AdamWConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.0
-    max_grad_norm: float | None = None
-    """Clip the global gradient norm to this value (None: no clipping)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; 0 or None: no clipping (0 is stored as None,
+    so both spellings compare equal, as the CLI's --max-grad-norm 0 and the API's None)."""
 
     def __post_init__(self) -> None:
         from dataflow.models.errors import ConfigError
@@ -29,14 +31,21 @@ class AdamWConfig:
         if not self.eps > 0 or not self.weight_decay >= 0:
             raise ConfigError(f"eps must be > 0 and weight_decay >= 0, got {self.eps}, "
                               f"{self.weight_decay}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+        clip = self.max_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real)
+                                 or not clip >= 0):
+            raise ConfigError(f"max_grad_norm must be a positive number, or 0 or None for no "
+                              f"clipping; got {clip!r}")
+        if clip == 0:
+            object.__setattr__(self, "max_grad_norm", None)  # one spelling of "off"
 
 
 class AdamW:
     """Hyperparameters and the step counter. The updates themselves are events of the compiled
     schedule (dataflow.memplan.schedule: on the device, streamed through the device, or on the host);
     the executor asks `begin_step` for this step's hyperparameters before dispatching them."""
+
+    __slots__ = ("config", "schedule", "step_count", "last_grad_norm")
 
     def __init__(self, config: AdamWConfig, schedule: Callable[[int], float] | None = None):
         self.config = config
@@ -45,7 +54,19 @@ class AdamW:
         self.step_count = 0
         self.last_grad_norm: float | None = None
 
+    def __setattr__(self, name: str, value) -> None:
+        method = callable(getattr(type(self), name, None))
+        # a subclass (a test's probe) has a __dict__ and may add fields, never shadow a method
+        if name not in AdamW.__slots__ and (method or not hasattr(self, "__dict__")):
+            what = "a method" if method else "not a setting"
+            raise AttributeError(
+                f"AdamW.{name} is {what} and cannot be assigned (got {value!r}); to change the "
+                "learning rate use Engine.set_lr(lr) or train_step(..., lr=lr), for the other "
+                "settings build the Engine with them (read the current lr as Engine.lr)")
+        object.__setattr__(self, name, value)
+
     def lr(self) -> float:
+        """The lr of the step counted last (the schedule's, else config.lr)."""
         return self.schedule(self.step_count) if self.schedule else self.config.lr
 
     def begin_step(self) -> tuple:

@@ -147,7 +147,7 @@ class RingEngine:
     def __init__(self, ring: Ring, model, *, host_gb: float, dev_gb: float, seqlen: int,
                  backend: str = "auto", seed: int = 0, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
                  optimizer=None, lr_schedule: Callable[[int], float] | None = None,
                  plan_options: dict | None = None, seqs_per_step: int | None = None,
                  tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None,

@@ -35,7 +35,7 @@ class RingJob:
     data: str = "shipped"
     """'shipped' (the shipped text) or 'random:<seed>' (uniform random ids, for tests)."""
     lr: float = 1e-3
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = 1.0
     grad_accum: str = "bf16"
     """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.GradAccum)."""
     eager_update: bool = False

@@ -33,3 +33,20 @@ def test_torch_dataloader_example_trains_on_packed_documents_through_dlpack():
 
     losses = [loss for _, loss in main(["--steps", "6"])]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_logging_example_writes_one_json_line_per_step_with_to_dict(tmp_path):
+    """The logging example (JSON Lines path, as without TensorBoard): 4 steps fed as round
+    pieces write 4 lines, each the step's to_dict() with the breakdown nested, and the loss
+    falls."""
+    import json
+
+    from examples.log_metrics import flat_scalars, main
+
+    records = main(["--steps", "4", "--logger", "jsonl", "--trace", "--out", str(tmp_path)])
+    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert lines == records and [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in lines) and lines[-1]["loss"] < lines[0]["loss"]
+    assert isinstance(lines[0]["breakdown"], dict)
+    scalars = flat_scalars(lines[0])
+    assert scalars["loss"] == lines[0]["loss"] and "breakdown/wall_s" in scalars

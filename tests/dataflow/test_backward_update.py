@@ -19,7 +19,8 @@ CASES = path_plans(load_config("tiny")) + split_plans(load_config("tiny"))
 
 
 def _run(plan, backward: bool, clips=(None, None, None), sanitize_seed=0):
-    opt = AdamWConfig(lr=1e-3, weight_decay=0.1)
+    # no clipping in the constructor (backward_update cannot clip); steps pass their own
+    opt = AdamWConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=None)
     with Engine.from_plan(plan, backend="numpy", sanitize=True, sanitize_seed=sanitize_seed,
                           optimizer=opt, deferred_update=backward,
                           backward_update=backward) as eng:

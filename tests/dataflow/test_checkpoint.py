@@ -228,11 +228,13 @@ def test_keep_last_k_deletes_only_older_sealed_checkpoints(plans, tmp_path):
 
 
 def test_load_refuses_other_optimizer_settings_and_names_them(plans, saved):
-    """A checkpoint trained with lr 2e-3 is not silently resumed with another lr."""
+    """A checkpoint trained with weight decay 0 and clipping at 1.0 is not silently resumed
+    with other values of either (the run would use them; the config's lr is not judged under a
+    schedule, see test_engine_contract)."""
     with Engine.from_plan(plans["all_resident"], backend="numpy",
-                          optimizer=AdamWConfig(lr=1e-3, max_grad_norm=1.0),
+                          optimizer=AdamWConfig(lr=2e-3, weight_decay=0.1, max_grad_norm=0.5),
                           lr_schedule=SCHEDULE) as eng:
-        with pytest.raises(ConfigError, match="optimizer.lr"):
+        with pytest.raises(ConfigError, match="optimizer.max_grad_norm.*optimizer.weight_decay"):
             eng.load_checkpoint(saved[0])
         info = eng.load_checkpoint(saved[0], allow_changes=True)
         assert info.step == 3

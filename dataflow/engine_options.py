@@ -1,0 +1,162 @@
+"""The Engine's run options as one frozen record, the checks of their names and values, and the
+helpers the constructor and train_step share: a checkpoint directory as the model, a step's batch
+arriving in pieces. Never decides placement and never touches a backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from dataflow.optimizer import AdamWConfig
+from dataflow.models.errors import ConfigError
+
+
+class UnknownOptionError(ConfigError, TypeError):
+    """A keyword the Engine does not take. A TypeError, as Python raises for an unexpected
+    keyword, and a ConfigError, as every other refusal of the Engine's input. Fields: `name`
+    (the bad keyword) and `suggestion` (the closest valid one, or None)."""
+
+    def __init__(self, message: str, *, name: str, suggestion: str | None):
+        super().__init__(message)
+        self.name = name
+        self.suggestion = suggestion
+
+
+def check_option_names(given: Iterable[str], valid: Iterable[str], where: str) -> None:
+    """Refuse the first keyword of `given` not in `valid`, naming the closest valid one."""
+    valid = sorted(valid)
+    for name in given:
+        if name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UnknownOptionError(f"{where} got an unexpected keyword argument {name!r}; {hint}"
+                                 f"valid keywords: {', '.join(valid)}",
+                                 name=name, suggestion=close[0] if close else None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """How an Engine runs a plan (everything but the plan itself); Engine.__init__ and
+    Engine.from_plan take these as keywords and document each."""
+
+    backend: Any = "auto"
+    seed: int = 0
+    weights: Any = None
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    optimizer: AdamWConfig | None = None
+    lr_schedule: Callable[[int], float] | None = None
+    sanitize: bool = False
+    sanitize_seed: int = 0
+    trace: bool = False
+    progress: Any = None
+    schedule: Any = None
+    deferred_update: bool = True
+    backward_update: bool = False
+
+    @classmethod
+    def from_keywords(cls, options: dict, where: str) -> "RunOptions":
+        check_option_names(options, (f.name for f in dataclasses.fields(cls)), where)
+        return cls(**options)
+
+    def adamw(self) -> AdamWConfig:
+        """The AdamW settings: `optimizer` when given, else the single keywords (validated)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        return AdamWConfig(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm)
+
+    def check(self) -> None:
+        """Refuse combinations that would silently not do what they ask for."""
+        clip = self.adamw().max_grad_norm
+        if self.backward_update and clip is not None:
+            raise ConfigError(
+                f"backward_update=True runs a step's AdamW before its global gradient norm is "
+                f"known, so it cannot clip (max_grad_norm {clip:g}); pass max_grad_norm=0 (or "
+                "None) to turn clipping off, or drop backward_update")
+
+
+_DEFAULT_ADAMW = AdamWConfig()
+
+
+def with_checkpoint_defaults(passed: AdamWConfig, stored: AdamWConfig) -> AdamWConfig:
+    """AdamW settings for an Engine built on a checkpoint: each setting left at its default
+    takes the checkpoint's; each one the caller changed is kept."""
+    changes = {f.name: getattr(stored, f.name) for f in dataclasses.fields(AdamWConfig)
+               if getattr(passed, f.name) == getattr(_DEFAULT_ADAMW, f.name)}
+    return dataclasses.replace(passed, **changes)
+
+
+def checkpoint_dir(model) -> Path | None:
+    """The checkpoint directory `model` names (a step directory, or the newest sealed one under a
+    checkpoint root), else None (a zoo name, config file, model or Hugging Face directory)."""
+    from dataflow.checkpoint import META, SEAL, latest_checkpoint
+
+    if not isinstance(model, (str, Path)):
+        return None
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    if (path / META).is_file() or (path / SEAL).is_file():
+        return path
+    if (path / "config.json").is_file():
+        return None  # a model directory
+    return latest_checkpoint(path)
+
+
+# -- a step's batch in pieces ------------------------------------------------------------------
+def is_pieces(value) -> bool:
+    """True for an iterable of 2-D blocks of rows (a list or tuple of 2-D arrays, or any
+    iterator); False for one array (NumPy, __array__, __dlpack__, or nested lists of rows)."""
+    if value is None or isinstance(value, (np.ndarray, str, bytes)):
+        return False
+    if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+        return False
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and _ndim(value[0]) == 2
+    return hasattr(value, "__iter__") or hasattr(value, "__next__")
+
+
+def _ndim(value) -> int:
+    if hasattr(value, "ndim"):
+        return int(value.ndim)
+    return np.ndim(value) if isinstance(value, (list, tuple)) else -1
+
+
+def join_pieces(value, name: str, rows: int, seqlen: int):
+    """`value` itself when it is one array; else its pieces (2-D blocks of whole sequences of
+    seqlen + 1 columns, in order) joined into one (rows, seqlen + 1) array, the same bits as
+    the caller passing that array. Refuses pieces that are not 2-D, have another width, or do
+    not add up to `rows` rows, naming the piece."""
+    if not is_pieces(value):
+        return value
+    from dataflow.batch import _as_int_array
+
+    parts, counts = [], []
+    for i, piece in enumerate(value):
+        try:
+            arr = _as_int_array(f"{name} piece {i}", piece, None)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; each piece of {name} is a 2-D block of whole sequences, "
+                              f"shape (n, {seqlen + 1})") from None
+        if arr.shape[1] != seqlen + 1:
+            raise ConfigError(f"{name} piece {i} has shape {arr.shape}; every piece holds whole "
+                              f"sequences of seqlen + 1 = {seqlen + 1} ids, shape (n, "
+                              f"{seqlen + 1})")
+        parts.append(arr)
+        counts.append(arr.shape[0])
+        if sum(counts) > rows:
+            break
+    if sum(counts) != rows:
+        raise ConfigError(f"the pieces of {name} hold {sum(counts)} rows "
+                          f"({' + '.join(map(str, counts)) or 'none'}); a step takes "
+                          f"seqs_per_step = {rows} rows: pass pieces that add up to {rows}")
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
