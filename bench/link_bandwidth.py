@@ -37,21 +37,28 @@ def _rank(rank: int, port: int, nbytes: int, reps: int, q) -> None:
     env = RankEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1",
                   master_port=port, run_id=str(port))
     tr = NcclTransport(env, timeout_s=120)
-    out = cp.random.default_rng(rank).integers(0, 255, nbytes, dtype=cp.uint8)
+    out = (cp.arange(nbytes, dtype=cp.uint32) * (2654435761 + rank)).astype(cp.uint8)
     inn = cp.empty(nbytes, cp.uint8)
     peer = 1 - rank
     times = []
     for i in range(reps + 2):  # two warm-up exchanges
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        tr.send(out, peer, i)
-        tr.recv(inn, peer, i)
+        # Rank 0 sends first and rank 1 receives first: NCCL connects a communicator when both
+        # ends first use it, so both sending first would wait on each other forever (the ring's
+        # own first messages are matched the same way: a send meets a posted receive).
+        if rank == 0:
+            tr.send(out, peer, i)
+            tr.recv(inn, peer, i)
+        else:
+            tr.recv(inn, peer, i)
+            tr.send(out, peer, i)
         for s in tr.streams.values():
             s.synchronize()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    sent_back = bool(cp.array_equal(inn, cp.random.default_rng(peer).integers(
-        0, 255, nbytes, dtype=cp.uint8)))
+    sent_back = bool(cp.array_equal(
+        inn, (cp.arange(nbytes, dtype=cp.uint32) * (2654435761 + peer)).astype(cp.uint8)))
     tr.close()
     q.put({"rank": rank, "times_s": times, "bytes_intact": sent_back})
 
@@ -72,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=_rank, args=(r, port, nbytes, args.reps, q)) for r in (0, 1)]
     for pr in procs:
         pr.start()
-    rows = [q.get(timeout=600) for _ in procs]
+    try:
+        rows = [q.get(timeout=120) for _ in procs]
+    except Exception:  # noqa: BLE001 - a rank died or hung: say which, exit 1
+        codes = [pr.exitcode for pr in procs]
+        for pr in procs:
+            pr.kill()
+        print(f"link: no result within 120 s (exit codes {codes})", file=sys.stderr)
+        return 1
     for pr in procs:
         pr.join(60)
     times = sorted(max(a, b) for a, b in zip(*(r["times_s"] for r in sorted(

@@ -163,7 +163,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   gpus: int, *, tokens_per_step: int | None = None, link: Link = LINKS[0],
                   links: tuple[Link, ...] = LINKS, transport: str = "nccl",
                   ring_size: int | None = None,
-                  single_tok_per_s: float | None = ...) -> LayoutChoice:
+                  single_tok_per_s: float | None = ...,
+                  constraints: dict | None = None) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). Raises ConfigError when no ring
@@ -190,9 +191,10 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                               f"{', '.join(map(str, sizes))}")
         sizes = [ring_size]
     options, refused, plans = [], [], {}
+    fixed = constraints
     for n in sizes:
         replicas = gpus // n
-        constraints = {}
+        constraints = dict(fixed or {})
         if tokens_per_step is not None:
             seqs = tokens_per_step // replicas // seqlen
             if seqs < 1:

@@ -17,10 +17,28 @@ from dataflow.models.errors import ConfigError
 
 MAX_RANKS = 64
 NCCL_RESERVE_BYTES = 1 << 30
-"""Device memory NCCL holds in each process of a ring beside the arena and the libraries
-(communicator buffers, proxy state, the transport's staging): measured 1.00 GiB per process on
-2 H200s over NVLink (3 communicators: world and the two directed pairs; 8b at 60/24,
+"""Device memory NCCL holds in each process of a ring of two processes beside the arena and the
+libraries (communicator buffers, proxy state, the transport's staging): measured 1.00 GiB per
+process on 2 H200s over NVLink (3 communicators: world and the two directed pairs; 8b at 60/24,
 bench/records/ring-h200x2-d3a8afd/), which the plans did not count. Part of the device budget."""
+
+NCCL_RESERVE_4_BYTES = 7 << 28
+"""The same with four processes: 1.75 GiB. A ring of 4 (8b at 30/24 on 4 H200s) ran 0.75 GiB
+past plans that reserved NCCL_RESERVE_BYTES, at 433e71d and again at b008438
+(bench/records/s16-ring-h200x4-b008438/): each process's world communicator and its pairs now
+reach three other GPUs. Worlds of 3 take the mean of the two; worlds past 4 are assumed to need
+no more than 4 (not measured: no machine with more GPUs has run a ring yet)."""
+
+
+def nccl_reserve_bytes(processes: int) -> int:
+    """NCCL's device memory per process in a world of `processes` (measured at 2 and 4)."""
+    if processes < 2:
+        return 0
+    if processes == 2:
+        return NCCL_RESERVE_BYTES
+    if processes == 3:
+        return (NCCL_RESERVE_BYTES + NCCL_RESERVE_4_BYTES) // 2
+    return NCCL_RESERVE_4_BYTES
 
 
 REPLICA_RESERVE_BYTES = 128 << 20
@@ -45,7 +63,7 @@ def ring_profile(profile: HardwareProfile, processes: int, transport: str,
     stages in pinned host memory)."""
     if transport != "nccl" or processes < 2 or not profile.library_reserve_bytes:
         return profile
-    extra = NCCL_RESERVE_BYTES + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
+    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
     return dataclasses.replace(
         profile, library_reserve_bytes=profile.library_reserve_bytes + extra)
 

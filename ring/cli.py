@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, metavar="X",
+                   help="clip the global gradient norm to X (default 1.0, as dataflow-demo and "
+                        "the Engine; 0 turns clipping off)")
     p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                    help="numpy (shared-memory transport) or cupy (NCCL, one GPU per rank)")
     p.add_argument("--transport", choices=("auto", "nccl", "shm"), default="auto",
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb, dev_gb=args.dev_gb,
                   save_weights=bool(args.out) and not args.no_weights, steps=args.steps,
                   seed=args.seed, lr=args.lr,
+                  max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                   backend=args.backend, replicas=replicas, transport=transport,
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   eval_seqs=args.eval_seqs,
@@ -149,28 +153,27 @@ def launch_profile(backend: str):
 def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: int, *,
                    backend: str, transport: str, replicas: int | None,
                    tokens_per_step: int | None, rounds: int | None, quiet: bool = False):
-    """(replicas, plan constraints for every rank) of n processes. With replicas given and
-    nothing else asked, the ring as given (the planner's chunking per rank); otherwise the
-    layout the planner predicts fastest (dataflow.memplan.layout), printed with the
-    alternatives it weighed. Raises ConfigError naming what does not fit."""
+    """(replicas, plan constraints for every rank) of n processes: the layout the planner
+    predicts fastest (dataflow.memplan.layout), printed with the alternatives it weighed; with
+    replicas given, the chunking of that split that predicts fastest (a full ring, at least as
+    many chunks a round as ranks, where one fits). Raises ConfigError naming what does not
+    fit."""
     from dataflow.memplan.layout import choose_layout, layout_text
     from dataflow.memplan.plan import Budget
     from dataflow.ring.worker import model_config
 
-    fixed = (("rounds_per_step", rounds),) if rounds else ()
-    if replicas is not None and tokens_per_step is None:
-        return replicas, fixed
     if rounds and tokens_per_step:
         raise ConfigError("give --rounds or --tokens-per-step, not both (the global batch is "
                           "rounds x chunks per round x replicas)")
     cfg = model_config(model)
     choice = choose_layout(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), launch_profile(backend),
                            n, tokens_per_step=tokens_per_step, transport=transport,
-                           ring_size=None if replicas is None else n // replicas)
+                           ring_size=None if replicas is None else n // replicas,
+                           constraints={"rounds_per_step": rounds} if rounds else None)
     if not quiet:
         print(layout_text(choice), file=sys.stderr, flush=True)
     opt = choice.chosen
-    return opt.layout.replicas, tuple(opt.constraints) + fixed
+    return opt.layout.replicas, tuple(opt.constraints)
 
 
 def ring_processes(model: str, gpus: int | None, replicas: int):

@@ -1,0 +1,82 @@
+"""Planning for a number of GPUs (memplan.layout): the split into replicas of a ring that predicts
+the most tok/s, its alternatives, the global batch cap, the replicas' all-reduce, and the
+issue's on-paper targets for 8b at 8k on 80/24 per H100."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataflow.memplan import get_profile
+from dataflow.memplan.layout import allreduce_seconds, choose_layout, layout_text, ring_sizes
+from dataflow.memplan.plan import Budget
+from dataflow.memplan.ring_plan import (LINKS, NCCL_RESERVE_4_BYTES, NCCL_RESERVE_BYTES,
+                                        REPLICA_RESERVE_BYTES, make_rank_plans, ring_profile)
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+
+H100 = get_profile("h100")
+B8 = Budget.from_gib(80, 24)
+
+
+def test_ring_sizes_split_the_gpus_into_whole_replicas_with_a_layer_per_rank():
+    assert ring_sizes(8, 32) == [1, 2, 4, 8]
+    assert ring_sizes(6, 4) == [1, 2, 3]
+    assert ring_sizes(64, 32) == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize("gpus,at_least", [(2, 1.9), (4, 3.7), (8, 7.2), (16, 14), (32, 27),
+                                           (64, 52)])
+def test_the_chosen_layout_meets_the_issue_on_paper(gpus, at_least):
+    """dataflow-plan 80 24 8192 8b --gpus N --gpu h100 over NVLink: speedup against one device at
+    the same budgets and the share of the step each rank waits."""
+    c = choose_layout(load_config("8b"), 8192, B8, H100, gpus)
+    p = c.chosen.on("nvlink")
+    assert p.speedup >= at_least, layout_text(c)
+    assert p.bubble_frac <= 0.05, layout_text(c)
+    assert c.chosen.layout.ring_size * c.chosen.layout.replicas == gpus
+    assert c.options[0] is c.chosen
+    assert all(o.on("nvlink").tok_per_s <= p.tok_per_s for o in c.options)
+
+
+def test_a_global_batch_cap_bounds_every_option_and_can_change_the_choice():
+    cfg = load_config("8b")
+    free = choose_layout(cfg, 8192, B8, H100, 8)
+    cap = 1_048_576
+    capped = choose_layout(cfg, 8192, B8, H100, 8, tokens_per_step=cap)
+    assert free.chosen.layout.tokens_per_step > cap
+    assert all(o.layout.tokens_per_step <= cap for o in capped.options)
+    assert capped.chosen.on("nvlink").tok_per_s <= free.chosen.on("nvlink").tok_per_s
+    with pytest.raises(ConfigError, match="at least one sequence"):
+        choose_layout(cfg, 8192, B8, H100, 8, tokens_per_step=4096)
+
+
+def test_a_fixed_ring_size_weighs_only_that_split_and_a_bad_one_is_named():
+    cfg = load_config("8b")
+    c = choose_layout(cfg, 8192, B8, H100, 4, ring_size=2)
+    assert {(o.layout.ring_size, o.layout.replicas) for o in c.options} == {(2, 2)}
+    with pytest.raises(ConfigError, match="ring sizes that work: 1, 2, 4"):
+        choose_layout(cfg, 8192, B8, H100, 4, ring_size=3)
+
+
+def test_the_allreduce_costs_nothing_alone_and_its_wire_share_grows_with_replicas():
+    cfg = load_config("8b")
+    (rp,) = make_rank_plans(cfg, 8192, B8, H100, 1)
+    link = LINKS[0]
+    assert allreduce_seconds(rp, 1, link) == 0.0
+    two, eight = allreduce_seconds(rp, 2, link), allreduce_seconds(rp, 8, link)
+    assert 0 < two < eight < 2 * two  # 2 (R - 1) / R of the bytes: 1 at R = 2, 1.75 at R = 8
+
+
+def test_ring_processes_reserve_what_nccl_was_measured_to_hold():
+    """The 0.75 GiB a ring of 4 ran over its device budget (433e71d, b008438): four processes
+    reserve 1.75 GiB for NCCL, two 1 GiB, replicas another 128 MiB for the all-reduce staging;
+    a rank's plan then fits the budget with that reserve counted."""
+    base = H100.library_reserve_bytes
+    assert ring_profile(H100, 2, "nccl").library_reserve_bytes == base + NCCL_RESERVE_BYTES
+    assert ring_profile(H100, 4, "nccl").library_reserve_bytes == base + NCCL_RESERVE_4_BYTES
+    assert ring_profile(H100, 4, "nccl", replicas=2).library_reserve_bytes == \
+        base + NCCL_RESERVE_4_BYTES + REPLICA_RESERVE_BYTES
+    budget = Budget.from_gib(30, 24)
+    for rp in make_rank_plans(load_config("8b"), 8192, budget, ring_profile(H100, 4, "nccl"), 4):
+        mem = rp.plan.memory
+        assert mem.device_bytes + base + NCCL_RESERVE_4_BYTES <= budget.device_bytes + 2**20
