@@ -1,5 +1,6 @@
-"""`dataflow-demo <host_gb> <dev_gb> <seqlen> <model> --gpus N`: the demo as a ring of N ranks
-(layer i on rank i mod N; budgets per device) through dataflow.ring.cli's launcher: it spawns the ranks
+"""`dataflow-demo <host_gb> <dev_gb> <seqlen> <model> --gpus N`: the demo on N GPUs in the layout
+the planner chooses (replicas of a ring, dataflow.memplan.layout; budgets per device; --rounds or
+--tokens-per-step shape the global batch) through dataflow.ring.cli's launcher: it spawns the ranks
 (or, under torchrun / srun with --gpus equal to WORLD_SIZE, is one of them), prints each rank's
 step lines and one summary line (tok/s of the whole ring). Constant lr, clipping as
 --max-grad-norm, the shipped text; --checkpoint-dir, --save-every, --keep and --resume as on one
@@ -13,8 +14,7 @@ import tempfile
 from dataflow.models.errors import ConfigError
 
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
-                  "rounds": "--rounds", "seqs_per_step": "--seqs-per-step",
-                  "tokens_per_step": "--tokens-per-step", "warmup": "--warmup",
+                  "seqs_per_step": "--seqs-per-step", "warmup": "--warmup",
                   "min_lr": "--min-lr", "data": "--data", "eval_every": "--eval-every"}
 """Demo options a ring does not take yet (dest -> flag)."""
 
@@ -22,7 +22,7 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
     from dataflow.memplan.cli_args import check_checkpoint_flags
-    from dataflow.ring.cli import ring_processes, run_job
+    from dataflow.ring.cli import resolve_layout, ring_processes, run_job
     from dataflow.ring.worker import RingJob
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
@@ -32,11 +32,28 @@ def run_ring(args, parser, lr: float) -> int:
                           f"{', '.join(used)} yet; drop them, or train on one GPU")
     check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
     env, n = ring_processes(args.model, args.gpus, 1)
-    job = RingJob(model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
+    backend = args.backend if args.backend != "auto" else _gpu_or_numpy()
+    replicas, constraints = resolve_layout(
+        args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=backend,
+        transport="nccl" if backend == "cupy" else "shm", replicas=None,
+        tokens_per_step=args.tokens_per_step, rounds=args.rounds,
+        quiet=env is not None and env.rank != 0)
+    job = RingJob(replicas=replicas, constraints=constraints,model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
-                  max_grad_norm=args.max_grad_norm or None, backend=args.backend,
+                  max_grad_norm=args.max_grad_norm or None, backend=backend,
                   transport="auto", timeout_s=300.0, save_weights=False,
                   eager_update=args.eager_update, checkpoint_dir=args.checkpoint_dir or "",
                   save_every=args.save_every, keep=args.keep, resume=args.resume,
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
     return run_job(job, env, n, as_json=args.json, prog="dataflow-demo", keep_out=False)
+
+
+def _gpu_or_numpy() -> str:
+    """--backend auto as the ranks will resolve it, asked of the driver (no CUDA context here)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return "cupy" if pynvml.nvmlDeviceGetCount() > 0 else "numpy"
+    except Exception:  # noqa: BLE001 - no driver: the NumPy backend
+        return "numpy"

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds per step (dataflow.ring.cli --rounds; default: the planner's)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=0.0, metavar="X",
+                   help="clipping of both runs (default 0, off: the ring sums the global norm's "
+                        "partial sums in another order, so clipped runs agree to about 1e-5, "
+                        "unclipped ones bit for bit)")
     p.add_argument("--backend", choices=("cupy", "numpy"), default="cupy",
                    help="numpy: a CPU smoke run of this script (shared-memory transport)")
     p.add_argument("--timeout", type=float, default=480.0,
@@ -197,7 +201,8 @@ def context_bytes(out: Path) -> int | None:
 def ring_command(args) -> list[str]:
     host, dev = args.ring_budget
     common = [f"{host:g}", f"{dev:g}", str(args.seqlen), args.model, "--backend", args.backend,
-              "--steps", str(args.steps), "--lr", f"{args.lr:g}", "--out",
+              "--steps", str(args.steps), "--lr", f"{args.lr:g}",
+              "--max-grad-norm", f"{args.max_grad_norm:g}", "--out",
               str(Path(args.out) / "ring"), "--no-weights", "--timeout", "300"]
     if args.rounds:
         common += ["--rounds", str(args.rounds)]
@@ -222,7 +227,8 @@ def single_child(spec_json: str) -> int:
     cfg = model_config(spec["model"])
     host, dev = spec["budget"]
     job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev,
-                  steps=spec["steps"], lr=spec["lr"])
+                  steps=spec["steps"], lr=spec["lr"],
+                  max_grad_norm=spec.get("max_grad_norm") or None)
     t0 = time.perf_counter()
     be = make_backend(spec["backend"])
     eng = Engine.from_plan(_single_plan(cfg, spec, be), backend=be, seed=job.seed,
@@ -291,7 +297,8 @@ def collect(args) -> dict:
                          "ring_budget_gib": list(args.ring_budget),
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
-                         "rounds": args.rounds, "replicas": args.replicas},
+                         "rounds": args.rounds, "replicas": args.replicas,
+                         "max_grad_norm": args.max_grad_norm},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
     record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
@@ -320,6 +327,7 @@ def collect(args) -> dict:
         spec = {"model": args.model, "seqlen": args.seqlen, "budget": list(args.single_budget),
                 "backend": args.backend,
                 "steps": args.steps, "lr": args.lr, "chunking": chunking,
+                "max_grad_norm": args.max_grad_norm,
                 "head_sub_tokens": head and head["head_sub_tokens"]}
         cmd = [sys.executable, "-m", "dataflow.bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]

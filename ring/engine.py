@@ -20,9 +20,11 @@ from dataflow.ring.launch import RankEnv, rank_env
 class Ring:
     """How this process joins a ring; pass it as Engine(..., ring=Ring(...))."""
 
-    replicas: int = 1
+    replicas: int | None = None
     """Data-parallel copies of the ring: WORLD_SIZE processes form `replicas` rings of
-    WORLD_SIZE / replicas ranks (layer i on rank i mod that)."""
+    WORLD_SIZE / replicas ranks (layer i on rank i mod that). None (the default): the layout
+    the planner predicts fastest for WORLD_SIZE GPUs (dataflow.memplan.layout.choose_layout),
+    the same in every process; Engine.layout says what it chose."""
     transport: str = "auto"
     """'nccl' (one GPU per rank), 'shm' (one host: NumPy, or ranks sharing GPUs) or 'auto'
     (nccl on a GPU backend, shm on NumPy)."""
@@ -124,6 +126,53 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         raise
 
 
+def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, profile,
+                     seqs_per_step, options) -> tuple[int, dict]:
+    """(replicas, plan constraints) of the layout the planner predicts fastest for the
+    world's processes, planned as the ranks will plan (their backend's profile, NCCL's reserve).
+    A global batch (seqs_per_step) is kept exactly: only splits that divide it are weighed."""
+    from dataflow.memplan.layout import choose_layout
+    from dataflow.memplan.plan import Budget
+    from dataflow.models.errors import ConfigError
+    from dataflow.ring.cli import launch_profile
+
+    kind = backend if backend != "auto" else _backend_kind()
+    prof = profile or launch_profile(kind)
+    tr = transport if transport != "auto" else ("shm" if kind == "numpy" else "nccl")
+    budget, world = Budget.from_gib(host_gb, dev_gb), env.world_size
+    if seqs_per_step is None:
+        c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr,
+                          constraints=options or None, single_tok_per_s=None)
+        return c.chosen.layout.replicas, dict(c.chosen.constraints)
+    best = None
+    for n in range(1, min(world, cfg.n_layers) + 1):
+        r = world // n
+        if world % n or seqs_per_step % r:
+            continue
+        try:
+            c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr, ring_size=n,
+                              constraints=dict(options, seqs_per_step=seqs_per_step // r),
+                              single_tok_per_s=None)
+        except ConfigError:  # this split does not fit (InfeasibleBudget included)
+            continue
+        if best is None or c.chosen.on(c.link).tok_per_s > best.on(c.link).tok_per_s:
+            best = c.chosen
+    if best is None:
+        raise ConfigError(f"no split of {world} processes into replicas of a ring trains "
+                          f"{seqs_per_step} sequences a step within {host_gb:g} GiB host and "
+                          f"{dev_gb:g} GiB device each for {cfg.name} at seqlen {seqlen}")
+    return best.layout.replicas, dict(best.constraints)
+
+
+def _backend_kind() -> str:
+    try:
+        import cupy as cp
+
+        return "cupy" if cp.cuda.runtime.getDeviceCount() > 0 else "numpy"
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU
+        return "numpy"
+
+
 def _whole(total: int, parts: int, what: str, by: str) -> int:
     if total % parts:
         from dataflow.models.errors import ConfigError
@@ -163,11 +212,17 @@ class RingEngine:
         options = dict(plan_options or {})
         if tokens_per_step is not None:
             seqs_per_step = _whole(tokens_per_step, seqlen, "tokens_per_step", "seqlen")
-        if seqs_per_step is not None:  # the global batch: each replica plans its share
-            options["seqs_per_step"] = _whole(seqs_per_step, ring.replicas, "seqs_per_step",
+        replicas = ring.replicas
+        if replicas is None:  # the planner's layout for this many processes
+            replicas, chosen = _choose_replicas(self.cfg, seqlen, host_gb, dev_gb, self.env,
+                                                backend, ring.transport, profile, seqs_per_step,
+                                                options)
+            options.update(chosen)
+        elif seqs_per_step is not None:  # the global batch: each replica plans its share
+            options["seqs_per_step"] = _whole(seqs_per_step, replicas, "seqs_per_step",
                                               "replicas")
         self.rank, self.transport = open_rank(
-            self.cfg, seqlen, host_gb, dev_gb, env=self.env, replicas=ring.replicas,
+            self.cfg, seqlen, host_gb, dev_gb, env=self.env, replicas=replicas,
             backend=backend, transport=ring.transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=grad_accum, profile=profile,
             deferred_update=deferred_update, **options)

@@ -249,7 +249,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     def rank(r, run_id):
         env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
-        with Engine("tiny", ring=Ring(env=env, timeout_s=30), deferred_update=deferred,
+        with Engine("tiny", ring=Ring(env=env, replicas=1, timeout_s=30), deferred_update=deferred,
                     **common) as eng:
             assert isinstance(eng, RingEngine) and eng.seqs_per_step == rows
             assert "host_kernels" in eng.rank.warm_up_parts  # warmed up as the Engine is
@@ -266,6 +266,39 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     assert sorted(got) == sorted(want)
     for key in want:
         assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+
+
+def test_ring_without_replicas_runs_the_layout_the_planner_chooses(rng):
+    """Ring() without replicas: every process runs the split of the world that
+    dataflow.memplan.layout predicts fastest for its profile (tiny on the CPU profile: 2
+    data-parallel replicas), keeps the trainer's global batch exactly, and trains it as one
+    device does (the replicas' loss within fp32 rounding of one device's: their partial sums
+    are added in another order; later steps within docs/ring.md's stated bound, 1e-4)."""
+    from dataflow.memplan.layout import choose_layout
+    from dataflow.ring.engine import Ring
+    from dataflow.ring.launch import RankEnv
+
+    seed = int(rng.integers(0, 2**31))
+    common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=1e-2,
+                  seqs_per_step=8)
+    cfg = load_config("tiny")
+    want = choose_layout(cfg, 64, Budget.from_gib(0.25, 0.25), get_profile("cpu"), 2,
+                         transport="shm").chosen.layout
+    data = [rng.integers(0, cfg.vocab_size, (8, 65), dtype=np.int32) for _ in range(2)]
+    with Engine("tiny", **common) as eng:
+        want_losses = [eng.train_step(b).loss for b in data]
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+                      master_port=0, run_id=run_id)
+        with Engine("tiny", ring=Ring(env=env, timeout_s=30), **common) as eng:
+            assert eng.seqs_per_step == 8
+            return eng.rank_plan.replicas, [eng.train_step(b).loss for b in data]
+
+    for replicas, losses in in_threads(rank, 2):
+        assert replicas == want.replicas == 2
+        assert losses[0] == pytest.approx(want_losses[0], rel=1e-6)  # same weights
+        assert np.allclose(losses, want_losses, rtol=1e-4, atol=0), (losses, want_losses)
 
 
 def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):

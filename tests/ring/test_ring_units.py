@@ -179,7 +179,7 @@ def test_plan_cli_prints_the_layout_it_chose_the_alternatives_and_the_scaling_mo
     assert options[0][0] == "*"
     assert "device 0: layers 0" in out and "internet-1g" in out and "ring scaling" in out
     assert "2 GPUs:" in out and "layouts by number of GPUs" in out
-    assert main(["1", "2", "64", "tiny", "--gpus", "3"]) == 0
+    assert main(["1", "3", "64", "tiny", "--gpus", "3"]) == 0
     assert "3 data-parallel replicas" in capsys.readouterr().out
     assert main(["1", "1", "64", "tiny", "--gpus", "3"]) == 2  # NCCL's 1 GiB: nothing fits
     err = capsys.readouterr().err
