@@ -869,16 +869,8 @@ def _nonfinite_name(value: float) -> str:
 def default_profile(be):
     """The planner's hardware profile for this backend: 'cpu' for NumPy; for a GPU, the built-in
     (or cached, measured) profile whose name the device name contains, else H100's."""
-    from dataflow.memplan.profiles import get_profile, known_profiles
+    from dataflow.memplan.profiles import get_profile, profile_for_device
 
     if be.name == "numpy":
         return get_profile("cpu")
-    name = getattr(be, "device_name", "")
-    try:
-        return get_profile(name)
-    except ConfigError:
-        key = "".join(ch for ch in name.lower() if ch.isalnum())
-        for known in known_profiles():
-            if known != "cpu" and known in key:
-                return get_profile(known)
-        return get_profile("h100")
+    return profile_for_device(getattr(be, "device_name", ""))
