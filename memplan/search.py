@@ -148,6 +148,11 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     InfeasibleBudget naming the smallest budgets that work."""
     profile = _profile(profile)
     validate_budget(budget)
+    if cfg.sliding_window is not None and seqlen > cfg.sliding_window:
+        raise ConfigError(f"{cfg.name} attends over a sliding window of {cfg.sliding_window:,} "
+                          f"tokens, and seqlen {seqlen:,} is longer: the kernels compute full "
+                          f"causal attention, which would train another model; use seqlen "
+                          f"{cfg.sliding_window:,} or less")
     constraints = dict(constraints)
     batch = global_batch(seqlen, constraints.pop("seqs_per_step", None),
                          constraints.pop("tokens_per_step", None))

@@ -69,6 +69,10 @@ class RopeScaling:
                               f"integer, got {value!r} (Llama 3.1: 8192)")
 
 
+FAMILIES = ("llama", "mistral")
+"""Families whose checkpoints train as themselves (docs/models.md lists what each refuses)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     name: str
@@ -92,6 +96,15 @@ class ModelConfig:
                                                          metadata={"omit_if_default": True})
     """None: plain RoPE, inverse frequencies rope_theta ** (-2j/E). Left out of the JSON when
     None, so configs (and plan hashes) written before this field existed are unchanged."""
+    family: str = dataclasses.field(default="llama", metadata={"omit_if_default": True})
+    """The transformers family the model came from and is exported to: 'llama'
+    (LlamaForCausalLM) or 'mistral' (MistralForCausalLM: the same computation, its own
+    config.json spelling). Left out of the JSON when 'llama'."""
+    sliding_window: int | None = dataclasses.field(default=None,
+                                                   metadata={"omit_if_default": True})
+    """Tokens a query attends back (Mistral's sliding_window); None: the whole sequence. The
+    kernels compute full causal attention, so a sequence longer than the window is refused
+    (memplan.search.make_plan) rather than trained as another model."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
@@ -109,6 +122,14 @@ class ModelConfig:
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ConfigError(f"model '{self.name}': rope_theta and norm_eps must be positive, "
                               f"got {self.rope_theta!r} and {self.norm_eps!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model '{self.name}': family {self.family!r} is not one of "
+                              f"{', '.join(FAMILIES)}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or
+                                                not isinstance(self.sliding_window, int) or
+                                                self.sliding_window <= 0):
+            raise ConfigError(f"model '{self.name}': sliding_window must be a positive integer "
+                              f"or None, got {self.sliding_window!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(f"model '{self.name}': rope_scaling must be a RopeScaling or None, "
                               f"got {self.rope_scaling!r}")
@@ -160,10 +181,11 @@ def zoo_names() -> list[str]:
 
 
 def _size_key(name: str) -> float:
-    try:
-        return float(name.rstrip("b"))
-    except ValueError:
-        return float("inf")
+    """Billions of parameters the name ends with ('8b', 'mistral-7b'); unnamed sizes last."""
+    import re
+
+    m = re.search(r"(\d+(?:\.\d+)?)b$", name)
+    return float(m.group(1)) if m else float("inf")
 
 
 def load_config(name_or_path: str | Path) -> ModelConfig:

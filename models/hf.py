@@ -1,4 +1,5 @@
-"""Hugging Face Llama directories in and out: config.json in transformers' LlamaConfig spelling
+"""Hugging Face Llama and Mistral directories in and out (docs/models.md): config.json in
+transformers' LlamaConfig or MistralConfig spelling
 plus model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json.
 Reads lazily, one layer block at a time from memory-mapped files, converting to bf16; writes
 bf16 one block at a time into a temporary directory renamed into place when complete. Never
@@ -45,15 +46,44 @@ def is_hf_dir(path) -> bool:
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+"""model_type -> the transformers class whose computation our kernels reproduce."""
+
+NOT_YET = {
+    "qwen2": "Qwen2ForCausalLM adds biases to q, k and v, which our kernels do not have yet",
+    "qwen3": "Qwen3ForCausalLM normalises each head's q and k (QK-norm), not built yet",
+    "qwen3_moe": "mixture-of-experts blocks are not built yet",
+    "olmoe": "mixture-of-experts blocks are not built yet",
+    "mixtral": "mixture-of-experts blocks are not built yet",
+    "gemma": "Gemma's GeLU FFN, scaled embedding and (1 + w) norms are not built",
+    "gemma2": "Gemma 2's soft-capping and alternating sliding windows are not built",
+    "phi3": "Phi-3's fused qkv / gate_up projections are not imported yet",
+}
+"""Families refused by name, with what is missing."""
+
+
+def _window(data: dict, where) -> int | None:
+    """Mistral's sliding_window: None (or absent) attends over the whole sequence."""
+    w = data.get("sliding_window")
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        raise ConfigError(f"{where}: sliding_window {w!r} is not a positive integer or null")
+    return w
+
+
 def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
     """The ModelConfig of a Hugging Face Llama directory; refuses what our kernels would not
     compute exactly as transformers does."""
     path = Path(path)
     where = path / "config.json"
     data = json.loads(where.read_text())
-    if data.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type {data.get('model_type')!r} is not supported; "
-                          "only 'llama' (LlamaForCausalLM) directories can be imported")
+    family = data.get("model_type")
+    if family not in ARCHITECTURES:
+        why = NOT_YET.get(family, "its computation is not built")
+        raise ConfigError(f"{where}: model_type {family!r} is not supported ({why}); "
+                          f"supported: {', '.join(repr(f) for f in ARCHITECTURES)} "
+                          f"({', '.join(ARCHITECTURES.values())})")
     checks = {"hidden_act": ("silu", data.get("hidden_act", "silu")),
               "attention_bias": (False, data.get("attention_bias", False)),
               "mlp_bias": (False, data.get("mlp_bias", False))}
@@ -71,7 +101,8 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
             n_kv_heads=int(data.get("num_key_value_heads") or heads),
             ffn_dim=int(data["intermediate_size"]),
             rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_scaling=rope_scaling)
+            rope_scaling=rope_scaling, family=family,
+            sliding_window=_window(data, where) if family == "mistral" else None)
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
@@ -146,16 +177,16 @@ def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
 
 
 def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
-    """transformers' LlamaConfig fields for `cfg` (untied head, no biases; rope_scaling as the
-    config has it). max_position_embeddings does not change any number transformers computes
+    """transformers' config fields for `cfg` in its family's spelling (LlamaConfig or
+    MistralConfig; untied head, no biases; rope_scaling as the config has it). max_position_embeddings does not change any number transformers computes
     for these RoPE types; by default 8192 for plain RoPE and the extended context
     (original_max_position_embeddings * factor) with llama3 scaling."""
     if max_position_embeddings is None:
         sc = cfg.rope_scaling
         max_position_embeddings = (8192 if sc is None else
                                    int(round(sc.original_max_position_embeddings * sc.factor)))
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    out = {
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.model_dim,
         "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
@@ -166,6 +197,11 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
         "initializer_range": 0.02,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
     }
+    if cfg.family == "mistral":  # MistralConfig's own spelling: a window, no bias switches
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del out[key]
+        out["sliding_window"] = cfg.sliding_window
+    return out
 
 
 def model_config(name_or_path) -> ModelConfig:

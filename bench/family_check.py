@@ -1,0 +1,124 @@
+"""A model family against transformers' own class, end to end: a small non-zoo shape built and
+saved by transformers (`save_pretrained`, random init), trained here from that directory (the
+NumPy or CuPy backend) and by transformers with torch's AdamW in fp32 on the same batches:
+step-1 loss and gradient norm, an 8-step loss trajectory; then our export reloaded with
+`from_pretrained`: its loss on a held-out batch against ours on the same weights, and its logits
+against transformers' own trained model (which trained in fp32). Needs torch and transformers
+(never dependencies of the project); runs on the CPU too.
+
+    python -m dataflow.bench.family_check --family mistral [--backend numpy] [--out FILE]
+
+Prints one JSON document (and writes it to --out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+             rope_theta=10000.0, tie_word_embeddings=False)
+"""Not a zoo shape: GQA 4:1, head_dim 16, an FFN width that is not a power of two."""
+
+
+def _hf_model(family: str, torch):
+    import transformers
+
+    if family == "mistral":
+        conf = transformers.MistralConfig(**SHAPE, sliding_window=None)
+        return transformers.MistralForCausalLM(conf)
+    if family == "llama":
+        conf = transformers.LlamaConfig(**SHAPE)
+        return transformers.LlamaForCausalLM(conf)
+    raise SystemExit(f"family {family!r}: choose mistral or llama")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataflow.bench.family_check")
+    p.add_argument("--family", default="mistral")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"family_check needs torch and transformers: {exc}", file=sys.stderr)
+        return 2
+    from dataflow.engine import Engine
+
+    dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
+    torch.manual_seed(0)
+    ref = _hf_model(args.family, torch)
+    # bf16 weights on both sides: ours store bf16, so the reference starts from the same bits
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.copy_(prm.to(torch.bfloat16).to(torch.float32))
+    tmp = Path(tempfile.mkdtemp())
+    ref.save_pretrained(tmp / "hf", safe_serialization=True)
+    ref = ref.to(dev).float().train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    rng = np.random.default_rng(1)
+    out = {"family": args.family, "backend": args.backend, "shape": SHAPE,
+           "seqlen": args.seqlen, "lr": args.lr, "ours": [], "transformers": [],
+           "ours_grad_norm": [], "transformers_grad_norm": []}
+    with Engine(str(tmp / "hf"), host_gb=1, dev_gb=0.5, seqlen=args.seqlen,
+                backend=args.backend, lr=args.lr, max_grad_norm=None, seed=0) as eng:
+        out["family_loaded"] = eng.plan.model.family
+        rows = eng.seqs_per_step
+        for _ in range(args.steps):
+            batch = rng.integers(0, SHAPE["vocab_size"], (rows, args.seqlen + 1))
+            r = eng.train_step(batch)
+            out["ours"].append(r.loss)
+            out["ours_grad_norm"].append(r.grad_norm)
+            t = torch.as_tensor(batch).to(dev)
+            opt.zero_grad()
+            # transformers shifts inside: given the whole row of seqlen + 1 tokens its targets
+            # are t[:, 1:], exactly ours (the last token's logits are computed and unused)
+            loss = ref(t, labels=t).loss
+            loss.backward()
+            norm = torch.sqrt(sum((q.grad.float() ** 2).sum() for q in ref.parameters()))
+            opt.step()
+            out["transformers"].append(loss.item())
+            out["transformers_grad_norm"].append(norm.item())
+        eng.save_pretrained(tmp / "ours")
+        probe = rng.integers(0, SHAPE["vocab_size"], (rows, args.seqlen + 1))
+        out["ours_eval_loss"] = eng.eval_step(probe)
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "ours",
+                                                             torch_dtype=torch.float32)
+    out["exported_class"] = type(back).__name__
+    trained = ref.eval()
+    with torch.no_grad():
+        pt = torch.as_tensor(probe).to(dev)
+        back = back.to(dev).eval()
+        a = back(pt).logits.float()
+        b = trained(pt).logits.float()
+        out["export_eval_loss"] = back(pt, labels=pt).loss.item()
+    out["logits_rel_diff_export_vs_transformers_trained"] = float((a - b).norm() / b.norm())
+    out["export_eval_loss_rel_diff_vs_ours"] = abs(out["export_eval_loss"] -
+                                                   out["ours_eval_loss"]) / out["ours_eval_loss"]
+    rel = [abs(x - y) / y for x, y in zip(out["ours"], out["transformers"])]
+    out["loss_rel_diff"] = rel
+    out["step1_loss_rel_diff"] = rel[0]
+    out["grad_norm_rel_diff_step1"] = abs(out["ours_grad_norm"][0] -
+                                          out["transformers_grad_norm"][0]) / \
+        out["transformers_grad_norm"][0]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
