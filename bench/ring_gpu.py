@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-single", action="store_true", help="run the ring only")
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
+                   default="cyclic", help="dataflow-ring --placement: how the ring deals layers")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds per step (dataflow.ring.cli --rounds; default: the planner's)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -206,6 +208,8 @@ def ring_command(args) -> list[str]:
               str(Path(args.out) / "ring"), "--no-weights", "--timeout", "300"]
     if args.rounds:
         common += ["--rounds", str(args.rounds)]
+    if getattr(args, "placement", "cyclic") != "cyclic":
+        common += ["--placement", args.placement]
     if args.replicas != "auto":
         common += ["--replicas", str(args.replicas)]
     if args.launcher == "torchrun":
@@ -364,7 +368,9 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
                          args.gpus // replicas, links=(link,),
                          chunks_per_round=ch["chunks_per_round"],
-                         rounds_per_step=ch["rounds_per_step"])
+                         rounds_per_step=ch["rounds_per_step"],
+                         **({"placement": rank0["placement"]}
+                            if rank0.get("placement", "cyclic") != "cyclic" else {}))
     on = opt.on(link.name)
     out = {"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
            "link_bytes_per_s": link.bytes_per_s,

@@ -14,14 +14,27 @@ import math
 
 from dataflow.memplan.errors import InfeasibleBudget
 from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Where
-from dataflow.memplan.ring_plan import (LINKS, MAX_RANKS, Link, RankPlan, make_rank_plans,
-                                        predict_ring, ring_profile)
+from dataflow.memplan.ring_plan import (LINKS, MAX_RANKS, PLACEMENTS, Link, RankPlan,
+                                        make_rank_plans, predict_ring, ring_profile)
 from dataflow.memplan.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
 PLACEMENT = "cyclic"
-"""Layer i on rank i mod N: the only placement the executor runs today (docs/ring.md)."""
+"""Layer i on rank i mod N: the default placement (docs/ring.md)."""
+
+WEIGHED_PLACEMENTS = ("cyclic", "balanced")
+"""The placements choose_layout weighs for a ring of two or more unless told otherwise (a
+'placement' constraint fixes one): the faster predicted is kept, cyclic on a tie. predict_ring
+follows the round's critical path, on which nothing runs beside the head (every rank waits for
+its gradient), so the balanced walk's extra layers on the other ranks usually cost more than
+the head's rank saves (8b at 8k on H100s: rings of 2 and 4 predict 2 % and 19 % behind cyclic;
+simulate_ring agrees). 'contiguous' is never weighed: one visit per rank serialises the ring."""
+
+PLACEMENT_MARGIN = 0.02
+"""How far ahead of the cyclic ring another placement must be predicted to be chosen: 32b at
+125 / 40 on 2 H100s (one chunk a round) predicts balanced 0.1 % ahead and simulates it 2 %
+behind; the model does not resolve differences that small."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +147,8 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
             link=link.name, tok_per_s=tok, speedup=tok / single if single else None,
             bubble_frac=max(0.0, idle), step_time_s=step, allreduce_s=reduce_s))
     return LayoutOption(
-        layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas, placement=PLACEMENT,
+        layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
+                      placement=rps[0].placement,
                       tokens_per_step=tokens),
         chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step,
         predictions=tuple(preds),
@@ -143,10 +157,28 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
         constraints=tuple(sorted(constraints.items())))
 
 
-def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict):
+def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
+                placements: tuple[str, ...] = WEIGHED_PLACEMENTS):
     """(constraints, rank plans) of a ring of n with the planner's chunking and, when that leaves
     the ring under-full (fewer chunks per round than ranks), with a multiple of n chunks a round
-    if that fits (the planner then trades recompute or host activations for the room)."""
+    if that fits (the planner then trades recompute or host activations for the room); for each
+    of `placements` unless the constraints fix one ('placement')."""
+    if n > 1 and "placement" not in constraints and tuple(placements) != (PLACEMENT,):
+        out, errors = [], []
+        for placement in placements:
+            try:
+                out += _candidates(cfg, seqlen, budget, profile, n,
+                                   dict(constraints, placement=placement))
+            except ConfigError as exc:  # InfeasibleBudget included: refused if none fits
+                errors.append(exc)
+        if not out:
+            raise errors[0]
+        return out
+    if constraints.get("placement") not in (*PLACEMENTS, None):
+        raise ConfigError(f"unknown ring placement {constraints['placement']!r}; known: "
+                          f"{', '.join(PLACEMENTS)}")
+    if constraints.get("placement") == PLACEMENT or n == 1:  # the default: carried by nothing
+        constraints = {k: v for k, v in constraints.items() if k != "placement"}
     base = make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
     out = [(constraints, base)]
     c = base[0].plan.chunking.chunks_per_round
@@ -164,11 +196,14 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   links: tuple[Link, ...] = LINKS, transport: str = "nccl",
                   ring_size: int | None = None,
                   single_tok_per_s: float | None = ...,
-                  constraints: dict | None = None) -> LayoutChoice:
+                  constraints: dict | None = None,
+                  placements: tuple[str, ...] = WEIGHED_PLACEMENTS) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
-    sequences); ring_size fixes the ring (and so the replicas). Raises ConfigError when no ring
-    size fits, naming every refusal."""
+    sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
+    or more may deal their layers (WEIGHED_PLACEMENTS to weigh them; a 'placement' constraint
+    fixes one; the option's constraints carry a placement other than cyclic). Raises
+    ConfigError when no ring size fits, naming every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
     if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
@@ -204,7 +239,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
             constraints["tokens_per_step"] = seqs * seqlen
         try:
             candidates = _candidates(cfg, seqlen, budget, ring_profile(profile, gpus, transport, replicas),
-                                     n, constraints)
+                                     n, constraints, placements)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
             continue
@@ -217,11 +252,16 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
             f"no split of {gpus} GPUs fits {budget.host_bytes / 2**30:g} GiB host and "
             f"{budget.device_bytes / 2**30:g} GiB device each for {cfg.name} at seqlen "
             f"{seqlen}:\n  " + "\n  ".join(refused))
-    # One option per layout (the faster chunking of a ring size), fastest first.
+    # One option per layout (the faster chunking and placement of a ring size), fastest first;
+    # a placement other than cyclic must be predicted PLACEMENT_MARGIN ahead to be kept.
+    def merit(o: LayoutOption) -> float:
+        tok = o.on(link.name).tok_per_s
+        return tok if o.layout.placement == PLACEMENT else tok / (1.0 + PLACEMENT_MARGIN)
+
     best: dict[tuple[int, int], LayoutOption] = {}
     for o in options:
         key = (o.layout.ring_size, o.layout.replicas)
-        if key not in best or o.on(link.name).tok_per_s > best[key].on(link.name).tok_per_s:
+        if key not in best or merit(o) > merit(best[key]):
             best[key] = o
     ranked = sorted(best.values(), key=lambda o: -o.on(link.name).tok_per_s)
     chosen = ranked[0]

@@ -89,5 +89,16 @@ def ring_report(cfg, args, budget, profile) -> str:
 
 
 def _layers_text(layers) -> str:
-    return ", ".join(map(str, layers)) if len(layers) <= 6 else \
-        f"{layers[0]}, {layers[1]}, ..., {layers[-1]} ({len(layers)})"
+    if len(layers) <= 6:
+        return ", ".join(map(str, layers))
+    steps = {b - a for a, b in zip(layers, layers[1:])}
+    if len(steps) == 1:  # every N-th layer (cyclic), or one block
+        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]} ({len(layers)})"
+    runs = [[layers[0]]]  # a placement with runs of consecutive layers: "14-15"
+    for g in layers[1:]:
+        if g == runs[-1][-1] + 1:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) + \
+        f" ({len(layers)})"

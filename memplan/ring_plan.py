@@ -85,26 +85,93 @@ def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int =
         raise ConfigError(f"rank {rank!r} is outside a ring of {n_ranks}; use 0..{n_ranks - 1}")
 
 
-def owned_layers(n_layers: int, n_ranks: int, rank: int) -> tuple[int, ...]:
-    """Global indices of the layers rank `rank` owns, in forward order."""
+PLACEMENTS = ("cyclic", "balanced", "contiguous")
+"""How a ring deals its layers (layer_owners): 'cyclic', layer i on rank i mod N; 'balanced', a
+walk around the ring in which the head's rank owns fewer layers, by the head's cost in layers;
+'contiguous', the balanced counts in one block per rank."""
+
+
+def head_layer_units(cfg: ModelConfig, ch, profile: HardwareProfile,
+                     grad_accum: GradAccum = GradAccum.BF16) -> float:
+    """The final norm + lm_head's compute per chunk in layers' worth (one layer's forward and
+    backward of the same chunk, the mean over a round's chunks), from the cost model: about 2
+    for 8b at 8k (vocabulary 128k). The head's sub-chunk is the cost model's default one."""
+    from dataflow.memplan.chunking import head_sub_tokens
+    from dataflow.memplan.cost import chunk_costs, head_seconds
+
+    costs = chunk_costs(cfg, ch, profile)
+    layer_s = sum(c.fwd_s + c.bwd_s for c in costs) / len(costs)
+    head_s = head_seconds(cfg, ch.chunk_tokens, head_sub_tokens(ch.chunk_tokens),
+                          2 if grad_accum == GradAccum.BF16 else 4, profile)
+    return head_s / max(layer_s, 1e-30)
+
+
+def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
+                 head_layers: float = 0.0) -> tuple[int, ...]:
+    """The rank owning each global layer: a walk around the ring (each layer on the rank of the
+    one before or on the next rank, (r+1) mod N) from rank 0 (layer 0, beside the embedding) to
+    the head's rank (layer L-1). 'cyclic': layer i on rank i mod N. 'balanced': the head's rank
+    N-1 owns n_h layers and the others share the rest as evenly as they can (extra layers to the
+    lower ranks), n_h chosen so that no rank's layers (the head's rank's plus `head_layers`, the
+    head's cost in layers) exceed the least they can; n_h laps 0, 1, .., N-1, each rank's extra
+    layers spread over its visits as runs of consecutive layers. 'contiguous': the same counts
+    in one visit per rank. Example: 32 layers, N = 2, head worth 2 layers: rank 0 owns 17,
+    rank 1 owns 15 (15 laps; two of rank 0's visits hold two layers)."""
+    _check(n_layers, n_ranks)
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+    if placement == "cyclic" or n_ranks == 1:
+        return tuple(i % n_ranks for i in range(n_layers))
+    if not head_layers >= 0:  # also NaN
+        raise ConfigError(f"the head's cost in layers must be >= 0, got {head_layers!r}")
+    n, others = n_layers, n_ranks - 1
+
+    def counts(n_h: int) -> list[int]:
+        q, extra = divmod(n - n_h, others)
+        return [q + (r < extra) for r in range(others)] + [n_h]
+
+    # the most layers any rank runs (the head's rank with the head), least first; of equal
+    # loads the head's rank keeps more layers (fewer runs, closer to the cyclic walk)
+    best = min(range(1, n - others + 1),
+               key=lambda n_h: (max(max(counts(n_h)[:-1]), n_h + head_layers), -n_h))
+    per_rank = counts(best)
+    laps = 1 if placement == "contiguous" else min(per_rank)
+    owners = []
+    for lap in range(laps):
+        for r, count in enumerate(per_rank):
+            extra = count - laps  # spread over the laps: visit `lap` holds 1 + its share
+            owners += [r] * (1 + (lap + 1) * extra // laps - lap * extra // laps)
+    assert len(owners) == n_layers and owners[0] == 0 and owners[-1] == n_ranks - 1
+    return tuple(owners)
+
+
+def owned_layers(n_layers: int, n_ranks: int, rank: int,
+                 owners: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Global indices of the layers rank `rank` owns, in forward order (`owners`: the
+    layer_owners of a placement; None: cyclic)."""
     _check(n_layers, n_ranks, rank)
-    return tuple(range(rank, n_layers, n_ranks))
+    if not owners:
+        return tuple(range(rank, n_layers, n_ranks))
+    return tuple(i for i, r in enumerate(owners) if r == rank)
 
 
 def embed_rank(n_layers: int, n_ranks: int) -> int:
-    """The rank holding the embedding: the owner of layer 0 (no hop before the first layer)."""
+    """The rank holding the embedding: the owner of layer 0 (no hop before the first layer),
+    rank 0 in every placement."""
     return 0
 
 
-def head_rank(n_layers: int, n_ranks: int) -> int:
-    """The rank holding the final norm and lm_head: the owner of layer L-1."""
-    return (n_layers - 1) % n_ranks
+def head_rank(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None) -> int:
+    """The rank holding the final norm and lm_head: the owner of layer L-1 (`owners` as
+    owned_layers')."""
+    return owners[-1] if owners else (n_layers - 1) % n_ranks
 
 
-def rank_model(cfg: ModelConfig, n_ranks: int, rank: int) -> ModelConfig:
+def rank_model(cfg: ModelConfig, n_ranks: int, rank: int,
+               owners: tuple[int, ...] | None = None) -> ModelConfig:
     """The model one rank plans: the same shapes with only its own layers (its plan holds only
     the embedding and head it owns: make_plan's holds_embed / holds_head)."""
-    n = len(owned_layers(cfg.n_layers, n_ranks, rank))
+    n = len(owned_layers(cfg.n_layers, n_ranks, rank, owners))
     if n_ranks == 1:
         return cfg
     return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n)
@@ -125,6 +192,20 @@ class RankPlan:
     replicas: int = 1
     """Data-parallel copies of the whole ring: R rings of N ranks train R slices of the global
     batch, and each gradient is summed over the R copies of its rank before the optimizer."""
+    placement: str = dataclasses.field(default="cyclic", metadata={"omit_if_default": True})
+    """How the ring deals its layers (PLACEMENTS); plans written before placements were cyclic."""
+    owners: tuple[int, ...] = dataclasses.field(default=(), metadata={"omit_if_default": True})
+    """The owner of every global layer (layer_owners); empty for the cyclic placement."""
+
+    @property
+    def ring_owners(self) -> tuple[int, ...]:
+        """The owner of every global layer, whatever the placement."""
+        return self.owners or layer_owners(self.n_layers, self.n_ranks)
+
+    @property
+    def head_owner(self) -> int:
+        """The rank of this ring that holds the head (head_rank)."""
+        return head_rank(self.n_layers, self.n_ranks, self.owners)
 
     def to_json(self) -> str:
         from dataflow.models.serial import to_json
@@ -135,31 +216,32 @@ class RankPlan:
 def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                    **constraints) -> tuple[RankPlan, ...]:
+                    placement: str = "cyclic", **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
     is then imposed on the others, because every rank must process the same chunks in the same
     rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
-    global batch (seqs_per_step rows each). Raises InfeasibleBudget (from make_plan) naming the
-    rank's smallest budgets."""
+    global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
+    (_placed). Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     _check(cfg.n_layers, n_ranks, replicas=replicas)
-    first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
-                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
+    owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
+                            placement)
     # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
     # 64 has at most four kinds): plan each kind once and give the others its plan.
     kinds: dict[tuple, RankPlan] = {}
     out = []
     for r in range(n_ranks):
-        key = (len(owned_layers(cfg.n_layers, n_ranks, r)), *sorted(_holds(cfg, n_ranks, r).items()))
+        layers = owned_layers(cfg.n_layers, n_ranks, r, owners)
+        key = (len(layers), *sorted(_holds(cfg, n_ranks, r, owners).items()))
         if r == 0 or key not in kinds:
             rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
-                            constraints, replicas)
+                            constraints, replicas, placement, owners)
             kinds.setdefault(key, rp)
         else:
             like = kinds[key]
             rp = dataclasses.replace(
-                like, rank=r, layers=owned_layers(cfg.n_layers, n_ranks, r),
-                plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r)))
+                like, rank=r, layers=layers,
+                plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r, owners)))
         out.append(rp)
     return tuple(out)
 
@@ -167,37 +249,69 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                   **constraints) -> RankPlan:
+                   placement: str = "cyclic", **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
-    fixes the chunking, as in make_rank_plans, so every rank agrees without talking."""
+    fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
+    every rank agrees without talking."""
     _check(cfg.n_layers, n_ranks, rank, replicas)
+    owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
+                            placement)
+    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
+                      replicas, placement, owners)
+
+
+def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
+            placement) -> tuple[tuple[int, ...], Plan]:
+    """(the owners of the placement, empty for cyclic; rank 0's plan). Not cyclic: rank 0 of
+    the cyclic ring is planned first for its chunking, the head's cost in layers at that
+    chunking (head_layer_units) deals the layers, and rank 0 is planned again with its own
+    layers under that chunking (so every rank computes the same owners)."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
-    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
-                      replicas)
+    if placement == "cyclic" or n_ranks == 1:
+        return (), first
+    ch = first.chunking
+    owners = layer_owners(cfg.n_layers, n_ranks, placement,
+                          head_layer_units(cfg, ch, first.profile, grad_accum))
+    shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
+                  rounds_per_step=ch.rounds_per_step)
+    first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
+                      grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
+    return owners, first
 
 
-def _holds(cfg: ModelConfig, n_ranks: int, r: int) -> dict:
+def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ()) -> dict:
     """make_plan's holds_embed / holds_head for rank r: it plans and allocates only the
     embedding and head it owns (Plan.holds_embed)."""
     if n_ranks == 1:
         return {}
     return {"holds_embed": r == embed_rank(cfg.n_layers, n_ranks),
-            "holds_head": r == head_rank(cfg.n_layers, n_ranks)}
+            "holds_head": r == head_rank(cfg.n_layers, n_ranks, owners)}
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
-               replicas=1):
+               replicas=1, placement="cyclic", owners=()):
     ch = first.chunking
     shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                   rounds_per_step=ch.rounds_per_step)
-    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r), seqlen, budget, profile,
-                                          grad_accum=grad_accum, **shared,
-                                          **_holds(cfg, n_ranks, r))
-    return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r),
+    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners), seqlen, budget,
+                                          profile, grad_accum=grad_accum, **shared,
+                                          **_holds(cfg, n_ranks, r, owners))
+    if n_ranks > 1 and getattr(plan, "segment_layers", 1) > 1:
+        # A segment re-runs the forward of consecutive local layers from the first one's input,
+        # but a rank's consecutive local layers are not consecutive layers of the model (the
+        # layers between live on other ranks), and its residual buffers carry messages.
+        raise ConfigError(
+            f"rank {r} of a ring of {n_ranks} fits {cfg.name} at seqlen {seqlen:,} only by "
+            f"recomputing segments of {plan.segment_layers} layers, which a ring rank cannot "
+            f"run; give each rank more host or device memory, or use fewer ranks")
+    return RankPlan(rank=r, n_ranks=n_ranks, layers=owned_layers(cfg.n_layers, n_ranks, r, owners),
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
-                    has_head=r == head_rank(cfg.n_layers, n_ranks), n_layers=cfg.n_layers,
-                    plan=plan, replicas=replicas)
+                    has_head=r == head_rank(cfg.n_layers, n_ranks, owners),
+                    n_layers=cfg.n_layers, plan=plan, replicas=replicas,
+                    placement=placement if n_ranks > 1 else "cyclic", owners=owners)
 
 
 # -- the scaling model --------------------------------------------------------------------------
@@ -243,33 +357,136 @@ class RingPrediction:
     host_bytes: int
 
 
+def _owners(rank_plans: tuple[RankPlan, ...]) -> tuple[int, ...]:
+    """The rank of every global layer, from the ranks' own layer lists (any placement)."""
+    owners = [0] * rank_plans[0].n_layers
+    for rp in rank_plans:
+        for g in rp.layers:
+            owners[g] = rp.rank
+    return tuple(owners)
+
+
+def _visits(owners: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """The walk's visits in forward order: (rank, the global layers it runs there in a row)."""
+    out: list[tuple[int, list[int]]] = []
+    for g, r in enumerate(owners):
+        if out and out[-1][0] == r:
+            out[-1][1].append(g)
+        else:
+            out.append((r, [g]))
+    return out
+
+
+def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float, float]:
+    """(forward seconds of each chunk of a layer, backward seconds of each chunk of each local
+    layer (recompute included), the head's seconds a round, the rank's layer and head work a
+    round): the cost model's numbers (cost.workload_of, cost.chunk_costs), as simulate_ring
+    times them."""
+    from dataflow.memplan.cost import LEVEL_INDEX, chunk_costs, workload_of
+    from dataflow.memplan.decisions import decisions_of
+    from dataflow.memplan.plan import AttentionBwd
+
+    plan, p = rp.plan, rp.plan.profile
+    d, w = decisions_of(plan), workload_of(plan, p)
+    costs = chunk_costs(d.model, d.chunking, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
+    bwd = []
+    for j in range(len(rp.layers)):
+        row = [c.bwd_s + c.rec_s[LEVEL_INDEX[a.level]] for c, a in zip(costs, d.activations[j])]
+        rest = (w.bwd_s[j] - sum(row)) / len(costs)  # KV rebuilds: spread over the chunks
+        bwd.append([x + rest for x in row])
+    head_s = w.head_s if rp.has_head else 0.0
+    return [c.fwd_s for c in costs], bwd, head_s, len(rp.layers) * w.fwd_s + sum(w.bwd_s) + head_s
+
+
+def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict,
+                   start_s: float) -> dict:
+    """One direction of a round through the ring's visits (the forward's walk, or the backward's
+    reversed), chunk by chunk: rank -> when it is done with this direction. A rank runs each
+    visit's layers layer-major, chunks in `order`, each chunk once it has arrived and the rank
+    is done with what came before (free_s); seconds(rank, layer, chunk) is its cost. A visit's
+    last layer sends each chunk on its own send stream, one hop (bytes / rate + latency) each,
+    to the next visit. O(layers x chunks)."""
+    done, sending = dict(free_s), {}
+    arrive = {c: start_s for c in order}
+    for r, layers in visits:
+        t = done.get(r, 0.0)
+        ready = arrive
+        for g in layers:
+            out = {}
+            for c in order:
+                t = max(t, ready[c]) + seconds(r, g, c)
+                out[c] = t
+            ready = out
+        done[r] = t
+        s, arrive = sending.get(r, 0.0), {}
+        for c in order:
+            s = max(s, ready[c]) + hop_s
+            arrive[c] = s
+        sending[r] = s
+    return done
+
+
+def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float) -> tuple[float, dict]:
+    """(the critical path of one round through the ring, rank -> its own layer and head work a
+    round): the forward's walk from rank 0 to the head's rank, the head there, and the
+    backward's walk back (_pipeline_pass), at the cost model's seconds of every layer and chunk
+    on its rank (_chunk_seconds). The pipeline's fill and drain, an under-full ring's idle
+    (C < N), a hop at every layer when C = N leaves no slack, and chunks of unequal cost
+    (recompute, a long sequence's later chunks) are all this path's length less a rank's work."""
+    visits = _visits(_owners(rank_plans))
+    fwd_c, bwd_c, work, head_s, head = {}, {}, {}, 0.0, rank_plans[-1].rank
+    kinds: dict[tuple, tuple] = {}  # ranks planned alike (make_rank_plans) share their costs
+    for rp in rank_plans:
+        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head)
+        if key not in kinds:
+            kinds[key] = _chunk_seconds(rp)
+        fwd_c[rp.rank], bwd, h, work[rp.rank] = kinds[key]
+        bwd_c.update(zip(rp.layers, bwd))
+        if rp.has_head:
+            head_s, head = h, rp.rank
+    order = list(range(rank_plans[0].plan.chunking.chunks_per_round))
+    fwd = _pipeline_pass(visits, lambda r, g, c: fwd_c[r][c], order, hop_s, {}, 0.0)
+    turn = fwd[head] + head_s
+    bwd = _pipeline_pass(visits[::-1], lambda r, g, c: bwd_c[g][c], order[::-1], hop_s,
+                         {**fwd, head: turn}, turn)
+    return max(bwd.values()), work
+
+
+def _sends_per_chunk(owners: tuple[int, ...], rank: int) -> int:
+    """Messages `rank` sends per chunk and round: a residual at the end of each of its visits
+    but the last layer's, a gradient at the start of each but layer 0's."""
+    last = len(owners) - 1
+    return sum((g < last and owners[g + 1] != rank) + (g > 0 and owners[g - 1] != rank)
+               for g, r in enumerate(owners) if r == rank)
+
+
 def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
                  single_tok_per_s: float | None = None) -> RingPrediction:
-    """Ring step time from the ranks' own predictions. Each rank runs its layers as its own
-    plan predicts; the ring adds (a) the bubble of an under-full ring (C chunks cannot keep N
-    ranks busy when C < N), (b) the fill and drain of the pipeline each round, forward and
-    backward, and (c) the sends: each owned layer but the last sends every chunk's residual
-    (forward) and gradient (backward), T*D*2 bytes each, overlapped with compute, so the step is
-    bounded below by the link time. A model, not a measurement; see docs/ring.md."""
+    """Ring step time from the ranks' own predictions and the round's critical path. Each round
+    takes the critical path of ring_round_s (the forward's walk, the head, the backward's walk,
+    each hop a chunk's residual or gradient, T*D*2 bytes, over the link); the step adds the
+    largest of the ranks' own extras (a rank's predicted step less its layer and head work:
+    exposed copies, the optimizer). It is bounded below by the busiest rank's sends, and scaled
+    by the measured RING_EFFICIENCY for N >= 2. A model, not a measurement: docs/ring.md
+    compares it with simulate_ring (every rank's compiled schedule timed together)."""
     n = len(rank_plans)
     slow = max(rank_plans, key=lambda rp: rp.plan.prediction.step_time_s)
     p0 = rank_plans[0].plan
     ch, cfg = p0.chunking, p0.model
     rounds, chunks = ch.rounds_per_step, ch.chunks_per_round
-    layer_chunk_s = max(slow.plan.prediction.compute_s, 1e-12) / (
-        rounds * chunks * max(1, len(slow.layers)))
-    hop_bytes = ch.chunk_tokens * cfg.model_dim * 2
-    hop_s = hop_bytes / link.bytes_per_s + link.latency_s
+    hop_s = ch.chunk_tokens * cfg.model_dim * 2 / link.bytes_per_s + link.latency_s
     bubble = 1.0 - min(1.0, chunks / n) if n > 1 else 0.0
     rank_s = slow.plan.prediction.step_time_s
-    layer_work_s = slow.plan.prediction.compute_s + slow.plan.prediction.exposed_h2d_s + \
-        slow.plan.prediction.exposed_d2h_s
-    busy_s = rank_s + layer_work_s * (1.0 / (1.0 - bubble) - 1.0)
-    fill_s = 0.0 if n == 1 else rounds * 2 * (n - 1) * (layer_chunk_s + hop_s)
-    sends = max(len(rp.layers) for rp in rank_plans) * chunks * rounds * 2
-    link_s = 0.0 if n == 1 else sends * hop_s
-    step_s = max(busy_s, link_s) + fill_s
+    step_s, fill_s, link_s = rank_s, 0.0, 0.0
     if n > 1:
+        round_s, work = ring_round_s(rank_plans, hop_s)
+        extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
+                      for rp in rank_plans)
+        owners = _owners(rank_plans)
+        link_s = max(_sends_per_chunk(owners, rp.rank) for rp in rank_plans) * chunks * \
+            rounds * hop_s
+        step_s = max(rounds * round_s + extra_s, link_s, rank_s)
+        fill_s = step_s - rank_s
         step_s /= RING_EFFICIENCY
     tok_s = ch.tokens_per_step / step_s
     return RingPrediction(

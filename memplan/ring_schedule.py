@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.ring_plan import RankPlan
-from dataflow.memplan.schedule import COMPUTE, HOST, HostTask, Ref, Schedule, _Compiler
+from dataflow.memplan.schedule import COMPUTE, H2D, HOST, HostTask, Ref, Schedule, _Compiler
 
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 COMM_STREAMS = (SEND, RECV, REDUCE)
@@ -110,9 +110,22 @@ class _ReplicaCompiler(_Compiler):
 class _RingCompiler(_ReplicaCompiler):
     """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
     (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
-    hooks below receive each layer's input from the previous rank and send its output on."""
+    hooks below receive each layer's input from the previous rank and send its output on.
+    A placement other than cyclic gives a rank *runs* of consecutive global layers: only a
+    run's first layer receives (forward) and only its last sends; inside a run the layers
+    ping-pong between the two residual buffers as on one device."""
 
     def __init__(self, rp: RankPlan):
+        from dataflow.models.errors import ConfigError
+
+        if getattr(rp.plan, "segment_layers", 1) > 1:
+            raise ConfigError(f"rank {rp.rank}'s plan recomputes segments of "
+                              f"{rp.plan.segment_layers} layers, which a ring rank cannot run "
+                              "(dataflow.memplan.ring_plan refuses such plans); plan it again")
+        self.run_pos = []
+        """Each local layer's position in its run of consecutive global layers (0: first)."""
+        for j, g in enumerate(rp.layers):
+            self.run_pos.append(self.run_pos[-1] + 1 if j and rp.layers[j - 1] == g - 1 else 0)
         super().__init__(rp)
         self.has_embed, self.has_head = rp.has_embed, rp.has_head
         self.prev = (rp.rank - 1) % rp.n_ranks
@@ -131,6 +144,8 @@ class _RingCompiler(_ReplicaCompiler):
     def recv(self, rnd: int, backward: bool, src_layer: int, buffer: str, chunk: int) -> None:
         em = self.em
         em.wait(RECV, em.record(COMPUTE))  # earlier computes are done reading these rows
+        # ... and an earlier send of them (a run's last output may sit where a receive lands)
+        em.wait(RECV, self.sent.pop((buffer, chunk), None))
         em.add(Recv(f"recv.{'b' if backward else 'f'}.L{src_layer}.c{chunk}",
                     self.rows(buffer, chunk), self.next if backward else self.prev,
                     self.tag(rnd, backward, src_layer, chunk)))
@@ -149,9 +164,26 @@ class _RingCompiler(_ReplicaCompiler):
         return self.rp.layers[layer]
 
     def resid(self, layer: int) -> tuple[str, str]:
-        """Every layer reads "resid_a" and writes "resid_b" (the head writes its gradient into
-        "resid_a"): no ping-pong is needed, each layer's input arrives in a buffer of its own."""
-        return "resid_a", "resid_b"
+        """The first layer of a run reads "resid_a", where its input arrives (or the embedding
+        writes it), and writes "resid_b"; the run's later layers ping-pong as on one device
+        (layer j+1 reads what layer j wrote). The backward keeps the chain: a layer reads its
+        gradient from its forward's input buffer and writes its input gradient to its output
+        buffer (the head writes its gradient into the last layer's input buffer)."""
+        return ("resid_a", "resid_b") if self.run_pos[layer] % 2 == 0 else ("resid_b", "resid_a")
+
+    def local(self, layer: int, step: int) -> bool:
+        """Whether the global layer `step` after local layer `layer`'s (-1: before) is also
+        this rank's, the next (or previous) local layer of the same run."""
+        j, layers = layer + step, self.rp.layers
+        return 0 <= j < len(layers) and layers[j] == layers[layer] + step
+
+    def embed_fwd(self, rnd: int, out: str) -> None:
+        """The embedding overwrites every row of `out`: after any send of them is done."""
+        for c in range(self.C):
+            ev = self.sent.pop((out, c), None)
+            self.em.wait(COMPUTE, ev)
+            self.em.wait(H2D, ev)
+        super().embed_fwd(rnd, out)
 
     def stage_next(self, rnd: int) -> None:
         """A rank stages each round's tokens when it loads them (load_tokens), not a round
@@ -161,11 +193,12 @@ class _RingCompiler(_ReplicaCompiler):
                       chunk: int) -> None:
         """The forward's input comes from the rank of the global layer before (none for layer 0,
         whose input is the embedding's), the backward's from the rank of the layer after (none
-        for the last layer, whose gradient is the head's)."""
+        for the last layer, whose gradient is the head's); none either where that layer is this
+        rank's too (inside a run its rows are already here)."""
         g = self.rp.layers[layer]
-        if not backward and g > 0:
+        if not backward and g > 0 and not self.local(layer, -1):
             self.recv(rnd, False, g - 1, buffer, chunk)
-        elif backward and g < self.rp.n_layers - 1:
+        elif backward and g < self.rp.n_layers - 1 and not self.local(layer, 1):
             self.recv(rnd, True, g + 1, buffer, chunk)
 
     def before_write(self, buffer: str, chunk: int) -> None:
@@ -177,11 +210,11 @@ class _RingCompiler(_ReplicaCompiler):
                       chunk: int) -> None:
         """The forward's output goes to the next layer's rank (the last layer's stays for the
         head), the backward's input gradient to the previous layer's (layer 0's stays for the
-        embedding)."""
+        embedding); nothing leaves inside a run (the next layer to run them is this rank's)."""
         g = self.rp.layers[layer]
-        if not backward and g < self.rp.n_layers - 1:
+        if not backward and g < self.rp.n_layers - 1 and not self.local(layer, 1):
             self.send(rnd, False, g, buffer, chunk)
-        elif backward and g > 0:
+        elif backward and g > 0 and not self.local(layer, -1):
             self.send(rnd, True, g, buffer, chunk)
 
     def owned_blocks(self) -> list[str]:

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "1/R of the global batch, gradients all-reduced once per step before "
                         "the optimizer (default: the planner's choice, the split of N that "
                         "predicts the most tok/s; it prints the alternatives it weighed)")
+    p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
+                   default="cyclic",
+                   help="how a ring deals its layers: cyclic (layer i on rank i mod N, the "
+                        "default), balanced (a walk around the ring in which the head's rank "
+                        "owns fewer layers, by the head's cost in layers), contiguous (the same "
+                        "counts in one block per rank), auto (the planner's prediction decides)")
     p.add_argument("--tokens-per-step", type=positive(int), default=None, metavar="T",
                    help="cap on the global batch in tokens (a multiple of seqlen per replica); "
                         "the layout is chosen under it")
@@ -112,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         replicas, constraints = resolve_layout(
             args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
-            rounds=args.rounds, quiet=env is not None and env.rank != 0)
+            rounds=args.rounds, quiet=env is not None and env.rank != 0,
+            placement=args.placement)
+        constraints = dict(constraints)
+        placement = constraints.pop("placement", "cyclic")
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                   eval_seqs=args.eval_seqs,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
-                  constraints=constraints)
+                  constraints=tuple(sorted(constraints.items())), placement=placement)
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
 
 
@@ -152,13 +161,16 @@ def launch_profile(backend: str):
 
 def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: int, *,
                    backend: str, transport: str, replicas: int | None,
-                   tokens_per_step: int | None, rounds: int | None, quiet: bool = False):
+                   tokens_per_step: int | None, rounds: int | None, quiet: bool = False,
+                   placement: str = "cyclic"):
     """(replicas, plan constraints for every rank) of n processes: the layout the planner
     predicts fastest (dataflow.memplan.layout), printed with the alternatives it weighed; with
     replicas given, the chunking of that split that predicts fastest (a full ring, at least as
-    many chunks a round as ranks, where one fits). Raises ConfigError naming what does not
-    fit."""
-    from dataflow.memplan.layout import choose_layout, layout_text
+    many chunks a round as ranks, where one fits). `placement` fixes how a ring deals its
+    layers, or 'auto': the faster predicted of layout.WEIGHED_PLACEMENTS; the constraints then
+    carry a placement other than cyclic ('placement', RingJob.placement). Raises ConfigError
+    naming what does not fit."""
+    from dataflow.memplan.layout import WEIGHED_PLACEMENTS, choose_layout, layout_text
     from dataflow.memplan.plan import Budget
     from dataflow.ring.worker import model_config
 
@@ -169,7 +181,11 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: in
     choice = choose_layout(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), launch_profile(backend),
                            n, tokens_per_step=tokens_per_step, transport=transport,
                            ring_size=None if replicas is None else n // replicas,
-                           constraints={"rounds_per_step": rounds} if rounds else None)
+                           constraints={**({"rounds_per_step": rounds} if rounds else {}),
+                                        **({} if placement == "auto" else
+                                           {"placement": placement})} or None,
+                           placements=WEIGHED_PLACEMENTS if placement == "auto" else
+                           (placement,))
     if not quiet:
         print(layout_text(choice), file=sys.stderr, flush=True)
     opt = choice.chosen

@@ -30,6 +30,11 @@ class Ring:
     (nccl on a GPU backend, shm on NumPy)."""
     timeout_s: float = 120.0
     """How long a rank waits for another before failing with a RingError naming it."""
+    placement: str = "cyclic"
+    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    on rank i mod N), 'balanced' (the head's rank owns fewer layers: it also runs the head),
+    'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
+    A 'placement' in plan_options takes precedence."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""
@@ -131,7 +136,7 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
     """(replicas, plan constraints) of the layout the planner predicts fastest for the
     world's processes, planned as the ranks will plan (their backend's profile, NCCL's reserve).
     A global batch (seqs_per_step) is kept exactly: only splits that divide it are weighed."""
-    from dataflow.memplan.layout import choose_layout
+    from dataflow.memplan.layout import WEIGHED_PLACEMENTS, choose_layout
     from dataflow.memplan.plan import Budget
     from dataflow.models.errors import ConfigError
     from dataflow.ring.cli import launch_profile
@@ -142,7 +147,8 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
     budget, world = Budget.from_gib(host_gb, dev_gb), env.world_size
     if seqs_per_step is None:
         c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr,
-                          constraints=options or None, single_tok_per_s=None)
+                          constraints=options or None, single_tok_per_s=None,
+                          placements=WEIGHED_PLACEMENTS)
         return c.chosen.layout.replicas, dict(c.chosen.constraints)
     best = None
     for n in range(1, min(world, cfg.n_layers) + 1):
@@ -152,7 +158,7 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
         try:
             c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr, ring_size=n,
                               constraints=dict(options, seqs_per_step=seqs_per_step // r),
-                              single_tok_per_s=None)
+                              single_tok_per_s=None, placements=WEIGHED_PLACEMENTS)
         except ConfigError:  # this split does not fit (InfeasibleBudget included)
             continue
         if best is None or c.chosen.on(c.link).tok_per_s > best.on(c.link).tok_per_s:
@@ -210,6 +216,8 @@ class RingEngine:
         opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         options = dict(plan_options or {})
+        if ring.placement != "auto":  # else choose_layout weighs the placements
+            options.setdefault("placement", ring.placement)
         if tokens_per_step is not None:
             seqs_per_step = _whole(tokens_per_step, seqlen, "tokens_per_step", "seqlen")
         replicas = ring.replicas

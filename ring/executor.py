@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
-from dataflow.memplan.ring_plan import RankPlan, head_rank
+from dataflow.memplan.ring_plan import RankPlan
 from dataflow.memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send,
                                    compile_ring_eval_schedule, compile_ring_schedule,
                                    compile_ring_update_schedule)
@@ -114,7 +114,7 @@ class RingExecutor(Executor):
         rounds = len(stats.rounds)
         pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds])
         rows = self.transport.allgather(pairs.astype(np.float64))
-        head = head_rank(self.rp.n_layers, self.rp.n_ranks)
+        head = self.rp.head_owner  # the placement's owner of the last layer
         loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head]
                                      for q in range(self.rp.replicas)]).astype(
             np.float32).reshape(-1, 2)

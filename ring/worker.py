@@ -55,6 +55,10 @@ class RingJob:
     """Write rank<r>.npz, the rank's blocks' final weights, beside rank<r>.json."""
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
+    placement: str = "cyclic"
+    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    on rank i mod N), 'balanced' (the head's rank owns fewer layers) or 'contiguous'. A
+    'placement' among the constraints (a layout's choice) takes precedence."""
     eval_seqs: int = 0
     """After the last step, the forward-only loss (RingRank.evaluate) of this many sequences that
     no step of the run trained on (the next ids of a 'random:' stream, or the shipped text after
@@ -143,7 +147,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
             grad_accum=job.grad_accum, deferred_update=not job.eager_update,
-            **dict(job.constraints))
+            **{"placement": job.placement, **dict(job.constraints)})
         rp = rank.rp
         n = rp.n_ranks
         losses, times = [], []
@@ -187,7 +191,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                                                          for k, v in rank.weights().items()})
             (out / f"rank{env.rank}.json").write_text(json.dumps({
                 "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
-                "layers": list(rp.layers),
+                "layers": list(rp.layers), "placement": rp.placement,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "step_times_s": times, "eval_loss": eval_loss,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
