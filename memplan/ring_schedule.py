@@ -185,10 +185,6 @@ class _RingCompiler(_ReplicaCompiler):
             self.em.wait(H2D, ev)
         super().embed_fwd(rnd, out)
 
-    def stage_next(self, rnd: int) -> None:
-        """A rank stages each round's tokens when it loads them (load_tokens), not a round
-        ahead."""
-
     def input_arrives(self, rnd: int, backward: bool, layer: int, buffer: str,
                       chunk: int) -> None:
         """The forward's input comes from the rank of the global layer before (none for layer 0,
