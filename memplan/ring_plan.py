@@ -48,11 +48,12 @@ communicator's buffers. Measured: 2 data-parallel replicas of 8b at 60/24 on 2 H
 past a plan that reserved NCCL_RESERVE_BYTES only (bench/records/s16-ring-h200x2-214ea68/)."""
 
 RING_EFFICIENCY = 0.95
-"""Measured ring throughput over the analytical model's, after the single-device model's own
-error: on 2 H200s a ring of 2 (8b, 8k, 60/24) ran at 0.983 of predict_ring while one H200 ran at
-1.033 of its plan's prediction (s16-ring-h200x2-214ea68): the ring loses about 5 % the model
-does not see (NCCL kernels sharing the SMs, the turn between forward and backward). The
-prediction of a ring of two or more ranks is scaled by it; data parallelism (rings of 1) is not."""
+"""Measured ring throughput over the model's, after the single-device model's own error (one
+H200 runs 2-3 % above its plan's prediction). With predict_ring's critical-path walk (74ff21d),
+before this factor: a ring of 2 of 8b at 60/24 on 2 H200s (s16-ring-h200x2-214ea68) at 0.997,
+a full ring of 4 at 30/24 on 4 H200s (s16-ring-h200x4-893d3ce) at 0.906; their mean is 0.95
+(NCCL kernels sharing the SMs and what else the walk leaves out). The prediction of a ring of
+two or more ranks is scaled by it; data parallelism (rings of 1) is not."""
 
 
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
@@ -344,7 +345,8 @@ class RingPrediction:
     bubble_frac: float
     """Share of each rank's layer work lost to an under-full ring: 1 - min(1, C / N)."""
     fill_s: float
-    """Pipeline fill and drain per step: (N - 1) layer-chunk times and hops per round."""
+    """What the ring adds to its slowest rank's own step: the round's critical path (fill and
+    drain, the head and embedding every rank waits for, the hops) beyond that rank's work."""
     link_s: float
     """Time the slowest rank's sends take per step if nothing hid them."""
     step_time_s: float
