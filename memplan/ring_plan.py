@@ -269,6 +269,7 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+    constraints = _no_segments(constraints, n_ranks)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
     if placement == "cyclic" or n_ranks == 1:
@@ -283,6 +284,13 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     return owners, first
 
 
+def _no_segments(constraints: dict, n_ranks: int) -> dict:
+    """A ring rank's constraints: no layer-segment recompute (a segment re-runs consecutive
+    local layers, which are not consecutive layers of the model), so the search finds the best
+    plan without it instead of one the ring would have to refuse."""
+    return dict(constraints, segments=False) if n_ranks > 1 else dict(constraints)
+
+
 def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ()) -> dict:
     """make_plan's holds_embed / holds_head for rank r: it plans and allocates only the
     embedding and head it owns (Plan.holds_embed)."""
@@ -295,8 +303,8 @@ def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ())
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
                replicas=1, placement="cyclic", owners=()):
     ch = first.chunking
-    shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
-                  rounds_per_step=ch.rounds_per_step)
+    shared = dict(_no_segments(constraints, n_ranks), chunk_tokens=ch.chunk_tokens,
+                  chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step)
     plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners), seqlen, budget,
                                           profile, grad_accum=grad_accum, **shared,
                                           **_holds(cfg, n_ranks, r, owners))

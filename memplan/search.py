@@ -31,7 +31,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head", "kv_rebuild")
+               "holds_head", "kv_rebuild", "segments")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -51,6 +51,16 @@ class MinimumBudgets:
     host_bytes: int
     device_gib: float
     host_gib: float
+
+
+def _segments_allowed(constraints: dict) -> tuple[dict, bool]:
+    """(the constraints without `segments`, whether layer-segment recompute may be planned):
+    False for a ring rank, whose consecutive local layers are not consecutive in the model."""
+    rest = dict(constraints)
+    allowed = rest.pop("segments", True)
+    if not isinstance(allowed, bool):
+        raise ConfigError(f"constraint segments must be True or False, got {allowed!r}")
+    return rest, allowed
 
 
 def _options(cfg: ModelConfig, constraints: dict) -> tuple:
@@ -160,7 +170,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
         return _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, batch)
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
-    shaping = {k: v for k, v in constraints.items() if k != "attention_bwd"}
+    shaping = {k: v for k, v in constraints.items() if k not in ("attention_bwd", "segments")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan
@@ -263,9 +273,10 @@ def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs)
 def _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints) -> Plan:
     """The fastest fitting candidate of the plain search and, when it finds none or one slower
     than any segment plan could be (_segment_floor), of the segment candidates too."""
+    constraints, segments = _segments_allowed(constraints)
     table = _table(cfg, seqlen, profile, grad_accum, constraints)
     picks = [_pick(table, budget)]
-    if picks[0] is None or picks[0][2].sec_per_token > _segment_floor(table):
+    if segments and (picks[0] is None or picks[0][2].sec_per_token > _segment_floor(table)):
         seg = _table(cfg, seqlen, profile, grad_accum, constraints, segments=True)
         picks.append(_pick(seg, budget))
     picks = [p for p in picks if p is not None]
@@ -319,9 +330,12 @@ def _pick(table: Table, budget: Budget) -> tuple[Table, Candidate, Score] | None
 
 
 def _tables(cfg, seqlen, profile, grad_accum, constraints) -> tuple[Table, Table]:
-    """(plain, segment) candidate tables of a request."""
-    return (_table(cfg, seqlen, profile, grad_accum, constraints),
-            _table(cfg, seqlen, profile, grad_accum, constraints, segments=True))
+    """(plain, segment) candidate tables of a request (the plain one twice where segments are
+    not allowed)."""
+    constraints, segments = _segments_allowed(constraints)
+    plain = _table(cfg, seqlen, profile, grad_accum, constraints)
+    return plain, (_table(cfg, seqlen, profile, grad_accum, constraints, segments=True)
+                   if segments else plain)
 
 
 def _better(sc: Score, c: Candidate, best_sc: Score, best: Candidate,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataflow.memplan import get_profile
+from dataflow.memplan import get_profile, make_plan
 from dataflow.memplan.layout import allreduce_seconds, choose_layout, layout_text, ring_sizes
 from dataflow.memplan.plan import Budget
 from dataflow.memplan.ring_plan import (LINKS, NCCL_RESERVE_4_BYTES, NCCL_RESERVE_BYTES,
@@ -80,3 +80,22 @@ def test_ring_processes_reserve_what_nccl_was_measured_to_hold():
     for rp in make_rank_plans(load_config("8b"), 8192, budget, ring_profile(H100, 4, "nccl"), 4):
         mem = rp.plan.memory
         assert mem.device_bytes + base + NCCL_RESERVE_4_BYTES <= budget.device_bytes + 2**20
+
+
+def test_ring_ranks_are_planned_without_segment_recompute():
+    """A segment re-runs consecutive local layers, which on a ring rank are not consecutive in
+    the model: the search plans ring ranks without segments (the best plan that fits without
+    them, or a refusal naming the budgets), where it used to hand the ring a plan it could not
+    run (8b at 30/24 per device with 2 chunks a round: segments of 2 layers)."""
+    from dataflow.memplan.errors import InfeasibleBudget
+    from dataflow.memplan.ring_plan import rank_model
+
+    cfg, budget = load_config("8b"), Budget.from_gib(30, 24)
+    prof = ring_profile(get_profile("h200"), 2, "nccl")
+    alone = make_plan(rank_model(cfg, 2, 0), 8192, budget, prof, chunks_per_round=2,
+                      rounds_per_step=8, holds_head=False)
+    assert alone.segment_layers > 1  # what a single device of that model would run
+    with pytest.raises(InfeasibleBudget):
+        make_rank_plans(cfg, 8192, budget, prof, 2, chunks_per_round=2, rounds_per_step=8)
+    for rp in make_rank_plans(cfg, 8192, budget, prof, 2, rounds_per_step=8):
+        assert rp.plan.segment_layers == 1
