@@ -24,7 +24,8 @@ class Ring:
     """Data-parallel copies of the ring: WORLD_SIZE processes form `replicas` rings of
     WORLD_SIZE / replicas ranks (layer i on rank i mod that). None (the default): the layout
     the planner predicts fastest for WORLD_SIZE GPUs (dataflow.memplan.layout.choose_layout),
-    the same in every process; Engine.layout says what it chose."""
+    the same in every process; the engine's rank_plan (replicas, n_ranks, placement) says
+    what it chose."""
     transport: str = "auto"
     """'nccl' (one GPU per rank), 'shm' (one host: NumPy, or ranks sharing GPUs) or 'auto'
     (nccl on a GPU backend, shm on NumPy)."""
