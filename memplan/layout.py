@@ -157,8 +157,26 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
         constraints=tuple(sorted(constraints.items())))
 
 
+def _ring(memo: dict | None, cfg, seqlen, budget, profile, n: int, constraints: dict):
+    """make_rank_plans, remembered in `memo` (refusals too) for the length of one report: the
+    table for 2..64 GPUs plans the same rings again (every world of 4 or more processes
+    reserves the same memory)."""
+    if memo is None:
+        return make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+    key = (cfg, seqlen, budget, profile, n, tuple(sorted(constraints.items())))
+    if key not in memo:
+        try:
+            memo[key] = make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+        except (ConfigError, ValueError) as exc:
+            memo[key] = exc
+    got = memo[key]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
 def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
-                placements: tuple[str, ...] = WEIGHED_PLACEMENTS):
+                placements: tuple[str, ...] = WEIGHED_PLACEMENTS, memo: dict | None = None):
     """(constraints, rank plans) of a ring of n with the planner's chunking and, when that leaves
     the ring under-full (fewer chunks per round than ranks), with a multiple of n chunks a round
     if that fits (the planner then trades recompute or host activations for the room); for each
@@ -168,7 +186,7 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
         for placement in placements:
             try:
                 out += _candidates(cfg, seqlen, budget, profile, n,
-                                   dict(constraints, placement=placement))
+                                   dict(constraints, placement=placement), memo=memo)
             except ConfigError as exc:  # InfeasibleBudget included: refused if none fits
                 errors.append(exc)
         if not out:
@@ -179,13 +197,13 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
                           f"{', '.join(PLACEMENTS)}")
     if constraints.get("placement") == PLACEMENT or n == 1:  # the default: carried by nothing
         constraints = {k: v for k, v in constraints.items() if k != "placement"}
-    base = make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+    base = _ring(memo, cfg, seqlen, budget, profile, n, constraints)
     out = [(constraints, base)]
     c = base[0].plan.chunking.chunks_per_round
     if c < n:
         full = dict(constraints, chunks_per_round=math.lcm(c, n))
         try:
-            out.append((full, make_rank_plans(cfg, seqlen, budget, profile, n, **full)))
+            out.append((full, _ring(memo, cfg, seqlen, budget, profile, n, full)))
         except (ConfigError, ValueError):  # InfeasibleBudget included: more chunks do not fit
             pass
     return out
@@ -197,7 +215,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   ring_size: int | None = None,
                   single_tok_per_s: float | None = ...,
                   constraints: dict | None = None,
-                  placements: tuple[str, ...] = WEIGHED_PLACEMENTS) -> LayoutChoice:
+                  placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
+                  memo: dict | None = None) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -238,8 +257,9 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                 continue
             constraints["tokens_per_step"] = seqs * seqlen
         try:
-            candidates = _candidates(cfg, seqlen, budget, ring_profile(profile, gpus, transport, replicas),
-                                     n, constraints, placements)
+            candidates = _candidates(cfg, seqlen, budget,
+                                     ring_profile(profile, gpus, transport, replicas), n,
+                                     constraints, placements, memo=memo)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
             continue

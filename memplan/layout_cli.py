@@ -35,14 +35,16 @@ def ring_report(cfg, args, budget, profile) -> str:
     cap = _global_batch(args)
     if cap is not None and cap % args.seqlen:
         raise ConfigError(f"--tokens-per-step {cap:,} is not a multiple of seqlen {args.seqlen}")
-    choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap)
+    memo: dict = {}  # the rings planned, shared by the choices for 2..64 GPUs below
+    choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
+                           memo=memo)
     single = choice.single_tok_per_s
     by_gpus = []
     for g in GPU_COUNTS:
         try:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
-                single_tok_per_s=single)
+                single_tok_per_s=single, memo=memo)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
