@@ -22,7 +22,7 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
     from dataflow.memplan.cli_args import check_checkpoint_flags
-    from dataflow.ring.cli import resolve_layout, ring_processes, run_job
+    from dataflow.ring.cli import launch_backend, resolve_layout, ring_processes, run_job
     from dataflow.ring.worker import RingJob
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
@@ -32,7 +32,7 @@ def run_ring(args, parser, lr: float) -> int:
                           f"{', '.join(used)} yet; drop them, or train on one GPU")
     check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
     env, n = ring_processes(args.model, args.gpus, 1)
-    backend = args.backend if args.backend != "auto" else _gpu_or_numpy()
+    backend = launch_backend(args.backend)
     replicas, constraints = resolve_layout(
         args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=backend,
         transport="nccl" if backend == "cupy" else "shm", replicas=None,
@@ -47,13 +47,3 @@ def run_ring(args, parser, lr: float) -> int:
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
     return run_job(job, env, n, as_json=args.json, prog="dataflow-demo", keep_out=False)
 
-
-def _gpu_or_numpy() -> str:
-    """--backend auto as the ranks will resolve it, asked of the driver (no CUDA context here)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return "cupy" if pynvml.nvmlDeviceGetCount() > 0 else "numpy"
-    except Exception:  # noqa: BLE001 - no driver: the NumPy backend
-        return "numpy"

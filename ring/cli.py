@@ -142,6 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     return run_job(job, env, n, as_json=args.json, prog=PROG, keep_out=bool(args.out))
 
 
+def launch_backend(backend: str) -> str:
+    """--backend auto as the ranks will resolve it, asked of the driver (no CUDA context in the
+    launching process): 'cupy' where NVML shows a GPU, else 'numpy'."""
+    if backend != "auto":
+        return backend
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return "cupy" if pynvml.nvmlDeviceGetCount() > 0 else "numpy"
+    except Exception:  # noqa: BLE001 - no driver: the NumPy backend
+        return "numpy"
+
+
 def launch_profile(backend: str):
     """The profile the ranks will plan with, found without a CUDA context in this process: the
     CPU's for NumPy, else the one of GPU 0's name as NVML reports it."""
