@@ -24,19 +24,15 @@ from dataflow.memplan.ring_plan import (
     owned_layers,
     ring_profile,
 )
-from dataflow.memplan.ring_schedule import Recv, Send, compile_ring_schedule
+from dataflow.memplan.ring_schedule import compile_ring_schedule
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import from_json
+from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
 from tests.ring.threads import in_threads
 
-CPU = get_profile("cpu")
-BUDGET = Budget.from_gib(0.25, 0.25)
-CHUNKING = dict(chunk_tokens=128, chunks_per_round=2, rounds_per_step=2)
-
-
 def _cfg(n_layers: int):
-    return dataclasses.replace(load_config("tiny"), name=f"tiny{n_layers}", n_layers=n_layers)
+    return tiny_with(n_layers, name=f"tiny{n_layers}")
 
 
 def _runs(owners) -> int:
@@ -46,21 +42,6 @@ def _runs(owners) -> int:
         cur = cur + 1 if a == b else 1
         best = max(best, cur)
     return best
-
-
-def _assert_sends_pair_with_receives(plans) -> int:
-    """As test_ring_units' check: each Send(tag) to rank p is a Recv(tag) from the sender on p,
-    in the same order per (sender, receiver) pair, with equal byte counts; the sends' count."""
-    n = len(plans)
-    scheds = [compile_ring_schedule(rp, update=u) for rp in plans for u in ("end",)]
-    for src in range(n):
-        for dst in range(n):
-            sent = [(e.tag, e.src.nbytes) for e in scheds[src].events
-                    if type(e) is Send and e.peer == dst]
-            got = [(e.tag, e.dst.nbytes) for e in scheds[dst].events
-                   if type(e) is Recv and e.peer == src]
-            assert sent == got, (src, dst)
-    return sum(type(e) is Send for s in scheds for e in s.events)
 
 
 def test_owner_sequences_walk_the_ring_from_rank_0_to_the_head_rank(rng):
@@ -133,7 +114,7 @@ def test_every_send_of_a_ring_with_runs_has_its_receive(n_ranks, n_layers, place
     owners = plans[0].owners
     assert _runs(owners) >= 2, owners  # the schedules hold runs
     hops = sum(a != b for a, b in zip(owners, owners[1:]))
-    assert _assert_sends_pair_with_receives(plans) == 2 * hops * 2 * 2
+    assert sends_pair_with_receives(plans) == 2 * hops * 2 * 2
 
 
 def test_a_ring_rank_refuses_a_segment_recompute_plan():

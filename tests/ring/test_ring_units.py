@@ -3,7 +3,6 @@ send/receive pairing, the launcher's environment parsing, the TCP rendezvous, an
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 
@@ -31,14 +30,10 @@ from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.ring.launch import rank_env
 from tests.dataflow.plans import updated_pieces
-
-CPU = get_profile("cpu")
-BUDGET = Budget.from_gib(0.25, 0.25)
-CHUNKING = dict(chunk_tokens=128, chunks_per_round=2, rounds_per_step=2)
-
+from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
 
 def _cfg(n_layers: int):
-    return dataclasses.replace(load_config("tiny"), n_layers=n_layers)
+    return tiny_with(n_layers)
 
 
 def test_layers_are_dealt_cyclically_and_every_layer_has_one_owner(rng):
@@ -66,15 +61,7 @@ def test_every_send_has_a_matching_receive_on_the_neighbour():
     p, in the same order per (sender, receiver) pair, with equal byte counts."""
     n = 3
     plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, n, **CHUNKING)
-    scheds = [compile_ring_schedule(rp) for rp in plans]
-    for src in range(n):
-        for dst in range(n):
-            sent = [(e.tag, e.src.nbytes) for e in scheds[src].events
-                    if type(e) is Send and e.peer == dst]
-            got = [(e.tag, e.dst.nbytes) for e in scheds[dst].events
-                   if type(e) is Recv and e.peer == src]
-            assert sent == got, (src, dst)
-    total = sum(type(e) is Send for s in scheds for e in s.events)
+    total = sends_pair_with_receives(plans)
     # forward: every layer but the last sends each chunk; backward: every layer but the first
     assert total == 2 * (5 - 1) * 2 * 2
 
