@@ -9,6 +9,9 @@ processes and one after the other:
            0's record) and its head rank's head sub-chunk, so both train the same global
            batches (dataflow.ring.worker.batches: the shipped text) from the same initial weights, with
            the ring's learning rate and seed.
+  own      with --single-own: one GPU again, at the chunking the planner gives it for the
+           ring's global batch (tokens_per_step): the speed baseline where the ring chose
+           smaller chunks than one device would.
 
 While each runs, every process of it is sampled every 0.5 s: its RSS (psutil) and its device
 memory (NVML, per process, CUDA context included); a child that only creates a CuPy context
@@ -68,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single-budget", type=_budget, default=(120.0, 24.0), metavar="HOST:DEV",
                    help="budgets of the one-GPU run, GiB (default 120:24)")
     p.add_argument("--no-single", action="store_true", help="run the ring only")
+    p.add_argument("--single-own", action="store_true",
+                   help="also run one GPU at the planner's own chunking for the ring's global "
+                        "batch (the fair speed baseline where the ring chose smaller chunks "
+                        "than one device would; its losses differ in the last bits)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
@@ -237,8 +244,11 @@ def single_child(spec_json: str) -> int:
     be = make_backend(spec["backend"])
     eng = Engine.from_plan(_single_plan(cfg, spec, be), backend=be, seed=job.seed,
                            optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm))
+    ch = eng.plan.chunking
     out = {"setup_s": time.perf_counter() - t0, "losses": [], "step_times_s": [],
-           "tokens_per_step": eng.plan.chunking.tokens_per_step,
+           "tokens_per_step": ch.tokens_per_step,
+           "chunking": {"chunk_tokens": ch.chunk_tokens, "chunks_per_round": ch.chunks_per_round,
+                        "rounds_per_step": ch.rounds_per_step},
            "device_bytes": eng.plan.memory.device_bytes, "host_bytes": eng.plan.memory.host_bytes}
     for batch in batches(job, cfg, eng.seqs_per_step):
         r = eng.train_step(batch)
@@ -339,6 +349,13 @@ def collect(args) -> dict:
         rc, wall, rows = _run(cmd, out / "single.log", args.timeout, env)
         record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                             **(_last_json(out / "single.log") or {})}
+        if args.single_own:
+            own = dict(spec, chunking={"tokens_per_step": rank0["tokens_per_step"]},
+                       head_sub_tokens=None)
+            cmd = cmd[:-1] + [json.dumps(own)]
+            rc, wall, rows = _run(cmd, out / "single_own.log", args.timeout, env)
+            record["single_own"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
+                                    **(_last_json(out / "single_own.log") or {})}
     record["predicted"] = predicted(args, probe.device_names(), rank0)
     _judge(record, args)
     return record
@@ -367,6 +384,7 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
         Link(name="measured", bytes_per_s=args.link_bytes_per_s, latency_s=100e-6)
     opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
                          args.gpus // replicas, links=(link,),
+                         chunk_tokens=ch["chunk_tokens"],
                          chunks_per_round=ch["chunks_per_round"],
                          rounds_per_step=ch["rounds_per_step"],
                          **({"placement": rank0["placement"]}
@@ -402,13 +420,19 @@ def _judge(record: dict, args) -> None:
                 for row in rows]
 
     record["ring"]["budget_checks"] = checks(record["ring"]["processes"], args.ring_budget)
-    if record.get("single"):
-        record["single"]["budget_checks"] = checks(record["single"]["processes"],
-                                                   args.single_budget)
+    for key in ("single", "single_own"):
+        if record.get(key):
+            record[key]["budget_checks"] = checks(record[key]["processes"], args.single_budget)
     rank0, single = record["ring"].get("rank0"), record.get("single")
     cmp = {"ring_tok_per_s": _tok_s(rank0), "single_tok_per_s": _tok_s(single)}
     if cmp["ring_tok_per_s"] and cmp["single_tok_per_s"]:
         cmp["speedup"] = cmp["ring_tok_per_s"] / cmp["single_tok_per_s"]
+    own = _tok_s(record.get("single_own"))
+    if own:
+        cmp["single_own_tok_per_s"] = own
+        cmp["single_own_chunking"] = record["single_own"].get("chunking")
+        if cmp["ring_tok_per_s"]:
+            cmp["speedup_over_own"] = cmp["ring_tok_per_s"] / own
     if rank0 and single and single.get("losses"):
         a, b = rank0["losses"], single["losses"]
         cmp["losses_identical"] = a == b
@@ -434,12 +458,19 @@ def table(record: dict) -> str:
         lines.append(f"single GPU exit {s['exit_code']} in {s['wall_s']:.0f} s; losses "
                      f"{s.get('losses')}")
         lines += _check_lines(s)
+    o = record.get("single_own")
+    if o:
+        lines.append(f"single GPU, its own chunking {o.get('chunking')}: exit {o['exit_code']} "
+                     f"in {o['wall_s']:.0f} s; losses {o.get('losses')}")
+        lines += _check_lines(o)
     fmt = lambda v: "n/a" if v is None else f"{v:,.0f}"  # noqa: E731
     lines.append(f"tok/s ring {fmt(c.get('ring_tok_per_s'))}, "
                  f"single {fmt(c.get('single_tok_per_s'))}"
                  + (f", speedup {c['speedup']:.3f}x" if c.get("speedup") else "")
                  + (f"; losses identical {c['losses_identical']}, max rel diff "
-                    f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else ""))
+                    f"{c['loss_max_rel_diff']:.2e}" if "losses_identical" in c else "")
+                 + (f"; single at its own chunking {fmt(c['single_own_tok_per_s'])}, speedup "
+                    f"{c['speedup_over_own']:.3f}x" if c.get("speedup_over_own") else ""))
     pred = record.get("predicted") or {}
     if pred:
         lines.append(f"predicted ({pred.get('profile')}, {pred.get('replicas')} x ring of "

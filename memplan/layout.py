@@ -31,6 +31,14 @@ its gradient), so the balanced walk's extra layers on the other ranks usually co
 the head's rank saves (8b at 8k on H100s: rings of 2 and 4 predict 2 % and 19 % behind cyclic;
 simulate_ring agrees). 'contiguous' is never weighed: one visit per rank serialises the ring."""
 
+FULL_RING_SPLITS = (2, 4)
+"""The planner's chunk is also weighed cut into this many pieces for a full ring."""
+MIN_RING_CHUNK_TOKENS = 1024
+"""No ring chunk shorter: below it the layers' GEMMs lose their arithmetic intensity (the cost
+model charges it, but the search need not spend time there)."""
+FULL_RING_MULTIPLES = (1, 2)
+"""Chunks a round weighed for a full ring, as multiples of the ring size."""
+
 PLACEMENT_MARGIN = 0.02
 """How far ahead of the cyclic ring another placement must be predicted to be chosen: 32b at
 125 / 40 on 2 H100s (one chunk a round) predicts balanced 0.1 % ahead and simulates it 2 %
@@ -65,6 +73,7 @@ class LinkPrediction:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LayoutOption:
     layout: Layout
+    chunk_tokens: int
     chunks_per_round: int
     rounds_per_step: int
     predictions: tuple[LinkPrediction, ...]
@@ -150,8 +159,8 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
         layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
                       placement=rps[0].placement,
                       tokens_per_step=tokens),
-        chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step,
-        predictions=tuple(preds),
+        chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
+        rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
         device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
         host_bytes=max(rp.plan.memory.host_bytes for rp in rps),
         constraints=tuple(sorted(constraints.items())))
@@ -176,7 +185,8 @@ def _ring(memo: dict | None, cfg, seqlen, budget, profile, n: int, constraints: 
 
 
 def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
-                placements: tuple[str, ...] = WEIGHED_PLACEMENTS, memo: dict | None = None):
+                placements: tuple[str, ...] = WEIGHED_PLACEMENTS, memo: dict | None = None,
+                quick: bool = False):
     """(constraints, rank plans) of a ring of n with the planner's chunking and, when that leaves
     the ring under-full (fewer chunks per round than ranks), with a multiple of n chunks a round
     if that fits (the planner then trades recompute or host activations for the room); for each
@@ -186,7 +196,8 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
         for placement in placements:
             try:
                 out += _candidates(cfg, seqlen, budget, profile, n,
-                                   dict(constraints, placement=placement), memo=memo)
+                                   dict(constraints, placement=placement), memo=memo,
+                                   quick=quick)
             except ConfigError as exc:  # InfeasibleBudget included: refused if none fits
                 errors.append(exc)
         if not out:
@@ -199,14 +210,50 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
         constraints = {k: v for k, v in constraints.items() if k != "placement"}
     base = _ring(memo, cfg, seqlen, budget, profile, n, constraints)
     out = [(constraints, base)]
-    c = base[0].plan.chunking.chunks_per_round
-    if c < n:
-        full = dict(constraints, chunks_per_round=math.lcm(c, n))
+    if n == 1:
+        return out
+    for shape in _full_ring_chunkings(base[0].plan.chunking, n, constraints,
+                                      few=quick or "placement" in constraints):
+        full = dict(constraints, **shape)
         try:
             out.append((full, _ring(memo, cfg, seqlen, budget, profile, n, full)))
-        except (ConfigError, ValueError):  # InfeasibleBudget included: more chunks do not fit
+        except (ConfigError, ValueError):  # InfeasibleBudget included: these chunks do not fit
             pass
     return out
+
+
+def _full_ring_chunkings(ch, n: int, constraints: dict, *, few: bool = False) -> list[dict]:
+    """The chunk shapes weighed beside the planner's own `ch` for a ring of n: at least n chunks
+    a round (a full ring: every rank has a chunk to work on while the others pass theirs on), at
+    the planner's chunk size and at FULL_RING_SPLITS of it (down to MIN_RING_CHUNK_TOKENS and not
+    where the caller fixed chunk_tokens), with FULL_RING_MULTIPLES of n chunks a round (more
+    chunks shorten the pipeline's fill and drain against the round's work, smaller ones fill a
+    ring whose memory holds few chunks: 32b at 8k on 2 GPUs at 120 / 40 holds one chunk of 8k
+    a round but two of 4k). A shape equal to the planner's is left out. `few` (a placement
+    other than cyclic, never predicted ahead of it where a full ring fits) weighs only the
+    planner's chunk size with its chunks a round rounded up to a multiple of n, if that is a
+    change: each shape is a plan of every rank (0.5 s for 8b)."""
+    fixed_c = "chunks_per_round" in constraints
+    if few:
+        c = math.lcm(ch.chunks_per_round, n)
+        return [] if fixed_c or c == ch.chunks_per_round else [{"chunks_per_round": c}]
+    sizes = [ch.chunk_tokens]
+    if "chunk_tokens" not in constraints:
+        sizes += [ch.chunk_tokens // k for k in FULL_RING_SPLITS
+                  if ch.chunk_tokens % k == 0 and ch.chunk_tokens // k >= MIN_RING_CHUNK_TOKENS]
+    shapes = []
+    for tokens in sizes:
+        per_seq = max(1, ch.seqlen // tokens) if tokens < ch.seqlen else 1
+        counts = ({constraints["chunks_per_round"]} if fixed_c else
+                  {math.lcm(m * n, per_seq) for m in FULL_RING_MULTIPLES} | {math.lcm(ch.chunks_per_round, n)})
+        for c in sorted(counts):
+            if (tokens, c) == (ch.chunk_tokens, ch.chunks_per_round) or (fixed_c and c < n):
+                continue
+            shape = {"chunks_per_round": c}
+            if tokens != ch.chunk_tokens:
+                shape["chunk_tokens"] = tokens
+            shapes.append(shape)
+    return shapes
 
 
 def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
@@ -216,12 +263,15 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   single_tok_per_s: float | None = ...,
                   constraints: dict | None = None,
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
-                  memo: dict | None = None) -> LayoutChoice:
+                  memo: dict | None = None, quick: bool = False) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
     or more may deal their layers (WEIGHED_PLACEMENTS to weigh them; a 'placement' constraint
-    fixes one; the option's constraints carry a placement other than cyclic). Raises
+    fixes one; the option's constraints carry a placement other than cyclic). `quick` weighs
+    a ring's chunking only as the planner chose it or rounded up to a full ring (not the
+    smaller chunks and longer rounds of _full_ring_chunkings: a third of the planning time,
+    for overviews such as dataflow-plan's table over 2..64 GPUs). Raises
     ConfigError when no ring size fits, naming every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
@@ -259,7 +309,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
         try:
             candidates = _candidates(cfg, seqlen, budget,
                                      ring_profile(profile, gpus, transport, replicas), n,
-                                     constraints, placements, memo=memo)
+                                     constraints, placements, memo=memo, quick=quick)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
             continue
@@ -318,14 +368,15 @@ def layout_text(choice: LayoutChoice) -> str:
              else f"one ring of {c.ring_size}")
     lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers, "
              f"{c.tokens_per_step:,} tokens a step (one device at these budgets: {alone})",
-             f"  {'ring':>4} {'replicas':>8} {'C x rounds':>11} {'tokens/step':>12} {'tok/s':>10} "
+             f"  {'ring':>4} {'replicas':>8} {'chunk':>6} {'C x rounds':>11} {'tokens/step':>12} "
+             f"{'tok/s':>10} "
              f"{'speedup':>8} {'bubble':>7} {'all-reduce s':>12} {'dev GiB':>8} {'host GiB':>9}"]
     for o in choice.options:
         p = o.on(choice.link)
         mark = "*" if o is choice.chosen else " "
         speed = "n/a" if p.speedup is None else f"{p.speedup:.2f}x"
         lines.append(f" {mark}{o.layout.ring_size:>4} {o.layout.replicas:>8} "
-                     f"{o.chunks_per_round:>4} x {o.rounds_per_step:<4} "
+                     f"{o.chunk_tokens:>6} {o.chunks_per_round:>4} x {o.rounds_per_step:<4} "
                      f"{o.layout.tokens_per_step:>12,} {p.tok_per_s:>10,.0f} {speed:>8} "
                      f"{p.bubble_frac:>6.1%} {p.allreduce_s:>12.3f} "
                      f"{o.device_bytes / 2**30:>8.2f} {o.host_bytes / 2**30:>9.2f}")

@@ -44,7 +44,7 @@ def ring_report(cfg, args, budget, profile) -> str:
         try:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
-                single_tok_per_s=single, memo=memo)
+                single_tok_per_s=single, memo=memo, quick=True)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
@@ -76,7 +76,9 @@ def ring_report(cfg, args, budget, profile) -> str:
         lines.append(f"    {p.link:<16} {p.tok_per_s:>12,.0f} tok/s  ({speed}; step "
                      f"{p.step_time_s:.3f} s, all-reduce {p.allreduce_s:.3f} s, bubble "
                      f"{p.bubble_frac:.1%})")
-    lines.append(f"layouts by number of GPUs (over {LINKS[0].name}; per-device budgets as above):")
+    lines.append(f"layouts by number of GPUs (over {LINKS[0].name}; per-device budgets as above; "
+                 f"quick: rings at the planner's chunk size, rounded up to full, except for "
+                 f"{args.gpus}; --gpus G weighs smaller chunks too):")
     for g, c, why in by_gpus:
         if c is None:
             lines.append(f"  {g:>3} GPUs: not possible ({why})")
