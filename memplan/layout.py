@@ -245,7 +245,8 @@ def _full_ring_chunkings(ch, n: int, constraints: dict, *, few: bool = False) ->
     for tokens in sizes:
         per_seq = max(1, ch.seqlen // tokens) if tokens < ch.seqlen else 1
         counts = ({constraints["chunks_per_round"]} if fixed_c else
-                  {math.lcm(m * n, per_seq) for m in FULL_RING_MULTIPLES} | {math.lcm(ch.chunks_per_round, n)})
+                  {math.lcm(m * n, per_seq) for m in FULL_RING_MULTIPLES}
+                  | {math.lcm(ch.chunks_per_round, n, per_seq)})
         for c in sorted(counts):
             if (tokens, c) == (ch.chunk_tokens, ch.chunks_per_round) or (fixed_c and c < n):
                 continue

@@ -55,6 +55,25 @@ a full ring of 4 at 30/24 on 4 H200s (s16-ring-h200x4-893d3ce) at 0.906; their m
 (NCCL kernels sharing the SMs and what else the walk leaves out). The prediction of a ring of
 two or more ranks is scaled by it; data parallelism (rings of 1) is not."""
 
+SPLIT_RING_EFFICIENCY = 0.86
+"""A further factor for rings whose chunks split sequences (chunks_per_seq > 1), measured: on 4
+H100s (s17-ring-h100x4-1644192) 8b at 30/24 in 4k chunks x 8 ran 0.838 of its prediction, 32b
+at 64/40 on 4 GPUs in 4k chunks 0.869, 32b at 120/40 on 2 of them in 2k chunks 0.880 (mean
+0.862), where rings of whole-sequence 8k chunks had run 0.98-1.05 (s16 records). simulate_ring
+agrees with the model for the 8b ring (29,930 against 30,064 tok/s), and one H100 with the
+same 4k chunks ran 0.968 of its own plan, so the loss is in the ring's execution of split
+sequences (twice the messages, half the size each; what else is not known yet), not in the
+per-rank cost model. Without it the layout chose split chunks that then ran slower than whole
+ones."""
+
+
+def ring_efficiency(n_ranks: int, chunks_per_seq: int) -> float:
+    """What predict_ring divides a ring's step by: 1 for one rank (data parallelism),
+    RING_EFFICIENCY for a ring, times SPLIT_RING_EFFICIENCY where its chunks split sequences."""
+    if n_ranks < 2:
+        return 1.0
+    return RING_EFFICIENCY * (SPLIT_RING_EFFICIENCY if chunks_per_seq > 1 else 1.0)
+
 
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
                  replicas: int = 1) -> HardwareProfile:
@@ -477,7 +496,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     each hop a chunk's residual or gradient, T*D*2 bytes, over the link); the step adds the
     largest of the ranks' own extras (a rank's predicted step less its layer and head work:
     exposed copies, the optimizer). It is bounded below by the busiest rank's sends, and scaled
-    by the measured RING_EFFICIENCY for N >= 2. A model, not a measurement: docs/ring.md
+    by the measured ring_efficiency for N >= 2 (lower where chunks split sequences). A model, not a measurement: docs/ring.md
     compares it with simulate_ring (every rank's compiled schedule timed together)."""
     n = len(rank_plans)
     slow = max(rank_plans, key=lambda rp: rp.plan.prediction.step_time_s)
@@ -497,7 +516,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
             rounds * hop_s
         step_s = max(rounds * round_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
-        step_s /= RING_EFFICIENCY
+        step_s /= ring_efficiency(n, ch.chunks_per_seq)
     tok_s = ch.tokens_per_step / step_s
     return RingPrediction(
         n_ranks=n, link=link.name, chunks_per_round=chunks, rank_step_time_s=rank_s,

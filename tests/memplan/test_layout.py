@@ -99,3 +99,42 @@ def test_ring_ranks_are_planned_without_segment_recompute():
         make_rank_plans(cfg, 8192, budget, prof, 2, chunks_per_round=2, rounds_per_step=8)
     for rp in make_rank_plans(cfg, 8192, budget, prof, 2, rounds_per_step=8):
         assert rp.plan.segment_layers == 1
+
+
+def test_a_full_ring_is_also_weighed_in_smaller_chunks_and_longer_rounds():
+    """Beside the planner's chunking a ring of n weighs n and 2n chunks a round at the planner's
+    chunk size and at half and a quarter of it (never below MIN_RING_CHUNK_TOKENS, never a
+    shape the caller fixed): 32b at 120/40 on 2 GPUs holds one 8k chunk a round but two of 4k."""
+    from dataflow.memplan.layout import MIN_RING_CHUNK_TOKENS, _full_ring_chunkings
+    from dataflow.memplan.plan import Chunking
+
+    one = Chunking(seqlen=8192, chunk_tokens=8192, seqs_per_chunk=1, chunks_per_seq=1,
+                   chunks_per_round=1, rounds_per_step=72)
+    shapes = _full_ring_chunkings(one, 2, {})
+    assert {"chunks_per_round": 2} in shapes and {"chunks_per_round": 4} in shapes
+    assert {"chunk_tokens": 4096, "chunks_per_round": 2} in shapes
+    assert {"chunk_tokens": 2048, "chunks_per_round": 4} in shapes
+    assert all(s.get("chunk_tokens", 8192) >= MIN_RING_CHUNK_TOKENS for s in shapes)
+    # chunks of a split sequence come whole: 2k chunks of an 8k sequence, 4 (or 8) a round
+    assert all(s["chunks_per_round"] % (8192 // s.get("chunk_tokens", 8192)) == 0 for s in shapes)
+    assert _full_ring_chunkings(one, 2, {"chunk_tokens": 8192}) == [{"chunks_per_round": 2},
+                                                                   {"chunks_per_round": 4}]
+    assert _full_ring_chunkings(one, 2, {"chunks_per_round": 1}) == []  # fixed and under-full
+    assert _full_ring_chunkings(one, 2, {}, few=True) == [{"chunks_per_round": 2}]
+
+
+def test_split_sequence_rings_are_predicted_at_their_measured_efficiency():
+    """Rings whose chunks split sequences ran 0.84-0.88 of the model on 4 H100s where whole
+    8k chunks ran 0.98-1.05: their step is divided by SPLIT_RING_EFFICIENCY too, so the layout
+    prefers whole chunks unless splitting buys more than that (8b at 30/24 on 4 GPUs: 8 chunks
+    of 8k, not 8 of 4k)."""
+    from dataflow.memplan.ring_plan import (RING_EFFICIENCY, SPLIT_RING_EFFICIENCY,
+                                            ring_efficiency)
+
+    assert ring_efficiency(1, 4) == 1.0
+    assert ring_efficiency(4, 1) == RING_EFFICIENCY
+    assert ring_efficiency(2, 2) == pytest.approx(RING_EFFICIENCY * SPLIT_RING_EFFICIENCY)
+    choice = choose_layout(load_config("8b"), 8192, Budget.from_gib(30, 24), get_profile("h100"),
+                           4, ring_size=4, placements=("cyclic",))
+    assert choice.chosen.chunk_tokens == 8192
+    assert choice.chosen.chunks_per_round >= 8  # more than the planner's 4: a shorter fill
