@@ -6,7 +6,12 @@ step-1 loss and gradient norm, an 8-step loss trajectory; then our export reload
 against transformers' own trained model (which trained in fp32). Needs torch and transformers
 (never dependencies of the project); runs on the CPU too.
 
-    python -m dataflow.bench.family_check --family mistral [--backend numpy] [--out FILE]
+    python -m dataflow.bench.family_check --family mistral|llama|qwen2|qwen3 [--backend numpy]
+                                          [--out FILE]
+
+transformers initialises biases to zero and norm weights to one; Qwen2's q/k/v biases and
+Qwen3's q_norm/k_norm weights are redrawn at random here (_randomise_family_params), so their
+gradients and updates are checked for real.
 
 Prints one JSON document (and writes it to --out)."""
 
@@ -35,12 +40,32 @@ def _hf_model(family: str, torch):
     if family == "llama":
         conf = transformers.LlamaConfig(**SHAPE)
         return transformers.LlamaForCausalLM(conf)
-    raise SystemExit(f"family {family!r}: choose mistral or llama")
+    if family == "qwen2":
+        conf = transformers.Qwen2Config(**SHAPE, use_sliding_window=False)
+        return transformers.Qwen2ForCausalLM(conf)
+    if family == "qwen3":
+        conf = transformers.Qwen3Config(**SHAPE, attention_bias=False, use_sliding_window=False)
+        return transformers.Qwen3ForCausalLM(conf)
+    raise SystemExit(f"family {family!r}: choose one of {', '.join(FAMILIES)}")
+
+
+FAMILIES = ("mistral", "llama", "qwen2", "qwen3")
+
+
+def _randomise_family_params(model, torch) -> None:
+    """Qwen2's q/k/v biases ~ normal(0, 0.1) and Qwen3's q_norm/k_norm weights ~ 1 +
+    normal(0, 0.1), where transformers starts them at zero and one (seeded by the caller)."""
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                prm.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                prm.copy_(1.0 + 0.1 * torch.randn_like(prm))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataflow.bench.family_check")
-    p.add_argument("--family", default="mistral")
+    p.add_argument("--family", default="mistral", choices=FAMILIES)
     p.add_argument("--backend", default="numpy")
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
@@ -57,6 +82,7 @@ def main(argv=None) -> int:
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
     ref = _hf_model(args.family, torch)
+    _randomise_family_params(ref, torch)
     # bf16 weights on both sides: ours store bf16, so the reference starts from the same bits
     with torch.no_grad():
         for prm in ref.parameters():

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataflow.rope import rope_table
 from dataflow.kernels.reference import acc_dtype
 from dataflow.kernels.reference.attention import attention_fwd
 from dataflow.kernels.reference.embedding import embedding_fwd
 from dataflow.kernels.reference.head_loss import head_loss_fwd_bwd
 from dataflow.kernels.reference.linear import linear_fwd
 from dataflow.kernels.reference.rms_norm import rms_norm_fwd
-from dataflow.kernels.reference.rope import rope_fwd
 from dataflow.kernels.reference.swiglu import swiglu_fwd
 from dataflow.models.layout import BlockKind
+from dataflow.reference_model import qkv_fwd
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -27,13 +26,9 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """One decoder layer, x (T, D) -> (T, D), as dataflow.reference_model computes it."""
-    t, inv_freq = x.shape[0], rope_table(cfg)
+    t = x.shape[0]
     n1, _ = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
-    q = rope_fwd(linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim),
-                 pos, inv_freq)
-    k = rope_fwd(linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim),
-                 pos, inv_freq)
-    v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = qkv_fwd(cfg, w, n1, pos)  # biases and QK-norm as the family has them
     o, _ = attention_fwd(q, k, v)
     h = _add(x, linear_fwd(o.reshape(t, cfg.q_dim), w["self_attn.o_proj"]))
     n2, _ = rms_norm_fwd(h, w["post_attention_layernorm"], cfg.norm_eps)

@@ -1,7 +1,13 @@
 """One transformer layer on one chunk, forward and backward, as a sequence of op-table launches on
 the compute stream. Reads weights and saved activations from views the executor hands in, writes
 the next residual (forward) or the input gradient (backward), and recomputes whatever the saved
-level left out. Never decides placement and never issues copies between host and device."""
+level left out. Never decides placement and never issues copies between host and device.
+
+Families (ModelConfig.attention_bias, qk_norm): a biased projection fills its output with the
+bias and accumulates x @ w.T onto it (one rounding); QK-norm projects q and k into the
+workspace's 'qpre'/'kpre' and normalises each head from there into q and k (an RMSNorm over
+rows of E). The saved levels keep no QK-norm input: the backward re-forms it (the K projection
+always, the Q projection at FULL too: dataflow.models.flops.level_recompute_flops counts it)."""
 
 from __future__ import annotations
 
@@ -85,8 +91,8 @@ class LayerCompute:
                 xn = self.ws["xn"][:t]
                 op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn,
                    self.ws["rstd"][:t], hres)
-                op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
-                op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+                self._proj(w, xn, "k", k)
+                self._proj(w, xn, "v", v)
                 op("rope_fwd", k, pos, rope_table(cfg), k)
             else:
                 op("cast", x, hres)
@@ -137,20 +143,54 @@ class LayerCompute:
         t = x.shape[0]
         xn = self.ws["xn"][:t]
         op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, self.ws["rstd"][:t])
-        op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
-        op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+        self._proj(w, xn, "k", k)
+        self._proj(w, xn, "v", v)
         op("rope_fwd", k, pos, rope_table(cfg), k)
 
     def _qkv(self, w, x, xn, rstd, q, k, v, pos, copy=None) -> None:
         """Input norm (and x into `copy`), Q/K/V projections, RoPE on Q and K."""
         cfg, op = self.cfg, self._op
-        t = x.shape[0]
         op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, rstd, copy)
-        op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
-        op("linear_fwd", xn, w["self_attn.k_proj"], k.reshape(t, -1))
-        op("linear_fwd", xn, w["self_attn.v_proj"], v.reshape(t, -1))
+        self._proj(w, xn, "q", q)
+        self._proj(w, xn, "k", k)
+        self._proj(w, xn, "v", v)
         op("rope_fwd", q, pos, rope_table(cfg), q)
         op("rope_fwd", k, pos, rope_table(cfg), k)
+
+    def _proj(self, w, xn, name: str, out) -> None:
+        """xn (T, D) -> out (T, heads, E): projection `name` ('q', 'k' or 'v'), its bias
+        (attention_bias: out starts as the bias, the GEMM accumulates onto it), and for q and k
+        with qk_norm the per-head RMSNorm: the projection goes to the workspace's '{name}pre'
+        and its rows of E are normalised from there into out, their rstd in '{name}rstd'
+        (what _proj_bwd reads)."""
+        cfg, op = self.cfg, self._op
+        t = xn.shape[0]
+        normed = cfg.qk_norm and name != "v"
+        dst = self.ws[f"{name}pre"][:t] if normed else out
+        if cfg.attention_bias:
+            op("bias_fill", w[f"self_attn.{name}_proj.bias"], dst.reshape(t, -1))
+        op("linear_fwd", xn, w[f"self_attn.{name}_proj"], dst.reshape(t, -1),
+           cfg.attention_bias)
+        if normed:
+            e = cfg.head_dim
+            op("rms_norm_fwd", dst.reshape(-1, e), w[f"self_attn.{name}_norm"], cfg.norm_eps,
+               out.reshape(-1, e), self.ws[f"{name}rstd"][:t].reshape(-1))
+
+    def _proj_bwd(self, w, g, name: str, dy) -> None:
+        """dy (T, heads, E), the gradient of projection `name`'s output after QK-norm (RoPE's
+        backward already taken), in place -> the gradient of the projection itself: through
+        the per-head RMSNorm (its weight's gradient accumulates into g; reads the '{name}pre'
+        and '{name}rstd' that _proj formed for this chunk), then the bias's gradient."""
+        cfg, op = self.cfg, self._op
+        t = dy.shape[0]
+        if cfg.qk_norm and name != "v":
+            e = cfg.head_dim
+            rows = dy.reshape(-1, e)
+            op("rms_norm_bwd", self.ws[f"{name}pre"][:t].reshape(-1, e),
+               w[f"self_attn.{name}_norm"], self.ws[f"{name}rstd"][:t].reshape(-1), rows, rows,
+               g[f"self_attn.{name}_norm"])
+        if cfg.attention_bias:
+            op("bias_bwd", dy.reshape(t, -1), g[f"self_attn.{name}_proj.bias"])
 
     def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None, act: bool = True,
                  copy=None) -> None:
@@ -182,6 +222,13 @@ class LayerCompute:
         full = level is SavedLevel.FULL
         op("rms_norm_fwd", x, w["input_layernorm"], cfg.norm_eps, xn, ws["rstd"][:t],
            None if full else ws["h"][:t])  # below the level: x is where h starts
+        if cfg.qk_norm:
+            # QK-norm's backward needs the projections before the norm and their rstd, which no
+            # level keeps: re-form K's (the saved or context K stays the attention's input;
+            # ws["k"] only takes the norm's output), and Q's at FULL (likewise into ws["q"]).
+            self._proj(w, xn, "k", ws["k"][:t])
+            if full:
+                self._proj(w, xn, "q", ws["q"][:t])
         if full:
             q, o, lse, hres = save["q"], save["o"], save["lse"], save["h"]
             gate, up = save["gate"], save["up"]
@@ -189,7 +236,7 @@ class LayerCompute:
                ws["rstd2"][:t])
         else:
             q = ws["q"][:t]
-            op("linear_fwd", xn, w["self_attn.q_proj"], q.reshape(t, -1))
+            self._proj(w, xn, "q", q)
             op("rope_fwd", q, pos, rope_table(cfg), q)
             if level is SavedLevel.INP_ATTN:
                 o, lse = save["o"], save["lse"]
@@ -243,6 +290,8 @@ class LayerCompute:
                    do[a:b], dq[a:b], dk[a:b], dv[a:b])
         op("rope_bwd", dq, pos, rope_table(cfg), dq)
         op("rope_bwd", dk, pos, rope_table(cfg), dk)
+        for name, d in (("q", dq), ("k", dk), ("v", dv)):
+            self._proj_bwd(w, g, name, d)
         op("linear_bwd_w", dq.reshape(t, -1), xn, g["self_attn.q_proj"], True)
         op("linear_bwd_w", dk.reshape(t, -1), xn, g["self_attn.k_proj"], True)
         op("linear_bwd_w", dv.reshape(t, -1), xn, g["self_attn.v_proj"], True)

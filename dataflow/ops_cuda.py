@@ -23,6 +23,8 @@ class CudaOps:
     linear_fwd = staticmethod(K.linear_fwd)
     linear_bwd_x = staticmethod(K.linear_bwd_x)
     linear_bwd_w = staticmethod(K.linear_bwd_w)
+    bias_fill = staticmethod(K.bias_fill)
+    bias_bwd = staticmethod(K.bias_bwd)
     rope_fwd = staticmethod(K.rope_fwd)
     rope_bwd = staticmethod(K.rope_bwd)
     swiglu_fwd = staticmethod(K.swiglu_fwd)

@@ -44,6 +44,17 @@ def linear_fwd(x, w, y, accumulate=False):
         y[...] = ref.linear_fwd(x, w)
 
 
+def bias_fill(b, y):
+    """y (T, O) = b (O,) on every row: a biased projection starts from its bias, then
+    linear_fwd accumulates x @ w.T onto it (one rounding of b + x @ w.T, as ref.linear_fwd)."""
+    y[...] = b
+
+
+def bias_bwd(dy, db):
+    """db (O,) += sum over the rows of dy (T, O), summed in fp32 and rounded once."""
+    _store(db, ref.bias_bwd(dy), True)
+
+
 def linear_bwd_x(dy, w, dx, accumulate=False):
     _store(dx, dy.astype(F32) @ w.astype(F32), accumulate)
 
@@ -150,7 +161,8 @@ def sumsq(x, out, accumulate=True):
 
 WRITES: dict[str, tuple[int, ...]] = {
     "rms_norm_fwd": (3, 4, 5), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
-    "linear_bwd_w": (2,), "rope_fwd": (3,), "rope_bwd": (3,), "swiglu_fwd": (2,),
+    "linear_bwd_w": (2,), "bias_fill": (1,), "bias_bwd": (1,), "rope_fwd": (3,),
+    "rope_bwd": (3,), "swiglu_fwd": (2,),
     "swiglu_bwd": (3, 4, 5), "embedding_fwd": (2,), "embedding_bwd": (2,),
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),

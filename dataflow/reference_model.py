@@ -7,7 +7,10 @@ dataflow/ because kernels/ must not depend on models/).
 Per layer (transformers' LlamaDecoderLayer):
     h   = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))),  n1 = norm1(x)
     out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                       n2 = norm2(h)
-then the final norm, lm_head and the cross-entropy summed over the tokens.
+then the final norm, lm_head and the cross-entropy summed over the tokens. With
+cfg.attention_bias (Qwen2) the q, k and v projections add their biases; with cfg.qk_norm (Qwen3)
+each head of q and of k goes through an RMSNorm over head_dim before RoPE
+(rope(q_norm(q_proj(n1))), likewise k).
 
 Dtypes: activations (and their gradients) are stored in `act_dtype`, the weights' dtype unless
 asked otherwise (bf16 weights -> bf16 activations as the engine stores them; float64 weights ->
@@ -23,7 +26,7 @@ from dataflow.kernels.reference import acc_dtype
 from dataflow.kernels.reference.attention import attention_bwd, attention_fwd
 from dataflow.kernels.reference.embedding import embedding_bwd, embedding_fwd
 from dataflow.kernels.reference.head_loss import IGNORE, head_loss_fwd_bwd
-from dataflow.kernels.reference.linear import linear_bwd, linear_fwd
+from dataflow.kernels.reference.linear import bias_bwd, linear_bwd, linear_fwd
 from dataflow.kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
 from dataflow.kernels.reference.rope import rope_bwd, rope_fwd
 from dataflow.kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
@@ -48,15 +51,53 @@ def _add(a: np.ndarray, b: np.ndarray, dtype) -> np.ndarray:
     return (a.astype(dt) + b.astype(dt)).astype(dtype)
 
 
+def _head_proj(cfg, w: dict, n1: np.ndarray, name: str, heads: int, pos, saved: dict | None,
+               rope: bool = True) -> np.ndarray:
+    """One of q, k, v of the attention input n1 (T, D) -> (T, heads, E): the projection (plus
+    its bias with attention_bias), the per-head RMSNorm of q and k with qk_norm (its input and
+    rstd kept in `saved` as '{name}_pre', '{name}_rstd'), RoPE when `rope`."""
+    t, e = n1.shape[0], cfg.head_dim
+    y = linear_fwd(n1, w[f"self_attn.{name}_proj"],
+                   w[f"self_attn.{name}_proj.bias"] if cfg.attention_bias else None)
+    y = y.reshape(t, heads, e)
+    if cfg.qk_norm and name in ("q", "k"):
+        yn, rstd = rms_norm_fwd(y.reshape(t * heads, e), w[f"self_attn.{name}_norm"],
+                                cfg.norm_eps)                      # (T*heads, E), (T*heads,)
+        if saved is not None:
+            saved[f"{name}_pre"], saved[f"{name}_rstd"] = y, rstd
+        y = yn.reshape(t, heads, e)
+    return rope_fwd(y, pos, rope_table(cfg)) if rope else y
+
+
+def qkv_fwd(cfg, w: dict, n1: np.ndarray, pos, saved: dict | None = None):
+    """(q (T, H, E), k (T, K, E), v (T, K, E)) of the attention input n1 (T, D): roped q and k
+    as the attention sees them (see _head_proj). Shared with dataflow.host_forward."""
+    return (_head_proj(cfg, w, n1, "q", cfg.n_heads, pos, saved),
+            _head_proj(cfg, w, n1, "k", cfg.n_kv_heads, pos, saved),
+            _head_proj(cfg, w, n1, "v", cfg.n_kv_heads, pos, saved, rope=False))
+
+
+def _head_proj_bwd(cfg, w: dict, a: dict, name: str, dy: np.ndarray, dw: dict) -> np.ndarray:
+    """dy (T, heads, E), the gradient of the projection's output after the QK-norm (before
+    RoPE's backward is taken off: the caller did) -> the gradient of the projection's output
+    (T, heads * E); writes the QK-norm weight's and the bias's gradients into `dw`."""
+    t, heads, e = dy.shape
+    if cfg.qk_norm and name in ("q", "k"):
+        dy, dw[f"self_attn.{name}_norm"][...] = rms_norm_bwd(
+            a[f"{name}_pre"].reshape(t * heads, e), w[f"self_attn.{name}_norm"],
+            a[f"{name}_rstd"], dy.reshape(t * heads, e))
+    dy = dy.reshape(t, heads * e)
+    if cfg.attention_bias:
+        dw[f"self_attn.{name}_proj.bias"][...] = bias_bwd(dy)
+    return dy
+
+
 def _layer_fwd(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict]:
     """x (T, D) -> out (T, D) and everything the backward needs."""
     t = x.shape[0]
     n1, rstd1 = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
-    q = linear_fwd(n1, w["self_attn.q_proj"]).reshape(t, cfg.n_heads, cfg.head_dim)
-    k = linear_fwd(n1, w["self_attn.k_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    v = linear_fwd(n1, w["self_attn.v_proj"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    q = rope_fwd(q, pos, rope_table(cfg))
-    k = rope_fwd(k, pos, rope_table(cfg))
+    extra: dict = {}
+    q, k, v = qkv_fwd(cfg, w, n1, pos, extra)
     o, lse = attention_fwd(q, k, v)                     # (T, H, E), (H, T)
     o = o.reshape(t, cfg.q_dim)
     h = _add(x, linear_fwd(o, w["self_attn.o_proj"]), x.dtype)
@@ -66,7 +107,7 @@ def _layer_fwd(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray
     s = swiglu_fwd(gate, up)
     out = _add(h, linear_fwd(s, w["mlp.down_proj"]), x.dtype)
     saved = dict(x=x, n1=n1, rstd1=rstd1, q=q, k=k, v=v, o=o, lse=lse, h=h, n2=n2,
-                 rstd2=rstd2, gate=gate, up=up, s=s)
+                 rstd2=rstd2, gate=gate, up=up, s=s, **extra)
     return out, saved
 
 
@@ -85,9 +126,9 @@ def _layer_bwd(cfg, w: dict, a: dict, dout: np.ndarray, pos: np.ndarray,
     do, dw["self_attn.o_proj"][...] = linear_bwd(a["o"], w["self_attn.o_proj"], dh)
     do = do.reshape(t, cfg.n_heads, cfg.head_dim)
     dq, dk, dv = attention_bwd(a["q"], a["k"], a["v"], a["o"].reshape(do.shape), a["lse"], do)
-    dq = rope_bwd(dq, pos, rope_table(cfg)).reshape(t, cfg.q_dim)
-    dk = rope_bwd(dk.astype(act), pos, rope_table(cfg)).reshape(t, cfg.kv_dim)
-    dv = dv.astype(act).reshape(t, cfg.kv_dim)
+    dq = _head_proj_bwd(cfg, w, a, "q", rope_bwd(dq, pos, rope_table(cfg)), dw)
+    dk = _head_proj_bwd(cfg, w, a, "k", rope_bwd(dk.astype(act), pos, rope_table(cfg)), dw)
+    dv = _head_proj_bwd(cfg, w, a, "v", dv.astype(act), dw)
     dn1_q, dw["self_attn.q_proj"][...] = linear_bwd(a["n1"], w["self_attn.q_proj"], dq)
     dn1_k, dw["self_attn.k_proj"][...] = linear_bwd(a["n1"], w["self_attn.k_proj"], dk)
     dn1_v, dw["self_attn.v_proj"][...] = linear_bwd(a["n1"], w["self_attn.v_proj"], dv)

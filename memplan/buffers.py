@@ -102,6 +102,9 @@ def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ..
           ("dxn", (t, d)), ("do", (t, h, e)), ("dq", (t, h, e)), ("dk", (t, k, e)),
           ("dv", (t, k, e))]
     f32 = [("lse", (h, t)), ("rstd", (t,)), ("rstd2", (t,))]
+    if cfg.qk_norm:  # QK-norm's inputs and per-head rstd (dataflow.layer_ops.LayerCompute._proj)
+        bf += [("qpre", (t, h, e)), ("kpre", (t, k, e))]
+        f32 += [("qrstd", (t, h)), ("krstd", (t, k))]
     return tuple([TensorSpec(n, s, "bf16") for n, s in bf] + [TensorSpec(n, s, "f32") for n, s in f32])
 
 

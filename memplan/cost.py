@@ -86,9 +86,15 @@ def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, key
 
 
 def elementwise_fwd_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """HBM bytes of one layer's memory-bound forward ops over `tokens` tokens."""
+    """HBM bytes of one layer's memory-bound forward ops over `tokens` tokens; with
+    attention_bias the biased projections' outputs are written once more (the bias fill) and
+    read by the GEMM that accumulates onto them; with qk_norm, q and k are read before the
+    norm and written after it."""
     widths = (cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim)
-    return 2 * tokens * sum(m * w for m, w in zip(ELEMENTWISE_FWD_WIDTHS, widths))
+    values = sum(m * w for m, w in zip(ELEMENTWISE_FWD_WIDTHS, widths))
+    values += 2 * (cfg.q_dim + 2 * cfg.kv_dim) * cfg.attention_bias
+    values += 2 * (cfg.q_dim + cfg.kv_dim) * cfg.qk_norm
+    return 2 * tokens * values
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +156,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     # O-proj and FFN; K and V too for a split sequence (its later chunks attend to them)
     mm_kept = mm - 2 * t * cfg.model_dim * (cfg.q_dim + 2 * cfg.kv_dim * (ch.chunks_per_seq == 1))
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
+    rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -166,8 +173,10 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         fwd_s = (mm / gemm + ew_s) * over + a_fwd_s
         bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s) * over + a_bwd_s
         rec_a = (rec_attn / gemm + ew_s) * over
-        out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(0.0, rec_a, rec_a + a_fwd_s),
-                              rec_flops=(0.0, rec_attn, rec_attn + a_fwd), flash_flops=flash,
+        rec_f = rec_full / gemm * over
+        out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
+                              rec_flops=(rec_full, rec_attn, rec_attn + a_fwd),
+                              flash_flops=flash,
                               fwd_flops=mm + a_fwd, refwd_kept_s=(mm_kept / gemm + ew_s) * over,
                               refwd_kept_flops=mm_kept))
     return tuple(out)

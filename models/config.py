@@ -1,7 +1,8 @@
 """ModelConfig: the shape of a Llama-style decoder (RMSNorm, GQA attention with half-split RoPE,
-optionally Llama 3.1-style RoPE frequency scaling, SwiGLU FFN, untied head) and the zoo of named
-shapes shipped as JSON. Describes a transformer; never decides where it lives (that is memplan's
-job) and never imports array libraries."""
+optionally Llama 3.1-style RoPE frequency scaling, q/k/v biases (Qwen2) or a per-head RMSNorm of
+q and k (Qwen3), SwiGLU FFN, untied head) and the zoo of named shapes shipped as JSON. Describes
+a transformer; never decides where it lives (that is memplan's job) and never imports array
+libraries."""
 
 from __future__ import annotations
 
@@ -69,8 +70,16 @@ class RopeScaling:
                               f"integer, got {value!r} (Llama 3.1: 8192)")
 
 
-FAMILIES = ("llama", "mistral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """Families whose checkpoints train as themselves (docs/models.md lists what each refuses)."""
+
+FAMILY_ATTENTION = {"llama": (False, False), "mistral": (False, False),
+                    "qwen2": (True, False), "qwen3": (False, True)}
+"""family -> (attention_bias, qk_norm) its transformers class computes for the checkpoints we
+import: Qwen2ForCausalLM always has q/k/v biases; Qwen3ForCausalLM always normalises q and k
+(its attention_bias switch would bias o_proj too, which is refused on import); Llama's
+attention_bias would also bias o_proj and Mistral has none. A family is the export's spelling,
+so a config whose computation its family cannot express is refused."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +114,13 @@ class ModelConfig:
     """Tokens a query attends back (Mistral's sliding_window); None: the whole sequence. The
     kernels compute full causal attention, so a sequence longer than the window is refused
     (memplan.search.make_plan) rather than trained as another model."""
+    attention_bias: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """q, k and v projections add a bias vector (q_dim, kv_dim, kv_dim); o has none. Qwen2's
+    attention (Qwen2ForCausalLM). Left out of the JSON when False."""
+    qk_norm: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """Each head's q and k go through an RMSNorm over head_dim (one weight vector of E for all
+    query heads, one for all kv heads, norm_eps) after the projection and before RoPE: Qwen3's
+    attention (Qwen3ForCausalLM). Left out of the JSON when False."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
@@ -125,6 +141,19 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ConfigError(f"model '{self.name}': family {self.family!r} is not one of "
                               f"{', '.join(FAMILIES)}")
+        for field in ("attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"model '{self.name}': {field} must be true or false, got "
+                                  f"{getattr(self, field)!r}")
+        want = FAMILY_ATTENTION[self.family]
+        if (self.attention_bias, self.qk_norm) != want:
+            fits = [f for f, a in FAMILY_ATTENTION.items()
+                    if a == (self.attention_bias, self.qk_norm)]
+            raise ConfigError(f"model '{self.name}': family {self.family!r} computes "
+                              f"attention_bias={want[0]}, qk_norm={want[1]}, not "
+                              f"attention_bias={self.attention_bias}, qk_norm={self.qk_norm}; "
+                              f"use those values, or family "
+                              f"{' or '.join(repr(f) for f in fits) or '(none has both)'}")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or
                                                 not isinstance(self.sliding_window, int) or
                                                 self.sliding_window <= 0):
@@ -151,9 +180,11 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (weights and norms)."""
+        """Parameters of one transformer layer (weights, norms, biases and QK-norm weights)."""
         d = self.model_dim
-        return 2 * d + d * self.q_dim * 2 + d * self.kv_dim * 2 + 3 * d * self.ffn_dim
+        extra = ((self.q_dim + 2 * self.kv_dim) * self.attention_bias
+                 + 2 * self.head_dim * self.qk_norm)
+        return 2 * d + d * self.q_dim * 2 + d * self.kv_dim * 2 + 3 * d * self.ffn_dim + extra
 
     @property
     def embed_params(self) -> int:
@@ -173,11 +204,11 @@ class ModelConfig:
 
 
 def zoo_names() -> list[str]:
-    """Names of the shipped model configs, small first."""
+    """Names of the shipped model configs, small first (names of one size alphabetically)."""
     names = [p.name[:-5] for p in resources.files("dataflow.models.zoo").iterdir()
              if p.name.endswith(".json")]
     order = {"tiny": 0, "small": 1}
-    return sorted(names, key=lambda n: (order.get(n, 2), _size_key(n)))
+    return sorted(names, key=lambda n: (order.get(n, 2), _size_key(n), n))
 
 
 def _size_key(name: str) -> float:

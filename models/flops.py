@@ -67,17 +67,30 @@ def flash_recompute_flops(cfg: ModelConfig, chunk_tokens: int, context_tokens: i
     return 2 * causal_pairs(chunk_tokens, context_tokens) * cfg.q_dim
 
 
+def qk_norm_reproject_flops(cfg: ModelConfig, level: SavedLevel, chunk_tokens: int) -> float:
+    """Projections the backward re-forms only because QK-norm's backward needs their output
+    before the norm, which no level keeps (dataflow.layer_ops): K's at every level, and Q's at
+    FULL (below FULL, Q is recomputed anyway). 0 without qk_norm. Biases and the norms
+    themselves are elementwise: no FLOPs here, as for the other norms and SwiGLU."""
+    if not cfg.qk_norm:
+        return 0.0
+    width = cfg.kv_dim + (cfg.q_dim if level is SavedLevel.FULL else 0)
+    return float(2 * chunk_tokens * cfg.model_dim * width)
+
+
 def level_recompute_flops(cfg: ModelConfig, level: SavedLevel, chunk_tokens: int,
                           context_tokens: int = 0) -> float:
-    """Extra forward FLOPs the backward of one (layer, chunk) repeats because of its level."""
+    """Extra forward FLOPs the backward of one (layer, chunk) repeats because of its level
+    (plus QK-norm's re-projections, qk_norm_reproject_flops)."""
     d, t = cfg.model_dim, chunk_tokens
+    qk = qk_norm_reproject_flops(cfg, level, t)
     if level is SavedLevel.FULL:
-        return 0.0
+        return qk
     q_and_o = 2 * t * d * 2 * cfg.q_dim
     gate_up = 2 * t * d * 2 * cfg.ffn_dim
     if level is SavedLevel.INP_ATTN:
-        return float(q_and_o + gate_up)
-    return q_and_o + gate_up + attn_fwd_flops(cfg, t, context_tokens)
+        return float(q_and_o + gate_up) + qk
+    return q_and_o + gate_up + attn_fwd_flops(cfg, t, context_tokens) + qk
 
 
 def hardware_flops_per_seq(cfg: ModelConfig, seqlen: int, chunk_tokens: int,

@@ -1,10 +1,12 @@
-"""Hugging Face Llama and Mistral directories in and out (docs/models.md): config.json in
-transformers' LlamaConfig or MistralConfig spelling
-plus model.safetensors, or model-0000i-of-0000n.safetensors with model.safetensors.index.json.
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 directories in and out (docs/models.md):
+config.json in the family's own spelling (transformers' LlamaConfig, MistralConfig, Qwen2Config,
+Qwen3Config) plus model.safetensors, or model-0000i-of-0000n.safetensors with
+model.safetensors.index.json.
 Reads lazily, one layer block at a time from memory-mapped files, converting to bf16; writes
 bf16 one block at a time into a temporary directory renamed into place when complete. Never
 holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling
-other than Llama 3.1's 'llama3', biases, other activations are refused by name)."""
+other than Llama 3.1's 'llama3', biases beyond Qwen2's q/k/v, sliding windows in use, other
+activations are refused by name)."""
 
 from __future__ import annotations
 
@@ -46,12 +48,12 @@ def is_hf_dir(path) -> bool:
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """model_type -> the transformers class whose computation our kernels reproduce."""
 
 NOT_YET = {
-    "qwen2": "Qwen2ForCausalLM adds biases to q, k and v, which our kernels do not have yet",
-    "qwen3": "Qwen3ForCausalLM normalises each head's q and k (QK-norm), not built yet",
+    "qwen2_moe": "mixture-of-experts blocks are not built yet",
     "qwen3_moe": "mixture-of-experts blocks are not built yet",
     "olmoe": "mixture-of-experts blocks are not built yet",
     "mixtral": "mixture-of-experts blocks are not built yet",
@@ -73,7 +75,9 @@ def _window(data: dict, where) -> int | None:
 
 
 def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama directory; refuses what our kernels would not
+    """The ModelConfig of a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory (the family
+    from its model_type, with Qwen2's q/k/v biases or Qwen3's QK-norm); refuses what our kernels
+    would not
     compute exactly as transformers does."""
     path = Path(path)
     where = path / "config.json"
@@ -85,12 +89,22 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
                           f"supported: {', '.join(repr(f) for f in ARCHITECTURES)} "
                           f"({', '.join(ARCHITECTURES.values())})")
     checks = {"hidden_act": ("silu", data.get("hidden_act", "silu")),
-              "attention_bias": (False, data.get("attention_bias", False)),
               "mlp_bias": (False, data.get("mlp_bias", False))}
+    if family != "qwen2":  # Qwen2's q/k/v biases are not a switch; Llama's and Qwen3's would
+        # bias o_proj as well, which is not built
+        checks["attention_bias"] = (False, data.get("attention_bias", False))
+    if family in ("qwen2", "qwen3"):  # sliding-window layers from max_window_layers on
+        checks["use_sliding_window"] = (False, data.get("use_sliding_window", False))
+    layer_types = data.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):  # transformers 5 spells windows so too
+        raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} are not supported "
+                          f"for {ARCHITECTURES[family]}: only full_attention layers are built "
+                          "(the kernels compute full causal attention)")
     for key, (want, got) in checks.items():
         if got != want:
-            raise ConfigError(f"{where}: {key} = {got!r} is not supported (our kernels "
-                              f"implement {key} = {want!r}); import a model without it")
+            raise ConfigError(f"{where}: {key} = {got!r} is not supported for "
+                              f"{ARCHITECTURES[family]} (our kernels implement {key} = "
+                              f"{want!r}); import a model without it")
     rope_theta, rope_scaling = _hf_rope(data, where)
     try:
         heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
@@ -102,7 +116,8 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
             ffn_dim=int(data["intermediate_size"]),
             rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             rope_scaling=rope_scaling, family=family,
-            sliding_window=_window(data, where) if family == "mistral" else None)
+            sliding_window=_window(data, where) if family == "mistral" else None,
+            attention_bias=family == "qwen2", qk_norm=family == "qwen3")
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
@@ -177,10 +192,11 @@ def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
 
 
 def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
-    """transformers' config fields for `cfg` in its family's spelling (LlamaConfig or
-    MistralConfig; untied head, no biases; rope_scaling as the config has it). max_position_embeddings does not change any number transformers computes
-    for these RoPE types; by default 8192 for plain RoPE and the extended context
-    (original_max_position_embeddings * factor) with llama3 scaling."""
+    """transformers' config fields for `cfg` in its family's spelling (LlamaConfig,
+    MistralConfig, Qwen2Config or Qwen3Config; untied head; rope_scaling as the config has it;
+    no sliding window in use). max_position_embeddings does not change any number
+    transformers computes for these RoPE types; by default 8192 for plain RoPE and the extended
+    context (original_max_position_embeddings * factor) with llama3 scaling."""
     if max_position_embeddings is None:
         sc = cfg.rope_scaling
         max_position_embeddings = (8192 if sc is None else
@@ -201,6 +217,14 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del out[key]
         out["sliding_window"] = cfg.sliding_window
+    if cfg.family in ("qwen2", "qwen3"):
+        # Qwen2Config has no bias switches (q/k/v always biased); Qwen3Config's attention_bias
+        # stays False (it would bias o_proj too). Neither slides a window here.
+        for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",)
+                                                     if cfg.family == "qwen2" else ()):
+            del out[key]
+        out.update(use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg.n_layers)
     return out
 
 
@@ -227,7 +251,8 @@ def _blocks_of(cfg: ModelConfig):
 
 
 class HFWeights:
-    """A Hugging Face Llama directory as our blocks, read on demand: `blocks()` yields
+    """A Hugging Face directory of a supported family as our blocks, read on demand: `blocks()`
+    yields
     (kind, layer, layout, 1-D bf16 block) one block at a time, each built from memory-mapped
     tensors (converted to bf16 with round-to-nearest-even when stored wider)."""
 
@@ -249,8 +274,8 @@ class HFWeights:
                          and not n.endswith(_IGNORED_SUFFIXES))
         if unknown:
             raise ConfigError(f"{self.path}: tensors {unknown[:5]} are not part of a "
-                              f"LlamaForCausalLM with this config; expected names like "
-                              "model.layers.0.self_attn.q_proj.weight")
+                              f"{ARCHITECTURES[self.cfg.family]} with this config; expected "
+                              "names like model.layers.0.self_attn.q_proj.weight")
         self.tied = "lm_head.weight" not in self._where
         if self.tied and "model.embed_tokens.weight" in self._where:
             # tie_word_embeddings: our head is untied, so it starts as a copy of the embedding.
@@ -286,7 +311,8 @@ class HFWeights:
 
 def save_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
                     max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
-    """Write a Hugging Face Llama directory at `path` from `blocks`, an iterable of
+    """Write a Hugging Face directory (config.json in cfg's family's spelling) at `path` from
+    `blocks`, an iterable of
     (kind, layer, 1-D bf16 block) in model order (embed, layers 0..L-1, head), consumed one at
     a time. One model.safetensors when it fits in max_shard_bytes, else shards plus
     model.safetensors.index.json. Atomic: written beside `path` and renamed into place."""

@@ -4,9 +4,10 @@ thread count). Never allocates a full fp32 copy of a block, never touches a devi
 decides where a block lives: the caller passes `out=` to fill arena or pinned memory.
 
 Rules are PyTorch's default nn.Linear / nn.Embedding init (transformers' own `_init_weights`
-would use normal(0, initializer_range=0.02) instead): RMSNorm weights are 1.0; linear weights
-(q, k, v, o, gate, up, down projections and lm_head) are uniform in [-b, b] with
-b = 1/sqrt(fan_in), fan_in = in_features = shape[1]; the embedding is normal with std
+would use normal(0, initializer_range=0.02) instead): RMSNorm weights (QK-norm's too) are 1.0;
+linear weights (q, k, v, o, gate, up, down projections and lm_head) are uniform in [-b, b] with
+b = 1/sqrt(fan_in), fan_in = in_features = shape[1], and so are the q/k/v biases (fan_in of
+their projection, as nn.Linear's bias); the embedding is normal with std
 EMBED_STD = 1.0 (the first input_layernorm rescales it, so its scale cannot blow up layer 0).
 Element n of tensor t of a block is a pure function of (seed, block kind, layer, t, n): splitmix64
 of a per-tensor key plus the counter n (the pair n // 2 for the embedding's Box-Muller normals),
@@ -217,6 +218,9 @@ def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str) -> n
             t_kind[i], t_scale[i] = _ONES, 1.0
         elif layout.kind is BlockKind.EMBED:
             t_kind[i], t_scale[i] = _NORMAL, EMBED_STD
+        elif t.name.endswith(".bias"):  # nn.Linear's bias: the fan_in of its weight
+            fan_in = layout.slot(t.name[: -len(".bias")]).shape[1]
+            t_kind[i], t_scale[i] = _UNIFORM, 1.0 / math.sqrt(fan_in)
         else:
             t_kind[i], t_scale[i] = _UNIFORM, 1.0 / math.sqrt(t.shape[1])
         t_key[i] = _tensor_key(seed, layout.kind, layer, i)

@@ -67,8 +67,11 @@ class BlockLayout:
         return {t.name: self.view(block, t.name) for t in self.tensors}
 
     def full_name(self, name: str, layer: int | None = None) -> str:
-        """transformers' state_dict key for a tensor of this block."""
+        """transformers' state_dict key for a tensor of this block ('self_attn.q_proj.bias'
+        keeps its suffix; every other name gets '.weight')."""
         if self.kind is BlockKind.LAYER:
+            if name.endswith(".bias"):
+                return f"model.layers.{layer}.{name}"
             return f"model.layers.{layer}.{name}.weight"
         if self.kind is BlockKind.EMBED:
             return f"model.{name}.weight"
@@ -89,13 +92,25 @@ def _pack(kind: BlockKind, named_shapes: list[tuple[str, tuple[int, ...]]]) -> B
 LAYER_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                  "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
-NORM_TENSORS = frozenset({"input_layernorm", "post_attention_layernorm", "norm"})
+BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+"""With ModelConfig.attention_bias (Qwen2): (q_dim,), (kv_dim,), (kv_dim,), after the weights."""
+QK_NORM_TENSORS = ("self_attn.q_norm", "self_attn.k_norm")
+"""With ModelConfig.qk_norm (Qwen3): two (head_dim,) RMSNorm weights, after the weights."""
+NORM_TENSORS = frozenset({"input_layernorm", "post_attention_layernorm", "norm",
+                          *QK_NORM_TENSORS})
 
 
 def layer_layout(cfg: ModelConfig) -> BlockLayout:
+    """The nine Llama tensors in LAYER_TENSORS order, then the family's extra vectors (biases,
+    QK-norm weights) at the end, so a Llama block's offsets do not depend on them."""
     d, q, kv, f = cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
     shapes = [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f)]
-    return _pack(BlockKind.LAYER, list(zip(LAYER_TENSORS, shapes)))
+    named = list(zip(LAYER_TENSORS, shapes))
+    if cfg.attention_bias:
+        named += list(zip(BIAS_TENSORS, [(q,), (kv,), (kv,)]))
+    if cfg.qk_norm:
+        named += [(n, (cfg.head_dim,)) for n in QK_NORM_TENSORS]
+    return _pack(BlockKind.LAYER, named)
 
 
 def embed_layout(cfg: ModelConfig) -> BlockLayout:

@@ -1,6 +1,7 @@
 """A float64 NumPy transcription of transformers' LlamaForCausalLM loss, independent of
 dataflow.kernels.reference: the truth the reference model is tested against (test_reference_trainer,
-kernels/test_rope_scaling)."""
+kernels/test_rope_scaling), and of the families that differ from it in the attention's input only
+(MistralForCausalLM computes Llama's; Qwen2ForCausalLM and Qwen3ForCausalLM: _attention_input)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,31 @@ from dataflow.kernels.reference import IGNORE
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 
+def _attention_input(cfg, p, n, name, heads, norm):
+    """(heads, T, E) query, key or value states before RoPE as cfg.family's attention forms
+    them from the normed hidden states n (T, D), transcribed from transformers:
+    - llama, mistral: `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)`, no bias;
+    - qwen2 (Qwen2Attention): the same with q_proj, k_proj, v_proj built `bias=True`;
+    - qwen3 (Qwen3Attention): `self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+      .transpose(1, 2)` (k likewise with k_norm; v plain), Qwen3RMSNorm(head_dim) over the last
+      axis; attention_bias False."""
+    t, e = n.shape[0], cfg.head_dim
+    y = n @ p[f"self_attn.{name}_proj"].T
+    if cfg.family == "qwen2":
+        y = y + p[f"self_attn.{name}_proj.bias"]
+    y = y.reshape(t, heads, e)
+    if cfg.family == "qwen3" and name != "v":
+        y = norm(y, p[f"self_attn.{name}_norm"])
+    return y.transpose(1, 0, 2)
+
+
 def llama_loss_float64(cfg, w, tokens, inv_freq=None):
-    """Summed next-token cross-entropy of transformers' LlamaForCausalLM transcribed to float64
-    NumPy, independent of dataflow.kernels.reference: rotate_half RoPE, repeat_kv GQA, masked softmax.
+    """Summed next-token cross-entropy of transformers' LlamaForCausalLM (or Mistral's, Qwen2's,
+    Qwen3's, by cfg.family) transcribed to float64 NumPy, independent of
+    dataflow.kernels.reference: rotate_half RoPE, repeat_kv GQA, masked softmax.
     inv_freq: RoPE's inverse frequencies (E/2,); default the plain 1 / theta^(2i/E)."""
+    if cfg.family not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"no float64 transcription of family {cfg.family!r}")
     inp, tgt = tokens[:-1], tokens[1:]
     t, e = inp.size, cfg.head_dim
     lay_h = head_layout(cfg)
@@ -36,9 +58,9 @@ def llama_loss_float64(cfg, w, tokens, inv_freq=None):
     for block in w.layers:
         p = layer_layout(cfg).views(block)
         n = norm(x, p["input_layernorm"])
-        q = rope((n @ p["self_attn.q_proj"].T).reshape(t, cfg.n_heads, e).transpose(1, 0, 2))
-        k = rope((n @ p["self_attn.k_proj"].T).reshape(t, cfg.n_kv_heads, e).transpose(1, 0, 2))
-        v = (n @ p["self_attn.v_proj"].T).reshape(t, cfg.n_kv_heads, e).transpose(1, 0, 2)
+        q = rope(_attention_input(cfg, p, n, "q", cfg.n_heads, norm))
+        k = rope(_attention_input(cfg, p, n, "k", cfg.n_kv_heads, norm))
+        v = _attention_input(cfg, p, n, "v", cfg.n_kv_heads, norm)
         k, v = np.repeat(k, cfg.group_size, axis=0), np.repeat(v, cfg.group_size, axis=0)
         s = q @ k.transpose(0, 2, 1) / math.sqrt(e) + mask
         a = np.exp(s - s.max(axis=-1, keepdims=True))

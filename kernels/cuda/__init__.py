@@ -21,10 +21,11 @@ from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
 from dataflow.kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
 from dataflow.kernels.cuda.rope import rope_bwd, rope_fwd
 from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
-from dataflow.kernels.cuda.utils import add_, cast, clip_scale, fill_, sumsq
+from dataflow.kernels.cuda.utils import add_, bias_bwd, bias_fill, cast, clip_scale, fill_, sumsq
 
 __all__ = [
-    "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes", "cast",
+    "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
+    "bias_bwd", "bias_fill", "cast",
     "clip_scale", "embedding_bwd", "embedding_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
     "IGNORE",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "rms_norm_bwd", "rms_norm_bwd_scratch_shape",

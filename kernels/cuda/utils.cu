@@ -14,6 +14,13 @@
 // clip_scale_kernel:     out[0] = scale * min(1, max_norm / (sqrt(sumsq[0]) + 1e-6)), the
 //   clip-by-global-norm factor (torch.nn.utils.clip_grad_norm_), computed on the device so
 //   AdamW can read it without a host sync.
+// bias_fill_kernel<T>:   y[r, c] = b[c] for a (R, C) y: a biased projection's output starts as
+//   its bias and the GEMM accumulates onto it (beta = 1), so b + x @ w.T is rounded once, as
+//   dataflow.kernels.reference.linear.linear_fwd(x, w, b). Grid-stride over R*C elements.
+// bias_bwd_kernel<S, W>: db[c] += sum_r dy[r, c] (Qwen2's q/k/v bias gradients), truth
+//   dataflow.kernels.reference.linear.bias_bwd. Launch (32, 8) threads per 32 columns, as
+//   rms_norm_dw_reduce: thread (x, y) sums rows y, y + 8, ... of column 32 * block + x in
+//   fp32, then row 0 of the block adds the 8 partial sums in a fixed order (deterministic).
 
 template <typename D, typename S, int W>
 __device__ __forceinline__ void add_at(D* dst, const S* src, i64 off) {
@@ -93,4 +100,31 @@ __global__ void clip_scale_kernel(const float* __restrict__ sumsq, float max_nor
                                   float* out) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
         out[0] = scale * fminf(1.0f, max_norm / (sqrtf(sumsq[0]) + 1e-6f));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) bias_fill_kernel(const T* __restrict__ b, T* __restrict__ y,
+                                                       i64 n_rows, int n_cols) {
+    const i64 n = n_rows * n_cols;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = b[i % n_cols];  // a copy of the bias's bits
+}
+
+template <typename S, typename W>
+__global__ void __launch_bounds__(256) bias_bwd_kernel(const S* __restrict__ dy, i64 n_rows,
+                                                      int n_cols, W* __restrict__ db) {
+    __shared__ float sums[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (c < n_cols)
+        for (i64 r = threadIdx.y; r < n_rows; r += 8) s += to_f(dy[r * n_cols + c]);
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < n_cols) {
+        float t = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) t += sums[j][threadIdx.x];
+        db[c] = from_f<W>(to_f(db[c]) + t);
+    }
 }

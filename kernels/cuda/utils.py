@@ -1,6 +1,7 @@
 """Elementwise and reduction utilities on the GPU (kernels/cuda/utils.cu): add_ (gradient
 accumulation in any bf16/f32 combination), cast, fill_, sumsq (deterministic global grad-norm
-piece) and clip_scale (clip-by-global-norm factor on the device). Enqueued on the current CuPy
+piece), clip_scale (clip-by-global-norm factor on the device), and bias_fill / bias_bwd (the
+forward start and the gradient of a projection's bias, Qwen2's q/k/v). Enqueued on the current CuPy
 stream; never synchronises; sumsq allocates only its tiny per-stream scratch on first use when
 the caller passes none."""
 
@@ -20,6 +21,8 @@ _NAMES = tuple(
     + [f"fill_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
     + [f"sumsq_partial<{s}, {v}>" for s in _TYPES for v in (1, 8)]
     + ["sumsq_finish", "clip_scale_kernel"]
+    + [f"bias_fill_kernel<{t}>" for t in _TYPES]
+    + [f"bias_bwd_kernel<{s}, {w}>" for s in _TYPES for w in _TYPES]
 )
 _THREADS = 256
 SUMSQ_PARTS = 1024
@@ -110,3 +113,33 @@ def clip_scale(sumsq_value, max_norm: float, out, scale: float = 1.0) -> None:
     _build.check("out", out, None, (F32,))
     _build.kernel(_SRC, _NAMES, "clip_scale_kernel")(
         (1,), (32,), (sumsq_value, np.float32(max_norm), np.float32(scale), out))
+
+
+def bias_fill(b, y) -> None:
+    """y (R, C) = b (C,) on every row (the same dtype, bf16|f32: a copy of b's bits). A biased
+    projection starts here and linear_fwd(..., accumulate=True) adds x @ w.T in fp32."""
+    _build.check("b", b)
+    if b.ndim != 1:
+        raise ValueError(f"bias_fill takes a 1-D bias, got shape {b.shape}")
+    _build.check("y", y, (y.size // max(b.size, 1), b.size), (b.dtype,))
+    n = y.size
+    if n:
+        _build.kernel(_SRC, _NAMES, f"bias_fill_kernel<{_build.ctype(b.dtype, 'b')}>")(
+            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+            (b, y, np.int64(n // b.size), np.int32(b.size)))
+
+
+def bias_bwd(dy, db) -> None:
+    """db (C,) bf16|f32 += sum over the rows of dy (R, C) bf16|f32, summed in fp32 in a fixed
+    order (the same bits every run) and rounded once."""
+    _build.check("dy", dy)
+    if dy.ndim != 2:
+        raise ValueError(f"bias_bwd takes dy as (rows, columns), got shape {dy.shape}")
+    _build.check("db", db, (dy.shape[1],))
+    rows, cols = dy.shape
+    if cols == 0:
+        return
+    name = (f"bias_bwd_kernel<{_build.ctype(dy.dtype, 'dy')}, "
+            f"{_build.ctype(db.dtype, 'db')}>")
+    _build.kernel(_SRC, _NAMES, name)((-(-cols // 32),), (32, 8),
+                                      (dy, np.int64(rows), np.int32(cols), db))

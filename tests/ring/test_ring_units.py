@@ -160,7 +160,7 @@ def test_plan_cli_prints_the_layout_it_chose_the_alternatives_and_the_scaling_mo
     assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "layout for 2 GPUs over nvlink" in out
-    options = re.findall(r"^ ([* ])\s+(\d+)\s+(\d+)\s+\d+ x", out, re.M)
+    options = re.findall(r"^ ([* ])\s+(\d+)\s+(\d+)\s+\d+\s+\d+ x", out, re.M)
     assert sorted((int(r), int(k)) for _, r, k in options) == [(1, 2), (2, 1)], options
     assert [mark for mark, _, _ in options].count("*") == 1  # the chosen one, listed first
     assert options[0][0] == "*"
