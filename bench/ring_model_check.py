@@ -99,7 +99,7 @@ def check_one(model: str, seqlen: int, gib: tuple[float, float], n: int,
     t0 = time.perf_counter()
     pred = predict_ring(rps, link)
     model_s = time.perf_counter() - t0
-    raw_step_s = pred.step_time_s * ring_efficiency(n, rps[0].plan.chunking.chunks_per_seq)
+    raw_step_s = pred.step_time_s * ring_efficiency(n, rps[0].plan.chunking.chunks_per_round)
     t0 = time.perf_counter()
     lines, step_s = simulate_ring(rps, link.bytes_per_s, link.latency_s)
     with staged_ahead():
@@ -146,7 +146,7 @@ HEADER = (f"{'model':>4} {'seqlen':>6} {'N':>3} {'host/dev':<10}"
           f"{'C x rounds':<11}{'model':>10} {'model raw':>10} {'sim':>10} {'sim/mod':>7} "
           f"{'sim/raw':>7} {'sim ahead':>10} {'/raw':>7} {'idle':>7} {'sim s':>7}  chunking")
 LEGEND = ("tok/s over NVLink (150 GB/s, 10 us), H100 profile. model: predict_ring (with "
-          "RING_EFFICIENCY, and SPLIT_RING_EFFICIENCY where chunks split sequences); model raw: the same before those factors; sim: simulate_ring; "
+          "RING_EFFICIENCY, and OVERFULL_RING_EFFICIENCY with more chunks a round than ranks); model raw: the same before those factors; sim: simulate_ring; "
           "sim ahead: simulate_ring with the ring compiler staging each round's host work a round "
           "ahead (staged_ahead); idle: the busiest simulated rank's idle share of the step (sim); "
           "sim s: seconds to simulate both.")

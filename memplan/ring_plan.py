@@ -55,24 +55,26 @@ a full ring of 4 at 30/24 on 4 H200s (s16-ring-h200x4-893d3ce) at 0.906; their m
 (NCCL kernels sharing the SMs and what else the walk leaves out). The prediction of a ring of
 two or more ranks is scaled by it; data parallelism (rings of 1) is not."""
 
-SPLIT_RING_EFFICIENCY = 0.86
-"""A further factor for rings whose chunks split sequences (chunks_per_seq > 1), measured: on 4
-H100s (s17-ring-h100x4-1644192) 8b at 30/24 in 4k chunks x 8 ran 0.838 of its prediction, 32b
-at 64/40 on 4 GPUs in 4k chunks 0.869, 32b at 120/40 on 2 of them in 2k chunks 0.880 (mean
-0.862), where rings of whole-sequence 8k chunks had run 0.98-1.05 (s16 records). simulate_ring
-agrees with the model for the 8b ring (29,930 against 30,064 tok/s), and one H100 with the
-same 4k chunks ran 0.968 of its own plan, so the loss is in the ring's execution of split
-sequences (twice the messages, half the size each; what else is not known yet), not in the
-per-rank cost model. Without it the layout chose split chunks that then ran slower than whole
-ones."""
+OVERFULL_RING_EFFICIENCY = 0.84
+"""A further factor for rings given more chunks a round than ranks, measured on 4 H100s: 8b at
+30/24 with 8 chunks a round ran 0.805 of the model in 8k chunks (s17-ring-h100x4-92311e8, losses
+bit for bit as one GPU's) and 0.838 in 4k chunks (s17-ring-h100x4-1644192), 32b at 120/40 on 2
+GPUs with 4 chunks of 2k 0.880 (mean 0.841), where rings of exactly N chunks had run 0.98 (8b,
+8k chunks: s16-ring-h200x2-214ea68, s16-ring-h200x4-893d3ce; 32b in 4k chunks on 4 GPUs: 0.869).
+simulate_ring agrees with the model for those rings (8b 4k x 8: 29,930 against 30,064 tok/s)
+and one H100 with the same chunks ran 0.97-1.04 of its own plan, so the loss is in how the
+ring runs the extra chunks on the GPUs (every message is one NCCL kernel on a communicator the
+sends and receives share; not profiled yet), not in the per-rank cost model. Without it the
+layout chose 8 chunks a round that ran 10 % slower than 4."""
 
 
-def ring_efficiency(n_ranks: int, chunks_per_seq: int) -> float:
+def ring_efficiency(n_ranks: int, chunks_per_round: int) -> float:
     """What predict_ring divides a ring's step by: 1 for one rank (data parallelism),
-    RING_EFFICIENCY for a ring, times SPLIT_RING_EFFICIENCY where its chunks split sequences."""
+    RING_EFFICIENCY for a ring, times OVERFULL_RING_EFFICIENCY where a round has more chunks
+    than the ring has ranks."""
     if n_ranks < 2:
         return 1.0
-    return RING_EFFICIENCY * (SPLIT_RING_EFFICIENCY if chunks_per_seq > 1 else 1.0)
+    return RING_EFFICIENCY * (OVERFULL_RING_EFFICIENCY if chunks_per_round > n_ranks else 1.0)
 
 
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
@@ -288,6 +290,11 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+    if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
+        raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
+                          f"of {n_ranks} puts the embedding on rank 0 and the head on the last "
+                          "layer's rank; train it on one GPU or as data-parallel replicas "
+                          "(rings of 1)")
     constraints = _no_segments(constraints, n_ranks)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
@@ -496,7 +503,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     each hop a chunk's residual or gradient, T*D*2 bytes, over the link); the step adds the
     largest of the ranks' own extras (a rank's predicted step less its layer and head work:
     exposed copies, the optimizer). It is bounded below by the busiest rank's sends, and scaled
-    by the measured ring_efficiency for N >= 2 (lower where chunks split sequences). A model, not a measurement: docs/ring.md
+    by the measured ring_efficiency for N >= 2 (lower with more chunks a round than ranks). A model, not a measurement: docs/ring.md
     compares it with simulate_ring (every rank's compiled schedule timed together)."""
     n = len(rank_plans)
     slow = max(rank_plans, key=lambda rp: rp.plan.prediction.step_time_s)
@@ -516,7 +523,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
             rounds * hop_s
         step_s = max(rounds * round_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
-        step_s /= ring_efficiency(n, ch.chunks_per_seq)
+        step_s /= ring_efficiency(n, chunks)
     tok_s = ch.tokens_per_step / step_s
     return RingPrediction(
         n_ranks=n, link=link.name, chunks_per_round=chunks, rank_step_time_s=rank_s,
