@@ -129,8 +129,8 @@ def test_a_full_ring_is_also_weighed_in_smaller_chunks_and_longer_rounds():
 
 
 def test_rings_with_more_chunks_than_ranks_are_predicted_at_their_measured_efficiency():
-    """Rings given 2N chunks a round ran 0.81-0.88 of the model on 4 H100s where rings of N
-    chunks ran 0.98: their step is divided by OVERFULL_RING_EFFICIENCY too, so the layout takes
+    """Rings given 2N chunks a round ran 0.805-0.838 of the model on 4 H100s where a ring of N
+    chunks ran 0.894: their step is divided by OVERFULL_RING_EFFICIENCY too, so the layout takes
     more chunks only where they buy more than that (8b at 30/24 on a ring of 4: 4 chunks a
     round, not 8)."""
     from dataflow.memplan.ring_plan import (OVERFULL_RING_EFFICIENCY, RING_EFFICIENCY,
