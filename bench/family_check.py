@@ -6,8 +6,12 @@ step-1 loss and gradient norm, an 8-step loss trajectory; then our export reload
 against transformers' own trained model (which trained in fp32). Needs torch and transformers
 (never dependencies of the project); runs on the CPU too.
 
-    python -m dataflow.bench.family_check --family mistral|llama|qwen2|qwen3 [--backend numpy]
-                                          [--out FILE]
+    python -m dataflow.bench.family_check --family mistral|llama|qwen2|qwen3 [--tied]
+                                          [--backend numpy] [--out FILE]
+
+--tied builds the model with tie_word_embeddings=True (Llama 3.2 1B/3B, Qwen2.5 0.5B-3B): it
+must load here tied (one parameter), train as transformers trains its shared Parameter, and
+export tied (no lm_head.weight), reloading as a tied model.
 
 transformers initialises biases to zero and norm weights to one; Qwen2's q/k/v biases and
 Qwen3's q_norm/k_norm weights are redrawn at random here (_randomise_family_params), so their
@@ -30,21 +34,26 @@ SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_
              rope_theta=10000.0, tie_word_embeddings=False)
 """Not a zoo shape: GQA 4:1, head_dim 16, an FFN width that is not a power of two."""
 
+DEV_GB = (2.0, 0.5)
+"""Device budget (GPU, NumPy): on a GPU the plan adds 0.75 GiB for the CUDA libraries
+(memplan.profiles.LIBRARY_RESERVE_BYTES), which 0.5 GiB cannot hold."""
 
-def _hf_model(family: str, torch):
+
+def _hf_model(family: str, torch, tied: bool = False):
     import transformers
 
+    shape = dict(SHAPE, tie_word_embeddings=tied)
     if family == "mistral":
-        conf = transformers.MistralConfig(**SHAPE, sliding_window=None)
+        conf = transformers.MistralConfig(**shape, sliding_window=None)
         return transformers.MistralForCausalLM(conf)
     if family == "llama":
-        conf = transformers.LlamaConfig(**SHAPE)
+        conf = transformers.LlamaConfig(**shape)
         return transformers.LlamaForCausalLM(conf)
     if family == "qwen2":
-        conf = transformers.Qwen2Config(**SHAPE, use_sliding_window=False)
+        conf = transformers.Qwen2Config(**shape, use_sliding_window=False)
         return transformers.Qwen2ForCausalLM(conf)
     if family == "qwen3":
-        conf = transformers.Qwen3Config(**SHAPE, attention_bias=False, use_sliding_window=False)
+        conf = transformers.Qwen3Config(**shape, attention_bias=False, use_sliding_window=False)
         return transformers.Qwen3ForCausalLM(conf)
     raise SystemExit(f"family {family!r}: choose one of {', '.join(FAMILIES)}")
 
@@ -66,6 +75,8 @@ def _randomise_family_params(model, torch) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dataflow.bench.family_check")
     p.add_argument("--family", default="mistral", choices=FAMILIES)
+    p.add_argument("--tied", action="store_true",
+                   help="tie_word_embeddings=True: the head is the embedding (one parameter)")
     p.add_argument("--backend", default="numpy")
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
-    ref = _hf_model(args.family, torch)
+    ref = _hf_model(args.family, torch, args.tied)
     _randomise_family_params(ref, torch)
     # bf16 weights on both sides: ours store bf16, so the reference starts from the same bits
     with torch.no_grad():
@@ -93,12 +104,13 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
     rng = np.random.default_rng(1)
-    out = {"family": args.family, "backend": args.backend, "shape": SHAPE,
+    out = {"family": args.family, "tied": args.tied, "backend": args.backend, "shape": SHAPE,
            "seqlen": args.seqlen, "lr": args.lr, "ours": [], "transformers": [],
            "ours_grad_norm": [], "transformers_grad_norm": []}
-    with Engine(str(tmp / "hf"), host_gb=1, dev_gb=0.5, seqlen=args.seqlen,
+    with Engine(str(tmp / "hf"), host_gb=1, dev_gb=DEV_GB[args.backend == "numpy"], seqlen=args.seqlen,
                 backend=args.backend, lr=args.lr, max_grad_norm=None, seed=0) as eng:
         out["family_loaded"] = eng.plan.model.family
+        out["tied_loaded"] = eng.plan.model.tie_embeddings
         rows = eng.seqs_per_step
         for _ in range(args.steps):
             batch = rng.integers(0, SHAPE["vocab_size"], (rows, args.seqlen + 1))
@@ -123,6 +135,14 @@ def main(argv=None) -> int:
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp / "ours",
                                                              torch_dtype=torch.float32)
     out["exported_class"] = type(back).__name__
+    out["exported_tied"] = bool(back.config.tie_word_embeddings) and \
+        back.get_output_embeddings().weight is back.get_input_embeddings().weight
+    if args.tied:
+        from dataflow.models.safetensors_io import SafetensorsFile
+
+        names = [n for f in sorted((tmp / "ours").glob("*.safetensors"))
+                 for n in SafetensorsFile(f).names()]
+        out["exported_has_lm_head"] = "lm_head.weight" in names
     trained = ref.eval()
     with torch.no_grad():
         pt = torch.as_tensor(probe).to(dev)

@@ -67,7 +67,8 @@ class StepResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRef:
-    """One block of the model: the embedding, layer `layer`, or the head (final norm + lm_head).
+    """One block of the model: the embedding, layer `layer`, or the head (final norm + lm_head;
+    the norm alone when the head is tied to the embedding, ModelConfig.tie_embeddings).
     Weights, AdamW m and v of a block share its layout (`Engine.layout(ref)`)."""
 
     kind: BlockKind

@@ -126,6 +126,9 @@ class Executor:
             cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
         self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
         self.embed, self.layers, self.head = bind_blocks(plan, self.dev, self.host, self.gdt)
+        self._tied = self._tied_views(plan) if cfg.tie_embeddings and plan.holds_head else None
+        """A tied head's projection and its gradient: the embedding's resident table and
+        gradient (ModelConfig.tie_embeddings; the planner keeps that table on the device)."""
         self.act_specs = {}
         self._views: dict = {}
         self._events: list = []
@@ -154,6 +157,20 @@ class Executor:
         elif spare >= 1 << 20:
             scratch["attn_workspace"] = be.view(self.dev.slab, self.dev.used_bytes, (spare,), "u8")
         be.lend_scratch(scratch)
+
+    def _tied_views(self, plan: Plan) -> tuple:
+        """(table (V, D) bf16, its gradient (V, D) in the gradient dtype) on the device: the
+        head of a tied model reads the one and adds its weight gradient into the other, on the
+        compute stream like every other use of them (the lookup, its scatter-add, the AdamW and
+        zero fill of the embedding block), so stream order alone orders them."""
+        w, g = self.embed.device("weights"), self.embed.device("grads")
+        if w is None or g is None or not plan.holds_embed:
+            raise BackendError(f"{plan.model.name} ties its head to the embedding, but this plan "
+                               "keeps the embedding off the device (embed placement "
+                               f"{plan.embed.weights.value}/{plan.embed.grads.value}); plan it "
+                               "again with dataflow.memplan.make_plan, which keeps a tied table "
+                               "resident")
+        return self.emb_lay.view(w, "embed_tokens"), self.emb_lay.view(g, "embed_tokens")
 
     def blocks(self) -> tuple[Block, ...]:
         """Every block in model order: embed, layers, head."""
@@ -427,20 +444,23 @@ class Executor:
     def _head(self, ev: Compute) -> None:
         """Final norm, lm_head and loss of every chunk of the round; for 'head' also their
         backward. 'head_loss' (evaluation) runs at grad_scale 0, so the lm_head gradient the
-        loss kernel forms adds exact zeros into the head's gradient region."""
+        loss kernel forms adds exact zeros into the head's gradient region. A tied head reads
+        the embedding's table and adds its weight gradient into the embedding's gradient (in
+        each round before the lookup's scatter-add of that round: one order, every run)."""
         be, hb, cfg, tr = self.be, self.hb, self.cfg, self.tr
         backward = ev.op == "head"
         w = self._block_views(ev.weights, self.head_lay)
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
+        lm_w, lm_g = self._tied if self._tied is not None else (w["lm_head"], g["lm_head"])
         loss_acc = tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
         final, dfinal = tr[ev.x], tr[ev.y]
         for chunk in self.chunks:
             x, tag = final[chunk.rows], f"head.c{chunk.index}"
             be.launch(Stream.COMPUTE, "rms_norm_fwd", x, w["norm"], cfg.norm_eps, hb["xn"],
                       hb["rstd"], name=f"{tag}.norm")
-            be.launch(Stream.COMPUTE, "head_loss_fwd_bwd", hb["xn"], w["lm_head"],
+            be.launch(Stream.COMPUTE, "head_loss_fwd_bwd", hb["xn"], lm_w,
                       tr["targets"][chunk.rows], hb["logits"], self.grad_scale, hb["dxn"],
-                      g["lm_head"], loss_acc, name=f"{tag}.loss")
+                      lm_g, loss_acc, name=f"{tag}.loss")
             if backward:
                 be.launch(Stream.COMPUTE, "rms_norm_bwd", x, w["norm"], hb["rstd"],
                           hb["dxn"], dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")

@@ -37,14 +37,16 @@ def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 
 def _final_hidden(eng, inputs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-    """Normed final hidden states (one (T, D) per row) and the lm_head weight (V, D)."""
+    """Normed final hidden states (one (T, D) per row) and the lm_head weight (V, D): the
+    embedding table when the model ties them."""
     cfg = eng.plan.model
     refs = eng.block_refs()
     by_kind = {r.kind: r for r in refs if r.kind is not BlockKind.LAYER}
     emb_lay = eng.layout(by_kind[BlockKind.EMBED])
     table = emb_lay.view(eng.read_block(by_kind[BlockKind.EMBED]), "embed_tokens")
     xs = [embedding_fwd(row, table) for row in inputs]
-    del table
+    if not cfg.tie_embeddings:  # a tied table is the head's projection too
+        del table
     pos = np.arange(inputs.shape[1])
     for ref in refs:
         if ref.kind is BlockKind.LAYER:
@@ -53,7 +55,8 @@ def _final_hidden(eng, inputs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray
     head_ref = by_kind[BlockKind.HEAD]
     head = eng.read_block(head_ref)
     lay = eng.layout(head_ref)
-    norm_w, lm_head = lay.view(head, "norm"), lay.view(head, "lm_head")
+    norm_w = lay.view(head, "norm")
+    lm_head = table if cfg.tie_embeddings else lay.view(head, "lm_head")
     return [rms_norm_fwd(x, norm_w, cfg.norm_eps)[0] for x in xs], lm_head
 
 

@@ -10,7 +10,8 @@ Per layer (transformers' LlamaDecoderLayer):
 then the final norm, lm_head and the cross-entropy summed over the tokens. With
 cfg.attention_bias (Qwen2) the q, k and v projections add their biases; with cfg.qk_norm (Qwen3)
 each head of q and of k goes through an RMSNorm over head_dim before RoPE
-(rope(q_norm(q_proj(n1))), likewise k).
+(rope(q_norm(q_proj(n1))), likewise k). With cfg.tie_embeddings lm_head is the embedding table,
+and its gradient the sum of the head's and the lookup's.
 
 Dtypes: activations (and their gradients) are stored in `act_dtype`, the weights' dtype unless
 asked otherwise (bf16 weights -> bf16 activations as the engine stores them; float64 weights ->
@@ -173,8 +174,9 @@ def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, 
     grad_dtype = acc_dtype(weights.embed)
     lay_e, lay_l, lay_h = embed_layout(cfg), layer_layout(cfg), head_layout(cfg)
     layer_w = [lay_l.views(b) for b in weights.layers]
-    norm_w, lm_head = lay_h.view(weights.head, "norm"), lay_h.view(weights.head, "lm_head")
     table = lay_e.view(weights.embed, "embed_tokens")
+    norm_w = lay_h.view(weights.head, "norm")
+    lm_head = table if cfg.tie_embeddings else lay_h.view(weights.head, "lm_head")
     pos = np.arange(inputs.size)
 
     # Forward, keeping every layer's activations.
@@ -190,10 +192,14 @@ def forward_backward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, 
     grads = Grads(np.zeros(lay_e.numel, grad_dtype),
                   [np.zeros(lay_l.numel, grad_dtype) for _ in weights.layers],
                   np.zeros(lay_h.numel, grad_dtype))
-    lay_h.view(grads.head, "lm_head")[...] = dlm
+    dtable = lay_e.view(grads.embed, "embed_tokens")
+    if cfg.tie_embeddings:  # one parameter: the head's part first, as the engine adds them
+        dtable[...] = dlm
+    else:
+        lay_h.view(grads.head, "lm_head")[...] = dlm
     dx, lay_h.view(grads.head, "norm")[...] = rms_norm_bwd(x, norm_w, rstd, dxn)
     for layer in reversed(range(len(layer_w))):
         dx = _layer_bwd(cfg, layer_w[layer], saved[layer], dx, pos,
                         lay_l.views(grads.layers[layer]))
-    lay_e.view(grads.embed, "embed_tokens")[...] = embedding_bwd(inputs, dx, cfg.vocab_size)
+    dtable += embedding_bwd(inputs, dx, cfg.vocab_size)
     return loss_sum, n_tokens, grads

@@ -235,7 +235,9 @@ def _space_states(sp: Space, opts: dict) -> tuple[set[State], list[State]]:
     score = _scorer(sp, opts)
     L, N = sp.L, sp.N
     streamed = opts.get("home_optimizer") is OptimizerWhere.STREAMED
-    base = State(resident=0, embed_dev=False, head_dev=False, opt_streamed=streamed,
+    # A tied embedding is resident in every candidate (decisions._check_tied): no move to take.
+    base = State(resident=0, embed_dev=sp.cfg.tie_embeddings and sp.holds_embed, head_dev=False,
+                 opt_streamed=streamed,
                  weight_slots=1, grad_slots=1, act_slots=1, acts=(0, 0, 0, 0, 0, N))
     states, chain = set(), []
     sp.start_chains()

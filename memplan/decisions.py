@@ -108,6 +108,25 @@ def _check_placement(where: str, p: LayerPlacement) -> None:
                           f"must be one of: {allowed}")
 
 
+def _check_tied(d: Decisions) -> None:
+    """A tied embedding (ModelConfig.tie_embeddings) is one parameter that the embedding's
+    lookup and the head's matmul both read and add gradients into, on the device: its block is
+    RESIDENT, and one plan holds both uses (a ring of 2+ ranks would split them)."""
+    cfg = d.model
+    if not cfg.tie_embeddings:
+        return
+    if d.holds_embed != d.holds_head:
+        raise ConfigError(f"model '{cfg.name}' ties its head to the embedding, so one plan must "
+                          f"hold both (holds_embed {d.holds_embed}, holds_head {d.holds_head}); "
+                          "train it on one device or as data-parallel replicas (rings of 1)")
+    if d.holds_embed and d.embed != RESIDENT:
+        p = d.embed
+        raise ConfigError(f"model '{cfg.name}' ties its head to the embedding, whose table the "
+                          "head reads and adds its gradient into on the device, so the "
+                          "embedding must be resident (device, device, device), not "
+                          f"({p.weights.value}, {p.grads.value}, {p.optimizer.value})")
+
+
 def any_streamed_optimizer(d: Decisions) -> bool:
     return any(p.optimizer is OptimizerWhere.STREAMED for p in (*d.layers, d.embed, d.head))
 
@@ -123,6 +142,7 @@ def validate_decisions(d: Decisions) -> None:
         _check_placement(f"layer {i}", p)
     _check_placement("embed", d.embed)
     _check_placement("head", d.head)
+    _check_tied(d)
     if len(d.activations) != cfg.n_layers or any(len(row) != ch.chunks_per_round
                                                  for row in d.activations):
         raise ConfigError(f"activations must be {cfg.n_layers} rows (layers) of "

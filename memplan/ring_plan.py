@@ -290,6 +290,11 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+    if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
+        raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
+                          f"of {n_ranks} puts the embedding on rank 0 and the head on the last "
+                          "layer's rank; train it on one GPU or as data-parallel replicas "
+                          "(rings of 1)")
     constraints = _no_segments(constraints, n_ranks)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))

@@ -1,8 +1,8 @@
 """ModelConfig: the shape of a Llama-style decoder (RMSNorm, GQA attention with half-split RoPE,
 optionally Llama 3.1-style RoPE frequency scaling, q/k/v biases (Qwen2) or a per-head RMSNorm of
-q and k (Qwen3), SwiGLU FFN, untied head) and the zoo of named shapes shipped as JSON. Describes
-a transformer; never decides where it lives (that is memplan's job) and never imports array
-libraries."""
+q and k (Qwen3), SwiGLU FFN, an untied head or one tied to the embedding) and the zoo of named
+shapes shipped as JSON. Describes a transformer; never decides where it lives (that is memplan's
+job) and never imports array libraries."""
 
 from __future__ import annotations
 
@@ -121,6 +121,14 @@ class ModelConfig:
     """Each head's q and k go through an RMSNorm over head_dim (one weight vector of E for all
     query heads, one for all kv heads, norm_eps) after the projection and before RoPE: Qwen3's
     attention (Qwen3ForCausalLM). Left out of the JSON when False."""
+    tie_embeddings: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """The output projection is the embedding table itself (transformers'
+    tie_word_embeddings: Llama 3.2 1B/3B, Qwen2.5 0.5B-3B, SmolLM2): one (V, D) parameter,
+    stored once, with one AdamW state, its gradient the sum of the embedding lookup's and the
+    head matmul's. The embedding block holds it and the head block then holds the final norm
+    only (dataflow.models.layout.head_layout); the planner keeps that block resident on the
+    device and a ring of 2+ ranks is refused (docs/models.md). Left out of the JSON when
+    False, so configs, checkpoints and plan hashes without it are unchanged."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
@@ -141,7 +149,7 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ConfigError(f"model '{self.name}': family {self.family!r} is not one of "
                               f"{', '.join(FAMILIES)}")
-        for field in ("attention_bias", "qk_norm"):
+        for field in ("attention_bias", "qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"model '{self.name}': {field} must be true or false, got "
                                   f"{getattr(self, field)!r}")
@@ -192,8 +200,9 @@ class ModelConfig:
 
     @property
     def head_params(self) -> int:
-        """Final norm plus the untied output projection."""
-        return self.model_dim + self.vocab_size * self.model_dim
+        """Final norm plus the output projection when it is untied (a tied head's projection
+        is the embedding, counted once, in embed_params)."""
+        return self.model_dim + (0 if self.tie_embeddings else self.vocab_size * self.model_dim)
 
     @property
     def n_params(self) -> int:

@@ -1,6 +1,8 @@
 """FLOP counts per sequence, exactly as ml_dataflow's README defines model FLOPs (causal
 attention at half; the head's forward and two backward matmuls; the embedding free), plus the
-hardware FLOPs that recompute adds, for HFU. See docs/flops.md. Never imports array libraries."""
+hardware FLOPs that recompute adds, for HFU. A head tied to the embedding computes the same
+matmuls (over the embedding's table), so its FLOPs do not change. See docs/flops.md. Never
+imports array libraries."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ Reads lazily, one layer block at a time from memory-mapped files, converting to 
 bf16 one block at a time into a temporary directory renamed into place when complete. Never
 holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling
 other than Llama 3.1's 'llama3', biases beyond Qwen2's q/k/v, sliding windows in use, other
-activations are refused by name)."""
+activations are refused by name). tie_word_embeddings stays one parameter both ways: imported
+into the embedding block (a stored lm_head.weight must equal it), exported with
+tie_word_embeddings true and no lm_head.weight, as transformers saves a tied model."""
 
 from __future__ import annotations
 
@@ -106,6 +108,9 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
                               f"{ARCHITECTURES[family]} (our kernels implement {key} = "
                               f"{want!r}); import a model without it")
     rope_theta, rope_scaling = _hf_rope(data, where)
+    tied = data.get("tie_word_embeddings", False)  # every supported family defaults to False
+    if not isinstance(tied, bool):
+        raise ConfigError(f"{where}: tie_word_embeddings {tied!r} is not true or false")
     try:
         heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
         return ModelConfig(
@@ -117,7 +122,7 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
             rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             rope_scaling=rope_scaling, family=family,
             sliding_window=_window(data, where) if family == "mistral" else None,
-            attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+            attention_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=tied)
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
@@ -193,7 +198,7 @@ def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
 
 def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
     """transformers' config fields for `cfg` in its family's spelling (LlamaConfig,
-    MistralConfig, Qwen2Config or Qwen3Config; untied head; rope_scaling as the config has it;
+    MistralConfig, Qwen2Config or Qwen3Config; tie_word_embeddings as cfg.tie_embeddings; rope_scaling as the config has it;
     no sliding window in use). max_position_embeddings does not change any number
     transformers computes for these RoPE types; by default 8192 for plain RoPE and the extended
     context (original_max_position_embeddings * factor) with llama3 scaling."""
@@ -208,7 +213,7 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "rope_scaling": hf_rope_scaling(cfg.rope_scaling),
         "initializer_range": 0.02,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
@@ -272,17 +277,16 @@ class HFWeights:
                  for t in lay.tensors}
         unknown = sorted(n for n in self._where if n not in known
                          and not n.endswith(_IGNORED_SUFFIXES))
+        self.tied = self.cfg.tie_embeddings
+        """tie_word_embeddings: one table, in the embedding block (the head holds its norm
+        only). transformers' save_pretrained leaves lm_head.weight out of a tied model; a file
+        that has it must hold the embedding's bits (checked when the embedding is read)."""
+        if self.tied:
+            unknown = [n for n in unknown if n != "lm_head.weight"]
         if unknown:
             raise ConfigError(f"{self.path}: tensors {unknown[:5]} are not part of a "
                               f"{ARCHITECTURES[self.cfg.family]} with this config; expected "
                               "names like model.layers.0.self_attn.q_proj.weight")
-        self.tied = "lm_head.weight" not in self._where
-        if self.tied and "model.embed_tokens.weight" in self._where:
-            # tie_word_embeddings: our head is untied, so it starts as a copy of the embedding.
-            self._where["lm_head.weight"] = self._where["model.embed_tokens.weight"]
-            self._alias = {"lm_head.weight": "model.embed_tokens.weight"}
-        else:
-            self._alias = {}
 
     def _tensor(self, name: str) -> np.ndarray:
         if name not in self._where:
@@ -290,7 +294,7 @@ class HFWeights:
         file = self._where[name]
         if file not in self._files:
             self._files[file] = SafetensorsFile(self.path / file)
-        return self._files[file].tensor(self._alias.get(name, name))
+        return self._files[file].tensor(name)
 
     def block(self, kind: BlockKind, layer: int | None, lay) -> np.ndarray:
         out = np.zeros(lay.numel, BF16)  # alignment padding stays zero, as init leaves it
@@ -302,7 +306,23 @@ class HFWeights:
                                   f"config implies {list(t.shape)}; config.json and the "
                                   "weights disagree")
             lay.view(out, t.name)[...] = src if src.dtype == BF16 else src.astype(BF16)
+        if kind is BlockKind.EMBED and self.tied and "lm_head.weight" in self._where:
+            self._check_tied_head(lay.view(out, "embed_tokens"))
         return out
+
+    def _check_tied_head(self, table: np.ndarray) -> None:
+        """A tied directory that also stores lm_head.weight: transformers would tie it to the
+        embedding (the stored head is dropped), so it must be the embedding, bit for bit in
+        bf16; anything else is two parameters and is refused rather than silently dropped."""
+        head = self._tensor("lm_head.weight")
+        same = head.shape == table.shape and np.array_equal(
+            (head if head.dtype == BF16 else head.astype(BF16)).view(np.uint16),
+            table.view(np.uint16))
+        if not same:
+            raise ConfigError(f"{self.path}: config.json says tie_word_embeddings true, but "
+                              "lm_head.weight differs from model.embed_tokens.weight; set "
+                              "tie_word_embeddings false to train them as two parameters, or "
+                              "drop lm_head.weight to tie the head to the embedding")
 
     def blocks(self):
         for kind, layer, lay in _blocks_of(self.cfg):

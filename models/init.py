@@ -8,7 +8,8 @@ would use normal(0, initializer_range=0.02) instead): RMSNorm weights (QK-norm's
 linear weights (q, k, v, o, gate, up, down projections and lm_head) are uniform in [-b, b] with
 b = 1/sqrt(fan_in), fan_in = in_features = shape[1], and so are the q/k/v biases (fan_in of
 their projection, as nn.Linear's bias); the embedding is normal with std
-EMBED_STD = 1.0 (the first input_layernorm rescales it, so its scale cannot blow up layer 0).
+EMBED_STD = 1.0 (the first input_layernorm rescales it, so its scale cannot blow up layer 0),
+except a tied one (ModelConfig.tie_embeddings), which is lm_head's uniform ±1/sqrt(D).
 Element n of tensor t of a block is a pure function of (seed, block kind, layer, t, n): splitmix64
 of a per-tensor key plus the counter n (the pair n // 2 for the embedding's Box-Muller normals),
 mapped to float32 and rounded to bf16 with round-to-nearest-even."""
@@ -198,7 +199,8 @@ def _check_seed(seed: int) -> int:
     return int(seed)
 
 
-def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str) -> np.ndarray:
+def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str,
+                tied: bool = False) -> np.ndarray:
     seed = _check_seed(seed)
     if out is None:
         out = np.empty(layout.numel, BF16)
@@ -216,7 +218,7 @@ def _init_block(layout: BlockLayout, layer: int, seed: int, out, what: str) -> n
         end = t.offset + t.numel
         if t.name in NORM_TENSORS:
             t_kind[i], t_scale[i] = _ONES, 1.0
-        elif layout.kind is BlockKind.EMBED:
+        elif layout.kind is BlockKind.EMBED and not tied:
             t_kind[i], t_scale[i] = _NORMAL, EMBED_STD
         elif t.name.endswith(".bias"):  # nn.Linear's bias: the fan_in of its weight
             fan_in = layout.slot(t.name[: -len(".bias")]).shape[1]
@@ -261,12 +263,15 @@ def init_layer_block(cfg: ModelConfig, layer: int, seed: int, out=None) -> np.nd
 
 
 def init_embed_block(cfg: ModelConfig, seed: int, out=None) -> np.ndarray:
-    """The embedding block (V, D), normal(0, EMBED_STD), as one 1-D bf16 array."""
-    return _init_block(embed_layout(cfg), 0, seed, out, "embed")
+    """The embedding block (V, D), normal(0, EMBED_STD), as one 1-D bf16 array; a tied one
+    (cfg.tie_embeddings) is also the head's projection, so it starts as an untied lm_head would,
+    uniform ±1/sqrt(D) (normal(0, 1) rows would put logits at sqrt(D) scale)."""
+    return _init_block(embed_layout(cfg), 0, seed, out, "embed", tied=cfg.tie_embeddings)
 
 
 def init_head_block(cfg: ModelConfig, seed: int, out=None) -> np.ndarray:
-    """The head block: final norm (ones) and lm_head (V, D) uniform ±1/sqrt(D)."""
+    """The head block: final norm (ones) and lm_head (V, D) uniform ±1/sqrt(D) (the norm alone
+    when the head is tied to the embedding)."""
     return _init_block(head_layout(cfg), 0, seed, out, "head")
 
 

@@ -118,5 +118,10 @@ def embed_layout(cfg: ModelConfig) -> BlockLayout:
 
 
 def head_layout(cfg: ModelConfig) -> BlockLayout:
+    """The final norm and lm_head (V, D); with cfg.tie_embeddings the norm alone: the head's
+    projection is the embedding block's table, stored, updated and saved once there (the
+    executor's head reads that table and accumulates its gradient into the embedding's)."""
+    if cfg.tie_embeddings:
+        return _pack(BlockKind.HEAD, [("norm", (cfg.model_dim,))])
     return _pack(BlockKind.HEAD, [("norm", (cfg.model_dim,)),
                                   ("lm_head", (cfg.vocab_size, cfg.model_dim))])

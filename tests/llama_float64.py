@@ -1,7 +1,8 @@
 """A float64 NumPy transcription of transformers' LlamaForCausalLM loss, independent of
 dataflow.kernels.reference: the truth the reference model is tested against (test_reference_trainer,
 kernels/test_rope_scaling), and of the families that differ from it in the attention's input only
-(MistralForCausalLM computes Llama's; Qwen2ForCausalLM and Qwen3ForCausalLM: _attention_input)."""
+(MistralForCausalLM computes Llama's; Qwen2ForCausalLM and Qwen3ForCausalLM: _attention_input),
+with the head tied to the embedding when the config says so (tie_word_embeddings)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ def llama_loss_float64(cfg, w, tokens, inv_freq=None):
         n = norm(x, p["post_attention_layernorm"])
         g, u = n @ p["mlp.gate_proj"].T, n @ p["mlp.up_proj"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ p["mlp.down_proj"].T
-    logits = norm(x, lay_h.view(w.head, "norm")) @ lay_h.view(w.head, "lm_head").T
+    # tie_word_embeddings: transformers' lm_head.weight is the embedding's Parameter itself
+    head = embed_layout(cfg).view(w.embed, "embed_tokens") if cfg.tie_embeddings else \
+        lay_h.view(w.head, "lm_head")
+    logits = norm(x, lay_h.view(w.head, "norm")) @ head.T
     mx = logits.max(axis=-1)
     lse = mx + np.log(np.sum(np.exp(logits - mx[:, None]), axis=-1))
     valid = tgt != IGNORE

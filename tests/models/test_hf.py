@@ -137,16 +137,20 @@ def test_import_of_a_hf_directory_gives_identical_weights(tmp_path, rng, dtype):
     assert all(np.array_equal(_bits(again[k]), _bits(got[k])) for k in got)
 
 
-def test_tied_embeddings_start_the_head_as_a_copy(tmp_path, rng):
-    """A tie_word_embeddings directory (no lm_head.weight) imports with lm_head = embedding."""
+def test_tied_embeddings_import_as_one_table(tmp_path, rng):
+    """A tie_word_embeddings directory (no lm_head.weight) imports tied: the embedding block
+    holds the table and the head block only the final norm (tests/models/test_tied_embeddings.py
+    checks training and export)."""
     from dataflow.models.hf import hf_config_dict
 
     tensors = _random_hf_tensors(rng, BF16)
     del tensors["lm_head.weight"]
     _hf_dir(tmp_path / "t", tensors, {**hf_config_dict(ODD), "tie_word_embeddings": True}, 1)
-    blocks = list(HFWeights(tmp_path / "t").blocks())
-    lay = blocks[-1][2]
-    assert np.array_equal(_bits(lay.view(blocks[-1][3], "lm_head")),
+    weights = HFWeights(tmp_path / "t")
+    assert weights.cfg.tie_embeddings and weights.tied
+    blocks = list(weights.blocks())
+    assert [t.name for t in blocks[-1][2].tensors] == ["norm"]
+    assert np.array_equal(_bits(blocks[0][2].view(blocks[0][3], "embed_tokens")),
                           _bits(tensors["model.embed_tokens.weight"]))
 
 
