@@ -2,7 +2,15 @@
 chunking, no rounds, no recompute: forward, loss, backward per sequence, gradient accumulation
 over the sequences of a step, then AdamW on every block. Slow and plain on purpose: it is the
 oracle the engine is compared against (DESIGN.md §5). Never plans, never touches a device, and
-computes only through dataflow.kernels.reference."""
+computes only through dataflow.kernels.reference.
+
+An MoE model (ModelConfig.moe) trains here only so far: its objective is the mean cross-entropy
+plus router_aux_loss_coef times the batch's load-balancing loss (and router_z_loss_coef times
+its z-loss), as transformers' OlmoeForCausalLM / Qwen3MoeForCausalLM with
+output_router_logits=True; the loss reported stays the cross-entropy, the auxiliary values
+beside it (StepResult.aux_loss, z_loss). AdamW updates every block, so an expert no token
+reached still has its moments and weights decayed, as transformers' OLMoE 4.x (which calls
+every expert) does; Qwen3-MoE with zero_grad(set_to_none=True) would skip it (docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from dataflow.kernels.reference import IGNORE, adamw_step
-from dataflow.reference_model import forward_backward
+from dataflow.reference_model import RouterTotals, backward, forward, forward_backward
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -34,6 +42,13 @@ class StepResult:
     """Global L2 norm of the mean-loss gradient over all blocks, before clipping."""
     clip_coef: float
     """Factor the gradient was multiplied by for AdamW: min(1, max_grad_norm / norm), or 1."""
+    aux_loss: float | None = None
+    """MoE models: the load-balancing loss of the step's batch (unscaled; the objective adds
+    router_aux_loss_coef times it to loss_mean, which stays the language model's); None when
+    dense."""
+    z_loss: float | None = None
+    """MoE models: the router z-loss of the batch (unscaled; objective coefficient
+    router_z_loss_coef); None when dense."""
 
 
 class ReferenceTrainer:
@@ -80,6 +95,8 @@ class ReferenceTrainer:
         self.v = [np.zeros_like(b) for b in self.blocks]
         self.step = 0
         """Optimizer steps taken so far."""
+        self.last_router: RouterTotals | None = None
+        """MoE models: the routing totals of the last batch (aux_loss, z_loss, counts)."""
 
     @property
     def blocks(self) -> list[np.ndarray]:
@@ -107,11 +124,33 @@ class ReferenceTrainer:
         grad_scale = 1.0 / n_tokens
         accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks]
         loss_sum = 0.0
+        if self.cfg.moe is not None:
+            return self._accumulate_moe(batch, labels, grad_scale, n_tokens, accum)
         for i, row in enumerate(batch):
             seq_loss, _, grads = forward_backward(self.cfg, self.weights, row, grad_scale,
                                                   labels=None if labels is None else labels[i])
             loss_sum += seq_loss
             for acc, g in zip(accum, grads.blocks()):
+                _accumulate(acc, g)
+        return loss_sum / n_tokens, n_tokens, accum
+
+    def _accumulate_moe(self, batch, labels, grad_scale, n_tokens, accum):
+        """An MoE model's batch: every sequence's forward first, so the auxiliary losses are
+        those of the whole batch as one forward call (transformers concatenates every layer's
+        router logits of the batch: one load-balancing loss, not a sum of per-sequence ones),
+        then each sequence's backward with those totals. Keeps every sequence's activations:
+        the reference is for small models. The totals stay in `last_router`."""
+        fwds = [forward(self.cfg, self.weights, row, grad_scale,
+                        labels=None if labels is None else labels[i])
+                for i, row in enumerate(batch)]
+        router = RouterTotals(self.cfg.moe.n_experts)
+        for f in fwds:
+            router.merge(f.router)
+        self.last_router = router
+        loss_sum = 0.0
+        for f in fwds:
+            loss_sum += f.loss_sum
+            for acc, g in zip(accum, backward(f, router).blocks()):
                 _accumulate(acc, g)
         return loss_sum / n_tokens, n_tokens, accum
 
@@ -129,8 +168,11 @@ class ReferenceTrainer:
             adamw_step(param, grad, m, v, step=self.step, lr=self.lr, beta1=self.betas[0],
                        beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
                        grad_scale=clip_coef)
+        router = self.last_router if self.cfg.moe is not None else None
         return StepResult(step=self.step, loss_mean=loss_mean, n_tokens=n_tokens,
-                          grad_norm=grad_norm, clip_coef=clip_coef)
+                          grad_norm=grad_norm, clip_coef=clip_coef,
+                          aux_loss=None if router is None else router.aux_loss,
+                          z_loss=None if router is None else router.z_loss)
 
 
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:

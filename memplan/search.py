@@ -156,6 +156,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     batch as seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes
     exactly that many sequences per step (chunks x rounds chosen to fit it). Raises
     InfeasibleBudget naming the smallest budgets that work."""
+    refuse_moe(cfg)
     profile = _profile(profile)
     validate_budget(budget)
     if cfg.sliding_window is not None and seqlen > cfg.sliding_window:
@@ -183,6 +184,19 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     except ConfigError:  # InfeasibleBudget included
         return plan
     return fixed if fixed.prediction.tok_per_s > plan.prediction.tok_per_s else plan
+
+
+MOE_REFUSAL = ("MoE layers run on the reference trainer only so far "
+               "(dataflow.reference_trainer.ReferenceTrainer); the planner and executor do not "
+               "stream experts yet (issue 41)")
+
+
+def refuse_moe(cfg: ModelConfig) -> None:
+    """The one check that keeps a mixture-of-experts config (ModelConfig.moe) out of the planner,
+    and so out of the engine and the ring, which plan through make_plan: raises ConfigError."""
+    if cfg.moe is not None:
+        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts, top "
+                          f"{cfg.moe.top_k}): {MOE_REFUSAL}")
 
 
 ML_DATAFLOW_LIKE = {"chunk_tokens": 16384, "max_resident_layers": 0, "home_optimizer": "streamed"}

@@ -1,7 +1,8 @@
 """ModelConfig: the shape of a Llama-style decoder (RMSNorm, GQA attention with half-split RoPE,
 optionally Llama 3.1-style RoPE frequency scaling, q/k/v biases (Qwen2) or a per-head RMSNorm of
-q and k (Qwen3), SwiGLU FFN, an untied head or one tied to the embedding) and the zoo of named
-shapes shipped as JSON. Describes a transformer; never decides where it lives (that is memplan's
+q and k (Qwen3; over the whole projection for OLMoE), SwiGLU FFN or a mixture-of-experts FFN
+in every layer (OLMoE, Qwen3-MoE: `MoE`), an untied head or one tied to the embedding) and the
+zoo of named shapes shipped as JSON. Describes a transformer; never decides where it lives (that is memplan's
 job) and never imports array libraries."""
 
 from __future__ import annotations
@@ -70,16 +71,72 @@ class RopeScaling:
                               f"integer, got {value!r} (Llama 3.1: 8192)")
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""Families whose checkpoints train as themselves (docs/models.md lists what each refuses)."""
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmoe", "qwen3_moe")
+"""Families whose checkpoints train as themselves (docs/models.md lists what each refuses).
+olmoe and qwen3_moe are mixture-of-experts families: they need ModelConfig.moe, and the
+others refuse it; they train on the reference trainer only so far (docs/moe.md)."""
+
+MOE_FAMILIES = ("olmoe", "qwen3_moe")
 
 FAMILY_ATTENTION = {"llama": (False, False), "mistral": (False, False),
-                    "qwen2": (True, False), "qwen3": (False, True)}
+                    "qwen2": (True, False), "qwen3": (False, True),
+                    "olmoe": (False, True), "qwen3_moe": (False, True)}
 """family -> (attention_bias, qk_norm) its transformers class computes for the checkpoints we
 import: Qwen2ForCausalLM always has q/k/v biases; Qwen3ForCausalLM always normalises q and k
 (its attention_bias switch would bias o_proj too, which is refused on import); Llama's
 attention_bias would also bias o_proj and Mistral has none. A family is the export's spelling,
-so a config whose computation its family cannot express is refused."""
+so a config whose computation its family cannot express is refused. Qwen3-MoE's attention is
+Qwen3's (per-head QK-norm); OLMoE's QK-norm runs over the whole q and k projections
+(ModelConfig.qk_norm_whole), and its optional clip_qkv is not built (refused on import)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MoE:
+    """A mixture-of-experts feed-forward block in EVERY layer (transformers'
+    OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock): a router (N, D), softmax, top-k, optional
+    renormalisation of the k weights, N routed SwiGLU experts of width expert_ffn_dim, dropless
+    (no capacity factor), plus n_shared_experts ungated SwiGLU experts of the same width summed
+    onto every token (DeepSeek-V3's shared_experts; 0 for OLMoE and Qwen3-MoE). Qwen3-MoE's
+    dense layers (mlp_only_layers, decoder_sparse_step != 1) are not modelled: refused on
+    import. The maths: dataflow.kernels.reference.moe, docs/moe.md."""
+
+    n_experts: int
+    """N: routed experts per layer (OLMoE-1B-7B 64, Qwen3-30B-A3B 128)."""
+    top_k: int
+    """k: experts each token is routed to (num_experts_per_tok)."""
+    expert_ffn_dim: int
+    """Hidden width of each expert (OLMoE: intermediate_size; Qwen3-MoE:
+    moe_intermediate_size)."""
+    norm_topk_prob: bool
+    """Divide the k selected probabilities by their sum (Qwen3-MoE true, OLMoE false)."""
+    router_aux_loss_coef: float
+    """Coefficient of the load-balancing loss added to the mean cross-entropy (OLMoE 0.01,
+    Qwen3-MoE 0.001); 0 trains without it."""
+    router_z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss (mean over all MoE layers' rows of logsumexp^2); 0 for
+    both families, whose transformers classes have none."""
+    n_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("n_experts", "top_k", "expert_ffn_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"moe {field} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"moe top_k {self.top_k} is more than n_experts "
+                              f"{self.n_experts}; each token picks k distinct experts")
+        n = self.n_shared_experts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"moe n_shared_experts must be a non-negative integer, got {n!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"moe norm_topk_prob must be true or false, got "
+                              f"{self.norm_topk_prob!r}")
+        for field in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, field)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise ConfigError(f"moe {field} must be a non-negative finite number, got "
+                                  f"{value!r} (0 trains without that loss)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +186,13 @@ class ModelConfig:
     only (dataflow.models.layout.head_layout); the planner keeps that block resident on the
     device and a ring of 2+ ranks is refused (docs/models.md). Left out of the JSON when
     False, so configs, checkpoints and plan hashes without it are unchanged."""
+    moe: MoE | None = dataclasses.field(default=None, metadata={"omit_if_default": True})
+    """Every layer's FFN is this mixture of experts (families olmoe, qwen3_moe, which need it;
+    the others refuse it); ffn_dim then holds transformers' dense intermediate_size, which no
+    layer uses (Qwen3-30B-A3B: 6144; OLMoE: the expert width) and which nothing counts. The
+    planner and the executor refuse an MoE config (dataflow.memplan.search.refuse_moe): it
+    trains on dataflow.reference_trainer only so far. Left out of the JSON when None, so
+    configs, checkpoints and plan hashes without it are unchanged."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
@@ -167,6 +231,16 @@ class ModelConfig:
                                                 self.sliding_window <= 0):
             raise ConfigError(f"model '{self.name}': sliding_window must be a positive integer "
                               f"or None, got {self.sliding_window!r}")
+        if self.moe is not None and not isinstance(self.moe, MoE):
+            raise ConfigError(f"model '{self.name}': moe must be a MoE or None, got "
+                              f"{self.moe!r}")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ConfigError(
+                f"model '{self.name}': family {self.family!r} "
+                + (f"has a mixture-of-experts FFN: give it a moe description"
+                   if self.moe is None else
+                   f"has a dense FFN, not moe; mixture-of-experts families are "
+                   f"{', '.join(MOE_FAMILIES)}"))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(f"model '{self.name}': rope_scaling must be a RopeScaling or None, "
                               f"got {self.rope_scaling!r}")
@@ -187,12 +261,44 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def layer_params(self) -> int:
-        """Parameters of one transformer layer (weights, norms, biases and QK-norm weights)."""
+    def qk_norm_whole(self) -> bool:
+        """QK-norm over the whole q and k projections (weights (q_dim,), (kv_dim,)), OLMoE's,
+        rather than per head over head_dim (Qwen3's)."""
+        return self.qk_norm and self.family == "olmoe"
+
+    @property
+    def qk_norm_dims(self) -> tuple[int, int]:
+        """Lengths of the q_norm and k_norm weights (with qk_norm)."""
+        if self.qk_norm_whole:
+            return self.q_dim, self.kv_dim
+        return self.head_dim, self.head_dim
+
+    def _attn_params(self) -> int:
         d = self.model_dim
         extra = ((self.q_dim + 2 * self.kv_dim) * self.attention_bias
-                 + 2 * self.head_dim * self.qk_norm)
-        return 2 * d + d * self.q_dim * 2 + d * self.kv_dim * 2 + 3 * d * self.ffn_dim + extra
+                 + sum(self.qk_norm_dims) * self.qk_norm)
+        return 2 * d + d * self.q_dim * 2 + d * self.kv_dim * 2 + extra
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (weights, norms, biases and QK-norm weights;
+        with moe the router and every expert, routed and shared)."""
+        d = self.model_dim
+        if self.moe is None:
+            return self._attn_params() + 3 * d * self.ffn_dim
+        m = self.moe
+        return (self._attn_params() + m.n_experts * d
+                + (m.n_experts + m.n_shared_experts) * 3 * d * m.expert_ffn_dim)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters one token uses in one layer: layer_params for a dense model; with moe
+        the router, top_k routed experts and the shared ones (MFU counts these)."""
+        if self.moe is None:
+            return self.layer_params
+        m, d = self.moe, self.model_dim
+        return (self._attn_params() + m.n_experts * d
+                + (m.top_k + m.n_shared_experts) * 3 * d * m.expert_ffn_dim)
 
     @property
     def embed_params(self) -> int:
@@ -206,7 +312,13 @@ class ModelConfig:
 
     @property
     def n_params(self) -> int:
+        """Every parameter (with moe: all experts)."""
         return self.embed_params + self.n_layers * self.layer_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (n_params for a dense model; with moe: top_k experts)."""
+        return self.embed_params + self.n_layers * self.active_layer_params + self.head_params
 
     def to_json(self) -> str:
         return to_json(self)
@@ -221,10 +333,11 @@ def zoo_names() -> list[str]:
 
 
 def _size_key(name: str) -> float:
-    """Billions of parameters the name ends with ('8b', 'mistral-7b'); unnamed sizes last."""
+    """Billions of parameters the name ends with ('8b', 'mistral-7b', 'olmoe-1b-7b'; an MoE's
+    total before its active size: 'qwen3-30b-a3b' is 30); unnamed sizes last."""
     import re
 
-    m = re.search(r"(\d+(?:\.\d+)?)b$", name)
+    m = re.search(r"(\d+(?:\.\d+)?)b(?:-a\d+(?:\.\d+)?b)?$", name)
     return float(m.group(1)) if m else float("inf")
 
 

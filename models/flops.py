@@ -1,6 +1,8 @@
 """FLOP counts per sequence, exactly as ml_dataflow's README defines model FLOPs (causal
 attention at half; the head's forward and two backward matmuls; the embedding free), plus the
-hardware FLOPs that recompute adds, for HFU. A head tied to the embedding computes the same
+hardware FLOPs that recompute adds, for HFU. An MoE config (ModelConfig.moe) counts ACTIVE
+FLOPs: the router and the top_k routed (and shared) experts each token is sent to, never all N
+(flop_model_version says which formula a number used). A head tied to the embedding computes the same
 matmuls (over the embedding's table), so its FLOPs do not change. See docs/flops.md. Never
 imports array libraries."""
 
@@ -12,6 +14,34 @@ from dataflow.models.config import ModelConfig
 
 FLOP_MODEL_VERSION = "mldf-1"
 """Bumped whenever a formula here changes, and printed beside every MFU/HFU we report."""
+MOE_FLOP_MODEL_VERSION = "mldf-1-moe-active-1"
+"""The version an MoE config's counts carry (flop_model_version): mldf-1 with each layer's FFN
+replaced by its active part (router + top_k routed + shared experts, ml_dataflow's E_active)."""
+
+
+def flop_model_version(cfg: ModelConfig) -> str:
+    """FLOP_MODEL_VERSION for a dense config, MOE_FLOP_MODEL_VERSION with cfg.moe."""
+    return FLOP_MODEL_VERSION if cfg.moe is None else MOE_FLOP_MODEL_VERSION
+
+
+def ffn_matmul_width(cfg: ModelConfig) -> int:
+    """Sum of the output widths of the FFN matmuls one token passes through, per D: 3 * F for
+    the dense SwiGLU; with moe the router's N plus 3 * F_e for each of the top_k routed and
+    the shared experts (active FLOPs: experts a token is not routed to compute nothing for
+    it). Routing, softmax, top-k, permutation and the combine are elementwise: not counted."""
+    if cfg.moe is None:
+        return 3 * cfg.ffn_dim
+    m = cfg.moe
+    return m.n_experts + 3 * (m.top_k + m.n_shared_experts) * m.expert_ffn_dim
+
+
+def _gate_up_width(cfg: ModelConfig) -> int:
+    """Output widths of the gate and up matmuls a token passes through (recomputed below
+    FULL): 2 * F dense, 2 * F_e per active expert with moe (the router is recomputed too)."""
+    if cfg.moe is None:
+        return 2 * cfg.ffn_dim
+    m = cfg.moe
+    return m.n_experts + 2 * (m.top_k + m.n_shared_experts) * m.expert_ffn_dim
 
 
 class SavedLevel(enum.Enum):
@@ -26,9 +56,10 @@ class SavedLevel(enum.Enum):
 
 
 def layer_matmul_flops(cfg: ModelConfig, tokens: int) -> int:
-    """Forward matmul FLOPs of one layer for `tokens` tokens: Q,O + K,V + 3 FFN matrices."""
+    """Forward matmul FLOPs of one layer for `tokens` tokens: Q,O + K,V + 3 FFN matrices (with
+    moe: the router and the active experts' three each, ffn_matmul_width)."""
     d = cfg.model_dim
-    return 2 * tokens * d * (2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim)
+    return 2 * tokens * d * (2 * cfg.q_dim + 2 * cfg.kv_dim + ffn_matmul_width(cfg))
 
 
 def causal_pairs(chunk_tokens: int, context_tokens: int) -> float:
@@ -89,7 +120,7 @@ def level_recompute_flops(cfg: ModelConfig, level: SavedLevel, chunk_tokens: int
     if level is SavedLevel.FULL:
         return qk
     q_and_o = 2 * t * d * 2 * cfg.q_dim
-    gate_up = 2 * t * d * 2 * cfg.ffn_dim
+    gate_up = 2 * t * d * _gate_up_width(cfg)
     if level is SavedLevel.INP_ATTN:
         return float(q_and_o + gate_up) + qk
     return q_and_o + gate_up + attn_fwd_flops(cfg, t, context_tokens) + qk

@@ -95,21 +95,47 @@ LAYER_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "sel
 BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 """With ModelConfig.attention_bias (Qwen2): (q_dim,), (kv_dim,), (kv_dim,), after the weights."""
 QK_NORM_TENSORS = ("self_attn.q_norm", "self_attn.k_norm")
-"""With ModelConfig.qk_norm (Qwen3): two (head_dim,) RMSNorm weights, after the weights."""
+"""With ModelConfig.qk_norm (Qwen3): two (head_dim,) RMSNorm weights, after the weights; OLMoE's
+(qk_norm_whole) are (q_dim,) and (kv_dim,)."""
 NORM_TENSORS = frozenset({"input_layernorm", "post_attention_layernorm", "norm",
                           *QK_NORM_TENSORS})
+ROUTER_TENSOR = "mlp.gate"
+"""With ModelConfig.moe: the router (n_experts, D), transformers' `mlp.gate.weight`."""
+EXPERT_TENSORS = ("gate_proj", "up_proj", "down_proj")
+"""Each expert's three matrices, contiguous: (F_e, D), (F_e, D), (D, F_e)."""
+
+
+def expert_names(e: int, *, shared: bool = False) -> tuple[str, str, str]:
+    """Block names of routed expert e's (or shared expert e's) gate, up and down:
+    'mlp.experts.{e}.gate_proj' as transformers' released checkpoints name them (shared:
+    'mlp.shared_experts.{e}.gate_proj')."""
+    group = "shared_experts" if shared else "experts"
+    return tuple(f"mlp.{group}.{e}.{t}" for t in EXPERT_TENSORS)
 
 
 def layer_layout(cfg: ModelConfig) -> BlockLayout:
     """The nine Llama tensors in LAYER_TENSORS order, then the family's extra vectors (biases,
-    QK-norm weights) at the end, so a Llama block's offsets do not depend on them."""
+    QK-norm weights) at the end, so a Llama block's offsets do not depend on them.
+
+    With cfg.moe the three mlp tensors are replaced, after post_attention_layernorm, by the
+    router (N, D), then each routed expert's gate, up and down contiguous (expert 0's three,
+    expert 1's, ...: one expert is one contiguous range, docs/moe.md), then the shared experts
+    likewise; the family's extra vectors still come last."""
     d, q, kv, f = cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    shapes = [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f)]
-    named = list(zip(LAYER_TENSORS, shapes))
+    if cfg.moe is None:
+        shapes = [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f)]
+        named = list(zip(LAYER_TENSORS, shapes))
+    else:
+        m, fe = cfg.moe, cfg.moe.expert_ffn_dim
+        named = list(zip(LAYER_TENSORS[:6], [(d,), (q, d), (kv, d), (kv, d), (d, q), (d,)]))
+        named.append((ROUTER_TENSOR, (m.n_experts, d)))
+        for shared, count in ((False, m.n_experts), (True, m.n_shared_experts)):
+            for e in range(count):
+                named += list(zip(expert_names(e, shared=shared), [(fe, d), (fe, d), (d, fe)]))
     if cfg.attention_bias:
         named += list(zip(BIAS_TENSORS, [(q,), (kv,), (kv,)]))
     if cfg.qk_norm:
-        named += [(n, (cfg.head_dim,)) for n in QK_NORM_TENSORS]
+        named += [(n, (dim,)) for n, dim in zip(QK_NORM_TENSORS, cfg.qk_norm_dims)]
     return _pack(BlockKind.LAYER, named)
 
 
