@@ -127,6 +127,20 @@ def _check_tied(d: Decisions) -> None:
                           f"({p.weights.value}, {p.grads.value}, {p.optimizer.value})")
 
 
+MOE_REFUSAL = ("MoE layers run on the reference trainer only so far "
+               "(dataflow.reference_trainer.ReferenceTrainer); the planner and executor do not "
+               "stream experts yet (issue 41)")
+
+
+def refuse_moe(cfg: ModelConfig) -> None:
+    """The check that keeps a mixture-of-experts config (ModelConfig.moe) out of the planner,
+    and so out of the engine and the ring: make_plan calls it first, and validate_decisions
+    (every plan built, Engine.from_plan's hand-made ones too) again. Raises ConfigError."""
+    if cfg.moe is not None:
+        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts, top "
+                          f"{cfg.moe.top_k}): {MOE_REFUSAL}")
+
+
 def any_streamed_optimizer(d: Decisions) -> bool:
     return any(p.optimizer is OptimizerWhere.STREAMED for p in (*d.layers, d.embed, d.head))
 
@@ -142,6 +156,7 @@ def validate_decisions(d: Decisions) -> None:
         _check_placement(f"layer {i}", p)
     _check_placement("embed", d.embed)
     _check_placement("head", d.head)
+    refuse_moe(cfg)
     _check_tied(d)
     if len(d.activations) != cfg.n_layers or any(len(row) != ch.chunks_per_round
                                                  for row in d.activations):

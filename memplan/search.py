@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.build import build_plan, validate_budget
+from dataflow.memplan.decisions import refuse_moe
 from dataflow.memplan.candidates import Candidate, Score, Table, candidate_table, segment_table
 from dataflow.memplan.chunking import (MAX_ROUND_TOKENS, ROUND_MULTIPLES, _divisors, check_seqlen,
                               head_sub_choices,
@@ -184,19 +185,6 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     except ConfigError:  # InfeasibleBudget included
         return plan
     return fixed if fixed.prediction.tok_per_s > plan.prediction.tok_per_s else plan
-
-
-MOE_REFUSAL = ("MoE layers run on the reference trainer only so far "
-               "(dataflow.reference_trainer.ReferenceTrainer); the planner and executor do not "
-               "stream experts yet (issue 41)")
-
-
-def refuse_moe(cfg: ModelConfig) -> None:
-    """The one check that keeps a mixture-of-experts config (ModelConfig.moe) out of the planner,
-    and so out of the engine and the ring, which plan through make_plan: raises ConfigError."""
-    if cfg.moe is not None:
-        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts, top "
-                          f"{cfg.moe.top_k}): {MOE_REFUSAL}")
 
 
 ML_DATAFLOW_LIKE = {"chunk_tokens": 16384, "max_resident_layers": 0, "home_optimizer": "streamed"}

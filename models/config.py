@@ -190,7 +190,7 @@ class ModelConfig:
     """Every layer's FFN is this mixture of experts (families olmoe, qwen3_moe, which need it;
     the others refuse it); ffn_dim then holds transformers' dense intermediate_size, which no
     layer uses (Qwen3-30B-A3B: 6144; OLMoE: the expert width) and which nothing counts. The
-    planner and the executor refuse an MoE config (dataflow.memplan.search.refuse_moe): it
+    planner and the executor refuse an MoE config (dataflow.memplan.decisions.refuse_moe): it
     trains on dataflow.reference_trainer only so far. Left out of the JSON when None, so
     configs, checkpoints and plan hashes without it are unchanged."""
 

@@ -297,6 +297,12 @@ def test_planner_engine_and_dataflow_plan_refuse_moe_by_name(capsys):
         make_plan(cfg, 8192, Budget.from_gib(200, 80))
     with pytest.raises(ConfigError, match="reference trainer only.*issue 41"):
         Engine(QWEN3_MOE, host_gb=4, dev_gb=1, seqlen=16, backend="numpy")
+    # a hand-made plan (Engine.from_plan's way in) meets the same refusal in validate_decisions
+    from dataflow.memplan import get_profile
+    from dataflow.memplan.decisions import decisions_of, validate_decisions
+    dense = make_plan(load_config("tiny"), 64, Budget.from_gib(1, 1), get_profile("cpu"))
+    with pytest.raises(ConfigError, match="reference trainer only.*issue 41"):
+        validate_decisions(dataclasses.replace(decisions_of(dense), model=QWEN3_MOE))
     for extra in ([], ["--gpus", "2"]):
         capsys.readouterr()
         assert plan_main(["200", "80", "8192", "qwen3-30b-a3b", *extra]) == 2
