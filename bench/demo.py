@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host (pinned) memory budget, GiB")
     p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
     p.add_argument("seqlen", type=checks.seqlen, help="tokens per sequence (at most 16,777,216)")
-    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b) or a saved model dir")
+    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b, llama3.2-1b, mistral-7b, "
+                        "qwen2.5-7b, qwen3-8b, ...), a saved model or a Hugging Face directory")
     p.add_argument("--steps", type=checks.positive_int, default=5,
                    help="optimizer steps (default 5)")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
