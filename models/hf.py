@@ -1,14 +1,17 @@
-"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 directories in and out (docs/models.md):
-config.json in the family's own spelling (transformers' LlamaConfig, MistralConfig, Qwen2Config,
-Qwen3Config) plus model.safetensors, or model-0000i-of-0000n.safetensors with
-model.safetensors.index.json.
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, OLMoE and Qwen3-MoE directories in and out
+(docs/models.md): config.json in the family's own spelling (transformers' LlamaConfig,
+MistralConfig, Qwen2Config, Qwen3Config, OlmoeConfig, Qwen3MoeConfig) plus model.safetensors, or
+model-0000i-of-0000n.safetensors with model.safetensors.index.json. Experts are read under the
+released per-expert names or transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`,
+and written under the released names.
 Reads lazily, one layer block at a time from memory-mapped files, converting to bf16; writes
 bf16 one block at a time into a temporary directory renamed into place when complete. Never
 holds the whole model in memory, and never accepts a config it cannot run exactly (RoPE scaling
 other than Llama 3.1's 'llama3', biases beyond Qwen2's q/k/v, sliding windows in use, other
-activations are refused by name). tie_word_embeddings stays one parameter both ways: imported
-into the embedding block (a stored lm_head.weight must equal it), exported with
-tie_word_embeddings true and no lm_head.weight, as transformers saves a tied model."""
+activations, OLMoE's clip_qkv, Qwen3-MoE's dense layers are refused by name).
+tie_word_embeddings stays one parameter both ways: imported into the embedding block (a stored
+lm_head.weight must equal it), exported with tie_word_embeddings true and no lm_head.weight, as
+transformers saves a tied model."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.models.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling, RopeType, load_config
+from dataflow.models.config import (FAMILY_ATTENTION, MOE_FAMILIES, SUPPORTED_ROPE_TYPES, MoE,
+                                    ModelConfig, RopeScaling, RopeType, load_config)
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
@@ -51,16 +55,13 @@ def is_hf_dir(path) -> bool:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-"""model_type -> the transformers class whose computation our kernels reproduce."""
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+"""model_type -> the transformers class whose computation our kernels reproduce (the MoE
+families train on the reference trainer only so far: docs/moe.md)."""
 
-_MOE_HF = ("mixture-of-experts models exist as configs (zoo olmoe-1b-7b, qwen3-30b-a3b) and "
-           "train on the reference trainer, but their Hugging Face import and export are not "
-           "built yet (issue 41)")
 NOT_YET = {
-    "qwen2_moe": "mixture-of-experts blocks are not built yet",
-    "qwen3_moe": _MOE_HF,
-    "olmoe": _MOE_HF,
+    "qwen2_moe": "Qwen2-MoE's sigmoid-gated shared expert is not built",
     "mixtral": "mixture-of-experts blocks are not built yet",
     "gemma": "Gemma's GeLU FFN, scaled embedding and (1 + w) norms are not built",
     "gemma2": "Gemma 2's soft-capping and alternating sliding windows are not built",
@@ -80,10 +81,10 @@ def _window(data: dict, where) -> int | None:
 
 
 def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory (the family
-    from its model_type, with Qwen2's q/k/v biases or Qwen3's QK-norm); refuses what our kernels
-    would not
-    compute exactly as transformers does."""
+    """The ModelConfig of a Hugging Face Llama, Mistral, Qwen2, Qwen3, OLMoE or Qwen3-MoE
+    directory (the family from its model_type, with Qwen2's q/k/v biases, the QK-norm of Qwen3
+    and both MoE families, the MoE block of OlmoeConfig / Qwen3MoeConfig); refuses what our
+    kernels would not compute exactly as transformers does."""
     path = Path(path)
     where = path / "config.json"
     data = json.loads(where.read_text())
@@ -98,7 +99,7 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
     if family != "qwen2":  # Qwen2's q/k/v biases are not a switch; Llama's and Qwen3's would
         # bias o_proj as well, which is not built
         checks["attention_bias"] = (False, data.get("attention_bias", False))
-    if family in ("qwen2", "qwen3"):  # sliding-window layers from max_window_layers on
+    if family in ("qwen2", "qwen3", "qwen3_moe"):  # sliding layers from max_window_layers on
         checks["use_sliding_window"] = (False, data.get("use_sliding_window", False))
     layer_types = data.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):  # transformers 5 spells windows so too
@@ -114,22 +115,77 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
     tied = data.get("tie_word_embeddings", False)  # every supported family defaults to False
     if not isinstance(tied, bool):
         raise ConfigError(f"{where}: tie_word_embeddings {tied!r} is not true or false")
+    moe = _hf_moe(data, family, where) if family in MOE_FAMILIES else None
     try:
         heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
+        head_dim = int(data.get("head_dim") or dim // heads)
+        if family == "olmoe" and head_dim != dim // heads:  # OlmoeAttention has no head_dim
+            raise ConfigError(f"{where}: head_dim {head_dim} is not hidden_size // "
+                              f"num_attention_heads = {dim // heads}, which OlmoeForCausalLM "
+                              "uses; drop head_dim")
         return ModelConfig(
             name=name or path.resolve().name, vocab_size=int(data["vocab_size"]),
-            model_dim=dim, head_dim=int(data.get("head_dim") or dim // heads),
+            model_dim=dim, head_dim=head_dim,
             n_layers=int(data["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(data.get("num_key_value_heads") or heads),
             ffn_dim=int(data["intermediate_size"]),
             rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             rope_scaling=rope_scaling, family=family,
             sliding_window=_window(data, where) if family == "mistral" else None,
-            attention_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=tied)
+            attention_bias=FAMILY_ATTENTION[family][0], qk_norm=FAMILY_ATTENTION[family][1],
+            tie_embeddings=tied, moe=moe)
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
                           "num_attention_heads") from None
+
+
+def _hf_moe(data: dict, family: str, where) -> MoE:
+    """The MoE of an OlmoeConfig / Qwen3MoeConfig dict (defaults as those classes have them);
+    refuses by name the variants not modelled: OLMoE's clip_qkv, Qwen3-MoE's dense layers
+    (mlp_only_layers, decoder_sparse_step != 1). output_router_logits only says whether
+    transformers adds the auxiliary loss in forward; the coefficient is kept either way (the
+    reference trainer always adds coef * aux; docs/models.md)."""
+    arch = ARCHITECTURES[family]
+    if family == "olmoe" and data.get("clip_qkv") is not None:
+        raise ConfigError(f"{where}: clip_qkv {data['clip_qkv']!r} is not supported for {arch} "
+                          "(clipping of q, k and v is not built); import a model with clip_qkv "
+                          "null")
+    if family == "qwen3_moe":
+        dense = data.get("mlp_only_layers") or []
+        if dense:
+            raise ConfigError(f"{where}: mlp_only_layers {dense!r} is not supported for {arch}: "
+                              "every layer must be a mixture of experts (dense layers among "
+                              "them are not built); import a model with mlp_only_layers []")
+        step = data.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise ConfigError(f"{where}: decoder_sparse_step {step!r} is not supported for "
+                              f"{arch}: only 1 (every layer a mixture of experts) is built")
+    n = data.get("num_experts", data.get("num_local_experts"))
+    if "num_local_experts" in data and data["num_local_experts"] != n:
+        raise ConfigError(f"{where}: num_experts {n!r} and num_local_experts "
+                          f"{data['num_local_experts']!r} disagree; keep one")
+    defaults = _MOE_DEFAULTS[family]
+    width_key = "intermediate_size" if family == "olmoe" else "moe_intermediate_size"
+    try:
+        return MoE(n_experts=defaults["num_experts"] if n is None else n,
+                   top_k=data.get("num_experts_per_tok", 8),
+                   expert_ffn_dim=data.get(width_key, defaults[width_key]),
+                   norm_topk_prob=data.get("norm_topk_prob", False),
+                   router_aux_loss_coef=data.get("router_aux_loss_coef",
+                                                 defaults["router_aux_loss_coef"]),
+                   router_z_loss_coef=data.get("router_z_loss_coef", 0.0))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc} ({arch})") from None
+
+
+_MOE_DEFAULTS = {
+    "olmoe": {"num_experts": 64, "intermediate_size": 2048, "router_aux_loss_coef": 0.01},
+    "qwen3_moe": {"num_experts": 128, "moe_intermediate_size": 768,
+                  "router_aux_loss_coef": 0.001},
+}
+"""OlmoeConfig's and Qwen3MoeConfig's defaults for keys a config.json may leave out (both
+default num_experts_per_tok 8, norm_topk_prob false and have no z-loss)."""
 
 
 def _hf_rope(data: dict, where) -> tuple[float, RopeScaling | None]:
@@ -201,11 +257,12 @@ def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
 
 def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -> dict:
     """transformers' config fields for `cfg` in its family's spelling (LlamaConfig,
-    MistralConfig, Qwen2Config or Qwen3Config; tie_word_embeddings as cfg.tie_embeddings; rope_scaling as the config has it;
-    no sliding window in use). max_position_embeddings does not change any number
-    transformers computes for these RoPE types; by default 8192 for plain RoPE and the extended
-    context (original_max_position_embeddings * factor) with llama3 scaling."""
-    _refuse_moe_export(cfg)
+    MistralConfig, Qwen2Config, Qwen3Config, OlmoeConfig or Qwen3MoeConfig; tie_word_embeddings
+    as cfg.tie_embeddings; rope_scaling as the config has it; no sliding window in use).
+    max_position_embeddings does not change any number transformers computes for these RoPE
+    types; by default 8192 for plain RoPE and the extended context
+    (original_max_position_embeddings * factor) with llama3 scaling."""
+    _refuse_unexportable(cfg)
     if max_position_embeddings is None:
         sc = cfg.rope_scaling
         max_position_embeddings = (8192 if sc is None else
@@ -234,12 +291,45 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
             del out[key]
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.n_layers)
-    return out
-
-
-def _refuse_moe_export(cfg: ModelConfig) -> None:
     if cfg.moe is not None:
-        raise ConfigError(f"model '{cfg.name}' ({cfg.family}): {_MOE_HF}")
+        out.update(_hf_moe_dict(cfg))
+    return {k: v for k, v in out.items() if v is not _DROP}
+
+
+def _hf_moe_dict(cfg: ModelConfig) -> dict:
+    """OlmoeConfig's or Qwen3MoeConfig's fields for cfg.moe (_DROP marks the dense keys their
+    classes lack). output_router_logits is true when the coefficient is not 0, so a model
+    loaded with from_pretrained adds the auxiliary loss as the reference trainer does;
+    router_z_loss_coef (no transformers class reads it) is written only when not 0."""
+    m = cfg.moe
+    out = {"num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+           "norm_topk_prob": m.norm_topk_prob, "router_aux_loss_coef": m.router_aux_loss_coef,
+           "output_router_logits": m.router_aux_loss_coef > 0}
+    if m.router_z_loss_coef:
+        out["router_z_loss_coef"] = m.router_z_loss_coef
+    if cfg.family == "olmoe":  # the expert width is intermediate_size; no head_dim key
+        return {**out, "intermediate_size": m.expert_ffn_dim, "clip_qkv": None,
+                "head_dim": _DROP, "mlp_bias": _DROP, "pretraining_tp": _DROP}
+    return {**out, "moe_intermediate_size": m.expert_ffn_dim, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None,
+            "mlp_bias": _DROP, "pretraining_tp": _DROP}
+
+
+_DROP = object()
+"""A key hf_config_dict leaves out (the family's config class has no such field)."""
+
+
+def _refuse_unexportable(cfg: ModelConfig) -> None:
+    """Refuse what the family's config.json cannot say: shared experts (neither OLMoE nor
+    Qwen3-MoE has them), OLMoE heads whose width is not model_dim / n_heads."""
+    if cfg.moe is not None and cfg.moe.n_shared_experts:
+        raise ConfigError(f"model '{cfg.name}': {cfg.moe.n_shared_experts} shared experts "
+                          f"cannot be written as {ARCHITECTURES[cfg.family]} (it has none); "
+                          "export a model with n_shared_experts 0")
+    if cfg.family == "olmoe" and cfg.head_dim * cfg.n_heads != cfg.model_dim:
+        raise ConfigError(f"model '{cfg.name}': head_dim {cfg.head_dim} x n_heads "
+                          f"{cfg.n_heads} is not model_dim {cfg.model_dim}; OlmoeConfig has "
+                          "no head_dim (it uses hidden_size // num_attention_heads)")
 
 
 def model_config(name_or_path) -> ModelConfig:
@@ -255,6 +345,13 @@ def open_weights(path):
     from dataflow.models.storage import load_model
 
     return load_model(path)
+
+
+def _fused_names(layer: int) -> tuple[str, str]:
+    """transformers 5's fused expert parameters of one layer: gate_up_proj (N, 2F, D) and
+    down_proj (N, D, F) (its conversion_mapping merges the released per-expert tensors so)."""
+    return (f"model.layers.{layer}.mlp.experts.gate_up_proj",
+            f"model.layers.{layer}.mlp.experts.down_proj")
 
 
 def _blocks_of(cfg: ModelConfig):
@@ -284,6 +381,9 @@ class HFWeights:
         self._files: dict[str, SafetensorsFile] = {}
         known = {lay.full_name(t.name, layer) for _, layer, lay in _blocks_of(self.cfg)
                  for t in lay.tensors}
+        self._fused = self._fused_layers(known)
+        """Layers whose experts are stored as transformers 5's fused tensors."""
+        known |= {n for i in self._fused for n in _fused_names(i)}
         unknown = sorted(n for n in self._where if n not in known
                          and not n.endswith(_IGNORED_SUFFIXES))
         self.tied = self.cfg.tie_embeddings
@@ -297,6 +397,47 @@ class HFWeights:
                               f"{ARCHITECTURES[self.cfg.family]} with this config; expected "
                               "names like model.layers.0.self_attn.q_proj.weight")
 
+    def _fused_layers(self, known: set[str]) -> frozenset[int]:
+        """Layers stored with fused experts (both fused tensors, no per-expert name); a layer
+        with one fused tensor only, or with fused and per-expert tensors both, is refused."""
+        if self.cfg.moe is None:
+            return frozenset()
+        fused = set()
+        for i in range(self.cfg.n_layers):
+            have = [n in self._where for n in _fused_names(i)]
+            if not any(have):
+                continue
+            per_expert = sorted(n for n in self._where if n in known
+                                and n.startswith(f"model.layers.{i}.mlp.experts."))
+            if not all(have) or per_expert:
+                raise ConfigError(
+                    f"{self.path}: layer {i} stores {'both ' if all(have) else 'only '}"
+                    f"{' and '.join(n for n, h in zip(_fused_names(i), have) if h)}"
+                    + (f" and per-expert tensors ({per_expert[0]}, ...)" if per_expert else "")
+                    + "; store its experts either fused (gate_up_proj (N, 2F, D) and down_proj "
+                    "(N, D, F), transformers 5) or per expert (mlp.experts.{e}.gate_proj.weight, "
+                    "... as released), not both")
+            fused.add(i)
+        return frozenset(fused)
+
+    def _expert_tensor(self, layer: int, slot: str) -> np.ndarray:
+        """Expert e's gate (F, D), up (F, D) or down (D, F) of a fused layer: gate_up_proj[e]
+        holds gate then up along its rows (transformers' Concatenate(dim=1) of [gate, up])."""
+        m = self.cfg.moe
+        n, f, d = m.n_experts, m.expert_ffn_dim, self.cfg.model_dim
+        gate_up_name, down_name = _fused_names(layer)
+        gate_up, down = self._tensor(gate_up_name), self._tensor(down_name)
+        for name, got, want in ((gate_up_name, gate_up.shape, (n, 2 * f, d)),
+                                (down_name, down.shape, (n, d, f))):
+            if got != want:
+                raise ConfigError(f"{self.path}: '{name}' has shape {list(got)}, the config "
+                                  f"implies {list(want)}; config.json and the weights disagree")
+        _, e, which = slot.split(".")[1:]
+        e = int(e)
+        if which == "gate_proj":
+            return gate_up[e, :f]
+        return gate_up[e, f:] if which == "up_proj" else down[e]
+
     def _tensor(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise ConfigError(f"{self.path} has no tensor '{name}'; the directory is incomplete")
@@ -309,7 +450,10 @@ class HFWeights:
         out = np.zeros(lay.numel, BF16)  # alignment padding stays zero, as init leaves it
         for t in lay.tensors:
             name = lay.full_name(t.name, layer)
-            src = self._tensor(name)
+            if layer in self._fused and t.name.startswith("mlp.experts."):
+                src = self._expert_tensor(layer, t.name)
+            else:
+                src = self._tensor(name)
             if src.shape != t.shape:
                 raise ConfigError(f"{self.path}: '{name}' has shape {list(src.shape)}, the "
                                   f"config implies {list(t.shape)}; config.json and the "
@@ -345,7 +489,7 @@ def save_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
     (kind, layer, 1-D bf16 block) in model order (embed, layers 0..L-1, head), consumed one at
     a time. One model.safetensors when it fits in max_shard_bytes, else shards plus
     model.safetensors.index.json. Atomic: written beside `path` and renamed into place."""
-    _refuse_moe_export(cfg)
+    _refuse_unexportable(cfg)
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         if not (overwrite and path.is_dir() and is_hf_dir(path)):

@@ -1,7 +1,8 @@
 """Model families beside Llama: a Mistral directory (MistralForCausalLM: Llama's computation, its
 own config.json spelling, a sliding window) imports, trains as itself and exports in Mistral's
 spelling; a window shorter than the sequence and the families whose computation is not built
-(mixtures of experts, Gemma, ...) are refused by name. Qwen2 and Qwen3: test_qwen_families.py."""
+(Qwen2-MoE, Mixtral, Gemma, ...) are refused by name. Qwen2 and Qwen3: test_qwen_families.py;
+OLMoE and Qwen3-MoE: test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def test_a_window_shorter_than_the_sequence_is_refused_naming_both():
     make_plan(short, 32, Budget.from_gib(1, 1), get_profile("cpu"))  # within it: fine
 
 
-@pytest.mark.parametrize("family,why", [("qwen3_moe", "mixture-of-experts"),
-                                        ("olmoe", "mixture-of-experts"),
+@pytest.mark.parametrize("family,why", [("qwen2_moe", "shared expert"),
+                                        ("mixtral", "mixture-of-experts"),
                                         ("gemma", "GeLU"), ("gpt2", "not built")])
 def test_families_not_built_are_refused_with_what_is_missing(tmp_path, family, why):
     (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(ODD),

@@ -3,7 +3,8 @@ families, the layer layout with the router and one contiguous range per expert, 
 active parameter and FLOP counts, and training on the reference trainer against a float64
 transcription of transformers' OlmoeForCausalLM / Qwen3MoeForCausalLM (mean cross-entropy
 plus router_aux_loss_coef * load-balancing loss, plus a z-loss where the config has one). The
-planner, the engine and dataflow-plan refuse an MoE config by name."""
+planner, the engine and dataflow-plan refuse an MoE config by name; HF import and export:
+tests/models/test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -311,12 +312,17 @@ def test_planner_engine_and_dataflow_plan_refuse_moe_by_name(capsys):
         assert "Traceback" not in out.err and len(out.err.strip().splitlines()) == 1
 
 
-def test_hf_export_of_an_moe_config_is_refused_by_name(tmp_path):
-    """HF import and export of OLMoE / Qwen3-MoE are not built yet: both refuse by name."""
-    from dataflow.models.hf import hf_config_dict, save_pretrained
+def test_hf_export_of_an_moe_config_writes_its_family_and_refuses_shared_experts(tmp_path):
+    """HF export of OLMoE / Qwen3-MoE is built (tests/models/test_hf_moe.py round-trips it):
+    the zoo entry's config.json names its family and reads back as it; a shared expert, which
+    neither family has, is refused by name."""
+    from dataflow.models.hf import hf_config, hf_config_dict, save_pretrained
 
     cfg = load_config("olmoe-1b-7b")
-    with pytest.raises(ConfigError, match="import and export are not built yet"):
-        hf_config_dict(cfg)
-    with pytest.raises(ConfigError, match="import and export are not built yet"):
-        save_pretrained(QWEN3_MOE, [], tmp_path / "out")
+    data = hf_config_dict(cfg)
+    assert (data["model_type"], data["num_experts"], data["intermediate_size"]) == \
+        ("olmoe", 64, 1024)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert hf_config(tmp_path, name=cfg.name) == cfg
+    with pytest.raises(ConfigError, match="shared experts cannot be written"):
+        save_pretrained(SHARED, [], tmp_path / "out")
