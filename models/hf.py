@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.models.config import (FAMILY_ATTENTION, MOE_FAMILIES, SUPPORTED_ROPE_TYPES, MoE,
+from dataflow.models.config import (FAMILY_ATTENTION, MOE_FAMILIES, SUPPORTED_ROPE_TYPES,
                                     ModelConfig, RopeScaling, RopeType, load_config)
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_moe import DROP, moe_from_hf, moe_hf_dict
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 from dataflow.models.safetensors_io import SafetensorsFile, SafetensorsWriter
@@ -115,7 +116,8 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
     tied = data.get("tie_word_embeddings", False)  # every supported family defaults to False
     if not isinstance(tied, bool):
         raise ConfigError(f"{where}: tie_word_embeddings {tied!r} is not true or false")
-    moe = _hf_moe(data, family, where) if family in MOE_FAMILIES else None
+    moe = (moe_from_hf(data, family, ARCHITECTURES[family], where) if family in MOE_FAMILIES
+           else None)
     try:
         heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
         head_dim = int(data.get("head_dim") or dim // heads)
@@ -138,54 +140,6 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
                           "num_attention_heads") from None
-
-
-def _hf_moe(data: dict, family: str, where) -> MoE:
-    """The MoE of an OlmoeConfig / Qwen3MoeConfig dict (defaults as those classes have them);
-    refuses by name the variants not modelled: OLMoE's clip_qkv, Qwen3-MoE's dense layers
-    (mlp_only_layers, decoder_sparse_step != 1). output_router_logits only says whether
-    transformers adds the auxiliary loss in forward; the coefficient is kept either way (the
-    reference trainer always adds coef * aux; docs/models.md)."""
-    arch = ARCHITECTURES[family]
-    if family == "olmoe" and data.get("clip_qkv") is not None:
-        raise ConfigError(f"{where}: clip_qkv {data['clip_qkv']!r} is not supported for {arch} "
-                          "(clipping of q, k and v is not built); import a model with clip_qkv "
-                          "null")
-    if family == "qwen3_moe":
-        dense = data.get("mlp_only_layers") or []
-        if dense:
-            raise ConfigError(f"{where}: mlp_only_layers {dense!r} is not supported for {arch}: "
-                              "every layer must be a mixture of experts (dense layers among "
-                              "them are not built); import a model with mlp_only_layers []")
-        step = data.get("decoder_sparse_step", 1)
-        if step != 1:
-            raise ConfigError(f"{where}: decoder_sparse_step {step!r} is not supported for "
-                              f"{arch}: only 1 (every layer a mixture of experts) is built")
-    n = data.get("num_experts", data.get("num_local_experts"))
-    if "num_local_experts" in data and data["num_local_experts"] != n:
-        raise ConfigError(f"{where}: num_experts {n!r} and num_local_experts "
-                          f"{data['num_local_experts']!r} disagree; keep one")
-    defaults = _MOE_DEFAULTS[family]
-    width_key = "intermediate_size" if family == "olmoe" else "moe_intermediate_size"
-    try:
-        return MoE(n_experts=defaults["num_experts"] if n is None else n,
-                   top_k=data.get("num_experts_per_tok", 8),
-                   expert_ffn_dim=data.get(width_key, defaults[width_key]),
-                   norm_topk_prob=data.get("norm_topk_prob", False),
-                   router_aux_loss_coef=data.get("router_aux_loss_coef",
-                                                 defaults["router_aux_loss_coef"]),
-                   router_z_loss_coef=data.get("router_z_loss_coef", 0.0))
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc} ({arch})") from None
-
-
-_MOE_DEFAULTS = {
-    "olmoe": {"num_experts": 64, "intermediate_size": 2048, "router_aux_loss_coef": 0.01},
-    "qwen3_moe": {"num_experts": 128, "moe_intermediate_size": 768,
-                  "router_aux_loss_coef": 0.001},
-}
-"""OlmoeConfig's and Qwen3MoeConfig's defaults for keys a config.json may leave out (both
-default num_experts_per_tok 8, norm_topk_prob false and have no z-loss)."""
 
 
 def _hf_rope(data: dict, where) -> tuple[float, RopeScaling | None]:
@@ -292,31 +246,8 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.n_layers)
     if cfg.moe is not None:
-        out.update(_hf_moe_dict(cfg))
-    return {k: v for k, v in out.items() if v is not _DROP}
-
-
-def _hf_moe_dict(cfg: ModelConfig) -> dict:
-    """OlmoeConfig's or Qwen3MoeConfig's fields for cfg.moe (_DROP marks the dense keys their
-    classes lack). output_router_logits is true when the coefficient is not 0, so a model
-    loaded with from_pretrained adds the auxiliary loss as the reference trainer does;
-    router_z_loss_coef (no transformers class reads it) is written only when not 0."""
-    m = cfg.moe
-    out = {"num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-           "norm_topk_prob": m.norm_topk_prob, "router_aux_loss_coef": m.router_aux_loss_coef,
-           "output_router_logits": m.router_aux_loss_coef > 0}
-    if m.router_z_loss_coef:
-        out["router_z_loss_coef"] = m.router_z_loss_coef
-    if cfg.family == "olmoe":  # the expert width is intermediate_size; no head_dim key
-        return {**out, "intermediate_size": m.expert_ffn_dim, "clip_qkv": None,
-                "head_dim": _DROP, "mlp_bias": _DROP, "pretraining_tp": _DROP}
-    return {**out, "moe_intermediate_size": m.expert_ffn_dim, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None,
-            "mlp_bias": _DROP, "pretraining_tp": _DROP}
-
-
-_DROP = object()
-"""A key hf_config_dict leaves out (the family's config class has no such field)."""
+        out.update(moe_hf_dict(cfg))
+    return {k: v for k, v in out.items() if v is not DROP}
 
 
 def _refuse_unexportable(cfg: ModelConfig) -> None:
