@@ -26,10 +26,9 @@ from dataflow.kernels.reference.moe_router import (load_balancing_loss, load_bal
 from tests.moe_float64 import (bf16_round, load_balancing_loss_float64,
                                load_balancing_loss_grads_float64, router_z_loss_float64,
                                sparse_moe_block_float64, sparse_moe_block_grads_float64, topk)
+from tests.numeric import numeric_grad
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-H = 1e-5
-"""Central-difference step for unit-scale float64 inputs (about eps^(1/3))."""
 GRAD_REL_BOUND = 1e-6
 """Norm-wise relative error allowed between analytic and finite-difference gradients."""
 ROUNDING_REL_BOUND = 1e-12
@@ -45,21 +44,6 @@ def rel_err(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     scale = max(np.linalg.norm(a), np.linalg.norm(b))
     return float(np.linalg.norm(a - b) / scale) if scale > 0 else 0.0
-
-
-def numeric_grad(f, x: np.ndarray) -> np.ndarray:
-    """Central-difference gradient of the scalar f() w.r.t. every element of x (in place)."""
-    g = np.zeros_like(x, dtype=np.float64)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        orig = flat[i]
-        flat[i] = orig + H
-        up = f()
-        flat[i] = orig - H
-        down = f()
-        flat[i] = orig
-        gflat[i] = (up - down) / (2 * H)
-    return g
 
 
 def assert_grad_close(analytic, numeric, what: str) -> None:

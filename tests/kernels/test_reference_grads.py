@@ -5,7 +5,8 @@ full logits, AdamW against a hand-written float64 formula).
 Every check uses float64 inputs on small shapes drawn fresh from the `rng` fixture (its seed is
 printed on failure). The scalar under test is a random projection of the op's output,
 L = sum(out * R) with R random, so backward(dy=R) must equal dL/dinput. Central differences with
-step H give a truncation error O(H^2) ~ 1e-10 and a rounding error ~ 1e-16 |L| / H ~ 1e-10, so
+step H = tests.numeric.STEP = 1e-5 give a truncation error O(H^2) ~ 1e-10 and a rounding
+error ~ 1e-16 |L| / H ~ 1e-10, so
 the norm-wise relative error bound GRAD_REL_BOUND = 1e-6 leaves four orders of margin while still
 catching any wrong term (a wrong term gives an error of order 1)."""
 
@@ -16,29 +17,12 @@ from dataflow.kernels.reference import (IGNORE, adamw_step, attention_bwd, atten
                                embedding_fwd, head_loss_fwd_bwd, linear_bwd, linear_fwd,
                                rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd,
                                swiglu_fwd)
+from tests.numeric import numeric_grad
 
-H = 1e-5
-"""Central-difference step for unit-scale float64 inputs (about eps^(1/3))."""
 GRAD_REL_BOUND = 1e-6
 """Norm-wise relative error allowed between analytic and finite-difference gradients."""
 ROUNDING_REL_BOUND = 1e-12
 """Relative difference allowed where two float64 computations differ only in summation order."""
-
-
-def numeric_grad(f, x: np.ndarray) -> np.ndarray:
-    """Central-difference gradient of the scalar f() with respect to every element of x (x is
-    perturbed in place and restored)."""
-    g = np.zeros_like(x, dtype=np.float64)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        orig = flat[i]
-        flat[i] = orig + H
-        up = f()
-        flat[i] = orig - H
-        down = f()
-        flat[i] = orig
-        gflat[i] = (up - down) / (2 * H)
-    return g
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

@@ -31,6 +31,7 @@ from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from tests.llama_float64 import llama_loss_float64
 from tests.moe_model_float64 import moe_causal_lm_loss_float64
+from tests.numeric import central_difference
 
 BASE = dict(vocab_size=61, model_dim=32, head_dim=8, n_layers=2, n_heads=4, n_kv_heads=2,
             ffn_dim=24, rope_theta=1e4, norm_eps=1e-6, qk_norm=True)
@@ -109,13 +110,7 @@ def test_reference_trainer_is_the_float64_transcription_loss_aux_and_gradients(f
             view = lay.view(w.layers[layer], name).reshape(-1)
             g = lay.view(grads[1 + layer], name).reshape(-1)
             j = int(np.argmax(np.abs(g)))  # the largest coordinate: never an idle expert's zero
-            keep = view[j]
-            view[j] = keep + FD_STEP
-            up = _objective(cfg, w, batch)
-            view[j] = keep - FD_STEP
-            down = _objective(cfg, w, batch)
-            view[j] = keep
-            fd = (up - down) / (2 * FD_STEP)
+            fd = central_difference(lambda: _objective(cfg, w, batch), view, j, FD_STEP)
             assert abs(fd - g[j]) <= 1e-6 * max(abs(g[j]), scale), (layer, name, fd, g[j])
 
 

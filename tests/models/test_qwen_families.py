@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from dataflow.models.layout import ALIGN_ELEMS, layer_layout
 from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from tests.llama_float64 import llama_loss_float64
+from tests.numeric import central_difference, weights_copy, weights_f64
 
 BASE = ModelConfig(name="odd", vocab_size=300, model_dim=64, head_dim=16, n_layers=2, n_heads=4,
                    n_kv_heads=2, ffn_dim=96, rope_theta=5e4, norm_eps=1e-6)
@@ -56,17 +56,6 @@ def _bf16_weights(cfg, rng):
     return w
 
 
-def _f64(w):
-    return types.SimpleNamespace(embed=w.embed.astype(np.float64),
-                                 layers=[b.astype(np.float64) for b in w.layers],
-                                 head=w.head.astype(np.float64))
-
-
-def _copy(w):
-    return types.SimpleNamespace(embed=w.embed.copy(), layers=[b.copy() for b in w.layers],
-                                 head=w.head.copy())
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_reference_model_is_transformers_attention_and_new_grads_match_finite_differences(
         family, rng):
@@ -74,7 +63,7 @@ def test_reference_model_is_transformers_attention_and_new_grads_match_finite_di
     1e-12, and its gradients of every bias / QK-norm weight (3 random coordinates each, every
     layer) equal central differences of the transcription to 1e-6 of the tensor's scale."""
     cfg = FAMILIES[family]
-    w = _f64(_bf16_weights(cfg, rng))
+    w = weights_f64(_bf16_weights(cfg, rng))
     tokens = rng.integers(0, cfg.vocab_size, 17)
     loss, _, grads = forward_backward(cfg, w, tokens)
     truth = llama_loss_float64(cfg, w, tokens)
@@ -86,13 +75,8 @@ def test_reference_model_is_transformers_attention_and_new_grads_match_finite_di
             scale = float(np.sqrt(np.mean(g**2)))
             assert scale > 0, (layer, name)
             for j in rng.choice(view.size, 3, replace=False):
-                keep = view[j]
-                view[j] = keep + FD_STEP
-                up = llama_loss_float64(cfg, w, tokens)
-                view[j] = keep - FD_STEP
-                down = llama_loss_float64(cfg, w, tokens)
-                view[j] = keep
-                fd = (up - down) / (2 * FD_STEP)
+                fd = central_difference(lambda: llama_loss_float64(cfg, w, tokens), view, j,
+                                        FD_STEP)
                 assert abs(fd - g[j]) <= 1e-6 * max(abs(g[j]), scale), (layer, name, j, fd, g[j])
 
 
@@ -117,8 +101,8 @@ def test_engine_tracks_float64_transformers_loss_new_grads_and_adamw_steps(famil
     w = _bf16_weights(cfg, rng)
     batches = [rng.integers(0, cfg.vocab_size, (2, 33)) for _ in range(3)]
     lr, beta1 = 1e-3, 0.9
-    f64 = ReferenceTrainer(cfg, _f64(w), lr=lr, grad_accum_dtype=np.float64)
-    bf_ref = ReferenceTrainer(cfg, _copy(w), lr=lr)
+    f64 = ReferenceTrainer(cfg, weights_f64(w), lr=lr, grad_accum_dtype=np.float64)
+    bf_ref = ReferenceTrainer(cfg, weights_copy(w), lr=lr)
     g_true = _mean_grads_f64(cfg, f64.weights, batches[0])
     _, _, g_bf = bf_ref.accumulate_grads(batches[0])
     lay = layer_layout(cfg)

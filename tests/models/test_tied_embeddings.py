@@ -29,6 +29,7 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from tests.llama_float64 import llama_loss_float64
+from tests.numeric import central_difference, weights_copy, weights_f64
 
 TIED = ModelConfig(name="tied-odd", vocab_size=300, model_dim=64, head_dim=16, n_layers=2,
                    n_heads=4, n_kv_heads=2, ffn_dim=96, rope_theta=5e4, norm_eps=1e-6,
@@ -38,17 +39,6 @@ BF16_ROUNDOFF = 2.0**-8
 """bf16's unit roundoff: the engine stores weights, activations, grads and m in bf16."""
 FD_STEP = 1e-5
 KW = dict(host_gb=0.5, dev_gb=0.25, seqlen=32, seqs_per_step=2, backend="numpy")
-
-
-def _f64(w):
-    return types.SimpleNamespace(embed=w.embed.astype(np.float64),
-                                 layers=[b.astype(np.float64) for b in w.layers],
-                                 head=w.head.astype(np.float64))
-
-
-def _copy(w):
-    return types.SimpleNamespace(embed=w.embed.copy(), layers=[b.copy() for b in w.layers],
-                                 head=w.head.copy())
 
 
 def _untied_copy(w):
@@ -66,7 +56,7 @@ def test_reference_model_is_transformers_tied_model_and_its_gradient_is_both_use
     table's gradient is the untied model's embedding gradient plus its lm_head gradient (the
     same weights, lm_head a copy of the table), and equals central differences of the
     transcription at a row the inputs use and at one only the head uses."""
-    w = _f64(init_model(TIED, int(rng.integers(0, 2**31))))
+    w = weights_f64(init_model(TIED, int(rng.integers(0, 2**31))))
     tokens = rng.integers(0, TIED.vocab_size // 2, 17)  # rows >= V/2 are the head's alone
     loss, _, grads = forward_backward(TIED, w, tokens)
     truth = llama_loss_float64(TIED, w, tokens)
@@ -82,13 +72,8 @@ def test_reference_model_is_transformers_tied_model_and_its_gradient_is_both_use
     scale = float(np.sqrt(np.mean(table_g**2)))
     for row in (int(tokens[3]), TIED.vocab_size - 1):
         col = int(rng.integers(0, TIED.model_dim))
-        keep = table[row, col]
-        table[row, col] = keep + FD_STEP
-        up = llama_loss_float64(TIED, w, tokens)
-        table[row, col] = keep - FD_STEP
-        down = llama_loss_float64(TIED, w, tokens)
-        table[row, col] = keep
-        fd = (up - down) / (2 * FD_STEP)
+        fd = central_difference(lambda: llama_loss_float64(TIED, w, tokens), table.reshape(-1),
+                                row * TIED.model_dim + col, FD_STEP)
         assert abs(fd - table_g[row, col]) <= 1e-6 * max(abs(fd), scale), (row, col, fd)
 
 
@@ -101,8 +86,8 @@ def test_engine_tracks_float64_tied_loss_gradient_and_adamw_steps(rng):
     w = init_model(TIED, int(rng.integers(0, 2**31)))
     batches = [rng.integers(0, TIED.vocab_size, (2, 33)) for _ in range(3)]
     lr, beta1 = 1e-3, 0.9
-    f64 = ReferenceTrainer(TIED, _f64(w), lr=lr, grad_accum_dtype=np.float64)
-    bf_ref = ReferenceTrainer(TIED, _copy(w), lr=lr)
+    f64 = ReferenceTrainer(TIED, weights_f64(w), lr=lr, grad_accum_dtype=np.float64)
+    bf_ref = ReferenceTrainer(TIED, weights_copy(w), lr=lr)
     n = batches[0].shape[0] * 32
     g_true = np.zeros_like(f64.weights.embed)
     for row in batches[0]:
