@@ -1,0 +1,344 @@
+"""Token permutation to experts and back (kernels/cuda/moe_experts.cu) and the routed experts'
+SwiGLU over variable row counts (a loop of cuBLAS GEMMs per expert plus the existing swiglu
+kernel), forward and backward; matches dataflow.kernels.reference.moe_experts function by
+function. Output buffers and scratch are passed in; all work is enqueued on the current CuPy
+stream. Never decides routing and never synchronises: the one host-device sync of the MoE block
+is offsets_to_host, which the caller runs and waits on explicitly.
+
+The sync. The expert loop launches one GEMM per (expert, matrix) with that expert's row count,
+so the counts must be on the host. expert_order writes offsets (N + 1,) on the device;
+offsets_to_host copies them ((N + 1) * 8 bytes) into a host array and records an event; the
+caller waits on that event, then calls experts_fwd with the host offsets. The copy itself is
+~10 us, but the wait drains the stream: the host can enqueue nothing past the router of this
+layer and chunk until the GPU has run everything before it, and the first expert GEMM then
+starts after a launch latency (~5-10 us) instead of being queued ahead. One per layer per
+chunk in the forward; the backward reuses the forward's host offsets (keep them with the
+chunk's saved activations), so it needs none. At 8k tokens an OLMoE layer's expert GEMMs take
+~1.5 ms forward, so the bubble is a few percent; at small chunks it dominates (docs/moe.md).
+
+Layout as the reference: order (R,) int64 lists token * k + slot of each routed row, grouped by
+expert (stable), offsets (N + 1,) int64, inv (R,) int64 its inverse (inv[order[r]] = r). The
+reference's permute_bwd / unpermute_fwd take `order` and invert it inside; these take `inv`
+(expert_order writes it, or inverse_order), since an inverse needs an (R,) buffer. Shape legend:
+kernels/__init__.py and moe_router (N experts, k per token, R = T * k, F the expert ffn dim)."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from dataflow.kernels.cuda import _build
+from dataflow.kernels.cuda._build import BF16, F32
+from dataflow.kernels.cuda._cublas import gemm
+from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
+from dataflow.kernels.cuda.utils import cast
+
+_SRC = "moe_experts.cu"
+_TYPES = ("bf16", "float")
+_NAMES = tuple(
+    ["expert_count_kernel", "expert_scan_kernel", "expert_place_kernel", "inverse_order_kernel",
+     "permute_fwd_kernel<uint4>", "permute_fwd_kernel<unsigned short>"]
+    + [f"permute_bwd_kernel<{i}, {o}, {v}, {r}>" for i in _TYPES for o in _TYPES
+       for v in (1, 8) for r in ("false", "true")]
+    + [f"unpermute_fwd_kernel<{t}, {v}>" for t in _TYPES for v in (1, 8)]
+    + [f"unpermute_bwd_kernel<{t}, {v}>" for t in _TYPES for v in (1, 8)]
+)
+I64 = np.dtype(np.int64)
+_THREADS = 256
+_D2H = 2  # cudaMemcpyDeviceToHost
+
+
+# ---------------------------------------------------------------------------- permutation
+
+def _check_index(what: str, a, shape: tuple[int, ...]) -> None:
+    _build.check(what, a, shape, (I64,))
+
+
+def expert_order(topk_idx, n_experts: int, order, offsets, inv=None) -> None:
+    """topk_idx (T, k) int64 -> order (R,) int64, offsets (N + 1,) int64, and inv (R,) int64
+    when given. As reference expert_order (a stable sort of the flat pairs by expert; expert e
+    owns rows offsets[e]:offsets[e + 1], zero allowed) plus its inverse. Three launches: counts,
+    scan, placement; deterministic.
+
+    Indices must lie in [0, N) (router_fwd guarantees it); the device cannot raise, so a pair
+    outside is placed nowhere and offsets[N] < R shows it (experts_fwd checks that on the host).
+    """
+    if topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx must be (T, k), got shape {topk_idx.shape}")
+    _check_index("topk_idx", topk_idx, topk_idx.shape)
+    n_pairs = topk_idx.size
+    _check_index("order", order, (n_pairs,))
+    _check_index("offsets", offsets, (n_experts + 1,))
+    if inv is not None:
+        _check_index("inv", inv, (n_pairs,))
+    if n_experts < 1:
+        raise ValueError(f"n_experts must be positive, got {n_experts}")
+    _build.kernel(_SRC, _NAMES, "expert_count_kernel")(
+        (n_experts,), (_THREADS,), (topk_idx, np.int64(n_pairs), offsets))
+    _build.kernel(_SRC, _NAMES, "expert_scan_kernel")((1,), (32,), (offsets, np.int32(n_experts)))
+    _build.kernel(_SRC, _NAMES, "expert_place_kernel")(
+        (n_experts,), (_THREADS,),
+        (topk_idx, np.int64(n_pairs), offsets, order, order if inv is None else inv,
+         np.int32(inv is not None)))
+
+
+def inverse_order(order, inv) -> None:
+    """order (R,) int64 -> inv (R,) int64 with inv[order[r]] = r (reference _inverse): for a
+    backward that kept only `order`."""
+    n = order.shape[0] if order.ndim == 1 else -1
+    _check_index("order", order, (n,))
+    _check_index("inv", inv, (n,))
+    if n:
+        _build.kernel(_SRC, _NAMES, "inverse_order_kernel")(
+            (_build.flat_grid(n, _THREADS),), (_THREADS,), (order, inv, np.int64(n)))
+
+
+def offsets_to_host(offsets, out: np.ndarray, event=None):
+    """Copy offsets (N + 1,) int64 device -> out (N + 1,) int64 host (pinned, e.g.
+    cupyx.empty_pinned, for the copy to be asynchronous) on the current stream and record
+    `event` (a new cupy.cuda.Event when None) after it; returns the event. THE sync point of the
+    MoE block (module docstring): call event.synchronize() before reading `out`. Nothing else
+    here reads device memory from the host."""
+    _check_index("offsets", offsets, offsets.shape)
+    if (not isinstance(out, np.ndarray) or out.dtype != I64 or out.shape != offsets.shape
+            or not out.flags.c_contiguous):
+        raise TypeError(f"out must be a C-contiguous NumPy int64 array of shape {offsets.shape}; "
+                        f"got {type(out).__name__} {getattr(out, 'dtype', '')} "
+                        f"{getattr(out, 'shape', '')}")
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memcpyAsync(out.ctypes.data, offsets.data.ptr, offsets.nbytes,
+                                  _D2H, stream.ptr)
+    if event is None:
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    return event
+
+
+def permute_fwd(x, order, top_k: int, xp) -> None:
+    """x (T, D) bf16|f32 -> xp (R, D) same dtype: xp[r] = x[order[r] // k], an exact gather.
+    As reference permute_fwd."""
+    t, d = x.shape
+    _build.check("x", x, (t, d))
+    _check_index("order", order, (t * top_k,))
+    _build.check("xp", xp, (t * top_k, d), (x.dtype,))
+    row_bytes = d * x.dtype.itemsize
+    if row_bytes % 16 == 0 and _build.aligned16(x, xp):
+        unit, units = "uint4", row_bytes // 16
+    else:
+        unit, units = "unsigned short", row_bytes // 2
+    n = t * top_k * units
+    if n:
+        _build.kernel(_SRC, _NAMES, f"permute_fwd_kernel<{unit}>")(
+            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+            (x, order, xp, np.int64(t * top_k), np.int64(units), np.int32(top_k)))
+
+
+def _vec(d: int, *arrays) -> int:
+    return 8 if d % 8 == 0 and _build.aligned16(*arrays) else 1
+
+
+def permute_bwd(dxp, inv, top_k: int, dx, residual=None) -> None:
+    """dxp (R, D) bf16|f32 -> dx (T, D) bf16|f32 = (residual +) each token's k rows summed in
+    fp32 in slot order, rounded once. As reference permute_bwd (fp32 out), and with residual
+    (T, D) f32 = the router's dx, the block's `up(dx_router) + permute_bwd(dxp)` before its one
+    rounding (bf16 out): bit-identical to the reference in both cases. inv from expert_order."""
+    r, d = dxp.shape
+    if r % top_k:
+        raise ValueError(f"dxp has {r} rows, not a multiple of top_k {top_k}")
+    t = r // top_k
+    _build.check("dxp", dxp, (r, d))
+    _check_index("inv", inv, (r,))
+    _build.check("dx", dx, (t, d))
+    if residual is not None:
+        _build.check("residual", residual, (t, d), (F32,))
+    v = _vec(d, dxp, dx, *(() if residual is None else (residual,)))
+    name = (f"permute_bwd_kernel<{_build.ctype(dxp.dtype, 'dxp')}, "
+            f"{_build.ctype(dx.dtype, 'dx')}, {v}, {'false' if residual is None else 'true'}>")
+    n = t * d // v
+    if n:
+        _build.kernel(_SRC, _NAMES, name)(
+            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+            (dxp, inv, dx if residual is None else residual, dx, np.int64(t), np.int32(d),
+             np.int32(top_k)))
+
+
+def unpermute_fwd(yp, inv, topk_weight, y) -> None:
+    """yp (R, D) bf16|f32, topk_weight (T, k) f32 -> y (T, D) in yp's dtype: y[t] = sum_j
+    w[t, j] * yp[inv[t k + j]], fp32 products summed in slot order, rounded once. As reference
+    unpermute_fwd, bit for bit. inv from expert_order."""
+    t, k = topk_weight.shape
+    r, d = yp.shape
+    _build.check("yp", yp, (t * k, d))
+    _check_index("inv", inv, (r,))
+    _build.check("topk_weight", topk_weight, (t, k), (F32,))
+    _build.check("y", y, (t, d), (yp.dtype,))
+    v = _vec(d, yp, y)
+    n = t * d // v
+    if n:
+        _build.kernel(_SRC, _NAMES,
+                      f"unpermute_fwd_kernel<{_build.ctype(yp.dtype, 'yp')}, {v}>")(
+            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+            (yp, inv, topk_weight, y, np.int64(t), np.int32(d), np.int32(k)))
+
+
+def unpermute_bwd(dy, yp, order, topk_weight, dyp, d_topk_weight) -> None:
+    """dy (T, D), yp (R, D) bf16|f32 (one dtype), topk_weight (T, k) f32 -> dyp (R, D) in dy's
+    dtype, d_topk_weight (T, k) f32: dyp[r] = w[pair] * dy[token] (bits of the reference),
+    d_w[pair] = <dy[token], yp[r]> (fp32, a block's tree sum). As reference unpermute_bwd; one
+    block per routed row."""
+    t, k = topk_weight.shape
+    _, d = dy.shape
+    _build.check("dy", dy, (t, d))
+    _build.check("yp", yp, (t * k, d), (dy.dtype,))
+    _check_index("order", order, (t * k,))
+    _build.check("topk_weight", topk_weight, (t, k), (F32,))
+    _build.check("dyp", dyp, (t * k, d), (dy.dtype,))
+    _build.check("d_topk_weight", d_topk_weight, (t, k), (F32,))
+    v = _vec(d, dy, yp, dyp)
+    if t * k:
+        _build.kernel(_SRC, _NAMES,
+                      f"unpermute_bwd_kernel<{_build.ctype(dy.dtype, 'dy')}, {v}>")(
+            (t * k,), (_THREADS,),
+            (dy, yp, order, topk_weight, dyp, d_topk_weight, np.int32(d), np.int32(k)))
+
+
+# ------------------------------------------------------------------------ expert GEMM loop
+
+def _host_offsets(offsets, n_rows: int) -> list[int]:
+    """The host offsets as Python ints, after checking they describe all n_rows rows."""
+    if isinstance(offsets, cupy.ndarray):
+        raise TypeError("offsets must be on the host (NumPy int64): copy them with "
+                        "offsets_to_host and wait on its event; reading device offsets here "
+                        "would be a hidden sync")
+    off = np.asarray(offsets)
+    if off.ndim != 1 or off.size < 2 or off.dtype != I64:
+        raise ValueError(f"offsets must be (N + 1,) int64, got {off.dtype} {off.shape}")
+    if off[0] != 0 or off[-1] != n_rows or np.any(np.diff(off) < 0):
+        raise ValueError(f"offsets must rise from 0 to the {n_rows} routed rows; got "
+                         f"{off[0]}..{off[-1]} (an expert index outside [0, N) in topk_idx "
+                         f"leaves offsets[N] short)")
+    return off.tolist()
+
+
+def _expert_ptr(w, e: int, shape: tuple[int, int], what: str, dtypes) -> int:
+    """Device pointer of expert e's matrix in a stacked (N, ...) array or a sequence of N."""
+    m = w[e]
+    if m is None:
+        raise ValueError(f"{what}[{e}] is None, but expert {e} has routed rows")
+    _build.check(f"{what}[{e}]", m, shape, dtypes)
+    return m.data.ptr
+
+
+def _check_n_experts(n_experts: int, **mats) -> None:
+    for what, w in mats.items():
+        if len(w) != n_experts:
+            raise ValueError(f"{what} has {len(w)} experts; offsets describe {n_experts}")
+
+
+def experts_fwd(xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
+    """xp (R, D) bf16 rows grouped by expert, offsets (N + 1,) int64 ON THE HOST
+    (offsets_to_host), w_gate, w_up (N, F, D) and w_down (N, D, F), each a stacked device array
+    or a sequence of N matrices (None allowed for an expert with no rows) -> yp (R, D),
+    gate (R, F), up (R, F) (what the backward needs), all in xp's dtype; h (R, F) is scratch
+    (silu(gate) * up; must not alias gate or up).
+
+    As reference experts_fwd: per expert with rows, gate = x @ Wg.T, up = x @ Wu.T (cuBLAS,
+    fp32 accumulation, one rounding), then one swiglu launch over all R rows, then per expert
+    y = h @ Wd.T. An expert with no rows launches nothing and reads none of its weights.
+    """
+    r, d = xp.shape
+    dt = xp.dtype
+    _build.check("xp", xp, (r, d))
+    off = _host_offsets(offsets, r)
+    n_experts = len(off) - 1
+    _check_n_experts(n_experts, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    f = gate.shape[1] if gate.ndim == 2 else -1
+    for what, a, shape in (("yp", yp, (r, d)), ("gate", gate, (r, f)), ("up", up, (r, f)),
+                           ("h", h, (r, f))):
+        _build.check(what, a, shape, (dt,))
+    if h.data.ptr in (gate.data.ptr, up.data.ptr) and r:
+        raise ValueError("h must not alias gate or up: the backward needs both")
+    isz = dt.itemsize
+    active = [(e, off[e], off[e + 1] - off[e]) for e in range(n_experts) if off[e + 1] > off[e]]
+    for e, r0, n in active:
+        xs = xp.data.ptr + r0 * d * isz
+        for w, out, what in ((w_gate, gate, "w_gate"), (w_up, up, "w_up")):
+            wp = _expert_ptr(w, e, (f, d), what, (dt,))
+            gemm(n, f, d, xs, dt, d, False, wp, dt, d, True, out.data.ptr + r0 * f * isz, dt, f,
+                 False)
+    swiglu_fwd(gate, up, h)
+    for e, r0, n in active:
+        wp = _expert_ptr(w_down, e, (d, f), "w_down", (dt,))
+        gemm(n, d, f, h.data.ptr + r0 * f * isz, dt, f, False, wp, dt, f, True,
+             yp.data.ptr + r0 * d * isz, dt, d, False)
+
+
+def experts_bwd_acc_elems(offsets, model_dim: int) -> int:
+    """fp32 elements experts_bwd's dx_acc needs: the largest expert's rows x D (host offsets)."""
+    off = np.asarray(offsets)
+    return int(np.max(np.diff(off), initial=0)) * model_dim
+
+
+def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
+                *, dgate, dup, h, dx_acc=None, accumulate: bool = True) -> None:
+    """xp (R, D), gate and up (R, F) from experts_fwd, dyp (R, D), all bf16; offsets (N + 1,)
+    int64 on the host (the forward's) -> dxp (R, D) bf16; dw_gate, dw_up (N, F, D) and dw_down
+    (N, D, F) f32|bf16, stacked or sequences, += the gradients (= when not accumulate), as
+    linear_bwd_w accumulates weight grads (beta = 1, fp32 inside the GEMM).
+
+    As reference experts_bwd: per expert dh = dy @ Wd; one swiglu_bwd launch over all rows gives
+    dgate, dup and h = silu(gate) * up (recomputed); per expert dWd += dy.T @ h, dWg += dgate.T @
+    x, dWu += dup.T @ x, and dx = dgate @ Wg + dup @ Wu summed in fp32 in dx_acc, rounded once.
+    An expert with no rows launches nothing and leaves its grads untouched (the reference's
+    zeros, added). Scratch: dgate (R, F) (holds dh first; must not alias gate or up), dup (R, F)
+    (may alias up, which is then lost), h (R, F) (aliases nothing), dx_acc fp32 with at least
+    experts_bwd_acc_elems(offsets, D) elements (allocated for this call when None).
+    """
+    r, d = xp.shape
+    dt = xp.dtype
+    _build.check("xp", xp, (r, d))
+    off = _host_offsets(offsets, r)
+    n_experts = len(off) - 1
+    _check_n_experts(n_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, dw_gate=dw_gate,
+                     dw_up=dw_up, dw_down=dw_down)
+    f = gate.shape[1] if gate.ndim == 2 else -1
+    for what, a, shape in (("gate", gate, (r, f)), ("up", up, (r, f)), ("dyp", dyp, (r, d)),
+                           ("dxp", dxp, (r, d)), ("dgate", dgate, (r, f)),
+                           ("dup", dup, (r, f)), ("h", h, (r, f))):
+        _build.check(what, a, shape, (dt,))
+    if r and (dgate.data.ptr in (gate.data.ptr, up.data.ptr)
+              or h.data.ptr in (gate.data.ptr, up.data.ptr, dgate.data.ptr, dup.data.ptr)
+              or dup.data.ptr == gate.data.ptr):
+        raise ValueError("experts_bwd scratch aliases an input: dgate must not alias gate or "
+                         "up, dup not gate, h nothing")
+    need = experts_bwd_acc_elems(off, d)
+    if dx_acc is None:
+        dx_acc = cupy.empty(need, dtype=F32)
+    _build.check("dx_acc", dx_acc, None, (F32,))
+    if dx_acc.size < need:
+        raise ValueError(f"dx_acc holds {dx_acc.size} fp32 values; the largest expert needs "
+                         f"{need} (experts_bwd_acc_elems)")
+    acc_flat = dx_acc.reshape(-1)
+    isz = dt.itemsize
+    gdt = (BF16, F32)
+    active = [(e, off[e], off[e + 1] - off[e]) for e in range(n_experts) if off[e + 1] > off[e]]
+    for e, r0, n in active:  # dh (n, F) = dy (n, D) @ Wd (D, F), into dgate
+        wd = _expert_ptr(w_down, e, (d, f), "w_down", (dt,))
+        gemm(n, f, d, dyp.data.ptr + r0 * d * isz, dt, d, False, wd, dt, f, False,
+             dgate.data.ptr + r0 * f * isz, dt, f, False)
+    swiglu_bwd(gate, up, dgate, dgate, dup, out=h)  # dgate reads dh then overwrites it
+    for e, r0, n in active:
+        xs, dys = xp.data.ptr + r0 * d * isz, dyp.data.ptr + r0 * d * isz
+        hs, dgs, dus = (a.data.ptr + r0 * f * isz for a in (h, dgate, dup))
+        dwd = dw_down[e]
+        _build.check(f"dw_down[{e}]", dwd, (d, f), gdt)
+        gemm(d, f, n, dys, dt, d, True, hs, dt, f, False, dwd.data.ptr, dwd.dtype, f, accumulate)
+        for src, dws, what in ((dgs, dw_gate, "dw_gate"), (dus, dw_up, "dw_up")):
+            dw = dws[e]
+            _build.check(f"{what}[{e}]", dw, (f, d), gdt)
+            gemm(f, d, n, src, dt, f, True, xs, dt, d, False, dw.data.ptr, dw.dtype, d,
+                 accumulate)
+        for i, (src, w, what) in enumerate(((dgs, w_gate, "w_gate"), (dus, w_up, "w_up"))):
+            wp = _expert_ptr(w, e, (f, d), what, (dt,))
+            gemm(n, d, f, src, dt, f, False, wp, dt, d, False, acc_flat.data.ptr, F32, d, i > 0)
+        cast(acc_flat[:n * d], dxp[r0:r0 + n])
