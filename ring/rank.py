@@ -6,12 +6,12 @@ talks to other ranks only through its transport."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from dataflow.backend import Stream
 from dataflow.batch import Batch, make_batch
-from dataflow.block_io import read_part, write_part
+from dataflow.block_io import init_weights, read_part, write_part, zero_state
 from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
 from dataflow.optimizer import AdamW, AdamWConfig
@@ -59,26 +59,23 @@ class RingRank:
         return out + ([("head", ex.head)] if rp.has_head else [])
 
     def _init_state(self, seed: int) -> None:
-        """Zero grads, m and v; write each owned block's initial weights (the global model's)."""
+        """Zero grads, m and v; initialise each owned block's weights (the global model's)
+        straight into where it lives, as the Engine does (dataflow.block_io.init_weights). A
+        temporary per block, as this once made, held two blocks at a time beside the pinned
+        slab, outside the plan's host bytes: 0.8 GiB of RSS on an 8b rank, 1.8 on a 32b rank,
+        2.4 on 32b's embedding or head rank."""
         cfg = self.rp.plan.model  # same shapes as the global model; n_layers is the rank's
         self.be.synchronize()
         for key, b in self._blocks():
-            for part in ("grads", "m", "v"):
-                if b.device(part) is not None:
-                    self.be.launch(Stream.COMPUTE, "fill_", b.device(part), 0.0, name="init.zero")
-                if b.home(part) is not None:
-                    b.home(part)[...] = 0
+            zero_state(self.be, b)
             if key == "embed":
-                block = init.init_embed_block(cfg, seed)
+                fill = functools.partial(init.init_embed_block, cfg, seed)
             elif key == "head":
-                block = init.init_head_block(cfg, seed)
+                fill = functools.partial(init.init_head_block, cfg, seed)
             else:  # the initialiser keys on the global layer index, not on n_layers
                 g = int(key[5:])
-                block = init.init_layer_block(_with_layers(cfg, g + 1), g, seed)
-            self._write(b, block)
-
-    def _write(self, b, array: np.ndarray) -> None:
-        write_part(self.ex, self.be, b, array)
+                fill = functools.partial(init.init_layer_block, _with_layers(cfg, g + 1), g, seed)
+            init_weights(self.ex, self.be, b, fill)
 
     # -- block access (what dataflow.checkpoint reads and writes, as on the Engine) -------------
     def block_refs(self) -> tuple[BlockRef, ...]:
