@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch (the fair speed baseline where the ring chose smaller chunks "
                         "than one device would; its losses differ in the last bits)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
+    p.add_argument("--trace", action="store_true",
+                   help="the ring's ranks trace their streams (dataflow-ring --trace): each "
+                        "step's compute / exposed copy / host / idle per rank in ring.log and "
+                        "ring/rank<r>.json")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
                    default="cyclic", help="dataflow-ring --placement: how the ring deals layers")
@@ -219,6 +223,8 @@ def ring_command(args) -> list[str]:
         common += ["--placement", args.placement]
     if args.replicas != "auto":
         common += ["--replicas", str(args.replicas)]
+    if getattr(args, "trace", False):
+        common += ["--trace"]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
                 f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]

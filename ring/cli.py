@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (from step 0 "
                         "when there is none); --steps is then the run's total")
+    p.add_argument("--trace", action="store_true",
+                   help="every rank times its backend's streams (dataflow.instrument) and prints "
+                        "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
+                        "neighbour or the all-reduce); with --out also into rank<r>.json. Adds "
+                        "a CUDA event pair per launch")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                   backend=args.backend, replicas=replicas, transport=transport,
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
-                  eval_seqs=args.eval_seqs,
+                  eval_seqs=args.eval_seqs, trace=args.trace,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   constraints=tuple(sorted(constraints.items())), placement=placement)

@@ -105,10 +105,12 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               replicas: int = 1, backend: str = "auto", transport: str = "auto",
               timeout_s: float = 120.0, seed: int = 0, optimizer=None,
               lr_schedule: Callable[[int], float] | None = None, grad_accum: str = "bf16",
-              profile=None, deferred_update: bool = True, **constraints):
+              profile=None, deferred_update: bool = True, trace: bool = False, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would.
-    deferred_update: as the Engine's (each step's AdamW inside the next step's first round)."""
+    deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
+    trace: wrap the backend in a TracingBackend; each step's breakdown is then the rank's
+    `last_breakdown`."""
     from dataflow.engine import default_profile
     from dataflow.memplan.plan import Budget, GradAccum
     from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
@@ -118,6 +120,10 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     n = ring_size(env, replicas)
     be = make_rank_backend(backend, transport if transport != "auto" else "nccl", env)
     kind = transport_kind(transport, be.name)
+    if trace:
+        from dataflow.instrument import TracingBackend
+
+        be = TracingBackend(be)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     profile = ring_profile(profile, env.world_size, kind, replicas)  # NCCL's own memory
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,

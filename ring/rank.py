@@ -14,6 +14,7 @@ from dataflow.batch import Batch, make_batch
 from dataflow.block_io import init_weights, read_part, write_part, zero_state
 from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
+from dataflow.instrument import TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
 from dataflow.memplan.ring_plan import RankPlan
 from dataflow.models import init
@@ -37,6 +38,9 @@ class RingRank:
         from dataflow.warmup import start_host_compile, warm_up
 
         self.rp, self.be = rp, be
+        self.last_breakdown = None
+        """The last step's dataflow.instrument.StepBreakdown where `be` is a TracingBackend."""
+        self._steps = 0
         background = start_host_compile(rp.plan)  # numba's compile, beside the setup
         try:
             self.ex = RingExecutor(rp, be, transport, deferred_update=deferred_update)
@@ -132,8 +136,23 @@ class RingRank:
         if batch.rows != rows:
             raise ConfigError(f"a ring step takes {rows} rows (replicas x seqs_per_step), the "
                               f"batch has {batch.rows}")
-        return self.ex.step(replica_slice(batch, self.ex.transport.replica, ch.seqs_per_step),
-                            self.optimizer)
+        tracer = self.be if isinstance(self.be, TracingBackend) else None
+        self._steps += 1
+        if tracer is not None:
+            tracer.begin_step(self._steps)
+        try:
+            stats = self.ex.step(replica_slice(batch, self.ex.transport.replica,
+                                               ch.seqs_per_step), self.optimizer)
+        except BaseException:
+            if tracer is not None:
+                try:
+                    tracer.end_step()  # close the window; the step's own error is reported
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        if tracer is not None:
+            self.last_breakdown = tracer.end_step().breakdown()
+        return stats
 
     def evaluate(self, batch: Batch) -> StepStats:
         """Forward only over the global evaluation batch (the same on every process, its rows a

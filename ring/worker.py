@@ -39,6 +39,8 @@ class RingJob:
     grad_accum: str = "bf16"
     """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.GradAccum)."""
     eager_update: bool = False
+    trace: bool = False
+    """Each rank traces its backend's streams and reports every step's breakdown."""
     """Run each step's AdamW at its own end (default: inside the next step's first round, and
     the last step's before the weights are written; the same bits either way)."""
     replicas: int = 1
@@ -146,11 +148,11 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             cfg, job.seqlen, job.host_gb, job.dev_gb, env=env, replicas=job.replicas,
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
-            grad_accum=job.grad_accum, deferred_update=not job.eager_update,
+            grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
             **{"placement": job.placement, **dict(job.constraints)})
         rp = rank.rp
         n = rp.n_ranks
-        losses, times = [], []
+        losses, times, breakdowns = [], [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas
         start = _resume(job, rank, transport, cfg, tag)
@@ -163,6 +165,10 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             print(f"{tag} step {step + 1}/{job.steps} loss {stats.loss:.6f} "
                   f"{stats.tokens / max(stats.step_time_s, 1e-12):,.0f} tok/s "
                   f"({stats.step_time_s:.3f} s)", file=sys.stderr, flush=True)
+            if rank.last_breakdown is not None:
+                bd = rank.last_breakdown
+                breakdowns.append({"wall_s": bd.wall_s, **bd.parts()})
+                print(f"{tag} step {step + 1}: {bd.summary()}", file=sys.stderr, flush=True)
             if job.save_every and ((step + 1) % job.save_every == 0 or step + 1 == job.steps):
                 from dataflow.ring.checkpoint import save_ring_checkpoint
 
@@ -193,7 +199,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
                 "layers": list(rp.layers), "placement": rp.placement,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
-                "step_times_s": times, "eval_loss": eval_loss,
+                "step_times_s": times, "eval_loss": eval_loss, "breakdowns": breakdowns,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
                 "chunking": {"chunk_tokens": rp.plan.chunking.chunk_tokens,
                              "chunks_per_round": rp.plan.chunking.chunks_per_round,
