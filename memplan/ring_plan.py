@@ -77,17 +77,40 @@ def ring_efficiency(n_ranks: int, chunks_per_round: int) -> float:
     return RING_EFFICIENCY * (OVERFULL_RING_EFFICIENCY if chunks_per_round > n_ranks else 1.0)
 
 
+SHARED_HOST_COPY_EFFICIENCY = 0.87
+"""The host <-> device rate one GPU's offload gets while the other GPUs of its host stream too,
+over its rate alone. The engine's own copies (both directions at once, as a step moves them),
+8b at 60/24 with 16 rounds, one GPU alone against two at once on one machine:
+on 2 H100s H2D 47.3-48.0 -> 40.6-42.3 GB/s and D2H 46.5-47.8 -> 39.9-42.1 (0.87; one alone
+15.4-15.6 s a step, each of 2 replicas 17.2 s: exposed copy 15 % -> 23 %, the all-reduce's
+wait 1 %; bench/records/s18-ring-h100x2-77ade76/); on 2 H200s H2D 0.89, D2H 0.92
+(s18-ring-h200x2-63164c4/). bench.pcie_shared's plain copies show it too: each direction alone
+keeps its rate with both GPUs copying, both directions at once drop to 0.81 (H100) and 0.73
+(H200) of a GPU's alone. Measured for 2 GPUs; 4 and 8 GPUs of one host are assumed no worse
+(not measured: the 4-GPU kinds were withdrawn before the call)."""
+
+
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
                  replicas: int = 1) -> HardwareProfile:
     """The profile a rank plans with: the device budget also holds NCCL's memory when the ring
     runs over NCCL with more than one process, and with replicas the all-reduce's staging too (a
     GPU profile only: the NumPy backend's device is host memory, and the shared-memory transport
-    stages in pinned host memory)."""
-    if transport != "nccl" or processes < 2 or not profile.library_reserve_bytes:
+    stages in pinned host memory); and with more than one process on GPUs, each GPU's copies
+    run at SHARED_HOST_COPY_EFFICIENCY of its rate alone (the processes of a launch share one
+    host's PCIe and memory)."""
+    if processes < 2 or not profile.library_reserve_bytes:
         return profile
+    share = SHARED_HOST_COPY_EFFICIENCY
+    shared = dataclasses.replace(
+        profile, h2d_bytes_per_s=profile.h2d_bytes_per_s * share,
+        d2h_bytes_per_s=profile.d2h_bytes_per_s * share,
+        h2d_duplex_bytes_per_s=profile.h2d_duplex_bytes_per_s * share,
+        d2h_duplex_bytes_per_s=profile.d2h_duplex_bytes_per_s * share)
+    if transport != "nccl":
+        return shared
     extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
     return dataclasses.replace(
-        profile, library_reserve_bytes=profile.library_reserve_bytes + extra)
+        shared, library_reserve_bytes=profile.library_reserve_bytes + extra)
 
 
 def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:

@@ -87,6 +87,25 @@ def test_ring_processes_reserve_what_nccl_was_measured_to_hold():
         assert mem.device_bytes + base + NCCL_RESERVE_4_BYTES <= budget.device_bytes + 2**20
 
 
+def test_processes_sharing_a_host_plan_with_its_shared_copy_rate():
+    """Two GPUs of one host streaming at once each got 0.87-0.92 of their copy rate alone
+    (s18: 2 replicas of 8b at 60/24 ran 17.2 s a step against one GPU's 15.5 s, all of it
+    exposed copy): every rank of a launch of several processes plans at the shared rate, over
+    NCCL or shared memory; one process, and the NumPy backend's profile, keep their own."""
+    from dataflow.memplan.ring_plan import SHARED_HOST_COPY_EFFICIENCY as share
+
+    assert ring_profile(H100, 1, "nccl") == H100
+    for transport in ("nccl", "shm"):
+        p = ring_profile(H100, 2, transport)
+        for rate in ("h2d_bytes_per_s", "d2h_bytes_per_s", "h2d_duplex_bytes_per_s",
+                     "d2h_duplex_bytes_per_s"):
+            assert getattr(p, rate) == pytest.approx(getattr(H100, rate) * share)
+        assert p.peak_bf16_flop_per_s == H100.peak_bf16_flop_per_s
+    cpu = get_profile("cpu")
+    assert not cpu.library_reserve_bytes  # the NumPy backend's "device" is host memory
+    assert ring_profile(cpu, 2, "shm") == cpu
+
+
 def test_ring_ranks_are_planned_without_segment_recompute():
     """A segment re-runs consecutive local layers, which on a ring rank are not consecutive in
     the model: the search plans ring ranks without segments (the best plan that fits without
