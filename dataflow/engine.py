@@ -15,22 +15,21 @@ from typing import Callable
 
 import numpy as np
 
-from dataflow.backend import Backend, Place, Stream
+from dataflow.backend import Backend, Place
 from dataflow.backends import make_backend
 from dataflow.batch import make_batch
-from dataflow.block_io import is_host_array, read_part, write_part
+from dataflow.block_io import init_weights, read_part, write_part, zero_state
 from dataflow.engine_options import (RunOptions, check_option_names, checkpoint_dir, join_pieces,
                                      with_checkpoint_defaults)
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from dataflow.kernels.host.memory import zero_fill
 from dataflow.memplan.cost import workload_of
 from dataflow.memplan.plan import Budget, Plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.hf import is_hf_dir, model_config
 from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
-from dataflow.models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
+from dataflow.models.flops import flop_model_version, model_flops_per_seq
 from dataflow.models.layout import BlockKind
 
 
@@ -58,6 +57,14 @@ class StepResult:
     """Where the step's time and bytes went; None unless the engine traces (trace=True)."""
     loss_tokens: int | None = None
     """Targets counted in the loss (not -100); the loss is their mean."""
+    aux_loss: float | None = None
+    """MoE models (ModelConfig.moe): the router's load-balancing loss, unscaled by
+    router_aux_loss_coef: each round is one forward (transformers' micro-batch) with its own,
+    and this is their mean over the step's rounds; the objective trained is loss +
+    router_aux_loss_coef * aux_loss (+ router_z_loss_coef * z_loss). None when dense."""
+    z_loss: float | None = None
+    """MoE models: the router z-loss (mean logsumexp^2 over a round's rows), the mean over the
+    step's rounds, unscaled; None when dense."""
 
     def to_dict(self) -> dict:
         """The result as plain JSON types (str, int, float, None, lists, dicts): every field by
@@ -198,6 +205,7 @@ class Engine:
                 options = dataclasses.replace(options, weights=model)  # HF brings its weights
             cfg = model if isinstance(model, ModelConfig) else model_config(model)
         options.check()
+        refuse_moe_backend(cfg, options.backend)  # before a GPU backend starts for nothing
         t0 = time.perf_counter()
         be = _backend(options)
         t1 = time.perf_counter()
@@ -237,6 +245,7 @@ class Engine:
         return self
 
     def _start(self, plan, be, options: RunOptions) -> None:
+        refuse_moe_backend(plan.model, be)
         self._lock = threading.RLock()
         self._closed = True  # until setup completes
         self._deferred_update = options.deferred_update
@@ -314,23 +323,12 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------
     def _zero_state(self) -> None:
-        """Zero gradients and AdamW m, v wherever they live. Host memory (home copies, and the
-        device of a backend whose device is host memory) is cleared in parallel, page by page,
-        leaving pages that already read as zero unwritten: a fresh slab reads as zero, so setup
-        neither writes nor faults in those bytes for nothing, without assuming any guarantee
-        about fresh memory."""
+        """Zero gradients and AdamW m, v wherever they live (dataflow.block_io.zero_state: host
+        memory in parallel, pages that already read as zero left unwritten, so a fresh slab is
+        neither written nor faulted in for nothing)."""
         self.be.synchronize()  # once: nothing is queued that touches this state yet
-        host_device = self.be.device_is_host_memory
         for b in self.ex.blocks():
-            for part in ("grads", "m", "v"):
-                dev, home = b.device(part), b.home(part)
-                if dev is not None:
-                    if host_device and isinstance(dev, np.ndarray):
-                        zero_fill(dev)
-                    else:
-                        self.be.launch(Stream.COMPUTE, "fill_", dev, 0.0, name="init.zero")
-                if home is not None:
-                    _host_zero(home)
+            zero_state(self.be, b)
 
     def _targets(self):
         """(key, block kind, layer, Block) for every block, in model order."""
@@ -340,9 +338,9 @@ class Engine:
         write_part(self.ex, self.be, b, array, part)
 
     def _init_weights(self, seed: int) -> None:
-        """Initialise each block straight into where it lives: its home copy, else its device
-        copy when the device is host memory, else the pinned io staging region and one H2D copy
-        from there. No block passes through a temporary; copies from home are asynchronous and
+        """Initialise each block straight into where it lives (dataflow.block_io.init_weights:
+        home, else the device when it is host memory, else the pinned io staging and one H2D
+        copy). No block passes through a temporary; copies from home are asynchronous and
         _setup synchronises once at the end."""
         from dataflow.models import init
 
@@ -352,21 +350,7 @@ class Engine:
                                                                           out=out),
                 BlockKind.HEAD: lambda layer, out: init.init_head_block(cfg, seed, out=out)}
         for key, kind, layer, b in self._targets():
-            home, dev = b.home("weights"), b.device("weights")
-            to_device = dev is not None and (home is None or b.resident)
-            if home is not None:
-                out = home
-            elif self.be.device_is_host_memory:
-                out, to_device = dev, False
-            else:
-                self.be.synchronize()  # the previous block's copy may still read the staging
-                out = self.ex.host.view("io_staging", (b.numel,), "bf16")
-            if is_host_array(out):
-                fill[kind](layer, out)
-                if to_device:
-                    self.be.copy(dev, out, Stream.H2D, name="upload")
-            else:  # views that hold no bytes (the null backend): the general path
-                self._write_block(b, fill[kind](layer, None))
+            init_weights(self.ex, self.be, b, functools.partial(fill[kind], layer))
             if self._progress is not None:
                 self._progress.update()
 
@@ -681,11 +665,11 @@ class Engine:
             round_losses=tuple(r.loss_sum / max(r.tokens, 1) for r in stats.rounds),
             tokens=stats.tokens, step_time_s=stats.step_time_s, tok_per_s=stats.tokens / t,
             model_tflop_per_s=model_flops / t / 1e12, mfu=model_flops / t / peak,
-            hfu=hw_flops / t / peak, flop_model_version=FLOP_MODEL_VERSION,
+            hfu=hw_flops / t / peak, flop_model_version=flop_model_version(cfg),
             h2d_bytes=stats.h2d_bytes, d2h_bytes=stats.d2h_bytes, lr=lr,
             grad_norm=self.optimizer.last_grad_norm,
             breakdown=self.last_trace.breakdown() if self.last_trace is not None else None,
-            loss_tokens=loss_tokens)
+            loss_tokens=loss_tokens, aux_loss=stats.aux_loss, z_loss=stats.z_loss)
 
     @_serialised
     def memory_used_bytes(self) -> dict[str, int]:
@@ -766,6 +750,26 @@ class _PhaseClock:
         now = time.perf_counter()
         self.laps[name] = now - self._t
         self._t = now
+
+
+MOE_NO_CUDA = "MoE layers have no CUDA ops yet; use --backend numpy"
+
+
+def refuse_moe_backend(cfg: ModelConfig, backend) -> None:
+    """Refuse an MoE model (ModelConfig.moe) on a backend whose op table has no MoE ops (the
+    CuPy one, issue 41), by name. `backend`: a Backend, or the kind asked for ('cupy' is
+    refused before it starts; 'auto' is checked once it has picked). The null backend, which
+    has no op table and runs nothing, is let through."""
+    if cfg.moe is None:
+        return
+    name = backend if isinstance(backend, str) else backend.name
+    if isinstance(backend, str):
+        missing = backend == "cupy"
+    else:
+        missing = backend.ops is not None and "moe_route" not in backend.writes
+    if missing:
+        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts) on "
+                          f"the {name} backend: {MOE_NO_CUDA} (backend='numpy')")
 
 
 def _backend(options: RunOptions):
@@ -854,13 +858,6 @@ def _as_numpy_any(value) -> np.ndarray:
     if hasattr(value, "get"):  # CuPy arrays
         value = value.get()
     return np.asarray(value)
-
-
-def _host_zero(view) -> None:
-    if is_host_array(view):
-        zero_fill(view)
-    else:
-        view[...] = 0
 
 
 def _nonfinite_name(value: float) -> str:

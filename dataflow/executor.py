@@ -2,7 +2,12 @@
 arenas, then dispatches the step's events in order — fetches, write-backs and fills as copies,
 compute events as layer / head / embedding work, host tasks as CPU callbacks, records and waits
 as backend events. Every decision (slots, fetch timing, placement) was made by
-memplan.schedule; nothing here decides placement or calls CuPy / NumPy kernels directly."""
+memplan.schedule; nothing here decides placement or calls CuPy / NumPy kernels directly.
+
+An MoE model's auxiliary losses are per round (dataflow.moe_ffn): the executor clears the round's
+routing totals before its first forward, has each forward proper add to them, reads them in every
+backward of the round with the coefficients divided by the step's rounds, and keeps each round's
+(aux, z) beside its LM loss; the step reports their mean over rounds."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataflow.backend import Backend, BackendError, Place, Stream
 from dataflow.batch import Batch, default_chunks, make_batch, round_chunks
 from dataflow.blocks import Block, bind_blocks
 from dataflow.layer_ops import LayerCompute
+from dataflow.moe_ffn import RoundRouting, stacked_experts
 from dataflow.kernels.host import adamw as host_adamw
 from dataflow.kernels.host import embedding as host_embedding
 from dataflow.kernels.host import norms as host_norms
@@ -26,6 +32,7 @@ from dataflow.memplan.segments import kv_less
 from dataflow.memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule,
                               compile_update_schedule)
+from dataflow.models.errors import ConfigError
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 STREAM = {s.value: s for s in Stream}
@@ -50,6 +57,11 @@ class StepStats:
     d2h_bytes: int
     grad_norm: float | None = None
     """Global L2 norm of the step's gradients before clipping (None for an evaluation)."""
+    aux_loss: float | None = None
+    """MoE models: the load-balancing loss, the mean over the rounds of each round's (one
+    forward's) value, unscaled by its coefficient; None when dense."""
+    z_loss: float | None = None
+    """MoE models: the router z-loss, likewise the mean of the rounds'; None when dense."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +96,12 @@ class Executor:
         deferred update still pending; clipped steps keep the mode above."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
+        if cfg.moe is not None and compile_step is not None:
+            # a ring rank's executor brings its schedule with messages: make_plan refuses a
+            # rank that holds part of the model, and this a ring of one (replicas)
+            from dataflow.memplan.decisions import MOE_RING_REFUSAL
+
+            raise ConfigError(f"model '{cfg.name}': {MOE_RING_REFUSAL}")
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
             raise BackendError(f"rounds_per_step {ch.rounds_per_step} exceeds "
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
@@ -125,6 +143,10 @@ class Executor:
         self.hb = self.dev.tensors("head_buffers", buffers.head_specs(
             cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
         self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
+        self._routing: RoundRouting | None = None
+        """An MoE model's round totals and the auxiliary losses' scale for the step in flight."""
+        self._moe_round: int | None = None
+        """The round whose routing the totals hold (cleared before its first forward)."""
         self.embed, self.layers, self.head = bind_blocks(plan, self.dev, self.host, self.gdt)
         self._tied = self._tied_views(plan) if cfg.tie_embeddings and plan.holds_head else None
         """A tied head's projection and its gradient: the embedding's resident table and
@@ -219,7 +241,7 @@ class Executor:
         if batch.rows != ch.seqs_per_step:
             raise BackendError(f"a step takes {ch.seqs_per_step} rows, the batch has "
                                f"{batch.rows}")
-        self._begin(batch, sch)
+        self._begin(batch, sch, ch.rounds_per_step)
         self.grad_scale = 1.0 / max(1, batch.counted)
         self.hyper, self.pending_hyper = self.pending_hyper, None  # the last step's, if deferred
         if in_backward:  # this step's own AdamW runs inside its last round
@@ -270,13 +292,22 @@ class Executor:
         sch = self._eval_schedules.get(rounds)
         if sch is None:
             sch = self._eval_schedules[rounds] = self._compile_eval(rounds)
-        self._begin(batch, sch)
+        self._begin(batch, sch, rounds)
         self.grad_scale = 0.0
         self._run(sch.events)
         return self._finish(sch, rounds, rounds * ch.tokens_per_round, t0)
 
-    def _begin(self, batch: Batch, sch: Schedule) -> None:
+    def _begin(self, batch: Batch, sch: Schedule, rounds: int) -> None:
         self._batch = batch
+        m = self.cfg.moe
+        if m is not None:
+            # One round is one forward call of transformers (a micro-batch): its own auxiliary
+            # losses, averaged over the step's rounds as its LM mean weighs them (equal rows).
+            self._moe_round = None
+            self._routing = RoundRouting(
+                counts=self.tr["moe_counts"], sums=self.tr["moe_sums"],
+                aux_coef=m.router_aux_loss_coef / rounds, z_coef=m.router_z_loss_coef / rounds,
+                n_rows=self.plan.chunking.tokens_per_round * self.cfg.n_layers)
         self._round_chunks = [round_chunks(self.plan.chunking, batch, r)
                               for r in range(sch.rounds)]
         self._events = [None] * sch.n_ids
@@ -310,8 +341,12 @@ class Executor:
         stats = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         h2d, d2h = sch.bytes_moved()
+        aux = z = None
+        if self.cfg.moe is not None:  # every round's (aux, z), in the same sync as the losses
+            aux, z = (float(v) for v in self.download(
+                self.tr["moe_losses"][:rounds]).astype(np.float64).mean(axis=0))
         return StepStats(total, tokens, stats, time.perf_counter() - t0, h2d, d2h,
-                         float(np.sqrt(scalars[0])) if norm else None)
+                         float(np.sqrt(scalars[0])) if norm else None, aux, z)
 
     # -- views ----------------------------------------------------------------------------------
     def _view(self, ref: Ref, shape=None, dtype: str = "u8", at: int = 0):
@@ -326,10 +361,15 @@ class Executor:
         return v
 
     def _block_views(self, ref: Ref, layout, dtype: str = "bf16") -> dict:
+        """The block's tensors by name; an MoE layer's also its experts stacked
+        (dataflow.moe_ffn.stacked_experts), which the expert ops read and accumulate into."""
         key = (ref, "layout", dtype)
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = layout.views(self._view(ref, (layout.numel,), dtype))
+            flat = self._view(ref, (layout.numel,), dtype)
+            v = self._views[key] = layout.views(flat)
+            if layout is self.lay and self.cfg.moe is not None:
+                v.update(stacked_experts(layout, flat, self.cfg.moe.n_experts))
         return v
 
     def _save_views(self, ref: Ref, layer: int, chunk: int) -> dict:
@@ -368,20 +408,25 @@ class Executor:
         if ev.op == "layer_fwd":
             chunk = self._round_chunks[ev.round][ev.chunk]
             save = None if ev.save is None else self._save_views(ev.save, ev.layer, ev.chunk)
+            if self._routing is not None and ev.round != self._moe_round:
+                self._clear_routing(ev.round)
             self.compute.forward(ev.name, self._block_views(ev.weights, self.lay),
                                  tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
                                  tr["positions"][chunk.rows], chunk, save,
-                                 self.plan.activations[ev.layer][ev.chunk].level)
+                                 self.plan.activations[ev.layer][ev.chunk].level,
+                                 routing=self._routing)
         elif ev.op == "layer_refwd":
             self._refwd(ev)
         elif ev.op == "layer_bwd":
             chunk = self._round_chunks[ev.round][ev.chunk]
+            # the totals are this round's: every forward of a round runs before its backwards
+            assert self._routing is None or self._moe_round == ev.round, (ev.name, self._moe_round)
             self.compute.backward(ev.name, self._block_views(ev.weights, self.lay),
                                   self._block_views(ev.grads, self.lay, self.gdt),
                                   self._save_views(ev.save, ev.layer, ev.chunk),
                                   self.plan.activations[ev.layer][ev.chunk].level,
                                   tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                                  tr["positions"][chunk.rows], chunk)
+                                  tr["positions"][chunk.rows], chunk, routing=self._routing)
         elif ev.op in ("head", "head_loss"):
             self._head(ev)
         elif ev.op == "ctx_cast":
@@ -419,6 +464,14 @@ class Executor:
         else:
             raise BackendError(f"unknown compute op '{ev.op}' in the schedule")
 
+    def _clear_routing(self, rnd: int) -> None:
+        """Zero the routing totals before round `rnd`'s first forward, on the compute stream
+        behind the last round's backwards that read them."""
+        r = self._routing
+        self.be.launch(Stream.COMPUTE, "fill_", r.counts, 0.0, name=f"moe.clear.r{rnd}")
+        self.be.launch(Stream.COMPUTE, "fill_", r.sums, 0.0, name=f"moe.clear_sums.r{rnd}")
+        self._moe_round = rnd
+
     def _refwd(self, ev: Compute) -> None:
         """A segment's recompute of one layer on one chunk: the forward's own kernels, from the
         boundary's saved input (`src`) or from rows of x first kept into `save`, so its output
@@ -454,6 +507,10 @@ class Executor:
         lm_w, lm_g = self._tied if self._tied is not None else (w["lm_head"], g["lm_head"])
         loss_acc = tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
         final, dfinal = tr[ev.x], tr[ev.y]
+        if self._routing is not None:  # the round's forward is complete: its (aux, z)
+            r = self._routing
+            be.launch(Stream.COMPUTE, "moe_round_losses", r.counts, r.sums, r.n_rows,
+                      tr["moe_losses"][ev.round], name=f"moe.losses.r{ev.round}")
         for chunk in self.chunks:
             x, tag = final[chunk.rows], f"head.c{chunk.index}"
             be.launch(Stream.COMPUTE, "rms_norm_fwd", x, w["norm"], cfg.norm_eps, hb["xn"],

@@ -6,14 +6,20 @@ level left out. Never decides placement and never issues copies between host and
 Families (ModelConfig.attention_bias, qk_norm): a biased projection fills its output with the
 bias and accumulates x @ w.T onto it (one rounding); QK-norm projects q and k into the
 workspace's 'qpre'/'kpre' and normalises each head from there into q and k (an RMSNorm over
-rows of E). The saved levels keep no QK-norm input: the backward re-forms it (the K projection
-always, the Q projection at FULL too: dataflow.models.flops.level_recompute_flops counts it)."""
+rows of E; OLMoE's qk_norm_whole over each token's whole projection). The saved levels keep no
+QK-norm input: the backward re-forms it (the K projection always, the Q projection at FULL too:
+dataflow.models.flops.level_recompute_flops counts it).
+
+Mixture-of-experts layers (ModelConfig.moe) run dataflow.moe_ffn's FFN in place of the dense
+SwiGLU; the attention half is the same. Only the forward proper adds a chunk's routing to its
+round's totals (`routing`); recomputes re-form the same routing without counting it."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from dataflow.backend import Backend, Stream
+from dataflow.moe_ffn import MoeFfn, RoundRouting
 from dataflow.rope import rope_table
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
@@ -48,6 +54,7 @@ def lse_rows(lse, a: int, b: int):
 class LayerCompute:
     def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
+        self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
 
     def _op(self, op: str, *args, tag: str = "") -> None:
         self.be.launch(Stream.COMPUTE, op, *args, name=f"{self.tag}.{op}{tag}")
@@ -71,10 +78,13 @@ class LayerCompute:
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, tag: str, w: dict, x, out, pos, chunk: ChunkInfo, save: dict,
-                level: SavedLevel, input_saved: bool = False, attn_out=None) -> None:
+                level: SavedLevel, input_saved: bool = False, attn_out=None,
+                routing: RoundRouting | None = None) -> None:
         """x (T, D) -> out (T, D); fills `save` (views of a saved-activation region) at `level`,
         or keeps nothing when `save` is None (evaluation). `input_saved`: x already is
         save["x"] (a segment recompute, whose output may overwrite the rows x came from).
+        `routing`: an MoE layer adds this chunk's routing to the round's totals (the forward
+        proper passes it; a recompute must not).
         `attn_out`: this chunk's attention output as the forward formed it (a segment
         boundary's saved "o", with `save` None): Q and the attention are skipped (K/V too
         unless the chunk is one of a split sequence, whose later chunks attend to them); the
@@ -97,8 +107,7 @@ class LayerCompute:
             else:
                 op("cast", x, hres)
             op("linear_fwd", attn_out.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
-            self._ffn_fwd(w, hres, tag="", copy=out)
-            op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
+            self._ffn_out(w, hres, out, None, routing)
             return
         # Tensors the level keeps are formed in the saved region itself, not copied there after:
         # the copies were 9 to 13 device copies per (layer, chunk), 4.5 % of a 1b step.
@@ -112,8 +121,7 @@ class LayerCompute:
         for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
             op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
         op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
-        self._ffn_fwd(w, hres, tag="", ws=ws, copy=out)
-        op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
+        self._ffn_out(w, hres, out, save, routing, ws)
         if save is None:
             return
         if not input_saved:
@@ -127,9 +135,9 @@ class LayerCompute:
     def _forming(self, save: dict | None, t: int) -> dict:
         """Where the forward forms each tensor it may keep: the saved region's view when the
         level keeps it at this shape, else the chunk workspace (the backward and evaluation)."""
-        out = {n: self.ws[n][:t] for n in self._FORMED}
+        out = {n: self.ws[n][:t] for n in self._FORMED if n in self.ws}  # MoE: no dense gate/up
         out["lse"] = self.ws["lse"]
-        for n in (*self._FORMED, "lse"):
+        for n in out:
             if save is not None and n in save and save[n].shape == out[n].shape:
                 out[n] = save[n]
         return out
@@ -160,9 +168,9 @@ class LayerCompute:
     def _proj(self, w, xn, name: str, out) -> None:
         """xn (T, D) -> out (T, heads, E): projection `name` ('q', 'k' or 'v'), its bias
         (attention_bias: out starts as the bias, the GEMM accumulates onto it), and for q and k
-        with qk_norm the per-head RMSNorm: the projection goes to the workspace's '{name}pre'
-        and its rows of E are normalised from there into out, their rstd in '{name}rstd'
-        (what _proj_bwd reads)."""
+        with qk_norm the per-head RMSNorm (OLMoE's: over the whole projection, _qk_rows): the
+        projection goes to the workspace's '{name}pre' and its rows are normalised from there
+        into out, their rstd in '{name}rstd' (what _proj_bwd reads)."""
         cfg, op = self.cfg, self._op
         t = xn.shape[0]
         normed = cfg.qk_norm and name != "v"
@@ -172,9 +180,18 @@ class LayerCompute:
         op("linear_fwd", xn, w[f"self_attn.{name}_proj"], dst.reshape(t, -1),
            cfg.attention_bias)
         if normed:
-            e = cfg.head_dim
+            e, rstd = self._qk_rows(name, t)
             op("rms_norm_fwd", dst.reshape(-1, e), w[f"self_attn.{name}_norm"], cfg.norm_eps,
-               out.reshape(-1, e), self.ws[f"{name}rstd"][:t].reshape(-1))
+               out.reshape(-1, e), rstd)
+
+    def _qk_rows(self, name: str, t: int):
+        """(width, rstd view) of QK-norm's rows for projection `name` of t tokens: rows of E
+        per head (Qwen3's), or one row per token over the whole projection (OLMoE's,
+        qk_norm_whole), whose T rstd values take the first T of the (T, heads) buffer."""
+        width = self.cfg.qk_norm_dims[0 if name == "q" else 1]
+        rstd = self.ws[f"{name}rstd"][:t].reshape(-1)
+        heads = self.cfg.n_heads if name == "q" else self.cfg.n_kv_heads
+        return width, rstd[:t * heads * self.cfg.head_dim // width]
 
     def _proj_bwd(self, w, g, name: str, dy) -> None:
         """dy (T, heads, E), the gradient of projection `name`'s output after QK-norm (RoPE's
@@ -184,13 +201,33 @@ class LayerCompute:
         cfg, op = self.cfg, self._op
         t = dy.shape[0]
         if cfg.qk_norm and name != "v":
-            e = cfg.head_dim
+            e, rstd = self._qk_rows(name, t)
             rows = dy.reshape(-1, e)
             op("rms_norm_bwd", self.ws[f"{name}pre"][:t].reshape(-1, e),
-               w[f"self_attn.{name}_norm"], self.ws[f"{name}rstd"][:t].reshape(-1), rows, rows,
-               g[f"self_attn.{name}_norm"])
+               w[f"self_attn.{name}_norm"], rstd, rows, rows, g[f"self_attn.{name}_norm"])
         if cfg.attention_bias:
             op("bias_bwd", dy.reshape(t, -1), g[f"self_attn.{name}_proj.bias"])
+
+    def _ffn_out(self, w, hres, out, save: dict | None, routing, ws: dict | None = None) -> None:
+        """The FFN of the residual hres, added onto out (the FFN norm first copies hres into
+        out): the dense SwiGLU's down projection accumulates onto it, an MoE layer's combine
+        adds its weighted experts' rows (forming what `save` keeps in it)."""
+        t = hres.shape[0]
+        if self.moe is None:
+            self._ffn_fwd(w, hres, tag="", ws=ws, copy=out)
+            self._op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
+            return
+        xn2 = self._ffn_norm(w, hres, (ws or {}).get("rstd2", self.ws["rstd2"][:t]), out)
+        self.moe.forward(self._op, w, xn2, self.moe.tensors(save, t), out, routing)
+
+    def _ffn_norm(self, w, hres, rstd2, copy=None):
+        """The FFN's RMSNorm of hres into the workspace's xn2 (returned), its rstd into rstd2,
+        hres into `copy`."""
+        t = hres.shape[0]
+        xn2 = self.ws["xn2"][:t]
+        self._op("rms_norm_fwd", hres, w["post_attention_layernorm"], self.cfg.norm_eps, xn2,
+                 rstd2, copy)
+        return xn2
 
     def _ffn_fwd(self, w, hres, tag: str, ws: dict | None = None, act: bool = True,
                  copy=None) -> None:
@@ -209,9 +246,10 @@ class LayerCompute:
 
     # -- backward -------------------------------------------------------------------------------
     def backward(self, tag: str, w: dict, g: dict, save: dict, level: SavedLevel, dy, dx, pos,
-                 chunk: ChunkInfo) -> None:
+                 chunk: ChunkInfo, routing: RoundRouting | None = None) -> None:
         """dy (T, D) gradient of the layer output -> dx (T, D); weight grads accumulate into g.
-        For split chunks the caller has filled k_ctx/v_ctx with the sequence's K/V up to here."""
+        For split chunks the caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
+        `routing`: an MoE layer's round totals and auxiliary-loss scale (required with moe)."""
         self.tag = tag
         cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
@@ -231,9 +269,9 @@ class LayerCompute:
                 self._proj(w, xn, "q", ws["q"][:t])
         if full:
             q, o, lse, hres = save["q"], save["o"], save["lse"], save["h"]
-            gate, up = save["gate"], save["up"]
             op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, ws["xn2"][:t],
                ws["rstd2"][:t])
+            ffn = save
         else:
             q = ws["q"][:t]
             self._proj(w, xn, "q", q)
@@ -247,21 +285,18 @@ class LayerCompute:
                        tag=".re")
             hres = ws["h"][:t]
             op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
-            self._ffn_fwd(w, hres, tag=".re", act=False)
-            gate, up = ws["gate"][:t], ws["up"][:t]
-        act, xn2 = ws["act"][:t], ws["xn2"][:t]
-        # FFN
-        dact, dgate, dup, dxn, dh = (ws["dact"][:t], ws["dgate"][:t], ws["dup"][:t],
-                                     ws["dxn"][:t], ws["dh"][:t])
-        # SwiGLU's output for the down projection's weight gradient comes out of its backward
-        # (one pass over gate and up instead of two).
-        op("linear_bwd_x", dy, w["mlp.down_proj"], dact, False)
-        op("swiglu_bwd", gate, up, dact, dgate, dup, act)
-        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
-        op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
-        op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
-        op("linear_bwd_x", dgate, w["mlp.gate_proj"], dxn, False)
-        op("linear_bwd_x", dup, w["mlp.up_proj"], dxn, True)
+            if self.moe is None:
+                self._ffn_fwd(w, hres, tag=".re", act=False)
+            else:  # router and experts again: the same ops on the same input, the same bits
+                self._ffn_norm(w, hres, ws["rstd2"][:t])
+                self.moe.forward(op, w, ws["xn2"][:t], self.moe.tensors(None, t), tag=".re")
+            ffn = {n: ws[n][:t] for n in ("gate", "up") if n in ws}
+        dxn, dh, xn2 = ws["dxn"][:t], ws["dh"][:t], ws["xn2"][:t]
+        if self.moe is None:
+            self._dense_ffn_bwd(w, g, ffn["gate"], ffn["up"], xn2, dy, dxn)
+        else:
+            self.moe.backward(op, w, g, xn2, self.moe.tensors(ffn if full else None, t), dy,
+                              dxn, routing, permuted=not full)
         op("rms_norm_bwd", hres, w["post_attention_layernorm"], ws["rstd2"][:t], dxn, dh,
            g["post_attention_layernorm"], dy)  # + dy: the residual branch
         # attention
@@ -300,3 +335,18 @@ class LayerCompute:
         op("linear_bwd_x", dv.reshape(t, -1), w["self_attn.v_proj"], dxn, True)
         op("rms_norm_bwd", x, w["input_layernorm"], ws["rstd"][:t], dxn, dx,
            g["input_layernorm"], dh)
+
+    def _dense_ffn_bwd(self, w, g, gate, up, xn2, dy, dxn) -> None:
+        """The SwiGLU FFN's backward: dy (T, D) -> dxn (T, D), the gradient of its normed input
+        xn2; the three weight gradients accumulate into g."""
+        ws, op, t = self.ws, self._op, dy.shape[0]
+        dact, dgate, dup, act = ws["dact"][:t], ws["dgate"][:t], ws["dup"][:t], ws["act"][:t]
+        # SwiGLU's output for the down projection's weight gradient comes out of its backward
+        # (one pass over gate and up instead of two).
+        op("linear_bwd_x", dy, w["mlp.down_proj"], dact, False)
+        op("swiglu_bwd", gate, up, dact, dgate, dup, act)
+        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
+        op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
+        op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
+        op("linear_bwd_x", dgate, w["mlp.gate_proj"], dxn, False)
+        op("linear_bwd_x", dup, w["mlp.up_proj"], dxn, True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 import dataflow.kernels.reference as ref
+from dataflow.kernels.reference import moe_experts as ref_experts
+from dataflow.kernels.reference import moe_router as ref_router
 
 F32 = np.float32
 
@@ -159,6 +161,99 @@ def sumsq(x, out, accumulate=True):
     out[0] = out[0] + F32(s) if accumulate else F32(s)
 
 
+# -- mixture of experts (kernels.reference.moe_router / moe_experts; docs/moe.md) -------------
+# Index arrays live in int32 arena views (dataflow.memplan.buffers.moe_saved_specs); the
+# reference forms them in int64 and the stores convert exactly.
+
+
+def moe_route(x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_weight, order,
+              offsets):
+    """x (T, D), w_router (N, D) -> logits, probs (T, N) fp32, topk_idx (T, k) int32,
+    topk_weight (T, k) fp32 (router_fwd), order (R,) and offsets (N + 1,) int32
+    (expert_order): the routing of one chunk, the same bits whenever it is re-run."""
+    lg, p, idx, wt = ref_router.router_fwd(x, w_router, top_k, norm_topk_prob=norm_topk_prob)
+    o, off = ref_experts.expert_order(idx, w_router.shape[0])
+    logits[...], probs[...], topk_idx[...], topk_weight[...] = lg, p, idx, wt
+    order[...], offsets[...] = o, off
+
+
+def moe_route_stats(logits, probs, topk_idx, counts, sums):
+    """counts (N,) int32 += the chunk's (token, slot) pairs per expert; sums (N + 1,) fp32:
+    [:N] += the softmax summed over tokens, [N] += sum of logsumexp(logits)^2 (the round's
+    load-balancing and z-loss totals, load_balancing_stats / router_z_loss)."""
+    c, prob_sum = ref_router.load_balancing_stats(probs, topk_idx)
+    lse_sq, _ = ref_router.router_z_loss(logits, 1)
+    counts += c.astype(counts.dtype)
+    sums[:-1] += prob_sum.astype(F32)
+    sums[-1] += F32(lse_sq)
+
+
+def moe_round_losses(counts, sums, n_rows, out):
+    """out (2,) fp32 = (load-balancing loss, z-loss) of a round's totals over n_rows rows
+    (tokens x MoE layers), unscaled by their coefficients."""
+    out[0] = ref_router.load_balancing_loss(counts.astype(np.int64), sums[:-1], n_rows)
+    out[1] = float(sums[-1]) / n_rows
+
+
+def moe_permute(x, order, top_k, xp):
+    """xp (R, D) = x[order // top_k]: each routed row's token (permute_fwd, a gather)."""
+    xp[...] = ref_experts.permute_fwd(x, order, top_k)
+
+
+def moe_experts_fwd(xp, offsets, w_gate, w_up, w_down, gate, up, act, yp):
+    """xp (R, D) grouped by offsets; w_gate, w_up (N, F, D), w_down (N, D, F) stacked views of
+    the layer block -> gate, up, act (R, F), yp (R, D) (experts_fwd; act = silu(gate) * up,
+    the down projection's input). An expert with no rows reads none of its weights."""
+    yp_, gate_, up_ = ref_experts.experts_fwd(xp, offsets, w_gate, w_up, w_down)
+    gate[...], up[...], yp[...] = gate_, up_, yp_
+    act[...] = ref.swiglu_fwd(gate_, up_)
+
+
+def moe_combine(yp, order, topk_weight, out):
+    """out (T, D) += sum_j topk_weight[t, j] * yp[row of (t, j)], the k terms and out summed
+    in fp32 in slot order and rounded once (unpermute_fwd fused with the residual add, as the
+    dense FFN's down projection accumulates onto the residual)."""
+    y = ref_experts.unpermute_fwd(yp.astype(F32), order, topk_weight)  # fp32: not rounded
+    out[...] = (out.astype(F32) + y).astype(out.dtype)
+
+
+def moe_combine_bwd(dy, yp, order, topk_weight, dyp, d_topk_weight):
+    """dy (T, D) -> dyp (R, D) = weight * dy[token], d_topk_weight (T, k) fp32 =
+    <dy[token], yp[row]> (unpermute_bwd)."""
+    dyp[...], d_topk_weight[...] = ref_experts.unpermute_bwd(dy, yp, order, topk_weight)
+
+
+def moe_experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up,
+                    dw_down):
+    """dyp (R, D) -> dxp (R, D); the stacked weight gradients accumulate (+=, fp32 sums
+    rounded once to their dtype; an expert with no rows adds exact zeros) (experts_bwd)."""
+    dxp_, dg, du, dd = ref_experts.experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp)
+    dxp[...] = dxp_
+    for dst, value in ((dw_gate, dg), (dw_up, du), (dw_down, dd)):
+        _store(dst, value, True)
+
+
+def moe_router_bwd(x, w_router, logits, probs, topk_idx, d_topk_weight, norm_topk_prob, counts,
+                   aux_coef, z_coef, n_rows, dxp, order, dx, dw_router):
+    """The router's backward and the block's input gradient: d_logits from the k selected
+    weights (router_logits_bwd), plus aux_coef x the load-balancing loss's gradient over the
+    round's `counts` and z_coef x the z-loss's, both averaged over n_rows; then dx (T, D) =
+    d_logits @ w_router + the permuted rows' gradients summed per token (permute_bwd), in
+    fp32, rounded once; dw_router (N, D) accumulates (+=). As moe_block_bwd."""
+    d_logits = ref_router.router_logits_bwd(probs, topk_idx, d_topk_weight,
+                                            norm_topk_prob=norm_topk_prob)
+    if aux_coef:
+        d_logits = d_logits + ref_router.load_balancing_loss_bwd(
+            probs, counts.astype(np.int64), n_rows, aux_coef)
+    if z_coef:
+        _, lse = ref_router.router_z_loss(logits, 1)
+        d_logits = d_logits + ref_router.router_z_loss_bwd(logits, lse, n_rows, z_coef)
+    dx_router, dw = ref_router.router_bwd(x, w_router, d_logits)
+    top_k = topk_idx.shape[1]
+    dx[...] = (dx_router + ref_experts.permute_bwd(dxp, order, top_k)).astype(dx.dtype)
+    _store(dw_router, dw, True)
+
+
 WRITES: dict[str, tuple[int, ...]] = {
     "rms_norm_fwd": (3, 4, 5), "rms_norm_bwd": (4, 5), "linear_fwd": (2,), "linear_bwd_x": (2,),
     "linear_bwd_w": (2,), "bias_fill": (1,), "bias_bwd": (1,), "rope_fwd": (3,),
@@ -168,5 +263,8 @@ WRITES: dict[str, tuple[int, ...]] = {
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
     "clip_scale": (2,),
+    "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
+    "moe_permute": (3,), "moe_experts_fwd": (5, 6, 7, 8), "moe_combine": (3,),
+    "moe_combine_bwd": (4, 5), "moe_experts_bwd": (8, 9, 10, 11), "moe_router_bwd": (13, 14),
 }
 """Positions of the arguments each op writes (accumulated outputs count as writes)."""

@@ -217,12 +217,13 @@ class RouterTotals:
         """The router z-loss, mean over the same rows of logsumexp(logits)^2 (unscaled)."""
         return self.lse_sq_sum / self.rows
 
-    def terms(self, cfg) -> RouterLossTerms:
-        """The layers' share of the backward with cfg.moe's coefficients, on the scale of a
-        mean cross-entropy (transformers: loss = mean CE + coef * aux)."""
+    def terms(self, cfg, scale: float = 1.0) -> RouterLossTerms:
+        """The layers' share of the backward with cfg.moe's coefficients times `scale`, on the
+        scale of a mean cross-entropy (transformers: loss = mean CE + coef * aux; a step of R
+        micro-batches averaging their auxiliary losses passes scale 1 / R)."""
         m = cfg.moe
-        return RouterLossTerms(aux_coef=m.router_aux_loss_coef, aux_counts=self.counts,
-                               aux_rows=self.rows, z_coef=m.router_z_loss_coef,
+        return RouterLossTerms(aux_coef=m.router_aux_loss_coef * scale, aux_counts=self.counts,
+                               aux_rows=self.rows, z_coef=m.router_z_loss_coef * scale,
                                z_rows=self.rows)
 
 
@@ -281,16 +282,17 @@ def forward(cfg, weights, tokens: np.ndarray, grad_scale: float = 1.0, *, act_dt
                            loss_sum=loss_sum, n_tokens=n_tokens, router=router)
 
 
-def backward(f: SequenceForward, router: RouterTotals | None = None) -> Grads:
+def backward(f: SequenceForward, router: RouterTotals | None = None,
+             aux_scale: float = 1.0) -> Grads:
     """The layers' backward of a `forward`: gradients of grad_scale * loss_sum, plus, for an
-    MoE model, of cfg.moe's coefficients times the auxiliary losses over `router` (the totals of
-    the whole forward the sequence belongs to; default its own, f.router). Grads.router is
-    the totals used."""
+    MoE model, of aux_scale x cfg.moe's coefficients times the auxiliary losses over `router`
+    (the totals of the whole forward the sequence belongs to; default its own, f.router).
+    Grads.router is the totals used."""
     cfg, weights = f.cfg, f.weights
     lay_e, lay_l, lay_h = embed_layout(cfg), layer_layout(cfg), head_layout(cfg)
     grad_dtype = acc_dtype(weights.embed)
     router = f.router if router is None else router
-    losses = None if cfg.moe is None else router.terms(cfg)
+    losses = None if cfg.moe is None else router.terms(cfg, aux_scale)
     # Backward, writing weight gradients straight into zeroed blocks (padding stays zero).
     grads = Grads(np.zeros(lay_e.numel, grad_dtype),
                   [np.zeros(lay_l.numel, grad_dtype) for _ in weights.layers],

@@ -4,13 +4,16 @@ over the sequences of a step, then AdamW on every block. Slow and plain on purpo
 oracle the engine is compared against (DESIGN.md §5). Never plans, never touches a device, and
 computes only through dataflow.kernels.reference.
 
-An MoE model (ModelConfig.moe) trains here only so far: its objective is the mean cross-entropy
-plus router_aux_loss_coef times the batch's load-balancing loss (and router_z_loss_coef times
-its z-loss), as transformers' OlmoeForCausalLM / Qwen3MoeForCausalLM with
-output_router_logits=True; the loss reported stays the cross-entropy, the auxiliary values
-beside it (StepResult.aux_loss, z_loss). AdamW updates every block, so an expert no token
-reached still has its moments and weights decayed, as transformers' OLMoE 4.x (which calls
-every expert) does; Qwen3-MoE with zero_grad(set_to_none=True) would skip it (docs/moe.md)."""
+An MoE model (ModelConfig.moe) trains here too (the engine's oracle): its objective is the mean
+cross-entropy plus router_aux_loss_coef times the batch's load-balancing loss (and
+router_z_loss_coef times its z-loss), as transformers' OlmoeForCausalLM / Qwen3MoeForCausalLM
+with output_router_logits=True; the loss reported stays the cross-entropy, the auxiliary values
+beside it (StepResult.aux_loss, z_loss). With micro_batches R the batch is R forward calls, each
+with its own auxiliary losses, and the objective adds the coefficients times their MEAN (what
+the engine computes with R rounds a step: docs/moe.md). AdamW updates every block, so an expert
+no token reached still has its moments and weights decayed, as transformers' OLMoE 4.x (which
+calls every expert) does; Qwen3-MoE with zero_grad(set_to_none=True) would skip it
+(docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -44,11 +47,11 @@ class StepResult:
     """Factor the gradient was multiplied by for AdamW: min(1, max_grad_norm / norm), or 1."""
     aux_loss: float | None = None
     """MoE models: the load-balancing loss of the step's batch (unscaled; the objective adds
-    router_aux_loss_coef times it to loss_mean, which stays the language model's); None when
-    dense."""
+    router_aux_loss_coef times it to loss_mean, which stays the language model's), the mean over
+    its micro-batches' when there are several; None when dense."""
     z_loss: float | None = None
     """MoE models: the router z-loss of the batch (unscaled; objective coefficient
-    router_z_loss_coef); None when dense."""
+    router_z_loss_coef), likewise; None when dense."""
 
 
 class ReferenceTrainer:
@@ -60,13 +63,16 @@ class ReferenceTrainer:
     over the sequences of a step (float32 by default; bf16 reproduces ml_dataflow's lossy
     choice, float64 is the most precise). max_grad_norm: clip the global gradient norm to this
     value (folded into AdamW's grad_scale), or None. AdamW's m and v have the weights' dtype
-    (bf16 for ModelWeights) and start at zero.
+    (bf16 for ModelWeights) and start at zero. micro_batches: an MoE model's batch is this many
+    forward calls of consecutive equal groups of rows (the engine's rounds), each with its own
+    auxiliary losses, whose mean the objective adds; it changes nothing for a dense model (the
+    batch's rows must still divide into them).
     """
 
     def __init__(self, cfg: ModelConfig, weights, *, lr: float,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, grad_accum_dtype=np.float32,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, micro_batches: int = 1):
         if not lr > 0:
             raise ConfigError(f"lr must be positive, got {lr!r}; try 3e-4")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -82,6 +88,10 @@ class ReferenceTrainer:
         if accum not in (BF16, np.dtype(np.float32), np.dtype(np.float64)):
             raise ConfigError(f"grad_accum_dtype {accum} is not supported; use float32, "
                               "float64 or bfloat16")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
+                or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}; "
+                              "pass the engine's rounds_per_step")
         if len(weights.layers) != cfg.n_layers:
             raise ConfigError(f"model '{cfg.name}' has {cfg.n_layers} layers, weights hold "
                               f"{len(weights.layers)}")
@@ -91,12 +101,13 @@ class ReferenceTrainer:
         self.weight_decay = float(weight_decay)
         self.grad_accum_dtype = accum
         self.max_grad_norm = max_grad_norm
+        self.micro_batches = micro_batches
         self.m = [np.zeros_like(b) for b in self.blocks]
         self.v = [np.zeros_like(b) for b in self.blocks]
         self.step = 0
         """Optimizer steps taken so far."""
-        self.last_router: RouterTotals | None = None
-        """MoE models: the routing totals of the last batch (aux_loss, z_loss, counts)."""
+        self.last_routers: tuple[RouterTotals, ...] = ()
+        """MoE models: the routing totals of each micro-batch of the last batch."""
 
     @property
     def blocks(self) -> list[np.ndarray]:
@@ -121,6 +132,10 @@ class ReferenceTrainer:
         if n_tokens == 0:
             raise ConfigError("every target of the batch is IGNORE; a step needs at least one "
                               "token to learn from")
+        if batch.shape[0] % self.micro_batches:
+            raise ConfigError(f"a batch of {batch.shape[0]} rows does not split into "
+                              f"{self.micro_batches} equal micro-batches; pass a multiple of "
+                              f"{self.micro_batches} rows")
         grad_scale = 1.0 / n_tokens
         accum = [np.zeros(b.size, self.grad_accum_dtype) for b in self.blocks]
         loss_sum = 0.0
@@ -134,24 +149,35 @@ class ReferenceTrainer:
                 _accumulate(acc, g)
         return loss_sum / n_tokens, n_tokens, accum
 
+    @property
+    def last_router(self) -> RouterTotals | None:
+        """The routing totals of the last batch when it was one forward call (None otherwise:
+        see last_routers)."""
+        return self.last_routers[0] if len(self.last_routers) == 1 else None
+
     def _accumulate_moe(self, batch, labels, grad_scale, n_tokens, accum):
-        """An MoE model's batch: every sequence's forward first, so the auxiliary losses are
-        those of the whole batch as one forward call (transformers concatenates every layer's
-        router logits of the batch: one load-balancing loss, not a sum of per-sequence ones),
-        then each sequence's backward with those totals. Keeps every sequence's activations:
-        the reference is for small models. The totals stay in `last_router`."""
-        fwds = [forward(self.cfg, self.weights, row, grad_scale,
-                        labels=None if labels is None else labels[i])
-                for i, row in enumerate(batch)]
-        router = RouterTotals(self.cfg.moe.n_experts)
-        for f in fwds:
-            router.merge(f.router)
-        self.last_router = router
-        loss_sum = 0.0
-        for f in fwds:
-            loss_sum += f.loss_sum
-            for acc, g in zip(accum, backward(f, router).blocks()):
-                _accumulate(acc, g)
+        """An MoE model's batch, micro-batch by micro-batch: every sequence's forward of a
+        micro-batch first, so its auxiliary losses are those of the micro-batch as one forward
+        call (transformers concatenates every layer's router logits of the call: one
+        load-balancing loss, not a sum of per-sequence ones), then each sequence's backward
+        with those totals and the coefficients divided by the number of micro-batches. Keeps a
+        micro-batch's activations: the reference is for small models. The totals stay in
+        `last_routers`."""
+        routers, loss_sum = [], 0.0
+        per = batch.shape[0] // self.micro_batches
+        for first in range(0, batch.shape[0], per):
+            rows = range(first, first + per)
+            fwds = [forward(self.cfg, self.weights, batch[i], grad_scale,
+                            labels=None if labels is None else labels[i]) for i in rows]
+            router = RouterTotals(self.cfg.moe.n_experts)
+            for f in fwds:
+                router.merge(f.router)
+            routers.append(router)
+            for f in fwds:
+                loss_sum += f.loss_sum
+                for acc, g in zip(accum, backward(f, router, 1.0 / self.micro_batches).blocks()):
+                    _accumulate(acc, g)
+        self.last_routers = tuple(routers)
         return loss_sum / n_tokens, n_tokens, accum
 
     def train_step(self, batch: np.ndarray, labels: np.ndarray | None = None) -> StepResult:
@@ -168,11 +194,12 @@ class ReferenceTrainer:
             adamw_step(param, grad, m, v, step=self.step, lr=self.lr, beta1=self.betas[0],
                        beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
                        grad_scale=clip_coef)
-        router = self.last_router if self.cfg.moe is not None else None
+        aux = z = None
+        if self.cfg.moe is not None:
+            aux = sum(r.aux_loss for r in self.last_routers) / len(self.last_routers)
+            z = sum(r.z_loss for r in self.last_routers) / len(self.last_routers)
         return StepResult(step=self.step, loss_mean=loss_mean, n_tokens=n_tokens,
-                          grad_norm=grad_norm, clip_coef=clip_coef,
-                          aux_loss=None if router is None else router.aux_loss,
-                          z_loss=None if router is None else router.z_loss)
+                          grad_norm=grad_norm, clip_coef=clip_coef, aux_loss=aux, z_loss=z)
 
 
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:

@@ -71,9 +71,46 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
         specs += [TensorSpec("o", (t, h, e), "bf16"), TensorSpec("lse", (h, t), "f32")]
     if level is SavedLevel.FULL:
         specs += [TensorSpec("q", (t, h, e), "bf16"), TensorSpec("h", (t, d), "bf16"),
-                  TensorSpec("rstd2", (t,), "f32"), TensorSpec("gate", (t, f), "bf16"),
-                  TensorSpec("up", (t, f), "bf16")]
+                  TensorSpec("rstd2", (t,), "f32")]
+        specs += (moe_saved_specs(cfg, t) if cfg.moe is not None else
+                  [TensorSpec("gate", (t, f), "bf16"), TensorSpec("up", (t, f), "bf16")])
     return tuple(specs)
+
+
+def moe_rows(cfg: ModelConfig, tokens: int) -> int:
+    """R = tokens x top_k: the routed rows of a chunk. Dropless routing bounds one expert's
+    rows only by R (every token may pick it), and all experts together hold exactly R, so
+    every per-row buffer is sized R, never R / N."""
+    return tokens * cfg.moe.top_k
+
+
+def moe_saved_specs(cfg: ModelConfig, tokens: int) -> list[TensorSpec]:
+    """What an MoE layer's FULL level keeps of its FFN (kernels.reference.moe.MoeSaved): the
+    router's fp32 logits and softmax, the top-k choice and weights, the permutation (order,
+    per-expert offsets; int32: R < 2^31 at any chunk we plan, and kernels index in 64 bits),
+    and each routed row's gate, up and expert output. Below FULL the backward re-forms all of
+    it from the FFN's input (dataflow.moe_ffn), the routing bit for bit."""
+    t, n, k, f = tokens, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_ffn_dim
+    r = moe_rows(cfg, t)
+    return [TensorSpec("router_logits", (t, n), "f32"), TensorSpec("router_probs", (t, n), "f32"),
+            TensorSpec("topk_idx", (t, k), "i32"), TensorSpec("topk_weight", (t, k), "f32"),
+            TensorSpec("expert_order", (r,), "i32"), TensorSpec("expert_offsets", (n + 1,), "i32"),
+            TensorSpec("expert_gate", (r, f), "bf16"), TensorSpec("expert_up", (r, f), "bf16"),
+            TensorSpec("expert_out", (r, cfg.model_dim), "bf16")]
+
+
+def moe_workspace_specs(cfg: ModelConfig, tokens: int) -> list[TensorSpec]:
+    """Scratch of one MoE FFN on a chunk, besides what moe_saved_specs names (formed here below
+    FULL): the permuted input and its gradient (R, D), the permuted output's gradient (R, D),
+    the activation and the SwiGLU gradients (R, F) the CUDA experts need (the NumPy op table
+    keeps its own temporaries), the combine weights' gradient (T, k) fp32."""
+    t, k, d, f = tokens, cfg.moe.top_k, cfg.model_dim, cfg.moe.expert_ffn_dim
+    r = moe_rows(cfg, t)
+    return moe_saved_specs(cfg, t) + [
+        TensorSpec("expert_in", (r, d), "bf16"), TensorSpec("expert_din", (r, d), "bf16"),
+        TensorSpec("expert_dout", (r, d), "bf16"), TensorSpec("expert_act", (r, f), "bf16"),
+        TensorSpec("expert_dact", (r, f), "bf16"), TensorSpec("expert_dgate", (r, f), "bf16"),
+        TensorSpec("expert_dup", (r, f), "bf16"), TensorSpec("topk_dweight", (t, k), "f32")]
 
 
 def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel,
@@ -96,16 +133,21 @@ def kv_rebuild_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
 def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
     """Scratch for one (layer, chunk) forward, recompute or backward; reused by every chunk."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    # An MoE layer runs no dense FFN: its (T, F) buffers give way to moe_workspace_specs.
+    dense_ffn = [] if cfg.moe is not None else [
+        ("gate", (t, f)), ("up", (t, f)), ("act", (t, f)), ("dact", (t, f)), ("dgate", (t, f)),
+        ("dup", (t, f))]
     bf = [("xn", (t, d)), ("q", (t, h, e)), ("k", (t, k, e)), ("v", (t, k, e)),
-          ("o", (t, h, e)), ("h", (t, d)), ("xn2", (t, d)), ("gate", (t, f)), ("up", (t, f)),
-          ("act", (t, f)), ("dact", (t, f)), ("dgate", (t, f)), ("dup", (t, f)), ("dh", (t, d)),
+          ("o", (t, h, e)), ("h", (t, d)), ("xn2", (t, d)), *dense_ffn, ("dh", (t, d)),
           ("dxn", (t, d)), ("do", (t, h, e)), ("dq", (t, h, e)), ("dk", (t, k, e)),
           ("dv", (t, k, e))]
     f32 = [("lse", (h, t)), ("rstd", (t,)), ("rstd2", (t,))]
     if cfg.qk_norm:  # QK-norm's inputs and per-head rstd (dataflow.layer_ops.LayerCompute._proj)
         bf += [("qpre", (t, h, e)), ("kpre", (t, k, e))]
         f32 += [("qrstd", (t, h)), ("krstd", (t, k))]
-    return tuple([TensorSpec(n, s, "bf16") for n, s in bf] + [TensorSpec(n, s, "f32") for n, s in f32])
+    moe = moe_workspace_specs(cfg, t) if cfg.moe is not None else []
+    return tuple([TensorSpec(n, s, "bf16") for n, s in bf]
+                 + [TensorSpec(n, s, "f32") for n, s in f32] + moe)
 
 
 ATTN_WORKSPACE_SCORE_BYTES = 2
@@ -225,12 +267,24 @@ def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, .
     ping-ponged between layers; token ids, targets and RoPE positions for the round; a few fp32
     scalars (loss sums, squared gradient norm)."""
     d = cfg.model_dim
-    return (TensorSpec("resid_a", (round_tokens, d), "bf16"),
-            TensorSpec("resid_b", (round_tokens, d), "bf16"),
-            TensorSpec("ids", (round_tokens,), "i32"),
-            TensorSpec("targets", (round_tokens,), "i32"),
-            TensorSpec("positions", (round_tokens,), "i32"),
-            TensorSpec("scalars", (SCALARS,), "f32"))
+    specs = (TensorSpec("resid_a", (round_tokens, d), "bf16"),
+             TensorSpec("resid_b", (round_tokens, d), "bf16"),
+             TensorSpec("ids", (round_tokens,), "i32"),
+             TensorSpec("targets", (round_tokens,), "i32"),
+             TensorSpec("positions", (round_tokens,), "i32"),
+             TensorSpec("scalars", (SCALARS,), "f32"))
+    return specs + (moe_round_specs(cfg) if cfg.moe is not None else ())
+
+
+def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
+    """An MoE model's routing totals over one round's forward (every layer and chunk): what the
+    load-balancing loss's gradient needs in every layer's backward (docs/moe.md). Counts are
+    int32 (tokens_per_round x top_k x layers stays far below 2^31); the fp32 sums hold each
+    expert's softmax mass and, last, the sum of logsumexp^2 (the z-loss). `moe_losses` keeps
+    each round's (aux, z) for the step's result, read with the LM losses."""
+    n = cfg.moe.n_experts
+    return (TensorSpec("moe_counts", (n,), "i32"), TensorSpec("moe_sums", (n + 1,), "f32"),
+            TensorSpec("moe_losses", (MAX_ROUNDS_PER_STEP, 2), "f32"))
 
 
 def head_specs(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int) -> tuple[TensorSpec, ...]:

@@ -41,6 +41,11 @@ bench/records/README.md), where charging it the overhead made those steps 1-2 s 
 ELEMENTWISE_FWD_WIDTHS = (12, 2, 2, 3)
 """Memory-bound forward work per token and layer, in bf16 values moved through HBM, as
 multiples of (D, H*E, K*E, F): two RMSNorms, RoPE on Q and K, SwiGLU, two residual adds."""
+MOE_ELEMENTWISE_FWD_WIDTHS = (3, 3, 4)
+"""An MoE layer's memory-bound FFN work per token instead of the dense SwiGLU's 3 F, as multiples
+of (k F_e, k D, N): SwiGLU over its k routed rows; the permutation's gather written and the
+combine's k rows read (plus the residual); the router's fp32 logits and softmax (4 bf16-sized
+values per expert). Not measured yet (no CUDA MoE ops): a count, like the dense widths."""
 ELEMENTWISE_BWD_FACTOR = 2.0
 """The backward moves about twice the forward's elementwise bytes; a recompute, once."""
 CROSS_ENTROPY_PASSES = 4
@@ -89,9 +94,14 @@ def elementwise_fwd_bytes(cfg: ModelConfig, tokens: int) -> int:
     """HBM bytes of one layer's memory-bound forward ops over `tokens` tokens; with
     attention_bias the biased projections' outputs are written once more (the bias fill) and
     read by the GEMM that accumulates onto them; with qk_norm, q and k are read before the
-    norm and written after it."""
+    norm and written after it; with moe, MOE_ELEMENTWISE_FWD_WIDTHS replace the SwiGLU's."""
     widths = (cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim)
     values = sum(m * w for m, w in zip(ELEMENTWISE_FWD_WIDTHS, widths))
+    if cfg.moe is not None:  # no dense FFN: its routed rows, permutation and router instead
+        m = cfg.moe
+        moe_widths = (m.top_k * m.expert_ffn_dim, m.top_k * cfg.model_dim, m.n_experts)
+        values += sum(a * w for a, w in zip(MOE_ELEMENTWISE_FWD_WIDTHS, moe_widths)) \
+            - ELEMENTWISE_FWD_WIDTHS[3] * cfg.ffn_dim
     values += 2 * (cfg.q_dim + 2 * cfg.kv_dim) * cfg.attention_bias
     values += 2 * (cfg.q_dim + cfg.kv_dim) * cfg.qk_norm
     return 2 * tokens * values

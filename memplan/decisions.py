@@ -127,18 +127,30 @@ def _check_tied(d: Decisions) -> None:
                           f"({p.weights.value}, {p.grads.value}, {p.optimizer.value})")
 
 
-MOE_REFUSAL = ("MoE layers run on the reference trainer only so far "
-               "(dataflow.reference_trainer.ReferenceTrainer); the planner and executor do not "
-               "stream experts yet (issue 41)")
+MOE_RING_REFUSAL = ("rings do not carry MoE layers yet: the load-balancing loss's gradient in "
+                    "every layer needs the routing counts of all layers of the round, which a "
+                    "ring splits over its ranks, and experts are to stay with their layer's "
+                    "rank (issue 41); train it on one device with --backend numpy")
 
 
-def refuse_moe(cfg: ModelConfig) -> None:
-    """The check that keeps a mixture-of-experts config (ModelConfig.moe) out of the planner,
-    and so out of the engine and the ring: make_plan calls it first, and validate_decisions
-    (every plan built, Engine.from_plan's hand-made ones too) again. Raises ConfigError."""
-    if cfg.moe is not None:
-        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts, top "
-                          f"{cfg.moe.top_k}): {MOE_REFUSAL}")
+def refuse_moe(cfg: ModelConfig, *, holds_embed: bool = True, holds_head: bool = True) -> None:
+    """The planner's limits on a mixture-of-experts config (ModelConfig.moe): the single-device
+    engine runs it on the NumPy backend (every expert moves with its layer's block; the CUDA op
+    table refuses it at the engine, dataflow.engine), but a ring rank's plan (one that does not
+    hold both the embedding and the head) is refused, and so are shared experts, which have no
+    engine ops. make_plan calls it first and validate_decisions again (Engine.from_plan's
+    hand-made plans too). Raises ConfigError."""
+    m = cfg.moe
+    if m is None:
+        return
+    what = f"model '{cfg.name}' ({cfg.family}, {m.n_experts} experts, top {m.top_k})"
+    if not (holds_embed and holds_head):
+        raise ConfigError(f"{what}: {MOE_RING_REFUSAL}")
+    if m.n_shared_experts:
+        raise ConfigError(f"{what} has {m.n_shared_experts} shared expert(s), which the engine "
+                          "has no ops for (neither OLMoE nor Qwen3-MoE has one); train it on "
+                          "dataflow.reference_trainer.ReferenceTrainer, or set "
+                          "n_shared_experts 0")
 
 
 def any_streamed_optimizer(d: Decisions) -> bool:
@@ -156,7 +168,7 @@ def validate_decisions(d: Decisions) -> None:
         _check_placement(f"layer {i}", p)
     _check_placement("embed", d.embed)
     _check_placement("head", d.head)
-    refuse_moe(cfg)
+    refuse_moe(cfg, holds_embed=d.holds_embed, holds_head=d.holds_head)
     _check_tied(d)
     if len(d.activations) != cfg.n_layers or any(len(row) != ch.chunks_per_round
                                                  for row in d.activations):

@@ -157,7 +157,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     batch as seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes
     exactly that many sequences per step (chunks x rounds chosen to fit it). Raises
     InfeasibleBudget naming the smallest budgets that work."""
-    refuse_moe(cfg)
+    refuse_moe(cfg, holds_embed=constraints.get("holds_embed", True),
+               holds_head=constraints.get("holds_head", True))
     profile = _profile(profile)
     validate_budget(budget)
     if cfg.sliding_window is not None and seqlen > cfg.sliding_window:

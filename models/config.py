@@ -74,7 +74,7 @@ class RopeScaling:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmoe", "qwen3_moe")
 """Families whose checkpoints train as themselves (docs/models.md lists what each refuses).
 olmoe and qwen3_moe are mixture-of-experts families: they need ModelConfig.moe, and the
-others refuse it; they train on the reference trainer only so far (docs/moe.md)."""
+others refuse it; the engine trains them on the NumPy backend only so far (docs/moe.md)."""
 
 MOE_FAMILIES = ("olmoe", "qwen3_moe")
 
@@ -190,9 +190,10 @@ class ModelConfig:
     """Every layer's FFN is this mixture of experts (families olmoe, qwen3_moe, which need it;
     the others refuse it); ffn_dim then holds transformers' dense intermediate_size, which no
     layer uses (Qwen3-30B-A3B: 6144; OLMoE: the expert width) and which nothing counts. The
-    planner and the executor refuse an MoE config (dataflow.memplan.decisions.refuse_moe): it
-    trains on dataflow.reference_trainer only so far. Left out of the JSON when None, so
-    configs, checkpoints and plan hashes without it are unchanged."""
+    engine trains it on the NumPy backend (every expert moves with its layer's block); the CUDA
+    op table and rings refuse it by name (dataflow.engine.refuse_moe_backend,
+    dataflow.memplan.decisions.refuse_moe). Left out of the JSON when None, so configs,
+    checkpoints and plan hashes without it are unchanged."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",

@@ -14,9 +14,11 @@ from dataflow.models.config import ModelConfig
 
 FLOP_MODEL_VERSION = "mldf-1"
 """Bumped whenever a formula here changes, and printed beside every MFU/HFU we report."""
-MOE_FLOP_MODEL_VERSION = "mldf-1-moe-active-1"
+MOE_FLOP_MODEL_VERSION = "mldf-1-moe-active-2"
 """The version an MoE config's counts carry (flop_model_version): mldf-1 with each layer's FFN
-replaced by its active part (router + top_k routed + shared experts, ml_dataflow's E_active)."""
+replaced by its active part (router + top_k routed + shared experts, ml_dataflow's E_active).
+-2: below FULL the routed experts' recompute counts their down projection too (the backward
+needs every row's expert output for the combine weights' gradient); model FLOPs unchanged."""
 
 
 def flop_model_version(cfg: ModelConfig) -> str:
@@ -36,12 +38,14 @@ def ffn_matmul_width(cfg: ModelConfig) -> int:
 
 
 def _gate_up_width(cfg: ModelConfig) -> int:
-    """Output widths of the gate and up matmuls a token passes through (recomputed below
-    FULL): 2 * F dense, 2 * F_e per active expert with moe (the router is recomputed too)."""
+    """Output widths of the FFN matmuls a token passes through again below FULL: gate and up,
+    2 * F, dense; with moe the router, and all three matrices of each of the top_k routed
+    experts (the combine weights' gradient reads every routed row's expert output, so the
+    engine re-forms it: dataflow.moe_ffn), gate and up of the shared ones."""
     if cfg.moe is None:
         return 2 * cfg.ffn_dim
     m = cfg.moe
-    return m.n_experts + 2 * (m.top_k + m.n_shared_experts) * m.expert_ffn_dim
+    return m.n_experts + (3 * m.top_k + 2 * m.n_shared_experts) * m.expert_ffn_dim
 
 
 class SavedLevel(enum.Enum):

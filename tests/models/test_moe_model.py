@@ -3,8 +3,8 @@ families, the layer layout with the router and one contiguous range per expert, 
 active parameter and FLOP counts, and training on the reference trainer against a float64
 transcription of transformers' OlmoeForCausalLM / Qwen3MoeForCausalLM (mean cross-entropy
 plus router_aux_loss_coef * load-balancing loss, plus a z-loss where the config has one). The
-planner, the engine and dataflow-plan refuse an MoE config by name; HF import and export:
-tests/models/test_hf_moe.py."""
+planner and dataflow-plan plan an MoE config for one device and refuse a ring by name (the engine
+on NumPy: tests/dataflow/test_engine_moe.py); HF import and export: tests/models/test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -112,6 +112,46 @@ def test_reference_trainer_is_the_float64_transcription_loss_aux_and_gradients(f
             j = int(np.argmax(np.abs(g)))  # the largest coordinate: never an idle expert's zero
             fd = central_difference(lambda: _objective(cfg, w, batch), view, j, FD_STEP)
             assert abs(fd - g[j]) <= 1e-6 * max(abs(g[j]), scale), (layer, name, fd, g[j])
+
+
+def test_reference_trainer_micro_batches_average_their_auxiliary_losses(rng):
+    """float64, micro_batches 2 (the engine's rounds): the trainer's aux and z are the mean of
+    the transcription's per half of the batch (1e-10), its loss the whole batch's mean
+    cross-entropy, and its gradient that of lm + coef x mean(aux_r) + z_coef x mean(z_r) along
+    two random directions (central differences, 1e-6); the halves' mean differs from the whole
+    batch's aux, which micro_batches 1 keeps. A batch that does not split is refused."""
+    cfg = QWEN3_MOE
+    w = _f64_weights(cfg, rng)
+    batch = rng.integers(0, cfg.vocab_size, (4, 7))
+    halves = (batch[:2], batch[2:])
+
+    def objective():
+        parts = [moe_causal_lm_loss_float64(cfg, w, b) for b in halves]
+        return float(np.mean([p[0] for p in parts]))  # equal targets: the LM means average too
+
+    tr = ReferenceTrainer(cfg, w, lr=1e-3, grad_accum_dtype=np.float64, micro_batches=2)
+    loss, _, grads = tr.accumulate_grads(batch)
+    parts = [moe_causal_lm_loss_float64(cfg, w, b) for b in halves]
+    _, lm, aux_whole, _ = moe_causal_lm_loss_float64(cfg, w, batch)
+    assert abs(loss - lm) <= 1e-10 * lm and tr.last_router is None
+    for router, (_, _, aux, z) in zip(tr.last_routers, parts):
+        assert abs(router.aux_loss - aux) <= 1e-10 * aux and abs(router.z_loss - z) <= 1e-10 * z
+    assert abs(aux_whole - np.mean([p[2] for p in parts])) > 1e-6
+    for _ in range(2):
+        dirs = [rng.standard_normal(b.shape) for b in tr.blocks]
+        want = sum(float(np.dot(g, d)) for g, d in zip(grads, dirs))
+        for b, d in zip(tr.blocks, dirs):
+            b += FD_STEP * d
+        up = objective()
+        for b, d in zip(tr.blocks, dirs):
+            b -= 2 * FD_STEP * d
+        down = objective()
+        for b, d in zip(tr.blocks, dirs):
+            b += FD_STEP * d
+        fd = (up - down) / (2 * FD_STEP)
+        assert abs(fd - want) <= 1e-6 * max(abs(want), 1.0), (fd, want)
+    with pytest.raises(ConfigError, match="does not split into 2 equal micro-batches"):
+        tr.accumulate_grads(batch[:3])
 
 
 def test_olmoe_qk_norm_runs_over_the_whole_projection():
@@ -241,7 +281,9 @@ def test_zoo_moe_entries_have_the_released_parameter_and_active_flop_counts(name
     assert model_flops_per_seq(cfg, 4096) == cfg.n_layers * 6 * 4096 * matrices + dense_attn
     assert flop_model_version(cfg) == MOE_FLOP_MODEL_VERSION
     assert flop_model_version(load_config("8b")) == FLOP_MODEL_VERSION == "mldf-1"
-    gate_up = 2 * 10 * d * (m.n_experts + 2 * m.top_k * m.expert_ffn_dim)
+    # below FULL the engine re-forms the router and each routed row's gate, up AND down
+    # (the combine weights' gradient reads every expert output: dataflow.moe_ffn)
+    gate_up = 2 * 10 * d * (m.n_experts + 3 * m.top_k * m.expert_ffn_dim)
     q_and_o = 2 * 10 * d * 2 * cfg.q_dim
     assert level_recompute_flops(cfg, SavedLevel.INP_ATTN, 10) == q_and_o + gate_up \
         + 2 * 10 * d * cfg.kv_dim
@@ -284,27 +326,31 @@ def test_inconsistent_moe_configs_are_refused(kwargs, needle):
         dataclasses.replace(OLMOE.moe, top_k=9)
 
 
-def test_planner_engine_and_dataflow_plan_refuse_moe_by_name(capsys):
-    """make_plan, Engine and `dataflow-plan ... qwen3-30b-a3b` (one GPU and --gpus 2) refuse an
-    MoE config with one ConfigError naming the reference trainer and issue 41; the CLI exits 2
-    with one line, no traceback."""
-    cfg = load_config("qwen3-30b-a3b")
-    with pytest.raises(ConfigError, match="reference trainer only.*issue 41"):
-        make_plan(cfg, 8192, Budget.from_gib(200, 80))
-    with pytest.raises(ConfigError, match="reference trainer only.*issue 41"):
-        Engine(QWEN3_MOE, host_gb=4, dev_gb=1, seqlen=16, backend="numpy")
-    # a hand-made plan (Engine.from_plan's way in) meets the same refusal in validate_decisions
+def test_planner_plans_moe_for_one_device_and_refuses_rings_and_shared_experts(capsys):
+    """make_plan and `dataflow-plan ... qwen3-30b-a3b` plan an MoE config for one device (every
+    expert moves with its layer's block); a ring rank's plan (validate_decisions, which a hand
+    made plan meets too), the rings of 2 `dataflow-plan --gpus 2` weighs, and a shared expert
+    are refused by name."""
     from dataflow.memplan import get_profile
     from dataflow.memplan.decisions import decisions_of, validate_decisions
-    dense = make_plan(load_config("tiny"), 64, Budget.from_gib(1, 1), get_profile("cpu"))
-    with pytest.raises(ConfigError, match="reference trainer only.*issue 41"):
-        validate_decisions(dataclasses.replace(decisions_of(dense), model=QWEN3_MOE))
-    for extra in ([], ["--gpus", "2"]):
-        capsys.readouterr()
-        assert plan_main(["200", "80", "8192", "qwen3-30b-a3b", *extra]) == 2
-        out = capsys.readouterr()
-        assert "do not stream experts yet (issue 41)" in out.err
-        assert "Traceback" not in out.err and len(out.err.strip().splitlines()) == 1
+    from dataflow.models.layout import layer_layout as lay_of
+
+    cfg = load_config("qwen3-30b-a3b")
+    plan = make_plan(cfg, 8192, Budget.from_gib(200, 80))
+    assert plan.model == cfg and plan.memory.host_bytes > cfg.n_layers * lay_of(cfg).nbytes
+    with pytest.raises(ConfigError, match="rings do not carry MoE layers yet"):
+        validate_decisions(dataclasses.replace(decisions_of(plan), holds_head=False))
+    with pytest.raises(ConfigError, match="1 shared expert.*no ops"):
+        make_plan(SHARED, 16, Budget.from_gib(4, 1), get_profile("cpu"))
+    capsys.readouterr()
+    assert plan_main(["200", "80", "8192", "qwen3-30b-a3b"]) == 0
+    capsys.readouterr()
+    # --gpus: every ring of 2+ ranks is refused by name; data-parallel rings of 1 still show up
+    # here (their refusal is at RingExecutor: tests/dataflow/test_engine_moe.py)
+    plan_main(["200", "80", "8192", "qwen3-30b-a3b", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert "N = 2 refused by the planner" in out.out
+    assert "rings do not carry MoE layers yet" in out.out and "Traceback" not in out.err
 
 
 def test_hf_export_of_an_moe_config_writes_its_family_and_refuses_shared_experts(tmp_path):
