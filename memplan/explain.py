@@ -9,7 +9,7 @@ from dataflow.memplan.chunking import chunk_target_tokens
 from dataflow.memplan.cost import DEFAULT_OPT_TARGET_FRAC
 from dataflow.memplan.memory import CATEGORIES
 from dataflow.memplan.plan import OptimizerWhere, Plan, Where
-from dataflow.models.flops import FLOP_MODEL_VERSION, SavedLevel
+from dataflow.models.flops import SavedLevel, flop_model_version
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -101,7 +101,7 @@ def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
         f"{_t(pr.exposed_h2d_s)} + exposed d2h {_t(pr.exposed_d2h_s)} + optimizer "
         f"{_t(pr.optimizer_s)}"),
         (f"  {pr.tok_per_s:,.0f} tok/s, model {pr.model_tflop_per_s:.0f} TFLOP/s, MFU "
-        f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {FLOP_MODEL_VERSION}); bottleneck: "
+        f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {flop_model_version(plan.model)}); bottleneck: "
         f"{pr.bottleneck}"),
         f"  PCIe per step: h2d {_size(pr.h2d_bytes)}, d2h {_size(pr.d2h_bytes)}",
         f"  (the search ranked candidates with its faster per-round estimate: {est:,.0f} tok/s)",

@@ -313,6 +313,11 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+    if cfg.moe is not None:  # rings of 1 too: RingExecutor refuses them at start
+        from dataflow.memplan.decisions import MOE_RING_REFUSAL
+
+        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts): "
+                          f"{MOE_RING_REFUSAL}")
     if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
         raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
                           f"of {n_ranks} puts the embedding on rank 0 and the head on the last "

@@ -257,7 +257,7 @@ class RingEngine:
         Engine.train_step). Collective: every process of the ring calls it."""
         from dataflow.batch import make_batch
         from dataflow.engine import StepResult
-        from dataflow.models.flops import FLOP_MODEL_VERSION, model_flops_per_seq
+        from dataflow.models.flops import flop_model_version, model_flops_per_seq
 
         self._check_open()
         ch = self.plan.chunking
@@ -283,7 +283,7 @@ class RingEngine:
             tokens=stats.tokens, step_time_s=t, tok_per_s=stats.tokens / t,
             model_tflop_per_s=flops / t / 1e12,
             mfu=flops / t / (self.plan.profile.peak_bf16_flop_per_s * gpus), hfu=float("nan"),
-            flop_model_version=FLOP_MODEL_VERSION, h2d_bytes=stats.h2d_bytes,
+            flop_model_version=flop_model_version(self.cfg), h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes, lr=lr, grad_norm=stats.grad_norm,
             loss_tokens=batch.counted)
 

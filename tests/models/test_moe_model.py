@@ -345,12 +345,12 @@ def test_planner_plans_moe_for_one_device_and_refuses_rings_and_shared_experts(c
     capsys.readouterr()
     assert plan_main(["200", "80", "8192", "qwen3-30b-a3b"]) == 0
     capsys.readouterr()
-    # --gpus: every ring of 2+ ranks is refused by name; data-parallel rings of 1 still show up
-    # here (their refusal is at RingExecutor: tests/dataflow/test_engine_moe.py)
-    plan_main(["200", "80", "8192", "qwen3-30b-a3b", "--gpus", "2"])
+    # --gpus: every split is refused by name, data-parallel rings of 1 included (RingExecutor
+    # refuses them too: tests/dataflow/test_engine_moe.py), with exit status 2
+    assert plan_main(["200", "80", "8192", "qwen3-30b-a3b", "--gpus", "2"]) == 2
     out = capsys.readouterr()
-    assert "N = 2 refused by the planner" in out.out
-    assert "rings do not carry MoE layers yet" in out.out and "Traceback" not in out.err
+    assert "2 replicas of a ring of 1: model 'qwen3-30b-a3b'" in out.err
+    assert "rings do not carry MoE layers yet" in out.err and "Traceback" not in out.err
 
 
 def test_hf_export_of_an_moe_config_writes_its_family_and_refuses_shared_experts(tmp_path):
