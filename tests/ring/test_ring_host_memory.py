@@ -17,16 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""
-import json, re, sys, uuid
+import json, re, sys
 
 from dataflow.backends import make_backend
-from dataflow.memplan.plan import OptimizerWhere
-from dataflow.memplan.ring_plan import RankPlan
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.layout import embed_layout, layer_layout
-from dataflow.ring.rank import RingRank
-from dataflow.ring.shm import SharedMemoryTransport, cleanup
-from tests.dataflow.plans import forced_plan, streamed
+from tests.ring.small_rings import lone_rank
 
 
 def status(key):
@@ -35,17 +31,7 @@ def status(key):
 
 
 def rank_of(cfg):
-    home = streamed(OptimizerWhere.HOST)  # every block's weights, grads, m and v at home
-    plan = forced_plan(cfg, 64, chunk_tokens=64, layers=(home,) * cfg.n_layers, embed=home,
-                       head=home, head_sub_tokens=64)
-    rp = RankPlan(rank=0, n_ranks=1, layers=tuple(range(cfg.n_layers)), has_embed=True,
-                  has_head=True, n_layers=cfg.n_layers, plan=plan)
-    run_id = uuid.uuid4().hex[:12]
-    try:
-        tr = SharedMemoryTransport(0, 1, run_id, replica=0, replicas=1, timeout_s=30)
-        return RingRank(rp, make_backend("numpy"), tr, seed=0)
-    finally:
-        cleanup(run_id)
+    return lone_rank(cfg, make_backend("numpy"))
 
 
 rank_of(load_config("tiny")).close()  # imports, numba's init and host kernels: loaded now
