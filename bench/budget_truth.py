@@ -68,6 +68,8 @@ class BudgetRecord:
     attention_bwd: str = "deterministic"
     """The plan's attention backward: 'fast' with --fast-attention (cuDNN's atomic dQ, as
     dataflow-demo --fast-attention), else 'deterministic'."""
+    rounds_per_step: int | None = None
+    """--rounds: the rounds per step every cell was planned at; None: the planner's own."""
     status: str
     """A dataflow.bench.sweep.record.Status value: ok, infeasible (the planner refused: no process),
     device_oom, host_oom, timeout or crash."""
@@ -186,20 +188,22 @@ def _minus(a: int | None, *others: int | None) -> int | None:
 
 
 def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeout_s: float,
-             commit: str | None = None,
-             attention_bwd: str = "deterministic") -> BudgetRecord:
+             commit: str | None = None, attention_bwd: str = "deterministic",
+             rounds: int | None = None) -> BudgetRecord:
     """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json.
-    The plan file carries `attention_bwd` to the demo."""
+    The plan file carries `attention_bwd` and, when given, `rounds` per step to the demo."""
     budget = Budget.from_gib(cell.host_gib, cell.dev_gib)
     base = {"model": cell.model, "seqlen": cell.seqlen, "host_gib": cell.host_gib,
             "dev_gib": cell.dev_gib, "host_budget_bytes": budget.host_bytes,
             "device_budget_bytes": budget.device_bytes, "steps": steps, "backend": backend,
             "profile": profile.name, "attention_bwd": attention_bwd, "commit": commit,
+            "rounds_per_step": rounds,
             "hostname": socket.gethostname(), "started_at": now_iso()}
     slug = cell.slug
     try:
         plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile,
-                         attention_bwd=attention_bwd)
+                         attention_bwd=attention_bwd,
+                         **({"rounds_per_step": rounds} if rounds else {}))
     except InfeasibleBudget as exc:
         record = BudgetRecord(status=Status.INFEASIBLE.value,
                               error=str(exc).strip().splitlines()[-1], **base)
@@ -298,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps per cell (tok/s averages those after the first; "
                         "default 2)")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="plan every cell at N rounds per step (default: the planner's; fewer "
+                        "rounds make an 8b-sized step at 8k take seconds instead of a minute; "
+                        "the prediction is for the rounds that run)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds per cell before it is killed and recorded as a timeout")
     p.add_argument("--gpu", metavar="NAME", help="plan for this built-in profile instead of "
@@ -314,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         cells = [parse_cell(c) for c in (args.cells or ISSUE_13_CELLS)]
+        if args.rounds is not None and args.rounds < 1:
+            raise ConfigError(f"--rounds {args.rounds} must be at least 1; try --rounds 8")
         if args.steps < 1 or not (0 < args.timeout < float("inf")):
             raise ConfigError(f"--steps {args.steps} and --timeout {args.timeout:g} must be "
                               "positive; try --steps 2 --timeout 600")
@@ -331,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: running on %s (profile %s)", cell.label, backend, profile.name)
         record = run_cell(cell, out=out, steps=args.steps, backend=backend, profile=profile,
                           timeout_s=args.timeout, commit=commit,
-                          attention_bwd="fast" if args.fast_attention else "deterministic")
+                          attention_bwd="fast" if args.fast_attention else "deterministic",
+                          rounds=args.rounds)
         log.info("%s", summary_line(record))
     return 0
 

@@ -337,6 +337,10 @@ class _Run:
         bar.info("step %d: loss %.4f  lr %.3g  grad_norm %s  %.0f tok/s  %.1f TFLOP/s  MFU %s  "
                  "HFU %s  %.2f s (FLOP model %s)", r.step, r.loss, r.lr, norm, r.tok_per_s,
                  r.model_tflop_per_s, mfu, hfu, r.step_time_s, r.flop_model_version)
+        if getattr(r, "aux_loss", None) is not None:  # MoE: the router's terms beside the loss
+            bar.info("step %d: router load-balancing loss %.4f, z-loss %.4f (means over the "
+                     "step's rounds, unscaled; the loss above is the language-model loss)",
+                     r.step, r.aux_loss, r.z_loss if r.z_loss is not None else 0.0)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
         ex = getattr(self.eng, "ex", None)
         if len(self.results) == 1 and getattr(ex, "deferred", False) \

@@ -135,3 +135,33 @@ def test_demo_json_and_log_carry_the_setup_phases(capsys, caplog):
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) <= setup["init_s"] + 1e-6
     assert "initialised tiny in" in caplog.text and "warm_up" in caplog.text
+
+
+def test_demo_trains_an_moe_directory_and_logs_the_router_losses(tmp_path, capsys, caplog):
+    """An OLMoE Hugging Face directory trains on the NumPy backend; each step's line is
+    followed by the router's load-balancing and z-loss (means over the step's rounds), and
+    --json's steps carry them."""
+    from dataflow.models.config import MoE, ModelConfig
+    from dataflow.models.hf import save_pretrained
+    from dataflow.models.init import init_model
+    from dataflow.models.layout import BlockKind
+
+    cfg = ModelConfig(name="olmoe-tiny", family="olmoe", vocab_size=256, model_dim=64,
+                      head_dim=16, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=32,
+                      rope_theta=1e4, norm_eps=1e-5, qk_norm=True,
+                      moe=MoE(n_experts=4, top_k=2, expert_ffn_dim=32, norm_topk_prob=False,
+                              router_aux_loss_coef=0.01))
+    w = init_model(cfg, 3)
+    blocks = [(BlockKind.EMBED, None, w.embed),
+              *[(BlockKind.LAYER, i, b) for i, b in enumerate(w.layers)],
+              (BlockKind.HEAD, None, w.head)]
+    save_pretrained(cfg, blocks, tmp_path / "olmoe")
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    capsys.readouterr()
+    code = demo_main(["1", "0.5", "64", str(tmp_path / "olmoe"), "--backend", "numpy",
+                      "--steps", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    steps = json.loads(out)["steps"]
+    assert len(steps) == 2 and all(np.isfinite(s["aux_loss"]) for s in steps)
+    assert "step 2: router load-balancing loss" in caplog.text

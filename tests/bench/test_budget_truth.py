@@ -50,13 +50,14 @@ def test_two_tiny_cells_run_in_fresh_processes_and_write_their_records(tmp_path,
 
 
 def test_fast_attention_plans_the_cell_with_the_atomic_backward(tmp_path):
-    """--fast-attention reaches the demo through the plan file and is recorded."""
+    """--fast-attention reaches the demo through the plan file and is recorded; so does
+    --rounds: the cell is planned at those rounds and its record says so."""
     assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "1",
-                 "--fast-attention", "tiny:256:1:0.25"]) == 0
+                 "--fast-attention", "--rounds", "3", "tiny:256:1:0.25"]) == 0
     r = _record(tmp_path, "tiny-s256-h1-d0.25")
-    assert r.status == "ok" and r.attention_bwd == "fast", r
+    assert r.status == "ok" and r.attention_bwd == "fast" and r.rounds_per_step == 3, r
     plan = json.loads((tmp_path / "tiny-s256-h1-d0.25.plan.json").read_text())
-    assert plan["attention_bwd"] == "fast"
+    assert plan["attention_bwd"] == "fast" and plan["chunking"]["rounds_per_step"] == 3
     assert r.plan_hash in (tmp_path / "tiny-s256-h1-d0.25.demo.json").read_text()
 
 
@@ -75,6 +76,7 @@ def test_infeasible_cell_is_recorded_without_a_process(tmp_path):
     (["tiny:256:-1:1"], "positive"),
     (["llama8b:256:2:1"], "llama8b"),
     (["--steps", "0", "tiny:256:2:1"], "--steps 0"),
+    (["--rounds", "0", "tiny:256:2:1"], "--rounds 0"),
 ])
 def test_bad_cells_and_options_exit_2_with_one_line(tmp_path, capsys, argv, message):
     """Refusals name the bad text and happen before any cell runs."""
