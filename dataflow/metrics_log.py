@@ -64,13 +64,21 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
      "empty without NVML"),
     ("pcie_d2h_bytes", "int64", "NVML PCIe TX link bytes over the step (headers and H2D read "
      "requests included), empty without NVML"),
+    ("aux_loss", "float64", "MoE: the router's load-balancing loss, mean over the step's rounds, "
+     "unscaled by its coefficient; empty for a dense model"),
+    ("z_loss", "float64", "MoE: the router z-loss, mean over the step's rounds, unscaled; empty "
+     "for a dense model"),
 )
 """(name, Arrow type, meaning) of every column, in file order; docs/instrumentation.md too."""
 
 COLUMN_NAMES = tuple(c[0] for c in COLUMNS)
+OLDER_COLUMN_NAMES = (COLUMN_NAMES[:COLUMN_NAMES.index("aux_loss")],)
+"""The columns of earlier versions, each a prefix of COLUMN_NAMES: a log written by one is read
+with the newer columns empty, and appending to it first rewrites it with them (empty)."""
 FORMATS = (".parquet", ".csv")
 _RESULT = ("step", "loss", "tokens", "step_time_s", "tok_per_s", "model_tflop_per_s", "mfu",
-           "hfu", "flop_model_version", "lr", "grad_norm", "h2d_bytes", "d2h_bytes")
+           "hfu", "flop_model_version", "lr", "grad_norm", "h2d_bytes", "d2h_bytes", "aux_loss",
+           "z_loss")
 _BREAKDOWN = COLUMN_NAMES[COLUMN_NAMES.index("clock"):COLUMN_NAMES.index("pcie_h2d_bytes")]
 
 
@@ -274,7 +282,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 class MetricsLog:
     """`with MetricsLog("run.parquet", run_metadata(...)) as log: log.append(step_result)`.
-    Appends to an existing file of the same columns (refusing one with other columns).
+    Appends to an existing file of the same columns, or of an earlier version's (it gains the
+    newer columns, empty; any other columns are refused).
     Parquet files are rewritten whole (atomically) at every append, so the file is always
     readable even if the run dies; CSV rows are appended and flushed. Writers of one file take
     turns under a lock ('<path>.lock', present only while one writes), so concurrent runs keep
@@ -295,7 +304,7 @@ class MetricsLog:
                 self._write_parquet()
 
     def _check_columns(self, found) -> None:
-        if tuple(found) != COLUMN_NAMES:
+        if tuple(found) != COLUMN_NAMES and tuple(found) not in OLDER_COLUMN_NAMES:
             raise ConfigError(f"'{self.path}' has columns {list(found)}, not this version's "
                               f"{list(COLUMN_NAMES)}; log to a new file")
 
@@ -303,7 +312,10 @@ class MetricsLog:
         new = not self.path.exists() or self.path.stat().st_size == 0
         if not new:
             with open(self.path, newline="") as f:
-                self._check_columns(next(csv.reader(f), []))
+                header = next(csv.reader(f), [])
+            self._check_columns(header)
+            if tuple(header) != COLUMN_NAMES:  # an older version's log (we hold its lock)
+                _upgrade_csv(self.path, len(header))
         self._write_csv_meta()
         self._f = open(self.path, "a", newline="")
         self._csv = csv.writer(self._f)
@@ -351,7 +363,7 @@ class MetricsLog:
             {"dataflow.runs": json.dumps(self._merged_runs(runs), default=str)})
         table = pa.Table.from_pylist(self.rows, schema=schema)
         if existing is not None:
-            table = pa.concat_tables([existing.cast(schema), table])
+            table = pa.concat_tables([_with_columns(existing).cast(schema), table])
         tmp = self.path.with_name(self.path.name + ".tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.path)
@@ -393,12 +405,37 @@ def read_metrics(path: str | Path):
     if fmt == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).cast(schema)
+        return _with_columns(pq.read_table(path)).cast(schema)
     import pyarrow.csv as pcsv
 
     opts = pcsv.ConvertOptions(column_types=schema, strings_can_be_null=True,
-                               null_values=[""], include_columns=list(COLUMN_NAMES))
+                               null_values=[""], include_columns=list(COLUMN_NAMES),
+                               include_missing_columns=True)
     return pcsv.read_csv(path, convert_options=opts).select(list(COLUMN_NAMES)).cast(schema)
+
+
+def _with_columns(table):
+    """`table` (an older version's columns, a prefix of COLUMN_NAMES) with the missing columns
+    appended, empty."""
+    import pyarrow as pa
+
+    for name, kind, _ in COLUMNS[table.num_columns:]:
+        table = table.append_column(name, pa.nulls(table.num_rows, getattr(pa, kind)()))
+    return table
+
+
+def _upgrade_csv(path: Path, n_columns: int) -> None:
+    """Rewrite a CSV log of an older version (its first n_columns columns) with this version's
+    header and the newer columns empty: written beside it and renamed over it."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    missing = len(COLUMN_NAMES) - n_columns
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(COLUMN_NAMES)
+        out.writerows(row + [""] * missing for row in rows[1:])
+    os.replace(tmp, path)
 
 
 def read_run_metadata(path: str | Path) -> list[dict]:

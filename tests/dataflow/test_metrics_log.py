@@ -4,6 +4,7 @@ a bar on a terminal and plain lines elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from pathlib import Path
@@ -85,6 +86,36 @@ def test_second_run_appends_rows_and_its_own_metadata(ext, tmp_path, rng):
     assert table.column("run_id").to_pylist() == [r["run_id"] for r in runs]
     if ext == ".csv":
         assert meta_path(path).exists()
+
+
+@pytest.mark.parametrize("ext", [".parquet", ".csv"])
+def test_a_log_of_the_version_before_moe_columns_reads_and_appends(ext, tmp_path, rng,
+                                                                    monkeypatch):
+    """A log written before aux_loss / z_loss existed reads back with them empty, and a new
+    run appends to it (the file gains the columns, its old rows empty there); an MoE step's
+    router losses land in them."""
+    import dataflow.metrics_log as ml
+
+    path = tmp_path / f"old{ext}"
+    old = ml.OLDER_COLUMN_NAMES[-1]
+    n = len(old)
+    with monkeypatch.context() as m:  # this version's writer, as the previous version had it
+        m.setattr(ml, "COLUMNS", ml.COLUMNS[:n])
+        m.setattr(ml, "COLUMN_NAMES", old)
+        with MetricsLog(path, run_metadata()) as log:
+            log.append(*_step(1, rng)[:1], breakdown=_step(1, rng)[1])
+    before = read_metrics(path)
+    assert tuple(before.column_names) == COLUMN_NAMES and before.num_rows == 1
+    assert before.column("aux_loss").to_pylist() == [None]
+    result, bd = _step(2, rng)
+    moe = dataclasses.replace(result, aux_loss=1.25, z_loss=3.5)
+    with MetricsLog(path, run_metadata()) as log:
+        log.append(moe, breakdown=bd)
+    after = read_metrics(path).to_pylist()
+    assert [r["aux_loss"] for r in after] == [None, 1.25]
+    assert [r["z_loss"] for r in after] == [None, 3.5]
+    assert after[0]["loss"] == pytest.approx(before.column("loss").to_pylist()[0], rel=1e-12)
+    assert len(read_run_metadata(path)) == 2
 
 
 def test_unknown_extension_is_refused_naming_the_valid_ones(tmp_path):
