@@ -6,8 +6,8 @@ step-1 loss and gradient norm, an 8-step loss trajectory; then our export reload
 against transformers' own trained model (which trained in fp32). Needs torch and transformers
 (never dependencies of the project); runs on the CPU too.
 
-    python -m dataflow.bench.family_check --family mistral|llama|qwen2|qwen3 [--tied]
-                                          [--backend numpy] [--out FILE]
+    python -m dataflow.bench.family_check --family mistral|llama|qwen2|qwen3|olmoe|qwen3_moe
+                                          [--tied] [--backend numpy] [--out FILE]
 
 --tied builds the model with tie_word_embeddings=True (Llama 3.2 1B/3B, Qwen2.5 0.5B-3B): it
 must load here tied (one parameter), train as transformers trains its shared Parameter, and
@@ -16,6 +16,14 @@ export tied (no lm_head.weight), reloading as a tied model.
 transformers initialises biases to zero and norm weights to one; Qwen2's q/k/v biases and
 Qwen3's q_norm/k_norm weights are redrawn at random here (_randomise_family_params), so their
 gradients and updates are checked for real.
+
+olmoe and qwen3_moe (issue 41) build OlmoeForCausalLM / Qwen3MoeForCausalLM with 4 experts, top
+2, output_router_logits=True and aux coefficients far above the released ones (so the router's
+share of the gradient shows); one round a step on our side, so both sides' load-balancing loss
+covers the same rows (one forward call). transformers' loss then includes coef x aux: the
+trajectories compare the language-model losses (theirs minus coef x aux) and, beside them, the
+auxiliary losses. MoE models train on the NumPy backend only so far. Not run yet (s18: no torch
+on the CPU machine, no device time left).
 
 Prints one JSON document (and writes it to --out)."""
 
@@ -55,10 +63,24 @@ def _hf_model(family: str, torch, tied: bool = False):
     if family == "qwen3":
         conf = transformers.Qwen3Config(**shape, attention_bias=False, use_sliding_window=False)
         return transformers.Qwen3ForCausalLM(conf)
+    if family == "olmoe":  # head_dim is hidden / heads there (16, as SHAPE's)
+        conf = transformers.OlmoeConfig(**{k: v for k, v in shape.items() if k != "head_dim"},
+                                        **MOE_SHAPE, norm_topk_prob=False, clip_qkv=None,
+                                        router_aux_loss_coef=0.2, output_router_logits=True)
+        return transformers.OlmoeForCausalLM(conf)
+    if family == "qwen3_moe":
+        conf = transformers.Qwen3MoeConfig(**shape, **MOE_SHAPE, norm_topk_prob=True,
+                                           moe_intermediate_size=SHAPE["intermediate_size"],
+                                           decoder_sparse_step=1, mlp_only_layers=[],
+                                           attention_bias=False, use_sliding_window=False,
+                                           router_aux_loss_coef=0.1, output_router_logits=True)
+        return transformers.Qwen3MoeForCausalLM(conf)
     raise SystemExit(f"family {family!r}: choose one of {', '.join(FAMILIES)}")
 
 
-FAMILIES = ("mistral", "llama", "qwen2", "qwen3")
+FAMILIES = ("mistral", "llama", "qwen2", "qwen3", "olmoe", "qwen3_moe")
+MOE_FAMILIES = ("olmoe", "qwen3_moe")
+MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2)
 
 
 def _randomise_family_params(model, torch) -> None:
@@ -104,11 +126,17 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
     rng = np.random.default_rng(1)
-    out = {"family": args.family, "tied": args.tied, "backend": args.backend, "shape": SHAPE,
+    moe = args.family in MOE_FAMILIES
+    aux_coef = float(getattr(ref.config, "router_aux_loss_coef", 0.0)) if moe else 0.0
+    out = {"family": args.family, "tied": args.tied, "backend": args.backend,
+           "shape": {**SHAPE, "tie_word_embeddings": args.tied, **(MOE_SHAPE if moe else {})},
            "seqlen": args.seqlen, "lr": args.lr, "ours": [], "transformers": [],
            "ours_grad_norm": [], "transformers_grad_norm": []}
+    if moe:
+        out.update(router_aux_loss_coef=aux_coef, ours_aux=[], transformers_aux=[])
     with Engine(str(tmp / "hf"), host_gb=1, dev_gb=DEV_GB[args.backend == "numpy"], seqlen=args.seqlen,
-                backend=args.backend, lr=args.lr, max_grad_norm=None, seed=0) as eng:
+                backend=args.backend, lr=args.lr, max_grad_norm=None, seed=0,
+                plan_options={"rounds_per_step": 1} if moe else None) as eng:
         out["family_loaded"] = eng.plan.model.family
         out["tied_loaded"] = eng.plan.model.tie_embeddings
         rows = eng.seqs_per_step
@@ -121,11 +149,19 @@ def main(argv=None) -> int:
             opt.zero_grad()
             # transformers shifts inside: given the whole row of seqlen + 1 tokens its targets
             # are t[:, 1:], exactly ours (the last token's logits are computed and unused)
-            loss = ref(t, labels=t).loss
+            res = ref(t, labels=t)
+            loss = res.loss
             loss.backward()
-            norm = torch.sqrt(sum((q.grad.float() ** 2).sum() for q in ref.parameters()))
+            norm = torch.sqrt(sum((q.grad.float() ** 2).sum() for q in ref.parameters()
+                                  if q.grad is not None))
             opt.step()
-            out["transformers"].append(loss.item())
+            lm = loss.item()
+            if moe:  # theirs is lm + coef x aux: compare the language-model parts
+                aux = float(res.aux_loss)
+                lm -= aux_coef * aux
+                out["transformers_aux"].append(aux)
+                out["ours_aux"].append(r.aux_loss)
+            out["transformers"].append(lm)
             out["transformers_grad_norm"].append(norm.item())
         eng.save_pretrained(tmp / "ours")
         probe = rng.integers(0, SHAPE["vocab_size"], (rows, args.seqlen + 1))
@@ -159,6 +195,9 @@ def main(argv=None) -> int:
     out["grad_norm_rel_diff_step1"] = abs(out["ours_grad_norm"][0] -
                                           out["transformers_grad_norm"][0]) / \
         out["transformers_grad_norm"][0]
+    if moe:
+        out["aux_rel_diff"] = [abs(x - y) / y for x, y in zip(out["ours_aux"],
+                                                               out["transformers_aux"])]
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
