@@ -8,32 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataflow.kernels.reference import acc_dtype
-from dataflow.kernels.reference.attention import attention_fwd
 from dataflow.kernels.reference.embedding import embedding_fwd
 from dataflow.kernels.reference.head_loss import head_loss_fwd_bwd
-from dataflow.kernels.reference.linear import linear_fwd
 from dataflow.kernels.reference.rms_norm import rms_norm_fwd
-from dataflow.kernels.reference.swiglu import swiglu_fwd
 from dataflow.models.layout import BlockKind
-from dataflow.reference_model import qkv_fwd
-
-
-def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    dt = acc_dtype(a, b)
-    return (a.astype(dt) + b.astype(dt)).astype(a.dtype)
-
-
-def _layer(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """One decoder layer, x (T, D) -> (T, D), as dataflow.reference_model computes it."""
-    t = x.shape[0]
-    n1, _ = rms_norm_fwd(x, w["input_layernorm"], cfg.norm_eps)
-    q, k, v = qkv_fwd(cfg, w, n1, pos)  # biases and QK-norm as the family has them
-    o, _ = attention_fwd(q, k, v)
-    h = _add(x, linear_fwd(o.reshape(t, cfg.q_dim), w["self_attn.o_proj"]))
-    n2, _ = rms_norm_fwd(h, w["post_attention_layernorm"], cfg.norm_eps)
-    s = swiglu_fwd(linear_fwd(n2, w["mlp.gate_proj"]), linear_fwd(n2, w["mlp.up_proj"]))
-    return _add(h, linear_fwd(s, w["mlp.down_proj"]))
+from dataflow.reference_model import layer_forward
 
 
 def _final_hidden(eng, inputs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
@@ -51,7 +30,9 @@ def _final_hidden(eng, inputs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray
     for ref in refs:
         if ref.kind is BlockKind.LAYER:
             w = eng.layout(ref).views(eng.read_block(ref))
-            xs = [_layer(cfg, w, x, pos) for x in xs]
+            # the reference's own layer: dense SwiGLU or the MoE block, biases and QK-norm
+            # as the family has them
+            xs = [layer_forward(cfg, w, x, pos) for x in xs]
     head_ref = by_kind[BlockKind.HEAD]
     head = eng.read_block(head_ref)
     lay = eng.layout(head_ref)

@@ -128,6 +128,12 @@ def _layer_fwd(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray
     return out, saved
 
 
+def layer_forward(cfg, w: dict, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One decoder layer's output alone, x (T, D) -> (T, D), for forward-only passes
+    (dataflow.host_forward): _layer_fwd, its saved activations dropped."""
+    return _layer_fwd(cfg, w, x, pos)[0]
+
+
 def moe_weights(cfg, w: dict) -> MoeWeights:
     """A layer's MoE weights as views of its block's tensors (w: layout.views of the block)."""
     m = cfg.moe
