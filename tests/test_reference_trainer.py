@@ -19,6 +19,7 @@ from dataflow.models.errors import ConfigError
 from dataflow.models.init import init_model
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 from tests.llama_float64 import llama_loss_float64
+from tests.numeric import central_difference
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FD_STEP = 1e-5
@@ -86,13 +87,7 @@ def test_model_gradients_match_finite_differences_on_tiny_in_float64(tiny, rng):
         return grad_scale * forward_backward(tiny, w, tokens, grad_scale)[0]
 
     def fd_at(block: np.ndarray, index: int) -> float:
-        orig = block[index]
-        block[index] = orig + FD_STEP
-        up = loss()
-        block[index] = orig - FD_STEP
-        down = loss()
-        block[index] = orig
-        return (up - down) / (2 * FD_STEP)
+        return central_difference(loss, block, index, FD_STEP)
 
     layouts = [embed_layout(tiny)] + [layer_layout(tiny)] * tiny.n_layers + [head_layout(tiny)]
     for layout, block, grad in zip(layouts, all_blocks(w), grads.blocks()):

@@ -26,6 +26,7 @@ from dataflow.models.layout import ALIGN_ELEMS, layer_layout
 from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from tests.llama_float64 import llama_loss_float64
+from tests.models.resume import train_save_resume
 from tests.numeric import central_difference, weights_copy, weights_f64
 
 BASE = ModelConfig(name="odd", vocab_size=300, model_dim=64, head_dim=16, n_layers=2, n_heads=4,
@@ -238,20 +239,15 @@ def test_checkpoint_resume_and_host_eval_carry_the_new_parameters(family, tmp_pa
     """A checkpoint keeps the family and its parameters with their AdamW state: resuming gives
     the same losses bit for bit; the host-side evaluation (dataflow.host_forward) computes the
     family's attention, within bf16 rounding of the engine's own evaluation."""
-    from dataflow.host_forward import eval_loss
-
     cfg = FAMILIES[family]
     batches = [rng.integers(0, cfg.vocab_size, (2, 33)) for _ in range(3)]
     kw = dict(host_gb=0.5, dev_gb=0.25, seqlen=32, seqs_per_step=2, backend="numpy",
               max_grad_norm=None)
-    with Engine(cfg, weights=_bf16_weights(cfg, rng), **kw) as eng:
-        eng.train_step(batches[0])
-        eng.save_checkpoint(tmp_path / "ck")
-        first = [eng.train_step(b).loss for b in batches[1:]]
-        ours = eng.eval_step(batches[0])
-        host = eval_loss(eng, batches[0])
+    w = _bf16_weights(cfg, rng)
+    first, ours, host, resumed, back = train_save_resume(
+        lambda src: Engine(cfg, weights=w, **kw) if src is None else Engine(src, **kw),
+        batches, tmp_path / "ck")
     assert abs(host - ours) <= BF16_ROUNDOFF * ours
-    with Engine(str(tmp_path / "ck"), **kw) as eng:
-        assert (eng.plan.model.family, eng.plan.model.attention_bias, eng.plan.model.qk_norm) \
-            == (family, cfg.attention_bias, cfg.qk_norm)
-        assert [eng.train_step(b).loss for b in batches[1:]] == first
+    assert (back.family, back.attention_bias, back.qk_norm) == \
+        (family, cfg.attention_bias, cfg.qk_norm)
+    assert resumed == first

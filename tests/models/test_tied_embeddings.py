@@ -29,6 +29,7 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from tests.llama_float64 import llama_loss_float64
+from tests.models.resume import train_save_resume
 from tests.numeric import central_difference, weights_copy, weights_f64
 
 TIED = ModelConfig(name="tied-odd", vocab_size=300, model_dim=64, head_dim=16, n_layers=2,
@@ -235,20 +236,14 @@ def test_checkpoint_resume_and_host_eval_of_a_tied_model(tmp_path, rng):
     """A checkpoint keeps the tie and the table's AdamW state: resuming gives the same losses
     bit for bit; the host-side evaluation reads the table as the head, within bf16 rounding of
     the engine's own evaluation."""
-    from dataflow.host_forward import eval_loss
-
     batches = [rng.integers(0, TIED.vocab_size, (2, 33)) for _ in range(3)]
-    kw = dict(KW, max_grad_norm=None)
-    with Engine(TIED, seed=int(rng.integers(0, 2**31)), **kw) as eng:
-        eng.train_step(batches[0])
-        eng.save_checkpoint(tmp_path / "ck")
-        first = [eng.train_step(b).loss for b in batches[1:]]
-        ours = eng.eval_step(batches[0])
-        host = eval_loss(eng, batches[0])
+    kw, seed = dict(KW, max_grad_norm=None), int(rng.integers(0, 2**31))
+    first, ours, host, resumed, cfg = train_save_resume(
+        lambda src: Engine(TIED, seed=seed, **kw) if src is None else Engine(src, **kw),
+        batches, tmp_path / "ck")
     assert abs(host - ours) <= BF16_ROUNDOFF * ours
-    with Engine(str(tmp_path / "ck"), **kw) as eng:
-        assert eng.plan.model.tie_embeddings
-        assert [eng.train_step(b).loss for b in batches[1:]] == first
+    assert cfg.tie_embeddings
+    assert resumed == first
 
 
 def test_planner_counts_the_tied_table_once():
