@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch (the fair speed baseline where the ring chose smaller chunks "
                         "than one device would; its losses differ in the last bits)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
+    p.add_argument("--no-split-fetch", action="store_true",
+                   help="replicas fetch every weight themselves (dataflow-ring --no-split-fetch)")
     p.add_argument("--trace", action="store_true",
                    help="the ring's ranks trace their streams (dataflow-ring --trace): each "
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
@@ -225,6 +227,8 @@ def ring_command(args) -> list[str]:
         common += ["--replicas", str(args.replicas)]
     if getattr(args, "trace", False):
         common += ["--trace"]
+    if getattr(args, "no_split_fetch", False):
+        common += ["--no-split-fetch"]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
                 f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]
@@ -318,6 +322,7 @@ def collect(args) -> dict:
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
                          "rounds": args.rounds, "replicas": args.replicas,
+                         "split_fetch": not args.no_split_fetch,
                          "max_grad_norm": args.max_grad_norm},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
@@ -390,6 +395,7 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
         Link(name="measured", bytes_per_s=args.link_bytes_per_s, latency_s=100e-6)
     opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
                          args.gpus // replicas, links=(link,),
+                         split_fetch=bool(rank0.get("split_fetch", False)),
                          chunk_tokens=ch["chunk_tokens"],
                          chunks_per_round=ch["chunks_per_round"],
                          rounds_per_step=ch["rounds_per_step"],
@@ -398,7 +404,8 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     on = opt.on(link.name)
     out = {"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
            "link_bytes_per_s": link.bytes_per_s,
-           "replicas": opt.layout.replicas, "tok_per_s": on.tok_per_s,
+           "replicas": opt.layout.replicas, "split_fetch": opt.layout.split_fetch,
+           "tok_per_s": on.tok_per_s,
            "allreduce_s": on.allreduce_s, "bubble_frac": on.bubble_frac}
     if not args.no_single:
         try:

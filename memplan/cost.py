@@ -422,7 +422,8 @@ def event_seconds(plan, p: HardwareProfile):
     return seconds
 
 
-def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Prediction:
+def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, compiler=None,
+                     comm=None) -> Prediction:
     """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by
     the simulation (a first and a later round, then the optimizer; the later round repeats).
     step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
@@ -430,7 +431,9 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Pred
     token, are not counted). update: where AdamW runs (dataflow.memplan.schedule.UPDATE_MODES): by
     default as the Engine runs it, the previous step's inside round 0 (a step after the first;
     optimizer_s is then only the norm and clip scale after the last round), 'end', or
-    'backward' (an unclipped step's own, inside its last round)."""
+    'backward' (an unclipped step's own, inside its last round). `compiler(rounds, update)`
+    and `comm` (as simulate_schedule's) time another compilation of the same plan: a ring
+    rank's replica (dataflow.memplan.ring_schedule.replica_prediction)."""
     from dataflow.memplan.schedule import compile_schedule
 
     d = decisions_of(plan)
@@ -440,8 +443,9 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred") -> Pred
     # update='backward' makes the last round unlike the middle ones: simulate first, middle
     # and last; otherwise the rounds from 1 on are alike: first and one later.
     n = min(R, 3 if update == "backward" else 2)
-    sch = compile_schedule(d, rounds=n, update=update)
-    tl = simulate_schedule(sch, event_seconds(d, p), p)
+    sch = compile_schedule(d, rounds=n, update=update) if compiler is None else \
+        compiler(n, update)
+    tl = simulate_schedule(sch, event_seconds(d, p), p, comm=comm)
     ends = tl.round_end_s
     opt_s = tl.total_s - ends[-1]
 

@@ -53,6 +53,9 @@ class Layout:
     placement: str
     tokens_per_step: int
     """The global batch: every replica's ring trains tokens_per_step / replicas tokens a step."""
+    split_fetch: bool = False
+    """The replicas split every streamed weight use's host copy among them and gather the parts
+    from each other over the link (RankPlan.split_fetch; the engine's default for replicas)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,14 +144,44 @@ def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
     return wire + staged + len(blocks) * link.latency_s
 
 
+def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
+                memo: dict | None = None) -> tuple[RankPlan, ...]:
+    """The ring's rank plans as replicas that split their weight fetches (RankPlan.split_fetch),
+    each plan's prediction its stand-alone step with its part copies and the gathers over
+    `link` (ring_schedule.replica_prediction). Ranks of one kind (layers, embedding, head) are
+    predicted once per `memo`."""
+    from dataflow.memplan.ring_schedule import replica_prediction
+
+    memo = {} if memo is None else memo
+    out = []
+    for rp in rps:
+        rp = dataclasses.replace(rp, replicas=replicas, split_fetch=True)
+        key = (len(rp.layers), rp.has_embed, rp.has_head, link.name)
+        if key not in memo:
+            memo[key] = replica_prediction(rp, link.bytes_per_s, link.latency_s)
+        out.append(dataclasses.replace(rp, plan=dataclasses.replace(rp.plan,
+                                                                    prediction=memo[key])))
+    return tuple(out)
+
+
+def _streams_weights(rps: tuple[RankPlan, ...]) -> bool:
+    return any(lp.weights is Where.HOME for rp in rps for lp in rp.plan.layers) or \
+        any(rp.has_head and rp.plan.head.weights is Where.HOME for rp in rps)
+
+
 def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Link, ...],
-            single: float | None, constraints: dict) -> LayoutOption:
+            single: float | None, constraints: dict, split_fetch: bool = False) -> LayoutOption:
+    """The layout's prediction over every link. split_fetch: replicas that stream weights
+    split their fetches, the gathers crossing each link (over a slow link that costs more than
+    it saves: dataflow-ring --no-split-fetch)."""
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
-    preds = []
+    split = split_fetch and replicas > 1 and _streams_weights(rps)
+    preds, memo = [], {}
     for link in links:
-        ring = predict_ring(rps, link)
-        reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in rps)
+        ring_rps = split_plans(rps, replicas, link, memo) if split else rps
+        ring = predict_ring(ring_rps, link)
+        reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
         step = ring.step_time_s + reduce_s
         tok = tokens / step
         idle = (ring.step_time_s - ring.rank_step_time_s) / step if len(rps) > 1 else 0.0
@@ -158,7 +191,7 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
     return LayoutOption(
         layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
                       placement=rps[0].placement,
-                      tokens_per_step=tokens),
+                      tokens_per_step=tokens, split_fetch=split),
         chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
         rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
         device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
@@ -264,7 +297,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   single_tok_per_s: float | None = ...,
                   constraints: dict | None = None,
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
-                  memo: dict | None = None, quick: bool = False) -> LayoutChoice:
+                  memo: dict | None = None, quick: bool = False,
+                  split_fetch: bool = True) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -272,7 +306,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     fixes one; the option's constraints carry a placement other than cyclic). `quick` weighs
     a ring's chunking only as the planner chose it or rounded up to a full ring (not the
     smaller chunks and longer rounds of _full_ring_chunkings: a third of the planning time,
-    for overviews such as dataflow-plan's table over 2..64 GPUs). Raises
+    for overviews such as dataflow-plan's table over 2..64 GPUs). split_fetch: replicas split
+    their weight fetches, as the engine runs them by default (Layout.split_fetch). Raises
     ConfigError when no ring size fits, naming every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
@@ -309,13 +344,14 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
             constraints["tokens_per_step"] = seqs * seqlen
         try:
             candidates = _candidates(cfg, seqlen, budget,
-                                     ring_profile(profile, gpus, transport, replicas), n,
+                                     ring_profile(profile, gpus, transport, replicas,
+                                                  split_fetch and replicas > 1), n,
                                      constraints, placements, memo=memo, quick=quick)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
             continue
         for used, rps in candidates:
-            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used)
+            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch)
             options.append(opt)
             plans[id(opt)] = rps
     if not options:
@@ -343,20 +379,23 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
 
 def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                    gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
-                   transport: str = "nccl", **constraints) -> LayoutOption:
+                   transport: str = "nccl", split_fetch: bool = True,
+                   **constraints) -> LayoutOption:
     """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
     its ranks planned under `constraints` (a run's chunking, say): what a benchmark compares
     its measurement with."""
     if gpus % ring_size:
         raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
+    replicas = gpus // ring_size
     rps = make_rank_plans(cfg, seqlen, budget,
-                          ring_profile(profile, gpus, transport, gpus // ring_size), ring_size,
+                          ring_profile(profile, gpus, transport, replicas,
+                                       split_fetch and replicas > 1), ring_size,
                           **constraints)
     try:
         single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
     except InfeasibleBudget:
         single = None
-    return _option(rps, gpus, gpus // ring_size, links, single, constraints)
+    return _option(rps, gpus, gpus // ring_size, links, single, constraints, split_fetch)
 
 
 def layout_text(choice: LayoutChoice) -> str:

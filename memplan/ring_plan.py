@@ -41,6 +41,12 @@ def nccl_reserve_bytes(processes: int) -> int:
     return NCCL_RESERVE_4_BYTES
 
 
+PARTS_RESERVE_BYTES = 256 << 20
+"""Device memory of the replicas' weight-part gathers (RankPlan.split_fetch) beside
+REPLICA_RESERVE_BYTES: one more communicator per ring rank across the replicas, on its own
+stream. An estimate (a 2-rank NVLink communicator's channel buffers), checked by the budget
+sampling of bench.ring_gpu."""
+
 REPLICA_RESERVE_BYTES = 128 << 20
 """Device memory of the replicas' all-reduce beside NCCL_RESERVE_BYTES: the 64 MiB staging
 buffer a home gradient is all-reduced through (ring/nccl.py REDUCE_STAGE_BYTES) and the replica
@@ -91,13 +97,14 @@ keeps its rate with both GPUs copying, both directions at once drop to 0.81 (H10
 
 
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
-                 replicas: int = 1) -> HardwareProfile:
+                 replicas: int = 1, split_fetch: bool = False) -> HardwareProfile:
     """The profile a rank plans with: the device budget also holds NCCL's memory when the ring
     runs over NCCL with more than one process, and with replicas the all-reduce's staging too (a
     GPU profile only: the NumPy backend's device is host memory, and the shared-memory transport
     stages in pinned host memory); and with more than one process on GPUs, each GPU's copies
     run at SHARED_HOST_COPY_EFFICIENCY of its rate alone (the processes of a launch share one
-    host's PCIe and memory)."""
+    host's PCIe and memory). split_fetch: the replicas gather weight parts (PARTS_RESERVE_BYTES
+    more over NCCL)."""
     if processes < 2 or not profile.library_reserve_bytes:
         return profile
     share = SHARED_HOST_COPY_EFFICIENCY
@@ -108,7 +115,8 @@ def ring_profile(profile: HardwareProfile, processes: int, transport: str,
         d2h_duplex_bytes_per_s=profile.d2h_duplex_bytes_per_s * share)
     if transport != "nccl":
         return shared
-    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
+    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0) + \
+        (PARTS_RESERVE_BYTES if replicas > 1 and split_fetch else 0)
     return dataclasses.replace(
         shared, library_reserve_bytes=profile.library_reserve_bytes + extra)
 
@@ -241,6 +249,11 @@ class RankPlan:
     """How the ring deals its layers (PLACEMENTS); plans written before placements were cyclic."""
     owners: tuple[int, ...] = dataclasses.field(default=(), metadata={"omit_if_default": True})
     """The owner of every global layer (layer_owners); empty for the cyclic placement."""
+    split_fetch: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """With replicas: each replica fetches 1/R of every streamed weight use over its own host
+    link and gathers the other parts from the other replicas (their weights are the same bits),
+    so the replicas of one host share its copies instead of each moving the whole model
+    (dataflow.memplan.ring_schedule, docs/ring.md)."""
 
     @property
     def ring_owners(self) -> tuple[int, ...]:
@@ -261,13 +274,15 @@ class RankPlan:
 def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                    placement: str = "cyclic", **constraints) -> tuple[RankPlan, ...]:
+                    placement: str = "cyclic", split_fetch: bool = False,
+                    **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
     is then imposed on the others, because every rank must process the same chunks in the same
     rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
     global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
-    (_placed). Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
+    (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
+    Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     _check(cfg.n_layers, n_ranks, replicas=replicas)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
@@ -287,22 +302,24 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
             rp = dataclasses.replace(
                 like, rank=r, layers=layers,
                 plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r, owners)))
-        out.append(rp)
+        out.append(dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1))
     return tuple(out)
 
 
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                   placement: str = "cyclic", **constraints) -> RankPlan:
+                   placement: str = "cyclic", split_fetch: bool = False,
+                   **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
     every rank agrees without talking."""
     _check(cfg.n_layers, n_ranks, rank, replicas)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
-    return _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
-                      replicas, placement, owners)
+    rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
+                    replicas, placement, owners)
+    return dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1)
 
 
 def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,

@@ -16,12 +16,18 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.ring_plan import RankPlan
-from dataflow.memplan.schedule import COMPUTE, H2D, HOST, HostTask, Ref, Schedule, _Compiler
+from dataflow.memplan.schedule import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
+                                       _Compiler)
 
-SEND, RECV, REDUCE = "send", "recv", "reduce"
-COMM_STREAMS = (SEND, RECV, REDUCE)
-"""The streams of sends, of receives and of the replicas' gradient all-reduce (a transport maps
-each to a CUDA stream of its own, or all to the backend's host stream)."""
+SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
+COMM_STREAMS = (SEND, RECV, REDUCE, GATHER)
+"""The streams of sends, of receives, of the replicas' gradient all-reduce and of their weight
+parts' gathers (a transport maps each to a CUDA stream of its own, or all to the backend's host
+stream)."""
+
+PART_ALIGN = 64
+"""Bytes a split weight use's parts are aligned to: a use whose slot bytes do not split into
+R parts of a multiple of this is fetched whole (the same on every replica)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +63,17 @@ class AllReduce:
     stream: str = REDUCE
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatherParts:
+    """The R replicas of this ring rank each hold their own part of `dst` (replica q bytes
+    [q n / R, (q + 1) n / R)): give every replica every part, in place, on the gather stream."""
+
+    name: str
+    dst: Ref
+    parts: int
+    stream: str = GATHER
+
+
 def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
                 n_chunks: int) -> int:
     """A number unique within a step for the residual (or gradient) of `chunk` leaving global
@@ -67,11 +84,35 @@ def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
 class _ReplicaCompiler(_Compiler):
     """Rank r's compiler with data-parallel replicas: the single-device compiler of the rank's
     plan plus an all-reduce of each owned block's gradient where it is final. A ring of one rank
-    (plain data parallelism) is this alone: the single-device round, nothing to send."""
+    (plain data parallelism) is this alone: the single-device round, nothing to send. With
+    rp.split_fetch, replica `replica` fetches its part of every streamed weight use and the
+    replicas gather the rest from each other (fetch_part)."""
 
-    def __init__(self, rp: RankPlan):
+    def __init__(self, rp: RankPlan, replica: int = 0):
         super().__init__(rp.plan)
-        self.rp = rp
+        self.rp, self.replica = rp, replica
+        if not 0 <= replica < rp.replicas:
+            raise ValueError(f"replica {replica} of {rp.replicas}: use 0 <= replica < replicas")
+        if rp.split_fetch and rp.replicas > 1:
+            for ring in (self.wring, self.hw_ring):
+                if ring is not None:
+                    ring.fetch = self.fetch_part
+
+    def fetch_part(self, use, slot: Ref, name: str) -> int | None:
+        """A streamed weight use split over the replicas (the slot ring's fetch hook): this
+        replica's part comes over its own host link, the others from the replicas that fetched
+        them, every replica holding the same bits at home (all-reduced gradients, the same
+        update). The gather waits for this part's copy; the compute waits for the gather (and
+        with it the copy). None (fetch whole) where the bytes do not split evenly."""
+        r, q, em = self.rp.replicas, self.replica, self.em
+        if slot.nbytes % (r * PART_ALIGN):
+            return None
+        n = slot.nbytes // r
+        em.add(Fetch(name, Ref(slot.region, slot.offset + q * n, n),
+                     Ref(use.fetch.region, use.fetch.offset + q * n, n)))
+        em.wait(GATHER, em.record(H2D))
+        em.add(GatherParts(name.replace(".h2d", ".gather"), slot, r))
+        return em.record(GATHER)
 
     def allreduce(self, what: str, grads: Ref, stream: str = COMPUTE) -> None:
         """Data-parallel replicas: the finished gradient `grads` (written on `stream`) is summed
@@ -115,7 +156,7 @@ class _RingCompiler(_ReplicaCompiler):
     run's first layer receives (forward) and only its last sends; inside a run the layers
     ping-pong between the two residual buffers as on one device."""
 
-    def __init__(self, rp: RankPlan):
+    def __init__(self, rp: RankPlan, replica: int = 0):
         from dataflow.models.errors import ConfigError
 
         if getattr(rp.plan, "segment_layers", 1) > 1:
@@ -126,7 +167,7 @@ class _RingCompiler(_ReplicaCompiler):
         """Each local layer's position in its run of consecutive global layers (0: first)."""
         for j, g in enumerate(rp.layers):
             self.run_pos.append(self.run_pos[-1] + 1 if j and rp.layers[j - 1] == g - 1 else 0)
-        super().__init__(rp)
+        super().__init__(rp, replica)
         self.has_embed, self.has_head = rp.has_embed, rp.has_head
         self.prev = (rp.rank - 1) % rp.n_ranks
         self.next = (rp.rank + 1) % rp.n_ranks
@@ -234,20 +275,22 @@ class _RingCompiler(_ReplicaCompiler):
         return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
 
 
-def _compiler(rp: RankPlan) -> _ReplicaCompiler:
-    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp)
+def _compiler(rp: RankPlan, replica: int = 0) -> _ReplicaCompiler:
+    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp, replica)
 
 
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
-                          update: str = "end") -> Schedule:
-    """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv.
+                          update: str = "end", replica: int = 0) -> Schedule:
+    """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv (and
+    with rp.split_fetch, replica `replica`'s weight parts: they differ between replicas only in
+    which part each fetches).
     `update` as dataflow.memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
     all-reduced and the clip scale made global before the previous step ended)."""
     if update == "backward":
         raise ValueError("a ring rank updates after its replicas' gradients are summed and its "
                          "clip scale is global; update='backward' is for one device")
-    return _compiler(rp).compile(rounds, update)
+    return _compiler(rp, replica).compile(rounds, update)
 
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
@@ -256,16 +299,16 @@ def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
     return _compiler(rp).compile_update()
 
 
-def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1) -> Schedule:
+def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1, replica: int = 0) -> Schedule:
     """A forward-only evaluation of `rounds` rounds on rank `rp.rank` (as
     dataflow.memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
     input arrives from the rank before it and its output leaves for the rank after."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
-    return _compiler(rp).compile_eval(rounds)
+    return _compiler(rp, replica).compile_eval(rounds)
 
 
-RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce)}
+RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce, GatherParts)}
 """For Schedule.from_json(text, RING_EVENT_TYPES): a ring schedule's own events."""
 
 
@@ -299,14 +342,17 @@ class RingComm:
     send stream for bytes / link rate + latency, after which its message has arrived; a Recv
     ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
     is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
-    2 (R - 1) / R * B / rate + latency (the replicas run in step)."""
+    2 (R - 1) / R * B / rate + latency, a GatherParts of B bytes an all-gather's
+    (R - 1) / R * B / rate + latency (the replicas run in step). `reduce` False: the all-reduce
+    takes no time (a layout that adds it to the step itself)."""
 
     rank: int
     replicas: int
     bytes_per_s: float
     latency_s: float
-    arrivals: Arrivals
+    arrivals: Arrivals | None
     streams: tuple = COMM_STREAMS
+    reduce: bool = True
 
     def finish(self, ev, start: float) -> float:
         if type(ev) is Send:
@@ -316,7 +362,29 @@ class RingComm:
         if type(ev) is Recv:
             return max(start, self.arrivals.take((ev.peer, ev.tag)))
         r = self.replicas
+        if type(ev) is GatherParts:
+            return start + (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
+        if not self.reduce:
+            return start
         return start + 2 * (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
+
+
+def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
+    """The stand-alone prediction of rank rp's plan (dataflow.memplan.cost.predict_schedule) as a
+    replica that splits its weight fetches (rp.split_fetch): its compiled schedule timed with
+    its part copies over the host link and the gathers over a link of `bytes_per_s` between
+    replicas. The step's all-reduce is left out (dataflow.memplan.layout adds it); Send / Recv
+    are not compiled (the rank alone, as its plan's own prediction). rp.plan.prediction
+    without the split."""
+    from dataflow.memplan.cost import predict_schedule
+
+    if not (rp.split_fetch and rp.replicas > 1):
+        return rp.plan.prediction
+    comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                    latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER), reduce=False)
+    return predict_schedule(
+        rp.plan, rp.plan.profile, compiler=lambda rounds, update: _ReplicaCompiler(
+            rp).compile(rounds, update), comm=comm)
 
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,

@@ -67,6 +67,11 @@ class _Ring:
         copied home, which the slot's next fill waits for."""
         self.read_out: dict[int, int] = {}
         """Slot -> the record after a fill hook's write-back out of it."""
+        self.fetch = None
+        """Optional hook (use, slot ref, name) -> record or None: brings a use's home bytes into
+        its slot in place of the one whole Fetch (data-parallel replicas each fetch a part and
+        gather the rest from each other: dataflow.memplan.ring_schedule). Called after the
+        slot's waits on the H2D stream; the record is what the use's compute waits for."""
 
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
         """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
@@ -152,8 +157,12 @@ class _Ring:
                     part = self._slot_part(slot, use.fetch.nbytes)
                     filled = self.fill(use, part) if self.fill is not None else None
                     if filled is None:
-                        em.add(Fetch(f"{self.name}.h2d{use.key}", part, use.fetch))
-                        self.fetched[j] = em.record(H2D)
+                        name = f"{self.name}.h2d{use.key}"
+                        got = self.fetch(use, part, name) if self.fetch is not None else None
+                        if got is None:
+                            em.add(Fetch(name, part, use.fetch))
+                            got = em.record(H2D)
+                        self.fetched[j] = got
                     else:
                         self.fetched[j], self.read_out[slot] = filled
             self.next_fetch += 1

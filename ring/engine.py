@@ -36,6 +36,10 @@ class Ring:
     on rank i mod N), 'balanced' (the head's rank owns fewer layers: it also runs the head),
     'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
     A 'placement' in plan_options takes precedence."""
+    split_fetch: bool = True
+    """With replicas: each fetches 1/R of every streamed weight use from its host memory and
+    gathers the rest from the other replicas over NVLink (RankPlan.split_fetch); False: each
+    fetches everything itself (GPUs without a fast link between them)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""
@@ -55,13 +59,15 @@ def transport_kind(kind: str, backend_name: str) -> str:
     return kind
 
 
-def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float):
-    """The transport of process env.rank: rank env.rank % N of ring env.rank // N."""
+def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float,
+                   split_fetch: bool = False):
+    """The transport of process env.rank: rank env.rank % N of ring env.rank // N (with the
+    replicas' weight-part gathers when split_fetch)."""
     n = ring_size(env, replicas)
     if kind == "nccl":
         from dataflow.ring.nccl import NcclTransport
 
-        return NcclTransport(env, ring_size=n, timeout_s=timeout_s)
+        return NcclTransport(env, ring_size=n, timeout_s=timeout_s, split_fetch=split_fetch)
     from dataflow.ring.shm import SharedMemoryTransport
 
     return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
@@ -105,12 +111,14 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               replicas: int = 1, backend: str = "auto", transport: str = "auto",
               timeout_s: float = 120.0, seed: int = 0, optimizer=None,
               lr_schedule: Callable[[int], float] | None = None, grad_accum: str = "bf16",
-              profile=None, deferred_update: bool = True, trace: bool = False, **constraints):
+              profile=None, deferred_update: bool = True, trace: bool = False,
+              split_fetch: bool = True, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would.
     deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
     trace: wrap the backend in a TracingBackend; each step's breakdown is then the rank's
-    `last_breakdown`."""
+    `last_breakdown`. split_fetch: with replicas, each fetches 1/R of every streamed weight use
+    and gathers the rest from the others (RankPlan.split_fetch)."""
     from dataflow.engine import default_profile
     from dataflow.memplan.plan import Budget, GradAccum
     from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
@@ -125,10 +133,12 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
 
         be = TracingBackend(be)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
-    profile = ring_profile(profile, env.world_size, kind, replicas)  # NCCL's own memory
+    split_fetch = bool(split_fetch) and replicas > 1
+    profile = ring_profile(profile, env.world_size, kind, replicas, split_fetch)  # NCCL's memory
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
-                        replicas=replicas, grad_accum=GradAccum(grad_accum), **constraints)
-    tr = make_transport(kind, env, replicas, timeout_s)
+                        replicas=replicas, grad_accum=GradAccum(grad_accum),
+                        split_fetch=split_fetch, **constraints)
+    tr = make_transport(kind, env, replicas, timeout_s, split_fetch)
     try:
         return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,
                         deferred_update=deferred_update), tr
@@ -139,7 +149,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
 
 
 def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, profile,
-                     seqs_per_step, options) -> tuple[int, dict]:
+                     seqs_per_step, options, split_fetch: bool = True) -> tuple[int, dict]:
     """(replicas, plan constraints) of the layout the planner predicts fastest for the
     world's processes, planned as the ranks will plan (their backend's profile, NCCL's reserve).
     A global batch (seqs_per_step) is kept exactly: only splits that divide it are weighed."""
@@ -155,7 +165,7 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
     if seqs_per_step is None:
         c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr,
                           constraints=options or None, single_tok_per_s=None,
-                          placements=WEIGHED_PLACEMENTS)
+                          placements=WEIGHED_PLACEMENTS, split_fetch=split_fetch)
         return c.chosen.layout.replicas, dict(c.chosen.constraints)
     best = None
     for n in range(1, min(world, cfg.n_layers) + 1):
@@ -165,7 +175,8 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
         try:
             c = choose_layout(cfg, seqlen, budget, prof, world, transport=tr, ring_size=n,
                               constraints=dict(options, seqs_per_step=seqs_per_step // r),
-                              single_tok_per_s=None, placements=WEIGHED_PLACEMENTS)
+                              single_tok_per_s=None, placements=WEIGHED_PLACEMENTS,
+                              split_fetch=split_fetch)
         except ConfigError:  # this split does not fit (InfeasibleBudget included)
             continue
         if best is None or c.chosen.on(c.link).tok_per_s > best.on(c.link).tok_per_s:
@@ -231,7 +242,7 @@ class RingEngine:
         if replicas is None:  # the planner's layout for this many processes
             replicas, chosen = _choose_replicas(self.cfg, seqlen, host_gb, dev_gb, self.env,
                                                 backend, ring.transport, profile, seqs_per_step,
-                                                options)
+                                                options, ring.split_fetch)
             options.update(chosen)
         elif seqs_per_step is not None:  # the global batch: each replica plans its share
             options["seqs_per_step"] = _whole(seqs_per_step, replicas, "seqs_per_step",
@@ -240,7 +251,7 @@ class RingEngine:
             self.cfg, seqlen, host_gb, dev_gb, env=self.env, replicas=replicas,
             backend=backend, transport=ring.transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=grad_accum, profile=profile,
-            deferred_update=deferred_update, **options)
+            deferred_update=deferred_update, split_fetch=ring.split_fetch, **options)
         self.rank_plan = self.rank.rp
         self.plan = self.rank_plan.plan
         self._closed = False

@@ -13,9 +13,9 @@ import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
 from dataflow.memplan.ring_plan import RankPlan
-from dataflow.memplan.ring_schedule import (COMM_STREAMS, AllReduce, Recv, Send,
-                                   compile_ring_eval_schedule, compile_ring_schedule,
-                                   compile_ring_update_schedule)
+from dataflow.memplan.ring_schedule import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
+                                            compile_ring_eval_schedule, compile_ring_schedule,
+                                            compile_ring_update_schedule)
 from dataflow.memplan.schedule import Record, Schedule, Wait
 from dataflow.ring.transport import Transport
 
@@ -24,20 +24,25 @@ class RingExecutor(Executor):
     def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None,
                  *, deferred_update: bool = False):
         """deferred_update: as the single-device Executor's (each step's AdamW of this rank's
-        blocks inside the next step's round 0, or in flush())."""
+        blocks inside the next step's round 0, or in flush()). The schedules are those of the
+        transport's replica (with rp.split_fetch each replica fetches its own weight parts)."""
+        q = transport.replica if transport is not None else 0
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
-                         compile_step=lambda update: compile_ring_schedule(rp, update=update),
+                         compile_step=lambda update: compile_ring_schedule(rp, update=update,
+                                                                           replica=q),
                          compile_update=lambda: compile_ring_update_schedule(rp),
-                         compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds))
+                         compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds, q))
         self.rp, self.transport = rp, transport
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
-                               Record: self._ring_record, Wait: self._ring_wait})
+                               GatherParts: self._gather_parts, Record: self._ring_record,
+                               Wait: self._ring_wait})
         ch, cfg = rp.plan.chunking, rp.plan.model
         reduced = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is AllReduce]
+        gathered = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is GatherParts]
         # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
         # one place at a time), and a ring of 2 shares one mailbox for both directions.
         transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round,
-                       max(reduced, default=0))
+                       max(reduced, default=0), max(gathered, default=0))
 
     # -- dispatch -------------------------------------------------------------------------------
     def _send(self, ev: Send) -> None:
@@ -48,6 +53,9 @@ class RingExecutor(Executor):
 
     def _allreduce(self, ev: AllReduce) -> None:
         self.transport.allreduce(self._view(ev.dst, dtype=ev.dtype))
+
+    def _gather_parts(self, ev: GatherParts) -> None:
+        self.transport.gather_parts(self._view(ev.dst))
 
     def _ring_record(self, ev: Record) -> None:
         if ev.stream in COMM_STREAMS:

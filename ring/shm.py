@@ -179,9 +179,11 @@ class SharedMemoryTransport(Transport):
                                 "too slow (raise --timeout)", rank=self.rank, peer=peer)
 
     # -- mailboxes -------------------------------------------------------------------------------
-    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0) -> None:
+    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
+             max_gather_bytes: int = 0) -> None:
         from dataflow.backend import Place
 
+        max_reduce_bytes = max(max_reduce_bytes, max_gather_bytes)  # one segment serves both
         self.be = be
         slot = SLOT_HEADER + -(-max_message_bytes // 64) * 64
         nbytes = HEADER + depth * slot
@@ -258,26 +260,47 @@ class SharedMemoryTransport(Transport):
         out[...] = s[SLOT_HEADER:SLOT_HEADER + n]
         counts[8] = read + 1
 
+    def _exchange_now(self, raw: np.ndarray, mine: slice, combine, what: str) -> None:
+        """One exchange between the replicas through the all-reduce segment: publish raw[mine]
+        in this replica's slot, wait for every slot, combine(the slots' first raw.size bytes),
+        then mark it read. All-reduces and gathers share the segment and its generations: they
+        run on the host stream in schedule order, the same on every replica."""
+        arrived, done, slots = self._reduce
+        gen, r = self._reduce_gen + 1, self.replicas
+        self._wait_until(lambda: all(int(done[q]) >= gen - 1 for q in range(r)),
+                         f"waiting for the replicas to read {what} {gen - 1}", None)
+        slots[self.replica, mine] = raw[mine]
+        arrived[self.replica] = gen
+        self._wait_until(lambda: all(int(arrived[q]) >= gen for q in range(r)),
+                         f"in {what} {gen}", None)
+        combine([slots[q, :raw.size] for q in range(r)])
+        done[self.replica] = gen
+        self._reduce_gen = gen
+
     def _reduce_now(self, arr: np.ndarray) -> None:
         """Sum `arr` (bf16 or f32) over the replicas: publish it in this replica's slot, wait for
         every slot, add them in replica order in fp32, round once. Every replica computes the
         same sum from the same bytes, so all end bit-identical."""
-        arrived, done, slots = self._reduce
-        gen, r = self._reduce_gen + 1, self.replicas
-        self._wait_until(lambda: all(int(done[q]) >= gen - 1 for q in range(r)),
-                         f"waiting for the replicas to read all-reduce {gen - 1}", None)
+        def total(parts) -> None:
+            acc = parts[0].view(arr.dtype).astype(np.float32)
+            for part in parts[1:]:
+                acc += part.view(arr.dtype).astype(np.float32)
+            arr.reshape(-1)[...] = acc.astype(arr.dtype)
+
         raw = arr.reshape(-1).view(np.uint8)
-        slots[self.replica, :raw.size] = raw
-        arrived[self.replica] = gen
-        self._wait_until(lambda: all(int(arrived[q]) >= gen for q in range(r)),
-                         f"in all-reduce {gen}", None)
-        parts = [slots[q, :raw.size].view(arr.dtype) for q in range(r)]
-        acc = parts[0].astype(np.float32)
-        for part in parts[1:]:
-            acc += part.astype(np.float32)
-        arr.reshape(-1)[...] = acc.astype(arr.dtype)
-        done[self.replica] = gen
-        self._reduce_gen = gen
+        self._exchange_now(raw, slice(0, raw.size), total, "all-reduce")
+
+    def _gather_now(self, raw: np.ndarray) -> None:
+        """Replica q's part of `raw` (bytes [q n / R, (q + 1) n / R)) to every replica."""
+        n = raw.size // self.replicas
+        part = [slice(q * n, (q + 1) * n) for q in range(self.replicas)]
+
+        def take(slots) -> None:
+            for q, s in enumerate(slots):
+                if q != self.replica:
+                    raw[part[q]] = s[part[q]]
+
+        self._exchange_now(raw, part[self.replica], take, "part gather")
 
     def _guarded(self, fn):
         """A host callback that remembers its RingError (on a GPU it runs on a driver thread)."""
@@ -322,6 +345,13 @@ class SharedMemoryTransport(Transport):
         dtype = view.dtype
         self._on_host(view, "reduce", lambda b: self._reduce_now(b.view(dtype)), to_host=True,
                       from_host=True, name="allreduce")
+
+    def gather_parts(self, view) -> None:
+        if view.nbytes % self.replicas:
+            raise RingError(f"rank {self.rank}: {view.nbytes} bytes do not split into "
+                            f"{self.replicas} parts", rank=self.rank)
+        self._on_host(view, "reduce", self._gather_now, to_host=True, from_host=True,
+                      name="gather_parts")
 
     def record(self, stream: str):
         from dataflow.backend import Stream

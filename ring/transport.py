@@ -29,11 +29,12 @@ class Transport(abc.ABC):
     replicas: int = 1
 
     @abc.abstractmethod
-    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0) -> None:
+    def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
+             max_gather_bytes: int = 0) -> None:
         """Prepare for messages of at most `max_message_bytes`, up to `depth` in flight per
-        neighbour, and all-reduces of at most `max_reduce_bytes`, between views of backend
-        `be`. Called once by the executor, before any step; collective (every process calls
-        it)."""
+        neighbour, all-reduces of at most `max_reduce_bytes` and part gathers of at most
+        `max_gather_bytes`, between views of backend `be`. Called once by the executor, before
+        any step; collective (every process calls it)."""
 
     @abc.abstractmethod
     def send(self, view, peer: int, tag: int) -> None:
@@ -52,14 +53,20 @@ class Transport(abc.ABC):
         same bits. Never called when there is one replica."""
 
     @abc.abstractmethod
+    def gather_parts(self, view) -> None:
+        """Enqueue on the gather stream: `view`'s bytes split into R equal parts, replica q's
+        part (bytes [q n / R, (q + 1) n / R)) written by replica q, given to every replica in
+        place. Every replica passes a view of the same size. Never called with one replica."""
+
+    @abc.abstractmethod
     def record(self, stream: str) -> Any:
-        """An event marking everything enqueued so far on `stream` ('send', 'recv' or
-        'reduce'); the backend's streams can wait on it with Backend.wait."""
+        """An event marking everything enqueued so far on `stream` ('send', 'recv', 'reduce'
+        or 'gather'); the backend's streams can wait on it with Backend.wait."""
 
     @abc.abstractmethod
     def wait(self, stream: str, event: Any) -> None:
-        """Later work on `stream` ('send', 'recv' or 'reduce') starts after `event`, an event
-        of the backend's streams."""
+        """Later work on `stream` ('send', 'recv', 'reduce' or 'gather') starts after `event`,
+        an event of the backend's streams."""
 
     @abc.abstractmethod
     def allgather(self, values) -> list:

@@ -46,6 +46,9 @@ class RingJob:
     replicas: int = 1
     """Data-parallel rings: the launched processes form `replicas` rings of world / replicas
     ranks; each ring trains its slice of the global batch (replicas x seqs_per_step rows)."""
+    split_fetch: bool = True
+    """With replicas: each fetches 1/R of every streamed weight use and gathers the rest from
+    the others (RankPlan.split_fetch); False: each fetches everything itself."""
     backend: str = "numpy"
     transport: str = "shm"
     """'shm' (one host: NumPy backend, or ranks sharing GPUs through pinned staging) or 'nccl'
@@ -149,7 +152,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
             grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
-            **{"placement": job.placement, **dict(job.constraints)})
+            split_fetch=job.split_fetch, **{"placement": job.placement, **dict(job.constraints)})
         rp = rank.rp
         n = rp.n_ranks
         losses, times, breakdowns = [], [], []
@@ -198,6 +201,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             (out / f"rank{env.rank}.json").write_text(json.dumps({
                 "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
                 "layers": list(rp.layers), "placement": rp.placement,
+                "split_fetch": rp.split_fetch,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "step_times_s": times, "eval_loss": eval_loss, "breakdowns": breakdowns,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,

@@ -173,18 +173,23 @@ def test_ring_clips_by_the_global_norm(tmp_path, rng):
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), key
 
 
-def test_replicas_all_reduce_gradients_kept_at_home(rng):
+@pytest.mark.parametrize("split", [False, True])
+def test_replicas_all_reduce_gradients_kept_at_home(rng, split):
     """2 replicas of a ring of 1 (pure data parallelism, two threads of this process, shared
     memory) of a plan whose layers stream with a host optimizer, whose head streams and whose
     embedding lives at home (its gradient finished on the host by the last scatter): every
     all-reduce path. fp32 accumulation, one chunk and one head sub-chunk per round, so the sums
     keep the single-device order: losses and weights bit-identical to one device running both
-    replicas' rows as 2 rounds."""
+    replicas' rows as 2 rounds. `split`: each replica fetches half of every streamed weight use
+    and gathers the other half from the other (RankPlan.split_fetch), which must change no
+    bit."""
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
     from dataflow.memplan.plan import GradAccum, OptimizerWhere
     from dataflow.memplan.ring_plan import RankPlan
-    from dataflow.memplan.ring_schedule import AllReduce, compile_ring_schedule
+    from dataflow.memplan.ring_schedule import (PART_ALIGN, AllReduce, GatherParts,
+                                                compile_ring_schedule)
+    from dataflow.memplan.schedule import Fetch
     from dataflow.ring.rank import RingRank
     from dataflow.ring.shm import SharedMemoryTransport
     from tests.dataflow.plans import forced_plan, streamed
@@ -205,10 +210,24 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng):
     want = {"embed": w.embed, "head": w.head, "layer0": w.layers[0], "layer1": w.layers[1]}
 
     rp = RankPlan(rank=0, n_ranks=1, layers=(0, 1), has_embed=True, has_head=True, n_layers=2,
-                  plan=plan(1), replicas=2)
+                  plan=plan(1), replicas=2, split_fetch=split)
     reduced = [ev.name for ev in compile_ring_schedule(rp).events if type(ev) is AllReduce]
     assert sorted(reduced) == ["allreduce.L0", "allreduce.L1", "allreduce.embed",
                                "allreduce.head"]
+    whole = {}  # the weight and head rings' fetches without the split: name -> bytes
+    for q in range(2):  # with the split, each replica fetches its own half of every weight use
+        events = compile_ring_schedule(dataclasses.replace(rp, split_fetch=False)).events
+        uses = {(e.name[:5], e.src.offset, e.src.nbytes) for e in events
+                if type(e) is Fetch and e.name.startswith(("w.h2d", "headw"))}
+        whole = {name: n for name, _, n in uses}
+        assert len(whole) == 2 and all(n % (2 * PART_ALIGN) == 0 for n in whole.values()), whole
+        events = compile_ring_schedule(rp, replica=q).events
+        uses = {(e.name[:5], e.src.offset, e.src.nbytes) for e in events
+                if type(e) is Fetch and e.name.startswith(("w.h2d", "headw"))}  # the rings'
+        assert uses == {(name, q * n // 2 if split else 0, n // 2 if split else n)
+                        for name, n in whole.items()}, (q, uses)
+        gathered = {e.dst.nbytes for e in events if type(e) is GatherParts}
+        assert gathered == (set(whole.values()) if split else set())
     def replica(q, run_id):
         tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
         rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, optimizer=AdamWConfig(lr=lr))
