@@ -344,8 +344,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
             constraints["tokens_per_step"] = seqs * seqlen
         try:
             candidates = _candidates(cfg, seqlen, budget,
-                                     ring_profile(profile, gpus, transport, replicas,
-                                                  split_fetch and replicas > 1), n,
+                                     ring_profile(profile, gpus, transport, replicas), n,
                                      constraints, placements, memo=memo, quick=quick)
         except ConfigError as exc:  # InfeasibleBudget included
             refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
@@ -388,8 +387,7 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
         raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
     replicas = gpus // ring_size
     rps = make_rank_plans(cfg, seqlen, budget,
-                          ring_profile(profile, gpus, transport, replicas,
-                                       split_fetch and replicas > 1), ring_size,
+                          ring_profile(profile, gpus, transport, replicas), ring_size,
                           **constraints)
     try:
         single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s

@@ -41,12 +41,6 @@ def nccl_reserve_bytes(processes: int) -> int:
     return NCCL_RESERVE_4_BYTES
 
 
-PARTS_RESERVE_BYTES = 256 << 20
-"""Device memory of the replicas' weight-part gathers (RankPlan.split_fetch) beside
-REPLICA_RESERVE_BYTES: one more communicator per ring rank across the replicas, on its own
-stream. An estimate (a 2-rank NVLink communicator's channel buffers), checked by the budget
-sampling of bench.ring_gpu."""
-
 REPLICA_RESERVE_BYTES = 128 << 20
 """Device memory of the replicas' all-reduce beside NCCL_RESERVE_BYTES: the 64 MiB staging
 buffer a home gradient is all-reduced through (ring/nccl.py REDUCE_STAGE_BYTES) and the replica
@@ -97,14 +91,14 @@ keeps its rate with both GPUs copying, both directions at once drop to 0.81 (H10
 
 
 def ring_profile(profile: HardwareProfile, processes: int, transport: str,
-                 replicas: int = 1, split_fetch: bool = False) -> HardwareProfile:
+                 replicas: int = 1) -> HardwareProfile:
     """The profile a rank plans with: the device budget also holds NCCL's memory when the ring
     runs over NCCL with more than one process, and with replicas the all-reduce's staging too (a
     GPU profile only: the NumPy backend's device is host memory, and the shared-memory transport
     stages in pinned host memory); and with more than one process on GPUs, each GPU's copies
     run at SHARED_HOST_COPY_EFFICIENCY of its rate alone (the processes of a launch share one
-    host's PCIe and memory). split_fetch: the replicas gather weight parts (PARTS_RESERVE_BYTES
-    more over NCCL)."""
+    host's PCIe and memory). The replicas' weight-part gathers (RankPlan.split_fetch) use the
+    all-reduce's communicator: no memory of their own."""
     if processes < 2 or not profile.library_reserve_bytes:
         return profile
     share = SHARED_HOST_COPY_EFFICIENCY
@@ -115,8 +109,7 @@ def ring_profile(profile: HardwareProfile, processes: int, transport: str,
         d2h_duplex_bytes_per_s=profile.d2h_duplex_bytes_per_s * share)
     if transport != "nccl":
         return shared
-    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0) + \
-        (PARTS_RESERVE_BYTES if replicas > 1 and split_fetch else 0)
+    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
     return dataclasses.replace(
         shared, library_reserve_bytes=profile.library_reserve_bytes + extra)
 

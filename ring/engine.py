@@ -59,15 +59,13 @@ def transport_kind(kind: str, backend_name: str) -> str:
     return kind
 
 
-def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float,
-                   split_fetch: bool = False):
-    """The transport of process env.rank: rank env.rank % N of ring env.rank // N (with the
-    replicas' weight-part gathers when split_fetch)."""
+def make_transport(kind: str, env: RankEnv, replicas: int, timeout_s: float):
+    """The transport of process env.rank: rank env.rank % N of ring env.rank // N."""
     n = ring_size(env, replicas)
     if kind == "nccl":
         from dataflow.ring.nccl import NcclTransport
 
-        return NcclTransport(env, ring_size=n, timeout_s=timeout_s, split_fetch=split_fetch)
+        return NcclTransport(env, ring_size=n, timeout_s=timeout_s)
     from dataflow.ring.shm import SharedMemoryTransport
 
     return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
@@ -134,11 +132,11 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         be = TracingBackend(be)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     split_fetch = bool(split_fetch) and replicas > 1
-    profile = ring_profile(profile, env.world_size, kind, replicas, split_fetch)  # NCCL's memory
+    profile = ring_profile(profile, env.world_size, kind, replicas)  # NCCL's own memory
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=GradAccum(grad_accum),
                         split_fetch=split_fetch, **constraints)
-    tr = make_transport(kind, env, replicas, timeout_s, split_fetch)
+    tr = make_transport(kind, env, replicas, timeout_s)
     try:
         return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,
                         deferred_update=deferred_update), tr

@@ -28,14 +28,11 @@ def directed_pairs(world_size: int) -> list[tuple[int, int]]:
     return sorted(p for p in pairs if p[0] != p[1])
 
 
-def communicators(ring_size: int, replicas: int,
-                  parts: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, ...]]]:
     """(what, member processes in communicator rank order) of every communicator, in the one
     order every process initialises them (each initialisation blocks until its members arrive;
     a common order cannot deadlock): the world, each ring's directed pairs, and with replicas
-    each ring rank's copies across the rings, for the all-reduce and (`parts`) again for the
-    weight-part gathers (a communicator of its own: NCCL calls on one communicator from two
-    streams may deadlock)."""
+    each ring rank's copies across the rings (the all-reduce and the weight-part gathers)."""
     total = ring_size * replicas
     out = [("world", tuple(range(total)))]
     for q in range(replicas):
@@ -43,9 +40,6 @@ def communicators(ring_size: int, replicas: int,
                 for a, b in directed_pairs(ring_size)]
     if replicas > 1:
         out += [("replicas", tuple(q * ring_size + r for q in range(replicas)))
-                for r in range(ring_size)]
-    if replicas > 1 and parts:
-        out += [("parts", tuple(q * ring_size + r for q in range(replicas)))
                 for r in range(ring_size)]
     return out
 
@@ -69,8 +63,7 @@ class NcclTransport(Transport):
     itself share a 1-rank communicator (issue both inside one nccl.groupStart/groupEnd), and an
     all-reduce with one replica runs on a 1-rank communicator (a copy)."""
 
-    def __init__(self, env, *, ring_size: int | None = None, timeout_s: float = 60.0,
-                 split_fetch: bool = False):
+    def __init__(self, env, *, ring_size: int | None = None, timeout_s: float = 60.0):
         import cupy as cp
         from cupy.cuda import nccl
 
@@ -86,7 +79,7 @@ class NcclTransport(Transport):
             env.world_size
         me = env.rank
         cp.cuda.Device(env.local_rank).use()
-        comms = communicators(n, self.replicas, split_fetch)
+        comms = communicators(n, self.replicas)
         ids = None
         if me == 0:
             ids = b"".join(_uid_bytes(nccl.get_unique_id()) for _ in comms)
@@ -97,7 +90,7 @@ class NcclTransport(Transport):
         """ring peer -> (communicator, peer's index in it) this rank sends to it on."""
         self.inn: dict[int, tuple] = {}
         """ring peer -> (communicator, peer's index in it) this rank receives from it on."""
-        self.world = self.group = self.parts = None
+        self.world = self.group = None
         self._made: list = []
         """This process's communicators in the one global order of `communicators` (close
         destroys them in it: see close)."""
@@ -111,14 +104,18 @@ class NcclTransport(Transport):
                 self.world = comm
             elif what == "replicas":
                 self.group = comm
-            elif what == "parts":
-                self.parts = comm
             elif members[0] == me:
                 self.out[members[1] % n] = (comm, 1)
             else:
                 self.inn[members[0] % n] = (comm, 0)
         self.streams = {s: cp.cuda.Stream(non_blocking=True)
-                        for s in ("send", "recv", "reduce", "gather", "ctl")}
+                        for s in ("send", "recv", "reduce", "ctl")}
+        # The weight-part gathers share the all-reduce's communicator and stream: a second
+        # communicator across the replicas cost 0.2-0.4 GiB of device memory (2 H200s, s19),
+        # enough to halve 8b's chunk at 60/24, and NCCL calls on one communicator must not run
+        # on two streams at once. One stream in schedule order cannot deadlock: every wait
+        # names an earlier record, and every replica issues the same collectives in that order.
+        self.streams["gather"] = self.streams["reduce"]
         self.be = None
         self._stage = None
         self._gather = None
@@ -141,10 +138,6 @@ class NcclTransport(Transport):
             # fails with NCCL_ERROR_INVALID_ARGUMENT (seen on the H100 with CuPy 14)
             comm = self._self_comm()
             self.out[0] = self.inn[0] = (comm, 0)
-        if max_gather_bytes and self.replicas > 1 and self.parts is None:
-            raise RingError(f"rank {self.rank}: the schedule gathers weight parts but the "
-                            "transport was made without split_fetch (no parts communicator)",
-                            rank=self.rank)
         if self.replicas > 1 and max_reduce_bytes:  # for gradients kept in pinned host memory
             self._stage = self.cp.empty(min(max_reduce_bytes, REDUCE_STAGE_BYTES), self.cp.uint8)
         self._gather_buffers()
@@ -214,7 +207,7 @@ class NcclTransport(Transport):
         buf = self._bytes(view)
         n = buf.size // self.replicas
         ptr = buf.data.ptr
-        self.parts.allGather(ptr + self.replica * n, ptr, n, self.nccl.NCCL_UINT8,
+        self.group.allGather(ptr + self.replica * n, ptr, n, self.nccl.NCCL_UINT8,
                              self.streams["gather"].ptr)
 
     def record(self, stream: str):
@@ -241,8 +234,7 @@ class NcclTransport(Transport):
         """Every communicator of this process: the shared ones in the global order they were
         made in (the same on every process), then its 1-rank ones."""
         seen, out = set(), []
-        for comm in (*self._made, self.world, self.group, self.parts,
-                     *(c for c, _ in self.out.values()),
+        for comm in (*self._made, self.world, self.group, *(c for c, _ in self.out.values()),
                      *(c for c, _ in self.inn.values())):
             if comm is not None and id(comm) not in seen:
                 seen.add(id(comm))
@@ -268,6 +260,6 @@ class NcclTransport(Transport):
         for comm in self._comms():
             comm.destroy()
         self._made = []
-        self.world = self.group = self.parts = self._stage = self._gather = None
+        self.world = self.group = self._stage = self._gather = None
         self.out.clear()
         self.inn.clear()

@@ -156,9 +156,8 @@ def test_plan_cli_prints_the_layout_it_chose_the_alternatives_and_the_scaling_mo
     model's layers is still a layout (replicas); beyond 64 processes it is refused."""
     from dataflow.memplan.cli import main
 
-    # a GPU profile: 0.75 GiB for the libraries, 1 GiB for NCCL and with replicas 0.375 GiB
-    # for their all-reduce and part gathers (ring_profile) per device
-    assert main(["1", "2.25", "64", "tiny", "--gpus", "2"]) == 0
+    # a GPU profile: 0.75 GiB for the libraries and 1 GiB for NCCL (ring_profile) per device
+    assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "layout for 2 GPUs over nvlink" in out
     options = re.findall(r"^ ([* ])\s+(\d+)\s+(\d+)\s+\d+\s+\d+ x", out, re.M)
