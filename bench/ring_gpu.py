@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch (the fair speed baseline where the ring chose smaller chunks "
                         "than one device would; its losses differ in the last bits)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
-    p.add_argument("--no-split-fetch", action="store_true",
-                   help="replicas fetch every weight themselves (dataflow-ring --no-split-fetch)")
+    p.add_argument("--split-fetch", action="store_true",
+                   help="replicas split their weight fetches (dataflow-ring --split-fetch)")
     p.add_argument("--trace", action="store_true",
                    help="the ring's ranks trace their streams (dataflow-ring --trace): each "
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
@@ -227,8 +227,8 @@ def ring_command(args) -> list[str]:
         common += ["--replicas", str(args.replicas)]
     if getattr(args, "trace", False):
         common += ["--trace"]
-    if getattr(args, "no_split_fetch", False):
-        common += ["--no-split-fetch"]
+    if getattr(args, "split_fetch", False):
+        common += ["--split-fetch"]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
                 f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]
@@ -322,7 +322,7 @@ def collect(args) -> dict:
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
                          "rounds": args.rounds, "replicas": args.replicas,
-                         "split_fetch": not args.no_split_fetch,
+                         "split_fetch": args.split_fetch,
                          "max_grad_norm": args.max_grad_norm},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}

@@ -55,7 +55,7 @@ class Layout:
     """The global batch: every replica's ring trains tokens_per_step / replicas tokens a step."""
     split_fetch: bool = False
     """The replicas split every streamed weight use's host copy among them and gather the parts
-    from each other over the link (RankPlan.split_fetch; the engine's default for replicas)."""
+    from each other over the link (RankPlan.split_fetch; dataflow-ring --split-fetch)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,7 +173,7 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
             single: float | None, constraints: dict, split_fetch: bool = False) -> LayoutOption:
     """The layout's prediction over every link. split_fetch: replicas that stream weights
     split their fetches, the gathers crossing each link (over a slow link that costs more than
-    it saves: dataflow-ring --no-split-fetch)."""
+    it saves)."""
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
     split = split_fetch and replicas > 1 and _streams_weights(rps)
@@ -298,7 +298,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   constraints: dict | None = None,
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
                   memo: dict | None = None, quick: bool = False,
-                  split_fetch: bool = True) -> LayoutChoice:
+                  split_fetch: bool = False) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -307,7 +307,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     a ring's chunking only as the planner chose it or rounded up to a full ring (not the
     smaller chunks and longer rounds of _full_ring_chunkings: a third of the planning time,
     for overviews such as dataflow-plan's table over 2..64 GPUs). split_fetch: replicas split
-    their weight fetches, as the engine runs them by default (Layout.split_fetch). Raises
+    their weight fetches (Layout.split_fetch; off unless asked for). Raises
     ConfigError when no ring size fits, naming every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
@@ -378,7 +378,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
 
 def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                    gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
-                   transport: str = "nccl", split_fetch: bool = True,
+                   transport: str = "nccl", split_fetch: bool = False,
                    **constraints) -> LayoutOption:
     """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
     its ranks planned under `constraints` (a run's chunking, say): what a benchmark compares

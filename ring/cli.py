@@ -86,11 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir (from step 0 "
                         "when there is none); --steps is then the run's total")
-    p.add_argument("--no-split-fetch", action="store_true",
-                   help="with replicas: each fetches every streamed weight from its own host "
-                        "memory (default: each fetches 1/R and the replicas gather the rest "
-                        "from each other over NVLink; turn it off where GPUs have no fast link "
-                        "between them)")
+    p.add_argument("--split-fetch", action="store_true",
+                   help="with replicas: each fetches 1/R of every streamed weight from its host "
+                        "memory and the replicas gather the rest from each other (default: each "
+                        "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
             rounds=args.rounds, quiet=env is not None and env.rank != 0,
-            placement=args.placement, split_fetch=not args.no_split_fetch)
+            placement=args.placement, split_fetch=args.split_fetch)
         constraints = dict(constraints)
         placement = constraints.pop("placement", "cyclic")
     except ConfigError as exc:
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   backend=args.backend, replicas=replicas, transport=transport,
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   eval_seqs=args.eval_seqs, trace=args.trace,
-                  split_fetch=not args.no_split_fetch,
+                  split_fetch=args.split_fetch,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   constraints=tuple(sorted(constraints.items())), placement=placement)
@@ -187,7 +186,7 @@ def launch_profile(backend: str):
 def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: int, *,
                    backend: str, transport: str, replicas: int | None,
                    tokens_per_step: int | None, rounds: int | None, quiet: bool = False,
-                   placement: str = "cyclic", split_fetch: bool = True):
+                   placement: str = "cyclic", split_fetch: bool = False):
     """(replicas, plan constraints for every rank) of n processes: the layout the planner
     predicts fastest (dataflow.memplan.layout), printed with the alternatives it weighed; with
     replicas given, the chunking of that split that predicts fastest (a full ring, at least as

@@ -36,10 +36,11 @@ class Ring:
     on rank i mod N), 'balanced' (the head's rank owns fewer layers: it also runs the head),
     'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
     A 'placement' in plan_options takes precedence."""
-    split_fetch: bool = True
+    split_fetch: bool = False
     """With replicas: each fetches 1/R of every streamed weight use from its host memory and
-    gathers the rest from the other replicas over NVLink (RankPlan.split_fetch); False: each
-    fetches everything itself (GPUs without a fast link between them)."""
+    gathers the rest from the other replicas over NVLink (RankPlan.split_fetch). Off by
+    default: on 2 H200s at 60/24 it measured 2.5 % slower than each fetching everything (8b,
+    16k chunks, copies already hidden; docs/ring.md)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""
@@ -110,7 +111,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               timeout_s: float = 120.0, seed: int = 0, optimizer=None,
               lr_schedule: Callable[[int], float] | None = None, grad_accum: str = "bf16",
               profile=None, deferred_update: bool = True, trace: bool = False,
-              split_fetch: bool = True, **constraints):
+              split_fetch: bool = False, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would.
     deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
@@ -147,7 +148,7 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
 
 
 def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, profile,
-                     seqs_per_step, options, split_fetch: bool = True) -> tuple[int, dict]:
+                     seqs_per_step, options, split_fetch: bool = False) -> tuple[int, dict]:
     """(replicas, plan constraints) of the layout the planner predicts fastest for the
     world's processes, planned as the ranks will plan (their backend's profile, NCCL's reserve).
     A global batch (seqs_per_step) is kept exactly: only splits that divide it are weighed."""

@@ -46,7 +46,7 @@ class RingJob:
     replicas: int = 1
     """Data-parallel rings: the launched processes form `replicas` rings of world / replicas
     ranks; each ring trains its slice of the global batch (replicas x seqs_per_step rows)."""
-    split_fetch: bool = True
+    split_fetch: bool = False
     """With replicas: each fetches 1/R of every streamed weight use and gathers the rest from
     the others (RankPlan.split_fetch); False: each fetches everything itself."""
     backend: str = "numpy"
