@@ -96,12 +96,10 @@ class Executor:
         deferred update still pending; clipped steps keep the mode above."""
         self.plan, self.be, self.cfg = plan, be, plan.model
         cfg, ch = plan.model, plan.chunking
-        if cfg.moe is not None and compile_step is not None:
-            # a ring rank's executor brings its schedule with messages: make_plan refuses a
-            # rank that holds part of the model, and this a ring of one (replicas)
-            from dataflow.memplan.decisions import MOE_RING_REFUSAL
-
-            raise ConfigError(f"model '{cfg.name}': {MOE_RING_REFUSAL}")
+        self.aux_round_factor = 1
+        """The step's rounds over all processes per round of this one (R data-parallel replicas
+        each run 1/R of the global batch's rounds): an MoE model's auxiliary losses are the mean
+        over all of them."""
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
             raise BackendError(f"rounds_per_step {ch.rounds_per_step} exceeds "
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
@@ -302,7 +300,9 @@ class Executor:
         m = self.cfg.moe
         if m is not None:
             # One round is one forward call of transformers (a micro-batch): its own auxiliary
-            # losses, averaged over the step's rounds as its LM mean weighs them (equal rows).
+            # losses, averaged over the step's rounds as its LM mean weighs them (equal rows);
+            # data-parallel replicas' rounds are all of theirs (aux_round_factor).
+            rounds *= self.aux_round_factor
             self._moe_round = None
             self._routing = RoundRouting(
                 counts=self.tr["moe_counts"], sums=self.tr["moe_sums"],

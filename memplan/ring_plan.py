@@ -323,7 +323,7 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
-    if cfg.moe is not None:  # rings of 1 too: RingExecutor refuses them at start
+    if cfg.moe is not None and n_ranks > 1:  # replicas (rings of 1) hold every layer
         from dataflow.memplan.decisions import MOE_RING_REFUSAL
 
         raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts): "

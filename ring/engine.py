@@ -295,7 +295,7 @@ class RingEngine:
             mfu=flops / t / (self.plan.profile.peak_bf16_flop_per_s * gpus), hfu=float("nan"),
             flop_model_version=flop_model_version(self.cfg), h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes, lr=lr, grad_norm=stats.grad_norm,
-            loss_tokens=batch.counted)
+            loss_tokens=batch.counted, aux_loss=stats.aux_loss, z_loss=stats.z_loss)
 
     def eval_step(self, tokens, labels=None, *, doc_ids=None, position_ids=None) -> float:
         """The mean loss over the counted targets of `tokens` (any number of rows of seqlen + 1

@@ -26,6 +26,11 @@ class RingExecutor(Executor):
         """deferred_update: as the single-device Executor's (each step's AdamW of this rank's
         blocks inside the next step's round 0, or in flush()). The schedules are those of the
         transport's replica (with rp.split_fetch each replica fetches its own weight parts)."""
+        if rp.plan.model.moe is not None and rp.n_ranks > 1:  # replicas hold every layer
+            from dataflow.memplan.decisions import MOE_RING_REFUSAL
+            from dataflow.models.errors import ConfigError
+
+            raise ConfigError(f"model '{rp.plan.model.name}': {MOE_RING_REFUSAL}")
         q = transport.replica if transport is not None else 0
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
@@ -33,6 +38,7 @@ class RingExecutor(Executor):
                          compile_update=lambda: compile_ring_update_schedule(rp),
                          compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds, q))
         self.rp, self.transport = rp, transport
+        self.aux_round_factor = rp.replicas
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                GatherParts: self._gather_parts, Record: self._ring_record,
                                Wait: self._ring_wait})
@@ -118,14 +124,24 @@ class RingExecutor(Executor):
 
     def _ring_loss(self, stats: StepStats) -> StepStats:
         """`stats` with the loss and rounds of the head ranks of every replica (their round sums
-        gathered through the transport), tokens counted over the replicas."""
+        gathered through the transport), tokens counted over the replicas; an MoE model's
+        auxiliary losses the mean over every replica's rounds (a replica of a ring of 1 holds
+        every layer, so its own mean is its rounds')."""
         rounds = len(stats.rounds)
-        pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds])
-        rows = self.transport.allgather(pairs.astype(np.float64))
+        pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds]).astype(np.float64)
+        moe = stats.aux_loss is not None
+        extra = np.array([stats.aux_loss, stats.z_loss or 0.0]) if moe else np.zeros(0)
+        rows = self.transport.allgather(np.concatenate([pairs, extra]))
         head = self.rp.head_owner  # the placement's owner of the last layer
-        loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head]
+        loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head][:2 * rounds]
                                      for q in range(self.rp.replicas)]).astype(
             np.float32).reshape(-1, 2)
+        if moe:
+            terms = np.array([rows[q * self.rp.n_ranks][2 * rounds:]
+                              for q in range(self.rp.replicas)]).mean(axis=0)
+            stats = dataclasses.replace(stats, aux_loss=float(terms[0]),
+                                        z_loss=float(terms[1]) if stats.z_loss is not None
+                                        else None)
         rounds = tuple(RoundStats(r, float(s), int(n)) for r, (s, n) in enumerate(loss_pairs))
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         return dataclasses.replace(stats, loss=total, rounds=rounds,

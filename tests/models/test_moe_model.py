@@ -328,9 +328,9 @@ def test_inconsistent_moe_configs_are_refused(kwargs, needle):
 
 def test_planner_plans_moe_for_one_device_and_refuses_rings_and_shared_experts(capsys):
     """make_plan and `dataflow-plan ... qwen3-30b-a3b` plan an MoE config for one device (every
-    expert moves with its layer's block); a ring rank's plan (validate_decisions, which a hand
-    made plan meets too), the rings of 2 `dataflow-plan --gpus 2` weighs, and a shared expert
-    are refused by name."""
+    expert moves with its layer's block) and, with --gpus 2, as data-parallel replicas; a ring
+    rank's plan (validate_decisions, which a hand made plan meets too), the ring of 2
+    `dataflow-plan --gpus 2` weighs, and a shared expert are refused by name."""
     from dataflow.memplan import get_profile
     from dataflow.memplan.decisions import decisions_of, validate_decisions
     from dataflow.models.layout import layer_layout as lay_of
@@ -345,12 +345,13 @@ def test_planner_plans_moe_for_one_device_and_refuses_rings_and_shared_experts(c
     capsys.readouterr()
     assert plan_main(["200", "80", "8192", "qwen3-30b-a3b"]) == 0
     capsys.readouterr()
-    # --gpus: every split is refused by name, data-parallel rings of 1 included (RingExecutor
-    # refuses them too: tests/dataflow/test_engine_moe.py), with exit status 2
-    assert plan_main(["200", "80", "8192", "qwen3-30b-a3b", "--gpus", "2"]) == 2
+    # --gpus: data-parallel replicas (rings of 1) are planned (tests/ring/test_ring_moe.py trains
+    # them); a ring of 2 is refused by name
+    assert plan_main(["200", "80", "8192", "qwen3-30b-a3b", "--gpus", "2"]) == 0
     out = capsys.readouterr()
-    assert "2 replicas of a ring of 1: model 'qwen3-30b-a3b'" in out.err
-    assert "rings do not carry MoE layers yet" in out.err and "Traceback" not in out.err
+    assert "2 data-parallel replicas (rings of 1)" in out.out
+    assert "not possible: 1 replicas of a ring of 2: model 'qwen3-30b-a3b'" in out.out
+    assert "rings do not carry MoE layers yet" in out.out and "Traceback" not in out.err
 
 
 def test_hf_export_of_an_moe_config_writes_its_family_and_refuses_shared_experts(tmp_path):
