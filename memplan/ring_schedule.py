@@ -370,21 +370,32 @@ class RingComm:
 
 
 def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
-    """The stand-alone prediction of rank rp's plan (dataflow.memplan.cost.predict_schedule) as a
-    replica that splits its weight fetches (rp.split_fetch): its compiled schedule timed with
-    its part copies over the host link and the gathers over a link of `bytes_per_s` between
-    replicas. The step's all-reduce is left out (dataflow.memplan.layout adds it); Send / Recv
-    are not compiled (the rank alone, as its plan's own prediction). rp.plan.prediction
-    without the split."""
+    """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
+    (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
+    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.cost.
+    predict_schedule), with the split (its part copies over the host link, the gathers over a
+    link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
+    The step's all-reduce is left out of both (dataflow.memplan.layout adds it); Send / Recv
+    are not compiled (the rank alone). rp.plan.prediction without the split."""
     from dataflow.memplan.cost import predict_schedule
 
     if not (rp.split_fetch and rp.replicas > 1):
         return rp.plan.prediction
-    comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                    latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER), reduce=False)
-    return predict_schedule(
-        rp.plan, rp.plan.profile, compiler=lambda rounds, update: _ReplicaCompiler(
-            rp).compile(rounds, update), comm=comm)
+    timed = []
+    for split in (False, True):
+        r = dataclasses.replace(rp, split_fetch=split)
+        comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                        latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
+                        reduce=False)
+        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=lambda
+                                      rounds, update, r=r: _ReplicaCompiler(r).compile(rounds,
+                                                                                       update)))
+    k = timed[1].step_time_s / timed[0].step_time_s
+    p = rp.plan.prediction
+    return dataclasses.replace(
+        p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
+        model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,
+        h2d_bytes=timed[1].h2d_bytes)
 
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
