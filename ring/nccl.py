@@ -32,13 +32,15 @@ def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, .
     """(what, member processes in communicator rank order) of every communicator, in the one
     order every process initialises them (each initialisation blocks until its members arrive;
     a common order cannot deadlock): the world, each ring's directed pairs, and with replicas
-    each ring rank's copies across the rings (the all-reduce and the weight-part gathers)."""
+    each ring rank's copies across the rings (the all-reduce and the weight-part gathers) --
+    except for rings of 1, whose world has the same members and serves as that communicator
+    (one 2-rank communicator over NVLink holds 0.2-0.4 GiB of device memory)."""
     total = ring_size * replicas
     out = [("world", tuple(range(total)))]
     for q in range(replicas):
         out += [("pair", (q * ring_size + a, q * ring_size + b))
                 for a, b in directed_pairs(ring_size)]
-    if replicas > 1:
+    if replicas > 1 and ring_size > 1:
         out += [("replicas", tuple(q * ring_size + r for q in range(replicas)))
                 for r in range(ring_size)]
     return out
@@ -116,6 +118,12 @@ class NcclTransport(Transport):
         # on two streams at once. One stream in schedule order cannot deadlock: every wait
         # names an earlier record, and every replica issues the same collectives in that order.
         self.streams["gather"] = self.streams["reduce"]
+        if n == 1 and self.replicas > 1:
+            # Rings of 1: the world is the replicas' communicator (communicators), so the
+            # control plane's all-gathers join the all-reduces on their stream, in the order
+            # every process issues them, as the gathers do.
+            self.group = self.world
+            self.streams["ctl"] = self.streams["reduce"]
         self.be = None
         self._stage = None
         self._gather = None

@@ -1,7 +1,8 @@
 """Split weight fetches (RankPlan.split_fetch) as the planner sees them: the layout predicts them
 only when asked and only where replicas stream weights; the compiled schedules of the replicas
 differ only in which part each fetches, and every gather follows its part's copy and precedes
-the use's compute. (Bit-level training checks: tests/ring/test_ring_cpu.py, test_ring_moe.py.)"""
+the use's compute. (Bit-level training checks: tests/ring/test_ring_cpu.py, test_ring_moe.py.)
+Beside them, the NCCL transport's communicators, which the gathers share."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_replicas_fetch_their_own_parts_and_gather_before_compute():
             assert later and later[0].stream == COMPUTE  # the use's compute waits for it
     unsplit = compile_ring_schedule(dataclasses.replace(rp, split_fetch=False)).events
     assert not any(type(e) is GatherParts for e in unsplit)
+
+
+def test_nccl_communicators_every_process_makes_in_one_order():
+    """The NCCL transport's communicators (made in this order on every process): the world, a
+    ring's directed pairs, one per ring rank across the replicas -- none for rings of 1, whose
+    world has the replicas' members and serves as their communicator (all-reduce, part gathers
+    and the control plane then share its stream)."""
+    from dataflow.ring.nccl import communicators
+
+    assert communicators(1, 2) == [("world", (0, 1))]
+    assert communicators(1, 4) == [("world", (0, 1, 2, 3))]
+    assert communicators(2, 1) == [("world", (0, 1)), ("pair", (0, 1)), ("pair", (1, 0))]
+    assert communicators(2, 2) == [
+        ("world", (0, 1, 2, 3)), ("pair", (0, 1)), ("pair", (1, 0)), ("pair", (2, 3)),
+        ("pair", (3, 2)), ("replicas", (0, 2)), ("replicas", (1, 3))]
