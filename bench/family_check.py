@@ -22,8 +22,11 @@ olmoe and qwen3_moe (issue 41) build OlmoeForCausalLM / Qwen3MoeForCausalLM with
 share of the gradient shows); one round a step on our side, so both sides' load-balancing loss
 covers the same rows (one forward call). transformers' loss then includes coef x aux: the
 trajectories compare the language-model losses (theirs minus coef x aux) and, beside them, the
-auxiliary losses. MoE models train on the NumPy backend only so far. Not run yet (s18: no torch
-on the CPU machine, no device time left).
+auxiliary losses; the export's held-out loss is compared likewise (its loss minus coef x aux).
+transformers freezes the embedding row of `pad_token_id` (nn.Embedding's padding_idx: OLMoE's
+config sets 1), which this engine trains (s19: the step-1 gradient norm then differs, on that row
+alone; the losses do not). torch and transformers install on the CPU machine from its local
+index (a venv of their own, never the project's).
 
 Prints one JSON document (and writes it to --out)."""
 
@@ -185,7 +188,10 @@ def main(argv=None) -> int:
         back = back.to(dev).eval()
         a = back(pt).logits.float()
         b = trained(pt).logits.float()
-        out["export_eval_loss"] = back(pt, labels=pt).loss.item()
+        res = back(pt, labels=pt)
+        # an MoE model's loss adds coef x its load-balancing loss: ours is the LM's alone
+        out["export_eval_loss"] = res.loss.item() - (
+            aux_coef * float(res.aux_loss) if moe and res.aux_loss is not None else 0.0)
     out["logits_rel_diff_export_vs_transformers_trained"] = float((a - b).norm() / b.norm())
     out["export_eval_loss_rel_diff_vs_ours"] = abs(out["export_eval_loss"] -
                                                    out["ours_eval_loss"]) / out["ours_eval_loss"]

@@ -36,7 +36,7 @@ from dataflow.models.errors import ConfigError
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 STREAM = {s.value: s for s in Stream}
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}
+DTYPE_BYTES = buffers.DTYPE_BYTES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -450,6 +450,10 @@ class Executor:
                            name=ev.name)
         elif ev.op == "embed_bwd":
             table = self.emb_lay.view(self._view(ev.grads, dtype=self.gdt), "embed_tokens")
+            pad = self.cfg.pad_token_id
+            if pad is not None:  # nn.Embedding(padding_idx): that row's lookup adds nothing
+                self.be.launch(Stream.COMPUTE, "zero_rows_where_", tr["ids"], tr[ev.x], pad,
+                               name=f"{ev.name}.pad")
             self.be.launch(Stream.COMPUTE, "embedding_bwd", tr["ids"], tr[ev.x], table,
                            name=ev.name)
         elif ev.op == "grad_sumsq":
@@ -551,8 +555,15 @@ class Executor:
         elif ev.op == "embed_scatter":
             rows = self._view(ev.src, (n, d), "bf16")  # the round's part of embed_rows
             grads = self.emb_lay.view(self._view(ev.dst, dtype=self.gdt), "embed_tokens")
-            be.host_call(Stream.HOST, lambda: host_embedding.embedding_bwd(ids, rows, grads),
-                         reads=(ids, rows), writes=(grads,), name=ev.name)
+            pad = self.cfg.pad_token_id
+
+            def scatter():
+                if pad is not None:  # nn.Embedding(padding_idx): that row's lookup adds none
+                    rows[ids.reshape(-1) == pad] = 0
+                host_embedding.embedding_bwd(ids, rows, grads)
+
+            be.host_call(Stream.HOST, scatter, reads=(ids, rows),
+                         writes=(grads,) if pad is None else (grads, rows), name=ev.name)
         elif ev.op == "grad_sumsq":                          # a HOME embedding gradient
             grads = self._view(ev.dst, dtype=self.gdt)
             out = self.host.view("norm_host", (2,), "f32")[0:1]

@@ -144,6 +144,12 @@ def cast(src, dst):
     dst[...] = src.astype(dst.dtype)
 
 
+def zero_rows_where_(ids, x, value):
+    """Zero the rows of x (T, D) whose token id is `value` (the others untouched): an
+    embedding's padding row gets no gradient from its lookup."""
+    x[np.asarray(ids).reshape(-1) == value] = 0
+
+
 def fill_(x, value):
     x[...] = value
 
@@ -162,14 +168,14 @@ def sumsq(x, out, accumulate=True):
 
 
 # -- mixture of experts (kernels.reference.moe_router / moe_experts; docs/moe.md) -------------
-# Index arrays live in int32 arena views (dataflow.memplan.buffers.moe_saved_specs); the
-# reference forms them in int64 and the stores convert exactly.
+# Index arrays and counts are int64 arena views (dataflow.memplan.buffers.moe_saved_specs), the
+# reference's dtype and the CUDA kernels'.
 
 
 def moe_route(x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_weight, order,
               offsets):
-    """x (T, D), w_router (N, D) -> logits, probs (T, N) fp32, topk_idx (T, k) int32,
-    topk_weight (T, k) fp32 (router_fwd), order (R,) and offsets (N + 1,) int32
+    """x (T, D), w_router (N, D) -> logits, probs (T, N) fp32, topk_idx (T, k) int64,
+    topk_weight (T, k) fp32 (router_fwd), order (R,) and offsets (N + 1,) int64
     (expert_order): the routing of one chunk, the same bits whenever it is re-run."""
     lg, p, idx, wt = ref_router.router_fwd(x, w_router, top_k, norm_topk_prob=norm_topk_prob)
     o, off = ref_experts.expert_order(idx, w_router.shape[0])
@@ -178,7 +184,7 @@ def moe_route(x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_
 
 
 def moe_route_stats(logits, probs, topk_idx, counts, sums):
-    """counts (N,) int32 += the chunk's (token, slot) pairs per expert; sums (N + 1,) fp32:
+    """counts (N,) int64 += the chunk's (token, slot) pairs per expert; sums (N + 1,) fp32:
     [:N] += the softmax summed over tokens, [N] += sum of logsumexp(logits)^2 (the round's
     load-balancing and z-loss totals, load_balancing_stats / router_z_loss)."""
     c, prob_sum = ref_router.load_balancing_stats(probs, topk_idx)
@@ -262,6 +268,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
+    "zero_rows_where_": (1,),
     "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
     "moe_permute": (3,), "moe_experts_fwd": (5, 6, 7, 8), "moe_combine": (3,),

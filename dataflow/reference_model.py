@@ -313,6 +313,8 @@ def backward(f: SequenceForward, router: RouterTotals | None = None,
     for layer in reversed(range(len(f.layer_w))):
         dx = _layer_bwd(cfg, f.layer_w[layer], f.saved[layer], dx, f.pos,
                         lay_l.views(grads.layers[layer]), losses)
+    if cfg.pad_token_id is not None:  # nn.Embedding(padding_idx): that row's lookup adds none
+        dx = np.where((f.inputs == cfg.pad_token_id)[..., None], dx.dtype.type(0), dx)
     dtable += embedding_bwd(f.inputs, dx, cfg.vocab_size)
     return grads
 

@@ -186,6 +186,12 @@ class ModelConfig:
     only (dataflow.models.layout.head_layout); the planner keeps that block resident on the
     device and a ring of 2+ ranks is refused (docs/models.md). Left out of the JSON when
     False, so configs, checkpoints and plan hashes without it are unchanged."""
+    pad_token_id: int | None = dataclasses.field(default=None,
+                                                 metadata={"omit_if_default": True})
+    """transformers builds every supported family's embedding as nn.Embedding(padding_idx =
+    config.pad_token_id): the lookup adds no gradient to that row, so training never moves it
+    (a tied head's gradient still reaches it). OLMoE's config sets 1 (its default when
+    config.json omits it); the others none. Left out of the JSON when None."""
     moe: MoE | None = dataclasses.field(default=None, metadata={"omit_if_default": True})
     """Every layer's FFN is this mixture of experts (families olmoe, qwen3_moe, which need it;
     the others refuse it); ffn_dim then holds transformers' dense intermediate_size, which no
@@ -214,6 +220,11 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ConfigError(f"model '{self.name}': family {self.family!r} is not one of "
                               f"{', '.join(FAMILIES)}")
+        pad = self.pad_token_id
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)
+                                or not 0 <= pad < self.vocab_size):
+            raise ConfigError(f"model '{self.name}': pad_token_id {pad!r} is not a token id "
+                              f"in 0..{self.vocab_size - 1} (or null: no padding row)")
         for field in ("attention_bias", "qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"model '{self.name}': {field} must be true or false, got "

@@ -55,6 +55,10 @@ def is_hf_dir(path) -> bool:
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
 
 
+FAMILY_PAD_TOKEN = {"olmoe": 1}
+"""transformers' pad_token_id where config.json leaves it out (OlmoeConfig's default; the other
+families' is None): the embedding row it never trains (ModelConfig.pad_token_id)."""
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -135,7 +139,8 @@ def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
             rope_scaling=rope_scaling, family=family,
             sliding_window=_window(data, where) if family == "mistral" else None,
             attention_bias=FAMILY_ATTENTION[family][0], qk_norm=FAMILY_ATTENTION[family][1],
-            tie_embeddings=tied, moe=moe)
+            tie_embeddings=tied, moe=moe,
+            pad_token_id=data.get("pad_token_id", FAMILY_PAD_TOKEN.get(family)))
     except KeyError as exc:
         raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
                           "hidden_size, intermediate_size, num_hidden_layers, "
@@ -230,7 +235,7 @@ def hf_config_dict(cfg: ModelConfig, *, max_position_embeddings: int | None = No
         "hidden_act": "silu", "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "rope_scaling": hf_rope_scaling(cfg.rope_scaling),
-        "initializer_range": 0.02,
+        "initializer_range": 0.02, "pad_token_id": cfg.pad_token_id,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
     }
     if cfg.family == "mistral":  # MistralConfig's own spelling: a window, no bias switches
