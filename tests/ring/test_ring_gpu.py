@@ -203,6 +203,28 @@ def test_nccl_ring_on_two_gpus_reproduces_one_gpu_and_exits(tmp_path):
         assert np.array_equal(got[key], want[key].view(np.uint16)), key
 
 
+def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_path):
+    """Two data-parallel replicas over NCCL on two GPUs (one communicator, the world's, for the
+    all-reduce, the weight-part gathers and the control plane), every layer streamed: with split
+    fetches (each replica fetches half of every weight use, the halves gathered in place) the
+    losses and weights are those of the replicas that each fetch everything, bit for bit."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    runs = []
+    for split in (False, True):
+        out = tmp_path / f"split{int(split)}"
+        job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2, seed=5,
+                      data="random:13", lr=1e-3, backend="cupy", transport="nccl",
+                      timeout_s=60, out_dir=str(out), replicas=2, split_fetch=split,
+                      constraints=CHUNKING + (("max_resident_layers", 0),))
+        runs.append(_launched(job, 2))
+    (l0, w0), (l1, w1) = runs
+    assert l0[0] == l0[1] == l1[0] == l1[1], (l0, l1)
+    assert sorted(w0) == sorted(w1)
+    for key in w0:
+        assert np.array_equal(w0[key], w1[key]), key
+
+
 def test_nccl_ranks_need_a_gpu_each():
     """Two ranks of an NCCL ring cannot share one GPU: rank 1 fails at once naming its
     missing GPU, and rank 0 (waiting at the rendezvous) is stopped within the grace time."""
