@@ -61,15 +61,15 @@ def _rank(rank: int, n_comms: int, ids_q, out_q, barrier) -> None:
     buf = cp.ones(REDUCE_BYTES // 2, cp.float16).view(cp.uint16)  # outside NCCL's share
     cp.cuda.Device().synchronize()
     base = _used(handle, pid)
-    from dataflow.ring.nccl import _communicator, _uid_bytes
+    from dataflow.ring.nccl import communicator_from_id, uid_bytes
 
     if rank == 0:
-        ids = [_uid_bytes(nccl.get_unique_id()) for _ in range(n_comms)]
+        ids = [uid_bytes(nccl.get_unique_id()) for _ in range(n_comms)]
         ids_q.put(ids)
         ids_q.put(ids)
     ids = ids_q.get()
     barrier.wait()
-    comms = [_communicator(nccl, 2, uid, rank) for uid in ids]
+    comms = [communicator_from_id(nccl, 2, uid, rank) for uid in ids]
     cp.cuda.Device().synchronize()
     made = _used(handle, pid)
     stream = cp.cuda.Stream(non_blocking=True)

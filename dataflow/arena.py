@@ -8,7 +8,7 @@ Never decides what the regions are (dataflow.memplan.memory lists them)."""
 from __future__ import annotations
 
 from dataflow.backend import Backend, BackendError, Place
-from dataflow.memplan.buffers import TensorSpec, align, offsets
+from dataflow.memplan.buffers import DTYPE_BYTES, TensorSpec, align, offsets
 
 
 SLAB_ROUND_BYTES = 2 << 20
@@ -54,7 +54,7 @@ class Arena:
         n = 1
         for s in shape:
             n *= s
-        need = n * {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}[dtype]
+        need = n * DTYPE_BYTES[dtype]
         if byte_offset + need > size:
             raise BackendError(f"view of {need} bytes at {byte_offset} overflows region "
                                f"'{name}' of {size} bytes")

@@ -57,7 +57,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def view(self, slab: Slab, offset: int, shape: tuple[int, ...], dtype: str):
-        """An array of `shape` and dtype ('bf16', 'f32', 'i32', 'u8') at `offset` in `slab`."""
+        """An array of `shape` and dtype ('bf16', 'f32', 'i32', 'i64', 'u8') at `offset` in
+        `slab`."""
 
     @abc.abstractmethod
     def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:

@@ -205,7 +205,7 @@ class Engine:
                 options = dataclasses.replace(options, weights=model)  # HF brings its weights
             cfg = model if isinstance(model, ModelConfig) else model_config(model)
         options.check()
-        refuse_moe_backend(cfg, options.backend)  # before a GPU backend starts for nothing
+        refuse_moe_backend(cfg, options.backend)  # a caller's own backend, before the plan
         t0 = time.perf_counter()
         be = _backend(options)
         t1 = time.perf_counter()
@@ -752,24 +752,22 @@ class _PhaseClock:
         self._t = now
 
 
-MOE_NO_CUDA = "MoE layers have no CUDA ops yet; use --backend numpy"
+MOE_NO_OPS = "this backend's op table has no MoE ops (moe_route, ...); use --backend numpy or cupy"
+"""Why refuse_moe_backend refuses: both op tables (dataflow.ops_numpy, dataflow.ops_cuda) have the
+MoE ops; a backend brought by the caller with another table may not."""
 
 
 def refuse_moe_backend(cfg: ModelConfig, backend) -> None:
-    """Refuse an MoE model (ModelConfig.moe) on a backend whose op table has no MoE ops (the
-    CuPy one, issue 41), by name. `backend`: a Backend, or the kind asked for ('cupy' is
-    refused before it starts; 'auto' is checked once it has picked). The null backend, which
-    has no op table and runs nothing, is let through."""
-    if cfg.moe is None:
+    """Refuse an MoE model (ModelConfig.moe) on a backend whose op table has no MoE ops
+    ('moe_route' not among its writes), by name. `backend`: a Backend, or the kind asked for
+    ('numpy', 'cupy', 'auto': each picks a table that has them, so a name is never refused). The
+    null backend, which has no op table and runs nothing, is let through."""
+    if cfg.moe is None or isinstance(backend, str):
         return
-    name = backend if isinstance(backend, str) else backend.name
-    if isinstance(backend, str):
-        missing = backend == "cupy"
-    else:
-        missing = backend.ops is not None and "moe_route" not in backend.writes
-    if missing:
+    if backend.ops is not None and "moe_route" not in backend.writes:
         raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts) on "
-                          f"the {name} backend: {MOE_NO_CUDA} (backend='numpy')")
+                          f"the {backend.name} backend: {MOE_NO_OPS} (backend='numpy' or "
+                          "'cupy')")
 
 
 def _backend(options: RunOptions):

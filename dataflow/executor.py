@@ -172,6 +172,10 @@ class Executor:
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
         scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
+        if cfg.moe is not None:  # the CUDA MoE ops' scratch and their offsets' pinned host copy
+            scratch.update({n: self.ws[n] for n in buffers.MOE_OP_SCRATCH})
+            scratch["moe_offsets_host"] = self.host.view(
+                buffers.MOE_HOST_REGION, (cfg.moe.n_experts + 1,), "i64")
         if region and region >= spare:
             scratch["attn_workspace"] = self.dev.view("attn_workspace", (region,), "u8")
         elif spare >= 1 << 20:

@@ -29,7 +29,7 @@ class RoundRouting:
     every MoE backward of the step."""
 
     counts: Any
-    """(N,) int32 view: (token, slot) pairs per expert over the round's forward so far."""
+    """(N,) int64 view: (token, slot) pairs per expert over the round's forward so far."""
     sums: Any
     """(N + 1,) fp32 view: the softmax summed per expert, then the sum of logsumexp^2."""
     aux_coef: float

@@ -5,18 +5,27 @@ GPUs can live in one process). Adapts the few places where the CUDA kernels' con
 scratch comes from the device arena: the executor lends the planner's regions (attention
 workspace, bf16 dK/dV of a context) through `lend_scratch`; only a shape that outgrows them
 allocates outside the arena, and `library_workspace_bytes()` reports it. `quiesce` goes to every
-cuDNN call (dataflow.kernels.cuda.attention says why). Never decides placement."""
+cuDNN call (dataflow.kernels.cuda.attention says why). The mixture-of-experts ops live in
+dataflow.ops_cuda_moe (MoeOps, inherited), with the one host wait they need. Never decides
+placement."""
 
 from __future__ import annotations
 
 import cupy as cp
 
 import dataflow.kernels.cuda as K
+from dataflow.ops_cuda_moe import MoeOps
 from dataflow.ops_numpy import WRITES
 from dataflow.memplan.buffers import key_block_spans
 
 
-class CudaOps:
+_ZERO_ROWS = cp.ElementwiseKernel(
+    "raw I ids, int64 d, I value", "T x", "if (ids[i / d] == value) x = (T)0;",
+    "dataflow_zero_rows_where")
+"""x (T, D) in place: the rows whose id is `value` set to zero bits."""
+
+
+class CudaOps(MoeOps):
     WRITES = WRITES
 
     rms_norm_fwd = staticmethod(K.rms_norm_fwd)
@@ -34,21 +43,35 @@ class CudaOps:
     head_loss_fwd_bwd = staticmethod(K.head_loss_fwd_bwd)
     add_ = staticmethod(K.add_)
     cast = staticmethod(K.cast)
-    fill_ = staticmethod(K.fill_)
+
+    @staticmethod
+    def fill_(x, value):
+        """K.fill_ for bf16 and fp32; an integer view (an MoE model's routing counts, int64)
+        through CuPy's own fill, on the current stream, allocating nothing."""
+        if x.dtype.kind in "iu":
+            x.fill(int(value))
+        else:
+            K.fill_(x, value)
 
     @staticmethod
     def zero_rows_where_(ids, x, value):
-        """As dataflow.ops_numpy's: the rows' bits times 0 or 1 (exact, no sync)."""
+        """As dataflow.ops_numpy's, in place on x's bits: no temporary array (the backend
+        refuses allocations outside the arena after setup), no sync."""
         bits = x.view(cp.uint16 if x.dtype.itemsize == 2 else cp.uint32)
-        bits *= (ids.reshape(-1) != value).astype(bits.dtype)[:, None]
+        flat = ids.reshape(-1)
+        _ZERO_ROWS(flat, bits.shape[-1], flat.dtype.type(value), bits)
 
-    def __init__(self, quiesce=None):
+    def __init__(self, quiesce=None, wait=None):
         self._quiesce = quiesce
         """Waits, GIL released, until no Python host function is queued (see
         dataflow.kernels.cuda.attention)."""
+        self._wait = wait or (lambda event: event.synchronize())
+        """Blocks until a CUDA event has passed (the backend's: polling, GIL released); the MoE
+        ops' offsets copy (dataflow.ops_cuda_moe) is the only event an op waits for."""
         self._lent: dict = {}
         """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'dq32',
-        'norm_scratch', 'sumsq_scratch', 'cublas_workspace'."""
+        'norm_scratch', 'sumsq_scratch', 'cublas_workspace'; an MoE model's chunk-workspace
+        scratch (dataflow.memplan.buffers.MOE_OP_SCRATCH) and 'moe_offsets_host' (pinned)."""
         self._own: dict[tuple, cp.ndarray] = {}
         self._det_fits: dict[tuple, bool] = {}
         """Scratch allocated outside the arena because a lent region was too small."""

@@ -11,7 +11,7 @@ from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1}
 ALIGN_BYTES = 256
 """Every region and every tensor inside one starts on a 256-byte boundary."""
 
@@ -31,7 +31,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    """'bf16', 'f32' or 'i32'."""
+    """'bf16', 'f32', 'i32', 'i64' or 'u8'."""
 
     @property
     def nbytes(self) -> int:
@@ -87,30 +87,54 @@ def moe_rows(cfg: ModelConfig, tokens: int) -> int:
 def moe_saved_specs(cfg: ModelConfig, tokens: int) -> list[TensorSpec]:
     """What an MoE layer's FULL level keeps of its FFN (kernels.reference.moe.MoeSaved): the
     router's fp32 logits and softmax, the top-k choice and weights, the permutation (order,
-    per-expert offsets; int32: R < 2^31 at any chunk we plan, and kernels index in 64 bits),
-    and each routed row's gate, up and expert output. Below FULL the backward re-forms all of
-    it from the FFN's input (dataflow.moe_ffn), the routing bit for bit."""
+    per-expert offsets), and each routed row's gate, up and expert output. Indices are int64,
+    the dtype of the reference and of the CUDA kernels (kernels/cuda/moe_*.py index rows in 64
+    bits: R x D passes 2^31 at long chunks). Below FULL the backward re-forms all of it from the
+    FFN's input (dataflow.moe_ffn), the routing bit for bit."""
     t, n, k, f = tokens, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_ffn_dim
     r = moe_rows(cfg, t)
     return [TensorSpec("router_logits", (t, n), "f32"), TensorSpec("router_probs", (t, n), "f32"),
-            TensorSpec("topk_idx", (t, k), "i32"), TensorSpec("topk_weight", (t, k), "f32"),
-            TensorSpec("expert_order", (r,), "i32"), TensorSpec("expert_offsets", (n + 1,), "i32"),
+            TensorSpec("topk_idx", (t, k), "i64"), TensorSpec("topk_weight", (t, k), "f32"),
+            TensorSpec("expert_order", (r,), "i64"), TensorSpec("expert_offsets", (n + 1,), "i64"),
             TensorSpec("expert_gate", (r, f), "bf16"), TensorSpec("expert_up", (r, f), "bf16"),
             TensorSpec("expert_out", (r, cfg.model_dim), "bf16")]
+
+
+MOE_ROUTER_BWD_ROWS = 1024
+"""dataflow.kernels.cuda.moe_router.BWD_ROWS: tokens whose x the CUDA router backward widens to
+fp32 at a time (its scratch holds that many rows of D)."""
+MOE_OP_SCRATCH = ("expert_act", "expert_dgate", "expert_dup", "moe_inv", "moe_tokens_f32",
+                  "moe_router_f32", "moe_dlogits", "moe_lse")
+"""Chunk-workspace tensors the executor lends to the op table as scratch (dataflow.ops_cuda's
+MoE ops; the NumPy table keeps its own temporaries and ignores them)."""
+MOE_HOST_REGION = "moe_offsets_host"
+"""Pinned host region of an MoE model: the per-expert offsets (N + 1,) int64 of the chunk in
+flight, copied there from the device because the CUDA experts' GEMM loop takes its row counts
+on the host (dataflow.ops_cuda, kernels/cuda/moe_experts.offsets_to_host)."""
 
 
 def moe_workspace_specs(cfg: ModelConfig, tokens: int) -> list[TensorSpec]:
     """Scratch of one MoE FFN on a chunk, besides what moe_saved_specs names (formed here below
     FULL): the permuted input and its gradient (R, D), the permuted output's gradient (R, D),
-    the activation and the SwiGLU gradients (R, F) the CUDA experts need (the NumPy op table
-    keeps its own temporaries), the combine weights' gradient (T, k) fp32."""
-    t, k, d, f = tokens, cfg.moe.top_k, cfg.model_dim, cfg.moe.expert_ffn_dim
+    the activation (R, F), the combine weights' gradient (T, k) fp32; then what only the CUDA
+    op table uses (MOE_OP_SCRATCH, lent to it by the executor; the NumPy table keeps its own
+    temporaries): the SwiGLU gradients (R, F) (the experts' backward re-forms the activation
+    into expert_act), the inverse permutation (R,) int64, an fp32 (T, D) for the combine's
+    unrounded sum, the experts' input-gradient sum (one expert has at most T rows) and the
+    router's input gradient, one at a time; the router backward's fp32 weight gradient (N, D)
+    and widened weights and input rows ((N + min(T, MOE_ROUTER_BWD_ROWS)) x D); the logits'
+    gradient (T, N) fp32; logsumexp per token plus one fp32 (T + 1,)."""
+    t, k, d, f, n = tokens, cfg.moe.top_k, cfg.model_dim, cfg.moe.expert_ffn_dim, cfg.moe.n_experts
     r = moe_rows(cfg, t)
+    router_elems = (2 * n + min(t, MOE_ROUTER_BWD_ROWS)) * d
     return moe_saved_specs(cfg, t) + [
         TensorSpec("expert_in", (r, d), "bf16"), TensorSpec("expert_din", (r, d), "bf16"),
         TensorSpec("expert_dout", (r, d), "bf16"), TensorSpec("expert_act", (r, f), "bf16"),
-        TensorSpec("expert_dact", (r, f), "bf16"), TensorSpec("expert_dgate", (r, f), "bf16"),
-        TensorSpec("expert_dup", (r, f), "bf16"), TensorSpec("topk_dweight", (t, k), "f32")]
+        TensorSpec("topk_dweight", (t, k), "f32"),
+        TensorSpec("expert_dgate", (r, f), "bf16"), TensorSpec("expert_dup", (r, f), "bf16"),
+        TensorSpec("moe_inv", (r,), "i64"), TensorSpec("moe_tokens_f32", (t, d), "f32"),
+        TensorSpec("moe_router_f32", (router_elems,), "f32"),
+        TensorSpec("moe_dlogits", (t, n), "f32"), TensorSpec("moe_lse", (t + 1,), "f32")]
 
 
 def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel,
@@ -279,11 +303,11 @@ def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, .
 def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
     """An MoE model's routing totals over one round's forward (every layer and chunk): what the
     load-balancing loss's gradient needs in every layer's backward (docs/moe.md). Counts are
-    int32 (tokens_per_round x top_k x layers stays far below 2^31); the fp32 sums hold each
+    int64 (the dtype the reference and the CUDA kernels count in); the fp32 sums hold each
     expert's softmax mass and, last, the sum of logsumexp^2 (the z-loss). `moe_losses` keeps
     each round's (aux, z) for the step's result, read with the LM losses."""
     n = cfg.moe.n_experts
-    return (TensorSpec("moe_counts", (n,), "i32"), TensorSpec("moe_sums", (n + 1,), "f32"),
+    return (TensorSpec("moe_counts", (n,), "i64"), TensorSpec("moe_sums", (n + 1,), "f32"),
             TensorSpec("moe_losses", (MAX_ROUNDS_PER_STEP, 2), "f32"))
 
 

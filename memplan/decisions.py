@@ -131,7 +131,7 @@ MOE_RING_REFUSAL = ("rings do not carry MoE layers yet: the load-balancing loss'
                     "every layer needs the routing counts of all layers of the round, which a "
                     "ring splits over its ranks, and experts are to stay with their layer's "
                     "rank (issue 41); train it on one device or as data-parallel replicas "
-                    "(rings of 1: --replicas equal to the GPUs), on the NumPy backend")
+                    "(rings of 1: --replicas equal to the GPUs)")
 
 
 def refuse_moe(cfg: ModelConfig, *, holds_embed: bool = True, holds_head: bool = True) -> None:

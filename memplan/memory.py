@@ -20,6 +20,7 @@ _FIXED_CATEGORY = {
     "attn_workspace": "workspaces", "library_scratch": "workspaces", "kv_rebuild": "workspaces",
     "transitions": "buffers", "opt_stage": "buffers", "io_staging": "buffers",
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
+    buffers.MOE_HOST_REGION: "buffers",
     "home.ctx_kv": "saved_activations",
 }
 TOKEN_ID_BYTES = 4
@@ -157,7 +158,8 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of every pinned host region, aligned and in this order: home state of each
     layer whose weights are HOME (home.layer{i}.weights/.grads/.m/.v), home.embed.*,
     home.head.*, home.act.{layer}.{chunk} (with segments: boundary layers', then
-    home.act.seg{p}.{chunk}), io_staging, tokens, norm_host, embed_rows."""
+    home.act.seg{p}.{chunk}), io_staging, tokens, norm_host, embed_rows, moe_offsets_host (an
+    MoE model's: buffers.MOE_HOST_REGION)."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     elems = buffers.block_elems(cfg)
@@ -184,6 +186,8 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     out.append(("norm_host", NORM_HOST_BYTES))
     if d.embed.weights is Where.HOME and d.holds_embed:
         out.append(("embed_rows", embed_rows_bytes(cfg, ch)))
+    if cfg.moe is not None:
+        out.append((buffers.MOE_HOST_REGION, (cfg.moe.n_experts + 1) * buffers.DTYPE_BYTES["i64"]))
     return tuple((name, buffers.align(n)) for name, n in out if n > 0)
 
 

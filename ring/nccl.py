@@ -46,12 +46,12 @@ def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, .
     return out
 
 
-def _uid_bytes(uid) -> bytes:
+def uid_bytes(uid) -> bytes:
     """NCCL's unique id as bytes: CuPy 14 gives bytes, older CuPy a tuple of C chars."""
     return bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes(x % 256 for x in uid)
 
 
-def _communicator(nccl, n: int, raw: bytes, rank: int):
+def communicator_from_id(nccl, n: int, raw: bytes, rank: int):
     """NcclCommunicator from the id's bytes, in whichever form this CuPy takes it."""
     try:
         return nccl.NcclCommunicator(n, raw, rank)
@@ -84,7 +84,7 @@ class NcclTransport(Transport):
         comms = communicators(n, self.replicas)
         ids = None
         if me == 0:
-            ids = b"".join(_uid_bytes(nccl.get_unique_id()) for _ in comms)
+            ids = b"".join(uid_bytes(nccl.get_unique_id()) for _ in comms)
         raw = share_from_rank0(me, env.world_size, env.master_addr, env.master_port, ids,
                                timeout_s)
         size = len(raw) // len(comms)
@@ -99,8 +99,8 @@ class NcclTransport(Transport):
         for i, (what, members) in enumerate(comms):
             if me not in members:
                 continue
-            comm = _communicator(nccl, len(members), raw[i * size:(i + 1) * size],
-                                 members.index(me))
+            comm = communicator_from_id(nccl, len(members), raw[i * size:(i + 1) * size],
+                                        members.index(me))
             self._made.append(comm)
             if what == "world":
                 self.world = comm

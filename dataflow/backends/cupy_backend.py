@@ -42,7 +42,8 @@ try:
 except ImportError:  # pragma: no cover - the package imports without the gpu extra
     cp = None
 
-_DT = {"bf16": "bfloat16", "f32": np.float32, "i32": np.int32, "u8": np.uint8}
+_DT = {"bf16": "bfloat16", "f32": np.float32, "i32": np.int32, "i64": np.int64,
+       "u8": np.uint8}
 log = logging.getLogger(__name__)
 
 PIN_METHODS = ("register", "alloc")
@@ -255,7 +256,7 @@ class CupyBackend(Backend):
         self.device = cp.cuda.Device(device)
         self.device.use()
         self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
-        self.ops = ops_cuda.CudaOps(quiesce=self._quiesce)
+        self.ops = ops_cuda.CudaOps(quiesce=self._quiesce, wait=_wait_polling)
         self.writes = ops_cuda.WRITES
         self._compute_ops = 0
         self._mark_every = run_ahead_ops() // 4

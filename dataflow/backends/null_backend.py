@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
+from dataflow.memplan.buffers import DTYPE_BYTES
 
-_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}
+_BYTES = DTYPE_BYTES
 
 
 class NullArray:
@@ -113,4 +114,5 @@ class NullBackend(Backend):
         pass
 
     def to_numpy(self, array):
-        return np.zeros(array.shape, dtype=np.float32 if array.itemsize == 4 else np.uint16)
+        return np.zeros(array.shape, dtype={4: np.float32, 8: np.int64}.get(array.itemsize,
+                                                                          np.uint16))

@@ -14,7 +14,7 @@ from dataflow.backend import Backend, BackendError, Place, Slab, Stream
 from dataflow.backends.sanitizer import Sanitizer
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32),
-          "i32": np.dtype(np.int32), "u8": np.dtype(np.uint8)}
+          "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "u8": np.dtype(np.uint8)}
 
 
 class NumpyBackend(Backend):

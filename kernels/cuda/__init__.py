@@ -9,6 +9,10 @@ CuPy; the NumPy backend never imports it. Shape legend in `kernels/__init__.py`.
 Scratch: the ops that need a reduction scratch (rms_norm_bwd, sumsq) or a cuDNN workspace
 (attention) take it as an argument; when none is passed they cache one per device and stream
 on first use (allocated once, outside the steady-state loop).
+
+Mixture of experts (moe_router, moe_experts): the experts' GEMM loop takes each expert's row
+count on the host, so offsets_to_host is the one copy whose event a caller waits on before
+experts_fwd / experts_bwd (moe_experts says what that costs).
 """
 
 from dataflow.kernels.cuda._cublas import set_workspace as set_cublas_workspace
@@ -18,6 +22,14 @@ from dataflow.kernels.cuda.attention import (attention_bwd, attention_fwd, atten
 from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
+from dataflow.kernels.cuda.moe_experts import (expert_order, experts_bwd, experts_bwd_acc_elems,
+                                             experts_fwd, inverse_order, offsets_to_host,
+                                             permute_bwd, permute_fwd, unpermute_bwd,
+                                             unpermute_fwd)
+from dataflow.kernels.cuda.moe_router import (load_balancing_loss, load_balancing_loss_bwd,
+                                            load_balancing_stats, router_bwd,
+                                            router_bwd_scratch_elems, router_fwd,
+                                            router_logits_bwd, router_z_loss, router_z_loss_bwd)
 from dataflow.kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
 from dataflow.kernels.cuda.rope import rope_bwd, rope_fwd
 from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
@@ -26,9 +38,13 @@ from dataflow.kernels.cuda.utils import add_, bias_bwd, bias_fill, cast, clip_sc
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
     "bias_bwd", "bias_fill", "cast",
-    "clip_scale", "embedding_bwd", "embedding_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
-    "IGNORE",
-    "linear_bwd_w", "linear_bwd_x", "linear_fwd", "rms_norm_bwd", "rms_norm_bwd_scratch_shape",
-    "rms_norm_fwd", "rope_bwd", "rope_fwd", "set_cublas_workspace", "sumsq", "swiglu_bwd",
-    "swiglu_fwd",
+    "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
+    "experts_bwd_acc_elems", "experts_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
+    "IGNORE", "inverse_order",
+    "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
+    "load_balancing_stats", "offsets_to_host", "permute_bwd", "permute_fwd", "rms_norm_bwd",
+    "rms_norm_bwd_scratch_shape", "rms_norm_fwd", "rope_bwd", "rope_fwd", "router_bwd",
+    "router_bwd_scratch_elems", "router_fwd", "router_logits_bwd", "router_z_loss",
+    "router_z_loss_bwd", "set_cublas_workspace", "sumsq", "swiglu_bwd", "swiglu_fwd",
+    "unpermute_bwd", "unpermute_fwd",
 ]

@@ -20,9 +20,10 @@
 // permute_bwd_kernel<TI, TO, V, RES>: dx[t, :] = (residual[t, :] +) sum_j dxp[inv[t k + j], :],
 //   the k rows added in slot order in fp32 starting from row 0 (np.sum over the slot axis adds
 //   in that order), the fp32 residual added last, rounded once to TO: the reference's bits.
-// unpermute_fwd_kernel<T, V>: y[t, :] = sum_j w[t, j] * yp[inv[t k + j], :], products and sums
-//   rounded separately in fp32 (__fmul_rn / __fadd_rn forbid FMA contraction) in slot order,
-//   rounded once to T: the reference's bits.
+// unpermute_fwd_kernel<T, TO, V>: y[t, :] = sum_j w[t, j] * yp[inv[t k + j], :], products and
+//   sums rounded separately in fp32 (__fmul_rn / __fadd_rn forbid FMA contraction) in slot
+//   order, rounded once to TO (T, or fp32 for a sum the caller adds to a residual before its one
+//   rounding): the reference's bits.
 // unpermute_bwd_kernel<T, V>: one 256-thread block per routed row r, pair p = order[r],
 //   t = p / k: dyp[r, :] = w[p] * dy[t, :] (fp32 product, rounded once: the reference's bits),
 //   d_w[p] = <dy[t, :], yp[r, :]> in fp32 (block tree sum; not the reference's order).
@@ -144,10 +145,10 @@ __global__ void __launch_bounds__(256) permute_bwd_kernel(
     }
 }
 
-template <typename T, int V>
+template <typename T, typename TO, int V>
 __global__ void __launch_bounds__(256) unpermute_fwd_kernel(
     const T* __restrict__ yp, const i64* __restrict__ inv, const float* __restrict__ topk_weight,
-    T* __restrict__ y, i64 n_tokens, int dim, int top_k) {
+    TO* __restrict__ y, i64 n_tokens, int dim, int top_k) {
     const i64 packs_per_row = dim / V, npacks = n_tokens * packs_per_row;
     for (i64 pk = (i64)blockIdx.x * blockDim.x + threadIdx.x; pk < npacks;
          pk += (i64)gridDim.x * blockDim.x) {

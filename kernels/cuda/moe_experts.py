@@ -40,7 +40,7 @@ _NAMES = tuple(
      "permute_fwd_kernel<uint4>", "permute_fwd_kernel<unsigned short>"]
     + [f"permute_bwd_kernel<{i}, {o}, {v}, {r}>" for i in _TYPES for o in _TYPES
        for v in (1, 8) for r in ("false", "true")]
-    + [f"unpermute_fwd_kernel<{t}, {v}>" for t in _TYPES for v in (1, 8)]
+    + [f"unpermute_fwd_kernel<{t}, {o}, {v}>" for t in _TYPES for o in _TYPES for v in (1, 8)]
     + [f"unpermute_bwd_kernel<{t}, {v}>" for t in _TYPES for v in (1, 8)]
 )
 I64 = np.dtype(np.int64)
@@ -163,20 +163,23 @@ def permute_bwd(dxp, inv, top_k: int, dx, residual=None) -> None:
 
 
 def unpermute_fwd(yp, inv, topk_weight, y) -> None:
-    """yp (R, D) bf16|f32, topk_weight (T, k) f32 -> y (T, D) in yp's dtype: y[t] = sum_j
-    w[t, j] * yp[inv[t k + j]], fp32 products summed in slot order, rounded once. As reference
-    unpermute_fwd, bit for bit. inv from expert_order."""
+    """yp (R, D) bf16|f32, topk_weight (T, k) f32 -> y (T, D) bf16|f32: y[t] = sum_j
+    w[t, j] * yp[inv[t k + j]], fp32 products summed in slot order, rounded once to y's dtype.
+    As reference unpermute_fwd, bit for bit: y in yp's dtype is the reference on yp; an fp32 y
+    from bf16 yp is the reference on yp widened to fp32 (the unrounded sum the engine's combine
+    adds onto the residual, dataflow.ops_cuda). inv from expert_order."""
     t, k = topk_weight.shape
     r, d = yp.shape
     _build.check("yp", yp, (t * k, d))
     _check_index("inv", inv, (r,))
     _build.check("topk_weight", topk_weight, (t, k), (F32,))
-    _build.check("y", y, (t, d), (yp.dtype,))
+    _build.check("y", y, (t, d))
     v = _vec(d, yp, y)
     n = t * d // v
     if n:
         _build.kernel(_SRC, _NAMES,
-                      f"unpermute_fwd_kernel<{_build.ctype(yp.dtype, 'yp')}, {v}>")(
+                      f"unpermute_fwd_kernel<{_build.ctype(yp.dtype, 'yp')}, "
+                      f"{_build.ctype(y.dtype, 'y')}, {v}>")(
             (_build.flat_grid(n, _THREADS),), (_THREADS,),
             (yp, inv, topk_weight, y, np.int64(t), np.int32(d), np.int32(k)))
 

@@ -3,7 +3,8 @@ ops are kernels.reference.moe's block bit for bit; saved levels, streaming and a
 change no bit and count each chunk's routing once; a step of R rounds trains the reference
 trainer's objective with R micro-batches (each round its own load-balancing and z-loss, their
 mean reported and trained); an idle expert is only decayed; the planner counts every expert in
-the layer block and routed rows at tokens x top_k; CuPy and rings are refused by name.
+the layer block and routed rows at tokens x top_k; an op table without MoE ops and rings are
+refused by name, and the CUDA op table has every op (its GPU tests: test_engine_moe_cuda.py).
 
 Tolerances. The engine and the reference trainer round the residual stream at different places
 (the engine adds o_proj's and the FFN's output into the residual in fp32 and rounds once; the
@@ -21,13 +22,14 @@ an idle expert's update."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 
 from dataflow import ops_numpy
 from dataflow.backends.numpy_backend import NumpyBackend
-from dataflow.engine import MOE_NO_CUDA, Engine
+from dataflow.engine import MOE_NO_OPS, Engine
 from dataflow.kernels.reference import adamw_step
 from dataflow.kernels.reference.moe import MoeWeights, RouterLossTerms, moe_block_bwd, moe_block_fwd
 from dataflow.kernels.reference.moe_experts import unpermute_fwd
@@ -223,7 +225,7 @@ def test_moe_ops_are_the_reference_block_bit_for_bit(rng):
     w, g = lay.views(flat), lay.views(gflat)
     w.update(stacked_experts(lay, flat, m.n_experts))
     g.update(stacked_experts(lay, gflat, m.n_experts))
-    ws = {s.name: np.zeros(s.shape, {"bf16": BF16, "f32": np.float32, "i32": np.int32}[s.dtype])
+    ws = {s.name: np.zeros(s.shape, {"bf16": BF16, "f32": np.float32, "i64": np.int64}[s.dtype])
           for s in chunk_workspace_specs(cfg, t)}
     x = rng.standard_normal((t, d)).astype(BF16)
     h = rng.standard_normal((t, d)).astype(BF16)
@@ -233,7 +235,7 @@ def test_moe_ops_are_the_reference_block_bit_for_bit(rng):
         getattr(ops_numpy, name)(*args)
 
     ffn, out = MoeFfn(cfg, ws), h.copy()
-    routing = RoundRouting(counts=np.zeros(m.n_experts, np.int32),
+    routing = RoundRouting(counts=np.zeros(m.n_experts, np.int64),
                            sums=np.zeros(m.n_experts + 1, np.float32), aux_coef=0.15,
                            z_coef=0.01, n_rows=5 * t)
     mt = ffn.tensors(None, t)
@@ -288,8 +290,8 @@ def test_plan_counts_every_expert_and_routed_rows_at_tokens_times_k():
     full = saved_activation_bytes(cfg, t, SavedLevel.FULL)
     dense = saved_activation_bytes(dataclasses.replace(
         cfg, family="qwen3", moe=None, ffn_dim=1), t, SavedLevel.FULL)
-    routed = 2 * r * f * 2 + r * cfg.model_dim * 2 + r * 4 + (n + 1) * 4 \
-        + 2 * t * n * 4 + t * cfg.moe.top_k * 8
+    routed = 2 * r * f * 2 + r * cfg.model_dim * 2 + r * 8 + (n + 1) * 8 \
+        + 2 * t * n * 4 + t * cfg.moe.top_k * (8 + 4)  # int64 indices, fp32 weights
     assert full - dense >= routed and full - dense < routed + 12 * 256
     ws = {s.name: s.shape for s in chunk_workspace_specs(cfg, t)}
     assert ws["expert_in"] == (r, cfg.model_dim) and ws["expert_act"] == (r, f)
@@ -301,30 +303,87 @@ def test_plan_counts_every_expert_and_routed_rows_at_tokens_times_k():
                                model_flops_per_token(cfg, 64), rtol=1e-9)
 
 
-def test_cupy_backend_and_rings_refuse_moe_by_name():
-    """An MoE model on the CuPy backend (asked by name, or a backend whose op table has no MoE
-    ops) is refused before anything starts; a ring of 2 or more is refused by the ring planner,
-    naming rings and issue 41 (data-parallel replicas, rings of 1, train it:
-    tests/ring/test_ring_moe.py)."""
+def test_a_backend_without_moe_ops_and_rings_refuse_moe_by_name():
+    """An MoE model on a backend whose op table has no MoE ops is refused before anything
+    starts, naming the backends that have them; a backend asked for by name is not refused
+    (both tables have the ops); a ring of 2 or more is refused by the ring planner, naming rings
+    and issue 41 (data-parallel replicas, rings of 1, train it: tests/ring/test_ring_moe.py)."""
+    from dataflow.engine import refuse_moe_backend
     from dataflow.memplan.ring_plan import make_rank_plans
 
     cfg = CONFIGS["olmoe"]
-    with pytest.raises(ConfigError, match=MOE_NO_CUDA):
-        Engine(cfg, host_gb=1, dev_gb=0.5, seqlen=SEQLEN, backend="cupy")
+    for kind in ("numpy", "cupy", "auto"):
+        refuse_moe_backend(cfg, kind)
 
     class NoMoeOps(NumpyBackend):
-        name = "cupy"
+        name = "fake"
 
         def __init__(self):
             super().__init__()
             self.writes = {k: v for k, v in self.writes.items() if not k.startswith("moe_")}
 
     plan = forced_plan(cfg, SEQLEN, **ROUNDS)
-    with pytest.raises(ConfigError, match="no CUDA ops yet; use --backend numpy"):
+    with pytest.raises(ConfigError, match=re.escape(MOE_NO_OPS)):
         Engine.from_plan(plan, backend=NoMoeOps())
+    with pytest.raises(ConfigError, match="fake backend: this backend's op table has no MoE ops"):
+        Engine(cfg, host_gb=1, dev_gb=0.5, seqlen=SEQLEN, backend=NoMoeOps())
     cpu, budget = get_profile("cpu"), Budget.from_gib(1, 0.5)
     with pytest.raises(ConfigError, match="rings do not carry MoE layers yet.*issue 41"):
         make_rank_plans(cfg, SEQLEN, budget, cpu, n_ranks=2)
+
+
+def test_executor_lends_the_cuda_moe_scratch_from_its_arenas(rng):
+    """The executor lends the op table the MoE scratch the planner counted: chunk-workspace
+    views (buffers.MOE_OP_SCRATCH) and the pinned host region of the offsets, int64 (N + 1,),
+    which the host memory map holds; dataflow.ops_cuda's MoE ops use them instead of allocating
+    (the NumPy table ignores them)."""
+    from dataflow.memplan.buffers import MOE_HOST_REGION, MOE_OP_SCRATCH, align
+
+    cfg, lent = CONFIGS["olmoe"], {}
+    n = cfg.moe.n_experts
+
+    class Lending(NumpyBackend):
+        def lend_scratch(self, scratch):
+            lent.update(scratch)
+
+    plan = forced_plan(cfg, SEQLEN, **ROUNDS)
+    assert dict(host_regions(plan))[MOE_HOST_REGION] == align((n + 1) * 8)
+    with Engine.from_plan(plan, backend=Lending(), weights=_weights(cfg, rng)) as eng:
+        for name in MOE_OP_SCRATCH:
+            assert lent[name] is eng.ex.ws[name], name
+        host = lent["moe_offsets_host"]
+        assert host.dtype == np.int64 and host.shape == (n + 1,)
+        assert np.shares_memory(host, eng.ex.host.slab.handle)
+        eng.train_step(rng.integers(0, cfg.vocab_size, (8, SEQLEN + 1)))
+
+
+def test_cuda_op_table_defines_every_op_of_the_numpy_table():
+    """The CUDA op table (dataflow/ops_cuda.py's CudaOps with its MoE mixin in ops_cuda_moe.py)
+    defines every op the NumPy table declares, the MoE ones included, with the same parameter
+    names: read from the sources, since CI has no CuPy to import them. This is what lets
+    refuse_moe_backend pass the CuPy backend."""
+    import ast
+    import inspect
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    defined: dict[str, list[str] | None] = {}
+    for rel, cls in (("dataflow/ops_cuda_moe.py", "MoeOps"), ("dataflow/ops_cuda.py", "CudaOps")):
+        tree = ast.parse((root / rel).read_text())
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+        for node in body:
+            if isinstance(node, ast.FunctionDef):
+                names = [a.arg for a in node.args.args]
+                defined[node.name] = names[1:] if names[:1] == ["self"] else names
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    defined[getattr(target, "id", "")] = None  # a kernel bound as staticmethod
+    missing = sorted(set(ops_numpy.WRITES) - set(defined))
+    assert not missing, f"CudaOps lacks {missing}"
+    for name in ops_numpy.WRITES:
+        if name.startswith("moe_") and defined[name] is not None:
+            want = list(inspect.signature(getattr(ops_numpy, name)).parameters)
+            assert defined[name] == want, name
 
 
 def test_host_side_evaluation_runs_the_moe_block(rng):

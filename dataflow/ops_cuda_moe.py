@@ -1,0 +1,151 @@
+"""The mixture-of-experts ops of the CuPy op table (dataflow.ops_cuda.CudaOps inherits them): the
+names, signatures and semantics of dataflow.ops_numpy's MoE ops, composed of dataflow.kernels.cuda's
+router and expert kernels as tests/kernels/test_cuda_moe.py composes the block. Scratch comes from
+the chunk workspace the executor lends (dataflow.memplan.buffers.MOE_OP_SCRATCH), the experts' row
+counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
+and never waits for anything but the one event below.
+
+The host wait. The experts' GEMM loop (kernels/cuda/moe_experts.py) launches one cuBLAS call per
+(expert, matrix) with that expert's row count, so moe_experts_fwd and moe_experts_bwd copy the
+chunk's offsets ((N + 1) int64) to the host on the compute stream, record an event after the
+copy and wait for that event alone (with the GIL released: the backend's polling wait), not for
+the device. Only the compute stream's work up to the router is waited for, but the host enqueues
+nothing meanwhile, so the GPU idles for a poll and a launch after each wait. The backward copies
+the offsets again (they come from a saved region or a recompute, which the op cannot tell apart),
+so a layer and chunk waits twice; keeping the forward's host offsets per (layer, chunk) would save
+the second (docs/moe.md).
+
+Where the kernels' conventions differ from the NumPy table's: the gathers that sum a token's k
+rows (the combine, the input gradient) read the inverse permutation, which each op forms from
+`order` in the lent `moe_inv` (one small launch); the combine's fp32 sum goes to a lent fp32
+(T, D) and is then added onto the residual with one rounding (ops_numpy.moe_combine); the
+router's weight gradient is formed in fp32 and then added into the gradient of either dtype
+(add_: one rounding, as ops_numpy's _store)."""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+import dataflow.kernels.cuda as K
+
+F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
+
+
+class MoeOps:
+    """Mixin of dataflow.ops_cuda.CudaOps: uses its `_scratch(name, shape, dtype)` (a lent arena
+    view, or its own buffer when none was lent), `_lent` and `_wait(event)`."""
+
+    _offsets_event = None
+    """The event recorded after each offsets copy (one, reused: every wait follows its record)."""
+    _offsets_own: np.ndarray | None = None
+    """Pinned host offsets when no arena region was lent (CudaOps used on its own, in tests)."""
+
+    @staticmethod
+    def moe_route(x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_weight, order,
+                  offsets):
+        """As ops_numpy.moe_route: the router's GEMM into fp32 logits, softmax and top-k (ties:
+        lower expert first), then the stable counting sort by expert (order, offsets; int64)."""
+        K.router_fwd(x, w_router, top_k, logits, probs, topk_idx, topk_weight,
+                     norm_topk_prob=bool(norm_topk_prob))
+        K.expert_order(topk_idx, w_router.shape[0], order, offsets)
+
+    def moe_route_stats(self, logits, probs, topk_idx, counts, sums):
+        """As ops_numpy.moe_route_stats: counts (N,) int64 and sums[:N] += the chunk's pairs per
+        expert and softmax mass per expert; sums[N] += sum of logsumexp^2 (an fp64 sum rounded
+        to fp32, then added)."""
+        n, t = counts.shape[0], logits.shape[0]
+        K.load_balancing_stats(probs, topk_idx, counts, sums[:n], accumulate=True)
+        K.router_z_loss(logits, 1, self._scratch("moe_lse", (t + 1,), F32)[:t], sums[n:],
+                        accumulate=True)
+
+    @staticmethod
+    def moe_round_losses(counts, sums, n_rows, out):
+        """As ops_numpy.moe_round_losses: out (2,) fp32 = (load-balancing loss, z-loss) of the
+        round's totals over n_rows rows; on the device, read with the step's losses."""
+        n = counts.shape[0]
+        K.load_balancing_loss(counts, sums[:n], n_rows, out[0:1])
+        cp.divide(sums[n:], float(n_rows), out=out[1:2])  # fp32 division: correctly rounded
+
+    moe_permute = staticmethod(K.permute_fwd)
+    """(x, order, top_k, xp): xp = x[order // top_k], an exact gather."""
+
+    def moe_experts_fwd(self, xp, offsets, w_gate, w_up, w_down, gate, up, act, yp):
+        """As ops_numpy.moe_experts_fwd (act = silu(gate) * up); waits for the offsets' copy to
+        the host (module docstring), then the per-expert GEMM loop."""
+        K.experts_fwd(xp, self._offsets_on_host(offsets), w_gate, w_up, w_down, yp, gate, up,
+                      h=act)
+
+    def moe_combine(self, yp, order, topk_weight, out):
+        """As ops_numpy.moe_combine: out (T, D) += the k weighted rows of each token, summed in
+        fp32 in slot order into the lent fp32 (T, D), then added onto out and rounded once."""
+        y32 = self._scratch("moe_tokens_f32", out.shape, F32)
+        K.unpermute_fwd(yp, self._inverse(order), topk_weight, y32)
+        K.add_(out, y32)
+
+    moe_combine_bwd = staticmethod(K.unpermute_bwd)
+    """(dy, yp, order, topk_weight, dyp, d_topk_weight), as ops_numpy.moe_combine_bwd."""
+
+    def moe_experts_bwd(self, xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate,
+                        dw_up, dw_down):
+        """As ops_numpy.moe_experts_bwd: dxp written, the stacked weight gradients += (an idle
+        expert's untouched: the reference adds exact zeros); waits for the offsets' copy. Scratch:
+        the lent SwiGLU gradients, the activation re-formed into expert_act, and the fp32 input
+        gradient sum of the largest expert (at most T rows) in moe_tokens_f32."""
+        host = self._offsets_on_host(offsets)
+        r, f = gate.shape
+        acc = self._scratch("moe_tokens_f32", (K.experts_bwd_acc_elems(host, xp.shape[1]),), F32)
+        K.experts_bwd(xp, host, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
+                      dgate=self._scratch("expert_dgate", (r, f), xp.dtype),
+                      dup=self._scratch("expert_dup", (r, f), xp.dtype),
+                      h=self._scratch("expert_act", (r, f), xp.dtype), dx_acc=acc)
+
+    def moe_router_bwd(self, x, w_router, logits, probs, topk_idx, d_topk_weight, norm_topk_prob,
+                       counts, aux_coef, z_coef, n_rows, dxp, order, dx, dw_router):
+        """As ops_numpy.moe_router_bwd: d_logits (lent, fp32) from the k selected weights, plus
+        the load-balancing and z-loss terms (each only when its coefficient is not 0); the
+        router's input gradient in fp32 (lent (T, D)) and weight gradient in fp32 (lent), the
+        latter added into dw_router; dx = the router's input gradient + each token's k permuted
+        rows, summed in fp32, rounded once."""
+        t, n = probs.shape
+        d = x.shape[1]
+        d_logits = self._scratch("moe_dlogits", (t, n), F32)
+        K.router_logits_bwd(probs, topk_idx, d_topk_weight, d_logits,
+                            norm_topk_prob=bool(norm_topk_prob))
+        if aux_coef:
+            K.load_balancing_loss_bwd(probs, counts, n_rows, aux_coef, d_logits, accumulate=True)
+        if z_coef:
+            lse = self._scratch("moe_lse", (t + 1,), F32)  # logsumexp per token, a spare sum
+            K.router_z_loss(logits, 1, lse[:t], lse[t:])
+            K.router_z_loss_bwd(logits, lse[:t], n_rows, z_coef, d_logits, accumulate=True)
+        work = self._scratch("moe_router_f32", (n * d + K.router_bwd_scratch_elems(t, d, n),), F32)
+        dw32 = work[:n * d].reshape(n, d)
+        dx32 = self._scratch("moe_tokens_f32", (t, d), F32)
+        K.router_bwd(x, w_router, d_logits, dx32, dw32, accumulate_dw=False,
+                     scratch=work[n * d:])
+        K.add_(dw_router, dw32)
+        K.permute_bwd(dxp, self._inverse(order), topk_idx.shape[1], dx, residual=dx32)
+
+    def _inverse(self, order):
+        """inv (R,) int64 with inv[order[r]] = r, in the lent moe_inv."""
+        inv = self._scratch("moe_inv", order.shape, I64)
+        K.inverse_order(order, inv)
+        return inv
+
+    def _offsets_on_host(self, offsets) -> np.ndarray:
+        """offsets (N + 1,) int64 copied on the current (compute) stream into pinned host memory
+        (the lent region, buffers.MOE_HOST_REGION), then waited for: the one host wait of the
+        MoE block. The host array is read (experts_fwd / experts_bwd turn it into Python ints)
+        before the next copy into it is enqueued."""
+        host = self._lent.get("moe_offsets_host")
+        if host is None or host.shape != offsets.shape:
+            if self._offsets_own is None or self._offsets_own.shape != offsets.shape:
+                import cupyx
+
+                self._offsets_own = cupyx.empty_pinned(offsets.shape, I64)
+            host = self._offsets_own
+        if self._offsets_event is None:
+            self._offsets_event = cp.cuda.Event(block=False, disable_timing=True)
+        K.offsets_to_host(offsets, host, self._offsets_event)
+        self._wait(self._offsets_event)
+        return host
