@@ -43,10 +43,10 @@ def test_zero_rows_where_matches_numpy(rng):
 
 def test_cupy_engine_leaves_the_padding_row(rng):
     cfg = dataclasses.replace(load_config("tiny"), n_layers=2, pad_token_id=PAD)
-    batch = rng.integers(0, cfg.vocab_size, (4, 65))
-    batch[:, ::4] = PAD
     with Engine(cfg, host_gb=2, dev_gb=2, seqlen=64, backend="cupy", lr=1e-2,
                 max_grad_norm=None, seed=int(rng.integers(0, 2**31))) as eng:
+        batch = rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65))
+        batch[:, ::4] = PAD
         before = embed_layout(cfg).view(eng.weights().embed, "embed_tokens").astype(np.float32)
         eng.train_step(batch)
         after = embed_layout(cfg).view(eng.weights().embed, "embed_tokens").astype(np.float32)
