@@ -41,6 +41,14 @@ def nccl_reserve_bytes(processes: int) -> int:
     return NCCL_RESERVE_4_BYTES
 
 
+RINGS_OF_ONE_RESERVE_BYTES = (1 << 30) + (128 << 20) - (400 << 20)
+"""NCCL's device memory per process of 2 data-parallel replicas (rings of 1, 2 processes), in
+place of NCCL_RESERVE_BYTES + REPLICA_RESERVE_BYTES: their one communicator is the world
+(ring/nccl.py), and 2 replicas of 8b at 60/24 on 2 H200s then ran 0.52 GiB under a plan that
+reserved the two (bench/records/s19-h200x2-412dfa2/, against -0.04 GiB with two communicators in
+s19-ring-h200x2-cfef615/); 0.4 GiB of it given back, 0.12 GiB kept as margin. Measured for 2
+processes only; 4 and 8 keep the larger reserve."""
+
 REPLICA_RESERVE_BYTES = 128 << 20
 """Device memory of the replicas' all-reduce beside NCCL_RESERVE_BYTES: the 64 MiB staging
 buffer a home gradient is all-reduced through (ring/nccl.py REDUCE_STAGE_BYTES) and the replica
@@ -109,7 +117,10 @@ def ring_profile(profile: HardwareProfile, processes: int, transport: str,
         d2h_duplex_bytes_per_s=profile.d2h_duplex_bytes_per_s * share)
     if transport != "nccl":
         return shared
-    extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
+    if processes == replicas == 2:  # rings of 1: one communicator, the world
+        extra = RINGS_OF_ONE_RESERVE_BYTES
+    else:
+        extra = nccl_reserve_bytes(processes) + (REPLICA_RESERVE_BYTES if replicas > 1 else 0)
     return dataclasses.replace(
         shared, library_reserve_bytes=profile.library_reserve_bytes + extra)
 
