@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="numpy: a CPU smoke run of this script (shared-memory transport)")
     p.add_argument("--timeout", type=float, default=480.0,
                    help="seconds each run may take before it is killed (default 480)")
+    p.add_argument("--single-timeout", type=float, default=None, metavar="S",
+                   help="seconds the one-GPU runs may take (default: --timeout; one GPU runs "
+                        "every replica's rounds, so give it about replicas x the ring's)")
     p.add_argument("--link-bytes-per-s", type=float, default=None, metavar="B",
                    help="predict for this measured one-way link rate (bench.link_bandwidth) "
                         "instead of the assumed NVLink")
@@ -357,14 +360,15 @@ def collect(args) -> dict:
         cmd = [sys.executable, "-m", "dataflow.bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]
         env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
-        rc, wall, rows = _run(cmd, out / "single.log", args.timeout, env)
+        single_s = args.single_timeout or args.timeout
+        rc, wall, rows = _run(cmd, out / "single.log", single_s, env)
         record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                             **(_last_json(out / "single.log") or {})}
         if args.single_own:
             own = dict(spec, chunking={"tokens_per_step": rank0["tokens_per_step"]},
                        head_sub_tokens=None)
             cmd = cmd[:-1] + [json.dumps(own)]
-            rc, wall, rows = _run(cmd, out / "single_own.log", args.timeout, env)
+            rc, wall, rows = _run(cmd, out / "single_own.log", single_s, env)
             record["single_own"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                                     **(_last_json(out / "single_own.log") or {})}
     record["predicted"] = predicted(args, probe.device_names(), rank0)
