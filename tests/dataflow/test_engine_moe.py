@@ -185,7 +185,7 @@ def test_a_round_where_experts_get_no_token(rng):
     w = _weights(cfg, rng)
     plan = forced_plan(cfg, 4, chunk_tokens=4, rounds=2, grad_accum=GradAccum.FP32)
     batch = rng.integers(0, cfg.vocab_size, (2, 5))
-    lay, wd = layer_layout(cfg), 0.1
+    wd = 0.1
     with _engine(plan, w, weight_decay=wd) as eng:
         res = eng.train_step(batch)
         counts = eng.ex.download(eng.ex.tr["moe_counts"])
@@ -195,6 +195,18 @@ def test_a_round_where_experts_get_no_token(rng):
                             micro_batches=2).train_step(batch)
     # the loss only: with 8 rows a round, one flipped token moves aux by N * dP / 8 (a few %)
     np.testing.assert_allclose(res.loss, want.loss_mean, rtol=ROUTED_RTOL)
+    def same_bits(key, got, want):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), key
+
+    idle = idle_experts_only_decayed(cfg, w, state, wd, same_bits)
+    assert idle >= 2 * cfg.n_layers  # 8 (token, slot) pairs a layer over 10 experts
+
+
+def idle_experts_only_decayed(cfg, w, state, wd: float, same) -> int:
+    """How many experts of the engine's `state_dict()` after one step from weights `w` no token
+    reached (zero first moments); each must have a zero second moment and its weights where
+    one decay-only AdamW step (zero gradient) puts them: same(key, got, expected) checks that."""
+    lay = layer_layout(cfg)
     idle = 0
     for layer in range(cfg.n_layers):
         for e in range(cfg.moe.n_experts):
@@ -207,9 +219,9 @@ def test_a_round_where_experts_get_no_token(rng):
                 zero = np.zeros(p.shape, np.float32)
                 adamw_step(p, zero, np.zeros_like(p), np.zeros_like(p), step=1, lr=LR,
                            beta1=BETA1, beta2=0.95, eps=1e-8, weight_decay=wd)
-                assert np.array_equal(state[key].view(np.uint16), p.view(np.uint16)), key
+                same(key, state[key], p)
                 assert not np.any(state[f"optimizer.{key}.exp_avg_sq"]), key
-    assert idle >= 2 * cfg.n_layers  # 8 (token, slot) pairs a layer over 10 experts
+    return idle
 
 
 def test_moe_ops_are_the_reference_block_bit_for_bit(rng):
