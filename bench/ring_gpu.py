@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single-budget", type=_budget, default=(120.0, 24.0), metavar="HOST:DEV",
                    help="budgets of the one-GPU run, GiB (default 120:24)")
     p.add_argument("--no-single", action="store_true", help="run the ring only")
+    p.add_argument("--ring-from", metavar="DIR", default=None,
+                   help="do not run the ring: take its run from DIR/ring_gpu.json (an earlier "
+                        "--no-single run of the same model, length, GPUs and budgets, on this "
+                        "machine) and run the one-GPU baseline against it: a comparison too long "
+                        "for one call split over two on the same machine")
     p.add_argument("--single-own", action="store_true",
                    help="also run one GPU at the planner's own chunking for the ring's global "
                         "batch (the fair speed baseline where the ring chose smaller chunks "
@@ -313,6 +318,26 @@ def _last_json(path: Path) -> dict | None:
         return None
 
 
+def _earlier_ring(args) -> dict:
+    """The ring run of --ring-from, refused unless it ran what this call would have run."""
+    path = Path(args.ring_from) / "ring_gpu.json"
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--ring-from {args.ring_from}: cannot read {path} ({exc}); run the "
+                         f"ring first with --no-single --out {args.ring_from}")
+    cfg = earlier.get("config", {})
+    want = {"model": args.model, "seqlen": args.seqlen, "gpus": args.gpus,
+            "ring_budget_gib": list(args.ring_budget), "steps": args.steps, "lr": args.lr,
+            "rounds": args.rounds, "replicas": args.replicas, "split_fetch": args.split_fetch,
+            "max_grad_norm": args.max_grad_norm}
+    differ = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+    if differ:
+        raise SystemExit(f"--ring-from {args.ring_from}: its run differs from this call's "
+                         f"(earlier, now): {differ}; pass the same arguments")
+    return earlier
+
+
 def collect(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -329,17 +354,25 @@ def collect(args) -> dict:
                          "max_grad_norm": args.max_grad_norm},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
-    record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
-    print(f"CUDA context: {None if ctx is None else round(ctx / GIB, 3)} GiB", flush=True)
-    cmd = ring_command(args)
-    print("ring:", " ".join(cmd), flush=True)
-    rc, wall, rows = _run(cmd, out / "ring.log", args.timeout, _env())
-    ring = {"exit_code": rc, "wall_s": wall, "processes": rows}
-    for r in range(args.gpus):
-        try:
-            ring[f"rank{r}"] = json.loads((out / "ring" / f"rank{r}.json").read_text())
-        except (OSError, ValueError):
-            ring[f"rank{r}"] = None
+    if args.ring_from:
+        earlier = _earlier_ring(args)
+        ring = earlier["ring"]
+        record["ring_from"] = {"dir": args.ring_from, "time_utc": earlier.get("time_utc"),
+                               "commit": earlier.get("commit")}
+        record["context_bytes"] = ctx = earlier.get("context_bytes")
+        rc, wall = ring["exit_code"], ring["wall_s"]
+    else:
+        record["context_bytes"] = ctx = context_bytes(out) if args.backend == "cupy" else None
+        print(f"CUDA context: {None if ctx is None else round(ctx / GIB, 3)} GiB", flush=True)
+        cmd = ring_command(args)
+        print("ring:", " ".join(cmd), flush=True)
+        rc, wall, rows = _run(cmd, out / "ring.log", args.timeout, _env())
+        ring = {"exit_code": rc, "wall_s": wall, "processes": rows}
+        for r in range(args.gpus):
+            try:
+                ring[f"rank{r}"] = json.loads((out / "ring" / f"rank{r}.json").read_text())
+            except (OSError, ValueError):
+                ring[f"rank{r}"] = None
     record["ring"] = ring
     rank0 = ring.get("rank0")
     print(f"ring exit {rc} in {wall:.0f} s; losses {rank0 and rank0['losses']}", flush=True)
@@ -516,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher == "torchrun" and shutil.which("torchrun") is None:
         parser.error("--launcher torchrun: no torchrun on PATH (it comes with PyTorch); use "
                      "--launcher dataflow-ring")
+    if args.ring_from and args.no_single:
+        parser.error("--ring-from runs only the one-GPU baseline; drop --no-single")
     if args.gpus < 1 or args.steps < 1:
         parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)

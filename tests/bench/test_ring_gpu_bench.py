@@ -22,6 +22,27 @@ def test_ring_and_single_device_agree_and_the_record_says_so(tmp_path, capsys):
     assert "losses identical True" in capsys.readouterr().out
 
 
+def test_a_ring_run_then_its_baseline_from_a_second_call_make_one_record(tmp_path):
+    """--no-single, then --ring-from in a second call (one comparison split over two device
+    calls on the same machine): the second record holds the first's ring and the baseline, and
+    a second call with other arguments is refused before anything runs."""
+    import pytest
+
+    base = ["tiny", "64", "--ring-budget", "1:0.25", "--single-budget", "1:0.25", "--backend",
+            "numpy", "--steps", "2", "--rounds", "3"]
+    first, second = tmp_path / "ring", tmp_path / "single"
+    assert ring_gpu.main([*base, "--out", str(first), "--no-single"]) == 0
+    assert "single" not in json.loads((first / "ring_gpu.json").read_text())
+    assert ring_gpu.main([*base, "--out", str(second), "--ring-from", str(first)]) == 0
+    rec = json.loads((second / "ring_gpu.json").read_text())
+    assert rec["ring_from"]["dir"] == str(first) and not (second / "ring.log").exists()
+    assert rec["comparison"]["losses_identical"] is True
+    with pytest.raises(SystemExit, match="differs"):
+        ring_gpu.main([*base[:-1], "4", "--out", str(tmp_path / "x"), "--ring-from", str(first)])
+    with pytest.raises(SystemExit, match="cannot read"):
+        ring_gpu.main([*base, "--out", str(tmp_path / "y"), "--ring-from", str(tmp_path / "no")])
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     """A budget without its device half, a missing torchrun, no steps: exit 2, one message,
     nothing written."""
