@@ -91,10 +91,14 @@ class MoeOps:
         """As ops_numpy.moe_experts_bwd: dxp written, the stacked weight gradients += (an idle
         expert's untouched: the reference adds exact zeros); waits for the offsets' copy. Scratch:
         the lent SwiGLU gradients, the activation re-formed into expert_act, and the fp32 input
-        gradient sum of the largest expert (at most T rows) in moe_tokens_f32."""
+        gradient sums of consecutive experts (T rows at a time) in moe_tokens_f32."""
         host = self._offsets_on_host(offsets)
         r, f = gate.shape
-        acc = self._scratch("moe_tokens_f32", (K.experts_bwd_acc_elems(host, xp.shape[1]),), F32)
+        # All of the lent (T, D) fp32, not only the largest expert's rows: experts_bwd rounds the
+        # input gradient of as many experts at a time as it holds (fewer cast launches).
+        lent = self._lent.get("moe_tokens_f32")
+        acc = self._scratch("moe_tokens_f32", (max(K.experts_bwd_acc_elems(host, xp.shape[1]),
+                                                   0 if lent is None else lent.size),), F32)
         K.experts_bwd(xp, host, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
                       dgate=self._scratch("expert_dgate", (r, f), xp.dtype),
                       dup=self._scratch("expert_dup", (r, f), xp.dtype),

@@ -74,7 +74,7 @@ class RopeScaling:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmoe", "qwen3_moe")
 """Families whose checkpoints train as themselves (docs/models.md lists what each refuses).
 olmoe and qwen3_moe are mixture-of-experts families: they need ModelConfig.moe, and the
-others refuse it; the engine trains them on the NumPy backend only so far (docs/moe.md)."""
+others refuse it; the engine trains them on the NumPy and CuPy backends (docs/moe.md)."""
 
 MOE_FAMILIES = ("olmoe", "qwen3_moe")
 

@@ -62,8 +62,8 @@ families' is None): the embedding row it never trains (ModelConfig.pad_token_id)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-"""model_type -> the transformers class whose computation our kernels reproduce (the MoE
-families train on the NumPy backend only so far: docs/moe.md)."""
+"""model_type -> the transformers class whose computation our kernels reproduce (docs/moe.md
+for the MoE families)."""
 
 NOT_YET = {
     "qwen2_moe": "Qwen2-MoE's sigmoid-gated shared expert is not built",

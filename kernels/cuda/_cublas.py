@@ -20,6 +20,7 @@ _OP_N, _OP_T = 0, 1
 # before gemmEx returns, so these module constants can be shared by every call.
 _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # ints: .ctypes builds an object a call
 _HANDLES: dict[int, int] = {}
 
 
@@ -88,7 +89,28 @@ def gemm(m: int, n: int, k: int,
     tc = _dtype_code(c_dtype, "C")
     if ta == _CUDA_R_32F and tc != _CUDA_R_32F:
         raise TypeError("fp32 GEMM operands need an fp32 output")
-    beta = _ONE if accumulate else _ZERO
     cublas.gemmEx(handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
-                  n, m, k, _ONE.ctypes.data, b, tb, ldb, a, ta, lda,
-                  beta.ctypes.data, c, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
+                  n, m, k, _ONE_PTR, b, tb, ldb, a, ta, lda,
+                  _ONE_PTR if accumulate else _ZERO_PTR, c, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
+
+
+def gemm_loop(ab_dtype, c_dtype):
+    """gemm for a loop of many small GEMMs of one operand and one output dtype: the dtype checks
+    and the handle lookup run once here, and the returned launch(m, n, k, a, lda, trans_a, b, ldb,
+    trans_b, c, ldc, accumulate) only calls cuBLAS (the arguments as gemm's). The MoE expert loop
+    launches hundreds of GEMMs a layer whose GPU time is a few microseconds each: there gemm's
+    own Python cost would be the step's bottleneck. Use it on the device that was current when
+    it was made."""
+    ta = _dtype_code(ab_dtype, "A and B")
+    tc = _dtype_code(c_dtype, "C")
+    if ta == _CUDA_R_32F and tc != _CUDA_R_32F:
+        raise TypeError("fp32 GEMM operands need an fp32 output")
+    h, gemm_ex = handle(), cublas.gemmEx
+
+    def launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate):
+        if m and n:
+            gemm_ex(h, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k,
+                    _ONE_PTR, b, ta, ldb, a, ta, lda, _ONE_PTR if accumulate else _ZERO_PTR, c,
+                    tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
+
+    return launch

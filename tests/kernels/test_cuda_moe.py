@@ -510,6 +510,37 @@ def test_experts_cuda_match_reference_and_leave_idle_experts_untouched(
 
 @pytest.mark.gpu
 @needs_gpu
+def test_experts_bwd_rounds_the_same_bits_whatever_its_dx_acc_holds(rng):
+    """experts_bwd rounds the input gradient of as many consecutive experts as dx_acc holds with
+    one cast: dx_acc of the largest expert's rows (a cast every expert or two) and of every row
+    (one cast) give the same dxp bits, and both the reference's within the bf16 rule."""
+    t, n, k, d, f = 200, 8, 2, 64, 48
+    idx = routed_idx(rng, t, n, k, (3,))
+    order, offsets = rexp.expert_order(idx, n)
+    wg, wu, wd = _expert_weights(rng, n, f, d)
+    xp = rexp.permute_fwd(bf(rng.standard_normal((t, d))), order, k)
+    _, gate_r, up_r = rexp.experts_fwd(xp, offsets, wg, wu, wd)
+    r = t * k
+    dyp = bf(rng.standard_normal((r, d)))
+    dxp_t = rexp.experts_bwd(f64(xp), offsets, f64(wg), f64(wu), f64(wd), f64(gate_r),
+                             f64(up_r), f64(dyp))[0]
+    dxp_r = rexp.experts_bwd(xp, offsets, wg, wu, wd, gate_r, up_r, dyp)[0]
+    got = []
+    for elems in (kexp.experts_bwd_acc_elems(offsets, d), r * d):
+        dxp = poisoned((r, d), BF16)
+        grads = [cupy.zeros((n, f, d), F32), cupy.zeros((n, f, d), F32),
+                 cupy.zeros((n, d, f), F32)]
+        kexp.experts_bwd(dev(xp), offsets, dev(wg), dev(wu), dev(wd), dev(gate_r), dev(up_r),
+                         dev(dyp), dxp, *grads, dgate=poisoned((r, f), BF16),
+                         dup=poisoned((r, f), BF16), h=poisoned((r, f), BF16),
+                         dx_acc=poisoned((elems,), F32))
+        got.append(host(dxp))
+    assert same_bits(got[0], got[1])
+    check_close("experts_bwd dxp", got[1], dxp_t, dxp_r)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_experts_fwd_refuses_device_offsets_and_offsets_that_miss_rows(rng):
     """Host offsets are the documented sync point: device offsets are refused (no hidden .get()),
     and offsets that do not end at R (an out-of-range expert index) are refused by name."""

@@ -1,0 +1,138 @@
+"""The routed experts' GEMM loop of the CuPy backend at a model's shapes (issue 41): one layer
+and one chunk of kernels.cuda.moe_experts' experts_fwd + experts_bwd (the expert GEMMs, the
+SwiGLU and the input gradient's casts) on random routing, timed two ways: the host's time to
+enqueue them (perf_counter around the calls, nothing waited for) and the GPU's (CUDA events
+around the same calls, after a full drain). Beside them, the GPU time of one dense GEMM chain
+of the same FLOPs (what the planner's prediction assumes the loop runs at) and cProfile's top
+host functions of one more repetition. Host time above GPU time means the loop is launch bound
+there: the GPU idles between GEMMs however fast they are.
+
+    python -m dataflow.bench.moe_experts_bench olmoe-1b-7b --tokens 8192 --out moe.json
+
+Needs CuPy and a GPU. Prints a short table last and writes one JSON record (device, commit,
+shape, the times in ms, the top profile lines). Never trains and never plans."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shape(model: str, tokens: int) -> dict:
+    from dataflow.models.hf import model_config
+
+    cfg = model_config(model)
+    if cfg.moe is None:
+        raise SystemExit(f"{model}: not a mixture-of-experts model (no ModelConfig.moe)")
+    return {"model": cfg.name, "tokens": tokens, "d": cfg.model_dim, "f": cfg.moe.expert_ffn_dim,
+            "n_experts": cfg.moe.n_experts, "top_k": cfg.moe.top_k}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataflow.bench.moe_experts_bench",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", default="olmoe-1b-7b", help="a zoo MoE model")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens in the chunk (default 8192)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
+    p.add_argument("--out", default="", help="JSON record path")
+    args = p.parse_args(argv)
+    if args.tokens < 1 or args.repeat < 1:
+        p.error(f"--tokens {args.tokens} and --repeat {args.repeat} must be at least 1")
+    shape = _shape(args.model, args.tokens)
+    import cupy as cp
+    import numpy as np
+
+    import dataflow.kernels.cuda as K
+    from dataflow.bench.sweep.sweep import git_commit
+    from ml_dtypes import bfloat16 as BF16
+
+    F32 = np.float32
+
+    t, d, f, n, k = (shape[x] for x in ("tokens", "d", "f", "n_experts", "top_k"))
+    r = t * k
+    rng = np.random.default_rng(0)
+    idx = np.argsort(rng.random((t, n)), axis=1)[:, :k].astype(np.int64)  # k distinct experts
+    order, offsets = cp.empty(r, np.int64), cp.empty(n + 1, np.int64)
+    K.expert_order(cp.asarray(idx), n, order, offsets)
+    host_off = offsets.get()
+
+    def bf(*s, scale=1.0):
+        out = cp.empty(s, BF16)
+        K.cast(cp.random.standard_normal(s, dtype=cp.float32) * scale, out)
+        return out
+
+    xp, dyp = bf(r, d), bf(r, d)
+    wg, wu, wd = bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5), bf(n, d, f,
+                                                                              scale=f ** -0.5)
+    dwg, dwu, dwd = cp.zeros((n, f, d), F32), cp.zeros((n, f, d), F32), cp.zeros((n, d, f), F32)
+    yp, dxp = cp.empty((r, d), BF16), cp.empty((r, d), BF16)
+    gate, up, h, dgate, dup, act = (cp.empty((r, f), BF16) for _ in range(6))
+    acc = cp.empty(t * d, F32)  # the engine lends (T, D) fp32
+
+    def layer():
+        K.experts_fwd(xp, host_off, wg, wu, wd, yp, gate, up, h=act)
+        K.experts_bwd(xp, host_off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd, dgate=dgate,
+                      dup=dup, h=h, dx_acc=acc)
+
+    a, b, c = bf(r, d), bf(f, d), cp.empty((r, f), BF16)
+
+    def dense():  # the loop's FLOPs as 9 GEMMs of (R, D) x (D, F): fwd 3, bwd 6
+        for _ in range(9):
+            K.linear_fwd(a, b, c)
+
+    stream = cp.cuda.get_current_stream()
+    rows = {}
+    for name, fn in (("experts loop", layer), ("dense GEMMs, same FLOPs", dense)):
+        fn()
+        stream.synchronize()
+        host_s, gpu_s = [], []
+        for _ in range(args.repeat):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            stream.synchronize()
+            start.record(stream)
+            t0 = time.perf_counter()
+            fn()
+            host_s.append(time.perf_counter() - t0)
+            end.record(stream)
+            end.synchronize()
+            gpu_s.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        rows[name] = {"host_enqueue_ms": 1e3 * min(host_s), "gpu_ms": 1e3 * min(gpu_s)}
+    prof = cProfile.Profile()
+    prof.enable()
+    layer()
+    prof.disable()
+    stream.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    flops = 2 * 9 * r * d * f
+    loop = rows["experts loop"]
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    record = {"kind": "moe_experts_bench", "device": props["name"].decode(),
+              "commit": git_commit(REPO_ROOT), "shape": shape,
+              "active_experts": int(np.count_nonzero(np.diff(host_off))), "rows": rows,
+              "loop_tflop_per_s": flops / loop["gpu_ms"] / 1e9,
+              "launch_bound": loop["host_enqueue_ms"] > loop["gpu_ms"],
+              "profile_top": [ln for ln in text.getvalue().splitlines() if ln.strip()][:24]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print("\n".join(record["profile_top"]))
+    print(f"{shape['model']}: T {t}, D {d}, F {f}, {n} experts, k {k} ({r} routed rows) on "
+          f"{record['device']}")
+    print(f"  {'':26s} {'host enqueue ms':>16s} {'GPU ms':>9s}")
+    for name, row in rows.items():
+        print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f}")
+    print(f"  loop at {record['loop_tflop_per_s']:.0f} TFLOP/s of GPU time; launch bound: "
+          f"{record['launch_bound']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
