@@ -52,9 +52,9 @@ def main(argv=None) -> int:
 
     import dataflow.kernels.cuda as K
     from dataflow.bench.sweep.sweep import git_commit
-    from ml_dtypes import bfloat16 as BF16
+    import ml_dtypes
 
-    F32 = np.float32
+    BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
     t, d, f, n, k = (shape[x] for x in ("tokens", "d", "f", "n_experts", "top_k"))
     r = t * k
