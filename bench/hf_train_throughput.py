@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     batch = None
     for b in (int(x) for x in args.batches.split(",")):
         tokens = torch.randint(0, cfg.vocab_size, (b, args.seqlen), generator=gen).to(dev)
-        try:
+        try:  # two steps: the first creates AdamW's state, which the second must fit beside
+            _step(model, opt, tokens)
             _step(model, opt, tokens)
             if gpu:
                 torch.cuda.synchronize()
@@ -96,9 +97,10 @@ def main(argv=None) -> int:
             break
         except torch.OutOfMemoryError:
             out["tried"].append({"batch": b, "fits": False})
-            opt.zero_grad(set_to_none=True)
-            if gpu:
-                torch.cuda.empty_cache()
+        # outside the handler: its traceback holds the failed step's activations
+        opt.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.empty_cache()
     if batch is None:
         out["error"] = f"no batch of {args.batches} fits"
         print(json.dumps(out, indent=1))

@@ -244,11 +244,22 @@ def _expert_ptrs(w, experts: list[int], shape: tuple[int, int], what: str, dtype
     """(pointers of the listed experts' matrices, their dtype) from a stacked (N, ...) array
     (checked once, then pointer arithmetic: indexing a CuPy array builds a view object, which
     costs more host time than a small GEMM takes on the GPU) or a sequence of N matrices of one
-    dtype (each checked)."""
+    dtype (each checked). A stacked array may step over more than one matrix per expert (the
+    engine's views of a layer block, where an expert's three matrices lie together); each
+    expert's matrix must be C-contiguous."""
     if isinstance(w, cupy.ndarray):
-        _build.check(what, w, (len(w), *shape), dtypes)
-        base, step = w.data.ptr, shape[0] * shape[1] * w.dtype.itemsize
-        return [base + e * step for e in experts], w.dtype
+        if w.ndim != 3 or tuple(w.shape[1:]) != tuple(shape):
+            raise ValueError(f"{what} has shape {tuple(w.shape)}; expected (N, {shape[0]}, "
+                             f"{shape[1]})")
+        if np.dtype(w.dtype) not in dtypes:
+            raise TypeError(f"{what} has dtype {w.dtype}; this op takes "
+                            f"{', '.join(str(d) for d in dtypes)}")
+        isz = w.dtype.itemsize
+        if (tuple(w.strides[1:]) != (shape[1] * isz, isz)
+                or w.strides[0] < shape[0] * shape[1] * isz):
+            raise ValueError(f"{what}: each expert's matrix must be C-contiguous and the "
+                             f"experts apart (strides {w.strides})")
+        return [w.data.ptr + e * w.strides[0] for e in experts], np.dtype(w.dtype)
     ptrs = [_expert_ptr(w, e, shape, what, dtypes) for e in experts]
     kinds = {np.dtype(w[e].dtype) for e in experts}
     if len(kinds) > 1:
