@@ -98,9 +98,9 @@ def gemm_loop(ab_dtype, c_dtype):
     """gemm for a loop of many small GEMMs of one operand and one output dtype: the dtype checks
     and the handle lookup run once here, and the returned launch(m, n, k, a, lda, trans_a, b, ldb,
     trans_b, c, ldc, accumulate) only calls cuBLAS (the arguments as gemm's). The MoE expert loop
-    launches hundreds of GEMMs a layer whose GPU time is a few microseconds each: there gemm's
-    own Python cost would be the step's bottleneck. Use it on the device that was current when
-    it was made."""
+    launches hundreds of GEMMs a layer whose GPU time is a few microseconds each, so every
+    microsecond of host time a call shows in the step. Use it on the device that was current
+    when it was made."""
     ta = _dtype_code(ab_dtype, "A and B")
     tc = _dtype_code(c_dtype, "C")
     if ta == _CUDA_R_32F and tc != _CUDA_R_32F:

@@ -9,9 +9,11 @@ The host's cost. Each expert's GEMMs take a few microseconds of GPU time at OLMo
 experts, ~1,000 rows each at 8k tokens), so the loop launches them through _cublas.gemm_loop (the
 checks once, then only the cuBLAS call) on pointers computed from the stacked weights (indexing
 a CuPy array builds a view, which costs more host time than the GEMM), and rounds the input
-gradient of many experts with one cast. Written the first way (gemm and a view per call, a cast
-per expert), an olmoe-1b-7b step ran at 0.28 of its prediction with the GPU at 331 W
-(bench/records/s20-h200x2-138f195).
+gradient of many experts with one cast. The loop is still launch bound: cuBLAS's gemmEx itself
+takes about 12 us of host time a call, so one OLMoE layer and chunk (576 GEMMs, forward and
+backward) takes 8.5 ms on the host and so on the GPU, against 3.2 ms for dense GEMMs of the same
+FLOPs (bench.moe_experts_bench; bench/records/s20-h200x2-f95d9e9). A grouped GEMM (one call per
+projection) is the way past it (docs/moe.md).
 
 The sync. The expert loop launches one GEMM per (expert, matrix) with that expert's row count,
 so the counts must be on the host. expert_order writes offsets (N + 1,) on the device;
