@@ -66,3 +66,12 @@ def test_explain_predicts_the_update_mode_the_run_uses(h100):
     assert f"step {predict_schedule(plan, plan.profile).step_time_s:.2f} s" in default
     with pytest.raises(ValueError, match="update='later'"):
         explain(plan, update="later")
+
+
+def test_an_moe_plan_says_its_prediction_is_not_yet_measured(h100):
+    """The prediction of an MoE model charges the experts at dense GEMM speed, which the CuPy
+    engine does not reach yet (docs/moe.md): the explanation says so, and a dense plan does not."""
+    moe = make_plan(load_config("olmoe-1b-7b"), 8192, Budget.from_gib(120, 24), h100)
+    dense = make_plan(load_config("1b"), 8192, Budget.from_gib(40, 16), h100)
+    assert "MoE: not yet a measured prediction" in explain(moe)
+    assert "MoE:" not in explain(dense)
