@@ -100,6 +100,9 @@ class Executor:
         """The step's rounds over all processes per round of this one (R data-parallel replicas
         each run 1/R of the global batch's rounds): an MoE model's auxiliary losses are the mean
         over all of them."""
+        self.aux_layers = cfg.n_layers
+        """The MoE layers whose rows a round's auxiliary losses average over: the model's (a ring
+        rank's plan holds only its own layers; its routing totals are the whole ring's)."""
         if ch.rounds_per_step > buffers.MAX_ROUNDS_PER_STEP:
             raise BackendError(f"rounds_per_step {ch.rounds_per_step} exceeds "
                                f"{buffers.MAX_ROUNDS_PER_STEP}; use longer chunks or fewer rounds")
@@ -311,7 +314,7 @@ class Executor:
             self._routing = RoundRouting(
                 counts=self.tr["moe_counts"], sums=self.tr["moe_sums"],
                 aux_coef=m.router_aux_loss_coef / rounds, z_coef=m.router_z_loss_coef / rounds,
-                n_rows=self.plan.chunking.tokens_per_round * self.cfg.n_layers)
+                n_rows=self.plan.chunking.tokens_per_round * self.aux_layers)
         self._round_chunks = [round_chunks(self.plan.chunking, batch, r)
                               for r in range(sch.rounds)]
         self._events = [None] * sch.n_ids
@@ -433,6 +436,9 @@ class Executor:
                                   tr["positions"][chunk.rows], chunk, routing=self._routing)
         elif ev.op in ("head", "head_loss"):
             self._head(ev)
+        elif ev.op == "moe_totals_add":  # a ring rank: the previous ranks' routing totals
+            self.be.launch(Stream.COMPUTE, "moe_totals_add", tr["moe_counts"], tr["moe_sums"],
+                           tr["moe_partial_counts"], tr["moe_partial_sums"], name=ev.name)
         elif ev.op == "ctx_cast":
             save = self._save_views(ev.save, ev.layer, ev.chunk)
             at = self.chunks[ev.chunk].context

@@ -67,6 +67,13 @@ class MoeOps:
         K.load_balancing_loss(counts, sums[:n], n_rows, out[0:1])
         cp.divide(sums[n:], float(n_rows), out=out[1:2])  # fp32 division: correctly rounded
 
+    @staticmethod
+    def moe_totals_add(counts, sums, partial_counts, partial_sums):
+        """As ops_numpy.moe_totals_add: a ring rank's routing totals += the previous ranks'
+        (CuPy's in-place add: int64 exact, fp32 one rounding; nothing allocated)."""
+        cp.add(counts, partial_counts, out=counts)
+        cp.add(sums, partial_sums, out=sums)
+
     moe_permute = staticmethod(K.permute_fwd)
     """(x, order, top_k, xp): xp = x[order // top_k], an exact gather."""
 

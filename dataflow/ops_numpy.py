@@ -201,6 +201,13 @@ def moe_round_losses(counts, sums, n_rows, out):
     out[1] = float(sums[-1]) / n_rows
 
 
+def moe_totals_add(counts, sums, partial_counts, partial_sums):
+    """A ring rank's routing totals += the previous ranks' (int64 counts exactly, the fp32 sums
+    with one fp32 addition each)."""
+    np.add(counts, partial_counts, out=counts)
+    np.add(sums, partial_sums, out=sums)
+
+
 def moe_permute(x, order, top_k, xp):
     """xp (R, D) = x[order // top_k]: each routed row's token (permute_fwd, a gather)."""
     xp[...] = ref_experts.permute_fwd(x, order, top_k)
@@ -271,6 +278,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "zero_rows_where_": (1,),
     "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
+    "moe_totals_add": (0, 1),
     "moe_permute": (3,), "moe_experts_fwd": (5, 6, 7, 8), "moe_combine": (3,),
     "moe_combine_bwd": (4, 5), "moe_experts_bwd": (8, 9, 10, 11), "moe_router_bwd": (13, 14),
 }

@@ -305,10 +305,14 @@ def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
     load-balancing loss's gradient needs in every layer's backward (docs/moe.md). Counts are
     int64 (the dtype the reference and the CUDA kernels count in); the fp32 sums hold each
     expert's softmax mass and, last, the sum of logsumexp^2 (the z-loss). `moe_losses` keeps
-    each round's (aux, z) for the step's result, read with the LM losses."""
+    each round's (aux, z) for the step's result, read with the LM losses. A ring rank receives
+    the previous rank's partial totals into `moe_partial_*` and adds them to its own
+    (dataflow.memplan.ring_schedule, "routing totals")."""
     n = cfg.moe.n_experts
     return (TensorSpec("moe_counts", (n,), "i64"), TensorSpec("moe_sums", (n + 1,), "f32"),
-            TensorSpec("moe_losses", (MAX_ROUNDS_PER_STEP, 2), "f32"))
+            TensorSpec("moe_losses", (MAX_ROUNDS_PER_STEP, 2), "f32"),
+            TensorSpec("moe_partial_counts", (n,), "i64"),
+            TensorSpec("moe_partial_sums", (n + 1,), "f32"))
 
 
 def head_specs(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int) -> tuple[TensorSpec, ...]:

@@ -408,6 +408,8 @@ def event_seconds(plan, p: HardwareProfile):
                 return ctx_s
             if ev.op == "kv_rebuild":
                 return kv_s
+            if ev.op == "moe_totals_add":  # a ring rank's routing totals: a few hundred bytes
+                return 0.0
             return 2 * rows / hbm  # embedding rows gathered or scattered on the device
         if kind == "Update":
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)

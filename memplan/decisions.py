@@ -127,26 +127,18 @@ def _check_tied(d: Decisions) -> None:
                           f"({p.weights.value}, {p.grads.value}, {p.optimizer.value})")
 
 
-MOE_RING_REFUSAL = ("rings do not carry MoE layers yet: the load-balancing loss's gradient in "
-                    "every layer needs the routing counts of all layers of the round, which a "
-                    "ring splits over its ranks, and experts are to stay with their layer's "
-                    "rank (issue 41); train it on one device or as data-parallel replicas "
-                    "(rings of 1: --replicas equal to the GPUs)")
-
-
 def refuse_moe(cfg: ModelConfig, *, holds_embed: bool = True, holds_head: bool = True) -> None:
-    """The planner's limits on a mixture-of-experts config (ModelConfig.moe): the single-device
-    engine runs it on the NumPy backend (every expert moves with its layer's block; the CUDA op
-    table refuses it at the engine, dataflow.engine), but a ring rank's plan (one that does not
-    hold both the embedding and the head) is refused, and so are shared experts, which have no
-    engine ops. make_plan calls it first and validate_decisions again (Engine.from_plan's
-    hand-made plans too). Raises ConfigError."""
+    """The planner's limits on a mixture-of-experts config (ModelConfig.moe): every expert moves
+    with its layer's block, on one device, in data-parallel replicas and on a ring rank (a plan
+    that holds neither the embedding nor the head: the ring passes the round's routing totals
+    between its ranks, dataflow.memplan.ring_schedule); shared experts are refused, which have
+    no engine ops. make_plan calls it first and validate_decisions again (Engine.from_plan's
+    hand-made plans too). Raises ConfigError. holds_embed / holds_head are accepted for the
+    callers' sake and no longer limit anything."""
     m = cfg.moe
     if m is None:
         return
     what = f"model '{cfg.name}' ({cfg.family}, {m.n_experts} experts, top {m.top_k})"
-    if not (holds_embed and holds_head):
-        raise ConfigError(f"{what}: {MOE_RING_REFUSAL}")
     if m.n_shared_experts:
         raise ConfigError(f"{what} has {m.n_shared_experts} shared expert(s), which the engine "
                           "has no ops for (neither OLMoE nor Qwen3-MoE has one); train it on "

@@ -212,6 +212,22 @@ def owned_layers(n_layers: int, n_ranks: int, rank: int,
     return tuple(i for i, r in enumerate(owners) if r == rank)
 
 
+def routing_chain(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None
+                  ) -> tuple[int, ...] | None:
+    """The ranks in the order of their last layers (the head's last): the path an MoE model's
+    partial routing totals take after each rank's last forward of a round, and back from the
+    head before the backward (dataflow.memplan.ring_schedule). None where that order is not the
+    ring's (each rank's successor must be its next neighbour, the only rank it sends
+    forward to): then the placement cannot carry MoE layers."""
+    last = {}
+    for layer, r in enumerate(owners or layer_owners(n_layers, n_ranks)):
+        last[r] = layer
+    chain = tuple(sorted(last, key=last.get))
+    if len(chain) != n_ranks or any(b != (a + 1) % n_ranks for a, b in zip(chain, chain[1:])):
+        return None
+    return chain
+
+
 def embed_rank(n_layers: int, n_ranks: int) -> int:
     """The rank holding the embedding: the owner of layer 0 (no hop before the first layer),
     rank 0 in every placement."""
@@ -334,11 +350,6 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     layers under that chunking (so every rank computes the same owners)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
-    if cfg.moe is not None and n_ranks > 1:  # replicas (rings of 1) hold every layer
-        from dataflow.memplan.decisions import MOE_RING_REFUSAL
-
-        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts): "
-                          f"{MOE_RING_REFUSAL}")
     if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
         raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
                           f"of {n_ranks} puts the embedding on rank 0 and the head on the last "
@@ -354,9 +365,20 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                           head_layer_units(cfg, ch, first.profile, grad_accum))
     shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                   rounds_per_step=ch.rounds_per_step)
+    _moe_chain(cfg, n_ranks, owners, placement)
     first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
                       grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
     return owners, first
+
+
+def _moe_chain(cfg: ModelConfig, n_ranks: int, owners: tuple[int, ...], placement: str) -> None:
+    """Refuse an MoE model where the ranks' last layers do not follow the ring (routing_chain)."""
+    if cfg.moe is not None and n_ranks > 1 and routing_chain(cfg.n_layers, n_ranks,
+                                                             owners) is None:
+        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts): the "
+                          f"{placement} placement over {n_ranks} ranks gives the ranks' last "
+                          "layers an order that is not the ring's, which the routing totals of "
+                          "its MoE layers must follow; use --placement cyclic or contiguous")
 
 
 def _no_segments(constraints: dict, n_ranks: int) -> dict:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.ring_plan import RankPlan
+from dataflow.memplan.events import Compute
+from dataflow.memplan.ring_plan import RankPlan, routing_chain
 from dataflow.memplan.schedule import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
                                        _Compiler)
 
@@ -173,6 +174,19 @@ class _RingCompiler(_ReplicaCompiler):
         self.next = (rp.rank + 1) % rp.n_ranks
         self.sent: dict[tuple[str, int], int] = {}
         """(buffer, chunk) -> send-stream event after which a send of those rows is done."""
+        self.chain_pos = None
+        """An MoE model: this rank's place in routing_chain (the ranks by their last layer)."""
+        if rp.plan.model.moe is not None:
+            from dataflow.models.errors import ConfigError
+
+            chain = routing_chain(rp.n_layers, rp.n_ranks, rp.owners)
+            if chain is None:
+                raise ConfigError(f"rank {rp.rank}: the {rp.placement} placement orders the "
+                                  "ranks' last layers otherwise than the ring, which the MoE "
+                                  "routing totals must follow; plan it cyclic or contiguous")
+            self.chain_pos = chain.index(rp.rank)
+        self._totals_back: set[int] = set()
+        """Rounds whose backward has its routing totals (passed back before its first layer)."""
 
     def rows(self, buffer: str, chunk: int) -> Ref:
         off, nbytes = self._transition(buffer)
@@ -199,6 +213,60 @@ class _RingCompiler(_ReplicaCompiler):
                     self.rows(buffer, chunk), self.prev if backward else self.next,
                     self.tag(rnd, backward, layer, chunk)))
         self.sent[(buffer, chunk)] = em.record(SEND)
+
+    # -- an MoE model's routing totals ------------------------------------------------------
+    # Every layer's backward needs the round's routing totals over ALL layers (the load-balancing
+    # loss's gradient), and each rank adds only its own layers' routing. After a rank's last
+    # forward of the round its totals are final; the ranks in the order of their last layers
+    # (routing_chain: neighbours, the head last) pass them on, each adding what it received
+    # (moe_totals_add), so the head's are the ring's, from which it computes the round's
+    # losses; before the backward the head's totals travel back along the chain, each rank
+    # taking them in place of its own. Counts and fp32 sums go as two small messages with
+    # negative tags (an activation's are never negative), after the activation each follows.
+    def _totals(self, partial: bool) -> tuple[Ref, Ref]:
+        names = (("moe_partial_counts", "moe_partial_sums") if partial
+                 else ("moe_counts", "moe_sums"))
+        return tuple(self.ref("transitions", *self._transition(n)) for n in names)
+
+    @staticmethod
+    def _totals_tag(rnd: int, backward: bool, part: int) -> int:
+        return -(1 + 4 * (2 * rnd + int(backward)) + part)
+
+    def _totals_forward(self, rnd: int) -> None:
+        """After this rank's last forward of round `rnd`: the earlier ranks' totals added to
+        its own, then passed to the next rank (the head keeps them)."""
+        em, last = self.em, self.rp.n_ranks - 1
+        if self.chain_pos > 0:
+            em.wait(RECV, em.record(COMPUTE))  # the last round's add is done with the partials
+            for part, ref in enumerate(self._totals(partial=True)):
+                em.add(Recv(f"recv.f.totals{part}.r{rnd}", ref, self.prev,
+                            self._totals_tag(rnd, False, part)))
+            em.wait(COMPUTE, em.record(RECV))
+            em.add(Compute(f"moe.totals_add.r{rnd}", "moe_totals_add", rnd))
+        if self.chain_pos < last:
+            self._send_totals(rnd, False, self.next)
+
+    def _totals_backward(self, rnd: int) -> None:
+        """Before this rank's first backward of round `rnd`: the ring's totals from the next
+        rank (the head has them), passed on to the previous one (the chain's first keeps them)."""
+        em, last = self.em, self.rp.n_ranks - 1
+        if self.chain_pos < last:
+            em.wait(RECV, em.record(COMPUTE))  # nothing still reads or sends this rank's own
+            for part, ref in enumerate(self._totals(partial=False)):
+                em.add(Recv(f"recv.b.totals{part}.r{rnd}", ref, self.next,
+                            self._totals_tag(rnd, True, part)))
+            em.wait(COMPUTE, em.record(RECV))
+        if self.chain_pos > 0:
+            self._send_totals(rnd, True, self.prev)
+
+    def _send_totals(self, rnd: int, backward: bool, peer: int) -> None:
+        em = self.em
+        em.wait(SEND, em.record(COMPUTE))  # the totals are final (the compute waited any receive)
+        for part, ref in enumerate(self._totals(partial=False)):
+            em.add(Send(f"send.{'b' if backward else 'f'}.totals{part}.r{rnd}", ref, peer,
+                        self._totals_tag(rnd, backward, part)))
+        # before anything on this rank overwrites them (a receive, the next round's clear)
+        em.wait(COMPUTE, em.record(SEND))
 
     # -- the hooks of the single-device round ---------------------------------------------------
     def global_layer(self, layer: int) -> int:
@@ -232,6 +300,9 @@ class _RingCompiler(_ReplicaCompiler):
         whose input is the embedding's), the backward's from the rank of the layer after (none
         for the last layer, whose gradient is the head's); none either where that layer is this
         rank's too (inside a run its rows are already here)."""
+        if backward and self.chain_pos is not None and rnd not in self._totals_back:
+            self._totals_back.add(rnd)
+            self._totals_backward(rnd)
         g = self.rp.layers[layer]
         if not backward and g > 0 and not self.local(layer, -1):
             self.recv(rnd, False, g - 1, buffer, chunk)
@@ -253,6 +324,9 @@ class _RingCompiler(_ReplicaCompiler):
             self.send(rnd, False, g, buffer, chunk)
         elif backward and g > 0 and not self.local(layer, -1):
             self.send(rnd, True, g, buffer, chunk)
+        if (not backward and self.chain_pos is not None and layer == len(self.rp.layers) - 1
+                and chunk == self.C - 1):  # this rank's last forward of the round
+            self._totals_forward(rnd)
 
     def owned_blocks(self) -> list[str]:
         """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are

@@ -26,11 +26,6 @@ class RingExecutor(Executor):
         """deferred_update: as the single-device Executor's (each step's AdamW of this rank's
         blocks inside the next step's round 0, or in flush()). The schedules are those of the
         transport's replica (with rp.split_fetch each replica fetches its own weight parts)."""
-        if rp.plan.model.moe is not None and rp.n_ranks > 1:  # replicas hold every layer
-            from dataflow.memplan.decisions import MOE_RING_REFUSAL
-            from dataflow.models.errors import ConfigError
-
-            raise ConfigError(f"model '{rp.plan.model.name}': {MOE_RING_REFUSAL}")
         q = transport.replica if transport is not None else 0
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
@@ -39,6 +34,7 @@ class RingExecutor(Executor):
                          compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds, q))
         self.rp, self.transport = rp, transport
         self.aux_round_factor = rp.replicas
+        self.aux_layers = rp.n_layers  # the routing totals a ring passes round are the model's
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                GatherParts: self._gather_parts, Record: self._ring_record,
                                Wait: self._ring_wait})
@@ -47,7 +43,10 @@ class RingExecutor(Executor):
         gathered = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is GatherParts]
         # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
         # one place at a time), and a ring of 2 shares one mailbox for both directions.
-        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round,
+        # An MoE model's ranks also pass the round's routing totals on: two small messages
+        # each way (dataflow.memplan.ring_schedule).
+        totals = 4 if cfg.moe is not None and rp.n_ranks > 1 else 0
+        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round + totals,
                        max(reduced, default=0), max(gathered, default=0))
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -125,8 +124,8 @@ class RingExecutor(Executor):
     def _ring_loss(self, stats: StepStats) -> StepStats:
         """`stats` with the loss and rounds of the head ranks of every replica (their round sums
         gathered through the transport), tokens counted over the replicas; an MoE model's
-        auxiliary losses the mean over every replica's rounds (a replica of a ring of 1 holds
-        every layer, so its own mean is its rounds')."""
+        auxiliary losses the mean over every replica's rounds, each as its head rank computed
+        them (the ring passes the round's routing totals to the head; a ring of 1 is its own)."""
         rounds = len(stats.rounds)
         pairs = self.download(self.tr["scalars"][8:8 + 2 * rounds]).astype(np.float64)
         moe = stats.aux_loss is not None
@@ -136,8 +135,8 @@ class RingExecutor(Executor):
         loss_pairs = np.concatenate([rows[q * self.rp.n_ranks + head][:2 * rounds]
                                      for q in range(self.rp.replicas)]).astype(
             np.float32).reshape(-1, 2)
-        if moe:
-            terms = np.array([rows[q * self.rp.n_ranks][2 * rounds:]
+        if moe:  # the head's round losses: its routing totals are the whole ring's
+            terms = np.array([rows[q * self.rp.n_ranks + head][2 * rounds:]
                               for q in range(self.rp.replicas)]).mean(axis=0)
             stats = dataclasses.replace(stats, aux_loss=float(terms[0]),
                                         z_loss=float(terms[1]) if stats.z_loss is not None

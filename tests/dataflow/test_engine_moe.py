@@ -340,8 +340,8 @@ def test_a_backend_without_moe_ops_and_rings_refuse_moe_by_name():
     with pytest.raises(ConfigError, match="fake backend: this backend's op table has no MoE ops"):
         Engine(cfg, host_gb=1, dev_gb=0.5, seqlen=SEQLEN, backend=NoMoeOps())
     cpu, budget = get_profile("cpu"), Budget.from_gib(1, 0.5)
-    with pytest.raises(ConfigError, match="rings do not carry MoE layers yet.*issue 41"):
-        make_rank_plans(cfg, SEQLEN, budget, cpu, n_ranks=2)
+    rps = make_rank_plans(cfg, SEQLEN, budget, cpu, n_ranks=2)  # rings pass routing totals
+    assert [rp.plan.model.moe for rp in rps] == [cfg.moe, cfg.moe]
 
 
 def test_executor_lends_the_cuda_moe_scratch_from_its_arenas(rng):

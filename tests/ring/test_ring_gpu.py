@@ -225,6 +225,34 @@ def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_pa
         assert np.array_equal(w0[key], w1[key]), key
 
 
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+def test_moe_ring_of_two_on_the_gpu_trains_as_one_gpu(tmp_path, transport):
+    """An OLMoE-shaped model on a ring of 2 (sharing one GPU through shared memory, or one GPU
+    each over NCCL): the ranks pass the round's routing totals along their last layers and back
+    (dataflow.memplan.ring_schedule), so the losses and evaluation are one GPU's within fp32
+    rounding of the routing sums (step 1 within 1e-6, later within docs/ring.md's 1e-4).
+    Written in the twentieth session without a GPU to run it on."""
+    from dataflow.models.config import MoE, ModelConfig
+    from dataflow.models.serial import to_json
+
+    if transport == "nccl" and cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    cfg = ModelConfig(name="olmoe-gpu-tiny", family="olmoe", vocab_size=512, model_dim=128,
+                      head_dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                      rope_theta=1e4, norm_eps=1e-6, qk_norm=True,
+                      moe=MoE(n_experts=8, top_k=2, expert_ffn_dim=64, norm_topk_prob=False,
+                              router_aux_loss_coef=0.5, router_z_loss_coef=1e-3))
+    job = RingJob(model=to_json(cfg), seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
+                  seed=7, data="random:17", lr=1e-3, backend="cupy", transport=transport,
+                  timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING, eval_seqs=3)
+    want_losses, _ = _single_device(job, DEV_GB)
+    losses, got = _launched(job, 2)
+    assert losses[0] == losses[1], losses
+    assert losses[0][0] == pytest.approx(want_losses[0], rel=1e-6)
+    assert np.allclose(losses[0], want_losses, rtol=1e-4, atol=0), (losses, want_losses)
+    assert sorted(got) == ["embed", "head", "layer0", "layer1", "layer2", "layer3"]
+
+
 def test_nccl_ranks_need_a_gpu_each():
     """Two ranks of an NCCL ring cannot share one GPU: rank 1 fails at once naming its
     missing GPU, and rank 0 (waiting at the rendezvous) is stopped within the grace time."""
