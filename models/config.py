@@ -196,9 +196,10 @@ class ModelConfig:
     """Every layer's FFN is this mixture of experts (families olmoe, qwen3_moe, which need it;
     the others refuse it); ffn_dim then holds transformers' dense intermediate_size, which no
     layer uses (Qwen3-30B-A3B: 6144; OLMoE: the expert width) and which nothing counts. The
-    engine trains it on the NumPy and CuPy backends (every expert moves with its layer's block;
-    the CuPy one not yet run on a GPU); rings of 2+ ranks and an op table without MoE ops refuse
-    it by name (dataflow.memplan.decisions.refuse_moe, dataflow.engine.refuse_moe_backend).
+    engine trains it on the NumPy and CuPy backends (every expert moves with its layer's block),
+    on one device, as replicas and on rings (the ranks pass each round's routing totals:
+    dataflow.memplan.ring_schedule); an op table without MoE ops refuses it by name
+    (dataflow.engine.refuse_moe_backend).
     Left out of the JSON when None, so configs, checkpoints and plan hashes without it are
     unchanged."""
 
