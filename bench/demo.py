@@ -342,6 +342,12 @@ class _Run:
                      "step's rounds, unscaled; the loss above is the language-model loss)",
                      r.step, r.aux_loss, r.z_loss if r.z_loss is not None else 0.0)
         bar.info("step %d: %s", r.step, r.breakdown.summary())
+        trace = getattr(self.eng, "last_trace", None)
+        if trace is not None:  # every step: a run cut short still says where its time went
+            from dataflow.instrument import op_totals
+
+            bar.info("step %d: largest compute costs: %s", r.step, ", ".join(
+                f"{op} {t * 1e3:,.1f} ms ({n:,}x)" for op, t, n in op_totals(trace.spans)[:5]))
         ex = getattr(self.eng, "ex", None)
         if len(self.results) == 1 and getattr(ex, "deferred", False) \
                 and not getattr(ex, "backward_update", False):
@@ -382,8 +388,6 @@ class _Run:
 
     def close(self) -> None:
         """Close the trace and the metrics log and write --json, whatever stopped the loop."""
-        from dataflow.instrument import op_totals
-
         args = self.args
         if self.results and self.status == "done":
             last = self.results[-1]
@@ -395,8 +399,6 @@ class _Run:
                          f"{ceil['no_stalls']:,.0f}", f"{ceil['no_recompute']:,.0f}",
                          f"; its attention alone {ceil['attention_alone']:,.0f}"
                          if ceil["attention_alone"] else "")
-            log.info("largest compute costs (last step): %s", ", ".join(
-                f"{op} {t * 1e3:.1f} ms" for op, t, _ in op_totals(self.last_trace.spans)[:5]))
         if self.trace:
             self.trace.close()
             log.info("trace: %s (%d events; open in ui.perfetto.dev)", args.trace,

@@ -14,7 +14,7 @@ only (no GPU); prints a table and writes a JSON record.
     python -m dataflow.bench.floors bench/records/s13-h100-6b7f5ac/bt/8b-s131072-h120-d24.demo.json:3400
 
 Records older than StepBreakdown.attention_s take the attention time from the run's log beside
-the JSON (its "largest compute costs" line: the five largest ops, so the figure is a lower
+the JSON (its last "largest compute costs" line: the five largest ops, so the figure is a lower
 bound on the attention time when attention is not among the five largest ops)."""
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from pathlib import Path
 from dataflow.bench.sweep.sweep import git_commit
 from dataflow.instrument.breakdown import ceilings, is_attention, is_level_recompute
 
-_COSTS = re.compile(r"largest compute costs \(last step\): (.*)$", re.M)
-_OP = re.compile(r"([\w.]+) ([\d.]+) ms")
+_COSTS = re.compile(r"largest compute costs(?: \(last step\))?: (.*)$", re.M)
+"""The demo's line: once at the end in older logs, after every step since the twentieth
+session ("step 2: largest compute costs: b.attention_bwd 1,234.5 ms (16x), ...")."""
+_OP = re.compile(r"([\w.]+) ([\d.,]+) ms")
 
 
 def _log_of(path: Path) -> Path:
@@ -50,7 +52,7 @@ def attention_from_log(text: str) -> float | None:
         return None
     # the same classification as compute_breakdown's attention_s: the backward's re-run
     # forward attention is recompute
-    return sum(float(ms) / 1e3 for name, ms in _OP.findall(m.group(1))
+    return sum(float(ms.replace(",", "")) / 1e3 for name, ms in _OP.findall(m.group(1))
                if is_attention(name) and not is_level_recompute(name))
 
 

@@ -1,9 +1,9 @@
 """Where a traced step's time went, by kind of op: reads a Chrome trace that `dataflow-demo
 --trace FILE.json` wrote and prints, per stream, the op kinds with their count, summed span
 time, share of the step's wall time and mean span, largest first, plus the compute stream's
-idle gaps. An op kind is the span's name with its numbers replaced by '#' ('f.L3.c1.linear_fwd'
--> 'f.L#.c#.linear_fwd', 'act.d2h(2, 0)' -> 'act.d2h(#, #)', 'w.h2d3' -> 'w.h2d#'), so one line
-sums every layer and chunk. Made for a step that runs far below its prediction (docs/moe.md): one traced step on the
+idle gaps. An op kind is dataflow.instrument.breakdown.op_key of the span's name (its layer,
+chunk and block indices dropped: 'f.L3.c1.linear_fwd' -> 'f.linear_fwd'), so one line sums
+every layer and chunk; `dataflow-demo` logs each step's five largest compute kinds the same way. Made for a step that runs far below its prediction (docs/moe.md): one traced step on the
 GPU and this table in the same call show which ops hold the time, without carrying the trace
 back.
 
@@ -17,18 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-_NUMBER = re.compile(r"\d+(?![A-Za-z_])")
-
-
-def op_kind(name: str) -> str:
-    """The span name with its numbers replaced by '#' (not a digit inside a word: 'h2d', 'd2h')."""
-    return _NUMBER.sub("#", name)
-
+from dataflow.instrument.breakdown import op_key
 
 def _events(path: Path) -> tuple[list[dict], dict[int, str]]:
     try:
@@ -64,7 +57,7 @@ def summarize(events: list[dict], names: dict[int, str], step: int | None = None
         wall = max(e["ts"] + e["dur"] for e in spans) - t0
     table: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for e in spans:
-        table[names.get(e["tid"], str(e["tid"]))][op_kind(e["name"])].append(e["dur"])
+        table[names.get(e["tid"], str(e["tid"]))][op_key(e["name"])].append(e["dur"])
     streams = {}
     for stream, ops in table.items():
         rows = [{"op": op, "count": len(d), "total_ms": sum(d) / 1e3,

@@ -41,6 +41,10 @@ def test_ceilings_come_from_the_last_steps_breakdown():
 
 def test_attention_from_the_log_leaves_out_recompute_and_takes_the_last_step():
     assert attention_from_log(LOG) == pytest.approx(55.0)
+    per_step = ("step 1: largest compute costs: b.attention_bwd 9.0 ms (4x)\n"
+                "step 2: largest compute costs: b.attention_bwd 40,000.0 ms (16x), "
+                "f.attention_fwd 15,000.0 ms (16x), b.attention_fwd.re 2,000.0 ms (16x)\n")
+    assert attention_from_log(per_step) == pytest.approx(55.0)  # the demo's line since s20
     assert attention_from_log("no such line") is None
     row = floors(_run(), LOG)
     assert row["attention_s"] == pytest.approx(55.0)
