@@ -4,8 +4,8 @@ SwiGLU and the input gradient's casts) on random routing, timed two ways: the ho
 enqueue them (perf_counter around the calls, nothing waited for) and the GPU's (CUDA events
 around the same calls, after a full drain). Beside them, the GPU time of one dense GEMM chain
 of the same FLOPs (what the planner's prediction assumes the loop runs at) and cProfile's top
-host functions of one more repetition. Host time above GPU time means the loop is launch bound
-there: the GPU idles between GEMMs however fast they are.
+host functions of one more repetition. GPU time no longer than the host's (within 10 %) means
+the loop is launch bound there: the GPU idles between GEMMs however fast they are.
 
     python -m dataflow.bench.moe_experts_bench olmoe-1b-7b --tokens 8192 --out moe.json
 
@@ -119,7 +119,9 @@ def main(argv=None) -> int:
               "commit": git_commit(REPO_ROOT), "shape": shape,
               "active_experts": int(np.count_nonzero(np.diff(host_off))), "rows": rows,
               "loop_tflop_per_s": flops / loop["gpu_ms"] / 1e9,
-              "launch_bound": loop["host_enqueue_ms"] > loop["gpu_ms"],
+              # a loop the host feeds slower than the GPU runs it ends on the GPU when the host
+              # ends: GPU time about the host's (call E: 8.49 and 8.50 ms)
+              "launch_bound": loop["host_enqueue_ms"] >= 0.9 * loop["gpu_ms"],
               "profile_top": [ln for ln in text.getvalue().splitlines() if ln.strip()][:24]}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
