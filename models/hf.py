@@ -67,7 +67,8 @@ for the MoE families)."""
 
 NOT_YET = {
     "qwen2_moe": "Qwen2-MoE's sigmoid-gated shared expert is not built",
-    "mixtral": "mixture-of-experts blocks are not built yet",
+    "mixtral": ("Mixtral's mixture-of-experts layout (block_sparse_moe, w1/w2/w3) is not built "
+                "yet; the engine's MoE block trains OLMoE and Qwen3-MoE"),
     "gemma": "Gemma's GeLU FFN, scaled embedding and (1 + w) norms are not built",
     "gemma2": "Gemma 2's soft-capping and alternating sliding windows are not built",
     "phi3": "Phi-3's fused qkv / gate_up projections are not imported yet",
