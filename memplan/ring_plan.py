@@ -365,20 +365,24 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                           head_layer_units(cfg, ch, first.profile, grad_accum))
     shared = dict(constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                   rounds_per_step=ch.rounds_per_step)
-    _moe_chain(cfg, n_ranks, owners, placement)
+    if cfg.moe is not None:
+        moe_routing_chain(cfg.name, cfg.n_layers, n_ranks, owners, placement)
     first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
                       grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
     return owners, first
 
 
-def _moe_chain(cfg: ModelConfig, n_ranks: int, owners: tuple[int, ...], placement: str) -> None:
-    """Refuse an MoE model where the ranks' last layers do not follow the ring (routing_chain)."""
-    if cfg.moe is not None and n_ranks > 1 and routing_chain(cfg.n_layers, n_ranks,
-                                                             owners) is None:
-        raise ConfigError(f"model '{cfg.name}' ({cfg.family}, {cfg.moe.n_experts} experts): the "
-                          f"{placement} placement over {n_ranks} ranks gives the ranks' last "
-                          "layers an order that is not the ring's, which the routing totals of "
-                          "its MoE layers must follow; use --placement cyclic or contiguous")
+def moe_routing_chain(name: str, n_layers: int, n_ranks: int, owners: tuple[int, ...],
+                      placement: str) -> tuple[int, ...]:
+    """routing_chain, or a ConfigError naming the placement where the ranks' last layers do not
+    follow the ring (the planner refuses such a ring, and so does a hand-made rank's compiler)."""
+    chain = routing_chain(n_layers, n_ranks, owners)
+    if chain is None:
+        raise ConfigError(f"model '{name}': the {placement} placement over {n_ranks} ranks gives "
+                          "the ranks' last layers an order that is not the ring's, which the "
+                          "routing totals of its MoE layers must follow; use --placement cyclic "
+                          "or contiguous")
+    return chain
 
 
 def _no_segments(constraints: dict, n_ranks: int) -> dict:

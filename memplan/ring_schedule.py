@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.events import Compute
-from dataflow.memplan.ring_plan import RankPlan, routing_chain
+from dataflow.memplan.ring_plan import RankPlan, moe_routing_chain
 from dataflow.memplan.schedule import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
                                        _Compiler)
 
@@ -177,13 +177,8 @@ class _RingCompiler(_ReplicaCompiler):
         self.chain_pos = None
         """An MoE model: this rank's place in routing_chain (the ranks by their last layer)."""
         if rp.plan.model.moe is not None:
-            from dataflow.models.errors import ConfigError
-
-            chain = routing_chain(rp.n_layers, rp.n_ranks, rp.owners)
-            if chain is None:
-                raise ConfigError(f"rank {rp.rank}: the {rp.placement} placement orders the "
-                                  "ranks' last layers otherwise than the ring, which the MoE "
-                                  "routing totals must follow; plan it cyclic or contiguous")
+            chain = moe_routing_chain(rp.plan.model.name, rp.n_layers, rp.n_ranks, rp.owners,
+                                      rp.placement)
             self.chain_pos = chain.index(rp.rank)
         self._totals_back: set[int] = set()
         """Rounds whose backward has its routing totals (passed back before its first layer)."""

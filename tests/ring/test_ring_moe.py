@@ -125,9 +125,11 @@ def test_a_ring_of_two_trains_moe_as_one_device(rng, n_layers, placement):
 def test_a_placement_whose_last_layers_skip_around_the_ring_is_refused_for_moe():
     """The routing totals follow the ranks' last layers, each to its next neighbour: a ring of 3
     whose last layers are not in ring order cannot pass them and says so."""
-    from dataflow.memplan.ring_plan import routing_chain
+    from dataflow.memplan.ring_plan import moe_routing_chain, routing_chain
 
     assert routing_chain(4, 2) == (0, 1)  # cyclic: layers 2, 3 last
     assert routing_chain(5, 2) == (1, 0)  # cyclic, the head on rank 0
     assert routing_chain(4, 2, (0, 0, 1, 1)) == (0, 1)  # contiguous
     assert routing_chain(6, 3, (0, 1, 2, 0, 2, 1)) is None  # last layers 3, 4, 5 on 0, 2, 1
+    with pytest.raises(ConfigError, match="balanced placement over 3 ranks.*cyclic or contiguous"):
+        moe_routing_chain("m", 6, 3, (0, 1, 2, 0, 2, 1), "balanced")
