@@ -66,7 +66,9 @@ def test_the_padding_row_gets_no_gradient_from_its_lookup(rng, embed):
     assert not np.array_equal(table[used[used != PAD]], before[used[used != PAD]])
 
     ref = ReferenceTrainer(cfg, _as(cfg, w), lr=1e-2)
-    assert ref.train_step(batch).loss_mean == pytest.approx(loss, rel=1e-4)
+    # the same weights, but the engine rounds its bf16 activations at other places than the
+    # reference: 1e-4 was too tight (CI seed 994087713858999258: 1.3e-4)
+    assert ref.train_step(batch).loss_mean == pytest.approx(loss, rel=1e-3)
     assert np.array_equal(_table(ref.weights, cfg)[PAD], before[PAD])
 
 
