@@ -2,7 +2,11 @@
 and one chunk of kernels.cuda.moe_experts' experts_fwd + experts_bwd (the expert GEMMs, the
 SwiGLU and the input gradient's casts) on random routing, timed two ways: the host's time to
 enqueue them (perf_counter around the calls, nothing waited for) and the GPU's (CUDA events
-around the same calls, after a full drain). Beside them, the GPU time of one dense GEMM chain
+around the same calls, after a full drain), and the GPU's own time (the calls enqueued behind a
+spinning kernel, so they run back to back whatever the host's pace). Timed twice: with a new routing every repetition
+(new row counts, as every layer and chunk of a training step has: the case that matters, where
+cuBLAS's gemmEx ran its heuristics for every GEMM) and with one routing repeated (sizes seen
+before; the twentieth session's bench measured only this and so missed that cost). Beside them, the GPU time of one dense GEMM chain
 of the same FLOPs (what the planner's prediction assumes the loop runs at) and cProfile's top
 host functions of one more repetition. GPU time no longer than the host's (within 10 %) means
 the loop is launch bound there: the GPU idles between GEMMs however fast they are.
@@ -42,6 +46,10 @@ def main(argv=None) -> int:
     p.add_argument("model", nargs="?", default="olmoe-1b-7b", help="a zoo MoE model")
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the chunk (default 8192)")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
+    p.add_argument("--as-engine", action="store_true",
+                   help="lay the weights and bf16 gradients out as the engine's layer block does "
+                        "(each expert's gate, up and down together) and give cuBLAS the engine's "
+                        "workspace (default: separate stacked arrays, fp32 gradients, none)")
     p.add_argument("--out", default="", help="JSON record path")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.repeat < 1:
@@ -59,10 +67,18 @@ def main(argv=None) -> int:
     t, d, f, n, k = (shape[x] for x in ("tokens", "d", "f", "n_experts", "top_k"))
     r = t * k
     rng = np.random.default_rng(0)
-    idx = np.argsort(rng.random((t, n)), axis=1)[:, :k].astype(np.int64)  # k distinct experts
     order, offsets = cp.empty(r, np.int64), cp.empty(n + 1, np.int64)
-    K.expert_order(cp.asarray(idx), n, order, offsets)
-    host_off = offsets.get()
+
+    def routing():
+        """Host offsets of a fresh routing: k distinct experts a token, expert popularity
+        varying from draw to draw as a router's does."""
+        scores = rng.standard_normal((t, n)) + 0.3 * rng.standard_normal(n)
+        idx = np.argsort(-scores, axis=1)[:, :k].astype(np.int64)
+        K.expert_order(cp.asarray(idx), n, order, offsets)
+        return offsets.get()
+
+    host_off = routing()
+    fresh = [routing() for _ in range(2 * args.repeat + 1)]  # one per call below
 
     def bf(*s, scale=1.0):
         out = cp.empty(s, BF16)
@@ -70,17 +86,33 @@ def main(argv=None) -> int:
         return out
 
     xp, dyp = bf(r, d), bf(r, d)
-    wg, wu, wd = bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5), bf(n, d, f,
-                                                                              scale=f ** -0.5)
-    dwg, dwu, dwd = cp.zeros((n, f, d), F32), cp.zeros((n, f, d), F32), cp.zeros((n, d, f), F32)
+    if args.as_engine:  # views of one block, an expert's three matrices together (models/layout)
+        from dataflow.memplan.buffers import CUBLAS_WORKSPACE_BYTES
+
+        block = bf(n, 3 * f * d, scale=d ** -0.5)
+        gblock = cp.zeros((n, 3 * f * d), BF16)
+        wg, wu, wd = (block[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
+                      for i, s_ in enumerate(((f, d), (f, d), (d, f))))
+        dwg, dwu, dwd = (gblock[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
+                         for i, s_ in enumerate(((f, d), (f, d), (d, f))))
+        workspace = cp.empty(CUBLAS_WORKSPACE_BYTES, cp.uint8)
+        K.set_cublas_workspace(workspace)
+    else:
+        wg, wu, wd = (bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5),
+                      bf(n, d, f, scale=f ** -0.5))
+        dwg, dwu, dwd = (cp.zeros((n, f, d), F32), cp.zeros((n, f, d), F32),
+                         cp.zeros((n, d, f), F32))
     yp, dxp = cp.empty((r, d), BF16), cp.empty((r, d), BF16)
     gate, up, h, dgate, dup, act = (cp.empty((r, f), BF16) for _ in range(6))
     acc = cp.empty(t * d, F32)  # the engine lends (T, D) fp32
 
-    def layer():
-        K.experts_fwd(xp, host_off, wg, wu, wd, yp, gate, up, h=act)
-        K.experts_bwd(xp, host_off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd, dgate=dgate,
+    def layer(off=None):
+        off = host_off if off is None else off
+        K.experts_fwd(xp, off, wg, wu, wd, yp, gate, up, h=act)
+        K.experts_bwd(xp, off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd, dgate=dgate,
                       dup=dup, h=h, dx_acc=acc)
+
+    new_routing = iter(fresh)
 
     a, b, c = bf(r, d), bf(f, d), cp.empty((r, f), BF16)
 
@@ -89,22 +121,38 @@ def main(argv=None) -> int:
             K.linear_fwd(a, b, c)
 
     stream = cp.cuda.get_current_stream()
+    # The GPU's own time: a spinning kernel holds the stream while the host enqueues the calls
+    # behind it, so the events around them time the kernels back to back, not the launches.
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
+    khz = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["clockRate"]
+    spin_cycles = np.int64(khz * 1000 * 0.2)  # 0.2 s at the base clock: longer than any enqueue
     rows = {}
-    for name, fn in (("experts loop", layer), ("dense GEMMs, same FLOPs", dense)):
+    for name, fn in (("experts loop, new routing", lambda: layer(next(new_routing))),
+                     ("experts loop, same routing", layer), ("dense GEMMs, same FLOPs", dense)):
         fn()
         stream.synchronize()
-        host_s, gpu_s = [], []
-        for _ in range(args.repeat):
+        host_s, gpu_s, queued_gpu_s = [], [], []
+        for i in range(2 * args.repeat):
+            behind = i % 2 == 1  # every other repetition runs queued behind the spin
             start, end = cp.cuda.Event(), cp.cuda.Event()
             stream.synchronize()
+            if behind:
+                spin((1,), (1,), (spin_cycles,))
             start.record(stream)
             t0 = time.perf_counter()
             fn()
-            host_s.append(time.perf_counter() - t0)
+            enqueue_s = time.perf_counter() - t0
             end.record(stream)
             end.synchronize()
-            gpu_s.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        rows[name] = {"host_enqueue_ms": 1e3 * min(host_s), "gpu_ms": 1e3 * min(gpu_s)}
+            elapsed_s = cp.cuda.get_elapsed_time(start, end) / 1e3
+            if behind:
+                queued_gpu_s.append(elapsed_s)
+            else:
+                host_s.append(enqueue_s)
+                gpu_s.append(elapsed_s)
+        rows[name] = {"host_enqueue_ms": 1e3 * min(host_s), "gpu_ms": 1e3 * min(gpu_s),
+                      "gpu_queued_ms": 1e3 * min(queued_gpu_s)}
     prof = cProfile.Profile()
     prof.enable()
     layer()
@@ -113,10 +161,10 @@ def main(argv=None) -> int:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
     flops = 2 * 9 * r * d * f
-    loop = rows["experts loop"]
+    loop = rows["experts loop, new routing"]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     record = {"kind": "moe_experts_bench", "device": props["name"].decode(),
-              "commit": git_commit(REPO_ROOT), "shape": shape,
+              "commit": git_commit(REPO_ROOT), "shape": shape, "as_engine": args.as_engine,
               "active_experts": int(np.count_nonzero(np.diff(host_off))), "rows": rows,
               "loop_tflop_per_s": flops / loop["gpu_ms"] / 1e9,
               # a loop the host feeds slower than the GPU runs it ends on the GPU when the host
@@ -128,9 +176,10 @@ def main(argv=None) -> int:
     print("\n".join(record["profile_top"]))
     print(f"{shape['model']}: T {t}, D {d}, F {f}, {n} experts, k {k} ({r} routed rows) on "
           f"{record['device']}")
-    print(f"  {'':26s} {'host enqueue ms':>16s} {'GPU ms':>9s}")
+    print(f"  {'':26s} {'host enqueue ms':>16s} {'GPU ms':>9s} {'GPU ms, queued':>15s}")
     for name, row in rows.items():
-        print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f}")
+        print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f} "
+              f"{row['gpu_queued_ms']:15.2f}")
     print(f"  loop at {record['loop_tflop_per_s']:.0f} TFLOP/s of GPU time; launch bound: "
           f"{record['launch_bound']}")
     return 0

@@ -81,6 +81,15 @@ class CudaOps(MoeOps):
         if "cublas_workspace" in scratch:
             K.set_cublas_workspace(scratch["cublas_workspace"])
 
+    def release_scratch(self) -> None:
+        """Forget every lent view, and take the cuBLAS workspace back from the handle (which
+        outlives the arena those views lie in), unless another table has lent it one since: the
+        backend calls this before it frees the arena."""
+        ws = self._lent.get("cublas_workspace")
+        if ws is not None and K.cublas_workspace()[0] == ws.data.ptr:
+            K.set_cublas_workspace(None)
+        self._lent.clear()
+
     def rms_norm_bwd(self, x, w, rstd, dy, dx, dw_acc, residual=None):
         parts, d = K.rms_norm_bwd_scratch_shape(x.shape[0], x.shape[1])
         K.rms_norm_bwd(x, w, rstd, dy, dx, dw_acc,

@@ -492,6 +492,7 @@ class CupyBackend(Backend):
 
     def close(self) -> None:
         self.synchronize()
+        self.ops.release_scratch()
         self._marks.clear()
         self.guard.remove()
         self._slabs.clear()

@@ -16,6 +16,7 @@ experts_fwd / experts_bwd (moe_experts says what that costs).
 """
 
 from dataflow.kernels.cuda._cublas import set_workspace as set_cublas_workspace
+from dataflow.kernels.cuda._cublas import workspace as cublas_workspace
 from dataflow.kernels.cuda.adamw import adamw_step
 from dataflow.kernels.cuda.attention import (attention_bwd, attention_fwd, attention_workspace_bytes,
                                     graph_sources)
@@ -37,7 +38,7 @@ from dataflow.kernels.cuda.utils import add_, bias_bwd, bias_fill, cast, clip_sc
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
-    "bias_bwd", "bias_fill", "cast",
+    "bias_bwd", "bias_fill", "cast", "cublas_workspace",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
     "experts_bwd_acc_elems", "experts_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",

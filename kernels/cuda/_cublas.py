@@ -1,9 +1,12 @@
 """Row-major GEMMs through cuBLAS gemmEx (bf16 or fp32 operands, fp32 compute, bf16 or fp32
 output, beta = 1 to accumulate). One cuBLAS handle per device, created on first use and cached;
 CuPy's binding points the handle at the current CuPy stream before every call. Never
-synchronises; cuBLAS keeps its own workspace (library memory, outside the engine's arena)."""
+synchronises; cuBLAS keeps its own workspace (library memory, outside the engine's arena) unless
+set_workspace gave it one. The MoE experts' loops of changing sizes use _cublaslt instead."""
 
 from __future__ import annotations
+
+import functools
 
 import cupy
 import numpy as np
@@ -22,6 +25,7 @@ _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # ints: .ctypes builds an object a call
 _HANDLES: dict[int, int] = {}
+_WORKSPACES: dict[int, tuple[int, int]] = {}
 
 
 def handle() -> int:
@@ -35,8 +39,16 @@ def handle() -> int:
 
 def set_workspace(view) -> None:
     """Point this device's cuBLAS handle at `view` (a device byte array the caller keeps alive)
-    as its workspace, so cuBLAS allocates none of its own (cublasSetWorkspace)."""
-    ptr, n = view.data.ptr, int(view.nbytes)
+    as its workspace, so cuBLAS allocates none of its own (cublasSetWorkspace); _cublaslt's
+    GEMMs use it too. None takes it back (workspace NULL, 0 bytes): call that before the memory
+    is freed, or a later GEMM may write into memory that is gone (an engine's arena outlives
+    the handle; the twenty-first session's GPU tests hit an illegal address that way)."""
+    dev = cupy.cuda.runtime.getDevice()
+    ptr, n = (0, 0) if view is None else (view.data.ptr, int(view.nbytes))
+    if view is None:
+        _WORKSPACES.pop(dev, None)
+    else:
+        _WORKSPACES[dev] = (ptr, n)
     fn = getattr(cublas, "setWorkspace", None)
     if fn is not None:
         fn(handle(), ptr, n)
@@ -50,8 +62,16 @@ def set_workspace(view) -> None:
         raise RuntimeError(f"cublasSetWorkspace failed with status {status}")
 
 
+def workspace() -> tuple[int, int]:
+    """(pointer, bytes) of the workspace set_workspace gave this device's handle, or (0, 0):
+    _cublaslt's GEMMs use the same memory (GEMMs of one stream run one after another)."""
+    return _WORKSPACES.get(cupy.cuda.runtime.getDevice(), (0, 0))
+
+
+@functools.cache
 def _libcublas():
-    """The libcublas this process already loaded (CuPy's), found through /proc/self/maps."""
+    """The libcublas this process already loaded (CuPy's), found through /proc/self/maps (read
+    once: with the engine's pinned host memory mapped, the file is long)."""
     import ctypes
 
     with open("/proc/self/maps") as f:
@@ -92,25 +112,3 @@ def gemm(m: int, n: int, k: int,
     cublas.gemmEx(handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
                   n, m, k, _ONE_PTR, b, tb, ldb, a, ta, lda,
                   _ONE_PTR if accumulate else _ZERO_PTR, c, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
-
-
-def gemm_loop(ab_dtype, c_dtype):
-    """gemm for a loop of many small GEMMs of one operand and one output dtype: the dtype checks
-    and the handle lookup run once here, and the returned launch(m, n, k, a, lda, trans_a, b, ldb,
-    trans_b, c, ldc, accumulate) only calls cuBLAS (the arguments as gemm's). The MoE expert loop
-    launches hundreds of GEMMs a layer whose GPU time is a few microseconds each, so every
-    microsecond of host time a call shows in the step. Use it on the device that was current
-    when it was made."""
-    ta = _dtype_code(ab_dtype, "A and B")
-    tc = _dtype_code(c_dtype, "C")
-    if ta == _CUDA_R_32F and tc != _CUDA_R_32F:
-        raise TypeError("fp32 GEMM operands need an fp32 output")
-    h, gemm_ex = handle(), cublas.gemmEx
-
-    def launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate):
-        if m and n:
-            gemm_ex(h, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k,
-                    _ONE_PTR, b, ta, ldb, a, ta, lda, _ONE_PTR if accumulate else _ZERO_PTR, c,
-                    tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
-
-    return launch

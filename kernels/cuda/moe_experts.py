@@ -6,14 +6,13 @@ stream. Never decides routing and never synchronises: the one host-device sync o
 is offsets_to_host, which the caller runs and waits on explicitly.
 
 The host's cost. Each expert's GEMMs take a few microseconds of GPU time at OLMoE's shapes (64
-experts, ~1,000 rows each at 8k tokens), so the loop launches them through _cublas.gemm_loop (the
-checks once, then only the cuBLAS call) on pointers computed from the stacked weights (indexing
-a CuPy array builds a view, which costs more host time than the GEMM), and rounds the input
-gradient of many experts with one cast. The loop is still launch bound: cuBLAS's gemmEx itself
-takes about 12 us of host time a call, so one OLMoE layer and chunk (576 GEMMs, forward and
-backward) takes 8.5 ms on the host and so on the GPU, against 3.2 ms for dense GEMMs of the same
-FLOPs (bench.moe_experts_bench; bench/records/s20-h200x2-f95d9e9). A grouped GEMM (one call per
-projection) is the way past it (docs/moe.md).
+experts, ~2,000 rows each at 16k tokens), and their row counts are new every layer and chunk.
+cuBLAS's gemmEx runs its algorithm heuristics for every shape it has not seen, about 100 us of
+host time a call: the olmoe-1b-7b demo spent 78 % of its step there. So the loop launches them
+through _cublaslt.gemm_loop (heuristics once per size bucket, then cublasLtMatmul with the cached
+algorithm) on pointers computed from the stacked weights (indexing a CuPy array builds a view,
+which costs more host time than the GEMM), and rounds the input gradient of many experts with
+one cast. Measured: bench/records/s21-h200-*/ and docs/moe.md.
 
 The sync. The expert loop launches one GEMM per (expert, matrix) with that expert's row count,
 so the counts must be on the host. expert_order writes offsets (N + 1,) on the device;
@@ -39,7 +38,7 @@ import numpy as np
 
 from dataflow.kernels.cuda import _build
 from dataflow.kernels.cuda._build import BF16, F32
-from dataflow.kernels.cuda._cublas import gemm_loop
+from dataflow.kernels.cuda._cublaslt import gemm_loop
 from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
 from dataflow.kernels.cuda.utils import cast
 

@@ -1,0 +1,154 @@
+"""kernels/cuda/_cublaslt.py: the size buckets (CPU) and its GEMM loop on the GPU against float64
+on fresh random inputs (sizes that change every call, both transposes, bf16 and fp32 outputs,
+accumulation, pointers aligned to only 2 or 4 bytes), plus its bits repeating for one bucket.
+Tolerance as tests/kernels/test_cuda_ops.py (STYLE §7): the GPU's relative error against the
+float64 product of the stored inputs at most twice that of the product rounded once to the
+output dtype, never below an fp32 floor."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+try:
+    import cupy
+
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001 - no CuPy, no driver, or CuPy built for another CUDA
+    cupy = None
+    HAVE_GPU = False
+
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
+
+BF16, F32, F64 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _bucket_fn():
+    """_cublaslt.bucket, loaded from its file alone: the package's __init__ needs CuPy, the
+    module itself imports it only where it calls it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "cuda" / "_cublaslt.py"
+    spec = importlib.util.spec_from_file_location("_cublaslt_alone", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.bucket
+
+
+def test_buckets_cover_their_sizes_within_a_quarter_four_to_an_octave():
+    bucket = _bucket_fn()
+
+    sizes = range(1, 70_000)
+    b = [bucket(x) for x in sizes]
+    assert all(y >= x for x, y in zip(sizes, b))
+    assert all(y <= max(16, 1.25 * x) for x, y in zip(sizes, b))
+    assert b == sorted(b)
+    assert [bucket(x) for x in (1, 16, 17, 32, 33, 1024, 1025, 1280, 1281, 2048, 2049)] == \
+        [16, 16, 20, 32, 40, 1024, 1280, 1280, 1536, 2048, 2560]
+    octave = {bucket(x) for x in range(1025, 2049)}
+    assert sorted(octave) == [1280, 1536, 1792, 2048]
+
+
+def _stored(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(F32).astype(dtype)
+
+
+def _dev(a, extra_elems=0):
+    """a on the device, starting `extra_elems` elements into its buffer (misaligned pointers)."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    raw = np.zeros(flat.size + extra_elems, dtype=a.dtype)
+    raw[extra_elems:] = flat
+    if a.dtype == BF16:
+        d = cupy.asarray(raw.view(np.uint16)).view(BF16)
+    else:
+        d = cupy.asarray(raw)
+    return d, d.data.ptr + extra_elems * a.dtype.itemsize
+
+
+def _host(d, n, extra, dtype):
+    if dtype == BF16:
+        return cupy.asnumpy(d.view(cupy.uint16)).view(BF16)[extra:extra + n]
+    return cupy.asnumpy(d)[extra:extra + n]
+
+
+def _rel(got, want):
+    return float(np.linalg.norm(got.astype(F64) - want) / max(np.linalg.norm(want), 1e-300))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("ab, c", [(BF16, BF16), (BF16, F32), (F32, F32)],
+                         ids=["bf16", "bf16-f32out", "f32"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("misalign", [0, 1], ids=["aligned", "misaligned"])
+def test_gemm_loop_matches_float64_over_changing_sizes(rng, ab, c, trans_a, trans_b, misalign):
+    from dataflow.kernels.cuda._cublaslt import gemm_loop
+
+    launch = gemm_loop(ab, c)
+    # Sizes change every call, as the experts' row counts do, and cross bucket edges.
+    for m, n, k in [(1, 48, 64), (7, 40, 72), (300, 64, 136), (17, 200, 8), (1025, 96, 64),
+                    (130, 64, 1000)]:
+        a_store = _stored(rng, (k, m) if trans_a else (m, k), ab)
+        b_store = _stored(rng, (n, k) if trans_b else (k, n), ab)
+        c0 = _stored(rng, (m, n), c)
+        a_op = a_store.astype(F64).T if trans_a else a_store.astype(F64)
+        b_op = b_store.astype(F64).T if trans_b else b_store.astype(F64)
+        for accumulate in (False, True):
+            truth = a_op @ b_op + (c0.astype(F64) if accumulate else 0.0)
+            da, pa = _dev(a_store, misalign)
+            db, pb = _dev(b_store, misalign)
+            dc, pc = _dev(c0, misalign)
+            launch(m, n, k, pa, a_store.shape[1], trans_a, pb, b_store.shape[1], trans_b, pc, n,
+                   accumulate)
+            got = _host(dc, m * n, misalign, c).reshape(m, n)
+            once = truth.astype(c)  # the product rounded once to the output dtype
+            bound = max(2 * _rel(once, truth), 1e-5)
+            err = _rel(got, truth)
+            assert err <= bound, (f"({m}, {n}, {k}) trans {trans_a, trans_b} acc {accumulate}: "
+                                  f"rel err {err:.3g} > {bound:.3g}")
+            if misalign:
+                head = _host(dc, misalign, 0, c)
+                assert not np.any(head.astype(F32)), "wrote before C"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemm_loop_repeats_its_bits_for_sizes_of_one_bucket(rng):
+    """The algorithm is the bucket's: the same sizes give the same bits, and a size of the same
+    bucket run between them does not change that."""
+    from dataflow.kernels.cuda._cublaslt import bucket, gemm_loop
+
+    launch = gemm_loop(BF16, BF16)
+    k, n = 256, 128
+    assert bucket(1100) == bucket(1200)
+    a, b = _stored(rng, (1200, k), BF16), _stored(rng, (k, n), BF16)
+    da, pa = _dev(a)
+    db, pb = _dev(b)
+    outs = []
+    for m in (1100, 1200, 1100):
+        dc = cupy.zeros((m, n), dtype=cupy.uint16).view(BF16)
+        launch(m, n, k, pa, k, False, pb, n, False, dc.data.ptr, n, False)
+        outs.append(cupy.asnumpy(dc.view(cupy.uint16)))
+    assert np.array_equal(outs[0], outs[2])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_released_table_takes_its_workspace_back_from_the_cublas_handle():
+    """The handle outlives the arena its workspace lies in: CudaOps.release_scratch (the CuPy
+    backend's close) takes the workspace back, unless another table lent one since. Before this,
+    a GEMM after an Engine closed wrote into its freed arena (an illegal address)."""
+    import dataflow.kernels.cuda as K
+    from dataflow.ops_cuda import CudaOps
+
+    first, second = CudaOps(), CudaOps()
+    ws1, ws2 = cupy.empty(1 << 20, cupy.uint8), cupy.empty(1 << 20, cupy.uint8)
+    first.lend_scratch({"cublas_workspace": ws1})
+    assert K.cublas_workspace() == (ws1.data.ptr, ws1.nbytes)
+    second.lend_scratch({"cublas_workspace": ws2})
+    first.release_scratch()
+    assert K.cublas_workspace() == (ws2.data.ptr, ws2.nbytes)
+    second.release_scratch()
+    assert K.cublas_workspace() == (0, 0)
