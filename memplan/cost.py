@@ -46,6 +46,25 @@ MOE_ELEMENTWISE_FWD_WIDTHS = (3, 3, 4)
 of (k F_e, k D, N): SwiGLU over its k routed rows; the permutation's gather written and the
 combine's k rows read (plus the residual); the router's fp32 logits and softmax (4 bf16-sized
 values per expert). Not measured yet (no CUDA MoE ops): a count, like the dense widths."""
+EXPERT_GEMM_HALF_ROWS = 1450
+"""A routed expert's GEMMs run at the dense GEMM rate (gemm_flop_per_s at the chunk's tokens)
+times rows / (rows + this), rows being the expert's share of the chunk's routed rows (T k / N):
+each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well. Fitted
+to the GPU's own time of kernels/cuda/moe_experts' loop at olmoe-1b-7b's shapes on an H200
+(bench.moe_experts_bench, queued behind a spinning kernel; bench/records/s21-h200-lt/d): 0.58 of
+the dense GEMMs' rate at 2,048 rows (16k tokens), 0.42 at 1,024 (8k): 1,480 and 1,430 rows."""
+EXPERT_GEMM_HOST_S = 14e-6
+"""Host time of one expert GEMM launch (kernels/cuda/_cublaslt.py: a dict lookup and a ctypes
+call into cublasLtMatmul): 7.8 ms for 576 calls at 16k tokens, 8.9 ms at 8k (same records).
+The loop takes the longer of the GPU's time and this times its calls: a chunk small enough
+that its GEMMs take less than this is launch bound."""
+EXPERT_CALLS_FWD, EXPERT_CALLS_BWD = 2, 5
+"""cuBLASLt calls per expert with rows: forward gate+up (one strided batch of 2) and down;
+backward dh, dW_down, dW_gate+dW_up (one batch), and dx's two."""
+EXPERT_SYNC_S = 1.5e-4
+"""Each MoE layer and chunk's forward, recompute and backward copy the expert offsets to the
+host and wait for them (dataflow/ops_cuda_moe.py): the stream drains, then the GPU idles for the
+host's poll (0.1 ms) and first launches. Not measured on its own; a poll and a few launches."""
 ELEMENTWISE_BWD_FACTOR = 2.0
 """The backward moves about twice the forward's elementwise bytes; a recompute, once."""
 CROSS_ENTROPY_PASSES = 4
@@ -88,6 +107,28 @@ def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, key
     return (p.peak_bf16_flop_per_s * efficiency
             * _scale(keys, ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP)
             * _scale(cfg.head_dim, ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM))
+
+
+def expert_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds the routed experts' GEMMs of one layer over `tokens` take
+    beyond their FLOPs at the dense rate (which layer_matmul_flops / gemm_flop_per_s already
+    count): the small-GEMM rate (EXPERT_GEMM_HALF_ROWS) or the launches (EXPERT_GEMM_HOST_S),
+    whichever is slower, plus the offsets' wait (EXPERT_SYNC_S). (0, 0) for a dense model.
+    A recompute below FULL re-runs the forward, so it costs the forward's extra again."""
+    m = cfg.moe
+    if m is None or tokens <= 0:
+        return 0.0, 0.0
+    routed = tokens * m.top_k
+    rows = routed / m.n_experts
+    active = min(m.n_experts, routed)
+    flops = 2.0 * routed * cfg.model_dim * 3 * m.expert_ffn_dim  # one forward pass
+    dense = gemm_flop_per_s(cfg, p, tokens)
+    slow = dense * rows / (rows + EXPERT_GEMM_HALF_ROWS)
+    out = []
+    for passes, calls in ((1, EXPERT_CALLS_FWD), (2, EXPERT_CALLS_BWD)):
+        took = max(passes * flops / slow, calls * active * EXPERT_GEMM_HOST_S)
+        out.append(took - passes * flops / dense + EXPERT_SYNC_S)
+    return out[0], out[1]
 
 
 def elementwise_fwd_bytes(cfg: ModelConfig, tokens: int) -> int:
@@ -167,6 +208,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     mm_kept = mm - 2 * t * cfg.model_dim * (cfg.q_dim + 2 * cfg.kv_dim * (ch.chunks_per_seq == 1))
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
     rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
+    exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -180,14 +222,15 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         if ch.chunks_per_seq > 1 or not deterministic:
             bwd_eff *= ATTN_ATOMIC_BWD_SPEEDUP
         a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, bwd_eff, keys)
-        fwd_s = (mm / gemm + ew_s) * over + a_fwd_s
-        bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s) * over + a_bwd_s
-        rec_a = (rec_attn / gemm + ew_s) * over
+        fwd_s = (mm / gemm + ew_s) * over + a_fwd_s + exp_fwd_s
+        bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s) * over + a_bwd_s + exp_bwd_s
+        rec_a = (rec_attn / gemm + ew_s) * over + exp_fwd_s
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
                               rec_flops=(rec_full, rec_attn, rec_attn + a_fwd),
                               flash_flops=flash,
-                              fwd_flops=mm + a_fwd, refwd_kept_s=(mm_kept / gemm + ew_s) * over,
+                              fwd_flops=mm + a_fwd,
+                              refwd_kept_s=(mm_kept / gemm + ew_s) * over + exp_fwd_s,
                               refwd_kept_flops=mm_kept))
     return tuple(out)
 

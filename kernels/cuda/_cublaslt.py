@@ -25,6 +25,7 @@ import ctypes
 _DESC_TRANSA, _DESC_TRANSB = 3, 4                      # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE = 1                                # cublasLtMatmulPreferenceAttributes_t
 _PREF_ALIGN = (5, 6, 7, 8)                             # MIN_ALIGNMENT_{A,B,C,D}_BYTES
+_LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6       # cublasLtMatrixLayoutAttribute_t
 _MAX_LAYOUTS = 1 << 16
 """Layouts kept (a few hundred bytes each): one per (type, rows, cols, ld) met."""
 
@@ -76,6 +77,7 @@ def _lib():
     lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, sz]
     lib.cublasLtMatrixLayoutCreate.argtypes = [pvp, i32, u64, u64, i64]
     lib.cublasLtMatrixLayoutDestroy.argtypes = [vp]
+    lib.cublasLtMatrixLayoutSetAttribute.argtypes = [vp, i32, vp, sz]
     lib.cublasLtMatmulPreferenceCreate.argtypes = [pvp]
     lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, vp,
@@ -132,13 +134,19 @@ class _Device:
             d = self.descs[(op_a, op_b)] = p.value
         return d
 
-    def layout(self, dtype: int, rows: int, cols: int, ld: int) -> int:
-        key = (dtype, rows, cols, ld)
+    def layout(self, dtype: int, rows: int, cols: int, ld: int, count: int = 1,
+               stride: int = 0) -> int:
+        key = (dtype, rows, cols, ld, count, stride)
         lay = self.layouts.get(key)
         if lay is None:
             p = ctypes.c_void_p()
             _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(p), dtype, rows, cols, ld),
                    "MatrixLayoutCreate")
+            if count != 1:
+                for attr, v in ((_LAYOUT_BATCH_COUNT, ctypes.c_int32(count)),
+                                (_LAYOUT_BATCH_STRIDE, ctypes.c_int64(stride))):
+                    _check(self.lib.cublasLtMatrixLayoutSetAttribute(
+                        p, attr, ctypes.byref(v), ctypes.sizeof(v)), "MatrixLayoutSetAttribute")
             lay = self.layouts[key] = p.value
         return lay
 
@@ -180,12 +188,15 @@ def _device() -> _Device:
 
 
 def gemm_loop(ab_dtype, c_dtype):
-    """launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate) for a loop of GEMMs
-    of one operand and one output dtype on the current stream and device, as _cublas.gemm: C
-    (m, n) [+]= op(A) (m, k) @ op(B) (k, n), row-major, pointers and leading dimensions in
-    elements; a call with m or n = 0 launches nothing (k = 0 is refused by cuBLASLt). The dtype
-    checks, the stream and the workspace are looked up once here; a call then costs one dict
-    lookup (its exact sizes: descriptor, layouts and the bucket's algorithm) and the ctypes call."""
+    """launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate, batch=None) for a
+    loop of GEMMs of one operand and one output dtype on the current stream and device, as
+    _cublas.gemm: C (m, n) [+]= op(A) (m, k) @ op(B) (k, n), row-major, pointers and leading
+    dimensions in elements; a call with m or n = 0 launches nothing (k = 0 is refused by
+    cuBLASLt). batch = (count, stride of A, of B, of C), strides in elements (0: every product
+    reads the same matrix; C's must not be 0 nor any negative): `count` such products of one
+    size in one call, the i-th at the pointers + i strides. The dtype checks, the stream and the
+    workspace are looked up once here; a call then costs one dict lookup (its exact sizes:
+    descriptor, layouts and the bucket's algorithm) and the ctypes call."""
     import cupy
 
     from dataflow.kernels.cuda import _cublas
@@ -200,12 +211,15 @@ def gemm_loop(ab_dtype, c_dtype):
     ws_ptr, ws_size = _cublas.workspace()
     one, zero = _cublas._ONE_PTR, _cublas._ZERO_PTR
     calls = dev.calls.setdefault((ta, tc, ws_size), {})
+    isz_ab, isz_c = (4 if ta == _cublas._CUDA_R_32F else 2), (4 if tc == _cublas._CUDA_R_32F else 2)
 
-    def launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate):
+    def launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate, batch=None):
         if not (m and n):
             return
         align = _alignment(a, b, c) if (a | b | c) & 255 else 256
-        key = (m, n, k, lda, ldb, ldc, trans_a, trans_b, align)
+        if batch is not None:  # every product's pointers: the strides' alignment too
+            align = _alignment(align, batch[1] * isz_ab, batch[2] * isz_ab, batch[3] * isz_c)
+        key = (m, n, k, lda, ldb, ldc, trans_a, trans_b, align, batch)
         e = calls.get(key)
         if e is None:
             e = _prepare(dev, calls, ta, tc, ws_size, key)
@@ -220,11 +234,13 @@ def gemm_loop(ab_dtype, c_dtype):
     return launch
 
 
-def _layouts(dev: _Device, ta: int, tc: int, m, n, k, lda, ldb, ldc, trans_a, trans_b):
+def _layouts(dev: _Device, ta: int, tc: int, m, n, k, lda, ldb, ldc, trans_a, trans_b,
+             batch=None):
     """The cuBLASLt layouts (column-major) of B as the first operand, A as the second, C."""
-    la = dev.layout(ta, k if trans_b else n, n if trans_b else k, ldb)
-    lb = dev.layout(ta, m if trans_a else k, k if trans_a else m, lda)
-    lc = dev.layout(tc, n, m, ldc)
+    count, sa, sb, sc = batch or (1, 0, 0, 0)
+    la = dev.layout(ta, k if trans_b else n, n if trans_b else k, ldb, count, sb)
+    lb = dev.layout(ta, m if trans_a else k, k if trans_a else m, lda, count, sa)
+    lc = dev.layout(tc, n, m, ldc, count, sc)
     return la, lb, lc
 
 
@@ -233,22 +249,24 @@ def _prepare(dev: _Device, calls: dict, ta: int, tc: int, ws_size: int, key: tup
     """calls[key] = (descriptor, layout of B, of A, of C, algorithm address, its result) for
     key's exact sizes, the algorithm being its size bucket's (heuristics run once per bucket;
     exact: this shape's own, when the bucket's refused it)."""
-    m, n, k, lda, ldb, ldc, trans_a, trans_b, align = key
+    m, n, k, lda, ldb, ldc, trans_a, trans_b, align, batch = key
+    if batch is not None and (batch[0] < 1 or batch[3] <= 0 or min(batch[1:]) < 0):
+        raise ValueError(f"batch {batch}: a positive count, strides >= 0 and C's > 0")
     bm, bn, bk = (m, n, k) if exact else (bucket(m), bucket(n), bucket(k))
     # A bucketed size that is a layout's row count must still fit its leading dimension.
     bn = bn if bn <= ldc and (trans_b or bn <= ldb) else n
     bk = bk if (not trans_b or bk <= ldb) and (trans_a or bk <= lda) else k
     bm = bm if not trans_a or bm <= lda else m
     desc = dev.desc(1 if trans_b else 0, 1 if trans_a else 0)
-    akey = (ta, tc, ws_size, bm, bn, bk, lda, ldb, ldc, trans_a, trans_b, align)
+    akey = (ta, tc, ws_size, bm, bn, bk, lda, ldb, ldc, trans_a, trans_b, align, batch)
     res = dev.algos.get(akey)
     if res is None:
         res = dev.algos[akey] = dev.heuristic(
-            desc, *_layouts(dev, ta, tc, bm, bn, bk, lda, ldb, ldc, trans_a, trans_b),
+            desc, *_layouts(dev, ta, tc, bm, bn, bk, lda, ldb, ldc, trans_a, trans_b, batch),
             dev.pref(align, ws_size), f"a ({m}, {n}, {k}) GEMM (bucket ({bm}, {bn}, {bk}))")
     if len(dev.layouts) > _MAX_LAYOUTS:
         dev.drop_layouts()
-    entry = (desc, *_layouts(dev, ta, tc, m, n, k, lda, ldb, ldc, trans_a, trans_b),
+    entry = (desc, *_layouts(dev, ta, tc, m, n, k, lda, ldb, ldc, trans_a, trans_b, batch),
              ctypes.addressof(res), res)  # res kept alive beside its address
     calls[key] = entry
     return entry

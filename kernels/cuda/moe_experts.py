@@ -305,13 +305,29 @@ def experts_fwd(xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
     wd, _ = _expert_ptrs(w_down, experts, (d, f), "w_down", (dt,))
     mm = gemm_loop(dt, dt)
     x0, g0, u0, h0, y0 = (a.data.ptr for a in (xp, gate, up, h, yp))
+    # gate and up of an expert in one call: x shared, the weights and outputs a stride apart
+    sw, so = _stride(wg, wu, isz), _stride([g0], [u0], isz)
+    pair = None if sw is None or so is None else (2, 0, sw, so)
     for (r0, n), pg, pu in zip(active, wg, wu):
         xs = x0 + r0 * d * isz
-        mm(n, f, d, xs, d, False, pg, d, True, g0 + r0 * f * isz, f, False)
-        mm(n, f, d, xs, d, False, pu, d, True, u0 + r0 * f * isz, f, False)
+        mm(n, f, d, xs, d, False, pg, d, True, g0 + r0 * f * isz, f, False, pair)
+        if pair is None:
+            mm(n, f, d, xs, d, False, pu, d, True, u0 + r0 * f * isz, f, False)
     swiglu_fwd(gate, up, h)
     for (r0, n), pd in zip(active, wd):
         mm(n, d, f, h0 + r0 * f * isz, f, False, pd, f, True, y0 + r0 * d * isz, d, False)
+
+
+def _stride(first, second, itemsize: int):
+    """The distance, in elements, from each pointer of `first` to the same expert's in `second`
+    when it is one positive whole number of elements for all of them, else None: two GEMMs of
+    one shape then run as one strided-batched call (cuBLASLt: the second product at the first's
+    pointers plus the strides)."""
+    dist = {q - p for p, q in zip(first, second)}
+    if len(dist) != 1:
+        return None
+    step = dist.pop()
+    return step // itemsize if step > 0 and step % itemsize == 0 else None
 
 
 def experts_bwd_acc_elems(offsets, model_dim: int) -> int:
@@ -373,6 +389,10 @@ def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, 
     mm, mm_acc = gemm_loop(dt, dt), gemm_loop(dt, F32)
     mm_dw = {t: gemm_loop(dt, t) for t in {tg, tu, tdd}}
     x0, dy0, dg0, du0, h0, a0 = (a.data.ptr for a in (xp, dyp, dgate, dup, h, acc_flat))
+    # dW_gate and dW_up of an expert in one call where the gradients' and dgate/dup's distances
+    # allow it (the engine's layer block: each expert's gate and up gradients together)
+    sg, sd = _stride(dwg, dwu, np.dtype(tg).itemsize), _stride([dg0], [du0], isz)
+    dpair = None if tg != tu or sg is None or sd is None else (2, sd, 0, sg)
     for (r0, n), pd in zip(active, wd):  # dh (n, F) = dy (n, D) @ Wd (D, F), into dgate
         mm(n, f, d, dy0 + r0 * d * isz, d, False, pd, f, False, dg0 + r0 * f * isz, f, False)
     swiglu_bwd(gate, up, dgate, dgate, dup, out=h)  # dgate reads dh then overwrites it
@@ -387,8 +407,9 @@ def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, 
         xs, dys = x0 + r0 * d * isz, dy0 + r0 * d * isz
         hs, dgs, dus = h0 + r0 * f * isz, dg0 + r0 * f * isz, du0 + r0 * f * isz
         mm_dw[tdd](d, f, n, dys, d, True, hs, f, False, gd, f, accumulate)
-        mm_dw[tg](f, d, n, dgs, f, True, xs, d, False, gg, d, accumulate)
-        mm_dw[tu](f, d, n, dus, f, True, xs, d, False, gu, d, accumulate)
+        mm_dw[tg](f, d, n, dgs, f, True, xs, d, False, gg, d, accumulate, dpair)
+        if dpair is None:
+            mm_dw[tu](f, d, n, dus, f, True, xs, d, False, gu, d, accumulate)
         acc = a0 + (r0 - first) * d * 4
         mm_acc(n, d, f, dgs, f, False, pg, d, False, acc, d, False)
         mm_acc(n, d, f, dus, f, False, pu, d, False, acc, d, True)

@@ -152,3 +152,30 @@ def test_a_released_table_takes_its_workspace_back_from_the_cublas_handle():
     assert K.cublas_workspace() == (ws2.data.ptr, ws2.nbytes)
     second.release_scratch()
     assert K.cublas_workspace() == (0, 0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shared", ["a", "b"])
+def test_a_strided_batch_of_two_is_the_two_products(rng, shared):
+    """batch = (2, stride A, stride B, stride C): one operand shared (stride 0, as the experts'
+    x forward and backward), the other two a stride apart; against float64, and against two
+    unbatched calls of the same loop within the same bound."""
+    from dataflow.kernels.cuda._cublaslt import gemm_loop
+
+    launch = gemm_loop(BF16, F32)
+    m, n, k = 300, 96, 136
+    a_all = _stored(rng, (1 if shared == "a" else 2, m, k), BF16)
+    b_all = _stored(rng, (1 if shared == "b" else 2, k, n), BF16)
+    c0 = _stored(rng, (2, m, n), F32)
+    da, pa = _dev(a_all)
+    db, pb = _dev(b_all)
+    dc, pc = _dev(c0)
+    batch = (2, 0 if shared == "a" else m * k, 0 if shared == "b" else k * n, m * n)
+    launch(m, n, k, pa, k, False, pb, n, False, pc, n, True, batch)
+    got = _host(dc, 2 * m * n, 0, F32).reshape(2, m, n)
+    for i in range(2):
+        truth = (a_all[min(i, len(a_all) - 1)].astype(F64) @ b_all[min(i, len(b_all) - 1)]
+                 .astype(F64) + c0[i].astype(F64))
+        bound = max(2 * _rel(truth.astype(F32), truth), 1e-5)
+        assert _rel(got[i], truth) <= bound, i
