@@ -49,13 +49,17 @@ values per expert). Not measured yet (no CUDA MoE ops): a count, like the dense 
 EXPERT_GEMM_HALF_ROWS = 1450
 """A routed expert's GEMMs run at the dense GEMM rate (gemm_flop_per_s at the chunk's tokens)
 times rows / (rows + this), rows being the expert's share of the chunk's routed rows (T k / N):
-each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well. Fitted
-to the GPU's own time of kernels/cuda/moe_experts' loop at olmoe-1b-7b's shapes on an H200
-(bench.moe_experts_bench, queued behind a spinning kernel; bench/records/s21-h200-lt/d): 0.58 of
-the dense GEMMs' rate at 2,048 rows (16k tokens), 0.42 at 1,024 (8k): 1,480 and 1,430 rows."""
-EXPERT_GEMM_HOST_S = 14e-6
+each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well. From
+the GPU's own time of kernels/cuda/moe_experts' loop at olmoe-1b-7b's shapes on an H200
+(bench.moe_experts_bench, queued behind a spinning kernel, against dense GEMMs of the same
+FLOPs; bench/records/s21-h200-lt/d, e, f): 0.56-0.60 of the dense rate at 2,048 rows (16k
+tokens; separate or block-laid weights, pairs batched or not), i.e. 1,340-1,630 rows, and 0.42
+at 1,024 rows (8k), 1,430 rows."""
+EXPERT_GEMM_HOST_S = 22e-6
 """Host time of one expert GEMM launch (kernels/cuda/_cublaslt.py: a dict lookup and a ctypes
-call into cublasLtMatmul): 7.8 ms for 576 calls at 16k tokens, 8.9 ms at 8k (same records).
+call into cublasLtMatmul), from bench.moe_experts_bench --as-engine at 16k tokens on an H200
+host with row counts seen before, as most are within a step (bench/records/s21-h200-lt/f: 9.9
+ms for 448 calls; 14.3 ms with every row count new; the unbatched loop took 7.4 ms for 576).
 The loop takes the longer of the GPU's time and this times its calls: a chunk small enough
 that its GEMMs take less than this is launch bound."""
 EXPERT_CALLS_FWD, EXPERT_CALLS_BWD = 2, 5

@@ -68,10 +68,10 @@ def test_explain_predicts_the_update_mode_the_run_uses(h100):
         explain(plan, update="later")
 
 
-def test_an_moe_plan_says_its_prediction_is_not_yet_measured(h100):
-    """The prediction of an MoE model charges the experts at dense GEMM speed, which the CuPy
-    engine does not reach yet (docs/moe.md): the explanation says so, and a dense plan does not."""
+def test_an_moe_plan_says_how_far_its_prediction_is_measured(h100):
+    """The prediction of an MoE model charges the experts at a small-GEMM rate measured on one
+    shape and GPU (docs/moe.md): the explanation says so, and a dense plan does not."""
     moe = make_plan(load_config("olmoe-1b-7b"), 8192, Budget.from_gib(120, 24), h100)
     dense = make_plan(load_config("1b"), 8192, Budget.from_gib(40, 16), h100)
-    assert "MoE: not yet a measured prediction" in explain(moe)
+    assert "MoE: the routed experts are charged at a small-GEMM rate measured once" in explain(moe)
     assert "MoE:" not in explain(dense)
