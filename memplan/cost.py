@@ -126,8 +126,10 @@ def expert_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> t
     rows = routed / m.n_experts
     active = min(m.n_experts, routed)
     flops = 2.0 * routed * cfg.model_dim * 3 * m.expert_ffn_dim  # one forward pass
-    dense = gemm_flop_per_s(cfg, p, tokens)
-    slow = dense * rows / (rows + EXPERT_GEMM_HALF_ROWS)
+    dense = gemm_flop_per_s(cfg, p, tokens)  # what layer_matmul_flops was charged at
+    # The rows factor replaces the dense rate's own small-token one (both at the reference
+    # size where it was fitted: 8k and 16k tokens are at GEMM_REF_TOKENS' cap).
+    slow = gemm_flop_per_s(cfg, p, GEMM_REF_TOKENS) * rows / (rows + EXPERT_GEMM_HALF_ROWS)
     out = []
     for passes, calls in ((1, EXPERT_CALLS_FWD), (2, EXPERT_CALLS_BWD)):
         took = max(passes * flops / slow, calls * active * EXPERT_GEMM_HOST_S)

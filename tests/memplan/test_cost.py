@@ -132,3 +132,33 @@ def test_random_forced_plans_predict_consistent_steps(prng, h100):
         moves = (any(p.weights is Where.HOME for p in (*placements, embed, head))
                  or any(x.home is Where.HOME for row in a for x in row))
         assert (pr.h2d_bytes + pr.d2h_bytes > 0) == moves
+
+
+def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
+    """cost.expert_extra_seconds: nothing for a dense model; for OLMoE's experts the time beyond
+    the dense rate is the small-GEMM rate's (rows / (rows + EXPERT_GEMM_HALF_ROWS)) plus one
+    offsets wait, the backward's twice the forward's GEMM part; at a chunk so small that the
+    launches take longer than the GEMMs, the launches are the time."""
+    from dataflow.memplan import cost
+    from dataflow.models.hf import model_config
+
+    assert cost.expert_extra_seconds(model_config("1b"), h100, 8192) == (0.0, 0.0)
+    cfg = model_config("olmoe-1b-7b")
+    m = cfg.moe
+    t = 16384
+    rows = t * m.top_k / m.n_experts
+    dense = cost.gemm_flop_per_s(cfg, h100, t)
+    flops = 2.0 * t * m.top_k * cfg.model_dim * 3 * m.expert_ffn_dim
+    assert dense == cost.gemm_flop_per_s(cfg, h100, cost.GEMM_REF_TOKENS)  # at the cap
+    gemm_extra = flops / dense * cost.EXPERT_GEMM_HALF_ROWS / rows  # 1/slow - 1/dense
+    fwd, bwd = cost.expert_extra_seconds(cfg, h100, t)
+    assert fwd == pytest.approx(gemm_extra + cost.EXPERT_SYNC_S)
+    assert bwd == pytest.approx(2 * gemm_extra + cost.EXPERT_SYNC_S)
+    # 64 tokens: 8 rows an expert, every expert active; the launches bind (the rows factor
+    # is not applied on top of the dense rate's own small-token factor)
+    t = 64
+    fwd, _ = cost.expert_extra_seconds(cfg, h100, t)
+    launches = cost.EXPERT_CALLS_FWD * m.n_experts * cost.EXPERT_GEMM_HOST_S
+    dense_s = 2.0 * t * m.top_k * cfg.model_dim * 3 * m.expert_ffn_dim / \
+        cost.gemm_flop_per_s(cfg, h100, t)
+    assert fwd == pytest.approx(launches - dense_s + cost.EXPERT_SYNC_S)
