@@ -108,10 +108,12 @@ def test_arenas_are_the_device_budget_and_the_host_regions(tiny_runs):
 
 
 def test_small_model_split_and_packed_match_reference():
-    """The `small` model (4 layers, d 256) on a packed and a split plan tracks the reference."""
+    """The `small` model (4 layers, d 256) on a packed and a split plan tracks the reference.
+    Without the schedule sanitizer: the `tiny` runs above check these same plans' schedules
+    under it, and on `small` it took 88 of this test's 90 s (2-core machine, twenty-first session)."""
     cfg = load_config("small")
     for name, plan in [path_plans(cfg)[2], split_plans(cfg)[1]]:
-        losses, weights, _ = _train(plan)
+        losses, weights, _ = _train(plan, sanitize=False)
         ref_losses, _ = _reference(plan)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-2, err_msg=name)
 
