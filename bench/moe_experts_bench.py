@@ -1,15 +1,16 @@
-"""The routed experts' GEMM loop of the CuPy backend at a model's shapes (issue 41): one layer
-and one chunk of kernels.cuda.moe_experts' experts_fwd + experts_bwd (the expert GEMMs, the
-SwiGLU and the input gradient's casts) on random routing, timed two ways: the host's time to
-enqueue them (perf_counter around the calls, nothing waited for) and the GPU's (CUDA events
-around the same calls, after a full drain), and the GPU's own time (the calls enqueued behind a
-spinning kernel, so they run back to back whatever the host's pace). Timed twice: with a new routing every repetition
+"""The routed experts' GEMM loop of the CuPy backend at a model's shapes (issue 41): one layer and
+one chunk of kernels.cuda.moe_experts' experts_fwd + experts_bwd (the expert GEMMs, the SwiGLU and
+the input gradient's casts) on random routing, timed two ways: the host's time to enqueue them
+(perf_counter around the calls, nothing waited for) and the GPU's (CUDA events around the same
+calls, after a full drain), and the GPU's own time (the calls enqueued behind a spinning kernel, so
+they run back to back whatever the host's pace). Timed twice: with a new routing every repetition
 (new row counts, as every layer and chunk of a training step has: the case that matters, where
 cuBLAS's gemmEx ran its heuristics for every GEMM) and with one routing repeated (sizes seen
-before; the twentieth session's bench measured only this and so missed that cost). Beside them, the GPU time of one dense GEMM chain
-of the same FLOPs (what the planner's prediction assumes the loop runs at) and cProfile's top
-host functions of one more repetition. GPU time no longer than the host's (within 10 %) means
-the loop is launch bound there: the GPU idles between GEMMs however fast they are.
+before; the twentieth session's bench measured only this and so missed that cost). Beside them, the
+GPU time of one dense GEMM chain of the same FLOPs (what the planner's prediction assumes the loop
+runs at) and cProfile's top host functions of one more repetition. GPU time no longer than the
+host's (within 10 %) means the loop is launch bound there: the GPU idles between GEMMs however fast
+they are.
 
     python -m dataflow.bench.moe_experts_bench olmoe-1b-7b --tokens 8192 --out moe.json
 

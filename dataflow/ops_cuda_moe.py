@@ -5,15 +5,15 @@ the chunk workspace the executor lends (dataflow.memplan.buffers.MOE_OP_SCRATCH)
 counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
 and never waits for anything but the one event below.
 
-The host wait. The experts' GEMM loop (kernels/cuda/moe_experts.py) launches one cuBLAS call per
-(expert, matrix) with that expert's row count, so moe_experts_fwd and moe_experts_bwd copy the
-chunk's offsets ((N + 1) int64) to the host on the compute stream, record an event after the
-copy and wait for that event alone (with the GIL released: the backend's polling wait), not for
-the device. Only the compute stream's work up to the router is waited for, but the host enqueues
-nothing meanwhile, so the GPU idles for a poll and a launch after each wait. The backward copies
-the offsets again (they come from a saved region or a recompute, which the op cannot tell apart),
-so a layer and chunk waits twice; keeping the forward's host offsets per (layer, chunk) would save
-the second (docs/moe.md).
+The host wait. The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
+expert and matrix (gate and up as one batch of two) with that expert's row count, so
+moe_experts_fwd and moe_experts_bwd copy the chunk's offsets ((N + 1) int64) to the host on the
+compute stream, record an event after the copy and wait for that event alone (with the GIL
+released: the backend's polling wait), not for the device. Only the compute stream's work up to the
+router is waited for, but the host enqueues nothing meanwhile, so the GPU idles for a poll and a
+launch after each wait. The backward copies the offsets again (they come from a saved region or a
+recompute, which the op cannot tell apart), so a layer and chunk waits twice; keeping the forward's
+host offsets per (layer, chunk) would save the second (docs/moe.md).
 
 Where the kernels' conventions differ from the NumPy table's: the gathers that sum a token's k
 rows (the combine, the input gradient) read the inverse permutation, which each op forms from
