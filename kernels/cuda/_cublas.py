@@ -6,8 +6,6 @@ set_workspace gave it one. The MoE experts' loops of changing sizes use _cublasl
 
 from __future__ import annotations
 
-import functools
-
 import cupy
 import numpy as np
 from cupy_backends.cuda.libs import cublas
@@ -68,18 +66,35 @@ def workspace() -> tuple[int, int]:
     return _WORKSPACES.get(cupy.cuda.runtime.getDevice(), (0, 0))
 
 
-@functools.cache
-def _libcublas():
-    """The libcublas this process already loaded (CuPy's), found through /proc/self/maps (read
-    once: with the engine's pinned host memory mapped, the file is long)."""
-    import ctypes
+_LOADED: dict[str, object] = {}
 
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "libcublas.so" in line
-                 and "libcublasLt" not in line}
-    if not paths:
+
+def loaded_library(prefix: str):
+    """ctypes handle of the shared library whose file name starts with `prefix` (e.g.
+    "libcublas.so", "libcublasLt.so") that this process already loaded, found through
+    /proc/self/maps, or None. Found once, then cached (with the engine's pinned host memory
+    mapped, that file is long); a library not loaded yet is looked for again next time."""
+    lib = _LOADED.get(prefix)
+    if lib is None:
+        import ctypes
+        import os
+
+        with open("/proc/self/maps") as f:
+            paths = sorted({p for p in (line.split()[-1] for line in f)
+                            if os.path.basename(p).startswith(prefix)})
+        if not paths:
+            return None
+        lib = _LOADED[prefix] = ctypes.CDLL(paths[0])
+    return lib
+
+
+def _libcublas():
+    """The libcublas this process already loaded (CuPy's, with this device's handle)."""
+    handle()
+    lib = loaded_library("libcublas.so")
+    if lib is None:
         raise RuntimeError("libcublas is not loaded; call a cuBLAS op first")
-    return ctypes.CDLL(sorted(paths)[0])
+    return lib
 
 
 def _dtype_code(dtype, what: str) -> int:

@@ -19,6 +19,7 @@ never allocates device memory."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 # CuPy and _cublas are imported where used, so that bucket() imports (and is tested) without a GPU.
 
@@ -55,20 +56,13 @@ def _alignment(*ptrs: int) -> int:
     return v
 
 
-_LIB = None
-
-
+@functools.cache
 def _lib():
-    """libcublasLt as loaded by CuPy's libcublas (found through /proc/self/maps), argtypes set."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
+    """libcublasLt as loaded by CuPy's libcublas, argtypes set."""
     from dataflow.kernels.cuda import _cublas
 
     _cublas.handle()  # makes sure libcublas (and with it libcublasLt) is loaded
-    with open("/proc/self/maps") as f:
-        paths = sorted({line.split()[-1] for line in f if "libcublasLt.so" in line})
-    lib = ctypes.CDLL(paths[0] if paths else "libcublasLt.so")
+    lib = _cublas.loaded_library("libcublasLt.so") or ctypes.CDLL("libcublasLt.so")
     vp, i32, u64, i64, sz = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64,
                              ctypes.c_size_t)
     pvp = ctypes.POINTER(vp)
@@ -83,7 +77,6 @@ def _lib():
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, vp,
                                                    ctypes.POINTER(i32)]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]
-    _LIB = lib
     return lib
 
 
