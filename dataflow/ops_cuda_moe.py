@@ -7,8 +7,9 @@ and never waits for anything but the one event below.
 
 The host wait. The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
 expert and matrix (gate and up as one batch of two) with that expert's row count, so
-moe_experts_fwd and moe_experts_bwd copy the chunk's offsets ((N + 1) int64) to the host on the
-compute stream, record an event after the copy and wait for that event alone (with the GIL
+moe_experts_fwd and moe_experts_bwd store the chunk's offsets ((N + 1) int64) to the host on the
+compute stream (a one-block kernel through the region's device mapping, so no copy engine is
+involved), record an event after the store and wait for that event alone (with the GIL
 released: the backend's polling wait), not for the device. Only the compute stream's work up to the
 router is waited for, but the host enqueues nothing meanwhile, so the GPU idles for a poll and a
 launch after each wait. The backward copies the offsets again (they come from a saved region or a
@@ -144,10 +145,12 @@ class MoeOps:
         return inv
 
     def _offsets_on_host(self, offsets) -> np.ndarray:
-        """offsets (N + 1,) int64 copied on the current (compute) stream into pinned host memory
+        """offsets (N + 1,) int64 stored on the current (compute) stream into pinned host memory
         (the lent region, buffers.MOE_HOST_REGION), then waited for: the one host wait of the
-        MoE block. The host array is read (experts_fwd / experts_bwd turn it into Python ints)
-        before the next copy into it is enqueued."""
+        MoE block. The store is a small kernel writing through the device's mapping of the
+        region where it has one (no copy engine, so it never queues behind the engine's
+        transfers), else a D2H copy. The host array is read (experts_fwd / experts_bwd turn it
+        into Python ints) before the next store into it is enqueued."""
         host = self._lent.get("moe_offsets_host")
         if host is None or host.shape != offsets.shape:
             if self._offsets_own is None or self._offsets_own.shape != offsets.shape:
@@ -157,6 +160,7 @@ class MoeOps:
             host = self._offsets_own
         if self._offsets_event is None:
             self._offsets_event = cp.cuda.Event(block=False, disable_timing=True)
-        K.offsets_to_host(offsets, host, self._offsets_event)
+        # Queried each time (a few us): the lent region moves with the arena an Engine lends.
+        K.offsets_to_host(offsets, host, self._offsets_event, mapped=K.mapped_address(host))
         self._wait(self._offsets_event)
         return host

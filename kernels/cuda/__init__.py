@@ -24,9 +24,9 @@ from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
 from dataflow.kernels.cuda.moe_experts import (expert_order, experts_bwd, experts_bwd_acc_elems,
-                                             experts_fwd, inverse_order, offsets_to_host,
-                                             permute_bwd, permute_fwd, unpermute_bwd,
-                                             unpermute_fwd)
+                                             experts_fwd, inverse_order, mapped_address,
+                                             offsets_to_host, permute_bwd, permute_fwd,
+                                             unpermute_bwd, unpermute_fwd)
 from dataflow.kernels.cuda.moe_router import (load_balancing_loss, load_balancing_loss_bwd,
                                             load_balancing_stats, router_bwd,
                                             router_bwd_scratch_elems, router_fwd,
@@ -43,9 +43,9 @@ __all__ = [
     "experts_bwd_acc_elems", "experts_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
-    "load_balancing_stats", "offsets_to_host", "permute_bwd", "permute_fwd", "rms_norm_bwd",
-    "rms_norm_bwd_scratch_shape", "rms_norm_fwd", "rope_bwd", "rope_fwd", "router_bwd",
-    "router_bwd_scratch_elems", "router_fwd", "router_logits_bwd", "router_z_loss",
+    "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",
+    "rms_norm_bwd", "rms_norm_bwd_scratch_shape", "rms_norm_fwd", "rope_bwd", "rope_fwd",
+    "router_bwd", "router_bwd_scratch_elems", "router_fwd", "router_logits_bwd", "router_z_loss",
     "router_z_loss_bwd", "set_cublas_workspace", "sumsq", "swiglu_bwd", "swiglu_fwd",
     "unpermute_bwd", "unpermute_fwd",
 ]

@@ -15,6 +15,9 @@
 //   inv[pair] = that row. Stable by construction (pairs keep their flat order within an
 //   expert), which is what the reference's np.argsort(kind="stable") produces.
 // inverse_order_kernel: inv[order[r]] = r (grid-stride).
+// offsets_to_mapped_kernel: one block stores offsets (N + 1,) into pinned host memory through
+//   its device mapping (SM stores over PCIe, no copy engine: a memcpy would queue behind the
+//   large transfers the copy engines are running), then fences them system-wide.
 // permute_fwd_kernel<U>: xp[r, :] = x[order[r] / k, :], copied as raw units U (uint4 when rows
 //   are 16-byte aligned, else unsigned short): bit-exact.
 // permute_bwd_kernel<TI, TO, V, RES>: dx[t, :] = (residual[t, :] +) sum_j dxp[inv[t k + j], :],
@@ -100,6 +103,12 @@ __global__ void __launch_bounds__(256) expert_place_kernel(
         base += total;
         __syncthreads();  // warp_total is rewritten by the next pass
     }
+}
+
+__global__ void __launch_bounds__(256) offsets_to_mapped_kernel(const i64* __restrict__ offsets,
+                                                                volatile i64* mapped, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mapped[i] = offsets[i];
+    __threadfence_system();
 }
 
 __global__ void __launch_bounds__(256) inverse_order_kernel(const i64* __restrict__ order,

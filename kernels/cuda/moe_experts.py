@@ -16,9 +16,12 @@ one cast. Measured: bench/records/s21-h200-*/ and docs/moe.md.
 
 The sync. The expert loop launches one GEMM per (expert, matrix) with that expert's row count,
 so the counts must be on the host. expert_order writes offsets (N + 1,) on the device;
-offsets_to_host copies them ((N + 1) * 8 bytes) into a host array and records an event; the
-caller waits on that event, then calls experts_fwd with the host offsets. The copy itself is
-~10 us, but the wait drains the stream: the host can enqueue nothing past the router of this
+offsets_to_host stores them ((N + 1) * 8 bytes) into a pinned host array, by one small kernel
+through the array's device mapping (mapped_address) or else a memcpy, and records an event; the
+caller waits on that event, then calls experts_fwd with the host offsets. The memcpy needs a
+copy engine, and in the engine it queued behind the weight and gradient transfers: 1.8-3.8 ms
+a copy on average where the kernel's store takes 16 us (bench/records/s22-h200-offsets/a/,
+olmoe-1b-7b: 27.0k -> 31.8k tok/s). Even so the wait drains the stream: the host can enqueue nothing past the router of this
 layer and chunk until the GPU has run everything before it, and the first expert GEMM then
 starts after a launch latency (~5-10 us) instead of being queued ahead. One per layer per
 chunk in the forward; the backward reuses the forward's host offsets (keep them with the
@@ -46,6 +49,7 @@ _SRC = "moe_experts.cu"
 _TYPES = ("bf16", "float")
 _NAMES = tuple(
     ["expert_count_kernel", "expert_scan_kernel", "expert_place_kernel", "inverse_order_kernel",
+     "offsets_to_mapped_kernel",
      "permute_fwd_kernel<uint4>", "permute_fwd_kernel<unsigned short>"]
     + [f"permute_bwd_kernel<{i}, {o}, {v}, {r}>" for i in _TYPES for o in _TYPES
        for v in (1, 8) for r in ("false", "true")]
@@ -55,6 +59,7 @@ _NAMES = tuple(
 I64 = np.dtype(np.int64)
 _THREADS = 256
 _D2H = 2  # cudaMemcpyDeviceToHost
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
 
 
 # ---------------------------------------------------------------------------- permutation
@@ -102,12 +107,31 @@ def inverse_order(order, inv) -> None:
             (_build.flat_grid(n, _THREADS),), (_THREADS,), (order, inv, np.int64(n)))
 
 
-def offsets_to_host(offsets, out: np.ndarray, event=None):
+def mapped_address(out: np.ndarray) -> int | None:
+    """The device's address of pinned host array `out` (cudaHostAlloc'd, or inside a
+    cudaHostRegister'd range that the driver mapped), or None where the device has none (pageable
+    memory, an unmapped registration): offsets_to_host's `mapped`. One runtime query, a few
+    microseconds; callers may query once per array."""
+    try:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(out.ctypes.data)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
+    if attrs.type != _MEMORY_TYPE_HOST or not attrs.devicePointer:
+        return None
+    return int(attrs.devicePointer)
+
+
+def offsets_to_host(offsets, out: np.ndarray, event=None, *, mapped: int | None = None):
     """Copy offsets (N + 1,) int64 device -> out (N + 1,) int64 host (pinned, e.g.
     cupyx.empty_pinned, for the copy to be asynchronous) on the current stream and record
     `event` (a new cupy.cuda.Event when None) after it; returns the event. THE sync point of the
     MoE block (module docstring): call event.synchronize() before reading `out`. Nothing else
-    here reads device memory from the host."""
+    here reads device memory from the host.
+
+    With `mapped` (mapped_address(out)) one small kernel stores the offsets through the device's
+    mapping of `out`; without, cudaMemcpyAsync. The memcpy needs a copy engine, and the engine's
+    gradient and weight transfers keep the copy engines busy with copies of hundreds of MB, behind
+    which it may queue while the compute stream waits for it; the kernel's stores use none."""
     _check_index("offsets", offsets, offsets.shape)
     if (not isinstance(out, np.ndarray) or out.dtype != I64 or out.shape != offsets.shape
             or not out.flags.c_contiguous):
@@ -115,8 +139,14 @@ def offsets_to_host(offsets, out: np.ndarray, event=None):
                         f"got {type(out).__name__} {getattr(out, 'dtype', '')} "
                         f"{getattr(out, 'shape', '')}")
     stream = cupy.cuda.get_current_stream()
-    cupy.cuda.runtime.memcpyAsync(out.ctypes.data, offsets.data.ptr, offsets.nbytes,
-                                  _D2H, stream.ptr)
+    if mapped is None:
+        cupy.cuda.runtime.memcpyAsync(out.ctypes.data, offsets.data.ptr, offsets.nbytes,
+                                      _D2H, stream.ptr)
+    elif offsets.size:
+        n = offsets.size
+        _build.kernel(_SRC, _NAMES, "offsets_to_mapped_kernel")(
+            (1,), (min(_THREADS, 32 * -(-n // 32)),),
+            (offsets, np.uint64(mapped), np.int32(n)))
     if event is None:
         event = cupy.cuda.Event(block=False, disable_timing=True)
     event.record(stream)

@@ -399,6 +399,37 @@ def test_expert_order_cuda_is_the_reference_stable_sort(rng, t, n, k, idle):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("where", ["host_alloc", "registered"])
+def test_offsets_reach_the_host_through_the_mapping_as_through_a_copy(rng, where):
+    """offsets_to_host with `mapped` (a kernel storing through the device's mapping, no copy
+    engine) writes the same values as its memcpy, into cudaHostAlloc'd memory and into a view in
+    the middle of a cudaHostRegister'd range (the engine's host arena); pageable memory has no
+    mapping (None: the caller copies)."""
+    import cupyx
+
+    from dataflow.backends.cupy_backend import _HOST_REGISTER_PORTABLE, MappedHostMemory
+
+    n = int(rng.integers(60, 130))
+    offsets = dev(np.cumsum(np.concatenate([[0], rng.integers(0, 500, n)])).astype(I64))
+    assert kexp.mapped_address(np.empty(n + 1, I64)) is None
+    if where == "host_alloc":
+        out = cupyx.empty_pinned((n + 1,), I64)
+    else:
+        mem = MappedHostMemory(1 << 20, lambda p, m: cupy.cuda.runtime.hostRegister(
+            p, m, _HOST_REGISTER_PORTABLE), cupy.cuda.runtime.hostUnregister)
+        out = np.asarray(mem)[4096 + 8:4096 + 8 + 8 * (n + 1)].view(I64)
+    out[:] = -7
+    mapped = kexp.mapped_address(out)
+    assert mapped is not None
+    kexp.offsets_to_host(offsets, out, mapped=mapped).synchronize()
+    assert same_bits(out, host(offsets))
+    copied = cupyx.empty_pinned((n + 1,), I64)
+    kexp.offsets_to_host(offsets, copied).synchronize()
+    assert same_bits(copied, out)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("d", [256, 100], ids=["vector", "scalar"])
 def test_permute_and_unpermute_cuda_are_the_reference_bits(rng, d):
     """permute_fwd (a gather), permute_bwd (fp32 out; bf16 out with the router's fp32 dx as
