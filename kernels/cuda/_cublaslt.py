@@ -11,10 +11,11 @@ with the cached algorithm: a few microseconds of host time.
 Semantics are _cublas.gemm's (fp32 compute, no TF32, bf16 or fp32 output, beta = 1 to
 accumulate) and the results are a valid cuBLAS algorithm's, so they may differ in the last bits
 from gemmEx's choice for the exact shape; the same bucket always gets the same algorithm, so a
-run repeats its bits. An algorithm that refuses a size of its bucket is replaced by the exact
-shape's heuristic (cached too). Workspace: the one _cublas.set_workspace gave the handle (the
-engine's arena view; GEMMs on one stream run one after another), else none. Never synchronises;
-never allocates device memory."""
+run repeats its bits. Split-K algorithms may sum their parts only in fp32 (the workspace), so C
+is rounded once, never part by part in bf16. An algorithm that refuses a size of its bucket is
+replaced by the exact shape's heuristic (cached too). Workspace: the one _cublas.set_workspace gave
+the handle (the engine's arena view; GEMMs on one stream run one after another), else none. Never
+synchronises; never allocates device memory."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import functools
 _DESC_TRANSA, _DESC_TRANSB = 3, 4                      # cublasLtMatmulDescAttributes_t
 _PREF_MAX_WORKSPACE = 1                                # cublasLtMatmulPreferenceAttributes_t
 _PREF_ALIGN = (5, 6, 7, 8)                             # MIN_ALIGNMENT_{A,B,C,D}_BYTES
+_PREF_REDUCTION_MASK, _REDUCTION_COMPUTE_TYPE = 3, 2   # ..._REDUCTION_SCHEME_MASK, fp32 partials
 _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6       # cublasLtMatrixLayoutAttribute_t
 _MAX_LAYOUTS = 1 << 16
 """Layouts kept (a few hundred bytes each): one per (type, rows, cols, ld) met."""
@@ -155,6 +157,12 @@ class _Device:
             for attr in _PREF_ALIGN:
                 _check(self.lib.cublasLtMatmulPreferenceSetAttribute(q, attr, ctypes.byref(al), 4),
                        "PreferenceSetAttribute")
+            # Split-K partial products may only be summed in fp32 (in the workspace), never in
+            # C's own bf16 (in place, or the output-type scheme): C is rounded once, as gemmEx's
+            # product is, also where the GEMM accumulates into a bf16 gradient.
+            red = ctypes.c_uint32(_REDUCTION_COMPUTE_TYPE)
+            _check(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                q, _PREF_REDUCTION_MASK, ctypes.byref(red), 4), "PreferenceSetAttribute")
             p = self.prefs[(align, workspace)] = q.value
         return p
 

@@ -105,6 +105,11 @@ def test_gemm_loop_matches_float64_over_changing_sizes(rng, ab, c, trans_a, tran
             got = _host(dc, m * n, misalign, c).reshape(m, n)
             once = truth.astype(c)  # the product rounded once to the output dtype
             bound = max(2 * _rel(once, truth), 1e-5)
+            if accumulate and c != F32:
+                # Some algorithms round the product to C's dtype before adding C (on H200:
+                # (1, 48, 64) at 2.3x once's error, 48 elements, call A of s22): twice rounded.
+                twice = ((a_op @ b_op).astype(c).astype(F64) + c0.astype(F64)).astype(c)
+                bound = max(bound, 2 * _rel(twice, truth))
             err = _rel(got, truth)
             assert err <= bound, (f"({m}, {n}, {k}) trans {trans_a, trans_b} acc {accumulate}: "
                                   f"rel err {err:.3g} > {bound:.3g}")
