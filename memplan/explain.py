@@ -115,8 +115,8 @@ def _moe_caveat(plan: Plan) -> list[str]:
     if plan.model.moe is None:
         return []
     return ["  (MoE: the routed experts are charged at a small-GEMM rate measured once, for "
-            "olmoe-1b-7b on an H200; there the CuPy engine ran at 0.85-0.95 of the prediction "
-            "(32 and 16 rounds a step at 120/24, 8k); other MoE shapes and GPUs are not "
+            "olmoe-1b-7b on an H200; there the CuPy engine ran at 1.06 of the prediction "
+            "(the planner's 32 rounds a step at 120/24, 8k); other MoE shapes and GPUs are not "
             "measured: docs/moe.md, 'Measured on the GPU')"]
 
 
