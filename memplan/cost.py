@@ -46,22 +46,27 @@ MOE_ELEMENTWISE_FWD_WIDTHS = (3, 3, 4)
 of (k F_e, k D, N): SwiGLU over its k routed rows; the permutation's gather written and the
 combine's k rows read (plus the residual); the router's fp32 logits and softmax (4 bf16-sized
 values per expert). Not measured yet (no CUDA MoE ops): a count, like the dense widths."""
-EXPERT_GEMM_HALF_ROWS = 1450
+EXPERT_GEMM_HALF_ROWS = 1000
 """A routed expert's GEMMs run at the dense GEMM rate (gemm_flop_per_s at the chunk's tokens)
 times rows / (rows + this), rows being the expert's share of the chunk's routed rows (T k / N):
-each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well. From
-the GPU's own time of kernels/cuda/moe_experts' loop at olmoe-1b-7b's shapes on an H200
-(bench.moe_experts_bench, queued behind a spinning kernel, against dense GEMMs of the same
-FLOPs; bench/records/s21-h200-lt/d, e, f): 0.56-0.60 of the dense rate at 2,048 rows (16k
-tokens; separate or block-laid weights, pairs batched or not), i.e. 1,340-1,630 rows, and 0.42
-at 1,024 rows (8k), 1,430 rows."""
-EXPERT_GEMM_HOST_S = 22e-6
+each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well.
+Fitted in the twenty-second session, with EXPERT_GEMM_HOST_S, to two whole steps measured on an
+H200 (bench/records/s22-h200-offsets/: olmoe-1b-7b at 120/24 8k, 2,048 rows, the planner's
+layout; qwen3-30b-a3b at 180/90 8k, 1,024 rows, 4 rounds): both predicted within 2 %, from 6 %
+and 22 % too slow with 1450 and 22 us. The loop alone (bench.moe_experts_bench, queued behind a
+spinning kernel) ran at 0.56-0.60 of the dense rate at 2,048 rows and 0.42-0.43 at 1,024 (s21,
+s22), i.e. 1,340-1,630 rows; inside the engine the expert ops ran faster than that (olmoe
+forward 3.75 ms a layer and chunk, qwen3 3.03 ms: 0.63-0.69 of the dense rate), so the fit is
+to the engine, not to the bench. Two models on one GPU: not yet checked on a third."""
+EXPERT_GEMM_HOST_S = 12e-6
 """Host time of one expert GEMM launch (kernels/cuda/_cublaslt.py: a dict lookup and a ctypes
-call into cublasLtMatmul), from bench.moe_experts_bench --as-engine at 16k tokens on an H200
-host with row counts seen before, as most are within a step (bench/records/s21-h200-lt/f: 9.9
-ms for 448 calls; 14.3 ms with every row count new; the unbatched loop took 7.4 ms for 576).
-The loop takes the longer of the GPU's time and this times its calls: a chunk small enough
-that its GEMMs take less than this is launch bound."""
+call into cublasLtMatmul) once a step's row counts have been seen. Bounded by the engine's own
+op times: qwen3-30b-a3b's forward launches 256 calls in the 3.03 ms its op takes on the GPU
+(<= 11.8 us a call), its backward 640 in 6.59 ms (<= 10.3 us). The bench measured 17-22 us a
+call, 13 us unbatched, with cold call caches and, in s22, beside another process's heavy host
+work (bench/records/s21-h200-lt/f, s22-h200-offsets/c). The loop takes the longer of the GPU's
+time and this times its calls: a chunk small enough that its GEMMs take less than this is
+launch bound."""
 EXPERT_CALLS_FWD, EXPERT_CALLS_BWD = 2, 5
 """cuBLASLt calls per expert with rows: forward gate+up (one strided batch of 2) and down;
 backward dh, dW_down, dW_gate+dW_up (one batch), and dx's two."""
