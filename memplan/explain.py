@@ -110,13 +110,14 @@ def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
 
 
 def _moe_caveat(plan: Plan) -> list[str]:
-    """An MoE model's prediction rests on one measured shape (memplan/cost.py's expert GEMM
-    constants, olmoe-1b-7b on an H200); the user should know how far it was borne out."""
+    """An MoE model's prediction rests on two measured shapes (memplan/cost.py's expert GEMM
+    constants, olmoe-1b-7b and qwen3-30b-a3b on an H200); the user should know how far it was
+    borne out."""
     if plan.model.moe is None:
         return []
-    return ["  (MoE: the routed experts are charged at a small-GEMM rate measured once, for "
-            "olmoe-1b-7b on an H200; there the CuPy engine ran at 1.06 of the prediction "
-            "(the planner's 32 rounds a step at 120/24, 8k); other MoE shapes and GPUs are not "
+    return ["  (MoE: the routed experts are charged at a small-GEMM rate fitted to two models "
+            "on an H200, where the CuPy engine then ran at 1.01 (olmoe-1b-7b, 120/24) and 1.05 "
+            "(qwen3-30b-a3b, 180/90) of the prediction at 8k; other MoE shapes and GPUs are not "
             "measured: docs/moe.md, 'Measured on the GPU')"]
 
 
