@@ -21,12 +21,13 @@ through the array's device mapping (mapped_address) or else a memcpy, and record
 caller waits on that event, then calls experts_fwd with the host offsets. The memcpy needs a
 copy engine, and in the engine it queued behind the weight and gradient transfers: 1.8-3.8 ms
 a copy on average where the kernel's store takes 16 us (bench/records/s22-h200-offsets/a/,
-olmoe-1b-7b: 27.0k -> 31.8k tok/s). Even so the wait drains the stream: the host can enqueue nothing past the router of this
-layer and chunk until the GPU has run everything before it, and the first expert GEMM then
-starts after a launch latency (~5-10 us) instead of being queued ahead. One per layer per
-chunk in the forward; the backward reuses the forward's host offsets (keep them with the
-chunk's saved activations), so it needs none. At 8k tokens an OLMoE layer's expert GEMMs take
-~1.5 ms forward, so the bubble is a few percent; at small chunks it dominates (docs/moe.md).
+olmoe-1b-7b: 27.0k -> 31.8k tok/s). Even so the wait drains the stream: the host can enqueue
+nothing past the router of this layer and chunk until the GPU has run everything before it, and
+the first expert GEMM then starts after a poll and a launch latency instead of being queued
+ahead. The engine waits once per layer and chunk in the forward, the recompute and the backward
+(dataflow/ops_cuda_moe.py; keeping the forward's host offsets for the backward would save the
+last two). At 16k tokens an OLMoE layer's expert ops take ~3.8 ms forward, so the bubble is a
+few percent; at small chunks it dominates (docs/moe.md).
 
 Layout as the reference: order (R,) int64 lists token * k + slot of each routed row, grouped by
 expert (stable), offsets (N + 1,) int64, inv (R,) int64 its inverse (inv[order[r]] = r). The

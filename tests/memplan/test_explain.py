@@ -73,5 +73,6 @@ def test_an_moe_plan_says_how_far_its_prediction_is_measured(h100):
     shape and GPU (docs/moe.md): the explanation says so, and a dense plan does not."""
     moe = make_plan(load_config("olmoe-1b-7b"), 8192, Budget.from_gib(120, 24), h100)
     dense = make_plan(load_config("1b"), 8192, Budget.from_gib(40, 16), h100)
-    assert "MoE: the routed experts are charged at a small-GEMM rate fitted to two models" in explain(moe)
+    assert ("MoE: the routed experts are charged at a small-GEMM rate fitted to two models"
+            in explain(moe))
     assert "MoE:" not in explain(dense)
