@@ -299,8 +299,13 @@ def test_ring_of_two_refuses_a_tied_model_and_rings_of_one_plan_it():
 def test_two_data_parallel_replicas_train_a_tied_model_as_one_device(tmp_path, rng):
     """2 replicas of a ring of 1 (2 CPU processes; the table's gradient, both parts, is
     all-reduced once, after the last round's scatter) against one device running the same
-    global batch as 2 rounds: with fp32 accumulation the same single rounding, so losses and
-    weights are bit-identical (as tests/ring/test_ring_cpu.py shows for untied models)."""
+    global batch as 2 rounds. With fp32 accumulation every untied parameter's gradient is
+    g1 + g2 either way, so those weights are bit-identical (as tests/ring/test_ring_cpu.py shows
+    for untied models). The tied table's is not: one device adds ((h1 + s1) + h2) + s2 (head,
+    then scatter, each round), a replica pair (h1 + s1) + (h2 + s2), so its fp32 gradient differs
+    in the last bits and, rarely, a bf16 weight by one step (seed 5980366039637034930: 1 of
+    32,768 elements). The step-1 loss precedes any update and is exact; later losses within
+    1e-6."""
     from dataflow.models.serial import to_json
     from dataflow.ring.worker import RingJob
     from tests.ring.test_ring_cpu import _ring, _single_device
@@ -313,7 +318,15 @@ def test_two_data_parallel_replicas_train_a_tied_model_as_one_device(tmp_path, r
                                ("rounds_per_step", 1)))
     want_losses, want = _single_device(job, rounds_per_step=2)
     losses, got, _ = _ring(job, 2)
-    assert all(row == want_losses for row in losses) and want_losses[1] != want_losses[0]
+    assert want_losses[1] != want_losses[0]
+    for row in losses:
+        assert row[0] == want_losses[0] and row == pytest.approx(want_losses, rel=1e-6)
     assert sorted(got) == sorted(want)
     for key in want:
-        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+        g, w = got[key].view(np.uint16), want[key].view(np.uint16)
+        if key != "embed":
+            assert np.array_equal(g, w), key
+            continue
+        # one bf16 step apart at most (same sign: adjacent bit patterns), on few elements
+        steps = np.abs(g.astype(np.int32) - w.astype(np.int32))
+        assert steps.max() <= 1 and np.count_nonzero(steps) <= max(1, g.size // 1000), key
