@@ -7,8 +7,8 @@ import json
 import os
 import re
 
-from memplan.cost import predict_schedule
-from memplan.plan import Plan
+from dataflow.memplan.cost import predict_schedule
+from dataflow.memplan.plan import Plan
 
 GIB = 1 << 30
 here = os.path.dirname(os.path.abspath(__file__))
