@@ -15,7 +15,7 @@ def _packages(folder: str, name: str) -> list[str]:
     found = []
     for init in sorted((ROOT / folder).rglob("__init__.py")):
         rel = init.parent.relative_to(ROOT / folder).parts
-        if "records" in rel:
+        if "records" in rel or "archive" in rel:  # past runs' data and one-off scripts
             continue
         found.append(".".join((name, *rel)))
     return found

@@ -5,7 +5,7 @@ SM clock and board power sampled, so a gap between the kernels' burst rate and t
 step's GEMM rate can be told apart: small shapes, or a clock the card lowers under load.
 Prints a table and writes a JSON record. GPU only.
 
-    python -m dataflow.bench.gemm_shapes --model 8b --tokens 8192 --out bench/records/gemm-shapes-h100.json
+    python bench/archive/gemm_shapes.py --model 8b --tokens 8192 --out bench/records/gemm-shapes-h100.json
 """
 
 from __future__ import annotations

@@ -13,6 +13,6 @@ if [ "${1:-}" = "tests" ]; then
     python3 -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -15
 fi
 if [ -n "${1:-}" ]; then
-    python3 -m dataflow.bench.first_light --only "$1" --steps "${STEPS:-2}" --rounds "${ROUNDS:-4}" \
+    python3 bench/archive/first_light.py --only "$1" --steps "${STEPS:-2}" --rounds "${ROUNDS:-4}" \
         --logdir $OUT --out $OUT/first-light.json
 fi

@@ -5,15 +5,16 @@ estimate per chunk size (time per chunk interpolated over the positions timed). 
 whether a longer query chunk makes long-context attention faster. Prints a table and writes a
 JSON record. GPU only.
 
-    python -m dataflow.bench.attention_chunks --model 1b --seqlen 1048576 --chunks 16384,32768,65536 \
+    python bench/archive/attention_chunks.py --model 1b --seqlen 1048576 --chunks 16384,32768,65536 \
         --out bench/records/attention-chunks-1b-h100.json"""
 
 from __future__ import annotations
 
 import argparse
 
-from dataflow.bench.attention_blocks import (bf16_normal, chunk_positions, gpu_record, seconds_per_call,
-                                    write_record)
+# bench/archive/ is not a package (nothing installs or imports it): run as a script, this
+# folder is sys.path[0], so its sibling imports by its file name.
+from attention_blocks import bf16_normal, chunk_positions, gpu_record, seconds_per_call, write_record
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,8 @@ bf16 rows of the table picked by the round's token ids into pinned staging), tim
 take in its default mode='raise' and in mode='clip' (what the executor uses), with the Python
 heap's peak (tracemalloc) during each. Host-only: runs anywhere, no GPU.
 
-    python -m dataflow.bench.host_gather --out bench/records/host-gather-cpu.json
-    python -m dataflow.bench.host_gather --model 8b --tokens 16384,131072
+    python bench/archive/host_gather.py --out bench/records/host-gather-cpu.json
+    python bench/archive/host_gather.py --model 8b --tokens 16384,131072
 
 Prints a table last and writes one JSON record (machine, commit, config, numbers). Never
 changes what it measures: the same call as the executor, on random ids of the round's size."""
@@ -44,7 +44,7 @@ def measure(table: np.ndarray, n_tokens: int, mode: str, repeats: int, rng) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataflow.bench.host_gather", description=__doc__,
+    p = argparse.ArgumentParser(prog="python bench/archive/host_gather.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b", help="zoo model whose table shape to use")
     p.add_argument("--tokens", default="16384,131072",

@@ -2,7 +2,7 @@
 process with a time limit, and writes one JSON record (device, commit, configs, per-step numbers,
 memory) to bench/records/. Prints a table last. Usage:
 
-    python -m dataflow.bench.first_light [--out FILE] [--steps N] [--only 8b,1b-8k,1b-4k]
+    python bench/archive/first_light.py [--out FILE] [--steps N] [--only 8b,1b-8k,1b-4k]
 """
 
 from __future__ import annotations

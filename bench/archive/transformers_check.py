@@ -4,7 +4,7 @@ ids that restart (transformers treats restarting position_ids as separate docume
 flash-attention varlen, so each packed row is also compared with its documents run separately).
 Run on a machine with torch and transformers (never a dependency of the project):
 
-    python -m dataflow.bench.transformers_check [--backend cupy] [--model small]
+    python bench/archive/transformers_check.py [--backend cupy] [--model small]
 
 Prints one JSON document: the losses and their relative differences."""
 
@@ -19,7 +19,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dataflow.bench.transformers_check")
+    p = argparse.ArgumentParser(prog="python bench/archive/transformers_check.py")
     p.add_argument("--backend", default="auto")
     p.add_argument("--model", default="small")
     p.add_argument("--seqlen", type=int, default=256)

@@ -3,7 +3,7 @@ call per key block (dataflow.ops_cuda.CudaOps, as the engine runs it): time per 
 positions of a long sequence, hardware TFLOP/s, workspace and scratch bytes. Prints a table and
 writes a JSON record. GPU only.
 
-    python -m dataflow.bench.attention_blocks --model 8b --seqlen 131072 --chunk 16384 \
+    python bench/archive/attention_blocks.py --model 8b --seqlen 131072 --chunk 16384 \
         --blocks 0,65536,32768 --out bench/records/attention-blocks-h100.json
 (block 0 = the whole context in one call)."""
 

@@ -3,8 +3,8 @@ engine and knobs the heuristics pick (what dataflow.kernels.cuda.attention runs)
 heuristic modes A, B and FALLBACK list, so a faster plan the default walk misses shows up.
 Prints a table and writes a JSON record. GPU only.
 
-    python -m dataflow.bench.attention_plans --out bench/records/attention-plans-h100.json
-    python -m dataflow.bench.attention_plans --cases 8b-bwd-block,1b-fwd --reps 5
+    python bench/archive/attention_plans.py --out bench/records/attention-plans-h100.json
+    python bench/archive/attention_plans.py --cases 8b-bwd-block,1b-fwd --reps 5
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CASES = {
 
 def _flops(kind, t, s, q_offset, causal, h, e) -> float:
     """Hardware FLOPs of one call: 4*H*E per visible (query, key) pair forward, 2.5x that
-    backward (the same count dataflow.bench.attention_blocks uses)."""
+    backward (the same count bench/archive/attention_blocks.py uses)."""
     pairs = t * s if not causal else t * q_offset + t * (t + 1) / 2
     fwd = 4.0 * h * e * pairs
     return fwd if kind == "fwd" else 2.5 * fwd
