@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataflow.bench.ring_model_check import staged_ahead
+from dataflow.bench.ring_model import staged_ahead
 from dataflow.memplan import get_profile
 from dataflow.memplan.plan import Budget
 from dataflow.memplan.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
