@@ -32,6 +32,7 @@ import numpy as np
 
 from dataflow.lr_schedule import schedule_from_dict, schedule_to_dict
 from dataflow.optimizer import AdamWConfig
+from dataflow.models.atomic_io import write_hashed
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ChecksumError, ConfigError
 from dataflow.models.init import BF16
@@ -48,7 +49,8 @@ FORMAT_VERSION = 1
 META = "checkpoint.json"
 SEAL = "checkpoint.json.sha256"
 _PIECE_BYTES = 64 << 20
-"""Files are written, read and hashed in 64 MiB pieces (hashlib releases the GIL on them)."""
+"""Files are read and hashed in 64 MiB pieces (hashlib releases the GIL on them); written in
+dataflow.models.atomic_io's pieces of the same size."""
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TEMP_DIR = re.compile(r"^\.step_\d{8,}\.(tmp|old)-(\d+)-[0-9a-f]+$")
 _DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
@@ -244,23 +246,12 @@ def _manifest_entry(lay, layer, nbytes: int, sha: str) -> dict:
 def _write_file(path: Path, array: np.ndarray) -> tuple[int, str]:
     """Write an array's bytes, fsync, and return (nbytes, sha256)."""
     data = memoryview(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for start in range(0, len(data), _PIECE_BYTES):
-            piece = data[start:start + _PIECE_BYTES]
-            f.write(piece)
-            digest.update(piece)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data), digest.hexdigest()
+    return len(data), write_hashed(path, data)
 
 
 def write_bytes(path: Path, body: bytes) -> str:
-    with open(path, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(body).hexdigest()
+    """Write `body`, fsync, and return its sha256 (checkpoint.json, its seal, the JSON files)."""
+    return write_hashed(path, memoryview(body))
 
 
 def _fsync_dir(path: Path) -> None:

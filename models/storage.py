@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataflow.models.atomic_io import write_hashed
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ChecksumError, ConfigError
 from dataflow.models.init import BF16, ModelWeights
@@ -68,16 +69,7 @@ def _expected_entries(cfg: ModelConfig) -> list[dict]:
 
 def _write_block(path: Path, block: np.ndarray) -> str:
     """Write one block file, fsync it, and return the sha256 of the bytes written."""
-    data = memoryview(block.view(np.uint8))
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for start in range(0, len(data), _READ_BYTES):
-            piece = data[start : start + _READ_BYTES]
-            f.write(piece)
-            digest.update(piece)
-        f.flush()
-        os.fsync(f.fileno())
-    return digest.hexdigest()
+    return write_hashed(path, memoryview(block.view(np.uint8)))
 
 
 def _is_model_dir(path: Path) -> bool:
