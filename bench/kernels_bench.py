@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import re
@@ -25,6 +24,8 @@ import time
 
 import numpy as np
 
+from dataflow.settings import settings_from_env
+
 HBM_BYTES_PER_S = 3.0e12
 BF16_FLOP_PER_S = 780e12
 CONFIG = dict(n_tokens=8192, model_dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -32,8 +33,8 @@ CONFIG = dict(n_tokens=8192, model_dim=4096, n_heads=32, n_kv_heads=8, head_dim=
 
 
 def _commit() -> str | None:
-    if os.environ.get("DATAFLOW_COMMIT"):
-        return os.environ["DATAFLOW_COMMIT"]
+    if settings_from_env().commit:
+        return settings_from_env().commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=pathlib.Path(__file__).resolve().parent, timeout=10)
