@@ -44,8 +44,9 @@ class Settings:
     """DATAFLOW_PREBUILD: '0' turns off the setup thread that compiles kernels and builds cuDNN
     graphs while the host slab is pinned (dataflow.warmup); everything is then built in warm_up."""
     ring_debug: bool = False
-    """DATAFLOW_RING_DEBUG: any non-empty value makes the ring's worker processes log at debug
-    level (ring/worker.py; ring/cli.py --debug sets it for the ranks it spawns)."""
+    """DATAFLOW_RING_DEBUG: any non-empty value makes a failing ring rank re-raise (a full
+    traceback) instead of printing one line (ring/worker.py; dataflow-ring --debug sets it for the
+    ranks it spawns)."""
     ring_id: str | None = None
     """DATAFLOW_RING_ID: names the ring's shared-memory segments (ring/launch.py); unset:
     TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or the rendezvous port."""
@@ -63,13 +64,13 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         alloc_guard=env.get("DATAFLOW_ALLOC_GUARD") or "error",
         commit=env.get("DATAFLOW_COMMIT") or None,
-        cudnn_cache_dir=env.get("DATAFLOW_CUDNN_CACHE_DIR"),
+        cudnn_cache_dir=env.get("DATAFLOW_CUDNN_CACHE_DIR") or None,
         host_check=env.get("DATAFLOW_HOST_CHECK", "").strip().lower() != "off",
         pin=env.get("DATAFLOW_PIN") or "register",
         pin_pieces=env.get("DATAFLOW_PIN_PIECES") or "1",
         prebuild=env.get("DATAFLOW_PREBUILD", "1") != "0",
         ring_debug=bool(env.get("DATAFLOW_RING_DEBUG")),
         ring_id=env.get("DATAFLOW_RING_ID") or None,
-        ring_port=env.get("DATAFLOW_RING_PORT"),
+        ring_port=env.get("DATAFLOW_RING_PORT") or None,
         run_ahead_ops=(env.get("DATAFLOW_RUN_AHEAD_OPS") or "").strip(),
     )
