@@ -10,7 +10,7 @@ per (op, dtype) keeps the first call cheap.
 Compiled modules are cached on disk by CuPy (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache; the
 key hashes the source, options, NVRTC version and GPU arch; CuPy >= 14.2 also stores the
 mangled names of `name_expressions` beside the cubin, so a template module is cached too). A
-second process then loads cubins instead of running NVRTC. `precompile()` builds (or loads)
+second process then loads cubins instead of running NVRTC. `precompile(ctx)` builds (or loads)
 every module of the package at once, so setup can pay for it instead of the first step.
 """
 
