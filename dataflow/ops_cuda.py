@@ -58,8 +58,8 @@ class CudaOps(MoeOps):
     def __init__(self, ctx=None, quiesce=None, wait=None):
         self.ctx = ctx if ctx is not None else K.CudaContext(
             cudnn_cache_dir=settings_from_env().cudnn_cache_dir)
-        """The kernels' CudaContext: the backend's (it releases it); a table made without one
-        (tests, benchmarks) has its own, freed with the table."""
+        """The kernels' CudaContext: the backend's (its close() releases it); a table made
+        without one (tests, benchmarks) makes its own, whose handles stay until ctx.close()."""
         for name, kernel in _BOUND.items():  # partials, not methods: no extra Python frame
             setattr(self, name, functools.partial(getattr(K, kernel), self.ctx))
         self._quiesce = quiesce
