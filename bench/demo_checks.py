@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 from dataflow.models.errors import ConfigError
+from dataflow.settings import settings_from_env
 
 log = logging.getLogger("dataflow.demo")
 
@@ -152,7 +153,7 @@ def check_budgets_fit_machine(plan, backend) -> None:
     b = plan.budget
     host_need = b.host_bytes + (b.device_bytes if backend.name == "numpy" else 0)
     avail = psutil.virtual_memory().available
-    skip = os.environ.get(HOST_CHECK_ENV, "").strip().lower() == "off"
+    skip = not settings_from_env().host_check
     if host_need > avail and skip:
         log.warning("%s=off: not refusing %s of budgets against the %s available now",
                     HOST_CHECK_ENV, size_text(host_need), size_text(avail))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import re
@@ -25,6 +24,8 @@ import time
 
 import numpy as np
 
+from dataflow.settings import settings_from_env
+
 HBM_BYTES_PER_S = 3.0e12
 BF16_FLOP_PER_S = 780e12
 CONFIG = dict(n_tokens=8192, model_dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -32,8 +33,8 @@ CONFIG = dict(n_tokens=8192, model_dim=4096, n_heads=32, n_kv_heads=8, head_dim=
 
 
 def _commit() -> str | None:
-    if os.environ.get("DATAFLOW_COMMIT"):
-        return os.environ["DATAFLOW_COMMIT"]
+    if settings_from_env().commit:
+        return settings_from_env().commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=pathlib.Path(__file__).resolve().parent, timeout=10)
@@ -65,6 +66,7 @@ class _Arrays:
 
     def __init__(self, cupy, kc, seed: int):
         self.cupy, self.kc = cupy, kc
+        self.ctx = kc.CudaContext()  # the kernels' handles and caches for this benchmark
         self.rng = cupy.random.default_rng(seed)
         self.cache = {}
 
@@ -76,7 +78,7 @@ class _Arrays:
                 a = f
             else:
                 a = self.cupy.empty(shape, dtype=dtype)
-                self.kc.cast(f, a)
+                self.kc.cast(self.ctx, f, a)
                 del f
             self.cache[key] = a
         return self.cache[key]
@@ -95,6 +97,7 @@ class _Arrays:
 def _cases(cupy, kc, a: _Arrays, c: dict):
     """(name, fn, bytes, flop, repeats scale) for each op at the config's shapes."""
     import ml_dtypes
+    ctx = a.ctx
     bf16, f32 = ml_dtypes.bfloat16, cupy.float32
     t, d, h, kh, e = c["n_tokens"], c["model_dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"]
     f, v, sub = c["ffn_dim"], c["vocab_size"], c["head_sub_tokens"]
@@ -103,13 +106,15 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     y, dx = cupy.empty((t, d), bf16), cupy.empty((t, d), bf16)
     rstd = cupy.empty(t, f32)
     dw_norm = cupy.zeros(d, f32)
-    kc.rms_norm_fwd(x, w_norm, 1e-5, y, rstd)
-    yield "rms_norm_fwd", lambda: kc.rms_norm_fwd(x, w_norm, 1e-5, y, rstd), 4 * t * d + 4 * t, 0
-    yield ("rms_norm_bwd (dw f32 +=)", lambda: kc.rms_norm_bwd(x, w_norm, rstd, dy, dx, dw_norm),
+    kc.rms_norm_fwd(ctx, x, w_norm, 1e-5, y, rstd)
+    yield ("rms_norm_fwd", lambda: kc.rms_norm_fwd(ctx, x, w_norm, 1e-5, y, rstd),
+           4 * t * d + 4 * t, 0)
+    yield ("rms_norm_bwd (dw f32 +=)",
+           lambda: kc.rms_norm_bwd(ctx, x, w_norm, rstd, dy, dx, dw_norm),
            6 * t * d + 8 * d, 0)
     res = a.randn("res", (t, d), bf16)
     yield ("rms_norm_bwd + residual (as the layers call it)",
-           lambda: kc.rms_norm_bwd(x, w_norm, rstd, dy, dx, dw_norm, residual=res),
+           lambda: kc.rms_norm_bwd(ctx, x, w_norm, rstd, dy, dx, dw_norm, residual=res),
            8 * t * d + 8 * d, 0)
 
     w1 = a.randn("w1", (f, d), bf16, d ** -0.5)
@@ -119,12 +124,12 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     dw1_f32 = cupy.zeros((f, d), f32)
     dw1_bf16 = cupy.zeros((f, d), bf16)
     mm = 2 * t * d * f
-    yield "linear_fwd x@W1.T (8192x4096 -> 14336)", lambda: kc.linear_fwd(x, w1, gate), 0, mm
+    yield "linear_fwd x@W1.T (8192x4096 -> 14336)", lambda: kc.linear_fwd(ctx, x, w1, gate), 0, mm
     yield ("linear_fwd h@W2.T + resid (14336 -> 4096)",
-           lambda: kc.linear_fwd(gate, w2, y, True), 0, mm)
-    yield "linear_bwd_x dh@W1 (14336 -> 4096)", lambda: kc.linear_bwd_x(dh, w1, dx), 0, mm
-    yield "linear_bwd_w dW1 += dh.T@x (f32)", lambda: kc.linear_bwd_w(dh, x, dw1_f32), 0, mm
-    yield "linear_bwd_w dW1 += dh.T@x (bf16)", lambda: kc.linear_bwd_w(dh, x, dw1_bf16), 0, mm
+           lambda: kc.linear_fwd(ctx, gate, w2, y, True), 0, mm)
+    yield "linear_bwd_x dh@W1 (14336 -> 4096)", lambda: kc.linear_bwd_x(ctx, dh, w1, dx), 0, mm
+    yield "linear_bwd_w dW1 += dh.T@x (f32)", lambda: kc.linear_bwd_w(ctx, dh, x, dw1_f32), 0, mm
+    yield "linear_bwd_w dW1 += dh.T@x (bf16)", lambda: kc.linear_bwd_w(ctx, dh, x, dw1_bf16), 0, mm
     del dw1_f32, dw1_bf16
 
     q = a.randn("q", (t, h, e), bf16)
@@ -132,21 +137,24 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     vv = a.randn("v", (t, kh, e), bf16)
     pos = cupy.arange(t, dtype=cupy.int32)
     theta = c["rope_theta"]
-    yield "rope_fwd q in place", lambda: kc.rope_fwd(q, pos, theta, q), 4 * t * h * e + 4 * t, 0
-    yield "rope_bwd q in place", lambda: kc.rope_bwd(q, pos, theta, q), 4 * t * h * e + 4 * t, 0
+    yield ("rope_fwd q in place", lambda: kc.rope_fwd(ctx, q, pos, theta, q),
+           4 * t * h * e + 4 * t, 0)
+    yield ("rope_bwd q in place", lambda: kc.rope_bwd(ctx, q, pos, theta, q),
+           4 * t * h * e + 4 * t, 0)
 
     up = a.randn("up", (t, f), bf16)
     hh = cupy.empty((t, f), bf16)
     dg, du = cupy.empty((t, f), bf16), cupy.empty((t, f), bf16)
-    yield "swiglu_fwd", lambda: kc.swiglu_fwd(gate, up, hh), 6 * t * f, 0
-    yield "swiglu_bwd", lambda: kc.swiglu_bwd(gate, up, dh, dg, du), 10 * t * f, 0
+    yield "swiglu_fwd", lambda: kc.swiglu_fwd(ctx, gate, up, hh), 6 * t * f, 0
+    yield "swiglu_bwd", lambda: kc.swiglu_bwd(ctx, gate, up, dh, dg, du), 10 * t * f, 0
     del hh, dg, du
 
     table = a.randn("table", (v, d), bf16)
     ids = a.ints("ids", (t,), v)
     dtable = cupy.zeros((v, d), f32)
-    yield "embedding_fwd", lambda: kc.embedding_fwd(ids, table, y), 4 * t * d + 4 * t, 0
-    yield ("embedding_bwd (dtable f32 +=, random ids)", lambda: kc.embedding_bwd(ids, dx, dtable),
+    yield "embedding_fwd", lambda: kc.embedding_fwd(ctx, ids, table, y), 4 * t * d + 4 * t, 0
+    yield ("embedding_bwd (dtable f32 +=, random ids)",
+           lambda: kc.embedding_bwd(ctx, ids, dx, dtable),
            2 * t * d + 8 * t * d + 4 * t, 0)
     del dtable
 
@@ -155,22 +163,23 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     dq = cupy.empty((t, h, e), bf16)
     dk, dv = cupy.empty((t, kh, e), bf16), cupy.empty((t, kh, e), bf16)
     attn = 4 * t * t * h * e // 2                     # causal: half the score matrix
-    kc.attention_fwd(q, k, vv, 0, o, lse)
-    yield "attention_fwd causal S=8192", lambda: kc.attention_fwd(q, k, vv, 0, o, lse), 0, attn
+    kc.attention_fwd(ctx, q, k, vv, 0, o, lse)
+    yield "attention_fwd causal S=8192", lambda: kc.attention_fwd(ctx, q, k, vv, 0, o, lse), 0, attn
     yield ("attention_bwd causal S=8192 (deterministic)",
-           lambda: kc.attention_bwd(q, k, vv, o, lse, do, 0, dq, dk, dv), 0, 5 * attn // 2)
+           lambda: kc.attention_bwd(ctx, q, k, vv, o, lse, do, 0, dq, dk, dv), 0, 5 * attn // 2)
     yield ("attention_bwd causal S=8192 non-deterministic",
-           lambda: kc.attention_bwd(q, k, vv, o, lse, do, 0, dq, dk, dv, deterministic=False),
+           lambda: kc.attention_bwd(ctx, q, k, vv, o, lse, do, 0, dq, dk, dv, deterministic=False),
            0, 5 * attn // 2)
     th = t // 2                                        # second half of a split sequence
     o2, lse2 = cupy.empty((th, h, e), bf16), cupy.empty((h, th), f32)
     q2, do2, dq2 = q[th:], do[th:], cupy.empty((th, h, e), bf16)
     attn2 = 4 * th * th * h * e // 2 + 4 * th * th * h * e  # own triangle + the earlier chunk
-    kc.attention_fwd(q2, k, vv, th, o2, lse2)
+    kc.attention_fwd(ctx, q2, k, vv, th, o2, lse2)
     yield ("attention_fwd chunk 4096 @ offset 4096",
-           lambda: kc.attention_fwd(q2, k, vv, th, o2, lse2), 0, attn2)
+           lambda: kc.attention_fwd(ctx, q2, k, vv, th, o2, lse2), 0, attn2)
     yield ("attention_bwd chunk 4096 @ offset 4096",
-           lambda: kc.attention_bwd(q2, k, vv, o2, lse2, do2, th, dq2, dk, dv), 0, 5 * attn2 // 2)
+           lambda: kc.attention_bwd(ctx, q2, k, vv, o2, lse2, do2, th, dq2, dk, dv), 0,
+           5 * attn2 // 2)
     del o, lse, dq, dk, dv, o2, lse2, dq2
 
     w_head = a.randn("w_head", (v, d), bf16, d ** -0.5)
@@ -179,32 +188,34 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     dw_head = cupy.zeros((v, d), f32)
     loss = cupy.zeros(2, f32)
     yield ("head_loss_fwd_bwd sub 1024 (dw f32 +=)",
-           lambda: kc.head_loss_fwd_bwd(x, w_head, targets, logits, 1.0 / t, dx, dw_head, loss),
+           lambda: kc.head_loss_fwd_bwd(ctx, x, w_head, targets, logits, 1.0 / t, dx, dw_head,
+                                        loss),
            0, 3 * 2 * t * d * v)
     dw_head_bf16 = cupy.zeros((v, d), bf16)
     yield ("head_loss_fwd_bwd sub 1024 (dw bf16 +=)",
-           lambda: kc.head_loss_fwd_bwd(x, w_head, targets, logits, 1.0 / t, dx, dw_head_bf16,
+           lambda: kc.head_loss_fwd_bwd(ctx, x, w_head, targets, logits, 1.0 / t, dx, dw_head_bf16,
                                         loss),
            0, 3 * 2 * t * d * v)
     del dw_head_bf16
     from dataflow.kernels.cuda.head_loss import xent_kernel
-    xent = xent_kernel(4)
+    xent = xent_kernel(ctx, 4)
     tgt_sub = targets[:sub]
-    kc.linear_fwd(x[:sub], w_head, logits)              # real logits to start from
+    kc.linear_fwd(ctx, x[:sub], w_head, logits)              # real logits to start from
 
     def xent_only():                # rewrites its input in place: logits hold bf16 after once,
         xent((sub,), (1024,), (logits, np.int32(v), tgt_sub, np.float32(1.0)))  # same traffic
     yield ("  of which: softmax-xent kernel, one sub-chunk", xent_only,
            2 * 4 * sub * v + 2 * sub * v, 0)
     yield ("  of which: logits GEMM, one sub-chunk (f32 out)",
-           lambda: kc.linear_fwd(x[:sub], w_head, logits), 0, 2 * sub * d * v)
+           lambda: kc.linear_fwd(ctx, x[:sub], w_head, logits), 0, 2 * sub * d * v)
     yield ("  of which: dw GEMM, one sub-chunk (f32 +=, k=1024)",
-           lambda: kc.linear_bwd_w(a.randn("dl", (sub, v), bf16), x[:sub], dw_head), 0,
+           lambda: kc.linear_bwd_w(ctx, a.randn("dl", (sub, v), bf16), x[:sub], dw_head), 0,
            2 * sub * d * v)
     del logits
     logits2 = cupy.empty((2 * sub, v), f32)
     yield ("head_loss_fwd_bwd sub 2048 (dw f32 +=)",
-           lambda: kc.head_loss_fwd_bwd(x, w_head, targets, logits2, 1.0 / t, dx, dw_head, loss),
+           lambda: kc.head_loss_fwd_bwd(ctx, x, w_head, targets, logits2, 1.0 / t, dx, dw_head,
+                                        loss),
            0, 3 * 2 * t * d * v)
     del logits2, dw_head
     a.free()
@@ -214,18 +225,18 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     g = a.randn("g", (n,), f32, 1e-3)
     m = a.randn("m", (n,), bf16, 1e-4)
     v2 = a.randn("v2", (n,), bf16, 1e-4)
-    kc.fill_(v2, 1e-6)                                 # second moments must be positive
+    kc.fill_(ctx, v2, 1e-6)                                 # second moments must be positive
     step = [0]
 
     def adamw():
         step[0] += 1
-        kc.adamw_step(p, g, m, v2, step=step[0], lr=1e-4, weight_decay=0.1)
+        kc.adamw_step(ctx, p, g, m, v2, step=step[0], lr=1e-4, weight_decay=0.1)
     yield f"adamw_step layer block n={n} (grad f32)", adamw, n * (2 + 4 + 2 + 2 + 2 + 2 + 2), 0
     gb = a.randn("gb", (n,), bf16)
-    yield f"add_ f32 += bf16, n={n}", lambda: kc.add_(g, gb), n * (4 + 2 + 4), 0
+    yield f"add_ f32 += bf16, n={n}", lambda: kc.add_(ctx, g, gb), n * (4 + 2 + 4), 0
     out = cupy.zeros(1, f32)
-    yield f"sumsq bf16, n={n}", lambda: kc.sumsq(gb, out, accumulate=True), n * 2, 0
-    yield f"fill_ bf16, n={n}", lambda: kc.fill_(gb, 0.5), n * 2, 0
+    yield f"sumsq bf16, n={n}", lambda: kc.sumsq(ctx, gb, out, accumulate=True), n * 2, 0
+    yield f"fill_ bf16, n={n}", lambda: kc.fill_(ctx, gb, 0.5), n * 2, 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         cudnn_version = f"frontend {cudnn.__version__}, backend {cudnn.backend_version()}"
     except Exception as exc:  # attention fell back or the frontend is absent
         cudnn_version = f"unavailable ({type(exc).__name__})"
-    from dataflow.kernels.cuda import attention
     record = {
         "schema_version": 1,
         "kind": "kernels_bench",
@@ -285,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "CUDA events around each call on the current stream; median of repeats after "
                   "warm-up; bytes = each input read once + each output written once; "
                   "host_ms_per_call = host time to enqueue one call (Python + launch overhead)",
-        "attention_fallbacks": {str(k): r for k, r in attention.FALLBACKS.items()},
+        "attention_fallbacks": {str(k): r for k, r in arrays.ctx.fallbacks().items()},
         "ops": rows,
     }
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")

@@ -65,6 +65,7 @@ def main(argv=None) -> int:
 
     BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
+    ctx = K.CudaContext()  # the kernels' handles and caches for this benchmark
     t, d, f, n, k = (shape[x] for x in ("tokens", "d", "f", "n_experts", "top_k"))
     r = t * k
     rng = np.random.default_rng(0)
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         varying from draw to draw as a router's does."""
         scores = rng.standard_normal((t, n)) + 0.3 * rng.standard_normal(n)
         idx = np.argsort(-scores, axis=1)[:, :k].astype(np.int64)
-        K.expert_order(cp.asarray(idx), n, order, offsets)
+        K.expert_order(ctx, cp.asarray(idx), n, order, offsets)
         return offsets.get()
 
     host_off = routing()
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
 
     def bf(*s, scale=1.0):
         out = cp.empty(s, BF16)
-        K.cast(cp.random.standard_normal(s, dtype=cp.float32) * scale, out)
+        K.cast(ctx, cp.random.standard_normal(s, dtype=cp.float32) * scale, out)
         return out
 
     xp, dyp = bf(r, d), bf(r, d)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         dwg, dwu, dwd = (gblock[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
                          for i, s_ in enumerate(((f, d), (f, d), (d, f))))
         workspace = cp.empty(CUBLAS_WORKSPACE_BYTES, cp.uint8)
-        K.set_cublas_workspace(workspace)
+        K.set_cublas_workspace(ctx, workspace)
     else:
         wg, wu, wd = (bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5),
                       bf(n, d, f, scale=f ** -0.5))
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
 
     def layer(off=None):
         off = host_off if off is None else off
-        K.experts_fwd(xp, off, wg, wu, wd, yp, gate, up, h=act)
-        K.experts_bwd(xp, off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd, dgate=dgate,
+        K.experts_fwd(ctx, xp, off, wg, wu, wd, yp, gate, up, h=act)
+        K.experts_bwd(ctx, xp, off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd, dgate=dgate,
                       dup=dup, h=h, dx_acc=acc)
 
     new_routing = iter(fresh)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
 
     def dense():  # the loop's FLOPs as 9 GEMMs of (R, D) x (D, F): fwd 3, bwd 6
         for _ in range(9):
-            K.linear_fwd(a, b, c)
+            K.linear_fwd(ctx, a, b, c)
 
     stream = cp.cuda.get_current_stream()
     # The GPU's own time: a spinning kernel holds the stream while the host enqueues the calls

@@ -1,22 +1,26 @@
 """The op table for the CuPy backend: the same names, signatures and semantics as
 dataflow.ops_numpy, implemented by dataflow.kernels.cuda. One `CudaOps` per backend (two backends on two
-GPUs can live in one process). Adapts the few places where the CUDA kernels' conventions differ
-(cuDNN writes bf16 dK/dV that the engine accumulates in fp32; AdamW takes keywords). Library
-scratch comes from the device arena: the executor lends the planner's regions (attention
-workspace, bf16 dK/dV of a context) through `lend_scratch`; only a shape that outgrows them
-allocates outside the arena, and `library_workspace_bytes()` reports it. `quiesce` goes to every
-cuDNN call (dataflow.kernels.cuda.attention says why). The mixture-of-experts ops live in
+GPUs can live in one process), bound to that backend's CudaContext (the kernels' handles, graphs
+and caches), which every kernel call is given. Adapts the few places where the CUDA kernels'
+conventions differ (cuDNN writes bf16 dK/dV that the engine accumulates in fp32; AdamW takes
+keywords). Library scratch comes from the device arena: the executor lends the planner's regions
+(attention workspace, bf16 dK/dV of a context) through `lend_scratch`; only a shape that outgrows
+them allocates outside the arena, and `library_workspace_bytes()` reports it. `quiesce` goes to
+every cuDNN call (dataflow.kernels.cuda.attention says why). The mixture-of-experts ops live in
 dataflow.ops_cuda_moe (MoeOps, inherited), with the one host wait they need. Never decides
 placement."""
 
 from __future__ import annotations
 
+import functools
+
 import cupy as cp
 
 import dataflow.kernels.cuda as K
-from dataflow.ops_cuda_moe import MoeOps
+from dataflow.ops_cuda_moe import MOE_BOUND, MoeOps
 from dataflow.ops_numpy import WRITES
 from dataflow.memplan.buffers import key_block_spans
+from dataflow.settings import settings_from_env
 
 
 _ZERO_ROWS = cp.ElementwiseKernel(
@@ -25,33 +29,23 @@ _ZERO_ROWS = cp.ElementwiseKernel(
 """x (T, D) in place: the rows whose id is `value` set to zero bits."""
 
 
+_BOUND = {name: name for name in (
+    "rms_norm_fwd", "linear_fwd", "linear_bwd_x", "linear_bwd_w", "bias_fill", "bias_bwd",
+    "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "embedding_fwd", "embedding_bwd",
+    "head_loss_fwd_bwd", "add_", "cast", "clip_scale")} | MOE_BOUND
+"""Op name -> the kernel it is, with the table's CudaContext bound first."""
+
+
 class CudaOps(MoeOps):
     WRITES = WRITES
 
-    rms_norm_fwd = staticmethod(K.rms_norm_fwd)
-    linear_fwd = staticmethod(K.linear_fwd)
-    linear_bwd_x = staticmethod(K.linear_bwd_x)
-    linear_bwd_w = staticmethod(K.linear_bwd_w)
-    bias_fill = staticmethod(K.bias_fill)
-    bias_bwd = staticmethod(K.bias_bwd)
-    rope_fwd = staticmethod(K.rope_fwd)
-    rope_bwd = staticmethod(K.rope_bwd)
-    swiglu_fwd = staticmethod(K.swiglu_fwd)
-    swiglu_bwd = staticmethod(K.swiglu_bwd)
-    embedding_fwd = staticmethod(K.embedding_fwd)
-    embedding_bwd = staticmethod(K.embedding_bwd)
-    head_loss_fwd_bwd = staticmethod(K.head_loss_fwd_bwd)
-    add_ = staticmethod(K.add_)
-    cast = staticmethod(K.cast)
-
-    @staticmethod
-    def fill_(x, value):
+    def fill_(self, x, value):
         """K.fill_ for bf16 and fp32; an integer view (an MoE model's routing counts, int64)
         through CuPy's own fill, on the current stream, allocating nothing."""
         if x.dtype.kind in "iu":
             x.fill(int(value))
         else:
-            K.fill_(x, value)
+            K.fill_(self.ctx, x, value)
 
     @staticmethod
     def zero_rows_where_(ids, x, value):
@@ -61,7 +55,13 @@ class CudaOps(MoeOps):
         flat = ids.reshape(-1)
         _ZERO_ROWS(flat, bits.shape[-1], flat.dtype.type(value), bits)
 
-    def __init__(self, quiesce=None, wait=None):
+    def __init__(self, ctx=None, quiesce=None, wait=None):
+        self.ctx = ctx if ctx is not None else K.CudaContext(
+            cudnn_cache_dir=settings_from_env().cudnn_cache_dir)
+        """The kernels' CudaContext: the backend's (its close() releases it); a table made
+        without one (tests, benchmarks) makes its own, whose handles stay until ctx.close()."""
+        for name, kernel in _BOUND.items():  # partials, not methods: no extra Python frame
+            setattr(self, name, functools.partial(getattr(K, kernel), self.ctx))
         self._quiesce = quiesce
         """Waits, GIL released, until no Python host function is queued (see
         dataflow.kernels.cuda.attention)."""
@@ -79,25 +79,26 @@ class CudaOps(MoeOps):
     def lend_scratch(self, scratch: dict) -> None:
         self._lent.update(scratch)
         if "cublas_workspace" in scratch:
-            K.set_cublas_workspace(scratch["cublas_workspace"])
+            K.set_cublas_workspace(self.ctx, scratch["cublas_workspace"])
 
     def release_scratch(self) -> None:
         """Forget every lent view, and take the cuBLAS workspace back from the handle (which
         outlives the arena those views lie in), unless another table has lent it one since: the
         backend calls this before it frees the arena."""
         ws = self._lent.get("cublas_workspace")
-        if ws is not None and K.cublas_workspace()[0] == ws.data.ptr:
-            K.set_cublas_workspace(None)
+        if ws is not None and K.cublas_workspace(self.ctx)[0] == ws.data.ptr:
+            K.set_cublas_workspace(self.ctx, None)
         self._lent.clear()
 
     def rms_norm_bwd(self, x, w, rstd, dy, dx, dw_acc, residual=None):
         parts, d = K.rms_norm_bwd_scratch_shape(x.shape[0], x.shape[1])
-        K.rms_norm_bwd(x, w, rstd, dy, dx, dw_acc,
+        K.rms_norm_bwd(self.ctx, x, w, rstd, dy, dx, dw_acc,
                        scratch=self._scratch("norm_scratch", (parts, d), cp.float32),
                        residual=residual)
 
     def sumsq(self, x, out, accumulate: bool = True):
-        K.sumsq(x, out, accumulate, scratch=self._scratch("sumsq_scratch", (1024,), cp.float32))
+        K.sumsq(self.ctx, x, out, accumulate,
+                scratch=self._scratch("sumsq_scratch", (1024,), cp.float32))
 
     def _scratch(self, name: str, shape, dtype) -> cp.ndarray:
         n = 1
@@ -118,8 +119,8 @@ class CudaOps(MoeOps):
         return sum(b.nbytes for b in self._own.values())
 
     def attention_fwd(self, q, k, v, q_offset, o, lse):
-        K.attention_fwd(q, k, v, q_offset, o, lse, workspace=self._lent.get("attn_workspace"),
-                        quiesce=self._quiesce)
+        K.attention_fwd(self.ctx, q, k, v, q_offset, o, lse,
+                        workspace=self._lent.get("attn_workspace"), quiesce=self._quiesce)
 
     def attention_bwd(self, q, k, v, o, lse, do, q_offset, dq, dk, dv):
         """dq overwritten; dk and dv (fp32, whole context) accumulate (+=), as in ops_numpy.
@@ -134,8 +135,8 @@ class CudaOps(MoeOps):
         dk16 = self._scratch("dk16", k.shape, k.dtype)
         dv16 = self._scratch("dv16", v.shape, v.dtype)
         self._cudnn_bwd(q, k, v, o, lse, do, q_offset, dq, dk16, dv16)
-        K.add_(dk, dk16)
-        K.add_(dv, dv16)
+        K.add_(self.ctx, dk, dk16)
+        K.add_(self.ctx, dv, dv16)
 
     def attention_bwd_own(self, q, k, v, o, lse, do, dq, dk, dv):
         """A chunk against its own keys: cuDNN writes dq and the bf16 dk, dv directly (the
@@ -146,7 +147,7 @@ class CudaOps(MoeOps):
         """One cuDNN backward call writing bf16 dq, dk, dv, in the lent workspace: the
         deterministic algorithm where it fits (_deterministic_fits), else the atomic one."""
         ws = self._lent.get("attn_workspace")
-        K.attention_bwd(q, k, v, o, lse, do, q_offset, dq, dk, dv,
+        K.attention_bwd(self.ctx, q, k, v, o, lse, do, q_offset, dq, dk, dv,
                         deterministic=self._deterministic_fits(q, k, q_offset, ws),
                         workspace=ws, quiesce=self._quiesce)
 
@@ -177,16 +178,16 @@ class CudaOps(MoeOps):
         for i, (a, b, causal) in enumerate(key_block_spans(q_offset, q.shape[0], block)):
             dk16 = self._scratch("dk16", (b - a, kh, e), k.dtype)
             dv16 = self._scratch("dv16", (b - a, kh, e), v.dtype)
-            K.attention_bwd(q, k[a:b], v[a:b], o, lse, do, q_offset - a if causal else 0, dq,
-                            dk16, dv16, deterministic=False, workspace=ws, causal=causal,
-                            quiesce=self._quiesce)
-            K.add_(dk[a:b], dk16)
-            K.add_(dv[a:b], dv16)
+            K.attention_bwd(self.ctx, q, k[a:b], v[a:b], o, lse, do,
+                            q_offset - a if causal else 0, dq, dk16, dv16, deterministic=False,
+                            workspace=ws, causal=causal, quiesce=self._quiesce)
+            K.add_(self.ctx, dk[a:b], dk16)
+            K.add_(self.ctx, dv[a:b], dv16)
             if i == 0:
-                K.cast(dq, dq32)
+                K.cast(self.ctx, dq, dq32)
             else:
-                K.add_(dq32, dq)
-        K.cast(dq32, dq)
+                K.add_(self.ctx, dq32, dq)
+        K.cast(self.ctx, dq32, dq)
 
     def _deterministic_fits(self, q, k, q_offset: int, ws) -> bool:
         """Deterministic (bit-reproducible) backward when a chunk attends to itself only and
@@ -198,20 +199,17 @@ class CudaOps(MoeOps):
         key = (q.shape, k.shape, q_offset)
         fits = self._det_fits.get(key)
         if fits is None:
-            need = K.attention_workspace_bytes("bwd", q.shape[0], q.shape[1], k.shape[1],
-                                               q.shape[2], q_offset, deterministic=True,
-                                               quiesce=self._quiesce)
+            need = K.attention_workspace_bytes(self.ctx, "bwd", q.shape[0], q.shape[1],
+                                               k.shape[1], q.shape[2], q_offset,
+                                               deterministic=True, quiesce=self._quiesce)
             fits = self._det_fits[key] = ws is not None and need <= ws.nbytes
         return fits
 
-    clip_scale = staticmethod(K.clip_scale)
-
-    @staticmethod
-    def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
+    def adamw_step(self, param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
         """grad_scale: a float, or a (1,) fp32 device array read by the kernel (the clip scale
         the schedule computed on the device: no host sync)."""
         dev = grad_scale if isinstance(grad_scale, cp.ndarray) else None
-        K.adamw_step(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                     weight_decay=weight_decay,
+        K.adamw_step(self.ctx, param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay,
                      grad_scale=1.0 if dev is not None else float(grad_scale),
                      grad_scale_dev=dev)

@@ -31,41 +31,44 @@ import numpy as np
 import dataflow.kernels.cuda as K
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
+MOE_BOUND = {"moe_permute": "permute_fwd", "moe_combine_bwd": "unpermute_bwd"}
+"""Ops that are a kernel with the table's CudaContext bound first (CudaOps binds them):
+moe_permute (x, order, top_k, xp): xp = x[order // top_k], an exact gather; moe_combine_bwd
+(dy, yp, order, topk_weight, dyp, d_topk_weight), as ops_numpy.moe_combine_bwd."""
 
 
 class MoeOps:
-    """Mixin of dataflow.ops_cuda.CudaOps: uses its `_scratch(name, shape, dtype)` (a lent arena
-    view, or its own buffer when none was lent), `_lent` and `_wait(event)`."""
+    """Mixin of dataflow.ops_cuda.CudaOps: uses its `ctx` (the kernels' CudaContext),
+    `_scratch(name, shape, dtype)` (a lent arena view, or its own buffer when none was lent),
+    `_lent` and `_wait(event)`."""
 
     _offsets_event = None
     """The event recorded after each offsets copy (one, reused: every wait follows its record)."""
     _offsets_own: np.ndarray | None = None
     """Pinned host offsets when no arena region was lent (CudaOps used on its own, in tests)."""
 
-    @staticmethod
-    def moe_route(x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_weight, order,
-                  offsets):
+    def moe_route(self, x, w_router, top_k, norm_topk_prob, logits, probs, topk_idx, topk_weight,
+                  order, offsets):
         """As ops_numpy.moe_route: the router's GEMM into fp32 logits, softmax and top-k (ties:
         lower expert first), then the stable counting sort by expert (order, offsets; int64)."""
-        K.router_fwd(x, w_router, top_k, logits, probs, topk_idx, topk_weight,
+        K.router_fwd(self.ctx, x, w_router, top_k, logits, probs, topk_idx, topk_weight,
                      norm_topk_prob=bool(norm_topk_prob))
-        K.expert_order(topk_idx, w_router.shape[0], order, offsets)
+        K.expert_order(self.ctx, topk_idx, w_router.shape[0], order, offsets)
 
     def moe_route_stats(self, logits, probs, topk_idx, counts, sums):
         """As ops_numpy.moe_route_stats: counts (N,) int64 and sums[:N] += the chunk's pairs per
         expert and softmax mass per expert; sums[N] += sum of logsumexp^2 (an fp64 sum rounded
         to fp32, then added)."""
         n, t = counts.shape[0], logits.shape[0]
-        K.load_balancing_stats(probs, topk_idx, counts, sums[:n], accumulate=True)
-        K.router_z_loss(logits, 1, self._scratch("moe_lse", (t + 1,), F32)[:t], sums[n:],
+        K.load_balancing_stats(self.ctx, probs, topk_idx, counts, sums[:n], accumulate=True)
+        K.router_z_loss(self.ctx, logits, 1, self._scratch("moe_lse", (t + 1,), F32)[:t], sums[n:],
                         accumulate=True)
 
-    @staticmethod
-    def moe_round_losses(counts, sums, n_rows, out):
+    def moe_round_losses(self, counts, sums, n_rows, out):
         """As ops_numpy.moe_round_losses: out (2,) fp32 = (load-balancing loss, z-loss) of the
         round's totals over n_rows rows; on the device, read with the step's losses."""
         n = counts.shape[0]
-        K.load_balancing_loss(counts, sums[:n], n_rows, out[0:1])
+        K.load_balancing_loss(self.ctx, counts, sums[:n], n_rows, out[0:1])
         cp.divide(sums[n:], float(n_rows), out=out[1:2])  # fp32 division: correctly rounded
 
     @staticmethod
@@ -75,24 +78,18 @@ class MoeOps:
         cp.add(counts, partial_counts, out=counts)
         cp.add(sums, partial_sums, out=sums)
 
-    moe_permute = staticmethod(K.permute_fwd)
-    """(x, order, top_k, xp): xp = x[order // top_k], an exact gather."""
-
     def moe_experts_fwd(self, xp, offsets, w_gate, w_up, w_down, gate, up, act, yp):
         """As ops_numpy.moe_experts_fwd (act = silu(gate) * up); waits for the offsets' copy to
         the host (module docstring), then the per-expert GEMM loop."""
-        K.experts_fwd(xp, self._offsets_on_host(offsets), w_gate, w_up, w_down, yp, gate, up,
-                      h=act)
+        K.experts_fwd(self.ctx, xp, self._offsets_on_host(offsets), w_gate, w_up, w_down, yp, gate,
+                      up, h=act)
 
     def moe_combine(self, yp, order, topk_weight, out):
         """As ops_numpy.moe_combine: out (T, D) += the k weighted rows of each token, summed in
         fp32 in slot order into the lent fp32 (T, D), then added onto out and rounded once."""
         y32 = self._scratch("moe_tokens_f32", out.shape, F32)
-        K.unpermute_fwd(yp, self._inverse(order), topk_weight, y32)
-        K.add_(out, y32)
-
-    moe_combine_bwd = staticmethod(K.unpermute_bwd)
-    """(dy, yp, order, topk_weight, dyp, d_topk_weight), as ops_numpy.moe_combine_bwd."""
+        K.unpermute_fwd(self.ctx, yp, self._inverse(order), topk_weight, y32)
+        K.add_(self.ctx, out, y32)
 
     def moe_experts_bwd(self, xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate,
                         dw_up, dw_down):
@@ -107,7 +104,8 @@ class MoeOps:
         lent = self._lent.get("moe_tokens_f32")
         acc = self._scratch("moe_tokens_f32", (max(K.experts_bwd_acc_elems(host, xp.shape[1]),
                                                    0 if lent is None else lent.size),), F32)
-        K.experts_bwd(xp, host, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
+        K.experts_bwd(self.ctx, xp, host, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up,
+                      dw_down,
                       dgate=self._scratch("expert_dgate", (r, f), xp.dtype),
                       dup=self._scratch("expert_dup", (r, f), xp.dtype),
                       h=self._scratch("expert_act", (r, f), xp.dtype), dx_acc=acc)
@@ -122,26 +120,28 @@ class MoeOps:
         t, n = probs.shape
         d = x.shape[1]
         d_logits = self._scratch("moe_dlogits", (t, n), F32)
-        K.router_logits_bwd(probs, topk_idx, d_topk_weight, d_logits,
+        K.router_logits_bwd(self.ctx, probs, topk_idx, d_topk_weight, d_logits,
                             norm_topk_prob=bool(norm_topk_prob))
         if aux_coef:
-            K.load_balancing_loss_bwd(probs, counts, n_rows, aux_coef, d_logits, accumulate=True)
+            K.load_balancing_loss_bwd(self.ctx, probs, counts, n_rows, aux_coef, d_logits,
+                                      accumulate=True)
         if z_coef:
             lse = self._scratch("moe_lse", (t + 1,), F32)  # logsumexp per token, a spare sum
-            K.router_z_loss(logits, 1, lse[:t], lse[t:])
-            K.router_z_loss_bwd(logits, lse[:t], n_rows, z_coef, d_logits, accumulate=True)
+            K.router_z_loss(self.ctx, logits, 1, lse[:t], lse[t:])
+            K.router_z_loss_bwd(self.ctx, logits, lse[:t], n_rows, z_coef, d_logits,
+                                accumulate=True)
         work = self._scratch("moe_router_f32", (n * d + K.router_bwd_scratch_elems(t, d, n),), F32)
         dw32 = work[:n * d].reshape(n, d)
         dx32 = self._scratch("moe_tokens_f32", (t, d), F32)
-        K.router_bwd(x, w_router, d_logits, dx32, dw32, accumulate_dw=False,
+        K.router_bwd(self.ctx, x, w_router, d_logits, dx32, dw32, accumulate_dw=False,
                      scratch=work[n * d:])
-        K.add_(dw_router, dw32)
-        K.permute_bwd(dxp, self._inverse(order), topk_idx.shape[1], dx, residual=dx32)
+        K.add_(self.ctx, dw_router, dw32)
+        K.permute_bwd(self.ctx, dxp, self._inverse(order), topk_idx.shape[1], dx, residual=dx32)
 
     def _inverse(self, order):
         """inv (R,) int64 with inv[order[r]] = r, in the lent moe_inv."""
         inv = self._scratch("moe_inv", order.shape, I64)
-        K.inverse_order(order, inv)
+        K.inverse_order(self.ctx, order, inv)
         return inv
 
     def _offsets_on_host(self, offsets) -> np.ndarray:
@@ -161,6 +161,7 @@ class MoeOps:
         if self._offsets_event is None:
             self._offsets_event = cp.cuda.Event(block=False, disable_timing=True)
         # Queried each time (a few us): the lent region moves with the arena an Engine lends.
-        K.offsets_to_host(offsets, host, self._offsets_event, mapped=K.mapped_address(host))
+        K.offsets_to_host(self.ctx, offsets, host, self._offsets_event,
+                          mapped=K.mapped_address(host))
         self._wait(self._offsets_event)
         return host

@@ -15,6 +15,7 @@ import numpy as np
 
 from dataflow.batch import default_chunks
 from dataflow.memplan.plan import Plan
+from dataflow.settings import settings_from_env
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -146,9 +147,7 @@ def start_prebuild(plan: Plan, be) -> Prebuild | None:
     """Start the backend's prebuild (the CuPy backend's) in a thread; None for a backend that
     builds nothing (NumPy) or when DATAFLOW_PREBUILD=0 (everything is then built in warm_up,
     after the arenas, as before)."""
-    import os
-
-    if getattr(be, "prebuild", None) is None or os.environ.get("DATAFLOW_PREBUILD", "1") == "0":
+    if getattr(be, "prebuild", None) is None or not settings_from_env().prebuild:
         return None
     return Prebuild(plan, be)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dataflow.ring.launch import RankEnv
+from dataflow.settings import settings_from_env
 
 log = logging.getLogger("dataflow.ring.worker")
 
@@ -228,7 +229,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
         if transport is not None:
             transport.abort(str(exc))
         print(f"{tag} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if os.environ.get("DATAFLOW_RING_DEBUG"):
+        if settings_from_env().ring_debug:
             raise
         return 1
     finally:

@@ -55,6 +55,53 @@ def test_every_package_imports_only_what_the_architecture_allows():
     assert not bad, "\n".join(bad)
 
 
+MUTABLE_CONSTRUCTORS = {"dict", "list", "set", "bytearray", "defaultdict", "OrderedDict",
+                        "Counter", "deque", "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+"""Calls that make a mutable container: assigned at module level, they are process-wide state."""
+CACHE_DECORATORS = {"cache", "lru_cache"}
+HOST_ONLY_CACHES = {"kernels/cuda/rope.py:_plain_param": "host NumPy frequencies per (theta, E)"}
+"""functools caches in kernels/ that hold no device object (handles and kernels belong to the
+backend's CudaContext), with what they hold."""
+
+
+def _callee(node: ast.AST) -> str:
+    """The last name of a called or decorating expression (`functools.lru_cache(...)` ->
+    lru_cache)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def test_kernels_keep_no_module_level_mutable_state():
+    """No module of kernels/ assigns a dict, list or set (literal, comprehension or constructor
+    call) at module level, nor caches a function with functools but for HOST_ONLY_CACHES: the
+    kernels' handles, graphs, compiled modules and scratch live in the backend's CudaContext
+    (kernels/cuda/context.py) and are released with it. ALL_CAPS tuples, frozensets and other
+    constants, and dunder names (__all__), are fine."""
+    containers = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    bad = []
+    for f in _files("kernels"):
+        rel = f.relative_to(ROOT).as_posix()
+        for node in ast.parse(f.read_text(), filename=str(f)).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [ast.unparse(t) for t in targets]
+                if all(n.startswith("__") and n.endswith("__") for n in names):
+                    continue
+                value = node.value
+                if isinstance(value, containers) or (isinstance(value, ast.Call)
+                                                     and _callee(value) in MUTABLE_CONSTRUCTORS):
+                    shown = ast.unparse(value)[:40]
+                    bad.append(f"{rel}:{node.lineno} {', '.join(names)} = {shown}")
+            elif isinstance(node, ast.FunctionDef):
+                cached = any(_callee(d) in CACHE_DECORATORS for d in node.decorator_list)
+                if cached and f"{rel}:{node.name}" not in HOST_ONLY_CACHES:
+                    bad.append(f"{rel}:{node.lineno} @cache on {node.name}")
+    assert not bad, "module-level state in kernels/ (keep it in a CudaContext):\n" + "\n".join(bad)
+
+
 def test_nobody_imports_private_modules_or_names_of_another_package():
     bad = []
     for package in MAY_IMPORT:

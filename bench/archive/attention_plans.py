@@ -66,10 +66,12 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
 
+    from dataflow.kernels.cuda import CudaContext
     from dataflow.kernels.cuda import attention as A
     from dataflow.models.config import load_config
 
     cudnn = A._cudnn()
+    ctx = CudaContext()  # the cuDNN handle the graphs are built and run with
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rnd = cp.random.default_rng(0)
 
@@ -92,9 +94,9 @@ def main(argv=None) -> int:
         if kind == "bwd":
             pack.update({A._UID_DO: do.data.ptr, A._UID_DQ: dq.data.ptr, A._UID_DK: dk.data.ptr,
                          A._UID_DV: dv.data.ptr})
-            g = A._build_bwd(t, s, h, kh, e, mask, det, "band", finish=_plans_finish)
+            g = A._build_bwd(ctx, t, s, h, kh, e, mask, det, "band", finish=_plans_finish)
         else:
-            g = A._build_fwd(t, s, h, kh, e, mask, "band", finish=_plans_finish)
+            g = A._build_fwd(ctx, t, s, h, kh, e, mask, "band", finish=_plans_finish)
         flops = _flops(kind, t, s, off, causal, h, e)
         n = g.get_execution_plan_count()
         info = {}
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
                     rows.append(row)
                     continue
                 ws = cp.empty(max(ws_bytes, 16), cp.uint8)
-                handle = A._handle()
+                handle = A._handle(ctx)
                 g.execute(pack, ws.data.ptr, handle=handle)
                 cp.cuda.Device().synchronize()
                 start, end = cp.cuda.Event(), cp.cuda.Event()

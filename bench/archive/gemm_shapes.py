@@ -122,8 +122,11 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
 
+    from dataflow.kernels.cuda import CudaContext
     from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
     from dataflow.models.config import load_config
+
+    ctx = CudaContext()  # the kernels' handles and caches for this benchmark
 
     cfg = load_config(a.model)
     d, f, t = cfg.model_dim, cfg.ffn_dim, a.tokens
@@ -143,12 +146,12 @@ def main(argv=None) -> int:
     def launcher(kind, o, i, acc):
         if kind == "fwd":
             args = (x[:t * i].reshape(t, i), w[:o * i].reshape(o, i), y[:t * o].reshape(t, o))
-            return lambda: linear_fwd(*args, acc)
+            return lambda: linear_fwd(ctx, *args, acc)
         if kind == "bwd_x":
             args = (y[:t * o].reshape(t, o), w[:o * i].reshape(o, i), x[:t * i].reshape(t, i))
-            return lambda: linear_bwd_x(*args, acc)
+            return lambda: linear_bwd_x(ctx, *args, acc)
         args = (y[:t * o].reshape(t, o), x[:t * i].reshape(t, i), g[:o * i].reshape(o, i))
-        return lambda: linear_bwd_w(*args, acc)
+        return lambda: linear_bwd_w(ctx, *args, acc)
 
     def timed(fns, reps):
         for fn in fns:

@@ -3,14 +3,14 @@ arena, so any CuPy allocation after that point is a bug in the plan (a library s
 planner does not count). The guard replaces CuPy's allocator and, by mode, refuses such an
 allocation with an error naming the op that asked ('error', the default), logs it and lets it
 through ('warn'), or stays out of the way ('off'). Mode from DATAFLOW_ALLOC_GUARD or the
-constructor. Never allocates anything itself and never decides placement."""
+constructor (dataflow.settings). Never allocates anything itself and never decides placement."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 from dataflow.backend import BackendError
+from dataflow.settings import settings_from_env
 
 log = logging.getLogger("dataflow.alloc_guard")
 MODES = ("error", "warn", "off")
@@ -23,7 +23,7 @@ class OutsideArenaError(BackendError):
 class AllocationGuard:
     def __init__(self, current_op, mode: str | None = None):
         """current_op: a callable returning the name of the op being launched (or '')."""
-        self.mode = (mode or os.environ.get("DATAFLOW_ALLOC_GUARD") or "error").lower()
+        self.mode = (mode or settings_from_env().alloc_guard).lower()
         if self.mode not in MODES:
             raise BackendError(f"DATAFLOW_ALLOC_GUARD={self.mode!r}; choose one of "
                                f"{', '.join(MODES)}")

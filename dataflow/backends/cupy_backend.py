@@ -36,6 +36,7 @@ import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
 from dataflow.memplan.buffers import key_block_spans
+from dataflow.settings import settings_from_env
 
 try:
     import cupy as cp
@@ -62,7 +63,7 @@ GPU work at 8b: prefetch and compute still overlap fully."""
 
 def run_ahead_ops(env=None) -> int:
     """RUN_AHEAD_OPS, or DATAFLOW_RUN_AHEAD_OPS; BackendError names a bad value."""
-    raw = ((os.environ if env is None else env).get("DATAFLOW_RUN_AHEAD_OPS") or "").strip()
+    raw = settings_from_env(env).run_ahead_ops
     if not raw:
         return RUN_AHEAD_OPS
     try:
@@ -78,12 +79,12 @@ _POLL_S = 1e-4
 
 def pin_options(env=None) -> tuple[str, int]:
     """(method, pieces) from DATAFLOW_PIN and DATAFLOW_PIN_PIECES; BackendError names bad values."""
-    env = os.environ if env is None else env
-    method = (env.get("DATAFLOW_PIN") or "register").strip().lower()
+    settings = settings_from_env(env)
+    method = settings.pin.strip().lower()
     if method not in PIN_METHODS:
         raise BackendError(f"DATAFLOW_PIN={method!r}; choose 'register' (mmap, parallel first "
                            "touch, cudaHostRegister) or 'alloc' (cudaHostAlloc)")
-    raw = (env.get("DATAFLOW_PIN_PIECES") or "1").strip()
+    raw = settings.pin_pieces.strip()
     try:
         pieces = int(raw)
     except ValueError:
@@ -251,12 +252,17 @@ class CupyBackend(Backend):
             raise BackendError("CuPy is not installed; pip install 'dataflow[gpu]'")
         from collections import deque
 
+        # Imported here, as CuPy is: this module imports without the gpu extra.
         from dataflow import ops_cuda
+        from dataflow.kernels.cuda.context import CudaContext
 
         self.device = cp.cuda.Device(device)
         self.device.use()
         self.streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
-        self.ops = ops_cuda.CudaOps(quiesce=self._quiesce, wait=_wait_polling)
+        self.kernels = CudaContext(cudnn_cache_dir=settings_from_env().cudnn_cache_dir)
+        """The CUDA kernels' compiled modules, library handles, cuDNN graphs and scratch: this
+        backend's own, released by close()."""
+        self.ops = ops_cuda.CudaOps(self.kernels, quiesce=self._quiesce, wait=_wait_polling)
         self.writes = ops_cuda.WRITES
         self._compute_ops = 0
         self._mark_every = run_ahead_ops() // 4
@@ -408,13 +414,11 @@ class CupyBackend(Backend):
         not fit the lent attention workspace (the choice dataflow.ops_cuda makes at run time).
         Allocates nothing from the device arena; call after lend_scratch, before the first
         step (what prebuild built already is found at once). Seconds per part, and the
-        process's graph counts (attention_graphs_built, attention_graphs_from_cache:
+        backend's graph counts (attention_graphs_built, attention_graphs_from_cache:
         dataflow.kernels.cuda.graph_cache's disk cache)."""
-        from dataflow.kernels import cuda as K
-
         seconds = self._build(attention_shapes, (n_heads, n_kv_heads, head_dim),
                               self.ops.attention_workspace_nbytes())
-        sources = K.graph_sources()  # how many were built, how many read from the disk cache
+        sources = self.kernels.graph_sources()  # how many built, how many read from the disk
         seconds["attention_graphs_built"] = sources["built"]
         seconds["attention_graphs_from_cache"] = sources["cache"]
         return seconds
@@ -434,26 +438,27 @@ class CupyBackend(Backend):
 
         seconds = {}
         t0 = time.perf_counter()
+        ctx = self.kernels
         with self.streams[Stream.COMPUTE]:
-            precompile()
+            precompile(ctx)
             seconds["cuda_modules"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             for shape in attention_shapes:
                 args = (shape.n_q, *heads, shape.q_offset)
-                K.attention_workspace_bytes("fwd", *args)
+                K.attention_workspace_bytes(ctx, "fwd", *args)
                 if shape.self_only:
-                    need = K.attention_workspace_bytes("bwd", *args, deterministic=True)
+                    need = K.attention_workspace_bytes(ctx, "bwd", *args, deterministic=True)
                     if ws_bytes is None or need > ws_bytes:
-                        K.attention_workspace_bytes("bwd", *args, deterministic=False)
+                        K.attention_workspace_bytes(ctx, "bwd", *args, deterministic=False)
                     continue
                 block = shape.key_block or shape.q_offset + shape.n_q
                 for a, b, causal in key_block_spans(shape.q_offset, shape.n_q, block):
                     if causal:  # as dataflow.ops_cuda calls it: keys [a, b), offset - a
-                        K.attention_workspace_bytes("bwd", shape.n_q, *heads, shape.q_offset - a,
-                                                    deterministic=False)
+                        K.attention_workspace_bytes(ctx, "bwd", shape.n_q, *heads,
+                                                    shape.q_offset - a, deterministic=False)
                     else:
-                        K.attention_workspace_bytes("bwd", shape.n_q, *heads, deterministic=False,
-                                                    n_keys=b - a)
+                        K.attention_workspace_bytes(ctx, "bwd", shape.n_q, *heads,
+                                                    deterministic=False, n_keys=b - a)
             seconds["attention_graphs"] = time.perf_counter() - t0
         return seconds
 
@@ -470,15 +475,11 @@ class CupyBackend(Backend):
                   "libraries_and_pool_bytes": used - self.baseline_used_bytes - arena,
                   "cupy_pool_used_bytes": cp.get_default_memory_pool().used_bytes()}
         try:
-            from dataflow.kernels.cuda.attention import own_workspace_bytes
-
-            report["cudnn_workspace_bytes"] = own_workspace_bytes()
+            report["cudnn_workspace_bytes"] = self.kernels.own_workspace_bytes()
             report["op_scratch_bytes"] = self.ops.library_workspace_bytes()
         except Exception:  # noqa: BLE001 - a breakdown of the pool, best effort
             pass
         try:
-            import os
-
             import pynvml
 
             pynvml.nvmlInit()
@@ -495,6 +496,7 @@ class CupyBackend(Backend):
         release = getattr(self.ops, "release_scratch", None)  # a stub table (tests) lends nothing
         if release is not None:
             release()
+        self.kernels.close()  # after the table gave the cuBLAS handle's workspace back
         self._marks.clear()
         self.guard.remove()
         self._slabs.clear()

@@ -25,6 +25,7 @@ from dataflow.backends.cupy_backend import CupyBackend
 from dataflow.probe.profile import Measurements, attn_flops, gemm_flops
 from dataflow.memplan.cost import ADAMW_STATE_BYTES_PER_ELEM
 from dataflow.models.config import ModelConfig
+from dataflow.settings import settings_from_env
 
 log = logging.getLogger(__name__)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -127,14 +128,15 @@ def _sustained(fn, stream, seconds: float) -> tuple[float, float]:
     return times[0], statistics.median(times[len(times) // 2:])
 
 
-def _randn_bf16(shape, std: float = 1.0):
-    """A bf16 device array of N(0, std^2) values (random data: a zero GEMM draws less power)."""
+def _randn_bf16(ctx, shape, std: float = 1.0):
+    """A bf16 device array of N(0, std^2) values (random data: a zero GEMM draws less power),
+    rounded by the kernels' cast in the CudaContext `ctx`."""
     from dataflow.kernels.cuda import cast
 
     out = cp.empty(shape, dtype=BF16)
     f32 = cp.random.standard_normal(out.size, dtype=cp.float32)
     f32 *= std
-    cast(f32, out.reshape(-1))
+    cast(ctx, f32, out.reshape(-1))
     return out
 
 
@@ -213,35 +215,36 @@ def measure_host(s: Settings) -> dict[str, float]:
             "adamw": n * (ADAMW_STATE_BYTES_PER_ELEM + GRAD_BYTES) / adamw_s}
 
 
-def measure_gemm(cfg: ModelConfig, s: Settings, stream) -> tuple[float, float]:
+def measure_gemm(cfg: ModelConfig, s: Settings, stream, ctx) -> tuple[float, float]:
     """(first window, sustained) FLOP/s of one layer's forward and backward GEMMs at
-    chunk_tokens, shaped and accumulated as dataflow.layer_ops calls them."""
+    chunk_tokens, shaped and accumulated as dataflow.layer_ops calls them (ctx: the kernels'
+    CudaContext)."""
     from dataflow.kernels.cuda import linear_bwd_w, linear_bwd_x, linear_fwd
 
     t, d, q, kv, f = s.chunk_tokens, cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    x, xo, act = _randn_bf16((t, d)), _randn_bf16((t, q)), _randn_bf16((t, f))
+    x, xo, act = _randn_bf16(ctx, (t, d)), _randn_bf16(ctx, (t, q)), _randn_bf16(ctx, (t, f))
     # (input, weight (out, in), output, dx): q, k, v, gate and up read x; o reads the attention
     # output; down reads the SwiGLU output.
     shapes = ((x, q), (x, kv), (x, kv), (xo, d), (x, f), (x, f), (act, d))
     layer = []
     for inp, out_dim in shapes:
-        w = _randn_bf16((out_dim, inp.shape[1]), 0.02)
+        w = _randn_bf16(ctx, (out_dim, inp.shape[1]), 0.02)
         layer.append((inp, w, cp.empty((t, out_dim), dtype=BF16), cp.zeros_like(w),
                       cp.empty_like(inp)))
 
     def fwd_bwd():
         for inp, w, y, dw, dx in layer:
-            linear_fwd(inp, w, y)
+            linear_fwd(ctx, inp, w, y)
         for inp, w, y, dw, dx in layer:  # y stands in for dy: random, of the right shape
-            linear_bwd_w(y, inp, dw, True)
-            linear_bwd_x(y, w, dx, False)
+            linear_bwd_w(ctx, y, inp, dw, True)
+            linear_bwd_x(ctx, y, w, dx, False)
 
     first, sustained = _sustained(fwd_bwd, stream, s.gemm_s)
     flops = gemm_flops(cfg, t)
     return flops / first, flops / sustained
 
 
-def measure_attention(cfg: ModelConfig, s: Settings, stream, context: int,
+def measure_attention(cfg: ModelConfig, s: Settings, stream, ctx, context: int,
                       deterministic: bool) -> tuple[float, float]:
     """Sustained hardware FLOP/s of the fused attention forward and backward for chunk_tokens
     queries after `context` keys of the same sequence (0: a packed, self-attending chunk)."""
@@ -249,16 +252,18 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, context: int,
 
     t, h, kh, e = s.chunk_tokens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     keys = context + t
-    q, k, v = _randn_bf16((t, h, e)), _randn_bf16((keys, kh, e)), _randn_bf16((keys, kh, e))
+    q, k = _randn_bf16(ctx, (t, h, e)), _randn_bf16(ctx, (keys, kh, e))
+    v = _randn_bf16(ctx, (keys, kh, e))
     o, lse = cp.empty((t, h, e), dtype=BF16), cp.empty((h, t), dtype=cp.float32)
-    do, dq = _randn_bf16((t, h, e)), cp.empty((t, h, e), dtype=BF16)
+    do, dq = _randn_bf16(ctx, (t, h, e)), cp.empty((t, h, e), dtype=BF16)
     dk, dv = cp.empty((keys, kh, e), dtype=BF16), cp.empty((keys, kh, e), dtype=BF16)
 
     def fwd():
-        attention_fwd(q, k, v, context, o, lse)
+        attention_fwd(ctx, q, k, v, context, o, lse)
 
     def bwd():
-        attention_bwd(q, k, v, o, lse, do, context, dq, dk, dv, deterministic=deterministic)
+        attention_bwd(ctx, q, k, v, o, lse, do, context, dq, dk, dv,
+                      deterministic=deterministic)
 
     fwd_flops, bwd_flops = attn_flops(cfg, t, context)
     _, fwd_s = _sustained(fwd, stream, s.attn_s)
@@ -268,7 +273,7 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, context: int,
 
 def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
     """Every measurement the profile needs, on device 0, logged as it goes."""
-    from dataflow.kernels.cuda import attention
+    from dataflow.kernels.cuda import CudaContext, attention
 
     t0 = time.perf_counter()
     name, total, gen = device_info()
@@ -285,26 +290,28 @@ def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
     del be  # its pinned and device slabs go before the compute buffers arrive
     cp.get_default_memory_pool().free_all_blocks()
     stream = cp.cuda.Stream(non_blocking=True)
+    ctx = CudaContext(cudnn_cache_dir=settings_from_env().cudnn_cache_dir)
     # Build the four cuDNN graphs now, so the attention windows follow the GEMMs on a GPU that
     # is already at its power-capped clocks instead of after seconds of idle graph building.
     for context, det in ((0, True), (s.split_context_tokens, False)):
         for kind in ("fwd", "bwd"):
             attention.attention_workspace_bytes(  # the forward's graph key is always det.
-                kind, s.chunk_tokens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, context,
+                ctx, kind, s.chunk_tokens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, context,
                 det or kind == "fwd")
     log.info("layer GEMMs of %s at %d tokens for %.0f s", cfg.name, s.chunk_tokens, s.gemm_s)
-    gemm_first, gemm = measure_gemm(cfg, s, stream)
+    gemm_first, gemm = measure_gemm(cfg, s, stream, ctx)
     cp.get_default_memory_pool().free_all_blocks()
     log.info("GEMM %.0f TFLOP/s sustained (first window %.0f)", gemm / 1e12, gemm_first / 1e12)
     # The engine's choice (dataflow.ops_cuda): deterministic backward for a chunk that attends
     # to itself, cuDNN's atomic-dQ backward for the later chunks of a split sequence.
-    attn = measure_attention(cfg, s, stream, 0, deterministic=True)
+    attn = measure_attention(cfg, s, stream, ctx, 0, deterministic=True)
     cp.get_default_memory_pool().free_all_blocks()
-    split = measure_attention(cfg, s, stream, s.split_context_tokens, deterministic=False)
+    split = measure_attention(cfg, s, stream, ctx, s.split_context_tokens, deterministic=False)
     cp.get_default_memory_pool().free_all_blocks()
     log.info("attention fwd / bwd %.0f / %.0f TFLOP/s; split %.0f / %.0f", attn[0] / 1e12,
              attn[1] / 1e12, split[0] / 1e12, split[1] / 1e12)
-    refused = "; ".join(attention.FALLBACKS.values())
+    refused = "; ".join(ctx.fallbacks().values())
+    ctx.close()
     return Measurements(
         device_name=name, device_mem_bytes=total, pcie_gen=gen,
         h2d_bytes_per_s=copies["h2d"], d2h_bytes_per_s=copies["d2h"],

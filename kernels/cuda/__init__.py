@@ -1,14 +1,17 @@
 """CUDA implementations of every op in `dataflow.kernels.reference`, for the CuPy backend: CuPy arrays in
 and out, OUTPUT BUFFERS PASSED IN (the engine preallocates everything in one arena), all work
 enqueued on the current CuPy stream (`cupy.cuda.get_current_stream()`), no host synchronisation
-inside any op. Elementwise and reduction ops are CUDA C++ templates (one `.cu` per op beside
-its launcher, compiled once per device by NVRTC, cached); GEMMs go through cuBLAS gemmEx;
-attention through cuDNN's fused SDPA (nvidia-cudnn-frontend). Importing this package needs
-CuPy; the NumPy backend never imports it. Shape legend in `kernels/__init__.py`.
+inside any op. Every launcher takes a CudaContext first (`ctx`, kernels/cuda/context.py): its
+compiled modules, library handles, cuDNN graphs and scratch live there, owned by the backend that
+made it, never in module globals. Elementwise and reduction ops are CUDA C++ templates (one `.cu`
+per op beside its launcher, compiled once per device and context by NVRTC, cached in the context);
+GEMMs go through cuBLAS gemmEx; attention through cuDNN's fused SDPA (nvidia-cudnn-frontend).
+Importing this package needs CuPy; the NumPy backend never imports it. Shape legend in
+`kernels/__init__.py`.
 
 Scratch: the ops that need a reduction scratch (rms_norm_bwd, sumsq) or a cuDNN workspace
-(attention) take it as an argument; when none is passed they cache one per device and stream
-on first use (allocated once, outside the steady-state loop).
+(attention) take it as an argument; when none is passed they keep one in the context per device
+and stream from first use (allocated once, outside the steady-state loop).
 
 Mixture of experts (moe_router, moe_experts): the experts' GEMM loop takes each expert's row
 count on the host, so offsets_to_host is the one copy whose event a caller waits on before
@@ -18,8 +21,8 @@ experts_fwd / experts_bwd (moe_experts says what that costs).
 from dataflow.kernels.cuda._cublas import set_workspace as set_cublas_workspace
 from dataflow.kernels.cuda._cublas import workspace as cublas_workspace
 from dataflow.kernels.cuda.adamw import adamw_step
-from dataflow.kernels.cuda.attention import (attention_bwd, attention_fwd, attention_workspace_bytes,
-                                    graph_sources)
+from dataflow.kernels.cuda.attention import attention_bwd, attention_fwd, attention_workspace_bytes
+from dataflow.kernels.cuda.context import CudaContext
 from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
@@ -38,9 +41,9 @@ from dataflow.kernels.cuda.utils import add_, bias_bwd, bias_fill, cast, clip_sc
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
-    "bias_bwd", "bias_fill", "cast", "cublas_workspace",
+    "bias_bwd", "bias_fill", "cast", "cublas_workspace", "CudaContext",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
-    "experts_bwd_acc_elems", "experts_fwd", "fill_", "graph_sources", "head_loss_fwd_bwd",
+    "experts_bwd_acc_elems", "experts_fwd", "fill_", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
     "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",

@@ -3,13 +3,14 @@ arrays each launcher receives. Never allocates device memory and never synchroni
 built on it stay safe inside the engine's hot loop.
 
 Each `.cu` is compiled by NVRTC (through `cupy.RawModule`) with `_common.cuh` pasted in front,
-once per device, with every template instantiation its launcher names (`name_expressions`):
-one NVRTC run per source instead of one per (op, dtype) keeps the first call cheap.
+once per device and CudaContext (kernels/cuda/context.py keeps them), with every template
+instantiation its launcher names (`name_expressions`): one NVRTC run per source instead of one
+per (op, dtype) keeps the first call cheap.
 
 Compiled modules are cached on disk by CuPy (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache; the
 key hashes the source, options, NVRTC version and GPU arch; CuPy >= 14.2 also stores the
 mangled names of `name_expressions` beside the cubin, so a template module is cached too). A
-second process then loads cubins instead of running NVRTC. `precompile()` builds (or loads)
+second process then loads cubins instead of running NVRTC. `precompile(ctx)` builds (or loads)
 every module of the package at once, so setup can pay for it instead of the first step.
 """
 
@@ -31,29 +32,27 @@ I32 = np.dtype(np.int32)
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _OPTIONS = ("--std=c++17",)
-_MODULES: dict[tuple[str, int], cupy.RawModule] = {}
-_FUNCS: dict[tuple[str, str, int], cupy.RawKernel] = {}
-_SM_COUNT: dict[int, int] = {}
 
 
-def kernel(source: str, names: tuple[str, ...], name: str) -> cupy.RawKernel:
-    """The compiled kernel `name` (one of `names`, the instantiations listed for `source`)."""
+def kernel(ctx, source: str, names: tuple[str, ...], name: str) -> cupy.RawKernel:
+    """The compiled kernel `name` (one of `names`, the instantiations listed for `source`),
+    cached in the CudaContext `ctx`."""
     dev = cupy.cuda.runtime.getDevice()
-    fn = _FUNCS.get((source, name, dev))
+    fn = ctx.funcs.get((source, name, dev))
     if fn is None:
         if name not in names:
             raise KeyError(f"{name} is not among the instantiations of {source}: {names}")
-        fn = _module(source, names, dev).get_function(name)
-        _FUNCS[(source, name, dev)] = fn
+        fn = _module(ctx, source, names, dev).get_function(name)
+        ctx.funcs[(source, name, dev)] = fn
     return fn
 
 
-def _module(source: str, names: tuple[str, ...], dev: int) -> cupy.RawModule:
-    mod = _MODULES.get((source, dev))
+def _module(ctx, source: str, names: tuple[str, ...], dev: int) -> cupy.RawModule:
+    mod = ctx.modules.get((source, dev))
     if mod is None:
         code = (_HERE / "_common.cuh").read_text() + "\n" + (_HERE / source).read_text()
         mod = cupy.RawModule(code=code, options=_OPTIONS, name_expressions=names)
-        _MODULES[(source, dev)] = mod
+        ctx.modules[(source, dev)] = mod
     return mod
 
 
@@ -73,9 +72,10 @@ def kernel_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(sorted(found.items()))
 
 
-def precompile(sources=None, workers: int | None = None) -> dict[str, float]:
+def precompile(ctx, sources=None, workers: int | None = None) -> dict[str, float]:
     """Compile (or load from CuPy's disk cache) every module of `sources` ((source, names)
-    pairs; default kernel_sources()) for the current device, and return the seconds each took.
+    pairs; default kernel_sources()) for the current device into the CudaContext `ctx`, and
+    return the seconds each took.
     Call at setup: the first launch of each kernel then finds its module in memory. Runs NVRTC
     on the host, one module per thread of `workers` (default: up to 8 and the CPU count; CuPy
     releases the GIL inside NVRTC, so cold compiles run side by side); enqueues nothing and
@@ -83,7 +83,7 @@ def precompile(sources=None, workers: int | None = None) -> dict[str, float]:
     from concurrent.futures import ThreadPoolExecutor
 
     dev = cupy.cuda.runtime.getDevice()
-    mods = [(source, _module(source, tuple(names), dev))  # made here: _MODULES has one writer
+    mods = [(source, _module(ctx, source, tuple(names), dev))  # here: ctx.modules, one writer
             for source, names in (kernel_sources() if sources is None else sources)]
 
     def build(item):
@@ -105,13 +105,13 @@ def cache_dir() -> str:
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
-def sm_count() -> int:
-    """Multiprocessors of the current device (cached; a host attribute query, no sync)."""
+def sm_count(ctx) -> int:
+    """Multiprocessors of the current device (cached in `ctx`; a host attribute query, no sync)."""
     dev = cupy.cuda.runtime.getDevice()
-    n = _SM_COUNT.get(dev)
+    n = ctx.sm_counts.get(dev)
     if n is None:
         n = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-        _SM_COUNT[dev] = n
+        ctx.sm_counts[dev] = n
     return n
 
 
@@ -143,6 +143,6 @@ def aligned16(*arrays) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
-def flat_grid(n_items: int, block: int, waves: int = 8) -> int:
+def flat_grid(ctx, n_items: int, block: int, waves: int = 8) -> int:
     """Blocks for a grid-stride loop over n_items: enough to fill the device, never more."""
-    return max(1, min(-(-n_items // block), sm_count() * waves))
+    return max(1, min(-(-n_items // block), sm_count(ctx) * waves))

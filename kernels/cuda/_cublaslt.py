@@ -14,13 +14,13 @@ from gemmEx's choice for the exact shape; the same bucket always gets the same a
 run repeats its bits. Split-K algorithms may sum their parts only in fp32 (the workspace), so C
 is rounded once, never part by part in bf16. An algorithm that refuses a size of its bucket is
 replaced by the exact shape's heuristic (cached too). Workspace: the one _cublas.set_workspace gave
-the handle (the engine's arena view; GEMMs on one stream run one after another), else none. Never
-synchronises; never allocates device memory."""
+the handle (the engine's arena view; GEMMs on one stream run one after another), else none. The
+handle and every cache live in the CudaContext (kernels/cuda/context.py) and are destroyed by its
+close(). Never synchronises; never allocates device memory."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 # CuPy and _cublas are imported where used, so that bucket() imports (and is tested) without a GPU.
 
@@ -58,13 +58,14 @@ def _alignment(*ptrs: int) -> int:
     return v
 
 
-@functools.cache
-def _lib():
-    """libcublasLt as loaded by CuPy's libcublas, argtypes set."""
+def _lib(ctx):
+    """libcublasLt as loaded by CuPy's libcublas, argtypes set (once per CudaContext)."""
+    if ctx.cublaslt_lib is not None:
+        return ctx.cublaslt_lib
     from dataflow.kernels.cuda import _cublas
 
-    _cublas.handle()  # makes sure libcublas (and with it libcublasLt) is loaded
-    lib = _cublas.loaded_library("libcublasLt.so") or ctypes.CDLL("libcublasLt.so")
+    _cublas.handle(ctx)  # makes sure libcublas (and with it libcublasLt) is loaded
+    lib = _cublas.loaded_library(ctx, "libcublasLt.so") or ctypes.CDLL("libcublasLt.so")
     vp, i32, u64, i64, sz = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64,
                              ctypes.c_size_t)
     pvp = ctypes.POINTER(vp)
@@ -79,6 +80,10 @@ def _lib():
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, vp,
                                                    ctypes.POINTER(i32)]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]
+    lib.cublasLtMatmulDescDestroy.argtypes = [vp]
+    lib.cublasLtMatmulPreferenceDestroy.argtypes = [vp]
+    lib.cublasLtDestroy.argtypes = [vp]
+    ctx.cublaslt_lib = lib
     return lib
 
 
@@ -90,11 +95,11 @@ def _check(status: int, what: str) -> None:
 class _Device:
     """One device's cuBLASLt handle and caches: matmul descriptors per (op A, op B), layouts per
     (type, rows, cols, ld), preferences per (alignment, workspace), heuristic results per bucket
-    key, and per exact call shape what cublasLtMatmul takes. Live as long as the process; the
-    layouts and calls are bounded (drop_layouts)."""
+    key, and per exact call shape what cublasLtMatmul takes. Live as long as their CudaContext
+    (destroy); the layouts and calls are bounded (drop_layouts)."""
 
-    def __init__(self):
-        self.lib = lib = _lib()
+    def __init__(self, ctx):
+        self.lib = lib = _lib(ctx)
         h = ctypes.c_void_p()
         _check(lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
         self.handle = h.value
@@ -113,6 +118,20 @@ class _Device:
         self.layouts.clear()
         for calls in self.calls.values():
             calls.clear()
+
+    def destroy(self) -> None:
+        """Destroy every descriptor, layout and preference, then the handle (no GEMM of this
+        device may still be queued)."""
+        self.drop_layouts()
+        for d in self.descs.values():
+            self.lib.cublasLtMatmulDescDestroy(d)
+        for p in self.prefs.values():
+            self.lib.cublasLtMatmulPreferenceDestroy(p)
+        self.descs.clear()
+        self.prefs.clear()
+        self.algos.clear()
+        self.calls.clear()
+        self.lib.cublasLtDestroy(self.handle)
 
     def desc(self, op_a: int, op_b: int) -> int:
         d = self.descs.get((op_a, op_b))
@@ -175,22 +194,30 @@ class _Device:
         return res
 
 
-_DEVICES: dict[int, _Device] = {}
-
-
-def _device() -> _Device:
+def _device(ctx) -> _Device:
     import cupy
 
     dev = cupy.cuda.runtime.getDevice()
-    d = _DEVICES.get(dev)
+    d = ctx.cublaslt.get(dev)
     if d is None:
-        d = _DEVICES[dev] = _Device()
+        d = ctx.cublaslt[dev] = _Device(ctx)
     return d
 
 
-def gemm_loop(ab_dtype, c_dtype):
+def destroy(ctx) -> None:
+    """Destroy the cuBLASLt handles and caches of the CudaContext `ctx` (its close())."""
+    import cupy
+
+    for dev, d in list(ctx.cublaslt.items()):
+        with cupy.cuda.Device(dev):
+            d.destroy()
+    ctx.cublaslt.clear()
+
+
+def gemm_loop(ctx, ab_dtype, c_dtype):
     """launch(m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate, batch=None) for a
-    loop of GEMMs of one operand and one output dtype on the current stream and device, as
+    loop of GEMMs of one operand and one output dtype on the current stream and device, through
+    the cuBLASLt handle and caches of the CudaContext `ctx`, as
     _cublas.gemm: C (m, n) [+]= op(A) (m, k) @ op(B) (k, n), row-major, pointers and leading
     dimensions in elements; a call with m or n = 0 launches nothing (k = 0 is refused by
     cuBLASLt). batch = (count, stride of A, of B, of C), strides in elements (0: every product
@@ -206,11 +233,11 @@ def gemm_loop(ab_dtype, c_dtype):
     tc = _cublas._dtype_code(c_dtype, "C")
     if ta == _cublas._CUDA_R_32F and tc != _cublas._CUDA_R_32F:
         raise TypeError("fp32 GEMM operands need an fp32 output")
-    dev = _device()
+    dev = _device(ctx)
     handle, matmul = dev.handle, dev.lib.cublasLtMatmul
     stream = cupy.cuda.get_current_stream().ptr
-    ws_ptr, ws_size = _cublas.workspace()
-    one, zero = _cublas._ONE_PTR, _cublas._ZERO_PTR
+    ws_ptr, ws_size = _cublas.workspace(ctx)
+    one, zero = ctx.one_ptr, ctx.zero_ptr
     calls = dev.calls.setdefault((ta, tc, ws_size), {})
     isz_ab, isz_c = (4 if ta == _cublas._CUDA_R_32F else 2), (4 if tc == _cublas._CUDA_R_32F else 2)
 

@@ -16,7 +16,7 @@ _NAMES = tuple(f"adamw_kernel<{p}, {g}, {m}, {v}>" for p in _TYPES for g in _TYP
 _THREADS = 256
 
 
-def adamw_step(param, grad, m, v, *, step: int, lr: float, beta1: float = 0.9,
+def adamw_step(ctx, param, grad, m, v, *, step: int, lr: float, beta1: float = 0.9,
                beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0,
                grad_scale: float = 1.0, grad_scale_dev=None) -> None:
     """param bf16|f32, grad bf16|f32, m and v bf16|f32 (same dtype), all the same size: updated
@@ -45,8 +45,8 @@ def adamw_step(param, grad, m, v, *, step: int, lr: float, beta1: float = 0.9,
     n = param.size
     f32 = np.float32
     if n:
-        _build.kernel(_SRC, _NAMES, name)(
-            (_build.flat_grid(-(-n // vec), _THREADS),), (_THREADS,),
+        _build.kernel(ctx, _SRC, _NAMES, name)(
+            (_build.flat_grid(ctx, -(-n // vec), _THREADS),), (_THREADS,),
             (param, grad, m, v, np.int64(n), f32(lr), f32(beta1), f32(1 - beta1), f32(beta2),
              f32(1 - beta2), f32(eps), f32(weight_decay), f32(1 - beta1 ** step),
              f32(1 - beta2 ** step), f32(grad_scale), scale_ptr))

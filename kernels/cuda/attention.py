@@ -10,9 +10,11 @@ mask aligned BOTTOM_RIGHT (key j visible to query i iff j <= i + S' - T = i + q_
 q_offset = 0 that is the ordinary TOP_LEFT causal mask, which is used then. One graph per
 shape (T, S', H, K, E, mask, determinism) per device, built on first use and cached with its
 workspace (or pass `workspace`); a built graph is also serialised to disk and a later process
-deserialises it instead of building (dataflow.kernels.cuda.graph_cache; DATAFLOW_CUDNN_CACHE_DIR=off
-turns that off); the cuDNN handle is one per device, bound to the current CuPy
-stream before each execute. Never synchronises by itself.
+deserialises it instead of building (dataflow.kernels.cuda.graph_cache; a context made with
+cudnn_cache_dir "off", DATAFLOW_CUDNN_CACHE_DIR=off for the CuPy backend, turns that off); the cuDNN
+handle is one per device, bound to the current CuPy stream before each execute. Handles, graphs, and
+the record of what cuDNN refused live in the CudaContext every op takes (kernels/cuda/context.py:
+graph_sources, fallbacks, forget_graphs). Never synchronises by itself.
 
 `quiesce` (every public op takes it): the cuDNN frontend holds the GIL through its C++ calls,
 and creating the handle, building a graph and a graph's first execute (whose kernels CUDA loads
@@ -50,12 +52,6 @@ _NAMES = tuple(
 )
 
 _UID_Q, _UID_K, _UID_V, _UID_O, _UID_STATS, _UID_DO, _UID_DQ, _UID_DK, _UID_DV = range(1, 10)
-_HANDLES: dict[int, object] = {}
-_GRAPHS: dict[tuple, list] = {}  # key -> [graph, own workspace array or None, its bytes]
-_EXECUTED: set[int] = set()  # id() of each cached graph that has run once (its kernels loaded)
-SOURCES: dict[tuple, str] = {}  # key -> "built" or "cache" (see graph_sources)
-FALLBACKS: dict[tuple, str] = {}
-"""Graph keys cuDNN refused, with its reason; those shapes run on the simple kernels."""
 
 
 def _check(q, k, v, q_offset: int, causal: bool = True):
@@ -87,14 +83,27 @@ def _cudnn():
     return cudnn
 
 
-def _handle():
+def _handle(ctx):
     cudnn = _cudnn()
     dev = cupy.cuda.runtime.getDevice()
-    h = _HANDLES.get(dev)
+    h = ctx.cudnn_handles.get(dev)
     if h is None:
-        h = _HANDLES[dev] = cudnn.create_handle()
+        h = ctx.cudnn_handles[dev] = cudnn.create_handle()
     cudnn.set_stream(handle=h, stream=cupy.cuda.get_current_stream().ptr)
     return h
+
+
+def destroy_handles(ctx) -> None:
+    """Destroy the cuDNN handles of the CudaContext `ctx` (its close(), after its graphs were
+    dropped); a frontend without destroy_handle leaves them to the process's exit."""
+    if not ctx.cudnn_handles:
+        return
+    destroy = getattr(_cudnn(), "destroy_handle", None)
+    if destroy is not None:
+        for dev, h in list(ctx.cudnn_handles.items()):
+            with cupy.cuda.Device(dev):
+                destroy(h)
+    ctx.cudnn_handles.clear()
 
 
 def _bhsd(n_rows: int, n_heads: int, e: int) -> tuple[list[int], list[int]]:
@@ -128,10 +137,10 @@ def _finish(cudnn, g):
     return [g, None, ws]
 
 
-def _build_fwd(t, s, h, kh, e, mask, style, finish=_finish):
+def _build_fwd(ctx, t, s, h, kh, e, mask, style, finish=_finish):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
-    g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
+    g = cudnn.pygraph(handle=_handle(ctx), io_data_type=bf, intermediate_data_type=f32,
                       compute_data_type=f32)
     qd, qs = _bhsd(t, h, e)
     kd, ks = _bhsd(s, kh, e)
@@ -146,10 +155,10 @@ def _build_fwd(t, s, h, kh, e, mask, style, finish=_finish):
     return finish(cudnn, g)
 
 
-def _build_bwd(t, s, h, kh, e, mask, deterministic, style, finish=_finish):
+def _build_bwd(ctx, t, s, h, kh, e, mask, deterministic, style, finish=_finish):
     cudnn = _cudnn()
     bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
-    g = cudnn.pygraph(handle=_handle(), io_data_type=bf, intermediate_data_type=f32,
+    g = cudnn.pygraph(handle=_handle(ctx), io_data_type=bf, intermediate_data_type=f32,
                       compute_data_type=f32)
     qd, qs = _bhsd(t, h, e)
     kd, ks = _bhsd(s, kh, e)
@@ -176,74 +185,67 @@ def _cache_key(key: tuple) -> tuple:
     return ("sdpa", 1) + tuple(key[1:])
 
 
-def _load_cached(key: tuple):
+def _load_cached(ctx, key: tuple):
     """[graph, None, workspace bytes] deserialised from dataflow.kernels.cuda.graph_cache, or None."""
     from dataflow.kernels.cuda import graph_cache
 
-    if graph_cache.cache_dir() is None:
+    if graph_cache.cache_dir(ctx.cudnn_cache_dir) is None:
         return None
     cudnn = _cudnn()
-    handle = _handle()
+    handle = _handle(ctx)
     g = graph_cache.load(_cache_key(key), cudnn.pygraph,
-                         graph_cache.environment(cudnn, key[0]), handle)
+                         graph_cache.environment(cudnn, key[0]), ctx.cudnn_cache_dir, handle)
     return None if g is None else [g, None, int(g.get_workspace_size())]
 
 
-def _store_cached(key: tuple, graph) -> None:
+def _store_cached(ctx, key: tuple, graph) -> None:
     from dataflow.kernels.cuda import graph_cache
 
-    if graph_cache.cache_dir() is not None:
-        graph_cache.store(_cache_key(key), graph, graph_cache.environment(_cudnn(), key[0]))
+    root = ctx.cudnn_cache_dir
+    if graph_cache.cache_dir(root) is not None:
+        graph_cache.store(_cache_key(key), graph, graph_cache.environment(_cudnn(), key[0]),
+                          root)
 
 
-def graph_sources() -> dict[str, int]:
-    """How this process's cached graphs came to be: {"built": n, "cache": m} (loaded from
-    dataflow.kernels.cuda.graph_cache)."""
-    out = {"built": 0, "cache": 0}
-    for source in SOURCES.values():
-        out[source] += 1
-    return out
-
-
-def _graph(kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True,
+def _graph(ctx, kind: str, t, s_used, h, kh, e, q_offset, deterministic=True, causal=True,
            quiesce=None):
     """Cached (graph, workspace) for this shape, or None when cuDNN refuses it (reason kept).
     A build (and the handle's creation) may synchronise: quiesce() first (module docstring)."""
     mask = ("bottom_right" if q_offset > 0 else "top_left") if causal else "none"
     key = (cupy.cuda.runtime.getDevice(), kind, t, s_used, h, kh, e, mask, deterministic)
-    hit = _GRAPHS.get(key)
+    hit = ctx.graphs.get(key)
     if hit is not None:
         return hit, key
-    if key in FALLBACKS:
+    if key in ctx.refused:
         return None, key
     if quiesce is not None:
         quiesce()
-    cached = _load_cached(key)
+    cached = _load_cached(ctx, key)
     if cached is not None:
-        _GRAPHS[key] = cached
-        SOURCES[key] = "cache"
+        ctx.graphs[key] = cached
+        ctx.graph_origins[key] = "cache"
         return cached, key
     reasons = []
     for style in ("band", "legacy"):
         try:
             if kind == "fwd":
-                built = _build_fwd(t, s_used, h, kh, e, mask, style)
+                built = _build_fwd(ctx, t, s_used, h, kh, e, mask, style)
             else:
-                built = _build_bwd(t, s_used, h, kh, e, mask, deterministic, style)
+                built = _build_bwd(ctx, t, s_used, h, kh, e, mask, deterministic, style)
         except Exception as exc:  # cuDNN reports unsupported shapes through several error types
             reasons.append(f"[{style}] {type(exc).__name__}: {exc}")
             continue
-        _GRAPHS[key] = built
-        SOURCES[key] = "built"
-        _store_cached(key, built[0])
+        ctx.graphs[key] = built
+        ctx.graph_origins[key] = "built"
+        _store_cached(ctx, key, built[0])
         return built, key
-    FALLBACKS[key] = "; ".join(reasons)
+    ctx.refused[key] = "; ".join(reasons)
     log.warning("cuDNN SDPA %s refused %s (%s); using the simple attention kernels",
-                kind, key, FALLBACKS[key])
+                kind, key, ctx.refused[key])
     return None, key
 
 
-def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int,
+def attention_workspace_bytes(ctx, kind: str, n_q: int, n_heads: int, n_kv_heads: int,
                               head_dim: int, q_offset: int = 0, deterministic: bool = True,
                               n_keys: int | None = None, quiesce=None) -> int:
     """Builds (and caches) the cuDNN graph of kind "fwd" or "bwd" for a chunk of n_q queries at
@@ -254,41 +256,26 @@ def attention_workspace_bytes(kind: str, n_q: int, n_heads: int, n_kv_heads: int
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd'; got {kind!r}")
     if n_keys is not None:
-        built, _ = _graph(kind, n_q, n_keys, n_heads, n_kv_heads, head_dim, 0, deterministic,
+        built, _ = _graph(ctx, kind, n_q, n_keys, n_heads, n_kv_heads, head_dim, 0, deterministic,
                           causal=False, quiesce=quiesce)
     else:
-        built, _ = _graph(kind, n_q, q_offset + n_q, n_heads, n_kv_heads, head_dim, q_offset,
+        built, _ = _graph(ctx, kind, n_q, q_offset + n_q, n_heads, n_kv_heads, head_dim, q_offset,
                           deterministic, quiesce=quiesce)
     return 0 if built is None else built[2]
 
 
-def forget_graphs() -> None:
-    """Drop every cached graph and the workspace it owns, as in a fresh process (tests that
-    check that nothing outside the arena is used call this first: a graph an earlier caller
-    ran without a workspace keeps its own and would hide a region that is too small)."""
-    _GRAPHS.clear()
-    SOURCES.clear()
-    FALLBACKS.clear()
-    _EXECUTED.clear()
-
-
-def own_workspace_bytes() -> int:
-    """Bytes of workspace cuDNN graphs allocated for themselves (outside any lent arena)."""
-    return sum(int(v[1].nbytes) for v in _GRAPHS.values() if v and v[1] is not None)
-
-
-def _run(built, pack: dict, workspace, quiesce=None) -> None:
+def _run(ctx, built, pack: dict, workspace, quiesce=None) -> None:
     g, ws, ws_bytes = built
     if workspace is not None and workspace.nbytes >= ws_bytes:
         ws = workspace
     elif ws is None:
         ws = built[1] = cupy.empty(max(ws_bytes, 16), dtype=np.uint8)
-    first = id(g) not in _EXECUTED
+    first = id(g) not in ctx.executed
     if first and quiesce is not None:
         quiesce()  # the first execute loads the graph's kernels: it may synchronise
-    g.execute(pack, ws.data.ptr, handle=_handle())
+    g.execute(pack, ws.data.ptr, handle=_handle(ctx))
     if first:
-        _EXECUTED.add(id(g))
+        ctx.executed.add(id(g))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +290,7 @@ def _epl(e: int) -> int:
     raise ValueError(f"head_dim {e} exceeds the simple attention kernels' limit of 256")
 
 
-def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=None,
+def attention_fwd(ctx, q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=None,
                   quiesce=None) -> None:
     """q (T, H, E), k, v (S, K, E) bf16 -> o (T, H, E) bf16, lse (H, T) f32 (written).
 
@@ -317,24 +304,24 @@ def attention_fwd(q, k, v, q_offset: int, o, lse, impl: str = "auto", workspace=
     if impl not in ("auto", "cudnn", "simple"):
         raise ValueError(f"impl must be 'auto', 'cudnn' or 'simple'; got {impl!r}")
     if impl != "simple" and q.dtype == BF16:
-        built, key = _graph("fwd", t, q_offset + t, h, kh, e, q_offset, quiesce=quiesce)
+        built, key = _graph(ctx, "fwd", t, q_offset + t, h, kh, e, q_offset, quiesce=quiesce)
         if built is not None:
-            _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+            _run(ctx, built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                          _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr}, workspace, quiesce)
             return
         if impl == "cudnn":
-            raise RuntimeError(f"cuDNN SDPA refused {key}: {FALLBACKS[key]}")
+            raise RuntimeError(f"cuDNN SDPA refused {key}: {ctx.refused[key]}")
     elif impl == "cudnn":
         raise TypeError(f"the cuDNN path takes bf16 q, k, v; got {q.dtype}")
     name = f"attn_simple_fwd<{_build.ctype(q.dtype, 'q')}, {_epl(e)}>"
     if t:
-        _build.kernel(_SRC, _NAMES, name)(
+        _build.kernel(ctx, _SRC, _NAMES, name)(
             (-(-t * h // 4),), (128,),
             (q, k, v, o, lse, np.int32(t), np.int32(s), np.int32(h), np.int32(kh), np.int32(e),
              np.int32(q_offset), np.float32(1.0 / math.sqrt(e))))
 
 
-def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "auto",
+def attention_bwd(ctx, q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "auto",
                   deterministic: bool = True, workspace=None, causal: bool = True,
                   quiesce=None) -> None:
     """q, o, do (T, H, E), k, v (S, K, E) bf16, lse (H, T) f32 -> dq (T, H, E) bf16, dk, dv
@@ -363,27 +350,27 @@ def attention_bwd(q, k, v, o, lse, do, q_offset: int, dq, dk, dv, impl: str = "a
         raise ValueError("the unmasked (causal=False) backward runs on cuDNN only, in bf16")
     s_used = q_offset + t if causal else s
     if impl != "simple" and q.dtype == BF16 and dk.dtype == BF16:
-        built, key = _graph("bwd", t, s_used, h, kh, e, q_offset, deterministic, causal,
+        built, key = _graph(ctx, "bwd", t, s_used, h, kh, e, q_offset, deterministic, causal,
                             quiesce)
         if built is not None:
-            _run(built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
+            _run(ctx, built, {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr,
                          _UID_O: o.data.ptr, _UID_STATS: lse.data.ptr, _UID_DO: do.data.ptr,
                          _UID_DQ: dq.data.ptr, _UID_DK: dk.data.ptr, _UID_DV: dv.data.ptr},
                  workspace, quiesce)
             if s_used < s:
-                utils.fill_(dk[s_used:], 0.0)
-                utils.fill_(dv[s_used:], 0.0)
+                utils.fill_(ctx, dk[s_used:], 0.0)
+                utils.fill_(ctx, dv[s_used:], 0.0)
             return
         if impl == "cudnn" or not causal:
-            raise RuntimeError(f"cuDNN SDPA refused {key}: {FALLBACKS[key]}")
+            raise RuntimeError(f"cuDNN SDPA refused {key}: {ctx.refused[key]}")
     elif impl == "cudnn":
         raise TypeError(f"the cuDNN path takes bf16 q, k, v, dk, dv; got {q.dtype}, {dk.dtype}")
     tq, tg, epl = _build.ctype(q.dtype, "q"), _build.ctype(dk.dtype, "dk"), _epl(e)
     scalars = (np.int32(t), np.int32(s), np.int32(h), np.int32(kh), np.int32(e),
                np.int32(q_offset), np.float32(1.0 / math.sqrt(e)))
     if t:
-        _build.kernel(_SRC, _NAMES, f"attn_simple_bwd_q<{tq}, {epl}>")(
+        _build.kernel(ctx, _SRC, _NAMES, f"attn_simple_bwd_q<{tq}, {epl}>")(
             (-(-t * h // 4),), (128,), (q, k, v, o, lse, do, dq, *scalars))
-    _build.kernel(_SRC, _NAMES, f"attn_simple_bwd_kv<{tq}, {tg}, {epl}>")(
+    _build.kernel(ctx, _SRC, _NAMES, f"attn_simple_bwd_kv<{tq}, {tg}, {epl}>")(
         (-(-s * kh // 4),), (128,), (q, k, v, o, lse, do, dk, dv, *scalars))
 

@@ -18,7 +18,7 @@ _NAMES = tuple(
 _THREADS = 256
 
 
-def embedding_fwd(ids, table, out) -> None:
+def embedding_fwd(ctx, ids, table, out) -> None:
     """ids (T,) int32 device, table (V, D) bf16|f32 -> out (T, D) same dtype (exact gather).
 
     Ids outside [0, V) produce NaN rows (a device kernel cannot raise without a sync).
@@ -33,13 +33,13 @@ def embedding_fwd(ids, table, out) -> None:
         unit, units = "uint4", row_bytes // 16
     else:
         unit, units = "unsigned short", row_bytes // 2
-    k = _build.kernel(_SRC, _NAMES, f"embedding_fwd_kernel<{unit}>")
+    k = _build.kernel(ctx, _SRC, _NAMES, f"embedding_fwd_kernel<{unit}>")
     if t:
-        k((_build.flat_grid(t * units, _THREADS),), (_THREADS,),
+        k((_build.flat_grid(ctx, t * units, _THREADS),), (_THREADS,),
           (ids, table, out, np.int32(t), np.int64(units), np.int32(v)))
 
 
-def embedding_bwd(ids, dx, dtable) -> None:
+def embedding_bwd(ctx, ids, dx, dtable) -> None:
     """ids (T,) int32, dx (T, D) bf16|f32 -> dtable (V, D) bf16|f32 += rows of dx summed per id.
 
     Deterministic: one block owns each distinct id and sums its rows in token order in fp32,
@@ -58,5 +58,5 @@ def embedding_bwd(ids, dx, dtable) -> None:
     name = (f"embedding_bwd_kernel<{_build.ctype(dx.dtype, 'dx')}, "
             f"{_build.ctype(dtable.dtype, 'dtable')}, {maxp}>")
     if t:
-        _build.kernel(_SRC, _NAMES, name)((t,), (_THREADS,),
+        _build.kernel(ctx, _SRC, _NAMES, name)((t,), (_THREADS,),
                                           (ids, dx, dtable, np.int32(t), np.int32(d), np.int32(v)))

@@ -6,15 +6,17 @@ invalid: cuDNN's backend version, the frontend's version, the device's name and 
 capability. A missing, stale or unreadable entry is a miss, never an error: the caller builds the
 graph and stores it. Never builds a graph itself and never touches device memory.
 
-Where: DATAFLOW_CUDNN_CACHE_DIR, else ~/.cache/dataflow/cudnn; the value "off" turns the cache
-off (every graph is built). Clearing the directory is always safe.
+Where: `root`, the value of DATAFLOW_CUDNN_CACHE_DIR its caller was given (a CudaContext's
+cudnn_cache_dir, from dataflow.settings; this module reads no environment), else
+~/.cache/dataflow/cudnn; the value "off" turns the cache off (every graph is built). Clearing the
+directory is always safe.
 
 Use (dataflow.kernels.cuda.attention._graph, around the build):
     env = graph_cache.environment(cudnn, device_id)
-    g = graph_cache.load(key, cudnn.pygraph, env, handle)
+    g = graph_cache.load(key, cudnn.pygraph, env, root, handle)
     if g is None:
         g = <build>                        # validate ... build_plans
-        graph_cache.store(key, g, env)
+        graph_cache.store(key, g, env, root)
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path | None:
-    """The directory of serialised graphs (created on first store), or None when the cache is
-    off (DATAFLOW_CUDNN_CACHE_DIR=off)."""
-    root = os.environ.get("DATAFLOW_CUDNN_CACHE_DIR")
+def cache_dir(root: str | None) -> Path | None:
+    """The directory of serialised graphs (created on first store) for `root` (the value of
+    DATAFLOW_CUDNN_CACHE_DIR, None when unset), or None when the cache is off (root "off")."""
     if root is not None and root.strip().lower() == "off":
         return None
     return Path(root) if root else Path.home() / ".cache" / "dataflow" / "cudnn"
@@ -48,21 +49,21 @@ def environment(cudnn, device_id: int) -> tuple:
             (int(props["major"]), int(props["minor"])))
 
 
-def entry_path(key: tuple, env: tuple) -> Path | None:
-    """The file of (key, env): a hash of their repr, so any field change is a new entry (None
-    when the cache is off)."""
-    root = cache_dir()
-    if root is None:
+def entry_path(key: tuple, env: tuple, root: str | None) -> Path | None:
+    """The file of (key, env) under cache_dir(root): a hash of their repr, so any field change is
+    a new entry (None when the cache is off)."""
+    folder = cache_dir(root)
+    if folder is None:
         return None
     digest = hashlib.sha256(repr((tuple(key), tuple(env))).encode()).hexdigest()[:32]
-    return root / f"{digest}.cudnn"
+    return folder / f"{digest}.cudnn"
 
 
-def load(key: tuple, new_graph, env: tuple, handle=None):
+def load(key: tuple, new_graph, env: tuple, root: str | None, handle=None):
     """A graph deserialised from the entry of (key, env) into `new_graph()` (an empty
     cudnn.pygraph), through `handle` when given (cuDNN then takes the device's properties from
     it), or None on a miss, with the cache off, or on any failure to deserialise."""
-    path = entry_path(key, env)
+    path = entry_path(key, env, root)
     if path is None:
         return None
     try:
@@ -82,10 +83,10 @@ def load(key: tuple, new_graph, env: tuple, handle=None):
         return None
 
 
-def store(key: tuple, graph, env: tuple) -> bool:
+def store(key: tuple, graph, env: tuple, root: str | None) -> bool:
     """Serialise a built graph into the entry of (key, env), atomically; False (logged) when
     this cuDNN cannot serialise the graph or the directory is not writable."""
-    path = entry_path(key, env)
+    path = entry_path(key, env, root)
     if path is None:
         return False
     try:

@@ -21,12 +21,12 @@ IGNORE = -100
 the same value as dataflow.kernels.reference.IGNORE and head_loss.cu's)."""
 
 
-def xent_kernel(elems_per_lane: int = 4):
+def xent_kernel(ctx, elems_per_lane: int = 4):
     """The softmax-cross-entropy kernel alone (for benchmarks of its share of the head)."""
-    return _build.kernel(_SRC, _NAMES, f"xent_kernel<{elems_per_lane}>")
+    return _build.kernel(ctx, _SRC, _NAMES, f"xent_kernel<{elems_per_lane}>")
 
 
-def head_loss_fwd_bwd(x, w, targets, logits, grad_scale: float, dx, dw, loss_acc) -> None:
+def head_loss_fwd_bwd(ctx, x, w, targets, logits, grad_scale: float, dx, dw, loss_acc) -> None:
     """x (T, D) bf16, w (V, D) bf16, targets (T,) int32 device (IGNORE = -100) ->
     dx (T, D) bf16|f32 written, dw (V, D) bf16|f32 +=, loss_acc (2,) f32 += [loss_sum, n_valid].
 
@@ -51,19 +51,19 @@ def head_loss_fwd_bwd(x, w, targets, logits, grad_scale: float, dx, dw, loss_acc
         raise ValueError(f"head_loss needs vocab_size >= 4, got {v}")
     sub = logits.shape[0]
     vec = 4 if v % 4 == 0 and logits.data.ptr % 16 == 0 else 1
-    xent = _build.kernel(_SRC, _NAMES, f"xent_kernel<{vec}>")
-    finish = _build.kernel(_SRC, _NAMES, "xent_finish")
+    xent = _build.kernel(ctx, _SRC, _NAMES, f"xent_kernel<{vec}>")
+    finish = _build.kernel(ctx, _SRC, _NAMES, "xent_finish")
     isz, dsz = x.dtype.itemsize, dx.dtype.itemsize
     lp = logits.data.ptr
     for t0 in range(0, t, sub):
         rows = min(sub, t - t0)
         xs = x.data.ptr + t0 * d * isz
-        gemm(rows, v, d, xs, x.dtype, d, False, w.data.ptr, w.dtype, d, True,
+        gemm(ctx, rows, v, d, xs, x.dtype, d, False, w.data.ptr, w.dtype, d, True,
              lp, F32, v, False)
         xent((rows,), (1024,), (logits, np.int32(v), targets[t0:t0 + rows], np.float32(grad_scale)))
         finish((1,), (1024,), (logits, np.int32(rows), np.int32(v), loss_acc))
         # dlogits: bf16 (rows, V) in place, row stride 2V elements (= one fp32 row).
-        gemm(rows, d, v, lp, BF16, 2 * v, False, w.data.ptr, w.dtype, d, False,
+        gemm(ctx, rows, d, v, lp, BF16, 2 * v, False, w.data.ptr, w.dtype, d, False,
              dx.data.ptr + t0 * d * dsz, dx.dtype, d, False)
-        gemm(v, d, rows, lp, BF16, 2 * v, True, xs, x.dtype, d, False,
+        gemm(ctx, v, d, rows, lp, BF16, 2 * v, True, xs, x.dtype, d, False,
              dw.data.ptr, dw.dtype, d, True)

@@ -9,29 +9,29 @@ from dataflow.kernels.cuda import _build
 from dataflow.kernels.cuda._cublas import gemm
 
 
-def linear_fwd(x, w, y, accumulate: bool = False) -> None:
+def linear_fwd(ctx, x, w, y, accumulate: bool = False) -> None:
     """x (T, I), w (O, I) bf16 -> y (T, O) bf16|f32: y = x @ w.T (+ y when accumulate)."""
     t, i = x.shape
     o = w.shape[0]
     _build.check("x", x, (t, i))
     _build.check("w", w, (o, i), (x.dtype,))
     _build.check("y", y, (t, o))
-    gemm(t, o, i, x.data.ptr, x.dtype, i, False, w.data.ptr, w.dtype, i, True,
+    gemm(ctx, t, o, i, x.data.ptr, x.dtype, i, False, w.data.ptr, w.dtype, i, True,
          y.data.ptr, y.dtype, o, accumulate)
 
 
-def linear_bwd_x(dy, w, dx, accumulate: bool = False) -> None:
+def linear_bwd_x(ctx, dy, w, dx, accumulate: bool = False) -> None:
     """dy (T, O), w (O, I) bf16 -> dx (T, I) bf16|f32: dx = dy @ w (+ dx when accumulate)."""
     t, o = dy.shape
     i = w.shape[1]
     _build.check("dy", dy, (t, o))
     _build.check("w", w, (o, i), (dy.dtype,))
     _build.check("dx", dx, (t, i))
-    gemm(t, i, o, dy.data.ptr, dy.dtype, o, False, w.data.ptr, w.dtype, i, False,
+    gemm(ctx, t, i, o, dy.data.ptr, dy.dtype, o, False, w.data.ptr, w.dtype, i, False,
          dx.data.ptr, dx.dtype, i, accumulate)
 
 
-def linear_bwd_w(dy, x, dw, accumulate: bool = True) -> None:
+def linear_bwd_w(ctx, dy, x, dw, accumulate: bool = True) -> None:
     """dy (T, O), x (T, I) bf16 -> dw (O, I) bf16|f32: dw = dy.T @ x (+ dw when accumulate).
 
     fp32 accumulation inside the GEMM; with a bf16 dw each call rounds the running sum once.
@@ -41,5 +41,5 @@ def linear_bwd_w(dy, x, dw, accumulate: bool = True) -> None:
     _build.check("dy", dy, (t, o))
     _build.check("x", x, (t, i), (dy.dtype,))
     _build.check("dw", dw, (o, i))
-    gemm(o, i, t, dy.data.ptr, dy.dtype, o, True, x.data.ptr, x.dtype, i, False,
+    gemm(ctx, o, i, t, dy.data.ptr, dy.dtype, o, True, x.data.ptr, x.dtype, i, False,
          dw.data.ptr, dw.dtype, i, accumulate)

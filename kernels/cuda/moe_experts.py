@@ -69,7 +69,7 @@ def _check_index(what: str, a, shape: tuple[int, ...]) -> None:
     _build.check(what, a, shape, (I64,))
 
 
-def expert_order(topk_idx, n_experts: int, order, offsets, inv=None) -> None:
+def expert_order(ctx, topk_idx, n_experts: int, order, offsets, inv=None) -> None:
     """topk_idx (T, k) int64 -> order (R,) int64, offsets (N + 1,) int64, and inv (R,) int64
     when given. As reference expert_order (a stable sort of the flat pairs by expert; expert e
     owns rows offsets[e]:offsets[e + 1], zero allowed) plus its inverse. Three launches: counts,
@@ -88,24 +88,25 @@ def expert_order(topk_idx, n_experts: int, order, offsets, inv=None) -> None:
         _check_index("inv", inv, (n_pairs,))
     if n_experts < 1:
         raise ValueError(f"n_experts must be positive, got {n_experts}")
-    _build.kernel(_SRC, _NAMES, "expert_count_kernel")(
+    _build.kernel(ctx, _SRC, _NAMES, "expert_count_kernel")(
         (n_experts,), (_THREADS,), (topk_idx, np.int64(n_pairs), offsets))
-    _build.kernel(_SRC, _NAMES, "expert_scan_kernel")((1,), (32,), (offsets, np.int32(n_experts)))
-    _build.kernel(_SRC, _NAMES, "expert_place_kernel")(
+    _build.kernel(ctx, _SRC, _NAMES, "expert_scan_kernel")((1,), (32,),
+                                                           (offsets, np.int32(n_experts)))
+    _build.kernel(ctx, _SRC, _NAMES, "expert_place_kernel")(
         (n_experts,), (_THREADS,),
         (topk_idx, np.int64(n_pairs), offsets, order, order if inv is None else inv,
          np.int32(inv is not None)))
 
 
-def inverse_order(order, inv) -> None:
+def inverse_order(ctx, order, inv) -> None:
     """order (R,) int64 -> inv (R,) int64 with inv[order[r]] = r (reference _inverse): for a
     backward that kept only `order`."""
     n = order.shape[0] if order.ndim == 1 else -1
     _check_index("order", order, (n,))
     _check_index("inv", inv, (n,))
     if n:
-        _build.kernel(_SRC, _NAMES, "inverse_order_kernel")(
-            (_build.flat_grid(n, _THREADS),), (_THREADS,), (order, inv, np.int64(n)))
+        _build.kernel(ctx, _SRC, _NAMES, "inverse_order_kernel")(
+            (_build.flat_grid(ctx, n, _THREADS),), (_THREADS,), (order, inv, np.int64(n)))
 
 
 def mapped_address(out: np.ndarray) -> int | None:
@@ -122,7 +123,7 @@ def mapped_address(out: np.ndarray) -> int | None:
     return int(attrs.devicePointer)
 
 
-def offsets_to_host(offsets, out: np.ndarray, event=None, *, mapped: int | None = None):
+def offsets_to_host(ctx, offsets, out: np.ndarray, event=None, *, mapped: int | None = None):
     """Copy offsets (N + 1,) int64 device -> out (N + 1,) int64 host (pinned, e.g.
     cupyx.empty_pinned, for the copy to be asynchronous) on the current stream and record
     `event` (a new cupy.cuda.Event when None) after it; returns the event. THE sync point of the
@@ -145,7 +146,7 @@ def offsets_to_host(offsets, out: np.ndarray, event=None, *, mapped: int | None 
                                       _D2H, stream.ptr)
     elif offsets.size:
         n = offsets.size
-        _build.kernel(_SRC, _NAMES, "offsets_to_mapped_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "offsets_to_mapped_kernel")(
             (1,), (min(_THREADS, 32 * -(-n // 32)),),
             (offsets, np.uint64(mapped), np.int32(n)))
     if event is None:
@@ -154,7 +155,7 @@ def offsets_to_host(offsets, out: np.ndarray, event=None, *, mapped: int | None 
     return event
 
 
-def permute_fwd(x, order, top_k: int, xp) -> None:
+def permute_fwd(ctx, x, order, top_k: int, xp) -> None:
     """x (T, D) bf16|f32 -> xp (R, D) same dtype: xp[r] = x[order[r] // k], an exact gather.
     As reference permute_fwd."""
     t, d = x.shape
@@ -168,8 +169,8 @@ def permute_fwd(x, order, top_k: int, xp) -> None:
         unit, units = "unsigned short", row_bytes // 2
     n = t * top_k * units
     if n:
-        _build.kernel(_SRC, _NAMES, f"permute_fwd_kernel<{unit}>")(
-            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+        _build.kernel(ctx, _SRC, _NAMES, f"permute_fwd_kernel<{unit}>")(
+            (_build.flat_grid(ctx, n, _THREADS),), (_THREADS,),
             (x, order, xp, np.int64(t * top_k), np.int64(units), np.int32(top_k)))
 
 
@@ -177,7 +178,7 @@ def _vec(d: int, *arrays) -> int:
     return 8 if d % 8 == 0 and _build.aligned16(*arrays) else 1
 
 
-def permute_bwd(dxp, inv, top_k: int, dx, residual=None) -> None:
+def permute_bwd(ctx, dxp, inv, top_k: int, dx, residual=None) -> None:
     """dxp (R, D) bf16|f32 -> dx (T, D) bf16|f32 = (residual +) each token's k rows summed in
     fp32 in slot order, rounded once. As reference permute_bwd (fp32 out), and with residual
     (T, D) f32 = the router's dx, the block's `up(dx_router) + permute_bwd(dxp)` before its one
@@ -196,13 +197,13 @@ def permute_bwd(dxp, inv, top_k: int, dx, residual=None) -> None:
             f"{_build.ctype(dx.dtype, 'dx')}, {v}, {'false' if residual is None else 'true'}>")
     n = t * d // v
     if n:
-        _build.kernel(_SRC, _NAMES, name)(
-            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+        _build.kernel(ctx, _SRC, _NAMES, name)(
+            (_build.flat_grid(ctx, n, _THREADS),), (_THREADS,),
             (dxp, inv, dx if residual is None else residual, dx, np.int64(t), np.int32(d),
              np.int32(top_k)))
 
 
-def unpermute_fwd(yp, inv, topk_weight, y) -> None:
+def unpermute_fwd(ctx, yp, inv, topk_weight, y) -> None:
     """yp (R, D) bf16|f32, topk_weight (T, k) f32 -> y (T, D) bf16|f32: y[t] = sum_j
     w[t, j] * yp[inv[t k + j]], fp32 products summed in slot order, rounded once to y's dtype.
     As reference unpermute_fwd, bit for bit: y in yp's dtype is the reference on yp; an fp32 y
@@ -217,14 +218,14 @@ def unpermute_fwd(yp, inv, topk_weight, y) -> None:
     v = _vec(d, yp, y)
     n = t * d // v
     if n:
-        _build.kernel(_SRC, _NAMES,
+        _build.kernel(ctx, _SRC, _NAMES,
                       f"unpermute_fwd_kernel<{_build.ctype(yp.dtype, 'yp')}, "
                       f"{_build.ctype(y.dtype, 'y')}, {v}>")(
-            (_build.flat_grid(n, _THREADS),), (_THREADS,),
+            (_build.flat_grid(ctx, n, _THREADS),), (_THREADS,),
             (yp, inv, topk_weight, y, np.int64(t), np.int32(d), np.int32(k)))
 
 
-def unpermute_bwd(dy, yp, order, topk_weight, dyp, d_topk_weight) -> None:
+def unpermute_bwd(ctx, dy, yp, order, topk_weight, dyp, d_topk_weight) -> None:
     """dy (T, D), yp (R, D) bf16|f32 (one dtype), topk_weight (T, k) f32 -> dyp (R, D) in dy's
     dtype, d_topk_weight (T, k) f32: dyp[r] = w[pair] * dy[token] (bits of the reference),
     d_w[pair] = <dy[token], yp[r]> (fp32, a block's tree sum). As reference unpermute_bwd; one
@@ -239,7 +240,7 @@ def unpermute_bwd(dy, yp, order, topk_weight, dyp, d_topk_weight) -> None:
     _build.check("d_topk_weight", d_topk_weight, (t, k), (F32,))
     v = _vec(d, dy, yp, dyp)
     if t * k:
-        _build.kernel(_SRC, _NAMES,
+        _build.kernel(ctx, _SRC, _NAMES,
                       f"unpermute_bwd_kernel<{_build.ctype(dy.dtype, 'dy')}, {v}>")(
             (t * k,), (_THREADS,),
             (dy, yp, order, topk_weight, dyp, d_topk_weight, np.int32(d), np.int32(k)))
@@ -305,7 +306,7 @@ def _check_n_experts(n_experts: int, **mats) -> None:
             raise ValueError(f"{what} has {len(w)} experts; offsets describe {n_experts}")
 
 
-def experts_fwd(xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
+def experts_fwd(ctx, xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
     """xp (R, D) bf16 rows grouped by expert, offsets (N + 1,) int64 ON THE HOST
     (offsets_to_host), w_gate, w_up (N, F, D) and w_down (N, D, F), each a stacked device array
     or a sequence of N matrices (None allowed for an expert with no rows) -> yp (R, D),
@@ -334,7 +335,7 @@ def experts_fwd(xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
     wg, _ = _expert_ptrs(w_gate, experts, (f, d), "w_gate", (dt,))
     wu, _ = _expert_ptrs(w_up, experts, (f, d), "w_up", (dt,))
     wd, _ = _expert_ptrs(w_down, experts, (d, f), "w_down", (dt,))
-    mm = gemm_loop(dt, dt)
+    mm = gemm_loop(ctx, dt, dt)
     x0, g0, u0, h0, y0 = (a.data.ptr for a in (xp, gate, up, h, yp))
     # gate and up of an expert in one call: x shared, the weights and outputs a stride apart
     sw, so = _stride(wg, wu, isz), _stride([g0], [u0], isz)
@@ -344,7 +345,7 @@ def experts_fwd(xp, offsets, w_gate, w_up, w_down, yp, gate, up, *, h) -> None:
         mm(n, f, d, xs, d, False, pg, d, True, g0 + r0 * f * isz, f, False, pair)
         if pair is None:
             mm(n, f, d, xs, d, False, pu, d, True, u0 + r0 * f * isz, f, False)
-    swiglu_fwd(gate, up, h)
+    swiglu_fwd(ctx, gate, up, h)
     for (r0, n), pd in zip(active, wd):
         mm(n, d, f, h0 + r0 * f * isz, f, False, pd, f, True, y0 + r0 * d * isz, d, False)
 
@@ -367,7 +368,7 @@ def experts_bwd_acc_elems(offsets, model_dim: int) -> int:
     return int(np.max(np.diff(off), initial=0)) * model_dim
 
 
-def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
+def experts_bwd(ctx, xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, dw_up, dw_down,
                 *, dgate, dup, h, dx_acc=None, accumulate: bool = True) -> None:
     """xp (R, D), gate and up (R, F) from experts_fwd, dyp (R, D), all bf16; offsets (N + 1,)
     int64 on the host (the forward's) -> dxp (R, D) bf16; dw_gate, dw_up (N, F, D) and dw_down
@@ -417,8 +418,8 @@ def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, 
     dwg, tg = _expert_ptrs(dw_gate, experts, (f, d), "dw_gate", gdt)
     dwu, tu = _expert_ptrs(dw_up, experts, (f, d), "dw_up", gdt)
     dwd, tdd = _expert_ptrs(dw_down, experts, (d, f), "dw_down", gdt)
-    mm, mm_acc = gemm_loop(dt, dt), gemm_loop(dt, F32)
-    mm_dw = {t: gemm_loop(dt, t) for t in {tg, tu, tdd}}
+    mm, mm_acc = gemm_loop(ctx, dt, dt), gemm_loop(ctx, dt, F32)
+    mm_dw = {t: gemm_loop(ctx, dt, t) for t in {tg, tu, tdd}}
     x0, dy0, dg0, du0, h0, a0 = (a.data.ptr for a in (xp, dyp, dgate, dup, h, acc_flat))
     # dW_gate and dW_up of an expert in one call where the gradients' and dgate/dup's distances
     # allow it (the engine's layer block: each expert's gate and up gradients together)
@@ -426,14 +427,14 @@ def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, 
     dpair = None if tg != tu or sg is None or sd is None else (2, sd, 0, sg)
     for (r0, n), pd in zip(active, wd):  # dh (n, F) = dy (n, D) @ Wd (D, F), into dgate
         mm(n, f, d, dy0 + r0 * d * isz, d, False, pd, f, False, dg0 + r0 * f * isz, f, False)
-    swiglu_bwd(gate, up, dgate, dgate, dup, out=h)  # dgate reads dh then overwrites it
+    swiglu_bwd(ctx, gate, up, dgate, dgate, dup, out=h)  # dgate reads dh then overwrites it
     # The input gradient of consecutive experts (their rows are consecutive) gathers in dx_acc
     # until it is full, then one cast rounds the batch: the same bits as a cast per expert, with
     # a few launches a layer instead of one per expert.
     first = 0  # the first row of the batch in dx_acc
     for (r0, n), pg, pu, pd, gg, gu, gd in zip(active, wg, wu, wd, dwg, dwu, dwd):
         if (r0 + n - first) * d > acc_flat.size:
-            cast(acc_flat[:(r0 - first) * d], dxp[first:r0])
+            cast(ctx, acc_flat[:(r0 - first) * d], dxp[first:r0])
             first = r0
         xs, dys = x0 + r0 * d * isz, dy0 + r0 * d * isz
         hs, dgs, dus = h0 + r0 * f * isz, dg0 + r0 * f * isz, du0 + r0 * f * isz
@@ -446,4 +447,4 @@ def experts_bwd(xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp, dw_gate, 
         mm_acc(n, d, f, dus, f, False, pu, d, False, acc, d, True)
     if active:
         end = active[-1][0] + active[-1][1]
-        cast(acc_flat[:(end - first) * d], dxp[first:end])
+        cast(ctx, acc_flat[:(end - first) * d], dxp[first:end])

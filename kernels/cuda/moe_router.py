@@ -61,7 +61,7 @@ def _check_scalar(what: str, a) -> None:
     _build.check(what, a, (1,), (F32,))
 
 
-def router_softmax_topk(logits, top_k: int, probs, topk_idx, topk_weight, *,
+def router_softmax_topk(ctx, logits, top_k: int, probs, topk_idx, topk_weight, *,
                         norm_topk_prob: bool) -> None:
     """logits (T, N) f32 -> probs (T, N) f32, topk_idx (T, k) int64, topk_weight (T, k) f32.
 
@@ -75,25 +75,25 @@ def router_softmax_topk(logits, top_k: int, probs, topk_idx, topk_weight, *,
     _build.check("topk_idx", topk_idx, (t, top_k), (I64,))
     _build.check("topk_weight", topk_weight, (t, top_k), (F32,))
     if t:
-        _build.kernel(_SRC, _NAMES, "router_softmax_topk_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "router_softmax_topk_kernel")(
             _rows_grid(t), (_THREADS,),
             (logits, probs, topk_idx, topk_weight, np.int32(t), np.int32(n), np.int32(top_k),
              np.int32(bool(norm_topk_prob))))
 
 
-def router_fwd(x, w_router, top_k: int, logits, probs, topk_idx, topk_weight, *,
+def router_fwd(ctx, x, w_router, top_k: int, logits, probs, topk_idx, topk_weight, *,
                norm_topk_prob: bool) -> None:
     """x (T, D) bf16, w_router (N, D) bf16 -> logits (T, N) f32 = x @ w_router.T (cuBLAS, fp32
     accumulation, fp32 output: never rounded to bf16), then router_softmax_topk. Mirrors
     reference router_fwd(x, w_router, top_k, norm_topk_prob=...) with its four outputs passed in.
     """
     _build.check("logits", logits, (x.shape[0], w_router.shape[0]), (F32,))
-    linear_fwd(x, w_router, logits)
-    router_softmax_topk(logits, top_k, probs, topk_idx, topk_weight,
+    linear_fwd(ctx, x, w_router, logits)
+    router_softmax_topk(ctx, logits, top_k, probs, topk_idx, topk_weight,
                         norm_topk_prob=norm_topk_prob)
 
 
-def router_logits_bwd(probs, topk_idx, d_topk_weight, d_logits, *, norm_topk_prob: bool,
+def router_logits_bwd(ctx, probs, topk_idx, d_topk_weight, d_logits, *, norm_topk_prob: bool,
                       accumulate: bool = False) -> None:
     """probs (T, N) f32, topk_idx (T, k) int64, d_topk_weight (T, k) f32 -> d_logits (T, N) f32
     (+= when accumulate). As reference router_logits_bwd: only the k selected probabilities carry
@@ -106,7 +106,7 @@ def router_logits_bwd(probs, topk_idx, d_topk_weight, d_logits, *, norm_topk_pro
     _build.check("d_topk_weight", d_topk_weight, (t, k), (F32,))
     _build.check("d_logits", d_logits, (t, n), (F32,))
     if t:
-        _build.kernel(_SRC, _NAMES, "router_topk_bwd_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "router_topk_bwd_kernel")(
             _rows_grid(t), (_THREADS,),
             (probs, topk_idx, d_topk_weight, d_logits, np.int32(t), np.int32(n), np.int32(k),
              np.int32(bool(norm_topk_prob)), np.int32(bool(accumulate))))
@@ -118,7 +118,7 @@ def router_bwd_scratch_elems(n_tokens: int, model_dim: int, n_experts: int) -> i
     return (n_experts + min(n_tokens, BWD_ROWS)) * model_dim
 
 
-def router_bwd(x, w_router, d_logits, dx, dw_router, *, accumulate_dx: bool = False,
+def router_bwd(ctx, x, w_router, d_logits, dx, dw_router, *, accumulate_dx: bool = False,
                accumulate_dw: bool = True, scratch=None) -> None:
     """x (T, D) bf16, w_router (N, D) bf16, d_logits (T, N) f32 -> dx (T, D) f32 = d_logits @
     w_router (+ dx when accumulate_dx), dw_router (N, D) f32 = d_logits.T @ x (+ dw_router when
@@ -146,9 +146,9 @@ def router_bwd(x, w_router, d_logits, dx, dw_router, *, accumulate_dx: bool = Fa
                          f"{need} (router_bwd_scratch_elems({t}, {d}, {n}))")
     flat = scratch.reshape(-1)
     w32 = flat[:n * d].reshape(n, d)
-    cast(w_router, w32)
+    cast(ctx, w_router, w32)
     # dx (T, D) = d_logits (T, N) @ w32 (N, D)
-    gemm(t, d, n, d_logits.data.ptr, F32, n, False, w32.data.ptr, F32, d, False,
+    gemm(ctx, t, d, n, d_logits.data.ptr, F32, n, False, w32.data.ptr, F32, d, False,
          dx.data.ptr, F32, d, accumulate_dx)
     if t == 0 and not accumulate_dw:
         dw_router.fill(0)  # no token: the reference's dw is zeros
@@ -156,13 +156,14 @@ def router_bwd(x, w_router, d_logits, dx, dw_router, *, accumulate_dx: bool = Fa
     for t0 in range(0, t, BWD_ROWS):
         rows = min(BWD_ROWS, t - t0)
         x32 = x32_all[:rows * d].reshape(rows, d)
-        cast(x[t0:t0 + rows], x32)
+        cast(ctx, x[t0:t0 + rows], x32)
         # dw_router (N, D) [+]= d_logits[t0:t1].T (N, rows) @ x32 (rows, D)
-        gemm(n, d, rows, d_logits.data.ptr + t0 * n * 4, F32, n, True, x32.data.ptr, F32, d,
+        gemm(ctx, n, d, rows, d_logits.data.ptr + t0 * n * 4, F32, n, True, x32.data.ptr, F32, d,
              False, dw_router.data.ptr, F32, d, accumulate_dw or t0 > 0)
 
 
-def load_balancing_stats(probs, topk_idx, counts, prob_sum, *, accumulate: bool = False) -> None:
+def load_balancing_stats(ctx, probs, topk_idx, counts, prob_sum, *,
+                         accumulate: bool = False) -> None:
     """probs (T, N) f32, topk_idx (T, k) int64 -> counts (N,) int64, prob_sum (N,) f32 (+= when
     accumulate: one accumulator per forward, summed over layers and chunks). As reference
     load_balancing_stats; prob_sum is summed in token order, so its bits equal the reference's
@@ -172,13 +173,14 @@ def load_balancing_stats(probs, topk_idx, counts, prob_sum, *, accumulate: bool 
     _build.check("topk_idx", topk_idx, (t, k), (I64,))
     _build.check("counts", counts, (n,), (I64,))
     _build.check("prob_sum", prob_sum, (n,), (F32,))
-    _build.kernel(_SRC, _NAMES, "load_balancing_stats_kernel")(
+    _build.kernel(ctx, _SRC, _NAMES, "load_balancing_stats_kernel")(
         (n,), (_THREADS,),
         (probs, topk_idx, counts, prob_sum, np.int32(t), np.int32(n), np.int64(t * k),
          np.int32(bool(accumulate))))
 
 
-def load_balancing_loss(counts, prob_sum, n_rows: int, loss, *, accumulate: bool = False) -> None:
+def load_balancing_loss(ctx, counts, prob_sum, n_rows: int, loss, *,
+                        accumulate: bool = False) -> None:
     """counts (N,) int64, prob_sum (N,) f32 summed over the forward -> loss (1,) f32 =
     N * sum_e (counts[e] / n_rows) * (prob_sum[e] / n_rows), summed in fp64 (+= when
     accumulate). As reference load_balancing_loss, which returns a Python float."""
@@ -188,12 +190,12 @@ def load_balancing_loss(counts, prob_sum, n_rows: int, loss, *, accumulate: bool
     _build.check("counts", counts, (n,), (I64,))
     _build.check("prob_sum", prob_sum, (n,), (F32,))
     _check_scalar("loss", loss)
-    _build.kernel(_SRC, _NAMES, "load_balancing_loss_kernel")(
+    _build.kernel(ctx, _SRC, _NAMES, "load_balancing_loss_kernel")(
         (1,), (32,), (counts, prob_sum, np.int32(n), np.float64(n_rows), loss,
                       np.int32(bool(accumulate))))
 
 
-def load_balancing_loss_bwd(probs, counts, n_rows: int, coef: float, d_logits, *,
+def load_balancing_loss_bwd(ctx, probs, counts, n_rows: int, coef: float, d_logits, *,
                             accumulate: bool = False) -> None:
     """probs (T, N) f32 of one layer and chunk, counts (N,) int64 summed over the whole forward
     -> d_logits (T, N) f32 (+= when accumulate) of coef * load_balancing_loss: d probs[t, e] =
@@ -206,12 +208,12 @@ def load_balancing_loss_bwd(probs, counts, n_rows: int, coef: float, d_logits, *
     _build.check("d_logits", d_logits, (t, n), (F32,))
     c = np.float32(coef * n / float(n_rows) ** 2)
     if t:
-        _build.kernel(_SRC, _NAMES, "router_aux_bwd_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "router_aux_bwd_kernel")(
             _rows_grid(t), (_THREADS,),
             (probs, counts, c, d_logits, np.int32(t), np.int32(n), np.int32(bool(accumulate))))
 
 
-def router_z_loss(logits, n_rows: int, lse, loss, *, accumulate: bool = False) -> None:
+def router_z_loss(ctx, logits, n_rows: int, lse, loss, *, accumulate: bool = False) -> None:
     """logits (T, N) f32 -> lse (T,) f32 = logsumexp per row, loss (1,) f32 = sum_t lse_t^2 /
     n_rows (summed in fp64; += when accumulate). As reference router_z_loss (n_rows = 1 gives
     MoeStats.lse_sq_sum). Two launches: a warp per row, then one block for the sum."""
@@ -221,14 +223,14 @@ def router_z_loss(logits, n_rows: int, lse, loss, *, accumulate: bool = False) -
     _build.check("lse", lse, (t,), (F32,))
     _check_scalar("loss", loss)
     if t:
-        _build.kernel(_SRC, _NAMES, "router_lse_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "router_lse_kernel")(
             _rows_grid(t), (_THREADS,), (logits, lse, np.int32(t), np.int32(n)))
-    _build.kernel(_SRC, _NAMES, "router_z_sum_kernel")(
+    _build.kernel(ctx, _SRC, _NAMES, "router_z_sum_kernel")(
         (1,), (_THREADS,), (lse, np.int32(t), np.float64(n_rows), loss,
                             np.int32(bool(accumulate))))
 
 
-def router_z_loss_bwd(logits, lse, n_rows: int, coef: float, d_logits, *,
+def router_z_loss_bwd(ctx, logits, lse, n_rows: int, coef: float, d_logits, *,
                       accumulate: bool = False) -> None:
     """logits (T, N) f32, lse (T,) f32 from router_z_loss -> d_logits (T, N) f32 (+= when
     accumulate) of coef * z-loss: (2 coef / n_rows) * lse_t * softmax(logits)_t. As reference
@@ -240,6 +242,6 @@ def router_z_loss_bwd(logits, lse, n_rows: int, coef: float, d_logits, *,
     _build.check("d_logits", d_logits, (t, n), (F32,))
     c = np.float32(2.0 * coef / n_rows)
     if t:
-        _build.kernel(_SRC, _NAMES, "router_z_bwd_kernel")(
+        _build.kernel(ctx, _SRC, _NAMES, "router_z_bwd_kernel")(
             _rows_grid(t), (_THREADS,),
             (logits, lse, c, d_logits, np.int32(t), np.int32(n), np.int32(bool(accumulate))))

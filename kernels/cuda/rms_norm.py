@@ -1,7 +1,7 @@
 """RMSNorm forward and backward on the GPU (kernels/cuda/rms_norm.cu); matches
 dataflow.kernels.reference.rms_norm. Launches on the current CuPy stream, never synchronises, never
-allocates except the backward's partial-sum scratch when the caller passes none (cached, once
-per (device, stream, shape))."""
+allocates except the backward's partial-sum scratch when the caller passes none (cached in the
+CudaContext, once per (device, stream, shape))."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ A function of T alone, so the summation order (and the bits) do not depend on th
 blocks of 256 threads (at most 128 registers each, __launch_bounds__(512)) fill a 132-SM H100
 in one wave (2 blocks per SM)."""
 
-_SCRATCH: dict[tuple, cupy.ndarray] = {}
-
 
 def _shape_of_launch(D: int) -> tuple[int, int]:
     """(threads, packs per thread) for rows of D elements: at most 2 packs of 8 per thread."""
@@ -43,7 +41,7 @@ def rms_norm_bwd_scratch_shape(n_tokens: int, model_dim: int) -> tuple[int, int]
     return (min(n_tokens, MAX_PARTS), model_dim)
 
 
-def rms_norm_fwd(x, w, eps: float, y, rstd, copy=None) -> None:
+def rms_norm_fwd(ctx, x, w, eps: float, y, rstd, copy=None) -> None:
     """x (T, D) bf16|f32, w (D,) same dtype -> y (T, D) same dtype, rstd (T,) f32 (written).
 
     y = (x * rstd) * w with rstd = 1 / sqrt(mean(x^2) + eps), fp32 math. y may alias x.
@@ -61,18 +59,18 @@ def rms_norm_fwd(x, w, eps: float, y, rstd, copy=None) -> None:
     threads, maxp = _shape_of_launch(d)
     t = _build.ctype(x.dtype, "x")
     c = "false" if copy is None else "true"
-    k = _build.kernel(_SRC, _NAMES, f"rms_norm_fwd_kernel<{t}, {maxp}, {c}>")
+    k = _build.kernel(ctx, _SRC, _NAMES, f"rms_norm_fwd_kernel<{t}, {maxp}, {c}>")
     if n:
         k((n,), (threads,), (x, w, y, rstd, np.int32(d), np.float32(eps),
                              y if copy is None else copy))
 
 
-def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> None:
+def rms_norm_bwd(ctx, x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> None:
     """x (T, D), w (D,), rstd (T,) f32, dy (T, D) -> dx (T, D) written; dw_acc (D,) bf16|f32 +=.
 
     dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd; dw_acc += sum_t dy * n,
     reduced in two deterministic stages through `scratch` (f32, rms_norm_bwd_scratch_shape;
-    a cached buffer per stream when None). fp32 math. dx may alias dy. `residual` (T, D): dx
+    a buffer cached in ctx per stream when None). fp32 math. dx may alias dy. `residual` (T, D): dx
     becomes dx rounded to its dtype plus residual, rounded again, the bits of add_(dx,
     residual) after the plain call, in the same pass.
     """
@@ -91,10 +89,11 @@ def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> Non
         return
     parts = min(n, MAX_PARTS)
     if scratch is None:
-        key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, parts, d)
-        scratch = _SCRATCH.get(key)
+        key = ("rms_norm_bwd", cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr,
+               parts, d)
+        scratch = ctx.scratch.get(key)
         if scratch is None:
-            scratch = _SCRATCH[key] = cupy.empty((parts, d), dtype=F32)
+            scratch = ctx.scratch[key] = cupy.empty((parts, d), dtype=F32)
     elif scratch.dtype != F32 or scratch.size < parts * d or not scratch.flags.c_contiguous:
         raise ValueError(f"rms_norm_bwd scratch must be contiguous fp32 with >= {parts * d} "
                          f"elements (rms_norm_bwd_scratch_shape); got {scratch.dtype} "
@@ -102,9 +101,9 @@ def rms_norm_bwd(x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> Non
     threads, maxp = _shape_of_launch(d)
     t = _build.ctype(x.dtype, "x")
     res = "false" if residual is None else "true"
-    k1 = _build.kernel(_SRC, _NAMES, f"rms_norm_bwd_kernel<{t}, {maxp}, {res}>")
+    k1 = _build.kernel(ctx, _SRC, _NAMES, f"rms_norm_bwd_kernel<{t}, {maxp}, {res}>")
     k1((parts,), (threads,), (x, w, rstd, dy, dx, scratch, np.int32(n), np.int32(d),
                               dy if residual is None else residual))
     tw = _build.ctype(dw_acc.dtype, "dw_acc")
-    k2 = _build.kernel(_SRC, _NAMES, f"rms_norm_dw_reduce<{tw}>")
+    k2 = _build.kernel(ctx, _SRC, _NAMES, f"rms_norm_dw_reduce<{tw}>")
     k2((-(-d // 32),), (32, 8), (scratch, np.int32(parts), np.int32(d), dw_acc))

@@ -51,7 +51,7 @@ def _plain_param(theta: float, head_dim: int) -> np.ndarray:
     return param
 
 
-def _rope(x, positions, inv_freq, out, sign: float) -> None:
+def _rope(ctx, x, positions, inv_freq, out, sign: float) -> None:
     if x.ndim != 3:
         raise ValueError(f"rope takes x (T, n_heads, E); got shape {tuple(x.shape)}")
     t, n, e = x.shape
@@ -70,24 +70,24 @@ def _rope(x, positions, inv_freq, out, sign: float) -> None:
     smem = 2 * tpb * half * 4
     if smem > 48 * 1024:
         raise ValueError(f"rope head_dim {e} is too large for this kernel (cos/sin tile {smem} B)")
-    k = _build.kernel(_SRC, _NAMES, f"rope_kernel<{_build.ctype(x.dtype, 'x')}, {vec}>")
+    k = _build.kernel(ctx, _SRC, _NAMES, f"rope_kernel<{_build.ctype(x.dtype, 'x')}, {vec}>")
     if t:
         k((-(-t // tpb),), (_THREADS,),
           (x, positions, out, np.int32(t), np.int32(n), np.int32(e), np.int32(tpb),
            param, np.float32(sign)), shared_mem=smem)
 
 
-def rope_fwd(x, positions, inv_freq, out) -> None:
+def rope_fwd(ctx, x, positions, inv_freq, out) -> None:
     """x (T, n, E) bf16|f32, positions (T,) int32 device array, inv_freq (E/2,) float64 host
     array from dataflow.kernels.reference.rope_inv_freq (or freq_param's packed form, or a number:
     plain RoPE's theta) -> out (T, n, E), same dtype.
 
     out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin (x1 = x[..., :E/2]); out may be x.
     """
-    _rope(x, positions, inv_freq, out, 1.0)
+    _rope(ctx, x, positions, inv_freq, out, 1.0)
 
 
-def rope_bwd(dy, positions, inv_freq, out) -> None:
+def rope_bwd(ctx, dy, positions, inv_freq, out) -> None:
     """dy (T, n, E) -> out (T, n, E): the transposed rotation (angle -> -angle); out may be dy.
     inv_freq as for rope_fwd."""
-    _rope(dy, positions, inv_freq, out, -1.0)
+    _rope(ctx, dy, positions, inv_freq, out, -1.0)

@@ -50,7 +50,7 @@ from dataflow.models.layout import ROUTER_TENSOR, expert_names, layer_layout  # 
 from tests.dataflow.plans import forced_plan, streamed  # noqa: E402
 from tests.dataflow.test_engine_moe import (BETA1, CONFIGS, LR, ROUNDS, ROUTED_RTOL,  # noqa: E402
                                             SEQLEN, _weights, idle_experts_only_decayed)
-from tests.kernels.test_cuda_ops import check_close, dev, host  # noqa: E402
+from tests.gpu import check_close, dev, host  # noqa: E402
 
 CFGS = {family: dataclasses.replace(cfg, name=f"{cfg.name}-gpu", model_dim=64, head_dim=16)
         for family, cfg in CONFIGS.items()}

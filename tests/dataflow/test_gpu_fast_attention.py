@@ -46,16 +46,16 @@ def _losses(attention_bwd: str) -> tuple[list[float], int | None]:
 
 def test_fast_backward_trains_like_the_deterministic_one(monkeypatch):
     monkeypatch.setenv("DATAFLOW_ALLOC_GUARD", "error")
-    from dataflow.kernels.cuda.attention import forget_graphs
-
-    forget_graphs()
     from dataflow.kernels import cuda as K
+    from tests.gpu import cuda_context
 
-    det, det_ws = _losses("deterministic")
+    det, det_ws = _losses("deterministic")  # each engine's backend starts with no cuDNN graph
     fast, fast_ws = _losses("fast")
     cfg = load_config("small")
-    need = K.attention_workspace_bytes("bwd", SEQLEN, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                       0, deterministic=True)
+    ctx = cuda_context()
+    need = K.attention_workspace_bytes(ctx, "bwd", SEQLEN, cfg.n_heads, cfg.n_kv_heads,
+                                       cfg.head_dim, 0, deterministic=True)
+    ctx.close()
     assert fast_ws < need <= det_ws  # so the fast run could only take the atomic-dQ backward
     assert fast[0] == det[0]
     np.testing.assert_allclose(fast, det, rtol=2e-2)

@@ -86,10 +86,9 @@ def test_a_failed_registration_falls_back_to_cudaHostAlloc(monkeypatch):
 def _train(monkeypatch, method: str, chunks_per_seq: int, warm: bool):
     """Losses of two steps of a small model; (graphs, modules) counts after warm-up and after
     the steps; warm-up parts; setup phases."""
-    from dataflow.kernels.cuda import _build, attention
-
     def built():
-        return len(attention._GRAPHS) + len(attention.FALLBACKS), len(_build._MODULES)
+        counts = eng.be.kernels.built_counts()  # the backend's CudaContext
+        return counts["graphs"] + counts["refused"], counts["modules"]
 
     monkeypatch.setenv("DATAFLOW_PIN", method)
     cfg = load_config("small")
@@ -124,8 +123,11 @@ def test_after_warm_up_the_steps_build_no_graph_and_compile_no_module(monkeypatc
 def test_precompile_builds_every_kernel_source():
     """Every launcher's .cu compiles (or loads from CuPy's cache) with all its instantiations."""
     from dataflow.kernels.cuda import _build
+    from tests.gpu import cuda_context
 
-    seconds = _build.precompile()
+    ctx = cuda_context()
+    seconds = _build.precompile(ctx)
+    ctx.close()
     assert set(seconds) == {src for src, _ in _build.kernel_sources()}
     assert len(seconds) >= 8
 
@@ -136,23 +138,21 @@ def test_the_setup_thread_builds_the_graphs_and_changes_no_result(monkeypatch):
     split (deterministic attention; a split's atomic dQ differs run to run in the last bits)
     the losses equal an engine's built with DATAFLOW_PREBUILD=0 (everything built in warm_up,
     after the arenas)."""
-    from dataflow.kernels.cuda import attention
-
     monkeypatch.setenv("DATAFLOW_CUDNN_CACHE_DIR", "off")
     cfg = load_config("small")
     results = {}
     for flag, split in (("1", 4), ("1", 1), ("0", 1)):
-        monkeypatch.setenv("DATAFLOW_PREBUILD", flag)
-        attention.forget_graphs()
+        monkeypatch.setenv("DATAFLOW_PREBUILD", flag)  # each engine's backend: fresh graphs
         plan = forced_plan(cfg, 256 * split, chunk_tokens=256, chunks_per_seq=split,
                            chunks_per_round=split, rounds=2)
         ch = plan.chunking
         with Engine.from_plan(plan, backend="cupy", optimizer=AdamWConfig(lr=1e-3)) as eng:
-            before = len(attention._GRAPHS)
+            before = eng.be.kernels.built_counts()["graphs"]
             losses = [eng.train_step(token_stream(ch.seqlen, ch.seqs_per_step, cfg.vocab_size,
                                                   start=s * ch.seqs_per_step * ch.seqlen)).loss
                       for s in range(2)]
-            assert len(attention._GRAPHS) == before, (flag, split)  # the steps built nothing
+            # the steps built nothing
+            assert eng.be.kernels.built_counts()["graphs"] == before, (flag, split)
         results[flag, split] = losses, eng.prebuild_parts
     assert {"cuda_modules", "attention_graphs", "total"} <= set(results["1", 4][1])
     assert results["1", 1][0] == results["0", 1][0]

@@ -11,6 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.gpu import cuda_context
+
 try:
     import cupy
 
@@ -20,6 +22,8 @@ except Exception:  # noqa: BLE001 - no CuPy, no driver, or CuPy built for anothe
     HAVE_GPU = False
 
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
+CTX = cuda_context() if HAVE_GPU else None
+"""The CudaContext every GEMM loop of this module launches through."""
 
 BF16, F32, F64 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64)
 
@@ -86,7 +90,7 @@ def _rel(got, want):
 def test_gemm_loop_matches_float64_over_changing_sizes(rng, ab, c, trans_a, trans_b, misalign):
     from dataflow.kernels.cuda._cublaslt import gemm_loop
 
-    launch = gemm_loop(ab, c)
+    launch = gemm_loop(CTX, ab, c)
     # Sizes change every call, as the experts' row counts do, and cross bucket edges.
     for m, n, k in [(1, 48, 64), (7, 40, 72), (300, 64, 136), (17, 200, 8), (1025, 96, 64),
                     (130, 64, 1000)]:
@@ -125,7 +129,7 @@ def test_gemm_loop_repeats_its_bits_for_sizes_of_one_bucket(rng):
     bucket run between them does not change that."""
     from dataflow.kernels.cuda._cublaslt import bucket, gemm_loop
 
-    launch = gemm_loop(BF16, BF16)
+    launch = gemm_loop(CTX, BF16, BF16)
     k, n = 256, 128
     assert bucket(1100) == bucket(1200)
     a, b = _stored(rng, (1200, k), BF16), _stored(rng, (k, n), BF16)
@@ -143,20 +147,23 @@ def test_gemm_loop_repeats_its_bits_for_sizes_of_one_bucket(rng):
 @needs_gpu
 def test_a_released_table_takes_its_workspace_back_from_the_cublas_handle():
     """The handle outlives the arena its workspace lies in: CudaOps.release_scratch (the CuPy
-    backend's close) takes the workspace back, unless another table lent one since. Before this,
-    a GEMM after an Engine closed wrote into its freed arena (an illegal address)."""
+    backend's close) takes the workspace back, unless another table of the same CudaContext
+    lent one since. Before this, a GEMM after an Engine closed wrote into its freed arena (an
+    illegal address)."""
     import dataflow.kernels.cuda as K
     from dataflow.ops_cuda import CudaOps
 
-    first, second = CudaOps(), CudaOps()
+    ctx = cuda_context()
+    first, second = CudaOps(ctx), CudaOps(ctx)
     ws1, ws2 = cupy.empty(1 << 20, cupy.uint8), cupy.empty(1 << 20, cupy.uint8)
     first.lend_scratch({"cublas_workspace": ws1})
-    assert K.cublas_workspace() == (ws1.data.ptr, ws1.nbytes)
+    assert K.cublas_workspace(ctx) == (ws1.data.ptr, ws1.nbytes)
     second.lend_scratch({"cublas_workspace": ws2})
     first.release_scratch()
-    assert K.cublas_workspace() == (ws2.data.ptr, ws2.nbytes)
+    assert K.cublas_workspace(ctx) == (ws2.data.ptr, ws2.nbytes)
     second.release_scratch()
-    assert K.cublas_workspace() == (0, 0)
+    assert K.cublas_workspace(ctx) == (0, 0)
+    ctx.close()
 
 
 @pytest.mark.gpu
@@ -168,7 +175,7 @@ def test_a_strided_batch_of_two_is_the_two_products(rng, shared):
     unbatched calls of the same loop within the same bound."""
     from dataflow.kernels.cuda._cublaslt import gemm_loop
 
-    launch = gemm_loop(BF16, F32)
+    launch = gemm_loop(CTX, BF16, F32)
     m, n, k = 300, 96, 136
     a_all = _stored(rng, (1 if shared == "a" else 2, m, k), BF16)
     b_all = _stored(rng, (1 if shared == "b" else 2, k, n), BF16)

@@ -22,8 +22,11 @@ cupy = require_gpu()
 
 import dataflow.kernels.cuda as kc  # noqa: E402
 import dataflow.kernels.reference as ref  # noqa: E402
-from tests.kernels.test_cuda_ops import (BF16, F32, bf, check_close, dev, f64, host,  # noqa: E402
-                                         poisoned)
+from tests.gpu import (BF16, F32, bf, check_close, cuda_context, dev, f64, host,  # noqa: E402
+                       poisoned)
+
+CTX = cuda_context()
+"""The CudaContext every kernel call of this module launches through."""
 
 
 def test_bias_fill_then_accumulating_linear_is_the_biased_linear(rng):
@@ -33,9 +36,9 @@ def test_bias_fill_then_accumulating_linear_is_the_biased_linear(rng):
     x, w = bf(rng.standard_normal((t, i))), bf(rng.standard_normal((o, i)) / 16)
     b = bf(rng.standard_normal(o))
     y = poisoned((t, o), BF16)
-    kc.bias_fill(dev(b), y)
+    kc.bias_fill(CTX, dev(b), y)
     assert np.array_equal(host(y).view(np.uint16), np.broadcast_to(b, (t, o)).view(np.uint16))
-    kc.linear_fwd(dev(x), dev(w), y, True)
+    kc.linear_fwd(CTX, dev(x), dev(w), y, True)
     truth = f64(x) @ f64(w).T + f64(b)
     check_close("linear_fwd + bias", host(y), truth, ref.linear_fwd(x, w, b))
 
@@ -49,7 +52,7 @@ def test_bias_bwd_is_the_column_sum_and_deterministic(rng, db_dtype):
     runs = []
     for _ in range(2):
         db = dev(db0)
-        kc.bias_bwd(dev(dy), db)
+        kc.bias_bwd(CTX, dev(dy), db)
         runs.append(host(db))
     assert np.array_equal(runs[0].view(np.uint8), runs[1].view(np.uint8))
     truth = f64(db0) + f64(dy).sum(axis=0)
@@ -66,14 +69,14 @@ def test_rms_norm_over_heads_is_qk_norm_forward_and_backward(rng, heads, head_di
     w = bf(1 + 0.2 * rng.standard_normal(e))
     dy = bf(rng.standard_normal((t * heads, e)))
     y, rstd = poisoned((t * heads, e), BF16), poisoned(t * heads, F32)
-    kc.rms_norm_fwd(dev(x), dev(w), 1e-6, y, rstd)
+    kc.rms_norm_fwd(CTX, dev(x), dev(w), 1e-6, y, rstd)
     ry, rr = ref.rms_norm_fwd(x, w, 1e-6)
     ty, tr = ref.rms_norm_fwd(f64(x), f64(w), 1e-6)
     check_close("qk_norm fwd", host(y), ty, ry)
     check_close("qk_norm rstd", host(rstd), tr, rr)
     d = dev(dy)
     dw = cupy.zeros(e, F32)
-    kc.rms_norm_bwd(dev(x), dev(w), rstd, d, d, dw)
+    kc.rms_norm_bwd(CTX, dev(x), dev(w), rstd, d, d, dw)
     rdx, rdw = ref.rms_norm_bwd(x, w, rr, dy)
     tdx, tdw = ref.rms_norm_bwd(f64(x), f64(w), tr, f64(dy))
     check_close("qk_norm bwd dx (in place)", host(d), tdx, rdx)

@@ -31,13 +31,14 @@ import math
 import pathlib
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from dataflow.kernels.reference import moe as rmoe
 from dataflow.kernels.reference import moe_experts as rexp
 from dataflow.kernels.reference import moe_router as rrt
+from tests.gpu import (BF16, F32, I64, bf, check_close, cuda_context, dev, f64,
+                       host, poisoned, rel, same_bits)
 
 try:
     import cupy
@@ -50,14 +51,12 @@ except Exception:  # noqa: BLE001 - no CuPy, no driver, or CuPy built for anothe
 if HAVE_GPU:
     from dataflow.kernels.cuda import moe_experts as kexp
     from dataflow.kernels.cuda import moe_router as krt
+CTX = cuda_context() if HAVE_GPU else None
+"""The CudaContext every kernel call of this module launches through."""
 
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32, F64, I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
-FP32_FLOOR = 1e-5
-"""Relative error any fp32 path may show against float64 (fp32 sums in another order)."""
 SCALAR_REL = 1e-6
 """The losses are summed in fp64 on both sides and rounded once to fp32 on the GPU: 2^-24."""
 TIE_REL = 1e-5
@@ -65,64 +64,6 @@ TIE_REL = 1e-5
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-def bf(a) -> np.ndarray:
-    return np.asarray(a, dtype=F32).astype(BF16)
-
-
-def f64(a) -> np.ndarray:
-    return np.asarray(a).astype(F64)
-
-
-def dev(a: np.ndarray):
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return cupy.asarray(a.view(np.uint16)).view(BF16)
-    return cupy.asarray(a)
-
-
-def host(d) -> np.ndarray:
-    if d.dtype == BF16:
-        return cupy.asnumpy(d.view(cupy.uint16)).view(BF16)
-    return cupy.asnumpy(d)
-
-
-def poisoned(shape, dtype):
-    d = cupy.empty(shape, dtype=dtype)
-    if np.dtype(dtype) == BF16:
-        d.view(cupy.uint16).fill(0x7FC0)
-    elif np.dtype(dtype) == I64:
-        d.fill(-7)
-    else:
-        d.fill(np.nan)
-    return d
-
-
-def rel(out, truth) -> float:
-    out, truth = f64(out), f64(truth)
-    if not np.all(np.isfinite(out)):
-        return math.inf
-    return float(np.linalg.norm(out - truth) / max(np.linalg.norm(truth), 1e-300))
-
-
-def check_close(name: str, out, truth, bf16_ref) -> None:
-    """Assert rel(out) <= max(2 rel(bf16_ref), FP32_FLOOR)."""
-    err, err_ref = rel(out, truth), rel(bf16_ref, truth)
-    bound = max(2.0 * err_ref, FP32_FLOOR)
-    line = f"{name:40s} err {err:.3e}  bf16-ref {err_ref:.3e}  bound {bound:.3e}"
-    print(line)
-    assert err <= bound, line
-
-
-def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
-    got, want = np.asarray(got), np.asarray(want)
-    return (got.dtype == want.dtype and got.shape == want.shape
-            and np.array_equal(got.view(np.uint8), want.view(np.uint8)))
-
-
-def sync():
-    cupy.cuda.get_current_stream().synchronize()
-
 
 def routed_idx(rng, t: int, n: int, k: int, idle=()) -> np.ndarray:
     """(t, k) int64: k distinct experts per token, none from `idle`, in random order."""
@@ -230,7 +171,7 @@ def test_router_fwd_cuda_matches_reference_on_random_bf16(rng, case, norm):
     lg_r, p_r, idx_r, _ = rrt.router_fwd(x, wr, k, norm_topk_prob=norm)
     logits, probs = poisoned((t, n), F32), poisoned((t, n), F32)
     idx, w = poisoned((t, k), I64), poisoned((t, k), F32)
-    krt.router_fwd(dev(x), dev(wr), k, logits, probs, idx, w, norm_topk_prob=norm)
+    krt.router_fwd(CTX, dev(x), dev(wr), k, logits, probs, idx, w, norm_topk_prob=norm)
     check_close("router logits", host(logits), lg_t, lg_r)
     check_close("router probs", host(probs), p_t, p_r)
     p_gpu, idx_gpu, w_gpu = host(probs), host(idx), host(w)
@@ -260,7 +201,7 @@ def test_router_topk_cuda_orders_exact_ties_by_lower_expert_first(rng, norm):
     assert np.array_equal(lg_r, x.astype(F32))          # the premise: exact logits
     logits, probs = poisoned((t, n), F32), poisoned((t, n), F32)
     idx, w = poisoned((t, k), I64), poisoned((t, k), F32)
-    krt.router_fwd(dev(x), dev(eye), k, logits, probs, idx, w, norm_topk_prob=norm)
+    krt.router_fwd(CTX, dev(x), dev(eye), k, logits, probs, idx, w, norm_topk_prob=norm)
     assert same_bits(host(logits), lg_r)
     got = host(idx)
     assert same_bits(got, idx_r)
@@ -287,7 +228,7 @@ def test_load_balancing_and_z_loss_cuda_match_reference(rng):
     counts, prob_sum = poisoned((n,), I64), poisoned((n,), F32)
     want_c, want_p = np.zeros(n, I64), np.zeros(n, F32)
     for i, (_, probs, idx) in enumerate(chunks):
-        krt.load_balancing_stats(dev(probs), dev(idx), counts, prob_sum, accumulate=i > 0)
+        krt.load_balancing_stats(CTX, dev(probs), dev(idx), counts, prob_sum, accumulate=i > 0)
         c, p = rrt.load_balancing_stats(probs, idx)
         want_c, want_p = want_c + c, want_p + p
         if i == 0:
@@ -296,17 +237,17 @@ def test_load_balancing_and_z_loss_cuda_match_reference(rng):
     assert same_bits(host(prob_sum), want_p)
     n_rows = sum(c[0].shape[0] for c in chunks)
     loss = poisoned((1,), F32)
-    krt.load_balancing_loss(counts, prob_sum, n_rows, loss)
+    krt.load_balancing_loss(CTX, counts, prob_sum, n_rows, loss)
     want = rrt.load_balancing_loss(want_c, want_p, n_rows)
     assert abs(float(host(loss)[0]) - want) <= SCALAR_REL * abs(want)
-    krt.load_balancing_loss(counts, prob_sum, n_rows, loss, accumulate=True)
+    krt.load_balancing_loss(CTX, counts, prob_sum, n_rows, loss, accumulate=True)
     assert abs(float(host(loss)[0]) - 2 * want) <= SCALAR_REL * abs(2 * want)
 
     z = poisoned((1,), F32)
     want_z = 0.0
     for i, (logits, _, _) in enumerate(chunks):
         lse = poisoned((logits.shape[0],), F32)
-        krt.router_z_loss(dev(logits), n_rows, lse, z, accumulate=i > 0)
+        krt.router_z_loss(CTX, dev(logits), n_rows, lse, z, accumulate=i > 0)
         zi, lse_r = rrt.router_z_loss(logits, n_rows)
         _, lse_t = rrt.router_z_loss(f64(logits), n_rows)
         check_close("router_z_loss lse", host(lse), lse_t, lse_r)
@@ -342,28 +283,29 @@ def test_router_backward_cuda_matches_reference(rng, norm):
     dl = poisoned((t, n), F32)
     for i, name in enumerate(("topk", "aux", "z")):
         if name == "topk":
-            krt.router_logits_bwd(dev(probs), dev(idx), dev(d_w), dl, norm_topk_prob=norm)
+            krt.router_logits_bwd(CTX, dev(probs), dev(idx), dev(d_w), dl, norm_topk_prob=norm)
         elif name == "aux":
-            krt.load_balancing_loss_bwd(dev(probs), dev(counts), aux_rows, aux_coef, dl)
+            krt.load_balancing_loss_bwd(CTX, dev(probs), dev(counts), aux_rows, aux_coef, dl)
         else:
-            krt.router_z_loss_bwd(dev(logits), dev(lse), z_rows, z_coef, dl)
+            krt.router_z_loss_bwd(CTX, dev(logits), dev(lse), z_rows, z_coef, dl)
         check_close(f"d_logits {name}", host(dl), terms_t[i], terms_r[i])
     dl = poisoned((t, n), F32)
-    krt.router_logits_bwd(dev(probs), dev(idx), dev(d_w), dl, norm_topk_prob=norm)
-    krt.load_balancing_loss_bwd(dev(probs), dev(counts), aux_rows, aux_coef, dl, accumulate=True)
-    krt.router_z_loss_bwd(dev(logits), dev(lse), z_rows, z_coef, dl, accumulate=True)
+    krt.router_logits_bwd(CTX, dev(probs), dev(idx), dev(d_w), dl, norm_topk_prob=norm)
+    krt.load_balancing_loss_bwd(CTX, dev(probs), dev(counts), aux_rows, aux_coef, dl,
+                                accumulate=True)
+    krt.router_z_loss_bwd(CTX, dev(logits), dev(lse), z_rows, z_coef, dl, accumulate=True)
     check_close("d_logits sum", host(dl), dl_t, dl_r)
 
     dx_t, dw_t = rrt.router_bwd(f64(x), f64(wr), dl_t)
     dx_r, dw_r = rrt.router_bwd(x, wr, dl_r)
     dw0 = rng.standard_normal((n, d)).astype(F32)
     dx, dw = poisoned((t, d), F32), dev(dw0)
-    krt.router_bwd(dev(x), dev(wr), dev(dl_r), dx, dw)
+    krt.router_bwd(CTX, dev(x), dev(wr), dev(dl_r), dx, dw)
     check_close("router_bwd dx", host(dx), dx_t, dx_r)
     check_close("router_bwd dw +=", host(dw), f64(dw0) + dw_t, dw0 + dw_r)
     dx0 = rng.standard_normal((t, d)).astype(F32)
     dx, dw = dev(dx0), poisoned((n, d), F32)
-    krt.router_bwd(dev(x), dev(wr), dev(dl_r), dx, dw, accumulate_dx=True, accumulate_dw=False)
+    krt.router_bwd(CTX, dev(x), dev(wr), dev(dl_r), dx, dw, accumulate_dx=True, accumulate_dw=False)
     check_close("router_bwd dx +=", host(dx), f64(dx0) + dx_t, dx0 + dx_r)
     check_close("router_bwd dw =", host(dw), dw_t, dw_r)
 
@@ -383,17 +325,17 @@ def test_expert_order_cuda_is_the_reference_stable_sort(rng, t, n, k, idle):
     inv_r = np.empty_like(order_r)
     inv_r[order_r] = np.arange(order_r.size)
     order, offsets, inv = poisoned((t * k,), I64), poisoned((n + 1,), I64), poisoned((t * k,), I64)
-    kexp.expert_order(dev(idx), n, order, offsets, inv)
+    kexp.expert_order(CTX, dev(idx), n, order, offsets, inv)
     assert same_bits(host(order), order_r)
     assert same_bits(host(offsets), offsets_r)
     assert same_bits(host(inv), inv_r)
     for e in idle:
         assert offsets_r[e] == offsets_r[e + 1]
     inv2 = poisoned((t * k,), I64)
-    kexp.inverse_order(order, inv2)
+    kexp.inverse_order(CTX, order, inv2)
     assert same_bits(host(inv2), inv_r)
     off_h = np.empty(n + 1, I64)
-    kexp.offsets_to_host(offsets, off_h).synchronize()
+    kexp.offsets_to_host(CTX, offsets, off_h).synchronize(CTX)
     assert same_bits(off_h, offsets_r)
 
 
@@ -421,10 +363,10 @@ def test_offsets_reach_the_host_through_the_mapping_as_through_a_copy(rng, where
     out[:] = -7
     mapped = kexp.mapped_address(out)
     assert mapped is not None
-    kexp.offsets_to_host(offsets, out, mapped=mapped).synchronize()
+    kexp.offsets_to_host(CTX, offsets, out, mapped=mapped).synchronize(CTX)
     assert same_bits(out, host(offsets))
     copied = cupyx.empty_pinned((n + 1,), I64)
-    kexp.offsets_to_host(offsets, copied).synchronize()
+    kexp.offsets_to_host(CTX, offsets, copied).synchronize(CTX)
     assert same_bits(copied, out)
 
 
@@ -439,32 +381,32 @@ def test_permute_and_unpermute_cuda_are_the_reference_bits(rng, d):
     idx = routed_idx(rng, t, n, k, idle=(3,))
     order_r, _ = rexp.expert_order(idx, n)
     order, offsets, inv = poisoned((t * k,), I64), poisoned((n + 1,), I64), poisoned((t * k,), I64)
-    kexp.expert_order(dev(idx), n, order, offsets, inv)
+    kexp.expert_order(CTX, dev(idx), n, order, offsets, inv)
     x = bf(rng.standard_normal((t, d)))
     xp = poisoned((t * k, d), BF16)
-    kexp.permute_fwd(dev(x), order, k, xp)
+    kexp.permute_fwd(CTX, dev(x), order, k, xp)
     assert same_bits(host(xp), rexp.permute_fwd(x, order_r, k))
 
     dxp = bf(rng.standard_normal((t * k, d)))
     dx = poisoned((t, d), F32)
-    kexp.permute_bwd(dev(dxp), inv, k, dx)
+    kexp.permute_bwd(CTX, dev(dxp), inv, k, dx)
     assert same_bits(host(dx), rexp.permute_bwd(dxp, order_r, k))
     resid = rng.standard_normal((t, d)).astype(F32)
     dx = poisoned((t, d), BF16)
-    kexp.permute_bwd(dev(dxp), inv, k, dx, residual=dev(resid))
+    kexp.permute_bwd(CTX, dev(dxp), inv, k, dx, residual=dev(resid))
     assert same_bits(host(dx), (resid + rexp.permute_bwd(dxp, order_r, k)).astype(BF16))
 
     yp = bf(rng.standard_normal((t * k, d)))
     w = rng.random((t, k)).astype(F32)
     y = poisoned((t, d), BF16)
-    kexp.unpermute_fwd(dev(yp), inv, dev(w), y)
+    kexp.unpermute_fwd(CTX, dev(yp), inv, dev(w), y)
     assert same_bits(host(y), rexp.unpermute_fwd(yp, order_r, w))
 
     dy = bf(rng.standard_normal((t, d)))
     dyp_r, dw_r = rexp.unpermute_bwd(dy, yp, order_r, w)
     _, dw_t = rexp.unpermute_bwd(f64(dy), f64(yp), order_r, f64(w))
     dyp, d_w = poisoned((t * k, d), BF16), poisoned((t, k), F32)
-    kexp.unpermute_bwd(dev(dy), dev(yp), order, dev(w), dyp, d_w)
+    kexp.unpermute_bwd(CTX, dev(dy), dev(yp), order, dev(w), dyp, d_w)
     assert same_bits(host(dyp), dyp_r)
     check_close("unpermute_bwd d_topk_weight", host(d_w), dw_t, dw_r)
 
@@ -507,7 +449,7 @@ def test_experts_cuda_match_reference_and_leave_idle_experts_untouched(
     yp_r, gate_r, up_r = rexp.experts_fwd(xp, offsets, wg, wu, wd)
     yp, gate, up, h = (poisoned(s, BF16) for s in ((r, d), (r, f), (r, f), (r, f)))
     dwg, dwu, dwd = (_as_device(w, stacked, idle) for w in (wg, wu, wd))
-    kexp.experts_fwd(dev(xp), offsets, dwg, dwu, dwd, yp, gate, up, h=h)
+    kexp.experts_fwd(CTX, dev(xp), offsets, dwg, dwu, dwd, yp, gate, up, h=h)
     check_close("experts_fwd gate", host(gate), gate_t, gate_r)
     check_close("experts_fwd up", host(up), up_t, up_r)
     check_close("experts_fwd yp", host(yp), yp_t, yp_r)
@@ -524,7 +466,7 @@ def test_experts_cuda_match_reference_and_leave_idle_experts_untouched(
     scratch = dict(dgate=poisoned((r, f), BF16), dup=poisoned((r, f), BF16),
                    h=poisoned((r, f), BF16),
                    dx_acc=poisoned((kexp.experts_bwd_acc_elems(offsets, d),), F32))
-    kexp.experts_bwd(dev(xp), offsets, dwg, dwu, dwd, dev(gate_r), dev(up_r), dev(dyp), dxp,
+    kexp.experts_bwd(CTX, dev(xp), offsets, dwg, dwu, dwd, dev(gate_r), dev(up_r), dev(dyp), dxp,
                      *grads, **scratch)
     check_close("experts_bwd dxp", host(dxp), dxp_t, dxp_r)
     active = [e for e in range(n) if e not in idle]
@@ -561,7 +503,7 @@ def test_experts_bwd_rounds_the_same_bits_whatever_its_dx_acc_holds(rng):
         dxp = poisoned((r, d), BF16)
         grads = [cupy.zeros((n, f, d), F32), cupy.zeros((n, f, d), F32),
                  cupy.zeros((n, d, f), F32)]
-        kexp.experts_bwd(dev(xp), offsets, dev(wg), dev(wu), dev(wd), dev(gate_r), dev(up_r),
+        kexp.experts_bwd(CTX, dev(xp), offsets, dev(wg), dev(wu), dev(wd), dev(gate_r), dev(up_r),
                          dev(dyp), dxp, *grads, dgate=poisoned((r, f), BF16),
                          dup=poisoned((r, f), BF16), h=poisoned((r, f), BF16),
                          dx_acc=poisoned((elems,), F32))
@@ -581,9 +523,9 @@ def test_experts_fwd_refuses_device_offsets_and_offsets_that_miss_rows(rng):
     outs = [poisoned(s, BF16) for s in ((t * k, d), (t * k, f), (t * k, f))]
     good = np.array([0, 10, 10, 20, t * k], I64)
     with pytest.raises(TypeError, match="offsets_to_host"):
-        kexp.experts_fwd(xp, dev(good), wg, wu, wd, *outs, h=poisoned((t * k, f), BF16))
+        kexp.experts_fwd(CTX, xp, dev(good), wg, wu, wd, *outs, h=poisoned((t * k, f), BF16))
     with pytest.raises(ValueError, match="routed rows"):
-        kexp.experts_fwd(xp, good - np.array([0, 0, 0, 0, 1]), wg, wu, wd, *outs,
+        kexp.experts_fwd(CTX, xp, good - np.array([0, 0, 0, 0, 1]), wg, wu, wd, *outs,
                          h=poisoned((t * k, f), BF16))
 
 
@@ -603,17 +545,18 @@ def _gpu_block_fwd(x, wr, wg, wu, wd, top_k, norm):
          "up": poisoned((r, f), BF16), "counts": poisoned((n,), I64),
          "prob_sum": poisoned((n,), F32), "lse": poisoned((t,), F32),
          "lse_sq": poisoned((1,), F32)}
-    krt.router_fwd(x, wr, top_k, s["logits"], s["probs"], s["idx"], s["w"], norm_topk_prob=norm)
-    kexp.expert_order(s["idx"], n, s["order"], s["offsets"], s["inv"])
+    krt.router_fwd(CTX, x, wr, top_k, s["logits"], s["probs"], s["idx"], s["w"],
+                   norm_topk_prob=norm)
+    kexp.expert_order(CTX, s["idx"], n, s["order"], s["offsets"], s["inv"])
     s["offsets_host"] = np.empty(n + 1, I64)
-    kexp.offsets_to_host(s["offsets"], s["offsets_host"]).synchronize()   # the one sync
-    kexp.permute_fwd(x, s["order"], top_k, s["xp"])
-    kexp.experts_fwd(s["xp"], s["offsets_host"], wg, wu, wd, s["yp"], s["gate"], s["up"],
+    kexp.offsets_to_host(CTX, s["offsets"], s["offsets_host"]).synchronize(CTX)   # the one sync
+    kexp.permute_fwd(CTX, x, s["order"], top_k, s["xp"])
+    kexp.experts_fwd(CTX, s["xp"], s["offsets_host"], wg, wu, wd, s["yp"], s["gate"], s["up"],
                      h=poisoned((r, f), BF16))
     y = poisoned(x.shape, BF16)
-    kexp.unpermute_fwd(s["yp"], s["inv"], s["w"], y)
-    krt.load_balancing_stats(s["probs"], s["idx"], s["counts"], s["prob_sum"])
-    krt.router_z_loss(s["logits"], 1, s["lse"], s["lse_sq"])
+    kexp.unpermute_fwd(CTX, s["yp"], s["inv"], s["w"], y)
+    krt.load_balancing_stats(CTX, s["probs"], s["idx"], s["counts"], s["prob_sum"])
+    krt.router_z_loss(CTX, s["logits"], 1, s["lse"], s["lse_sq"])
     return y, s
 
 
@@ -623,24 +566,24 @@ def _gpu_block_bwd(x, wr, wg, wu, wd, s, dy, losses, norm):
     top_k = s["idx"].shape[1]
     r = t * top_k
     dyp, d_w = poisoned((r, d), BF16), poisoned((t, top_k), F32)
-    kexp.unpermute_bwd(dy, s["yp"], s["order"], s["w"], dyp, d_w)
-    kexp.permute_fwd(x, s["order"], top_k, s["xp"])    # xp is gathered again, not saved
+    kexp.unpermute_bwd(CTX, dy, s["yp"], s["order"], s["w"], dyp, d_w)
+    kexp.permute_fwd(CTX, x, s["order"], top_k, s["xp"])    # xp is gathered again, not saved
     dxp = poisoned((r, d), BF16)
     dwg, dwu = cupy.zeros((n, f, d), F32), cupy.zeros((n, f, d), F32)
     dwd = cupy.zeros((n, d, f), F32)
-    kexp.experts_bwd(s["xp"], s["offsets_host"], wg, wu, wd, s["gate"], s["up"], dyp, dxp,
+    kexp.experts_bwd(CTX, s["xp"], s["offsets_host"], wg, wu, wd, s["gate"], s["up"], dyp, dxp,
                      dwg, dwu, dwd, dgate=poisoned((r, f), BF16), dup=poisoned((r, f), BF16),
                      h=poisoned((r, f), BF16))
     dl = poisoned((t, n), F32)
-    krt.router_logits_bwd(s["probs"], s["idx"], d_w, dl, norm_topk_prob=norm)
-    krt.load_balancing_loss_bwd(s["probs"], dev(losses.aux_counts), losses.aux_rows,
+    krt.router_logits_bwd(CTX, s["probs"], s["idx"], d_w, dl, norm_topk_prob=norm)
+    krt.load_balancing_loss_bwd(CTX, s["probs"], dev(losses.aux_counts), losses.aux_rows,
                                 losses.aux_coef, dl, accumulate=True)
-    krt.router_z_loss_bwd(s["logits"], s["lse"], losses.z_rows, losses.z_coef, dl,
+    krt.router_z_loss_bwd(CTX, s["logits"], s["lse"], losses.z_rows, losses.z_coef, dl,
                           accumulate=True)
     dx_router, dwr = poisoned((t, d), F32), poisoned((n, d), F32)
-    krt.router_bwd(x, wr, dl, dx_router, dwr, accumulate_dw=False)
+    krt.router_bwd(CTX, x, wr, dl, dx_router, dwr, accumulate_dw=False)
     dx = poisoned((t, d), BF16)
-    kexp.permute_bwd(dxp, s["inv"], top_k, dx, residual=dx_router)
+    kexp.permute_bwd(CTX, dxp, s["inv"], top_k, dx, residual=dx_router)
     return dx, dwr, dwg, dwu, dwd
 
 

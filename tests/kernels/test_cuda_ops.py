@@ -29,72 +29,15 @@ except Exception:  # no driver, or CuPy built for another CUDA
 if _N_DEVICES == 0:
     pytest.skip("no CUDA device visible to CuPy", allow_module_level=True)
 
-import ml_dtypes  # noqa: E402
 
 import dataflow.kernels.cuda as kc  # noqa: E402
 import dataflow.kernels.reference as ref  # noqa: E402
+from tests.gpu import (BF16, F32, bf, check_close, cuda_context, dev,  # noqa: E402
+                       f64, host, poisoned, rel, sync)
 
 pytestmark = pytest.mark.gpu
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
-FP32_FLOOR = 1e-5
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-def bf(a) -> np.ndarray:
-    return np.asarray(a, dtype=F32).astype(BF16)
-
-
-def dev(a: np.ndarray):
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return cupy.asarray(a.view(np.uint16)).view(BF16)
-    return cupy.asarray(a)
-
-
-def host(d) -> np.ndarray:
-    if d.dtype == BF16:
-        return cupy.asnumpy(d.view(cupy.uint16)).view(BF16)
-    return cupy.asnumpy(d)
-
-
-def poisoned(shape, dtype):
-    d = cupy.empty(shape, dtype=dtype)
-    if np.dtype(dtype) == BF16:
-        d.view(cupy.uint16).fill(0x7FC0)
-    else:
-        d.fill(np.nan)
-    return d
-
-
-def f64(a) -> np.ndarray:
-    return np.asarray(a).astype(F64)
-
-
-def rel(out, truth) -> float:
-    out, truth = f64(out), f64(truth)
-    if not np.all(np.isfinite(out)):
-        return math.inf
-    return float(np.linalg.norm(out - truth) / max(np.linalg.norm(truth), 1e-300))
-
-
-def check_close(name: str, out, truth, bf16_ref) -> None:
-    """Assert rel(out) <= max(2 rel(bf16_ref), FP32_FLOOR) and log both errors."""
-    err, err_ref = rel(out, truth), rel(bf16_ref, truth)
-    bound = max(2.0 * err_ref, FP32_FLOOR)
-    line = f"{name:48s} err {err:.3e}  bf16-ref {err_ref:.3e}  bound {bound:.3e}"
-    print(line)
-    log = os.environ.get("KERNEL_ERR_LOG")
-    if log:
-        with open(log, "a") as fh:
-            fh.write(line + "\n")
-    assert err <= bound, line
-
-
-def sync():
-    cupy.cuda.get_current_stream().synchronize()
+CTX = cuda_context()
+"""The CudaContext every kernel call of this module launches through."""
 
 
 # ----------------------------------------------------------------------------------- rms_norm
@@ -109,7 +52,7 @@ def test_rms_norm_cuda_matches_reference_on_random_bf16(rng, n_tokens, model_dim
     y_t, rstd_t = ref.rms_norm_fwd(f64(x), f64(w), eps)
     y_r, rstd_r = ref.rms_norm_fwd(x, w, eps)
     y, rstd = poisoned(x.shape, BF16), poisoned((n_tokens,), F32)
-    kc.rms_norm_fwd(dev(x), dev(w), eps, y, rstd)
+    kc.rms_norm_fwd(CTX, dev(x), dev(w), eps, y, rstd)
     check_close("rms_norm_fwd y", host(y), y_t, y_r)
     check_close("rms_norm_fwd rstd", host(rstd), rstd_t, rstd_r)
 
@@ -119,7 +62,7 @@ def test_rms_norm_cuda_matches_reference_on_random_bf16(rng, n_tokens, model_dim
     for acc_dtype in (F32, BF16):
         dw0 = rng.standard_normal(model_dim).astype(acc_dtype)
         dx, dw = poisoned(x.shape, BF16), dev(dw0)
-        kc.rms_norm_bwd(dev(x), dev(w), dev(rstd_in), dev(dy), dx, dw)
+        kc.rms_norm_bwd(CTX, dev(x), dev(w), dev(rstd_in), dev(dy), dx, dw)
         check_close("rms_norm_bwd dx", host(dx), dx_t, dx_r)
         dw_ref = (f64(dw0).astype(F32) + dw_r).astype(acc_dtype)
         check_close(f"rms_norm_bwd dw_acc {acc_dtype}", host(dw), f64(dw0) + dw_t, dw_ref)
@@ -135,7 +78,7 @@ def test_rms_norm_fwd_copy_is_x_and_leaves_y_alone(rng, dtype, model_dim):
     outs = []
     for with_copy in (False, True):
         y, rstd, c = poisoned(x.shape, dtype), poisoned((n,), F32), poisoned(x.shape, dtype)
-        kc.rms_norm_fwd(dev(x), dev(w), 1e-5, y, rstd, copy=c if with_copy else None)
+        kc.rms_norm_fwd(CTX, dev(x), dev(w), 1e-5, y, rstd, copy=c if with_copy else None)
         outs.append((host(y), host(rstd), host(c)))
     (y0, r0, _), (y1, r1, c1) = outs
     assert np.array_equal(c1.view(np.uint8), x.view(np.uint8))
@@ -156,10 +99,10 @@ def test_rms_norm_bwd_residual_is_the_bits_of_a_separate_add(rng, dtype):
     out = []
     for fused in (False, True):
         dx, dw = poisoned((n, d), dtype), cupy.zeros(d, F32)
-        kc.rms_norm_bwd(dev(x), dev(w), dev(rstd), dev(dy), dx, dw,
+        kc.rms_norm_bwd(CTX, dev(x), dev(w), dev(rstd), dev(dy), dx, dw,
                         residual=dev(r) if fused else None)
         if not fused:
-            kc.add_(dx, dev(r))
+            kc.add_(CTX, dx, dev(r))
         out.append((host(dx), host(dw)))
     (dx0, dw0), (dx1, dw1) = out
     assert np.array_equal(dx0.view(np.uint8), dx1.view(np.uint8))
@@ -181,12 +124,12 @@ def test_linear_cuda_matches_reference_forward_and_both_gradients(rng, out_dtype
     y_f32 = x.astype(F32) @ w.astype(F32).T          # the reference's own fp32 arithmetic
     y_r = y_f32.astype(out_dtype)
     y = poisoned((t, o), out_dtype)
-    kc.linear_fwd(dev(x), dev(w), y)
+    kc.linear_fwd(CTX, dev(x), dev(w), y)
     check_close(f"linear_fwd {out_dtype}", host(y), y_t, y_r)
 
     resid = rng.standard_normal((t, o)).astype(out_dtype)
     y = dev(resid)
-    kc.linear_fwd(dev(x), dev(w), y, accumulate=True)
+    kc.linear_fwd(CTX, dev(x), dev(w), y, accumulate=True)
     check_close(f"linear_fwd residual {out_dtype}", host(y), f64(resid) + y_t,
                 (f64(resid).astype(F32) + y_f32).astype(out_dtype))
 
@@ -194,16 +137,16 @@ def test_linear_cuda_matches_reference_forward_and_both_gradients(rng, out_dtype
     _, dw_r = ref.linear_bwd(x, w, dy)
     dx_r = (dy.astype(F32) @ w.astype(F32)).astype(out_dtype)
     dx = poisoned((t, i), out_dtype)
-    kc.linear_bwd_x(dev(dy), dev(w), dx)
+    kc.linear_bwd_x(CTX, dev(dy), dev(w), dx)
     check_close(f"linear_bwd_x {out_dtype}", host(dx), dx_t, dx_r)
 
     dw0 = rng.standard_normal((o, i)).astype(out_dtype)
     dw = dev(dw0)
-    kc.linear_bwd_w(dev(dy), dev(x), dw, accumulate=True)
+    kc.linear_bwd_w(CTX, dev(dy), dev(x), dw, accumulate=True)
     check_close(f"linear_bwd_w += {out_dtype}", host(dw), f64(dw0) + dw_t,
                 (f64(dw0).astype(F32) + dw_r).astype(out_dtype))
     dw = poisoned((o, i), out_dtype)
-    kc.linear_bwd_w(dev(dy), dev(x), dw, accumulate=False)
+    kc.linear_bwd_w(CTX, dev(dy), dev(x), dw, accumulate=False)
     check_close(f"linear_bwd_w = {out_dtype}", host(dw), dw_t, dw_r.astype(out_dtype))
 
 
@@ -235,7 +178,7 @@ def test_rope_fp32_phase_error_at_1m_positions_is_fp32_rounding(rng):
     pos = np.sort(rng.integers(900_000, 1_000_001, size=t)).astype(np.int32)
     truth = ref.rope_fwd(f64(x), pos, 500000.0)
     out = poisoned(x.shape, F32)
-    kc.rope_fwd(dev(x), dev(pos), 500000.0, out)
+    kc.rope_fwd(CTX, dev(x), dev(pos), 500000.0, out)
     got = host(out)
     check_close("rope_fwd fp32 at ~1M", got, truth, ref.rope_fwd(x, pos, 500000.0))
     line = f"rope_fwd fp32 max abs err at positions ~1M: {np.max(np.abs(f64(got) - truth)):.3e}"
@@ -254,10 +197,10 @@ def test_swiglu_cuda_matches_reference_including_ragged_tail(rng):
     up = bf(rng.standard_normal((t, f)))
     dh = bf(rng.standard_normal((t, f)))
     h = poisoned((t, f), BF16)
-    kc.swiglu_fwd(dev(gate), dev(up), h)
+    kc.swiglu_fwd(CTX, dev(gate), dev(up), h)
     check_close("swiglu_fwd", host(h), ref.swiglu_fwd(f64(gate), f64(up)), ref.swiglu_fwd(gate, up))
     dg, du = poisoned((t, f), BF16), poisoned((t, f), BF16)
-    kc.swiglu_bwd(dev(gate), dev(up), dev(dh), dg, du)
+    kc.swiglu_bwd(CTX, dev(gate), dev(up), dev(dh), dg, du)
     dg_t, du_t = ref.swiglu_bwd(f64(gate), f64(up), f64(dh))
     dg_r, du_r = ref.swiglu_bwd(gate, up, dh)
     check_close("swiglu_bwd dgate", host(dg), dg_t, dg_r)
@@ -271,11 +214,11 @@ def test_swiglu_bwd_out_is_the_bits_of_swiglu_fwd(rng, dtype, shape):
     dup as the plain backward writes them."""
     gate, up, dh = (rng.standard_normal(shape).astype(F32).astype(dtype) for _ in range(3))
     h0, h1 = poisoned(shape, dtype), poisoned(shape, dtype)
-    kc.swiglu_fwd(dev(gate), dev(up), h0)
+    kc.swiglu_fwd(CTX, dev(gate), dev(up), h0)
     grads = []
     for out in (None, h1):
         dg, du = poisoned(shape, dtype), poisoned(shape, dtype)
-        kc.swiglu_bwd(dev(gate), dev(up), dev(dh), dg, du, out=out)
+        kc.swiglu_bwd(CTX, dev(gate), dev(up), dev(dh), dg, du, out=out)
         grads.append((host(dg), host(du)))
     assert np.array_equal(host(h0).view(np.uint8), host(h1).view(np.uint8))
     for a, b in zip(*grads):
@@ -290,11 +233,11 @@ def test_embedding_fwd_cuda_is_an_exact_gather_and_flags_bad_ids(rng):
     table = bf(rng.standard_normal((v, d)))
     ids = rng.integers(0, v, size=t).astype(np.int32)
     out = poisoned((t, d), BF16)
-    kc.embedding_fwd(dev(ids), dev(table), out)
+    kc.embedding_fwd(CTX, dev(ids), dev(table), out)
     assert np.array_equal(host(out).view(np.uint16), ref.embedding_fwd(ids, table).view(np.uint16))
     ids[5] = v + 3
     out = poisoned((t, d), BF16)
-    kc.embedding_fwd(dev(ids), dev(table), out)
+    kc.embedding_fwd(CTX, dev(ids), dev(table), out)
     got = f64(host(out))
     assert np.all(np.isnan(got[5])) and np.all(np.isfinite(np.delete(got, 5, axis=0)))
 
@@ -310,7 +253,7 @@ def test_embedding_bwd_cuda_sums_duplicates_in_token_order_exactly(rng, acc_dtyp
     sums = ref.embedding_bwd(ids, dx, v)                   # fp32, np.add.at in token order
     want = (dt0.astype(F32) + sums).astype(acc_dtype)
     dt = dev(dt0)
-    kc.embedding_bwd(dev(ids), dev(dx), dt)
+    kc.embedding_bwd(CTX, dev(ids), dev(dx), dt)
     got = host(dt)
     view = np.uint16 if acc_dtype == BF16 else np.uint32
     assert np.array_equal(got.view(view), want.view(view))
@@ -382,7 +325,7 @@ def test_attention_cuda_matches_reference_causal_gqa_with_offset(rng, case, impl
     o_r, lse_r = ref.attention_fwd(q, k, v, q_offset)
     o_pipe = _attn_fwd_bf16_pipeline(q, k, v, q_offset) if impl == "cudnn" else o_r
     o, lse = poisoned((t, h, e), BF16), poisoned((h, t), F32)
-    kc.attention_fwd(dev(q), dev(k), dev(v), q_offset, o, lse, impl=impl)
+    kc.attention_fwd(CTX, dev(q), dev(k), dev(v), q_offset, o, lse, impl=impl)
     check_close(f"attention_fwd o {impl} {case}", host(o), o_t, o_pipe)
     check_close(f"attention_fwd lse {impl} {case}", host(lse), lse_t, lse_r)
 
@@ -395,8 +338,8 @@ def test_attention_cuda_matches_reference_causal_gqa_with_offset(rng, case, impl
         dq_r, dk_r, dv_r = ref.attention_bwd(q, k, v, o_r, lse_r, do, q_offset)
         pipe = (dq_r, dk_r.astype(BF16), dv_r.astype(BF16))
     dq, dk, dv = (poisoned(a.shape, BF16) for a in (q, k, v))
-    kc.attention_bwd(dev(q), dev(k), dev(v), dev(o_r), dev(lse_r), dev(do), q_offset, dq, dk, dv,
-                     impl=impl)
+    kc.attention_bwd(CTX, dev(q), dev(k), dev(v), dev(o_r), dev(lse_r), dev(do), q_offset, dq, dk,
+                     dv, impl=impl)
     for name, got, truth, r in (("dq", dq, dq_t, pipe[0]), ("dk", dk, dk_t, pipe[1]),
                                 ("dv", dv, dv_t, pipe[2])):
         check_close(f"attention_bwd {name} {impl} {case}", host(got), truth, r)
@@ -422,11 +365,13 @@ def test_attention_chunks_accumulate_into_fp32_context_grads(rng):
     for c in range(2):
         sl = slice(c * t, (c + 1) * t)
         dq, dk, dv = poisoned((t, h, e), BF16), poisoned(k.shape, BF16), poisoned(k.shape, BF16)
-        ws = cupy.empty(max(1, kc.attention_workspace_bytes("bwd", t, h, kh, e, c * t)), np.uint8)
-        kc.attention_bwd(dev(q[sl]), kd, vd, dev(o_r[sl]), dev(np.ascontiguousarray(lse_r[:, sl])),
-                         dev(do[sl]), c * t, dq, dk, dv, workspace=ws)
-        kc.add_(dk_acc, dk)
-        kc.add_(dv_acc, dv)
+        ws = cupy.empty(max(1, kc.attention_workspace_bytes(CTX, "bwd", t, h, kh, e, c * t)),
+                        np.uint8)
+        kc.attention_bwd(CTX, dev(q[sl]), kd, vd, dev(o_r[sl]),
+                         dev(np.ascontiguousarray(lse_r[:, sl])), dev(do[sl]), c * t, dq, dk, dv,
+                         workspace=ws)
+        kc.add_(CTX, dk_acc, dk)
+        kc.add_(CTX, dv_acc, dv)
         _, pk, pv = _attn_bwd_bf16_pipeline(q[sl], k, v, o_r[sl], lse_r[:, sl], do[sl], c * t)
         dk_pipe += pk.astype(F32)
         dv_pipe += pv.astype(F32)
@@ -453,7 +398,7 @@ def test_attention_bwd_own_equals_the_fp32_accumulate_path(rng, deterministic):
         o[a:b], lse[:, a:b] = ref.attention_fwd(q[a:b], k[a:b], v[a:b], 0)
     ops = CudaOps()
     if deterministic:  # a lent workspace the deterministic algorithm fits
-        need = max(kc.attention_workspace_bytes("bwd", b - a, h, kh, e, 0, deterministic=True)
+        need = max(kc.attention_workspace_bytes(CTX, "bwd", b - a, h, kh, e, 0, deterministic=True)
                    for a, b in segs)
         ops.lend_scratch({"attn_workspace": cupy.empty(max(need, 1), np.uint8)})
     qd, kd, vd, od, dod = (dev(x) for x in (q, k, v, o, do))
@@ -471,8 +416,8 @@ def test_attention_bwd_own_equals_the_fp32_accumulate_path(rng, deterministic):
         ops.attention_bwd(qd[a:b], kd[a:b], vd[a:b], od[a:b], lse_d(a, b), dod[a:b], 0, dq2[a:b],
                           dk32[a:b], dv32[a:b])
     dk2, dv2 = poisoned(k.shape, BF16), poisoned(v.shape, BF16)
-    kc.cast(dk32, dk2)
-    kc.cast(dv32, dv2)
+    kc.cast(CTX, dk32, dk2)
+    kc.cast(CTX, dv32, dv2)
     assert np.array_equal(f64(host(dk1)), f64(host(dk2)))
     assert np.array_equal(f64(host(dv1)), f64(host(dv2)))
     if deterministic:  # the atomic algorithm's dQ may differ in its last bits run to run
@@ -527,7 +472,7 @@ def test_head_loss_cuda_matches_reference_with_ignored_targets(rng, vocab, dw_dt
     logits = poisoned((sub, vocab), F32)
     dx, dw = poisoned((t, d), BF16), dev(dw0)
     loss_acc = dev(np.array([0.25, 3.0], F32))
-    kc.head_loss_fwd_bwd(dev(x), dev(w), dev(targets), logits, grad_scale, dx, dw, loss_acc)
+    kc.head_loss_fwd_bwd(CTX, dev(x), dev(w), dev(targets), logits, grad_scale, dx, dw, loss_acc)
     got = host(loss_acc)
     assert got[1] - 3.0 == n_t
     check_close("head_loss loss_sum", np.array([got[0] - 0.25]), np.array([loss_t]),
@@ -552,7 +497,7 @@ def test_adamw_cuda_matches_reference_on_a_ragged_block(rng, grad_dtype):
     pr, mr, vr = p0.copy(), m0.copy(), v0.copy()
     ref.adamw_step(pr, g, mr, vr, **hp)
     pd, md, vd = dev(p0), dev(m0), dev(v0)
-    kc.adamw_step(pd, dev(g), md, vd, **hp)
+    kc.adamw_step(CTX, pd, dev(g), md, vd, **hp)
     check_close(f"adamw param grad={grad_dtype}", host(pd), pt, pr)
     check_close(f"adamw m grad={grad_dtype}", host(md), mt, mr)
     check_close(f"adamw v grad={grad_dtype}", host(vd), vt, vr)
@@ -566,7 +511,7 @@ def test_adamw_reads_clip_factor_from_device_scalar(rng):
     runs = []
     for host_scale, dev_scale in ((0.25, None), (1.0, dev(np.array([0.25], F32)))):
         pd, md, vd = dev(p0), dev(m0), dev(v0)
-        kc.adamw_step(pd, dev(g), md, vd, step=1, lr=1e-2, grad_scale=host_scale,
+        kc.adamw_step(CTX, pd, dev(g), md, vd, step=1, lr=1e-2, grad_scale=host_scale,
                       grad_scale_dev=dev_scale)
         runs.append(np.concatenate([host(a).view(np.uint16) for a in (pd, md, vd)]))
     assert np.array_equal(runs[0], runs[1])
@@ -582,15 +527,15 @@ def test_add_cast_fill_are_exact_in_every_dtype_combination(rng):
             a = (rng.standard_normal(n) * 10).astype(dd)
             b = (rng.standard_normal(n) * 10).astype(sd)
             d = dev(a)
-            kc.add_(d, dev(b))
+            kc.add_(CTX, d, dev(b))
             want = (a.astype(F32) + b.astype(F32)).astype(dd)
             view = np.uint16 if dd == BF16 else np.uint32
             assert np.array_equal(host(d).view(view), want.view(view)), (dd, sd)
             out = poisoned(n, dd)
-            kc.cast(dev(b), out)
+            kc.cast(CTX, dev(b), out)
             assert np.array_equal(host(out).view(view), b.astype(F32).astype(dd).view(view))
     x = poisoned((3, 333), BF16)
-    kc.fill_(x, 1.0 / 3.0)
+    kc.fill_(CTX, x, 1.0 / 3.0)
     assert np.array_equal(host(x).view(np.uint16),
                           np.full((3, 333), 1.0 / 3.0, F32).astype(BF16).view(np.uint16))
 
@@ -600,15 +545,15 @@ def test_sumsq_and_clip_scale_match_float64(rng):
     for dt in (BF16, F32):
         x = (rng.standard_normal(123_457) * 3).astype(dt)
         out = dev(np.array([7.5], F32))
-        kc.sumsq(dev(x), out, accumulate=True)
+        kc.sumsq(CTX, dev(x), out, accumulate=True)
         truth = 7.5 + np.sum(f64(x) ** 2)
         check_close(f"sumsq {dt}", host(out), np.array([truth]), np.array([truth], F32))
-        kc.sumsq(dev(x), out, accumulate=False)
+        kc.sumsq(CTX, dev(x), out, accumulate=False)
         check_close(f"sumsq = {dt}", host(out), np.array([truth - 7.5]),
                     np.array([truth - 7.5], F32))
     ss = dev(np.array([400.0], F32))
     sc = poisoned(1, F32)
-    kc.clip_scale(ss, 1.0, sc, scale=0.5)
+    kc.clip_scale(CTX, ss, 1.0, sc, scale=0.5)
     assert abs(float(host(sc)[0]) - 0.5 / (20.0 + 1e-6)) < 1e-7
 
 
@@ -626,26 +571,26 @@ def test_reductions_are_bit_identical_run_to_run(rng):
     wh = dev(bf(rng.standard_normal((v, d)) * 0.05))
     tg = dev(rng.integers(0, v, size=t).astype(np.int32))
     rstd = poisoned(t, F32)
-    kc.rms_norm_fwd(x, w, 1e-5, poisoned((t, d), BF16), rstd)
+    kc.rms_norm_fwd(CTX, x, w, 1e-5, poisoned((t, d), BF16), rstd)
     h, kh, e = 8, 2, 64
     q, do = (dev(bf(rng.standard_normal((t, h, e)))) for _ in range(2))
     k, val = (dev(bf(rng.standard_normal((t, kh, e)))) for _ in range(2))
     o, lse = poisoned((t, h, e), BF16), poisoned((h, t), F32)
-    kc.attention_fwd(q, k, val, 0, o, lse)
+    kc.attention_fwd(CTX, q, k, val, 0, o, lse)
 
     def once():
         dtab = cupy.zeros((v, d), F32)
-        kc.embedding_bwd(ids, dy, dtab)
+        kc.embedding_bwd(CTX, ids, dy, dtab)
         dw = cupy.zeros(d, F32)
-        kc.rms_norm_bwd(x, w, rstd, dy, poisoned((t, d), BF16), dw)
+        kc.rms_norm_bwd(CTX, x, w, rstd, dy, poisoned((t, d), BF16), dw)
         ss = cupy.zeros(1, F32)
-        kc.sumsq(dy, ss)
+        kc.sumsq(CTX, dy, ss)
         la, dwh = cupy.zeros(2, F32), cupy.zeros((v, d), F32)
-        kc.head_loss_fwd_bwd(x, wh, tg, poisoned((100, v), F32), 1.0, poisoned((t, d), BF16),
+        kc.head_loss_fwd_bwd(CTX, x, wh, tg, poisoned((100, v), F32), 1.0, poisoned((t, d), BF16),
                              dwh, la)
         dq = poisoned((t, h, e), BF16)
         dk, dv = poisoned((t, kh, e), BF16), poisoned((t, kh, e), BF16)
-        kc.attention_bwd(q, k, val, o, lse, do, 0, dq, dk, dv)
+        kc.attention_bwd(CTX, q, k, val, o, lse, do, 0, dq, dk, dv)
         sync()
         return [cupy.asnumpy(a.view(cupy.uint8)).tobytes()
                 for a in (dtab, dw, ss, la, dwh, dq, dk, dv)]

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = random_bf16_preamble(11) + textwrap.dedent("""
     import json, sys, time
     from dataflow.kernels import cuda as K
+    from dataflow.settings import settings_from_env
 
+    ctx = K.CudaContext(cudnn_cache_dir=settings_from_env().cudnn_cache_dir)
     t, h, kh, e = 512, 8, 2, 128
     outs = {}
     t0 = time.perf_counter()
@@ -38,20 +40,20 @@ _SCRIPT = random_bf16_preamble(11) + textwrap.dedent("""
         q, k, v = bf((t, h, e)), bf((s, kh, e)), bf((s, kh, e))
         o, lse = cp.empty((t, h, e), BF16), cp.empty((h, t), cp.float32)
         if causal:
-            K.attention_fwd(q, k, v, q_off, o, lse, impl="cudnn")
+            K.attention_fwd(ctx, q, k, v, q_off, o, lse, impl="cudnn")
         else:  # an unmasked block's backward takes o, lse of the whole attention: any will do
             o, lse = bf((t, h, e)), cp.asarray(rng.standard_normal((h, t)), cp.float32)
         do = bf((t, h, e))
         dq, dk, dv = cp.empty((t, h, e), BF16), cp.empty((s, kh, e), BF16), \\
             cp.empty((s, kh, e), BF16)
-        K.attention_bwd(q, k, v, o, lse, do, q_off, dq, dk, dv, impl="cudnn",
+        K.attention_bwd(ctx, q, k, v, o, lse, do, q_off, dq, dk, dv, impl="cudnn",
                         deterministic=det, causal=causal)
         for part, a in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
             outs[f"{name}.{part}"] = cp.asnumpy(a.view(cp.uint16) if a.dtype == BF16 else a)
     cp.cuda.runtime.deviceSynchronize()
     seconds = time.perf_counter() - t0
     np.savez(sys.argv[1], **outs)
-    print(json.dumps({"sources": K.graph_sources(), "seconds": seconds}))
+    print(json.dumps({"sources": ctx.graph_sources(), "seconds": seconds}))
 """)
 
 

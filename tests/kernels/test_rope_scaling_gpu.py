@@ -16,12 +16,15 @@ cupy = require_gpu()
 import dataflow.kernels.cuda as kc  # noqa: E402
 import dataflow.kernels.reference as ref  # noqa: E402
 from dataflow.models.init import BF16  # noqa: E402
-from tests.kernels.test_cuda_ops import dev as _dev  # noqa: E402
-from tests.kernels.test_cuda_ops import host as _host  # noqa: E402
-from tests.kernels.test_cuda_ops import poisoned as _poisoned  # noqa: E402
-from tests.kernels.test_cuda_ops import rel as _rel  # noqa: E402
+from tests.gpu import cuda_context  # noqa: E402
+from tests.gpu import dev as _dev  # noqa: E402
+from tests.gpu import host as _host  # noqa: E402
+from tests.gpu import poisoned as _poisoned  # noqa: E402
+from tests.gpu import rel as _rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+CTX = cuda_context()
+"""The CudaContext every kernel call of this module launches through."""
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 FP32_FLOOR = 1e-5
@@ -63,8 +66,8 @@ def test_rope_cuda_theta_and_plain_table_give_identical_bits(rng):
     x = _dev(rng.standard_normal((64, 4, 64)).astype(BF16))
     pos = _dev(rng.integers(0, 1 << 20, size=64).astype(np.int32))
     a, b = _poisoned(x.shape, BF16), _poisoned(x.shape, BF16)
-    kc.rope_fwd(x, pos, 500000.0, a)
-    kc.rope_fwd(x, pos, ref.rope_inv_freq(64, 500000.0), b)
+    kc.rope_fwd(CTX, x, pos, 500000.0, a)
+    kc.rope_fwd(CTX, x, pos, ref.rope_inv_freq(64, 500000.0), b)
     assert np.array_equal(_host(a).view(np.uint16), _host(b).view(np.uint16))
 
 
