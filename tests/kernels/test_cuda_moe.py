@@ -335,7 +335,7 @@ def test_expert_order_cuda_is_the_reference_stable_sort(rng, t, n, k, idle):
     kexp.inverse_order(CTX, order, inv2)
     assert same_bits(host(inv2), inv_r)
     off_h = np.empty(n + 1, I64)
-    kexp.offsets_to_host(CTX, offsets, off_h).synchronize(CTX)
+    kexp.offsets_to_host(CTX, offsets, off_h).synchronize()
     assert same_bits(off_h, offsets_r)
 
 
@@ -363,10 +363,10 @@ def test_offsets_reach_the_host_through_the_mapping_as_through_a_copy(rng, where
     out[:] = -7
     mapped = kexp.mapped_address(out)
     assert mapped is not None
-    kexp.offsets_to_host(CTX, offsets, out, mapped=mapped).synchronize(CTX)
+    kexp.offsets_to_host(CTX, offsets, out, mapped=mapped).synchronize()
     assert same_bits(out, host(offsets))
     copied = cupyx.empty_pinned((n + 1,), I64)
-    kexp.offsets_to_host(CTX, offsets, copied).synchronize(CTX)
+    kexp.offsets_to_host(CTX, offsets, copied).synchronize()
     assert same_bits(copied, out)
 
 
@@ -549,7 +549,7 @@ def _gpu_block_fwd(x, wr, wg, wu, wd, top_k, norm):
                    norm_topk_prob=norm)
     kexp.expert_order(CTX, s["idx"], n, s["order"], s["offsets"], s["inv"])
     s["offsets_host"] = np.empty(n + 1, I64)
-    kexp.offsets_to_host(CTX, s["offsets"], s["offsets_host"]).synchronize(CTX)   # the one sync
+    kexp.offsets_to_host(CTX, s["offsets"], s["offsets_host"]).synchronize()   # the one sync
     kexp.permute_fwd(CTX, x, s["order"], top_k, s["xp"])
     kexp.experts_fwd(CTX, s["xp"], s["offsets_host"], wg, wu, wd, s["yp"], s["gate"], s["up"],
                      h=poisoned((r, f), BF16))
