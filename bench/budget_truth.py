@@ -149,7 +149,7 @@ def parse_cell(text: str) -> Cell:
 
 
 def _demo_command(cell: Cell, steps: int, backend: str, plan_path: Path) -> list[str]:
-    return [sys.executable, "-m", "dataflow.bench.demo", format_number(cell.host_gib),
+    return [sys.executable, "-m", "dataflow.cli.demo", format_number(cell.host_gib),
             format_number(cell.dev_gib), str(cell.seqlen), cell.model, "--steps", str(steps),
             "--backend", backend, "--plan", str(plan_path), "--json"]
 

@@ -1,4 +1,4 @@
-"""How far a better schedule alone could take a measured step. From a run's JSON (`dataflow.bench.demo
+"""How far a better schedule alone could take a measured step. From a run's JSON (`dataflow.cli.demo
 --json`, or dataflow.bench.budget_truth's `*.demo.json`) the last step's breakdown gives three ceilings,
 at the kernel rates that very run measured (clocks, power cap and all):
 
@@ -61,7 +61,7 @@ def floors(run: dict, log_text: str | None = None) -> dict:
     step = run["steps"][-1]
     bd = step.get("breakdown") or {}
     if not bd:
-        raise ValueError("the run's last step has no breakdown (was it traced? dataflow.bench.demo "
+        raise ValueError("the run's last step has no breakdown (was it traced? dataflow.cli.demo "
                          "--json records one per step)")
     tokens, busy, recompute = step["tokens"], bd["compute_busy_s"], bd["recompute_s"]
     attention, source = bd.get("attention_s", 0.0), "breakdown"

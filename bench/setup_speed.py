@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataflow.memplan.cli_args import positive
+from dataflow.cli.args import positive
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIN_VARIANTS = ("alloc", "register", "register-pieces", "register-untouched",

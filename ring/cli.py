@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 
-from dataflow.memplan.cli_args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
+from dataflow.cli.args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
                                positive)
 from dataflow.models.errors import ConfigError
 

@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 
 import dataflow
-from dataflow.bench import demo as demo_mod
-from dataflow.bench.demo import main as demo_main
+from dataflow.cli import demo as demo_mod
+from dataflow.cli.demo import main as demo_main
 from dataflow.bench.sweep import sweep as sweep_mod
-from dataflow.bench.sweep.cli import main as sweep_main
+from dataflow.cli.sweep import main as sweep_main
 from dataflow.bench.sweep.grid import expand
 from dataflow.bench.sweep.record import CellRecord
 from dataflow.bench.sweep.table import CSV, SweepStore, read_table
-from dataflow.memplan import cli as plan_cli
+from dataflow.cli import plan as plan_cli
 from dataflow.memplan.chunking import MAX_SEQLEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_two_concurrent_sweep_processes_into_one_out_keep_all_50_rows(tmp_path):
     out = tmp_path / "sweep"
     common = ["--predict-only", "--gpu", "h100", "--model", "tiny", "--seqlen", "128",
               "--dev", "0.25:1.25:0.25", "--out", str(out)]
-    procs = [subprocess.Popen([sys.executable, "-m", "dataflow.bench.sweep", "run", "--host",
+    procs = [subprocess.Popen([sys.executable, "-m", "dataflow.cli.sweep", "run", "--host",
                                hosts, *common], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for hosts in ("1:5:1", "6:10:1")]
@@ -257,9 +257,9 @@ def test_demo_ends_with_a_summary_line_on_stdout(capsys):
 
 
 @pytest.mark.parametrize("prog, main", [
-    ("dataflow-demo", "dataflow.bench.demo"), ("dataflow-plan", "dataflow.memplan.cli"),
-    ("dataflow-sweep", "dataflow.bench.sweep.cli"), ("dataflow-ring", "dataflow.ring.cli"),
-    ("dataflow-export", "dataflow.export"),
+    ("dataflow-demo", "dataflow.cli.demo"), ("dataflow-plan", "dataflow.cli.plan"),
+    ("dataflow-sweep", "dataflow.cli.sweep"), ("dataflow-ring", "dataflow.ring.cli"),
+    ("dataflow-export", "dataflow.cli.export"),
 ])
 def test_every_command_prints_its_version(capsys, prog, main):
     """--version prints 'PROG VERSION' with dataflow.__version__ and exits 0."""
@@ -284,7 +284,7 @@ def test_stop_words_start_with_the_status_the_json_and_metrics_record(done, stat
 def test_a_second_signal_mid_step_tells_one_story_on_stderr_and_in_json(tmp_path):
     """Two SIGINTs inside step 2 abandon it: stderr's last line and the JSON status both say
     where it stopped, in the same words, and the JSON holds exactly the finished steps."""
-    cmd = [sys.executable, "-m", "dataflow.bench.demo", "0.5", "0.25", "128", "tiny",
+    cmd = [sys.executable, "-m", "dataflow.cli.demo", "0.5", "0.25", "128", "tiny",
            "--backend", "numpy", "--steps", "50", "--json"]
     with open(tmp_path / "out.json", "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
@@ -355,7 +355,7 @@ def test_metrics_writers_leave_no_lock_file_and_lose_no_rows(tmp_path):
 def test_readme_and_docs_state_the_demos_default_peak_lr():
     """The README and docs/training-runs.md give the defaults default_lr returns: 1e-3 for
     tiny and small, 3e-4 up to width 2048, 1.5e-4 for 8b."""
-    from dataflow.bench.demo_training import default_lr
+    from dataflow.cli.demo_training import default_lr
     from dataflow.models.config import load_config
 
     assert [default_lr(load_config(m).model_dim) for m in ("tiny", "small", "1b", "8b")] == \

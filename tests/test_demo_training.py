@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dataflow.bench.demo import main as demo_main
+from dataflow.cli.demo import main as demo_main
 
 BASE = ["0.5", "0.25", "64", "tiny", "--backend", "numpy"]
 
@@ -95,7 +95,7 @@ def test_demo_training_flag_mistakes_exit_2(extra, capsys):
 def test_default_peak_lr_shrinks_with_width_above_1b():
     """The demo's peak lr: 1e-3 for the toy models, 3e-4 up to 1b's width, then 3e-4 * 2048 /
     width, which kept 8b's loss falling over its first 3 steps on the H100 (3e-4 made it rise)."""
-    from dataflow.bench.demo_training import default_lr
+    from dataflow.cli.demo_training import default_lr
     from dataflow.models.hf import model_config as get_model
 
     assert [default_lr(get_model(n).model_dim) for n in ("tiny", "small", "1b", "8b")] == \
@@ -114,7 +114,7 @@ def test_demo_fast_attention_plans_the_fast_backward_and_trains(capsys):
 
 
 def test_default_warmup_is_cut_to_short_runs_only_up_to_1b_width():
-    from dataflow.bench.demo_training import default_warmup
+    from dataflow.cli.demo_training import default_warmup
     from dataflow.models.hf import model_config
 
     assert [default_warmup(model_config(n).model_dim, 3) for n in ("tiny", "1b", "8b")] == \

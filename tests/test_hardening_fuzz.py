@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow.bench.demo import main as demo_main
-from dataflow.memplan.cli import main as plan_main
+from dataflow.cli.demo import main as demo_main
+from dataflow.cli.plan import main as plan_main
 from dataflow.models.errors import ConfigError
 
 EXAMPLES = int(os.environ.get("DATAFLOW_FUZZ_EXAMPLES", "40"))

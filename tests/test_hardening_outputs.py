@@ -18,7 +18,7 @@ from dataflow.instrument import ChromeTraceWriter
 from dataflow.instrument.breakdown import compute_breakdown
 from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
 from dataflow.metrics_log import read_metrics, read_run_metadata
-from dataflow.memplan.cli import main as plan_main
+from dataflow.cli.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

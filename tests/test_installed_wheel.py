@@ -66,9 +66,9 @@ def test_the_wheel_installs_only_the_dataflow_import_name(tmp_path):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"dataflow"}, tops
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("dataflow/memplan/cli.py", "dataflow/models/zoo/tiny.json",
+    for expected in ("dataflow/cli/plan.py", "dataflow/models/zoo/tiny.json",
                      "dataflow/kernels/reference/__init__.py", "dataflow/ring/cli.py",
-                     "dataflow/bench/demo.py", "dataflow/bench/sweep/cli.py"):
+                     "dataflow/cli/demo.py", "dataflow/cli/sweep.py"):
         assert expected in names, expected
 
     # A fresh venv; the test environment's third-party packages (numpy, ...) reach it through a

@@ -1,6 +1,7 @@
 """Every arrow of the architecture (DESIGN.md §3): models <- memplan <- dataflow <- ring, bench;
 kernels is used by dataflow (and bench's kernel benchmarks) only and depends on none of ours;
-the planner stays pure Python; nobody imports another package's private modules or names."""
+the planner stays pure Python; nobody imports another package's private modules or names; the
+console scripts (dataflow.cli) may import every package and no package imports them."""
 
 import ast
 import subprocess
@@ -18,13 +19,16 @@ MAY_IMPORT = {
     "bench": {"models", "memplan", "kernels", "dataflow", "ring"},
 }
 ARRAY_LIBS = {"numpy", "cupy", "cupyx", "ml_dtypes", "numba", "torch", "jax"}
+CLI = "cli"
+"""The layer of dataflow.cli (the folder dataflow/cli/): the console scripts, above every package."""
+CLI_DIR = ROOT / "dataflow" / "cli"
 
 
 def _layer(module: str) -> str:
     """The architecture's package of a dotted import: `dataflow.memplan.cost` -> memplan,
     `dataflow.engine` -> dataflow; a bare `memplan...` keeps its name (and is refused below)."""
     parts = module.split(".")
-    if parts[0] == "dataflow" and len(parts) > 1 and parts[1] in OURS - {"dataflow"}:
+    if parts[0] == "dataflow" and len(parts) > 1 and parts[1] in OURS - {"dataflow"} | {CLI}:
         return parts[1]
     return parts[0]
 
@@ -41,8 +45,12 @@ def _imports(path: Path):
 
 
 def _files(package: str):
-    """The package's modules; bench/records/ holds scripts of past runs, kept as they ran."""
-    return sorted(p for p in (ROOT / package).rglob("*.py") if "records" not in p.parts)
+    """The package's modules; bench/records/ holds scripts of past runs, kept as they ran; the
+    dataflow/ folder's cli/ is the cli layer of its own."""
+    if package == CLI:
+        return sorted(CLI_DIR.rglob("*.py"))
+    return sorted(p for p in (ROOT / package).rglob("*.py")
+                  if "records" not in p.parts and CLI_DIR not in p.parents)
 
 
 def test_every_package_imports_only_what_the_architecture_allows():
@@ -102,6 +110,45 @@ def test_kernels_keep_no_module_level_mutable_state():
     assert not bad, "module-level state in kernels/ (keep it in a CudaContext):\n" + "\n".join(bad)
 
 
+CLI_IMPORTS_ALLOWED = {
+    **{f.relative_to(ROOT).as_posix(): {"dataflow.cli.args"} for f in _files("bench")},
+    "ring/cli.py": {"dataflow.cli.args"},
+}
+"""The only imports of the cli layer from a package: bench's scripts are tools run from the
+command line and share its argument checks; ring/cli.py is a console script that has not moved
+into dataflow/cli/ yet (issue 50)."""
+
+
+def test_no_package_imports_the_cli():
+    """Product code never depends on the console scripts: no module of models, memplan,
+    kernels, dataflow or ring imports dataflow.cli (bench scripts: dataflow.cli.args only)."""
+    bad = []
+    for package in MAY_IMPORT:
+        for f in _files(package):
+            allowed = CLI_IMPORTS_ALLOWED.get(f.relative_to(ROOT).as_posix(), set())
+            bad += [f"{f.relative_to(ROOT)} imports {module} {names}"
+                    for top, module, names in _imports(f)
+                    if (top == CLI or (module == "dataflow" and CLI in names))
+                    and module not in allowed]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_cli_imports_ours_by_installed_names_and_no_private_names():
+    """dataflow/cli/ may import every package, through the installed `dataflow.` names, and
+    none of their private modules or names (dunders such as __version__ are public)."""
+    files = _files(CLI)
+    assert {f.name for f in files} >= {"args.py", "plan.py", "demo.py", "sweep.py", "export.py",
+                                       "probe.py"}
+    bad = []
+    for f in files:
+        for top, module, names in _imports(f):
+            private = [p for p in (*module.split(".")[2:], *names)
+                       if p.startswith("_") and not p.startswith("__")]
+            if module.split(".")[0] in OURS - {"dataflow"} or (top in OURS and private):
+                bad.append(f"{f.relative_to(ROOT)} imports {module} {private}")
+    assert not bad, "\n".join(bad)
+
+
 def test_nobody_imports_private_modules_or_names_of_another_package():
     bad = []
     for package in MAY_IMPORT:
@@ -139,7 +186,7 @@ def test_memplan_imports_no_array_gpu_or_downstream_package():
 
 def test_importing_the_planner_loads_no_array_library():
     """At run time too: importing memplan (and its CLI) pulls in no numpy or cupy."""
-    code = ("import sys, dataflow.memplan, dataflow.memplan.cli, dataflow.memplan.sanity, dataflow.memplan.schedule; "
+    code = ("import sys, dataflow.memplan, dataflow.cli.plan, dataflow.memplan.sanity, dataflow.memplan.schedule; "
             "bad = [m for m in ('numpy', 'cupy', 'ml_dtypes', 'numba') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = {}
     for name in args.only.split(","):
-        cmd = [sys.executable, "-m", "dataflow.bench.demo", *CONFIGS[name], "--steps", str(args.steps),
+        cmd = [sys.executable, "-m", "dataflow.cli.demo", *CONFIGS[name], "--steps", str(args.steps),
                "--json"]
         if args.trace_dir:
             cmd += ["--trace", str(Path(args.trace_dir, f"{name}.trace.json"))]

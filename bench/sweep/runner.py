@@ -1,4 +1,4 @@
-"""Runs one sweep cell: the demo in a child process (`python -m dataflow.bench.demo ... --json --plan
+"""Runs one sweep cell: the demo in a child process (`python -m dataflow.cli.demo ... --json --plan
 FILE`) with a timeout, sampled by the parent for peak RSS and device memory, then classified and
 saved at once. The child runs the exact plan the parent predicted, so the plan hash and the
 predicted tok/s in the table belong to the run measured. Never plans and never trains in its own
@@ -43,7 +43,7 @@ class CellJob:
 
 def demo_command(job: CellJob) -> list[str]:
     r = job.planned
-    return [job.python, "-m", "dataflow.bench.demo", format_number(r.host_gib), format_number(r.dev_gib),
+    return [job.python, "-m", "dataflow.cli.demo", format_number(r.host_gib), format_number(r.dev_gib),
             str(r.seqlen), r.model, "--steps", str(r.steps), "--backend", r.backend,
             "--plan", job.plan_path, "--json"]
 

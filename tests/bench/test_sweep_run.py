@@ -24,7 +24,7 @@ ARGS = ["--model", "tiny", "--seqlen", "128", "--host", "1,2", "--dev", "0.25,0.
 
 
 def _sweep(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "dataflow.cli.sweep", "run", *ARGS, "--out", str(out)],
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
 
@@ -37,7 +37,7 @@ def _demo_children(pid: int) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "dataflow.bench.demo" in " ".join(k.cmdline()):
+            if "dataflow.cli.demo" in " ".join(k.cmdline()):
                 out.append(k)
         except psutil.Error:
             pass
@@ -79,7 +79,7 @@ def test_tiny_sweep_killed_mid_cell_resumes_without_redoing_finished_cells_and_p
     cut = [p for p in (out / "logs").glob("*.json") if p.stem != done_cell.slug]
     assert len(cut) == 1 and cut[0].read_text() == ""
 
-    resumed = subprocess.run([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
+    resumed = subprocess.run([sys.executable, "-m", "dataflow.cli.sweep", "run", *ARGS, "--out", str(out)],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "4 cell(s), 1 finished already" in resumed.stderr
@@ -97,7 +97,7 @@ def test_tiny_sweep_killed_mid_cell_resumes_without_redoing_finished_cells_and_p
         assert r.peak_rss_bytes > 50 * 2**20  # python + numpy + the engine, sampled from outside
         assert r.peak_device_used_bytes is None  # no GPU: null, not zero
         assert r.wall_s > r.steps_time_s > 0
-    again = subprocess.run([sys.executable, "-m", "dataflow.bench.sweep", "run", *ARGS, "--out", str(out)],
+    again = subprocess.run([sys.executable, "-m", "dataflow.cli.sweep", "run", *ARGS, "--out", str(out)],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "4 finished already" in again.stderr
     assert {r.cell: r for r in read_table(out)} == records

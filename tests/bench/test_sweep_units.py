@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from dataflow.bench.sweep.classify import classify
-from dataflow.bench.sweep.cli import main
+from dataflow.cli.sweep import main
 from dataflow.bench.sweep.grid import Cell, expand, parse_ints, parse_numbers
 from dataflow.bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, Status
 from dataflow.bench.sweep.sweep import SweepConfig, run_sweep

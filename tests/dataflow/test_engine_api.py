@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataflow.bench.demo import main as demo_main
+from dataflow.cli.demo import main as demo_main
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.models.errors import ConfigError

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from dataflow.probe import cli
+from dataflow.cli import probe as cli
 from dataflow.probe.profile import Measurements, build_profile, builtin_profile, format_table
 from dataflow.memplan.cost import attn_flop_per_s, gemm_flop_per_s
 from dataflow.memplan.profiles import BUILTIN_PROFILES, default_cache_path, get_profile, load_profile

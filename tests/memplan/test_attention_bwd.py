@@ -63,8 +63,8 @@ def test_unknown_choice_is_refused_naming_the_choices():
 def test_fast_attention_on_a_ring_is_refused_not_ignored(capsys):
     """A ring plans the deterministic backward: --fast-attention with --gpus is an error in
     both CLIs (exit 2, one line naming the flag), not a silently ignored flag."""
-    from dataflow.bench.demo import main as demo_main
-    from dataflow.memplan.cli import main as plan_main
+    from dataflow.cli.demo import main as demo_main
+    from dataflow.cli.plan import main as plan_main
 
     assert plan_main(["40", "16", "8192", "1b", "--gpus", "2", "--fast-attention"]) == 2
     assert "--fast-attention is not built for --gpus" in capsys.readouterr().err

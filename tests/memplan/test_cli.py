@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dataflow.memplan.cli import main
+from dataflow.cli.plan import main
 from dataflow.memplan.plan import Plan
 from dataflow.memplan.profiles import get_profile, save_profile
 
@@ -94,7 +94,7 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "dataflow.memplan.cli", "120", "24", "1048576", "1b",
+    proc = subprocess.Popen([sys.executable, "-m", "dataflow.cli.plan", "120", "24", "1048576", "1b",
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"{"
     proc.stdout.close()

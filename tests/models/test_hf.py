@@ -178,7 +178,7 @@ def test_reader_refuses_a_truncated_file_naming_it(tmp_path, rng):
 def test_export_cli_writes_a_checkpoint_as_hf_and_refuses_a_bad_source(tmp_path, capsys):
     """dataflow-export turns the newest checkpoint under a root into a HF directory whose
     tensors equal the engine's; a path that is neither checkpoint nor model exits 2."""
-    from dataflow.export import main
+    from dataflow.cli.export import main
 
     with _engine(seed=4) as eng:
         eng.save_checkpoint(tmp_path / "run")

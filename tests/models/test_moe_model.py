@@ -17,7 +17,7 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import make_plan
-from dataflow.memplan.cli import main as plan_main
+from dataflow.cli.plan import main as plan_main
 from dataflow.memplan.plan import Budget
 from dataflow.models.config import MoE, ModelConfig, load_config
 from dataflow.models.errors import ConfigError

@@ -229,7 +229,7 @@ def test_the_demo_on_a_ring_saves_checkpoints_one_device_can_resume(tmp_path, mo
     """`dataflow-demo ... --gpus 2 --checkpoint-dir D --save-every 1` saves a checkpoint after
     each step, and an Engine on one device loads the newest (its own optimizer settings, so
     allow_changes)."""
-    from dataflow.bench.demo import main
+    from dataflow.cli.demo import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

@@ -154,7 +154,7 @@ def test_plan_cli_prints_the_layout_it_chose_the_alternatives_and_the_scaling_mo
     (tiny: 2 data-parallel replicas and a ring of 2), the chosen ring's devices, the prediction
     per link, the choice for N = 2..64 and the ring-only table. A number of GPUs beyond the
     model's layers is still a layout (replicas); beyond 64 processes it is refused."""
-    from dataflow.memplan.cli import main
+    from dataflow.cli.plan import main
 
     # a GPU profile: 0.75 GiB for the libraries and 1 GiB for NCCL (ring_profile) per device
     assert main(["1", "2", "64", "tiny", "--gpus", "2"]) == 0
@@ -179,7 +179,7 @@ def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
     """32b at 125/40 per device (issue 18): one GPU needs about 233 GiB of host, a ring of 2 fits;
     dataflow-plan says so instead of refusing, and shows no speedup over a device that cannot
     run it."""
-    from dataflow.memplan.cli import main
+    from dataflow.cli.plan import main
 
     assert main(["125", "40", "8192", "32b", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
@@ -228,7 +228,7 @@ def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
 def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
     """dataflow-demo --gpus N exits 2 with one line for options a ring lacks and for a ring
     larger than the model, before any process starts."""
-    from dataflow.bench.demo import main
+    from dataflow.cli.demo import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

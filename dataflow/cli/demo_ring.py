@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import tempfile
 
+from dataflow.cli.args import check_checkpoint_flags
 from dataflow.models.errors import ConfigError
+from dataflow.ring.cli import launch_backend, resolve_layout, ring_processes, run_job
 
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
                   "seqs_per_step": "--seqs-per-step", "warmup": "--warmup",
@@ -21,9 +23,7 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
-    from dataflow.memplan.cli_args import check_checkpoint_flags
-    from dataflow.ring.cli import launch_backend, resolve_layout, ring_processes, run_job
-    from dataflow.ring.worker import RingJob
+    from dataflow.ring.worker import RingJob  # NumPy: loaded only for a ring run, not --help
 
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
             if getattr(args, dest, None) != parser.get_default(dest)]

@@ -1,17 +1,19 @@
 """dataflow-probe: measure this GPU and its host, write the HardwareProfile the planner reads
 (dataflow-plan, dataflow-demo and the Engine pick it up for the GPU of the same name) and print
-it beside the built-in profile. Exit 0 done, 2 bad input or no GPU, 1 a failure while measuring."""
+it beside the built-in profile. Exit 0 done, 2 bad input or no GPU, 1 a failure while measuring.
+The measuring is dataflow.probe's; this module only reads the command line and reports."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-import traceback
 from pathlib import Path
 
-from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, positive
+from dataflow.backends import cupy_backend
+from dataflow.cli.args import BAD_INPUT, Debug, OneLineParser, Outcome, positive, run_command
 from dataflow.memplan.profiles import default_cache_path, known_profiles, save_profile
+from dataflow.probe.profile import build_profile, builtin_profile, format_table
 from dataflow.models.config import load_config, zoo_names
 from dataflow.models.errors import ConfigError
 
@@ -51,42 +53,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return code
+NO_GPU = ("no NVIDIA GPU usable through CuPy here; the probe measures the GPU it runs on: run it "
+          "on the GPU machine (pip install -e '.[gpu]'), or plan with a built-in profile "
+          "(dataflow-plan --gpu NAME)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args, code = parse_or_exit_code(build_parser(), argv, PROG)
-    if args is None:
-        return code
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format=f"{PROG}: %(message)s", stream=sys.stderr)
-    try:
-        cfg = load_config(args.model)
-    except ConfigError as exc:
-        return _fail(str(exc), 2)
-    from dataflow.backends.cupy_backend import gpu_available
+    return run_command(build_parser(), argv, _measure, log_format=f"{PROG}: %(message)s",
+                       outcomes=(
+        Outcome(catch=(ConfigError,), exit_code=BAD_INPUT.exit_code, debug=Debug.QUIET),
+        Outcome(catch=(Exception,), exit_code=1, debug=Debug.TRACEBACK,
+                words="failed while measuring: {name}: {exc} (rerun with --debug)")))
 
-    if not gpu_available():
-        return _fail("no NVIDIA GPU usable through CuPy here; the probe measures the GPU it runs "
-                     "on: run it on the GPU machine (pip install -e '.[gpu]'), or plan with a "
-                     "built-in profile (dataflow-plan --gpu NAME)", 2)
-    try:
-        return _probe(args, cfg)
-    except ConfigError as exc:
-        return _fail(str(exc), 2)
-    except Exception as exc:  # noqa: BLE001 - one line of reason; traceback with --debug
-        if args.debug:
-            traceback.print_exc()
-        return _fail(f"failed while measuring: {type(exc).__name__}: {exc} (rerun with --debug)",
-                     1)
+
+def _measure(args) -> int:
+    cfg = load_config(args.model)
+    if not cupy_backend.gpu_available():
+        raise ConfigError(NO_GPU)
+    return _probe(args, cfg)
 
 
 def _probe(args, cfg) -> int:
+    # measure imports CuPy when loaded: imported only once a GPU is known to be usable, so the
+    # probe says "no GPU" (exit 2) on a machine without CuPy instead of failing to import
     from dataflow.probe import measure
-    from dataflow.probe.profile import build_profile, builtin_profile, format_table
 
     name, _, _ = measure.device_info()
     base = builtin_profile(name, args.base)  # before measuring: a bad --base costs nothing

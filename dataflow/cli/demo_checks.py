@@ -12,6 +12,9 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
+
+from dataflow.memplan.plan import Budget, Plan
 from dataflow.models.errors import ConfigError
 from dataflow.settings import settings_from_env
 
@@ -26,13 +29,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def size_text(nbytes: int) -> str:
     """'24.00 GiB', or MiB below 1 GiB so small budgets stay readable ('20.5 MiB')."""
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (no usage dump) and exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # -- argument types ---------------------------------------------------------------------------
@@ -55,13 +51,6 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
-
-
-def seqlen(text: str) -> int:
-    """SEQLEN as dataflow-plan reads it: whole tokens in [1, 16,777,216], too large said so."""
-    from dataflow.memplan.cli_args import seqlen_tokens
-
-    return seqlen_tokens(text)
 
 
 def seed(text: str) -> int:
@@ -102,8 +91,6 @@ def readable_file(text: str) -> str:
 # -- checks before any allocation --------------------------------------------------------------
 def load_plan(path: str):
     """The Plan in `path`; ConfigError (exit 2) when it is not one."""
-    from dataflow.memplan.plan import Plan
-
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -118,8 +105,6 @@ def load_plan(path: str):
 def check_plan_matches(plan, cfg, seqlen: int, host_gb: float, dev_gb: float) -> None:
     """Refuse a plan whose model, seqlen or budgets differ from the positionals (they used to be
     ignored silently, and a different seqlen failed only after initialisation)."""
-    from dataflow.memplan.plan import Budget
-
     want = Budget.from_gib(host_gb, dev_gb)
     diffs = []
     if plan.model != cfg:
@@ -148,8 +133,6 @@ def check_budgets_fit_machine(plan, backend) -> None:
     """Refuse budgets larger than this machine's available host memory (both NumPy slabs live
     there; skipped when DATAFLOW_HOST_CHECK=off) or the GPU's free memory, before anything is
     allocated."""
-    import psutil
-
     b = plan.budget
     host_need = b.host_bytes + (b.device_bytes if backend.name == "numpy" else 0)
     avail = psutil.virtual_memory().available
@@ -172,7 +155,7 @@ def check_budgets_fit_machine(plan, backend) -> None:
 
 
 def _gpu_free_bytes() -> int | None:
-    try:
+    try:  # CuPy is the optional `gpu` extra
         import cupy
 
         return int(cupy.cuda.runtime.memGetInfo()[0])

@@ -1,21 +1,31 @@
 """`dataflow-sweep run ...` and `dataflow-sweep plot DIR`: the sweep's command line. Parses and
-checks arguments, then hands a SweepConfig to sweep.run_sweep or a directory to plot.plot_sweep.
-Exit 0 when done (failed cells are results, not errors), 2 with one line for bad input, 1 for a
-failure while running; tracebacks only with --debug. Never decides anything itself."""
+checks arguments, then hands a SweepConfig to dataflow.bench.sweep's run_sweep or a directory to
+its plot_sweep. Exit 0 when done (failed cells are results, not errors), 2 with one line for bad
+input, 1 for a failure while running; tracebacks only with --debug. Never decides anything
+itself and never runs a cell."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from pathlib import Path
 
-from dataflow.models.errors import ConfigError
-from dataflow.memplan.cli_args import (
+from dataflow.bench.sweep.executors import SubmititExecutor
+from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
+from dataflow.bench.sweep.planning import resolve_backend
+from dataflow.bench.sweep.sweep import SweepConfig, run_sweep
+from dataflow.cli.args import (
+    BAD_INPUT,
+    FAILED,
     OneLineParser,
+    Outcome,
+    UsageError,
     add_version_flag,
-    parse_or_exit_code,
     positive,
+    run_command,
 )
+from dataflow.memplan.chunking import MAX_SEQLEN
+from dataflow.models.errors import ConfigError
 
 PROG = "dataflow-sweep"
 
@@ -87,11 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args):
-    from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
-    from dataflow.bench.sweep.sweep import SweepConfig
-    from dataflow.memplan.chunking import MAX_SEQLEN
-
+def _config(args) -> SweepConfig:
     if args.executor == "local" and (args.cluster or args.partition):
         raise ConfigError("--cluster and --partition apply to --executor submitit only")
     seqlens = parse_ints(args.seqlen, "--seqlen")
@@ -107,16 +113,9 @@ def _config(args):
 
 
 def _run(args) -> int:
-    from dataflow.bench.sweep.sweep import run_sweep
-
     config = _config(args)
     executor = None
     if args.executor == "submitit" and not args.predict_only:
-        from pathlib import Path
-
-        from dataflow.bench.sweep.executors import SubmititExecutor
-        from dataflow.bench.sweep.planning import resolve_backend
-
         backend = resolve_backend(args.backend)
         executor = SubmititExecutor(str(Path(args.out) / "submitit"), cluster=args.cluster,
                                     timeout_s=args.timeout, partition=args.partition,
@@ -133,7 +132,7 @@ def _plot(args) -> int:
                           "e.g. 0.35,0.7") from None
     if not 0 <= lo < hi:
         raise ConfigError(f"--util-range {args.util_range!r}: need 0 <= LO < HI, e.g. 0.35,0.7")
-    try:
+    try:  # plotting is the optional `plot` extra (matplotlib): imported only to plot
         from dataflow.bench.sweep.plot import plot_sweep
     except ImportError as exc:
         raise ConfigError(f"plotting needs matplotlib ({exc}); pip install 'dataflow[plot]'") \
@@ -143,28 +142,16 @@ def _plot(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, code = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv, PROG)
-    if args is None:
-        return code
+def _command(args) -> int:
     if args.command is None:
-        print(f"{PROG}: error: say run or plot (see {PROG} --help)", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(message)s", stream=sys.stderr)
-    try:
-        return _run(args) if args.command == "run" else _plot(args)
-    except (ConfigError, ImportError, OSError) as exc:
-        if args.debug:
-            raise
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # noqa: BLE001 - one line of reason unless --debug
-        if args.debug:
-            raise
-        print(f"{PROG}: failed while running: {type(exc).__name__}: {exc} (rerun with --debug)",
-              file=sys.stderr)
-        return 1
+        raise UsageError("say run or plot")
+    return _run(args) if args.command == "run" else _plot(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv, _command, log_format="%(message)s", outcomes=(
+        Outcome(catch=(ConfigError, ImportError, OSError), exit_code=BAD_INPUT.exit_code),
+        FAILED))
 
 
 if __name__ == "__main__":

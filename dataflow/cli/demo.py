@@ -9,25 +9,41 @@ import json
 import logging
 import sys
 import time
+import warnings
 
-from dataflow.bench import demo_checks as checks
-from dataflow.bench.demo_training import default_lr
+import psutil
+
+from dataflow.backend import BackendError
+from dataflow.backends import make_backend
+from dataflow.cli import demo_checks as checks
+from dataflow.cli.args import OneLineParser, Outcome, add_version_flag, run_command, seqlen_tokens
+from dataflow.cli.demo_ring import run_ring
+from dataflow.cli.demo_training import Training, add_flags, default_lr
+from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler, op_totals
+from dataflow.memplan import explain, make_plan
+from dataflow.memplan.plan import Budget
+from dataflow.metrics_log import FORMATS, MetricsLog, run_metadata
+from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError, NonFiniteError
+from dataflow.models.serial import to_dict
+from dataflow.progress import Progress, StepWatch
+
+# The engine and models.hf load NumPy and numba (seconds): they are imported inside the
+# functions that train, so --help and a refused argument answer at once.
 
 log = logging.getLogger("dataflow.demo")
+PROG = "dataflow-demo"
 
 
 def _metrics_path(text: str) -> str:
-    from dataflow.metrics_log import FORMATS
-
     if not text.lower().endswith(FORMATS):
         raise argparse.ArgumentTypeError(f"{text!r} must end in one of {', '.join(FORMATS)}")
     return checks.writable_file(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = checks.OneLineParser(
-        prog="dataflow-demo",
+    p = OneLineParser(
+        prog=PROG,
         description="Train a Llama-style model under host and device memory budgets and report "
                     "tokens/s, TFLOP/s, MFU, HFU and memory used. GB means GiB (2^30 bytes).",
         epilog="Exit status: 0 done; 2 bad input (including budgets above the memory this "
@@ -38,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("host_gb", type=checks.positive_float,
                    help="host (pinned) memory budget, GiB")
     p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
-    p.add_argument("seqlen", type=checks.seqlen, help="tokens per sequence (at most 16,777,216)")
+    p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
     p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b, llama3.2-1b, mistral-7b, "
                         "qwen2.5-7b, qwen3-8b, ...), a saved model or a Hugging Face directory")
     p.add_argument("--steps", type=checks.positive_int, default=5,
@@ -90,23 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON document to stdout: status, plan, memory, setup "
                         "phases and one record per step")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
-    import dataflow
-
-    p.add_argument("--version", action="version", version=f"%(prog)s {dataflow.__version__}")
-    from dataflow.bench.demo_training import add_flags
-
+    add_version_flag(p)
     add_flags(p)  # --warmup --min-lr --max-grad-norm --data --eval-every, checkpoints, --resume
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(message)s", stream=sys.stderr)
-    if not args.debug:  # a diverging run overflows in NumPy ops; the NaN check says it in a line
-        import warnings
+    return run_command(build_parser(), argv, _train, log_format="%(message)s", outcomes=(
+        Outcome(catch=(ConfigError, ValueError), exit_code=2),
+        Outcome(catch=(Exception,), exit_code=1, words="failed while running: {name}: {exc}")))
 
+
+def _train(args) -> int:
+    """The run's exit code: 0 done, 3 NaN or infinite, 130/143 stopped by a signal."""
+    if not args.debug:  # a diverging run overflows in NumPy ops; the NaN check says it in a line
         warnings.filterwarnings("ignore", message="(overflow|invalid value) encountered",
                                 category=RuntimeWarning)
     try:
@@ -115,39 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second signal, or one before the handlers were installed
         if args.debug:
             raise
-        print(f"dataflow-demo: {_stop_words(args)}", file=sys.stderr)
+        print(f"{PROG}: {_stop_words(args)}", file=sys.stderr)
         return stop.exit_code if "stop" in locals() else 130
     except NonFiniteError as exc:
         if args.debug:
             raise
-        print(f"dataflow-demo: {exc.what} became {_nonfinite(exc.value)} at step {exc.step} "
+        print(f"{PROG}: {exc.what} became {_nonfinite(exc.value)} at step {exc.step} "
               f"(lr {exc.lr:g}); lower --lr", file=sys.stderr)
         return checks.EXIT_NONFINITE
-    except (ConfigError, ValueError) as exc:
-        if args.debug:
-            raise
-        print(f"dataflow-demo: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # noqa: BLE001 - one line of reason unless --debug
-        if args.debug:
-            raise
-        print(f"dataflow-demo: failed while running: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
 
 
 def _run(args, stop: checks.StopSignals) -> int:
-    from dataflow.backend import BackendError
-    from dataflow.backends import make_backend
-    from dataflow.memplan import explain, make_plan
-    from dataflow.memplan.plan import Budget
     from dataflow.models.hf import model_config
 
     t_start = time.perf_counter()
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
     lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
-        from dataflow.bench.demo_ring import run_ring
-
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
                               "the deterministic backward); drop one of them")
@@ -160,8 +157,6 @@ def _run(args, stop: checks.StopSignals) -> int:
         raise ConfigError(f"--backward-update runs the update in the step's last round, so it "
                           f"takes no --eager-update and no clipping (--max-grad-norm "
                           f"{args.max_grad_norm:g}); add --max-grad-norm 0")
-    from dataflow.bench.demo_training import Training
-
     training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
     training.open_data(args.seqlen)  # a bad --data is refused here, before any work or output
     plan = checks.load_plan(args.plan) if args.plan else None
@@ -196,7 +191,6 @@ def _run(args, stop: checks.StopSignals) -> int:
     if stop.signum:
         return _interrupted(args, stop)
     from dataflow.engine import Engine
-    from dataflow.progress import Progress
 
     t0 = time.perf_counter()
     with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar, stop.abortable():
@@ -235,7 +229,7 @@ def _run(args, stop: checks.StopSignals) -> int:
 
 
 def _interrupted(args, stop) -> int:
-    print(f"dataflow-demo: {_stop_words(args)}", file=sys.stderr)
+    print(f"{PROG}: {_stop_words(args)}", file=sys.stderr)
     return stop.exit_code
 
 
@@ -257,9 +251,6 @@ class _Run:
     on every way out: done, interrupted, non-finite, or failed."""
 
     def __init__(self, args, plan, eng, be_probe, *, t_start: float):
-        from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler
-        from dataflow.metrics_log import MetricsLog, run_metadata
-
         self.args, self.plan, self.eng, self.be_probe = args, plan, eng, be_probe
         self.backend = be_probe.name
         self.results = []
@@ -287,8 +278,6 @@ class _Run:
         self.pcie = PcieSampler(counter) if counter else None
 
     def train(self, stop) -> None:
-        from dataflow.progress import Progress, StepWatch
-
         args, eng = self.args, self.eng
         with eng, Progress(args.steps, "steps", logger=log) as bar:
             for _ in range(self.training.remaining(eng)):
@@ -344,8 +333,6 @@ class _Run:
         bar.info("step %d: %s", r.step, r.breakdown.summary())
         trace = getattr(self.eng, "last_trace", None)
         if trace is not None:  # every step: a run cut short still says where its time went
-            from dataflow.instrument import op_totals
-
             bar.info("step %d: largest compute costs: %s", r.step, ", ".join(
                 f"{op} {t * 1e3:,.1f} ms ({n:,}x)" for op, t, n in op_totals(trace.spans)[:5]))
         ex = getattr(self.eng, "ex", None)
@@ -381,8 +368,6 @@ class _Run:
                      "libraries' reserve) + libraries/pool %.2f GiB",
                      mem["device_used_bytes"] / 2**30, mem["context_baseline_bytes"] / 2**30,
                      mem["arena_bytes"] / 2**30, mem["libraries_and_pool_bytes"] / 2**30)
-        import psutil
-
         mem["host_rss_bytes"] = psutil.Process().memory_info().rss
         return mem
 
@@ -414,8 +399,6 @@ class _Run:
         # the run's one-line result: stdout for people, stderr under --json (stdout is the doc)
         print(self.summary(), file=sys.stderr if args.json else sys.stdout, flush=True)
         if args.json:
-            from dataflow.models.serial import to_dict
-
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
                        "backend": self.backend, "memory": mem, "setup": self.setup,
                        "device": getattr(self.be_probe, "device_name", self.backend),
@@ -449,8 +432,6 @@ def _nonfinite(value: float) -> str:
 
 
 def _is_zoo(name: str) -> bool:
-    from dataflow.models.config import zoo_names
-
     return name in zoo_names()
 
 

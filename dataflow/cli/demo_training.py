@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
+from dataflow.cli.args import check_checkpoint_flags
+from dataflow.lr_schedule import WarmupCosine
 from dataflow.models.errors import ConfigError
+from dataflow.optimizer import AdamWConfig
 
 log = logging.getLogger("dataflow.demo")
 
@@ -111,8 +115,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(args) -> None:
     """Refuse combinations argparse cannot see (raised as ConfigError: exit 2)."""
-    from dataflow.memplan.cli_args import check_checkpoint_flags
-
     check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
 
 
@@ -120,9 +122,6 @@ class Training:
     """Schedule, optimizer settings, data and checkpoints of one demo run."""
 
     def __init__(self, args, cfg, lr: float):
-        from dataflow.lr_schedule import WarmupCosine
-        from dataflow.optimizer import AdamWConfig
-
         check_flags(args)
         self.args, self.cfg = args, cfg
         warmup = default_warmup(cfg.model_dim, args.steps) if args.warmup is None \
@@ -140,7 +139,7 @@ class Training:
     def open_data(self, seqlen: int) -> None:
         """Open --data (or the shipped text) now, before the engine is built, so a bad file is
         refused (ConfigError: exit 2, naming it) before anything is initialised or written."""
-        from dataflow.data.sources import open_source
+        from dataflow.data.sources import open_source  # NumPy: loaded only for a run, not --help
 
         self.source = open_source(self.args.data, seqlen, self.cfg.vocab_size,
                                   eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
@@ -148,7 +147,7 @@ class Training:
     def start(self, eng) -> None:
         """Open the data (unless open_data did), then resume weights, state and data position
         if asked."""
-        from dataflow.checkpoint import latest_checkpoint
+        from dataflow.checkpoint import latest_checkpoint  # NumPy and numba: only for a run
 
         args = self.args
         if self.source is None:
@@ -185,8 +184,6 @@ class Training:
             log.info("step %d: validation loss %.4f (%d held-out sequences)", step, loss,
                      EVAL_SEQS)
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
-            import time
-
             t0 = time.perf_counter()
             path = eng.save_checkpoint(args.checkpoint_dir, data=self.source.state(),
                                        extra={"demo_args": _jsonable(args)},

@@ -1,7 +1,0 @@
-"""`python -m dataflow.bench.sweep` is `dataflow-sweep`. Never holds logic of its own."""
-
-import sys
-
-from dataflow.bench.sweep.cli import main
-
-sys.exit(main())

@@ -1,0 +1,55 @@
+"""`dataflow-export RUN_OR_CKPT OUT_DIR`: write the weights of a checkpoint (a step directory,
+or the newest under a --checkpoint-dir) or of a saved model directory as a Hugging Face Llama
+directory in bf16 that `LlamaForCausalLM.from_pretrained` loads. Reads the command line and
+reports; the blocks come from dataflow.export, the files from models.hf. Never starts an engine
+or touches a device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dataflow.cli.args import Outcome, add_version_flag, run_command
+from dataflow.export import blocks_of
+from dataflow.models.errors import ChecksumError, ConfigError
+
+PROG = "dataflow-export"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # a plain ArgumentParser: a mistake prints the usage before its error line, as it always has
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Export a checkpoint or saved model as a Hugging Face Llama directory "
+                    "(config.json + bf16 safetensors, sharded at 5 GiB with an index).")
+    p.add_argument("source", metavar="RUN_OR_CKPT",
+                   help="a checkpoint directory (step_*), a checkpoint root (its newest "
+                        "checkpoint is used) or a saved model directory")
+    p.add_argument("out", metavar="OUT_DIR", help="new or empty directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it already holds a Hugging Face model")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 checks")
+    add_version_flag(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv, _export, outcomes=(
+        Outcome(catch=(ConfigError, ChecksumError), exit_code=2),
+        Outcome(catch=(OSError,), exit_code=1, words="failed while writing: {exc}")))
+
+
+def _export(args) -> int:
+    # models.hf loads NumPy and numba (seconds): imported once the command line is read, so
+    # --help and a mistake answer at once
+    from dataflow.models.hf import save_pretrained
+
+    cfg, blocks = blocks_of(args.source, verify=not args.no_verify)
+    out = save_pretrained(cfg, blocks, args.out, overwrite=args.overwrite)
+    print(f"{PROG}: wrote {cfg.name} ({cfg.n_params / 1e6:.1f}M parameters, bf16) to {out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
