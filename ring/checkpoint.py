@@ -67,9 +67,9 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
         final = root / ckpt.step_dir_name(step)
         if leader:
             try:
-                files, manifest = _merged_lists(tmp, transport.world_size, cfg.n_layers)
+                files, manifest = _merged_lists(tmp, transport.ring_size, cfg.n_layers)
                 meta = ckpt.checkpoint_meta(rank.optimizer, rank.rp.plan, step, data, rng, extra)
-                meta["ring"] = {"ranks": transport.world_size, "replicas": transport.replicas}
+                meta["ring"] = {"ranks": transport.ring_size, "replicas": transport.replicas}
                 ckpt.seal(tmp, cfg, files, manifest, meta)
                 ckpt.move_into_place(tmp, final)
                 ckpt.finish(root, final, keep)

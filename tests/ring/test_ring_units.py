@@ -28,7 +28,7 @@ from dataflow.memplan.ring_schedule import (
 from dataflow.memplan.schedule import Update
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
-from dataflow.ring.launch import rank_env
+from dataflow.ring.env import rank_env
 from tests.dataflow.plans import updated_pieces
 from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
 
@@ -102,13 +102,13 @@ def test_rank_env_reads_torchrun_then_slurm_variables():
     """RANK/WORLD_SIZE/LOCAL_RANK win; SLURM_* are the fallback; none is a clear error."""
     env = rank_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1234",
                     "MASTER_ADDR": "node7"})
-    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
+    assert (env.rank, env.gpus, env.local_rank, env.master_addr, env.master_port) == \
         (2, 4, 0, "node7", 1235)  # torchrun's own store holds MASTER_PORT
     assert rank_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1234",
                      "DATAFLOW_RING_PORT": "4321"}).master_port == 4321
     env = rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                     "SLURM_JOB_ID": "991"})
-    assert (env.rank, env.world_size, env.local_rank, env.run_id) == (5, 8, 1, "991")
+    assert (env.rank, env.gpus, env.local_rank, env.run_id) == (5, 8, 1, "991")
     with pytest.raises(ConfigError, match="torchrun"):
         rank_env({})
     with pytest.raises(ConfigError, match="outside world size"):
