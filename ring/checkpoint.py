@@ -29,9 +29,9 @@ _LIST = "rank{rank}.files.json"
 def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None, rng=None,
                          extra: dict | None = None, keep: int | None = None) -> Path:
     """Write the ring's state to `root/step_<step>` (dataflow.checkpoint's layout and checks)
-    and return that path on every process. rank: this process's dataflow.ring.rank.RingRank; cfg: the
-    whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's, taken from
-    process 0."""
+    and return that path on every process. rank: this process's dataflow.ring.rank.RingRank;
+    cfg: the whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's,
+    taken from process 0."""
     keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)
     root, step = Path(root), rank.optimizer.step_count
     leader = transport.rank == 0 and transport.replica == 0

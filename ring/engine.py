@@ -45,9 +45,9 @@ class Ring:
     """How long a rank waits for another before failing with a RingError naming it."""
     placement: PlacementChoice = "cyclic"
     """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
-    on rank i mod ring_size), 'balanced' (the head's rank owns fewer layers: it also runs the head),
-    'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
-    A 'placement' in plan_options takes precedence."""
+    on rank i mod ring_size), 'balanced' (the head's rank owns fewer layers: it also runs the
+    head), 'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas
+    None). A 'placement' in plan_options takes precedence."""
     split_fetch: bool = False
     """With replicas: each fetches 1/R of every streamed weight use from its host memory and
     gathers the rest from the other replicas over NVLink (RankPlan.split_fetch). Off by

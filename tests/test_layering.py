@@ -80,7 +80,8 @@ def test_the_ring_modules_import_each_other_without_a_circle_and_never_its_cli()
             parts = module.split(".")
             if parts[:2] != ["dataflow", "ring"]:
                 continue
-            targets = parts[2:3] or [n for n in names if n in modules]  # `from dataflow.ring import x`
+            # `from dataflow.ring import x` names the module among the imported names
+            targets = parts[2:3] or [n for n in names if n in modules]
             for target in targets:
                 if target == "cli" and name != "cli":
                     bad.append(f"ring/{name}.py imports dataflow.ring.cli")
