@@ -115,6 +115,37 @@ def test_rank_env_reads_torchrun_then_slurm_variables():
         rank_env({"RANK": "4", "WORLD_SIZE": "4"})
 
 
+def test_a_ring_job_crosses_to_its_ranks_as_json_with_its_enums_and_process_count():
+    """RingJob.to_json / from_json (what launch hands each spawned rank) keep the transport and
+    gradient accumulation as enums (their text in the JSON) and the job's gpus."""
+    import json
+
+    from dataflow.memplan.plan import GradAccum
+    from dataflow.ring.job import RingJob
+    from dataflow.ring.kinds import TransportKind
+
+    job = RingJob(model="tiny", seqlen=64, host_gb=0.25, dev_gb=0.25, gpus=4, replicas=2,
+                  transport=TransportKind.AUTO, grad_accum=GradAccum.FP32, placement="balanced",
+                  constraints=(("chunk_tokens", 64),))
+    raw = json.loads(job.to_json())
+    assert (raw["transport"], raw["grad_accum"], raw["gpus"]) == ("auto", "fp32", 4)
+    back = RingJob.from_json(job.to_json())
+    assert back == job and back.ring_size == 2 and back.transport is TransportKind.AUTO
+
+
+def test_transport_text_is_parsed_once_and_auto_follows_the_backend():
+    """TransportKind.parse takes the enum or its text and names the choices for other text;
+    AUTO is shared memory on NumPy and NCCL on a GPU backend."""
+    from dataflow.ring.kinds import TransportKind
+
+    assert TransportKind.parse("nccl") is TransportKind.parse(TransportKind.NCCL)
+    with pytest.raises(ConfigError, match="choose auto, nccl or shm"):
+        TransportKind.parse("tcp")
+    assert TransportKind.AUTO.resolve("numpy") is TransportKind.SHM
+    assert TransportKind.AUTO.resolve("cupy") is TransportKind.NCCL
+    assert TransportKind.SHM.resolve("cupy") is TransportKind.SHM
+
+
 def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):
     """Rank 0's payload reaches ranks 1..3 over TCP; with rank 2 absent rank 0 raises naming it
     within the timeout instead of hanging."""
