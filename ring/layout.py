@@ -64,10 +64,9 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
     """The layout of `gpus` processes the planner predicts fastest under per-device budgets of
     host_gb / dev_gb GiB (choose_layout over WEIGHED_PLACEMENTS, unless a 'placement' among
     `constraints` fixes one), planned as the ranks will plan (`profile`, `transport`'s
-    reserve; transport NCCL or SHM). ring_size fixes
-    the split; tokens_per_step caps the global batch. seqs_per_step keeps a global batch
-    exactly: only splits whose replicas divide it are weighed, each replica planning its share.
-    single_tok_per_s: as choose_layout's (None skips planning one device for the comparison).
+    reserve; transport NCCL or SHM). ring_size fixes the split; tokens_per_step caps the global
+    batch. seqs_per_step (instead of tokens_per_step) keeps a global batch exactly: only splits
+    whose replicas divide it are weighed, each replica planning its share. single_tok_per_s: as choose_layout's (None skips planning one device for the comparison).
     Raises ConfigError naming what does not fit."""
     budget = Budget.from_gib(host_gb, dev_gb)
     if seqs_per_step is None:
@@ -77,14 +76,14 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
                              placements=WEIGHED_PLACEMENTS, split_fetch=split_fetch)
     best = None
     sizes = [ring_size] if ring_size is not None else range(1, min(gpus, cfg.n_layers) + 1)
-    for n in sizes:
-        replicas = gpus // n
-        if gpus % n or seqs_per_step % replicas:
+    for size in sizes:
+        replicas = gpus // size
+        if gpus % size or seqs_per_step % replicas:
             continue
         try:
             share = dict(constraints or {}, seqs_per_step=seqs_per_step // replicas)
             c = choose_layout(cfg, seqlen, budget, profile, gpus, transport=transport.value,
-                              ring_size=n, constraints=share,
+                              ring_size=size, constraints=share,
                               single_tok_per_s=single_tok_per_s, placements=WEIGHED_PLACEMENTS,
                               split_fetch=split_fetch)
         except ConfigError:  # this split does not fit (InfeasibleBudget included)
