@@ -31,10 +31,10 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, nbytes: int, reps: int, q) -> None:
     import cupy as cp
 
-    from dataflow.ring.launch import RankEnv
+    from dataflow.ring.env import RankEnv
     from dataflow.ring.nccl import NcclTransport
 
-    env = RankEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1",
+    env = RankEnv(rank=rank, gpus=2, local_rank=rank, master_addr="127.0.0.1",
                   master_port=port, run_id=str(port))
     tr = NcclTransport(env, timeout_s=120)
     out = (cp.arange(nbytes, dtype=cp.uint32) * (2654435761 + rank)).astype(cp.uint8)

@@ -7,7 +7,7 @@ processes and one after the other:
   single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
            ring's own chunking (chunk tokens, chunks per round, rounds per step, read from rank
            0's record) and its head rank's head sub-chunk, so both train the same global
-           batches (dataflow.ring.worker.batches: the shipped text) from the same initial weights, with
+           batches (dataflow.ring.job.batches: the shipped text) from the same initial weights, with
            the ring's learning rate and seed.
   own      with --single-own: one GPU again, at the chunking the planner gives it for the
            ring's global batch (tokens_per_step): the speed baseline where the ring chose
@@ -251,11 +251,11 @@ def single_child(spec_json: str) -> int:
     from dataflow.backends import make_backend
     from dataflow.engine import Engine
     from dataflow.optimizer import AdamWConfig
-    from dataflow.ring.worker import RingJob, batches, model_config
+    from dataflow.ring.job import RingJob, batches, model_config
 
     cfg = model_config(spec["model"])
     host, dev = spec["budget"]
-    job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev,
+    job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev, gpus=1,
                   steps=spec["steps"], lr=spec["lr"],
                   max_grad_norm=spec.get("max_grad_norm") or None)
     t0 = time.perf_counter()
@@ -420,7 +420,7 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     from dataflow.memplan.plan import Budget
     from dataflow.memplan.profiles import get_profile, profile_for_device
     from dataflow.memplan.ring_plan import LINKS, Link
-    from dataflow.ring.worker import model_config
+    from dataflow.ring.job import model_config
 
     prof = profile_for_device(devices[0]) if devices and args.backend == "cupy" else \
         get_profile("cpu")

@@ -29,9 +29,9 @@ _LIST = "rank{rank}.files.json"
 def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None, rng=None,
                          extra: dict | None = None, keep: int | None = None) -> Path:
     """Write the ring's state to `root/step_<step>` (dataflow.checkpoint's layout and checks)
-    and return that path on every process. rank: this process's dataflow.ring.rank.RingRank; cfg: the
-    whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's, taken from
-    process 0."""
+    and return that path on every process. rank: this process's dataflow.ring.rank.RingRank;
+    cfg: the whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's,
+    taken from process 0."""
     keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)
     root, step = Path(root), rank.optimizer.step_count
     leader = transport.rank == 0 and transport.replica == 0
@@ -67,9 +67,9 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
         final = root / ckpt.step_dir_name(step)
         if leader:
             try:
-                files, manifest = _merged_lists(tmp, transport.world_size, cfg.n_layers)
+                files, manifest = _merged_lists(tmp, transport.ring_size, cfg.n_layers)
                 meta = ckpt.checkpoint_meta(rank.optimizer, rank.rp.plan, step, data, rng, extra)
-                meta["ring"] = {"ranks": transport.world_size, "replicas": transport.replicas}
+                meta["ring"] = {"ranks": transport.ring_size, "replicas": transport.replicas}
                 ckpt.seal(tmp, cfg, files, manifest, meta)
                 ckpt.move_into_place(tmp, final)
                 ckpt.finish(root, final, keep)

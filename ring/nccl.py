@@ -15,16 +15,18 @@ import os
 
 import numpy as np
 
+from dataflow.ring.rendezvous import share_from_rank0
+from dataflow.ring.shm import GATHER_MAX
 from dataflow.ring.transport import RingError, Transport
 
 REDUCE_STAGE_BYTES = 64 << 20
 """Device staging (outside the budget) for all-reducing a gradient kept in pinned host memory."""
 
 
-def directed_pairs(world_size: int) -> list[tuple[int, int]]:
+def directed_pairs(ring_size: int) -> list[tuple[int, int]]:
     """Every (src, dst) pair of neighbours of one ring, in one order all ranks agree on."""
-    pairs = {(r, (r + 1) % world_size) for r in range(world_size)}
-    pairs |= {(r, (r - 1) % world_size) for r in range(world_size)}
+    pairs = {(r, (r + 1) % ring_size) for r in range(ring_size)}
+    pairs |= {(r, (r - 1) % ring_size) for r in range(ring_size)}
     return sorted(p for p in pairs if p[0] != p[1])
 
 
@@ -35,8 +37,8 @@ def communicators(ring_size: int, replicas: int) -> list[tuple[str, tuple[int, .
     each ring rank's copies across the rings (the all-reduce and the weight-part gathers) --
     except for rings of 1, whose world has the same members and serves as that communicator
     (one 2-rank communicator over NVLink holds 0.2-0.4 GiB of device memory)."""
-    total = ring_size * replicas
-    out = [("world", tuple(range(total)))]
+    gpus = ring_size * replicas
+    out = [("world", tuple(range(gpus)))]
     for q in range(replicas):
         out += [("pair", (q * ring_size + a, q * ring_size + b))
                 for a, b in directed_pairs(ring_size)]
@@ -60,32 +62,29 @@ def communicator_from_id(nccl, n: int, raw: bytes, rank: int):
 
 
 class NcclTransport(Transport):
-    """Process env.rank of env.world_size: rank env.rank % ring_size of ring
+    """Process env.rank of env.gpus: rank env.rank % ring_size of ring
     env.rank // ring_size. With a ring of 1 (tests on one GPU) a send to and a receive from
     itself share a 1-rank communicator (issue both inside one nccl.groupStart/groupEnd), and an
     all-reduce with one replica runs on a 1-rank communicator (a copy)."""
 
     def __init__(self, env, *, ring_size: int | None = None, timeout_s: float = 60.0):
-        import cupy as cp
+        import cupy as cp  # optional: only a GPU ring imports it
         from cupy.cuda import nccl
-
-        from dataflow.ring.rendezvous import share_from_rank0
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
         self.cp, self.nccl = cp, nccl
-        n = ring_size or env.world_size
-        if env.world_size % n:
-            raise RingError(f"{env.world_size} processes do not form rings of {n}", rank=env.rank)
-        self.rank, self.world_size, self.timeout_s = env.rank % n, n, timeout_s
-        self.replica, self.replicas, self.total = env.rank // n, env.world_size // n, \
-            env.world_size
+        n = ring_size or env.gpus
+        if env.gpus % n:
+            raise RingError(f"{env.gpus} processes do not form rings of {n}", rank=env.rank)
+        self.rank, self.ring_size, self.timeout_s = env.rank % n, n, timeout_s
+        self.replica, self.replicas, self.gpus = env.rank // n, env.gpus // n, env.gpus
         me = env.rank
         cp.cuda.Device(env.local_rank).use()
         comms = communicators(n, self.replicas)
         ids = None
         if me == 0:
             ids = b"".join(uid_bytes(nccl.get_unique_id()) for _ in comms)
-        raw = share_from_rank0(me, env.world_size, env.master_addr, env.master_port, ids,
+        raw = share_from_rank0(me, env.gpus, env.master_addr, env.master_port, ids,
                                timeout_s)
         size = len(raw) // len(comms)
         self.out: dict[int, tuple] = {}
@@ -140,7 +139,7 @@ class NcclTransport(Transport):
             raise RingError(f"rank {self.rank}: the NCCL transport needs the CuPy backend; use "
                             "the shared-memory transport with the NumPy backend", rank=self.rank)
         self.be = be
-        if self.world_size == 1 and 0 not in self.out:
+        if self.ring_size == 1 and 0 not in self.out:
             # made here, not on first send: a communicator created inside the caller's
             # groupStart/groupEnd is not initialised until groupEnd, and a send on it then
             # fails with NCCL_ERROR_INVALID_ARGUMENT (seen on the H100 with CuPy 14)
@@ -151,11 +150,9 @@ class NcclTransport(Transport):
         self._gather_buffers()
 
     def _gather_buffers(self):
-        from dataflow.ring.shm import GATHER_MAX
-
         if self._gather is None:
             self._gather = (self.cp.empty(GATHER_MAX, self.cp.float64),
-                            self.cp.empty(GATHER_MAX * self.total, self.cp.float64))
+                            self.cp.empty(GATHER_MAX * self.gpus, self.cp.float64))
         return self._gather
 
     def _bytes(self, view):
@@ -235,8 +232,8 @@ class NcclTransport(Transport):
             raise RingError(f"all-gather of {k} values exceeds {send.size}", rank=self.rank)
         send[:k].set(values, stream=stream)
         self.world.allGather(send.data.ptr, out.data.ptr, k, self.nccl.NCCL_FLOAT64, stream.ptr)
-        host = out[:k * self.total].get(stream=stream).reshape(self.total, k)  # synchronises
-        return [host[p].copy() for p in range(self.total)]
+        host = out[:k * self.gpus].get(stream=stream).reshape(self.gpus, k)  # synchronises
+        return [host[p].copy() for p in range(self.gpus)]
 
     def _comms(self) -> list:
         """Every communicator of this process: the shared ones in the global order they were

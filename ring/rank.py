@@ -22,6 +22,7 @@ from dataflow.models.errors import ConfigError
 from dataflow.models.layout import BlockKind
 from dataflow.ring.executor import RingExecutor
 from dataflow.ring.transport import Transport
+from dataflow.warmup import start_host_compile, warm_up
 
 
 class RingRank:
@@ -35,8 +36,6 @@ class RingRank:
         first round (dataflow.executor.Executor); weights() runs a pending one first. As the
         Engine, it warms up before the first step (dataflow.warmup: CUDA modules, cuDNN graphs,
         numba host kernels), so step 1 builds nothing."""
-        from dataflow.warmup import start_host_compile, warm_up
-
         self.rp, self.be = rp, be
         self.last_breakdown = None
         """The last step's dataflow.instrument.StepBreakdown where `be` is a TracingBackend."""

@@ -23,7 +23,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return out
 
 
-def share_from_rank0(rank: int, world_size: int, addr: str, port: int, payload: bytes | None,
+def share_from_rank0(rank: int, gpus: int, addr: str, port: int, payload: bytes | None,
                      timeout_s: float) -> bytes:
     """Rank 0 passes `payload` and serves it to ranks 1..N-1 (waiting at most `timeout_s` for
     all of them); the others pass None and get it. Raises RingError naming missing ranks."""
@@ -35,9 +35,9 @@ def share_from_rank0(rank: int, world_size: int, addr: str, port: int, payload: 
         srv.settimeout(0.5)
         seen: set[int] = set()
         try:
-            while len(seen) < world_size - 1:
+            while len(seen) < gpus - 1:
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(1, world_size)) - seen)
+                    missing = sorted(set(range(1, gpus)) - seen)
                     raise RingError(f"rank 0: ranks {missing} never reached the rendezvous at "
                                     f"port {port} within {timeout_s:g} s (not started, wrong "
                                     "MASTER_ADDR/MASTER_PORT, or died)", rank=0,

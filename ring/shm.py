@@ -19,6 +19,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from dataflow.backend import Place, Stream
 from dataflow.ring.transport import RingError, Transport
 
 GATHER_MAX = 4096
@@ -87,20 +88,20 @@ def _alive(pid: int) -> bool:
 
 
 class SharedMemoryTransport(Transport):
-    """Rank `rank` of ring `replica` (of `replicas` rings of `world_size` ranks) on one host,
+    """Rank `rank` of ring `replica` (of `replicas` rings of `ring_size` ranks) on one host,
     found by `run_id` (the launcher's DATAFLOW_RING_ID, else MASTER_PORT). `timeout_s` bounds
     every wait for another process."""
 
-    def __init__(self, rank: int, world_size: int, run_id: str, *, replica: int = 0,
+    def __init__(self, rank: int, ring_size: int, run_id: str, *, replica: int = 0,
                  replicas: int = 1, timeout_s: float = 60.0):
-        total = world_size * replicas
-        if not 1 <= total <= MAX_WORLD or not 0 <= rank < world_size or \
+        gpus = ring_size * replicas
+        if not 1 <= gpus <= MAX_WORLD or not 0 <= rank < ring_size or \
                 not 0 <= replica < replicas:
-            raise RingError(f"rank {rank} of ring {replica} ({replicas} rings of {world_size}) "
-                            f"is not a ring position; use 0 <= rank < world_size, 0 <= replica "
-                            f"< replicas, world_size * replicas <= {MAX_WORLD}", rank=rank)
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.replica, self.replicas, self.total = replica, replicas, total
+            raise RingError(f"rank {rank} of ring {replica} ({replicas} rings of {ring_size}) "
+                            f"is not a ring position; use 0 <= rank < ring_size, 0 <= replica "
+                            f"< replicas, ring_size * replicas <= {MAX_WORLD}", rank=rank)
+        self.rank, self.ring_size, self.timeout_s = rank, ring_size, timeout_s
+        self.replica, self.replicas, self.gpus = replica, replicas, gpus
         self.me = self.proc(rank)
         self.prefix = f"dfr-{run_id}"
         self.be = None
@@ -136,7 +137,7 @@ class SharedMemoryTransport(Transport):
 
     def proc(self, rank: int, replica: int | None = None) -> int:
         """The process number of `rank` of ring `replica` (default: this one)."""
-        return (self.replica if replica is None else replica) * self.world_size + rank
+        return (self.replica if replica is None else replica) * self.ring_size + rank
 
     @staticmethod
     def board_name(prefix: str) -> str:
@@ -165,14 +166,14 @@ class SharedMemoryTransport(Transport):
             reason = self._aborted()
             if reason:
                 raise RingError(f"{reason} while {what}", rank=self.rank, peer=peer)
-            procs = [self.proc(peer)] if peer is not None else range(self.total)
+            procs = [self.proc(peer)] if peer is not None else range(self.gpus)
             for p in procs:
                 if not _alive(int(self._pids[p])):
-                    who = f"rank {p % self.world_size}" + (
-                        f" of ring {p // self.world_size}" if self.replicas > 1 else "")
+                    who = f"rank {p % self.ring_size}" + (
+                        f" of ring {p // self.ring_size}" if self.replicas > 1 else "")
                     raise RingError(f"rank {self.rank}: {who} (pid {int(self._pids[p])}) "
                                     f"died while {what}", rank=self.rank,
-                                    peer=p % self.world_size)
+                                    peer=p % self.ring_size)
             if time.monotonic() > deadline:
                 raise RingError(f"rank {self.rank}: timed out after {self.timeout_s:g} s "
                                 f"{what}; rank {peer if peer is not None else '?'} hung or is "
@@ -181,13 +182,11 @@ class SharedMemoryTransport(Transport):
     # -- mailboxes -------------------------------------------------------------------------------
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
              max_gather_bytes: int = 0) -> None:
-        from dataflow.backend import Place
-
         max_reduce_bytes = max(max_reduce_bytes, max_gather_bytes)  # one segment serves both
         self.be = be
         slot = SLOT_HEADER + -(-max_message_bytes // 64) * 64
         nbytes = HEADER + depth * slot
-        peers = sorted({(self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size}
+        peers = sorted({(self.rank + 1) % self.ring_size, (self.rank - 1) % self.ring_size}
                        - {self.rank})
         for p in peers:
             shm = _create(f"{self.prefix}-{self.me}-{self.proc(p)}", nbytes, self.rank)
@@ -315,8 +314,6 @@ class SharedMemoryTransport(Transport):
     def _on_host(self, view, what: str, fn, *, to_host: bool, from_host: bool, name: str):
         """Run fn(host bytes of `view`) on the HOST stream; a device view goes through the
         `what` staging buffer, copied there first (to_host) and / or back after (from_host)."""
-        from dataflow.backend import Stream
-
         be = self.be
         if isinstance(view, np.ndarray):
             flat = view.reshape(-1).view(np.uint8)
@@ -354,14 +351,10 @@ class SharedMemoryTransport(Transport):
                       name="gather_parts")
 
     def record(self, stream: str):
-        from dataflow.backend import Stream
-
         return self.be.record(Stream.HOST)  # sends and receives share the host stream: sends
         # never wait for their receiver (the mailbox holds a round's chunks), so none blocks one
 
     def wait(self, stream: str, event) -> None:
-        from dataflow.backend import Stream
-
         self.be.wait(Stream.HOST, event)
 
     # -- control plane ---------------------------------------------------------------------------
@@ -378,10 +371,10 @@ class SharedMemoryTransport(Transport):
         self._rows[parity, self.me, :values.size] = values
         self._gens[self.me] = self._gen + 1
         target = self._gen + 1
-        self._wait_until(lambda: all(int(self._gens[p]) >= target for p in range(self.total)),
+        self._wait_until(lambda: all(int(self._gens[p]) >= target for p in range(self.gpus)),
                          f"in all-gather {target}", None)
         self._gen = target
-        return [self._rows[parity, p, :values.size].copy() for p in range(self.total)]
+        return [self._rows[parity, p, :values.size].copy() for p in range(self.gpus)]
 
     def abort(self, reason: str = "") -> None:
         if not int(self._flags[0]):

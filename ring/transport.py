@@ -21,8 +21,8 @@ class RingError(RuntimeError):
 
 class Transport(abc.ABC):
     rank: int
-    """This process's place in its ring (0..world_size-1)."""
-    world_size: int
+    """This process's place in its ring (0..ring_size-1)."""
+    ring_size: int
     """Ranks in one ring (N)."""
     replica: int = 0
     """Which of the R data-parallel rings this process belongs to."""

@@ -5,7 +5,7 @@ Never spawns processes and never reads another rank's memory except through the 
 
 from __future__ import annotations
 
-import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -16,135 +16,24 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.ring.launch import RankEnv
+from dataflow.batch import make_batch
+from dataflow.checkpoint import latest_checkpoint
+from dataflow.models.errors import ConfigError
+from dataflow.optimizer import AdamWConfig
+from dataflow.ring.bootstrap import open_rank
+from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
+from dataflow.ring.env import RankEnv
+from dataflow.ring.job import RingJob, batches, eval_batch, model_config
+from dataflow.ring.transport import RingError
 from dataflow.settings import settings_from_env
 
 log = logging.getLogger("dataflow.ring.worker")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RingJob:
-    model: str
-    """Zoo name or a config path, or a ModelConfig as JSON (tests use small custom shapes)."""
-    seqlen: int
-    host_gb: float
-    """Per-device budgets (GiB)."""
-    dev_gb: float
-    steps: int = 1
-    seed: int = 0
-    """Weight initialisation."""
-    data: str = "shipped"
-    """'shipped' (the shipped text) or 'random:<seed>' (uniform random ids, for tests)."""
-    lr: float = 1e-3
-    max_grad_norm: float | None = 1.0
-    grad_accum: str = "bf16"
-    """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.GradAccum)."""
-    eager_update: bool = False
-    trace: bool = False
-    """Each rank traces its backend's streams and reports every step's breakdown."""
-    """Run each step's AdamW at its own end (default: inside the next step's first round, and
-    the last step's before the weights are written; the same bits either way)."""
-    replicas: int = 1
-    """Data-parallel rings: the launched processes form `replicas` rings of world / replicas
-    ranks; each ring trains its slice of the global batch (replicas x seqs_per_step rows)."""
-    split_fetch: bool = False
-    """With replicas: each fetches 1/R of every streamed weight use and gathers the rest from
-    the others (RankPlan.split_fetch); False: each fetches everything itself."""
-    backend: str = "numpy"
-    transport: str = "shm"
-    """'shm' (one host: NumPy backend, or ranks sharing GPUs through pinned staging) or 'nccl'
-    (CuPy backend, one GPU per rank)."""
-    timeout_s: float = 60.0
-    out_dir: str = ""
-    """Where rank r writes rank<r>.json (losses, step times) and rank<r>.npz ('' nothing)."""
-    save_weights: bool = True
-    """Write rank<r>.npz, the rank's blocks' final weights, beside rank<r>.json."""
-    constraints: tuple[tuple[str, int], ...] = ()
-    """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
-    placement: str = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
-    on rank i mod N), 'balanced' (the head's rank owns fewer layers) or 'contiguous'. A
-    'placement' among the constraints (a layout's choice) takes precedence."""
-    eval_seqs: int = 0
-    """After the last step, the forward-only loss (RingRank.evaluate) of this many sequences that
-    no step of the run trained on (the next ids of a 'random:' stream, or the shipped text after
-    the run's last batch), written as eval_loss beside the losses."""
-    checkpoint_dir: str = ""
-    """Where the ring saves checkpoints (step_NNNNNNNN/, dataflow.checkpoint's format: one
-    device or a ring of another size can resume from them); one directory every rank sees."""
-    save_every: int = 0
-    """Save every this many steps and at the last step (0: never)."""
-    keep: int = 3
-    """Keep the newest this many checkpoints (0: all)."""
-    resume: bool = False
-    """Start from the newest checkpoint in checkpoint_dir (from step 0 when there is none);
-    `steps` is then the run's total, so a run resumed at step 3 of 6 trains 3 more."""
-    fault: str = ""
-    """Tests only: 'kill:<rank>:<step>' makes that rank SIGKILL itself before that step."""
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "RingJob":
-        raw = json.loads(text)
-        raw["constraints"] = tuple(tuple(kv) for kv in raw.get("constraints", ()))
-        return cls(**raw)
-
-
-def model_config(spec: str):
-    from dataflow.models.config import ModelConfig, load_config
-    from dataflow.models.serial import from_json
-
-    if spec.lstrip().startswith("{"):
-        return from_json(ModelConfig, spec)
-    return load_config(spec)
-
-
-def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
-    """The global batch of each step from step `start` (0-based) to job.steps, the same on
-    every rank and in the single-device run (a resumed run continues where the saved one was)."""
-    if job.data.startswith("random:"):
-        stream = _random_rows(job, cfg)
-        for step in range(job.steps):
-            batch = stream(seqs_per_step)
-            if step >= start:
-                yield batch
-        return
-    from dataflow.data import token_stream
-
-    for step in range(start, job.steps):
-        yield token_stream(job.seqlen, seqs_per_step, cfg.vocab_size,
-                           start=step * seqs_per_step * job.seqlen)
-
-
-def eval_batch(job: RingJob, cfg, seqs_per_step: int):
-    """The job's eval_seqs rows of seqlen + 1 ids that follow its training batches."""
-    if job.data.startswith("random:"):
-        stream = _random_rows(job, cfg)
-        for _ in range(job.steps):
-            stream(seqs_per_step)
-        return stream(job.eval_seqs)
-    from dataflow.data import token_stream
-
-    return token_stream(job.seqlen, job.eval_seqs, cfg.vocab_size,
-                        start=job.steps * seqs_per_step * job.seqlen)
-
-
-def _random_rows(job: RingJob, cfg):
-    """rows -> the next (rows, seqlen + 1) uniform random ids of a 'random:<seed>' job."""
-    rng = np.random.default_rng(int(job.data.split(":", 1)[1]))
-    return lambda rows: rng.integers(0, cfg.vocab_size, (rows, job.seqlen + 1), dtype=np.int32)
-
-
 def run_rank(job: RingJob, env: RankEnv) -> int:
     """Train `job` as rank env.rank. 0 done; 1 with one line on stderr when this rank or the
     ring failed (a RingError names the rank that died or hung)."""
-    from dataflow.optimizer import AdamWConfig
-    from dataflow.ring.engine import open_rank
-    from dataflow.ring.transport import RingError
-
-    tag = f"[rank {env.rank}/{env.world_size}]"
+    tag = f"[rank {env.rank}/{env.gpus}]"
     transport = None
     try:
         cfg = model_config(job.model)
@@ -155,7 +44,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
             split_fetch=job.split_fetch, **{"placement": job.placement, **dict(job.constraints)})
         rp = rank.rp
-        n = rp.n_ranks
+        ring_size = rp.n_ranks
         losses, times, breakdowns = [], [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas
@@ -174,8 +63,6 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 breakdowns.append({"wall_s": bd.wall_s, **bd.parts()})
                 print(f"{tag} step {step + 1}: {bd.summary()}", file=sys.stderr, flush=True)
             if job.save_every and ((step + 1) % job.save_every == 0 or step + 1 == job.steps):
-                from dataflow.ring.checkpoint import save_ring_checkpoint
-
                 t0 = time.perf_counter()
                 path = save_ring_checkpoint(rank, transport, cfg, job.checkpoint_dir,
                                             data={"source": job.data, "step": step + 1},
@@ -185,8 +72,6 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         eval_loss = None
         if job.eval_seqs:
-            from dataflow.batch import make_batch
-
             q = rp.plan.chunking.seqs_per_round * job.replicas
             held = make_batch(eval_batch(job, cfg, seqs), vocab_size=cfg.vocab_size,
                               seqlen=job.seqlen, pad_rows_to=q)
@@ -200,7 +85,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 np.savez(out / f"rank{env.rank}.npz", **{k: v.view(np.uint16)
                                                          for k, v in rank.weights().items()})
             (out / f"rank{env.rank}.json").write_text(json.dumps({
-                "rank": env.rank % n, "replica": env.rank // n, "world_size": env.world_size,
+                "rank": env.rank % ring_size, "replica": env.rank // ring_size,
+                "world_size": env.gpus,
                 "layers": list(rp.layers), "placement": rp.placement,
                 "split_fetch": rp.split_fetch,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
@@ -212,8 +98,6 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "head_sub_tokens": rp.plan.slots.head_sub_tokens if rp.has_head else None,
                 "device_bytes": rp.plan.memory.device_bytes,
                 "host_bytes": rp.plan.memory.host_bytes, "plan_hash": rp.plan.hash}))
-        import faulthandler
-
         # a close that hangs (a communicator waiting for a peer) says where, once a minute
         faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
         try:
@@ -245,10 +129,6 @@ def _resume(job: RingJob, rank, transport, cfg, tag: str) -> int:
     rank the same one) and return its step; else 0."""
     if not job.resume:
         return 0
-    from dataflow.checkpoint import latest_checkpoint
-    from dataflow.models.errors import ConfigError
-    from dataflow.ring.checkpoint import load_ring_checkpoint
-
     path = latest_checkpoint(job.checkpoint_dir)
     found = transport.allgather(np.array([-1.0 if path is None else float(path.name[5:])]))
     if len({float(row[0]) for row in found}) > 1:

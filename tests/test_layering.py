@@ -163,6 +163,41 @@ def test_nobody_imports_private_modules_or_names_of_another_package():
     assert not bad, "\n".join(bad)
 
 
+def test_the_ring_modules_import_each_other_without_a_circle_and_never_its_cli():
+    """dataflow.ring's modules form no import circle (function-local imports included), and no
+    ring module imports dataflow.ring.cli: the command line is a leaf that can move out."""
+    modules = {f.stem: f for f in _files("ring") if f.stem != "__init__"}
+    edges = {name: set() for name in modules}
+    bad = []
+    for name, f in modules.items():
+        for _, module, names in _imports(f):
+            parts = module.split(".")
+            if parts[:2] != ["dataflow", "ring"]:
+                continue
+            # `from dataflow.ring import x` names the module among the imported names
+            targets = parts[2:3] or [n for n in names if n in modules]
+            for target in targets:
+                if target == "cli" and name != "cli":
+                    bad.append(f"ring/{name}.py imports dataflow.ring.cli")
+                if target in modules and target != name:
+                    edges[name].add(target)
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            bad.append("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for target in sorted(edges[name]):
+            visit(target, path + [name])
+        done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])
+    assert not bad, "\n".join(bad)
+
+
 def test_every_import_of_ours_uses_the_installed_dataflow_names():
     """The wheel installs only `dataflow`: `import memplan` works in a checkout but not for a user
     (and would load a second copy of the module beside `dataflow.memplan`)."""

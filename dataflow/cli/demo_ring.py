@@ -1,6 +1,6 @@
 """`dataflow-demo <host_gb> <dev_gb> <seqlen> <model> --gpus N`: the demo on N GPUs in the layout
 the planner chooses (replicas of a ring, dataflow.memplan.layout; budgets per device; --rounds or
---tokens-per-step shape the global batch) through dataflow.ring.cli's launcher: it spawns the ranks
+--tokens-per-step shape the global batch) through dataflow.ring.run's launcher: it spawns the ranks
 (or, under torchrun / srun with --gpus equal to WORLD_SIZE, is one of them), prints each rank's
 step lines and one summary line (tok/s of the whole ring). Constant lr, clipping as
 --max-grad-norm, the shipped text; --checkpoint-dir, --save-every, --keep and --resume as on one
@@ -13,7 +13,10 @@ import tempfile
 
 from dataflow.cli.args import check_checkpoint_flags
 from dataflow.models.errors import ConfigError
-from dataflow.ring.cli import launch_backend, resolve_layout, ring_processes, run_job
+from dataflow.ring.job import RingJob
+from dataflow.ring.kinds import TransportKind
+from dataflow.ring.layout import launch_backend, resolve_layout
+from dataflow.ring.run import ring_processes, run_job
 
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
                   "seqs_per_step": "--seqs-per-step", "warmup": "--warmup",
@@ -23,8 +26,6 @@ NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
 
 def run_ring(args, parser, lr: float) -> int:
     """Train args' model on a ring of args.gpus ranks; the process's exit code."""
-    from dataflow.ring.worker import RingJob  # NumPy: loaded only for a ring run, not --help
-
     used = [flag for dest, flag in NOT_FOR_A_RING.items()
             if getattr(args, dest, None) != parser.get_default(dest)]
     if used:
@@ -35,15 +36,15 @@ def run_ring(args, parser, lr: float) -> int:
     backend = launch_backend(args.backend)
     replicas, constraints = resolve_layout(
         args.model, args.seqlen, args.host_gb, args.dev_gb, n, backend=backend,
-        transport="nccl" if backend == "cupy" else "shm", replicas=None,
+        transport=TransportKind.AUTO.resolve(backend), replicas=None,
         tokens_per_step=args.tokens_per_step, rounds=args.rounds,
         quiet=env is not None and env.rank != 0)
-    job = RingJob(replicas=replicas, constraints=constraints,model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
+    job = RingJob(gpus=n, replicas=replicas, constraints=constraints,model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
                   max_grad_norm=args.max_grad_norm or None, backend=backend,
-                  transport="auto", timeout_s=300.0, save_weights=False,
+                  transport=TransportKind.AUTO, timeout_s=300.0, save_weights=False,
                   eager_update=args.eager_update, checkpoint_dir=args.checkpoint_dir or "",
                   save_every=args.save_every, keep=args.keep, resume=args.resume,
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
-    return run_job(job, env, n, as_json=args.json, prog="dataflow-demo", keep_out=False)
+    return run_job(job, env, as_json=args.json, prog="dataflow-demo", keep_out=False)
 

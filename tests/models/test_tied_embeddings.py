@@ -307,17 +307,19 @@ def test_two_data_parallel_replicas_train_a_tied_model_as_one_device(tmp_path, r
     32,768 elements). The step-1 loss precedes any update and is exact; later losses within
     1e-6."""
     from dataflow.models.serial import to_json
-    from dataflow.ring.worker import RingJob
+    from dataflow.memplan.plan import GradAccum
+    from dataflow.ring.job import RingJob
     from tests.ring.test_ring_cpu import _ring, _single_device
 
     cfg = dataclasses.replace(load_config("tiny"), name="tiny-tied", tie_embeddings=True)
-    job = RingJob(model=to_json(cfg), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+    job = RingJob(gpus=2, model=to_json(cfg), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
-                  lr=1e-2, timeout_s=60, out_dir=str(tmp_path), grad_accum="fp32", replicas=2,
+                  lr=1e-2, timeout_s=60, out_dir=str(tmp_path), grad_accum=GradAccum.FP32,
+                  replicas=2,
                   constraints=(("chunk_tokens", 64), ("chunks_per_round", 1),
                                ("rounds_per_step", 1)))
     want_losses, want = _single_device(job, rounds_per_step=2)
-    losses, got, _ = _ring(job, 2)
+    losses, got, _ = _ring(job)
     assert want_losses[1] != want_losses[0]
     for row in losses:
         assert row[0] == want_losses[0] and row == pytest.approx(want_losses, rel=1e-6)

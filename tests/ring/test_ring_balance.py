@@ -133,7 +133,7 @@ def test_a_ring_with_runs_trains_as_one_device_bit_for_bit(rng, n_ranks, n_layer
     layers: on the same global batches they give one device's losses and final weights of every
     block bit for bit (clipping off: the norm's partial sums would be added in another order)."""
     from dataflow.ring.engine import Ring, RingEngine
-    from dataflow.ring.launch import RankEnv
+    from dataflow.ring.env import RankEnv
 
     cfg = _cfg(n_layers)
     seed = int(rng.integers(0, 2**31))
@@ -147,7 +147,7 @@ def test_a_ring_with_runs_trains_as_one_device_bit_for_bit(rng, n_ranks, n_layer
     want = {"embed": w.embed, "head": w.head, **{f"layer{i}": b for i, b in enumerate(w.layers)}}
 
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=n_ranks, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=n_ranks, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine(cfg, ring=Ring(env=env, replicas=1, timeout_s=30, placement=placement),
                     **common) as eng:
@@ -247,9 +247,11 @@ def test_ring_cli_resolves_a_placement_into_the_job(monkeypatch, capsys):
     """dataflow-ring --placement balanced: resolve_layout's constraints carry it, and main puts
     it into the RingJob every rank receives."""
     import dataflow.ring.cli as cli
+    from dataflow.ring.kinds import TransportKind
+    from dataflow.ring.layout import resolve_layout
 
-    _, constraints = cli.resolve_layout(
-        "small", 64, 1.0, 1.0, 2, backend="numpy", transport="shm", replicas=1,
+    _, constraints = resolve_layout(
+        "small", 64, 1.0, 1.0, 2, backend="numpy", transport=TransportKind.SHM, replicas=1,
         tokens_per_step=None, rounds=None, quiet=True, placement="balanced")
     assert dict(constraints)["placement"] == "balanced"
     jobs = []

@@ -16,7 +16,7 @@ from dataflow.engine import Engine
 from dataflow.models.config import load_config
 from dataflow.models.errors import ChecksumError, ConfigError
 from dataflow.ring.engine import Ring
-from dataflow.ring.launch import RankEnv
+from dataflow.ring.env import RankEnv
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -28,7 +28,7 @@ COMMON = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", lr=1e-2,
 def _ring(n: int, fn, replicas: int = 1) -> list:
     """fn(engine) on each of n ring processes (threads); their results in process order."""
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=n, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=n, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine(CFG, ring=Ring(env=env, replicas=replicas, timeout_s=30), seed=SEED,
                     **COMMON) as eng:

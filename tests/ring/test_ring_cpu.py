@@ -21,8 +21,9 @@ from dataflow.memplan import get_profile, make_plan
 from dataflow.memplan.plan import Budget
 from dataflow.models.config import load_config
 from dataflow.models.serial import to_json
+from dataflow.memplan.plan import GradAccum
+from dataflow.ring.job import RingJob, batches, model_config
 from dataflow.ring.launch import launch
-from dataflow.ring.worker import RingJob
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -37,12 +38,9 @@ def _model(n_layers: int) -> str:
 def _single_device(job: RingJob, **constraints):
     """Losses and final weights of the same job on one device (the Engine); `constraints`
     replace the job's (the one device runs the replicas' rounds one after another)."""
-    from dataflow.memplan.plan import GradAccum
-    from dataflow.ring.worker import batches, model_config
-
     cfg = model_config(job.model)
     plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
-                     get_profile("cpu"), grad_accum=GradAccum(job.grad_accum),
+                     get_profile("cpu"), grad_accum=job.grad_accum,
                      **{**dict(job.constraints), **constraints})
     losses = []
     with Engine.from_plan(plan, backend="numpy", seed=job.seed, lr=job.lr,
@@ -55,13 +53,13 @@ def _single_device(job: RingJob, **constraints):
     return losses, blocks
 
 
-def _ring(job: RingJob, n: int):
-    """Launch n processes (job.replicas rings); every process's losses, and each block's final
-    weights once (the replicas must agree on them bit for bit)."""
-    res = launch(job, n)
-    assert res.exit_codes == (0,) * n, res
+def _ring(job: RingJob):
+    """Launch job.gpus processes (job.replicas rings); every process's losses, and each block's
+    final weights once (the replicas must agree on them bit for bit)."""
+    res = launch(job)
+    assert res.exit_codes == (0,) * job.gpus, res
     losses, blocks, owner = [], {}, {}
-    for r in range(n):
+    for r in range(job.gpus):
         info = json.loads((__import__("pathlib").Path(job.out_dir) / f"rank{r}.json").read_text())
         losses.append(info["losses"])
         with np.load(f"{job.out_dir}/rank{r}.npz") as z:
@@ -80,12 +78,13 @@ def test_ring_reproduces_single_device_bit_identically(tmp_path, rng, n_ranks, n
     """A ring of 3 processes (4 layers: the head lands on rank 0 with the embedding; gradient
     clipping on) matches one device's losses and weights exactly after 2 steps. (A ring of 2:
     test_engine_with_ring_trains_as_one_rank_of_the_ring, in threads.)"""
-    job = RingJob(model=_model(n_layers), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+    job = RingJob(gpus=n_ranks, model=_model(n_layers), seqlen=64, host_gb=0.25, dev_gb=0.25,
+                  steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
                   lr=1e-2, max_grad_norm=clip, timeout_s=60, out_dir=str(tmp_path),
                   constraints=CHUNKING)
     want_losses, want = _single_device(job)
-    losses, got, _ = _ring(job, n_ranks)
+    losses, got, _ = _ring(job)
     for r in range(n_ranks):
         assert losses[r] == want_losses, (r, losses[r], want_losses)
     assert sorted(got) == sorted(want)
@@ -111,15 +110,16 @@ def test_two_replicas_of_a_ring_of_two_reproduce_one_device(tmp_path, rng, accum
     weight by 2 lr); weights 4e-3 after 3 steps. The fp32 run
     streams every layer's weights and has the replicas split their fetches
     (RankPlan.split_fetch), which must change no bit."""
-    job = RingJob(model=_model(2), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+    job = RingJob(gpus=4, model=_model(2), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
-                  lr=1e-2, timeout_s=60, out_dir=str(tmp_path), grad_accum=accum, replicas=2,
+                  lr=1e-2, timeout_s=60, out_dir=str(tmp_path), grad_accum=GradAccum(accum),
+                  replicas=2,
                   split_fetch=accum == "fp32",
                   constraints=(("chunk_tokens", 64), ("chunks_per_round", 1),
                                ("rounds_per_step", 1)) + ((("max_resident_layers", 0),)
                                                           if accum == "fp32" else ()))
     want_losses, want = _single_device(job, rounds_per_step=2)
-    losses, got, _ = _ring(job, 4)
+    losses, got, _ = _ring(job)
     assert sorted(got) == sorted(want)
     assert all(row == losses[0] for row in losses)
     assert want_losses[1] != want_losses[0]
@@ -138,11 +138,11 @@ def test_two_replicas_of_a_ring_of_two_reproduce_one_device(tmp_path, rng, accum
 def test_killed_rank_makes_every_other_rank_exit_with_a_clear_error(tmp_path, capfd):
     """Rank 1 of 3 SIGKILLs itself before step 2: ranks 0 and 2 stop with a RingError naming the
     ring's failure, long before their 60 s timeout, and the launcher reports rank 1 first."""
-    job = RingJob(model=_model(3), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=3,
+    job = RingJob(gpus=3, model=_model(3), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=3,
                   data="random:1", timeout_s=60, out_dir=str(tmp_path), constraints=CHUNKING,
                   fault="kill:1:1")
     t0 = time.monotonic()
-    res = launch(job, 3, grace_s=20)
+    res = launch(job, grace_s=20)
     elapsed = time.monotonic() - t0
     err = capfd.readouterr().err
     assert res.exit_codes[1] == -9 and res.first_failure == 1, res
@@ -165,14 +165,14 @@ def test_ring_clips_by_the_global_norm(tmp_path, rng):
     """With a clip threshold far below the gradient norm, a ring of 3 clips by the norm over
     every rank's blocks (gathered before the clip scale), as one device does: same losses and
     weights up to the order of the squared-norm sums (fp32), not bit for bit."""
-    job = RingJob(model=_model(4), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+    job = RingJob(gpus=3, model=_model(4), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
                   lr=1e-2, max_grad_norm=1e-3, timeout_s=60, out_dir=str(tmp_path),
                   constraints=CHUNKING)
     want_losses, want = _single_device(job)
     unclipped, _ = _single_device(dataclasses.replace(job, max_grad_norm=None))
     assert unclipped[1] != want_losses[1]  # clipping changed the step
-    losses, got, _ = _ring(job, 3)
+    losses, got, _ = _ring(job)
     for r in range(3):
         np.testing.assert_allclose(losses[r], want_losses, rtol=1e-4)
     for key in want:  # a few AdamW updates may round differently (tiny clipped gradients)
@@ -259,7 +259,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     next step's first round (the default; weights() runs the last one) or at the step's end."""
     from dataflow.engine import StepResult
     from dataflow.ring.engine import Ring, RingEngine
-    from dataflow.ring.launch import RankEnv
+    from dataflow.ring.env import RankEnv
 
     seed, lr = int(rng.integers(0, 2**31)), 1e-2
     common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
@@ -273,7 +273,7 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
     want = {"embed": w.embed, "head": w.head, "layer0": w.layers[0], "layer1": w.layers[1]}
 
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=2, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine("tiny", ring=Ring(env=env, replicas=1, timeout_s=30), deferred_update=deferred,
                     **common) as eng:
@@ -302,7 +302,7 @@ def test_ring_without_replicas_runs_the_layout_the_planner_chooses(rng):
     are added in another order; later steps within docs/ring.md's stated bound, 1e-4)."""
     from dataflow.memplan.layout import choose_layout
     from dataflow.ring.engine import Ring
-    from dataflow.ring.launch import RankEnv
+    from dataflow.ring.env import RankEnv
 
     seed = int(rng.integers(0, 2**31))
     common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=1e-2,
@@ -315,7 +315,7 @@ def test_ring_without_replicas_runs_the_layout_the_planner_chooses(rng):
         want_losses = [eng.train_step(b).loss for b in data]
 
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=2, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine("tiny", ring=Ring(env=env, timeout_s=30), **common) as eng:
             assert eng.seqs_per_step == 8
@@ -334,11 +334,11 @@ def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
     placement only), bit for bit."""
     from dataflow.memplan.ring_plan import make_rank_plans
     from dataflow.models.flops import SavedLevel
-    from dataflow.ring.worker import model_config
 
     rebuild = (("chunk_tokens", 128), ("chunks_per_round", 4), ("rounds_per_step", 1),
                ("kv_rebuild", True))
-    job = RingJob(model="small", seqlen=512, host_gb=1.0, dev_gb=44.15 / 1024, steps=2,
+    job = RingJob(gpus=2, model="small", seqlen=512, host_gb=1.0, dev_gb=44.15 / 1024,
+                  steps=2,
                   seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
                   lr=1e-2, timeout_s=120, out_dir=str(tmp_path), constraints=rebuild)
     rps = make_rank_plans(model_config(job.model), job.seqlen,
@@ -347,7 +347,7 @@ def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
     assert any(a.level is not SavedLevel.FULL for rp in rps if rp.plan.kv_rebuild
                for row in rp.plan.activations for a in row)
     want_losses, want = _single_device(dataclasses.replace(job, dev_gb=1.0), kv_rebuild=False)
-    losses, got, _ = _ring(job, 2)
+    losses, got, _ = _ring(job)
     for r, rp in enumerate(rps):  # the ranks ran the plans checked above
         info = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert info["plan_hash"] == rp.plan.hash, r

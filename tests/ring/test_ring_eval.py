@@ -16,7 +16,7 @@ from dataflow.memplan import get_profile
 from dataflow.memplan.plan import Budget
 from dataflow.models.config import load_config
 from dataflow.ring.engine import Ring
-from dataflow.ring.launch import RankEnv
+from dataflow.ring.env import RankEnv
 from tests.ring.threads import in_threads
 
 CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 2))
@@ -28,7 +28,7 @@ COMMON = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", lr=1e-2, se
 
 def _ring(n: int, fn, replicas: int = 1) -> list:
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=n, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=n, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine(CFG, ring=Ring(env=env, replicas=replicas, timeout_s=30), **COMMON) as eng:
             return fn(eng)
@@ -103,12 +103,13 @@ def test_dataflow_ring_processes_evaluate_after_training_as_one_device(tmp_path)
 
     from dataflow.models.serial import to_json
     from dataflow.ring.launch import launch
-    from dataflow.ring.worker import RingJob, batches, eval_batch
+    from dataflow.ring.job import RingJob, batches, eval_batch
 
-    job = RingJob(model=to_json(CFG), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2, seed=11,
+    job = RingJob(gpus=2, model=to_json(CFG), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+                  seed=11,
                   data="random:5", lr=1e-2, timeout_s=60, out_dir=str(tmp_path), eval_seqs=3,
                   constraints=CHUNKING)
-    res = launch(job, 2)
+    res = launch(job)
     assert res.exit_codes == (0, 0), res
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     with Engine(CFG, **COMMON) as eng:  # the job's seed, lr, budgets and chunking

@@ -24,8 +24,10 @@ cp = require_gpu()
 
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.memplan.plan import GradAccum  # noqa: E402
-from dataflow.ring.launch import RankEnv, launch  # noqa: E402
-from dataflow.ring.worker import RingJob, batches, eval_batch, model_config  # noqa: E402
+from dataflow.ring.env import RankEnv  # noqa: E402
+from dataflow.ring.job import RingJob, batches, eval_batch, model_config  # noqa: E402
+from dataflow.ring.kinds import TransportKind  # noqa: E402
+from dataflow.ring.launch import launch  # noqa: E402
 
 CHUNKING = (("chunk_tokens", 256), ("chunks_per_round", 2), ("rounds_per_step", 2))
 HOST_GB, DEV_GB = 2.0, 2.0
@@ -35,7 +37,7 @@ HOST_GB, DEV_GB = 2.0, 2.0
 def _single_device(job: RingJob, dev_gb: float, **constraints):
     """The Engine (this GPU's profile, as the ranks plan with) on the same global batches."""
     cfg = model_config(job.model)
-    options = {**dict(job.constraints), **constraints, "grad_accum": GradAccum(job.grad_accum)}
+    options = {**dict(job.constraints), **constraints, "grad_accum": job.grad_accum}
     with Engine(cfg, host_gb=job.host_gb, dev_gb=dev_gb, seqlen=job.seqlen, backend="cupy",
                 plan_options=options, seed=job.seed, lr=job.lr,
                 max_grad_norm=job.max_grad_norm) as eng:
@@ -48,11 +50,11 @@ def _single_device(job: RingJob, dev_gb: float, **constraints):
     return losses, blocks
 
 
-def _launched(job: RingJob, n: int):
-    res = launch(job, n)
-    assert res.exit_codes == (0,) * n, res
+def _launched(job: RingJob):
+    res = launch(job)
+    assert res.exit_codes == (0,) * job.gpus, res
     losses, blocks = [], {}
-    for r in range(n):
+    for r in range(job.gpus):
         with open(os.path.join(job.out_dir, f"rank{r}.json")) as f:
             info = json.load(f)
         losses.append(info["losses"] + ([info["eval_loss"]] if job.eval_seqs else []))
@@ -67,11 +69,11 @@ def _launched(job: RingJob, n: int):
 def test_ring_of_two_sharing_one_gpu_reproduces_one_device(tmp_path):
     """3 steps, then the forward-only loss of 3 more sequences (RingRank.evaluate): the losses,
     the evaluation and the weights are one device's."""
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
-                  seed=3, data="random:11", lr=1e-3, backend="cupy", transport="shm",
+    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
+                  seed=3, data="random:11", lr=1e-3, backend="cupy", transport=TransportKind.SHM,
                   timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING, eval_seqs=3)
     want_losses, want = _single_device(job, DEV_GB)
-    losses, got = _launched(job, 2)
+    losses, got = _launched(job)
     assert losses[0] == losses[1] == want_losses, (losses, want_losses)
     assert sorted(got) == sorted(want)
     for key in want:
@@ -82,11 +84,11 @@ def test_one_gpu_resumes_from_the_checkpoint_of_a_ring_sharing_it(tmp_path):
     """A ring of 2 sharing the GPU trains 2 steps and saves after each; one device (the Engine,
     CuPy) loads the step-1 checkpoint and its step 2 gives the ring's loss and final weights
     bit for bit."""
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
-                  seed=5, data="random:13", lr=1e-3, backend="cupy", transport="shm",
+    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
+                  seed=5, data="random:13", lr=1e-3, backend="cupy", transport=TransportKind.SHM,
                   timeout_s=120, out_dir=str(tmp_path / "out"), constraints=CHUNKING,
                   checkpoint_dir=str(tmp_path / "ck"), save_every=1)
-    losses, got = _launched(job, 2)
+    losses, got = _launched(job)
     cfg = model_config(job.model)
     with Engine(cfg, host_gb=job.host_gb, dev_gb=DEV_GB, seqlen=job.seqlen, backend="cupy",
                 plan_options=dict(CHUNKING), seed=job.seed + 1, lr=job.lr) as eng:
@@ -105,13 +107,13 @@ def test_two_replicas_sharing_one_gpu_match_one_device(tmp_path):
     """fp32 accumulation, one chunk per round: the same sums as one device's two rounds (bit
     for bit on CPU); here held to the bf16 bound of the CPU test in case a GPU kernel sums
     differently: losses within 1e-4, weights within relative L2 steps * 2^-8."""
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
-                  seed=4, data="random:12", lr=1e-3, backend="cupy", transport="shm",
-                  grad_accum="fp32", replicas=2, timeout_s=120, out_dir=str(tmp_path),
+    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=2,
+                  seed=4, data="random:12", lr=1e-3, backend="cupy", transport=TransportKind.SHM,
+                  grad_accum=GradAccum.FP32, replicas=2, timeout_s=120, out_dir=str(tmp_path),
                   constraints=(("chunk_tokens", 256), ("chunks_per_round", 1),
                                ("rounds_per_step", 1)))
     want_losses, want = _single_device(job, DEV_GB, rounds_per_step=2)
-    losses, got = _launched(job, 2)
+    losses, got = _launched(job)
     assert losses[0] == losses[1]
     np.testing.assert_allclose(losses[0], want_losses, rtol=1e-4)
     import ml_dtypes
@@ -133,7 +135,7 @@ def test_nccl_transport_moves_bf16_bytes_exactly(rng):
     from dataflow.backends import make_backend
     from dataflow.ring.nccl import NcclTransport
 
-    env = RankEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+    env = RankEnv(rank=0, gpus=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
                   run_id="nccl-unit")
     be = make_backend("cupy")
     tr = NcclTransport(env, timeout_s=30)
@@ -190,11 +192,12 @@ def test_nccl_ring_on_two_gpus_reproduces_one_gpu_and_exits(tmp_path):
 
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=3, seed=5,
-                  data="random:13", lr=1e-3, backend="cupy", transport="nccl", timeout_s=60,
+    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=3, seed=5,
+                  data="random:13", lr=1e-3, backend="cupy", transport=TransportKind.NCCL,
+                  timeout_s=60,
                   out_dir=str(tmp_path), constraints=CHUNKING)
     t0 = time.monotonic()
-    losses, got = _launched(job, 2)
+    losses, got = _launched(job)
     assert time.monotonic() - t0 < 120, "the ring did not exit in time"
     want_losses, want = _single_device(job, 3.0)
     assert losses[0] == losses[1] == want_losses, (losses, want_losses)
@@ -213,11 +216,12 @@ def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_pa
     runs = []
     for split in (False, True):
         out = tmp_path / f"split{int(split)}"
-        job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2, seed=5,
-                      data="random:13", lr=1e-3, backend="cupy", transport="nccl",
+        job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2,
+                      seed=5,
+                      data="random:13", lr=1e-3, backend="cupy", transport=TransportKind.NCCL,
                       timeout_s=60, out_dir=str(out), replicas=2, split_fetch=split,
                       constraints=CHUNKING + (("max_resident_layers", 0),))
-        runs.append(_launched(job, 2))
+        runs.append(_launched(job))
     (l0, w0), (l1, w1) = runs
     assert l0[0] == l0[1] == l1[0] == l1[1], (l0, l1)
     assert sorted(w0) == sorted(w1)
@@ -225,7 +229,8 @@ def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_pa
         assert np.array_equal(w0[key], w1[key]), key
 
 
-@pytest.mark.parametrize("transport", ["shm", "nccl"])
+@pytest.mark.parametrize("transport", [TransportKind.SHM, TransportKind.NCCL],
+                         ids=["shm", "nccl"])
 def test_moe_ring_of_two_on_the_gpu_trains_as_one_gpu(tmp_path, transport):
     """An OLMoE-shaped model on a ring of 2 (sharing one GPU through shared memory, or one GPU
     each over NCCL): the ranks pass the round's routing totals along their last layers and back
@@ -236,7 +241,7 @@ def test_moe_ring_of_two_on_the_gpu_trains_as_one_gpu(tmp_path, transport):
     from dataflow.models.config import MoE, ModelConfig
     from dataflow.models.serial import to_json
 
-    if transport == "nccl" and cp.cuda.runtime.getDeviceCount() < 2:
+    if transport is TransportKind.NCCL and cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
     cfg = ModelConfig(name="olmoe-gpu-tiny", family="olmoe", vocab_size=512, model_dim=128,
                       head_dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
@@ -245,12 +250,12 @@ def test_moe_ring_of_two_on_the_gpu_trains_as_one_gpu(tmp_path, transport):
                               router_aux_loss_coef=0.5, router_z_loss_coef=1e-3))
     # Ranks sharing the GPU split its budget; an NCCL rank has a GPU of its own and needs room
     # for NCCL's reserve (1.9 GiB in all at this shape, first GPU run), as the NCCL test above.
-    job = RingJob(model=to_json(cfg), seqlen=256, host_gb=HOST_GB,
-                  dev_gb=DEV_GB / 2 if transport == "shm" else 3.0, steps=3,
+    job = RingJob(gpus=2, model=to_json(cfg), seqlen=256, host_gb=HOST_GB,
+                  dev_gb=DEV_GB / 2 if transport is TransportKind.SHM else 3.0, steps=3,
                   seed=7, data="random:17", lr=1e-3, backend="cupy", transport=transport,
                   timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING, eval_seqs=3)
     want_losses, _ = _single_device(job, DEV_GB)
-    losses, got = _launched(job, 2)
+    losses, got = _launched(job)
     assert losses[0] == losses[1], losses
     assert losses[0][0] == pytest.approx(want_losses[0], rel=1e-6)
     assert np.allclose(losses[0], want_losses, rtol=1e-4, atol=0), (losses, want_losses)
@@ -264,8 +269,8 @@ def test_nccl_ranks_need_a_gpu_each():
         pytest.skip("more than one GPU: the 2-GPU run is issue 18's")
     # 3 GiB: a rank of an NCCL ring plans NCCL's 1 GiB reserve, so with half of DEV_GB rank 0
     # would itself fail (InfeasibleBudget) instead of waiting at the rendezvous.
-    job = RingJob(model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=1,
-                  data="random:1", backend="cupy", transport="nccl", timeout_s=60,
+    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=1,
+                  data="random:1", backend="cupy", transport=TransportKind.NCCL, timeout_s=60,
                   constraints=CHUNKING)
-    res = launch(job, 2, grace_s=30)
+    res = launch(job, grace_s=30)
     assert res.first_failure == 1 and res.exit_codes[1] == 1 and res.wall_s < 120, res

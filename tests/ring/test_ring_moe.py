@@ -92,7 +92,7 @@ def test_a_ring_of_two_trains_moe_as_one_device(rng, n_layers, placement):
     rounding in step 1 (the same weights) and within docs/ring.md's bf16 bound after it, the
     auxiliary losses likewise; every block's weights moved."""
     from dataflow.ring.engine import Ring, RingEngine
-    from dataflow.ring.launch import RankEnv
+    from dataflow.ring.env import RankEnv
 
     cfg = dataclasses.replace(CFG, name=f"olmoe-tiny{n_layers}", n_layers=n_layers)
     seed = int(rng.integers(0, 2**31))
@@ -106,7 +106,7 @@ def test_a_ring_of_two_trains_moe_as_one_device(rng, n_layers, placement):
     assert all(r.aux_loss is not None and r.aux_loss > 0 for r in want)
 
     def rank(r, run_id):
-        env = RankEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1",
+        env = RankEnv(rank=r, gpus=2, local_rank=r, master_addr="127.0.0.1",
                       master_port=0, run_id=run_id)
         with Engine(cfg, ring=Ring(env=env, replicas=1, placement=placement, timeout_s=30),
                     **common) as eng:

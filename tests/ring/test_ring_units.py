@@ -28,7 +28,7 @@ from dataflow.memplan.ring_schedule import (
 from dataflow.memplan.schedule import Update
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
-from dataflow.ring.launch import rank_env
+from dataflow.ring.env import rank_env
 from tests.dataflow.plans import updated_pieces
 from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
 
@@ -102,17 +102,48 @@ def test_rank_env_reads_torchrun_then_slurm_variables():
     """RANK/WORLD_SIZE/LOCAL_RANK win; SLURM_* are the fallback; none is a clear error."""
     env = rank_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_PORT": "1234",
                     "MASTER_ADDR": "node7"})
-    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
+    assert (env.rank, env.gpus, env.local_rank, env.master_addr, env.master_port) == \
         (2, 4, 0, "node7", 1235)  # torchrun's own store holds MASTER_PORT
     assert rank_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1234",
                      "DATAFLOW_RING_PORT": "4321"}).master_port == 4321
     env = rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                     "SLURM_JOB_ID": "991"})
-    assert (env.rank, env.world_size, env.local_rank, env.run_id) == (5, 8, 1, "991")
+    assert (env.rank, env.gpus, env.local_rank, env.run_id) == (5, 8, 1, "991")
     with pytest.raises(ConfigError, match="torchrun"):
         rank_env({})
     with pytest.raises(ConfigError, match="outside world size"):
         rank_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_a_ring_job_crosses_to_its_ranks_as_json_with_its_enums_and_process_count():
+    """RingJob.to_json / from_json (what launch hands each spawned rank) keep the transport and
+    gradient accumulation as enums (their text in the JSON) and the job's gpus."""
+    import json
+
+    from dataflow.memplan.plan import GradAccum
+    from dataflow.ring.job import RingJob
+    from dataflow.ring.kinds import TransportKind
+
+    job = RingJob(model="tiny", seqlen=64, host_gb=0.25, dev_gb=0.25, gpus=4, replicas=2,
+                  transport=TransportKind.AUTO, grad_accum=GradAccum.FP32, placement="balanced",
+                  constraints=(("chunk_tokens", 64),))
+    raw = json.loads(job.to_json())
+    assert (raw["transport"], raw["grad_accum"], raw["gpus"]) == ("auto", "fp32", 4)
+    back = RingJob.from_json(job.to_json())
+    assert back == job and back.ring_size == 2 and back.transport is TransportKind.AUTO
+
+
+def test_transport_text_is_parsed_once_and_auto_follows_the_backend():
+    """TransportKind.parse takes the enum or its text and names the choices for other text;
+    AUTO is shared memory on NumPy and NCCL on a GPU backend."""
+    from dataflow.ring.kinds import TransportKind
+
+    assert TransportKind.parse("nccl") is TransportKind.parse(TransportKind.NCCL)
+    with pytest.raises(ConfigError, match="choose auto, nccl or shm"):
+        TransportKind.parse("tcp")
+    assert TransportKind.AUTO.resolve("numpy") is TransportKind.SHM
+    assert TransportKind.AUTO.resolve("cupy") is TransportKind.NCCL
+    assert TransportKind.SHM.resolve("cupy") is TransportKind.SHM
 
 
 def test_rendezvous_hands_rank0_bytes_to_everyone_and_names_a_missing_rank(rng):

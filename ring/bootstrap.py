@@ -1,0 +1,96 @@
+"""The one place a ring process is set up, for the worker and the RingEngine alike: this rank's
+plan under the per-device budgets, its backend (its GPU), its transport and its blocks
+initialised as one device would. Counts: `gpus` is the job's processes (RankEnv.gpus),
+`ring_size` the ranks of one ring (gpus / replicas). Never chooses the layout (the caller
+passes replicas and constraints: dataflow.ring.layout) and never spawns processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from dataflow.backends import make_backend
+from dataflow.engine import default_profile
+from dataflow.instrument import TracingBackend
+from dataflow.memplan.plan import Budget, GradAccum
+from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
+from dataflow.models.errors import ConfigError
+from dataflow.ring.env import RankEnv
+from dataflow.ring.kinds import TransportKind
+from dataflow.ring.nccl import NcclTransport
+from dataflow.ring.rank import RingRank
+from dataflow.ring.shm import SharedMemoryTransport
+
+
+def ring_size(env: RankEnv, replicas: int) -> int:
+    """Ranks per ring: the job's processes divided among the replicas."""
+    if replicas < 1 or env.gpus % replicas:
+        raise ConfigError(f"{env.gpus} processes do not split into {replicas} equal "
+                          "rings; use a process count that is a multiple of the replicas")
+    return env.gpus // replicas
+
+
+def make_transport(kind: TransportKind, env: RankEnv, replicas: int, timeout_s: float):
+    """The transport of process env.rank: rank env.rank % ring_size of ring
+    env.rank // ring_size. `kind` is NCCL or SHM (TransportKind.resolve)."""
+    n = ring_size(env, replicas)
+    if kind is TransportKind.NCCL:
+        return NcclTransport(env, ring_size=n, timeout_s=timeout_s)
+    return SharedMemoryTransport(env.rank % n, n, env.run_id, replica=env.rank // n,
+                                 replicas=replicas, timeout_s=timeout_s)
+
+
+def make_rank_backend(backend: str, kind: TransportKind, env: RankEnv):
+    """NumPy, or CuPy on this rank's GPU: LOCAL_RANK for NCCL (one GPU per rank), else
+    LOCAL_RANK modulo the GPUs present (ranks sharing GPUs through shared memory)."""
+    if backend == "numpy":
+        return make_backend("numpy")
+    try:
+        import cupy as cp  # optional: only a GPU rank counts the GPUs
+
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: make_backend says which
+        return make_backend(backend)
+    if kind is TransportKind.NCCL and env.local_rank >= count:
+        raise ConfigError(f"process {env.rank} needs GPU {env.local_rank} (LOCAL_RANK) but this "
+                          f"host has {count}: the NCCL transport takes one GPU per rank (the "
+                          "shared-memory transport lets ranks share GPUs)")
+    device = env.local_rank if kind is TransportKind.NCCL else env.local_rank % max(1, count)
+    return make_backend(backend, device=device)
+
+
+def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
+              replicas: int = 1, backend: str = "auto",
+              transport: TransportKind = TransportKind.AUTO, timeout_s: float = 120.0,
+              seed: int = 0, optimizer=None, lr_schedule: Callable[[int], float] | None = None,
+              grad_accum: GradAccum = GradAccum.BF16, profile=None,
+              deferred_update: bool = True, trace: bool = False, split_fetch: bool = False,
+              **constraints):
+    """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
+    its backend, its transport and its blocks initialised as one device would.
+    deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
+    trace: wrap the backend in a TracingBackend; each step's breakdown is then the rank's
+    `last_breakdown`. split_fetch: with replicas, each fetches 1/R of every streamed weight use
+    and gathers the rest from the others (RankPlan.split_fetch)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
+    n = ring_size(env, replicas)
+    # AUTO takes its GPU as NCCL would (LOCAL_RANK); the backend then settles the transport
+    gpu_kind = TransportKind.NCCL if transport is TransportKind.AUTO else transport
+    be = make_rank_backend(backend, gpu_kind, env)
+    kind = transport.resolve(be.name)
+    if trace:
+        be = TracingBackend(be)
+    profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
+    split_fetch = bool(split_fetch) and replicas > 1
+    profile = ring_profile(profile, env.gpus, kind.value, replicas)  # NCCL's own memory
+    rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
+                        replicas=replicas, grad_accum=grad_accum, split_fetch=split_fetch,
+                        **constraints)
+    tr = make_transport(kind, env, replicas, timeout_s)
+    try:
+        return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,
+                        deferred_update=deferred_update), tr
+    except BaseException:
+        tr.abort("setup failed")
+        tr.close()
+        raise
