@@ -2,8 +2,8 @@
 processes and one after the other:
 
   ring     N ranks, one GPU each (NCCL), per-device budgets --ring-budget, launched by
-           `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m dataflow.ring.cli` (--launcher);
-           every rank's losses and step times come back through dataflow.ring.cli's --out files.
+           `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m dataflow.cli.ring` (--launcher);
+           every rank's losses and step times come back through dataflow.cli.ring's --out files.
   single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
            ring's own chunking (chunk tokens, chunks per round, rounds per step, read from rank
            0's record) and its head rank's head sub-chunk, so both train the same global
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
                    default="cyclic", help="dataflow-ring --placement: how the ring deals layers")
     p.add_argument("--rounds", type=int, default=None,
-                   help="rounds per step (dataflow.ring.cli --rounds; default: the planner's)")
+                   help="rounds per step (dataflow.cli.ring --rounds; default: the planner's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=0.0, metavar="X",
                    help="clipping of both runs (default 0, off: the ring sums the global norm's "
@@ -239,9 +239,9 @@ def ring_command(args) -> list[str]:
         common += ["--split-fetch"]
     if args.launcher == "torchrun":
         return [shutil.which("torchrun") or "torchrun", "--standalone",
-                f"--nproc-per-node={args.gpus}", "-m", "dataflow.ring.cli", *common]
+                f"--nproc-per-node={args.gpus}", "-m", "dataflow.cli.ring", *common]
     transport = "nccl" if args.backend == "cupy" else "shm"
-    return [sys.executable, "-m", "dataflow.ring.cli", "--gpus", str(args.gpus), "--transport", transport,
+    return [sys.executable, "-m", "dataflow.cli.ring", "--gpus", str(args.gpus), "--transport", transport,
             *common]
 
 

@@ -67,7 +67,7 @@ def test_the_wheel_installs_only_the_dataflow_import_name(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"dataflow"}, tops
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in ("dataflow/cli/plan.py", "dataflow/models/zoo/tiny.json",
-                     "dataflow/kernels/reference/__init__.py", "dataflow/ring/cli.py",
+                     "dataflow/kernels/reference/__init__.py", "dataflow/cli/ring.py",
                      "dataflow/cli/demo.py", "dataflow/cli/sweep.py"):
         assert expected in names, expected
 

@@ -1,5 +1,5 @@
 """bench/ring_gpu.py on CPU (--backend numpy: shared-memory ring, NumPy single device): the ring
-and the one-device run train the same global batches to the same losses, dataflow.ring.cli's --rounds
+and the one-device run train the same global batches to the same losses, dataflow.cli.ring's --rounds
 reaches every rank, and the record and table say so."""
 
 import json

@@ -246,7 +246,7 @@ def test_choose_layout_weighs_placements_when_asked_and_hands_the_ranks_the_choi
 def test_ring_cli_resolves_a_placement_into_the_job(monkeypatch, capsys):
     """dataflow-ring --placement balanced: resolve_layout's constraints carry it, and main puts
     it into the RingJob every rank receives."""
-    import dataflow.ring.cli as cli
+    import dataflow.cli.ring as cli
     from dataflow.ring.kinds import TransportKind
     from dataflow.ring.layout import resolve_layout
 

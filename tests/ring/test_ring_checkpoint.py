@@ -176,7 +176,7 @@ def test_dataflow_ring_saves_and_resumes_where_the_data_left_off(tmp_path):
     import json
     import shutil
 
-    from dataflow.ring.cli import main
+    from dataflow.cli.ring import main
 
     ck = tmp_path / "ck"
     args = ["1", "0.25", "64", "tiny", "--gpus", "2", "--steps", "4", "--checkpoint-dir",

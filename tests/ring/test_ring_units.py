@@ -235,7 +235,7 @@ def test_ring_profile_reserves_nccl_memory_on_gpus_only():
 
 def test_ring_cli_refuses_bad_input_with_one_line(capsys, monkeypatch):
     """dataflow-ring exits 2 with one line for a ring larger than the model, or no --gpus."""
-    from dataflow.ring.cli import main
+    from dataflow.cli.ring import main
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
