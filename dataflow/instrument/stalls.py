@@ -20,9 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from dataflow.backend import Stream
-from dataflow.instrument.breakdown import op_key, length, subtract, union
+from dataflow.instrument.breakdown import StepTrace, op_key, length, subtract, union
 from dataflow.instrument.chrome import STEP_TID, STREAM_TIDS
-from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
+from dataflow.instrument.spans import Clock, Span, SpanKind
 
 MIN_GAP_S = 20e-6
 """Gaps shorter than this are launch jitter, not stalls."""
