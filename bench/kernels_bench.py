@@ -97,7 +97,7 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     import ml_dtypes
     bf16, f32 = ml_dtypes.bfloat16, cupy.float32
     t, d, h, kh, e = c["n_tokens"], c["model_dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"]
-    f, v, sub = c["ffn_dim"], c["vocab_size"], c["head_sub_tokens"]
+    f, v = c["ffn_dim"], c["vocab_size"]
     x, dy = a.randn("x", (t, d), bf16), a.randn("dy", (t, d), bf16)
     w_norm = a.randn("w_norm", (d,), bf16, 0.1)
     y, dx = cupy.empty((t, d), bf16), cupy.empty((t, d), bf16)
@@ -173,6 +173,16 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
            lambda: kc.attention_bwd(q2, k, vv, o2, lse2, do2, th, dq2, dk, dv), 0, 5 * attn2 // 2)
     del o, lse, dq, dk, dv, o2, lse2, dq2
 
+    yield from _head_and_update_cases(cupy, kc, a, c, x, dx)
+
+
+def _head_and_update_cases(cupy, kc, a: _Arrays, c: dict, x, dx):
+    """_cases' last ones: the head's loss (and its parts), then AdamW and the gradient helpers
+    on one layer block. x, dx: _cases' (T, D) bf16 input and gradient buffers."""
+    import ml_dtypes
+    bf16, f32 = ml_dtypes.bfloat16, cupy.float32
+    t, d, h, kh = c["n_tokens"], c["model_dim"], c["n_heads"], c["n_kv_heads"]
+    f, v, sub = c["ffn_dim"], c["vocab_size"], c["head_sub_tokens"]
     w_head = a.randn("w_head", (v, d), bf16, d ** -0.5)
     targets = a.ints("targets", (t,), v)
     logits = cupy.empty((sub, v), f32)
@@ -187,7 +197,7 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
                                         loss),
            0, 3 * 2 * t * d * v)
     del dw_head_bf16
-    from dataflow.kernels.cuda.head_loss import xent_kernel
+    from dataflow.kernels.cuda.head_loss import xent_kernel  # needs CuPy, as kc does
     xent = xent_kernel(4)
     tgt_sub = targets[:sub]
     kc.linear_fwd(x[:sub], w_head, logits)              # real logits to start from
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kernels_bench needs CuPy and an NVIDIA GPU; none here", file=sys.stderr)
         return 2
-    import dataflow.kernels.cuda as kc
+    import dataflow.kernels.cuda as kc  # needs CuPy: imported once CuPy is known to be here
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         cudnn_version = f"frontend {cudnn.__version__}, backend {cudnn.backend_version()}"
     except Exception as exc:  # attention fell back or the frontend is absent
         cudnn_version = f"unavailable ({type(exc).__name__})"
-    from dataflow.kernels.cuda import attention
+    from dataflow.kernels.cuda import attention  # needs CuPy, as kc above
     record = {
         "schema_version": 1,
         "kind": "kernels_bench",
