@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         return 2
     # the engine loads numba and ml_dtypes (about 2 s): imported once the arguments are parsed
     from dataflow.engine import Engine
-    from dataflow.models.safetensors_io import SafetensorsFile
+    from dataflow.models.safetensors_io import SafetensorsFile  # ml_dtypes: likewise
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
