@@ -20,6 +20,9 @@ import time
 
 import numpy as np
 
+from dataflow.data import token_stream
+from dataflow.host_forward import logits
+
 
 class RssSampler:
     """Peak resident set size of this process, sampled every `period_s` on a thread."""
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import psutil
 
-    from dataflow.data import token_stream
+    # the engine loads numba (about 2 s): imported once the arguments are parsed, so --help is quick
     from dataflow.engine import Engine
 
     out: dict = {"model": args.model, "seqlen": args.seqlen, "host_gb": args.host_gb,
@@ -122,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _hf_check(eng, args, out: dict) -> None:
     from pathlib import Path
-
-    from dataflow.data import token_stream
-    from dataflow.host_forward import logits
 
     hf_dir = Path(args.dir) / "hf"
     t0 = time.perf_counter()

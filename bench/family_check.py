@@ -113,7 +113,9 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"family_check needs torch and transformers: {exc}", file=sys.stderr)
         return 2
+    # the engine loads numba and ml_dtypes (about 2 s): imported once the arguments are parsed
     from dataflow.engine import Engine
+    from dataflow.models.safetensors_io import SafetensorsFile  # ml_dtypes: likewise
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
@@ -177,8 +179,6 @@ def main(argv=None) -> int:
     out["exported_tied"] = bool(back.config.tie_word_embeddings) and \
         back.get_output_embeddings().weight is back.get_input_embeddings().weight
     if args.tied:
-        from dataflow.models.safetensors_io import SafetensorsFile
-
         names = [n for f in sorted((tmp / "ours").glob("*.safetensors"))
                  for n in SafetensorsFile(f).names()]
         out["exported_has_lm_head"] = "lm_head.weight" in names

@@ -22,11 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from dataflow.memplan.profiles import profile_for_device
+from dataflow.models.flops import model_flops_per_seq
+
 
 def _model(cfg, torch, device, checkpointing: bool):
     import transformers
 
-    from dataflow.models.hf import hf_config_dict
+    from dataflow.models.hf import hf_config_dict  # loads numba (about 2 s): see main
 
     fields = hf_config_dict(cfg)
     conf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"hf_train_throughput needs torch and transformers: {exc}", file=sys.stderr)
         return 2
-    from dataflow.models.flops import model_flops_per_seq
+    # dataflow.models.hf loads numba (about 2 s): imported after the torch check and --help
     from dataflow.models.hf import model_config
 
     if args.steps < 2:
@@ -119,8 +122,6 @@ def main(argv=None) -> int:
     step_s = sum(steady) / len(steady)
     tokens_per_step = batch * args.seqlen
     flops = model_flops_per_seq(cfg, args.seqlen) * batch
-    from dataflow.memplan.profiles import profile_for_device
-
     peak = profile_for_device(name).peak_bf16_flop_per_s if gpu else float("nan")
     out.update(batch=batch, tokens_per_step=tokens_per_step, step_times_s=times, losses=losses,
                tok_per_s=tokens_per_step / step_s, mfu=flops / step_s / peak,

@@ -100,7 +100,7 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
     ctx = a.ctx
     bf16, f32 = ml_dtypes.bfloat16, cupy.float32
     t, d, h, kh, e = c["n_tokens"], c["model_dim"], c["n_heads"], c["n_kv_heads"], c["head_dim"]
-    f, v, sub = c["ffn_dim"], c["vocab_size"], c["head_sub_tokens"]
+    f, v = c["ffn_dim"], c["vocab_size"]
     x, dy = a.randn("x", (t, d), bf16), a.randn("dy", (t, d), bf16)
     w_norm = a.randn("w_norm", (d,), bf16, 0.1)
     y, dx = cupy.empty((t, d), bf16), cupy.empty((t, d), bf16)
@@ -182,6 +182,17 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
            5 * attn2 // 2)
     del o, lse, dq, dk, dv, o2, lse2, dq2
 
+    yield from _head_and_update_cases(cupy, kc, a, c, x, dx)
+
+
+def _head_and_update_cases(cupy, kc, a: _Arrays, c: dict, x, dx):
+    """_cases' last ones: the head's loss (and its parts), then AdamW and the gradient helpers
+    on one layer block. x, dx: _cases' (T, D) bf16 input and gradient buffers."""
+    import ml_dtypes
+    bf16, f32 = ml_dtypes.bfloat16, cupy.float32
+    t, d, h, kh = c["n_tokens"], c["model_dim"], c["n_heads"], c["n_kv_heads"]
+    f, v, sub = c["ffn_dim"], c["vocab_size"], c["head_sub_tokens"]
+    ctx = a.ctx
     w_head = a.randn("w_head", (v, d), bf16, d ** -0.5)
     targets = a.ints("targets", (t,), v)
     logits = cupy.empty((sub, v), f32)
@@ -197,7 +208,7 @@ def _cases(cupy, kc, a: _Arrays, c: dict):
                                         loss),
            0, 3 * 2 * t * d * v)
     del dw_head_bf16
-    from dataflow.kernels.cuda.head_loss import xent_kernel
+    from dataflow.kernels.cuda.head_loss import xent_kernel  # needs CuPy, as kc does
     xent = xent_kernel(ctx, 4)
     tgt_sub = targets[:sub]
     kc.linear_fwd(ctx, x[:sub], w_head, logits)              # real logits to start from
@@ -254,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kernels_bench needs CuPy and an NVIDIA GPU; none here", file=sys.stderr)
         return 2
-    import dataflow.kernels.cuda as kc
+    import dataflow.kernels.cuda as kc  # needs CuPy: imported once CuPy is known to be here
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])

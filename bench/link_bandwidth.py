@@ -21,6 +21,9 @@ import socket
 import sys
 import time
 
+from dataflow.ring.env import RankEnv
+from dataflow.ring.nccl import NcclTransport
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,9 +33,6 @@ def _free_port() -> int:
 
 def _rank(rank: int, port: int, nbytes: int, reps: int, q) -> None:
     import cupy as cp
-
-    from dataflow.ring.env import RankEnv
-    from dataflow.ring.nccl import NcclTransport
 
     env = RankEnv(rank=rank, gpus=2, local_rank=rank, master_addr="127.0.0.1",
                   master_port=port, run_id=str(port))

@@ -28,17 +28,75 @@ import sys
 import time
 from pathlib import Path
 
+from dataflow.bench.sweep.sweep import git_commit
+from dataflow.memplan.buffers import CUBLAS_WORKSPACE_BYTES
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shape(model: str, tokens: int) -> dict:
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf import model_config  # loads numba (about 2 s): not on --help's path
 
     cfg = model_config(model)
     if cfg.moe is None:
         raise SystemExit(f"{model}: not a mixture-of-experts model (no ModelConfig.moe)")
     return {"model": cfg.name, "tokens": tokens, "d": cfg.model_dim, "f": cfg.moe.expert_ffn_dim,
             "n_experts": cfg.moe.n_experts, "top_k": cfg.moe.top_k}
+
+
+def _time_cases(cp, stream, repeat: int, cases) -> dict:
+    """{name: host enqueue, GPU and queued-GPU ms} of each (name, fn) of `cases`: the best of
+    `repeat` repetitions each way, on `stream`, after one untimed call."""
+    import numpy as np
+
+    # The GPU's own time: a spinning kernel holds the stream while the host enqueues the calls
+    # behind it, so the events around them time the kernels back to back, not the launches.
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
+    khz = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["clockRate"]
+    spin_cycles = np.int64(khz * 1000 * 0.2)  # 0.2 s at the base clock: longer than any enqueue
+    rows = {}
+    for name, fn in cases:
+        fn()
+        stream.synchronize()
+        host_s, gpu_s, queued_gpu_s = [], [], []
+        for i in range(2 * repeat):
+            behind = i % 2 == 1  # every other repetition runs queued behind the spin
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            stream.synchronize()
+            if behind:
+                spin((1,), (1,), (spin_cycles,))
+            start.record(stream)
+            t0 = time.perf_counter()
+            fn()
+            enqueue_s = time.perf_counter() - t0
+            end.record(stream)
+            end.synchronize()
+            elapsed_s = cp.cuda.get_elapsed_time(start, end) / 1e3
+            if behind:
+                queued_gpu_s.append(elapsed_s)
+            else:
+                host_s.append(enqueue_s)
+                gpu_s.append(elapsed_s)
+        rows[name] = {"host_enqueue_ms": 1e3 * min(host_s), "gpu_ms": 1e3 * min(gpu_s),
+                      "gpu_queued_ms": 1e3 * min(queued_gpu_s)}
+    return rows
+
+
+def _print_table(record: dict, shape: dict) -> None:
+    """The profile's top lines, then the short table of main's record."""
+    t, d, f, n, k = (shape[x] for x in ("tokens", "d", "f", "n_experts", "top_k"))
+    r = t * k
+    rows = record["rows"]
+    print("\n".join(record["profile_top"]))
+    print(f"{shape['model']}: T {t}, D {d}, F {f}, {n} experts, k {k} ({r} routed rows) on "
+          f"{record['device']}")
+    print(f"  {'':26s} {'host enqueue ms':>16s} {'GPU ms':>9s} {'GPU ms, queued':>15s}")
+    for name, row in rows.items():
+        print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f} "
+              f"{row['gpu_queued_ms']:15.2f}")
+    print(f"  loop at {record['loop_tflop_per_s']:.0f} TFLOP/s of GPU time; launch bound: "
+          f"{record['launch_bound']}")
 
 
 def main(argv=None) -> int:
@@ -59,8 +117,7 @@ def main(argv=None) -> int:
     import cupy as cp
     import numpy as np
 
-    import dataflow.kernels.cuda as K
-    from dataflow.bench.sweep.sweep import git_commit
+    import dataflow.kernels.cuda as K  # needs CuPy: imported where the GPU work starts
     import ml_dtypes
 
     BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
@@ -89,8 +146,6 @@ def main(argv=None) -> int:
 
     xp, dyp = bf(r, d), bf(r, d)
     if args.as_engine:  # views of one block, an expert's three matrices together (models/layout)
-        from dataflow.memplan.buffers import CUBLAS_WORKSPACE_BYTES
-
         block = bf(n, 3 * f * d, scale=d ** -0.5)
         gblock = cp.zeros((n, 3 * f * d), BF16)
         wg, wu, wd = (block[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
@@ -123,38 +178,10 @@ def main(argv=None) -> int:
             K.linear_fwd(ctx, a, b, c)
 
     stream = cp.cuda.get_current_stream()
-    # The GPU's own time: a spinning kernel holds the stream while the host enqueues the calls
-    # behind it, so the events around them time the kernels back to back, not the launches.
-    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
-        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
-    khz = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["clockRate"]
-    spin_cycles = np.int64(khz * 1000 * 0.2)  # 0.2 s at the base clock: longer than any enqueue
-    rows = {}
-    for name, fn in (("experts loop, new routing", lambda: layer(next(new_routing))),
-                     ("experts loop, same routing", layer), ("dense GEMMs, same FLOPs", dense)):
-        fn()
-        stream.synchronize()
-        host_s, gpu_s, queued_gpu_s = [], [], []
-        for i in range(2 * args.repeat):
-            behind = i % 2 == 1  # every other repetition runs queued behind the spin
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            stream.synchronize()
-            if behind:
-                spin((1,), (1,), (spin_cycles,))
-            start.record(stream)
-            t0 = time.perf_counter()
-            fn()
-            enqueue_s = time.perf_counter() - t0
-            end.record(stream)
-            end.synchronize()
-            elapsed_s = cp.cuda.get_elapsed_time(start, end) / 1e3
-            if behind:
-                queued_gpu_s.append(elapsed_s)
-            else:
-                host_s.append(enqueue_s)
-                gpu_s.append(elapsed_s)
-        rows[name] = {"host_enqueue_ms": 1e3 * min(host_s), "gpu_ms": 1e3 * min(gpu_s),
-                      "gpu_queued_ms": 1e3 * min(queued_gpu_s)}
+    rows = _time_cases(cp, stream, args.repeat,
+                       (("experts loop, new routing", lambda: layer(next(new_routing))),
+                        ("experts loop, same routing", layer),
+                        ("dense GEMMs, same FLOPs", dense)))
     prof = cProfile.Profile()
     prof.enable()
     layer()
@@ -175,15 +202,7 @@ def main(argv=None) -> int:
               "profile_top": [ln for ln in text.getvalue().splitlines() if ln.strip()][:24]}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print("\n".join(record["profile_top"]))
-    print(f"{shape['model']}: T {t}, D {d}, F {f}, {n} experts, k {k} ({r} routed rows) on "
-          f"{record['device']}")
-    print(f"  {'':26s} {'host enqueue ms':>16s} {'GPU ms':>9s} {'GPU ms, queued':>15s}")
-    for name, row in rows.items():
-        print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f} "
-              f"{row['gpu_queued_ms']:15.2f}")
-    print(f"  loop at {record['loop_tflop_per_s']:.0f} TFLOP/s of GPU time; launch bound: "
-          f"{record['launch_bound']}")
+    _print_table(record, shape)
     return 0
 
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from dataflow.ring.nccl import communicator_from_id, uid_bytes
+
 VARIANTS = (
     ("1 communicator", 1, {}),
     ("2 communicators (replicas)", 2, {}),
@@ -61,7 +63,6 @@ def _rank(rank: int, n_comms: int, ids_q, out_q, barrier) -> None:
     buf = cp.ones(REDUCE_BYTES // 2, cp.float16).view(cp.uint16)  # outside NCCL's share
     cp.cuda.Device().synchronize()
     base = _used(handle, pid)
-    from dataflow.ring.nccl import communicator_from_id, uid_bytes
 
     if rank == 0:
         ids = [uid_bytes(nccl.get_unique_id()) for _ in range(n_comms)]

@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataflow.bench.sweep.sweep import git_commit as commit_of
 from dataflow.cli.args import positive
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -148,8 +149,6 @@ def config_of(args: argparse.Namespace) -> dict:
 
 def git_commit() -> str | None:
     """This tree's commit (dataflow.bench.sweep's: a checkout's HEAD, +dirty, or a git archive's)."""
-    from dataflow.bench.sweep.sweep import git_commit as commit_of
-
     return commit_of(REPO_ROOT)
 
 
@@ -177,6 +176,7 @@ class CudaProbe:
         cp.cuda.runtime.deviceSynchronize()
         import numpy as np
 
+        # numba-compiled (about 2 s to import): loaded by the GPU probe only, beside CuPy
         from dataflow.kernels.host.memory import prefault_zero
 
         prefault_zero(np.zeros(1 << 16, np.uint8))  # load (or compile) the touch kernel now
@@ -214,7 +214,7 @@ class CudaProbe:
         """Pin nbytes the `variant` way; time it, the copies from it and the free."""
         import numpy as np
 
-        from dataflow.backends.cupy_backend import MappedHostMemory, piece_bounds
+        from dataflow.backends.cupy_backend import MappedHostMemory, piece_bounds  # needs CuPy
 
         cp = self.cp
         gc.collect()
@@ -300,7 +300,7 @@ def child_main(spec_json: str) -> int:
     import cupy  # noqa: F401 - timed: the import is part of a run's start-up
     import numpy as np
 
-    from dataflow.engine import Engine
+    from dataflow.engine import Engine  # timed too, as the cupy import above
 
     imports_s = time.perf_counter() - t_proc
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from dataflow.models.errors import ConfigError
+from dataflow.models.serial import from_dict, to_dict
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,8 +60,6 @@ SCHEDULES = {"warmup_cosine": WarmupCosine}
 def schedule_to_dict(schedule) -> dict | None:
     """{'kind': name, 'params': {...}} for a known schedule; None for no schedule. An arbitrary
     callable cannot be stored: it is refused, naming the serialisable kinds."""
-    from dataflow.models.serial import to_dict
-
     if schedule is None:
         return None
     for name, cls in SCHEDULES.items():
@@ -72,8 +71,6 @@ def schedule_to_dict(schedule) -> dict | None:
 
 def schedule_from_dict(data: dict | None):
     """Inverse of schedule_to_dict."""
-    from dataflow.models.serial import from_dict
-
     if data is None:
         return None
     if not isinstance(data, dict) or data.get("kind") not in SCHEDULES:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from dataflow.models.errors import ConfigError
+from dataflow.models.serial import to_dict
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("run_id", "string", "the run this row belongs to (its entry in the run metadata)"),
@@ -189,8 +190,6 @@ def _jsonable(obj):
     if obj is None:
         return None
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        from dataflow.models.serial import to_dict
-
         obj = to_dict(obj)
     return json.loads(json.dumps(obj, default=str, sort_keys=True))
 

@@ -8,6 +8,7 @@ import dataclasses
 import numbers
 from typing import Callable
 
+from dataflow.models.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,8 +23,6 @@ class AdamWConfig:
     so both spellings compare equal, as the CLI's --max-grad-norm 0 and the API's None)."""
 
     def __post_init__(self) -> None:
-        from dataflow.models.errors import ConfigError
-
         if not self.lr >= 0:
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

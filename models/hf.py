@@ -29,6 +29,7 @@ from dataflow.models.hf_moe import DROP, moe_from_hf, moe_hf_dict
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 from dataflow.models.safetensors_io import SafetensorsFile, SafetensorsWriter
+from dataflow.models.storage import load_model
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -279,8 +280,6 @@ def open_weights(path):
     model directory (read whole, verified)."""
     if is_hf_dir(path):
         return HFWeights(path)
-    from dataflow.models.storage import load_model
-
     return load_model(path)
 
 

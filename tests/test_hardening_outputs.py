@@ -15,8 +15,8 @@ import numpy as np
 
 from dataflow.backend import Stream
 from dataflow.instrument import ChromeTraceWriter
-from dataflow.instrument.breakdown import compute_breakdown
-from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
+from dataflow.instrument.breakdown import StepTrace, compute_breakdown
+from dataflow.instrument.spans import Clock, Span, SpanKind
 from dataflow.metrics_log import read_metrics, read_run_metadata
 from dataflow.cli.plan import main as plan_main
 

@@ -1,9 +1,9 @@
-"""StepBreakdown: where one step's wall time and bytes went, computed from its spans. The wall
-is partitioned into four parts that add up to it exactly: compute busy, copy time the compute
-did not cover (exposed copy), host-stream time covered by neither (exposed host), and time when
-nothing ran (idle: host overhead and bubbles). Beside them: per-stream busy times, hidden copy
-time, bytes and achieved rates per direction, recompute and optimizer time. Pure Python: never
-touches a device, never reads the clock."""
+"""StepTrace (every span of one step) and StepBreakdown: where the step's wall time and bytes
+went, computed from its spans. The wall is partitioned into four parts that add up to it
+exactly: compute busy, copy time the compute did not cover (exposed copy), host-stream time
+covered by neither (exposed host), and time when nothing ran (idle: host overhead and bubbles).
+Beside them: per-stream busy times, hidden copy time, bytes and achieved rates per direction,
+recompute and optimizer time. Pure Python: never touches a device, never reads the clock."""
 
 from __future__ import annotations
 
@@ -12,10 +12,28 @@ import re
 from collections import defaultdict
 
 from dataflow.backend import Stream
-from dataflow.instrument.spans import (RING_NAME, Clock, Span, StepTrace, is_optimizer,
-                                       is_recompute)
+from dataflow.instrument.spans import RING_NAME, Clock, Span, is_optimizer, is_recompute
 
 Intervals = list[tuple[float, float]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTrace:
+    """Every span of one step and the step's window (from begin_step to the end-of-step sync)."""
+
+    step: int
+    start_s: float
+    end_s: float
+    spans: tuple[Span, ...]
+    clock: Clock
+
+    @property
+    def wall_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def breakdown(self) -> StepBreakdown:
+        """This step's StepBreakdown (compute_breakdown below)."""
+        return compute_breakdown(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

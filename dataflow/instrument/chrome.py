@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterable
 
 from dataflow.backend import Stream
-from dataflow.instrument.spans import Span, StepTrace, parse_name
+from dataflow.instrument.breakdown import StepTrace
+from dataflow.instrument.spans import Span, parse_name
 
 PID = 1
 STEP_TID = 0

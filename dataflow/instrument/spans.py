@@ -6,7 +6,6 @@ imports array libraries and never touches a device or the clock."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
 from typing import NamedTuple
@@ -50,27 +49,6 @@ class Span(NamedTuple):
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepTrace:
-    """Every span of one step and the step's window (from begin_step to the end-of-step sync)."""
-
-    step: int
-    start_s: float
-    end_s: float
-    spans: tuple[Span, ...]
-    clock: Clock
-
-    @property
-    def wall_s(self) -> float:
-        return self.end_s - self.start_s
-
-    def breakdown(self):
-        """This step's StepBreakdown (see dataflow.instrument.breakdown)."""
-        from dataflow.instrument.breakdown import compute_breakdown
-
-        return compute_breakdown(self)
 
 
 # -- names ------------------------------------------------------------------------------------

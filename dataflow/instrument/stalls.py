@@ -20,9 +20,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from dataflow.backend import Stream
-from dataflow.instrument.breakdown import op_key, length, subtract, union
-from dataflow.instrument.chrome import STEP_TID, STREAM_TIDS
-from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
+from dataflow.instrument.breakdown import StepTrace, op_key, length, subtract, union
+from dataflow.instrument.chrome import STEP_TID, STREAM_TIDS, write_chrome_trace
+from dataflow.instrument.spans import Clock, Span, SpanKind
+from dataflow.memplan.cost import event_seconds
+from dataflow.memplan.plan import Plan
+from dataflow.memplan.schedule import compile_schedule
+from dataflow.memplan.sim import simulate_schedule
 
 MIN_GAP_S = 20e-6
 """Gaps shorter than this are launch jitter, not stalls."""
@@ -153,10 +157,6 @@ def simulated_trace(plan, update: str = "deferred") -> StepTrace:
     StepTrace: the same stall analysis as a measured step, at event granularity (one compute
     span per layer and chunk, not per op). update: where AdamW runs (the Engine's default:
     the previous step's, deferred into round 0; 'end' for --eager-update)."""
-    from dataflow.memplan.cost import event_seconds
-    from dataflow.memplan.schedule import compile_schedule
-    from dataflow.memplan.sim import simulate_schedule
-
     sch = compile_schedule(plan, update=update)
     tl = simulate_schedule(sch, event_seconds(plan, plan.profile), plan.profile, spans=True)
     spans = tuple(Span(1, None, Stream(stream), name,
@@ -213,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.simulated:
-            from dataflow.memplan.plan import Plan
-
             plan = Plan.from_json(Path(args.trace).read_text())
             steps = [simulated_trace(plan)]
             if args.layers is None:
@@ -236,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(str(s.step) for s in steps)}", file=sys.stderr)
         return 1
     if args.chrome:
-        from dataflow.instrument.chrome import write_chrome_trace
-
         try:
             write_chrome_trace([chosen[-1]], args.chrome, process_name="dataflow " + (
                 "simulated plan" if args.simulated else "trace"))

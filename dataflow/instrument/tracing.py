@@ -12,8 +12,8 @@ import time
 from typing import Callable, NamedTuple
 
 from dataflow.backend import Backend, BackendError, Place, Stream
-from dataflow.instrument.spans import (ROUND_MARKER, Clock, Span, SpanKind, StepTrace,
-                                       is_optimizer)
+from dataflow.instrument.breakdown import StepTrace
+from dataflow.instrument.spans import ROUND_MARKER, Clock, Span, SpanKind, is_optimizer
 
 
 class _Meta(NamedTuple):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataflow.backend import Stream
 from dataflow.instrument import write_chrome_trace
-from dataflow.instrument.spans import Clock, Span, SpanKind, StepTrace
+from dataflow.instrument.breakdown import StepTrace
+from dataflow.instrument.spans import Clock, Span, SpanKind
 from dataflow.instrument.stalls import find_stalls, position, read_chrome_trace, summarize
 
 
