@@ -24,7 +24,7 @@ from dataflow.engine_options import EngineOptions, RunOptions, check_option_name
 from dataflow.memplan.plan import Plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import save_pretrained
+from dataflow.models import hf
 from dataflow.optimizer import AdamW, AdamWConfig
 
 
@@ -263,7 +263,7 @@ class Engine:
     def save_pretrained(self, path, *, overwrite: bool = False):
         """Write the weights as a Hugging Face Llama directory in bf16 (config.json and
         safetensors), one block in host memory at a time."""
-        return save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
+        return hf.save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
                                overwrite=overwrite)
 
     # -- training (dataflow.engine.steps) -----------------------------------------------------
