@@ -16,6 +16,25 @@ PARTS = ("weights", "grads", "m", "v")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class BlockKey:
+    """Which block: the embedding, layer `layer` (its index in the plan) or the head. Typed, so
+    code asks for `key.layer` instead of parsing it out of a region name."""
+
+    kind: BlockKind
+    layer: int | None = None
+
+    @classmethod
+    def of_layer(cls, layer: int) -> "BlockKey":
+        return cls(BlockKind.LAYER, layer)
+
+    @property
+    def region(self) -> str:
+        """The prefix of the block's regions in the plan's table: 'embed', 'layer3', 'head'
+        (dataflow.memplan.memory names them so)."""
+        return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Block:
     kind: BlockKind
     layer: int | None
@@ -26,8 +45,8 @@ class Block:
     """(part, 'device' | 'home') -> array view, for the copies that exist."""
 
     @property
-    def key(self) -> str:
-        return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
+    def key(self) -> BlockKey:
+        return BlockKey(self.kind, self.layer)
 
     def device(self, part: str):
         """The device copy of `part`, or None (streamed through slots, or home only)."""
@@ -44,7 +63,7 @@ class Block:
 
 
 def _bind(kind, layer, placement, layout, dev: Arena, host: Arena, gdt: str) -> Block:
-    key = f"layer{layer}" if kind is BlockKind.LAYER else kind.value
+    key = BlockKey(kind, layer).region
     views = {}
     for part in PARTS:
         dt = gdt if part == "grads" else "bf16"

@@ -1,6 +1,7 @@
-"""The Engine's run options as one frozen record, the checks of their names and values, and the
-helpers the constructor and train_step share: a checkpoint directory as the model, a step's batch
-arriving in pieces. Never decides placement and never touches a backend."""
+"""The Engine's options as frozen records (EngineOptions: the budgets and batch the planner works
+to, and RunOptions: how the plan runs), the checks of their names and values, and the helpers the
+constructor and train_step share: a checkpoint directory as the model, a step's batch arriving in
+pieces. Never decides placement and never touches a backend."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from dataflow.batch import _as_int_array
+from dataflow.checkpoint import META, SEAL, latest_checkpoint
 from dataflow.optimizer import AdamWConfig
 from dataflow.models.errors import ConfigError
 
@@ -41,8 +44,9 @@ def check_option_names(given: Iterable[str], valid: Iterable[str], where: str) -
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunOptions:
-    """How an Engine runs a plan (everything but the plan itself); Engine.__init__ and
-    Engine.from_plan take these as keywords and document each."""
+    """How an Engine runs a plan (everything but the plan itself); Engine.from_plan takes it
+    (or these as keywords), Engine.__init__ inside EngineOptions; Engine.__init__ documents
+    each."""
 
     backend: Any = "auto"
     seed: int = 0
@@ -84,6 +88,49 @@ class RunOptions:
                 "None) to turn clipping off, or drop backward_update")
 
 
+PLAN_FIELDS = ("host_gb", "dev_gb", "seqlen", "seqs_per_step", "tokens_per_step", "profile",
+               "plan_options")
+"""The keywords of Engine() that the planner takes (EngineOptions' own fields)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineOptions:
+    """Everything Engine(model, ...) takes besides the model and a ring: the budgets and the
+    batch the planner works to, and `run` (RunOptions). Engine(model, EngineOptions(...)) is the
+    engine Engine(model, host_gb=..., ...) builds from the same values; Engine.__init__
+    documents each field."""
+
+    host_gb: float
+    dev_gb: float
+    seqlen: int
+    seqs_per_step: int | None = None
+    tokens_per_step: int | None = None
+    profile: Any = None
+    plan_options: dict | None = None
+    run: RunOptions = dataclasses.field(default_factory=RunOptions)
+
+    def plan_keywords(self) -> dict:
+        """plan_options with seqs_per_step / tokens_per_step added where given: the keywords
+        of dataflow.memplan.make_plan beyond model, seqlen, budget and profile."""
+        out = dict(self.plan_options or {})
+        for key, value in (("seqs_per_step", self.seqs_per_step),
+                           ("tokens_per_step", self.tokens_per_step)):
+            if value is not None:
+                out[key] = value
+        return out
+
+    def keywords(self) -> dict:
+        """The options as Engine() keywords: the budgets and seqlen, and every other field set
+        to something other than its default (what a ring's RingEngine takes)."""
+        out = {"host_gb": self.host_gb, "dev_gb": self.dev_gb, "seqlen": self.seqlen}
+        out.update({f: getattr(self, f) for f in PLAN_FIELDS[3:] if getattr(self, f) is not None})
+        for f in dataclasses.fields(RunOptions):
+            value = getattr(self.run, f.name)
+            if value != f.default:
+                out[f.name] = value
+        return out
+
+
 _DEFAULT_ADAMW = AdamWConfig()
 
 
@@ -98,8 +145,6 @@ def with_checkpoint_defaults(passed: AdamWConfig, stored: AdamWConfig) -> AdamWC
 def checkpoint_dir(model) -> Path | None:
     """The checkpoint directory `model` names (a step directory, or the newest sealed one under a
     checkpoint root), else None (a zoo name, config file, model or Hugging Face directory)."""
-    from dataflow.checkpoint import META, SEAL, latest_checkpoint
-
     if not isinstance(model, (str, Path)):
         return None
     path = Path(model)
@@ -138,8 +183,6 @@ def join_pieces(value, name: str, rows: int, seqlen: int):
     not add up to `rows` rows, naming the piece."""
     if not is_pieces(value):
         return value
-    from dataflow.batch import _as_int_array
-
     parts, counts = [], []
     for i, piece in enumerate(value):
         try:

@@ -1,7 +1,7 @@
 """Runs a compiled Schedule on a Backend: binds the schedule's region table to the backend's
 arenas, then dispatches the step's events in order — fetches, write-backs and fills as copies,
-compute events as layer / head / embedding work, host tasks as CPU callbacks, records and waits
-as backend events. Every decision (slots, fetch timing, placement) was made by
+compute events and host tasks through a table of one handler per ComputeOp / HostOp
+(dataflow.executor_ops), records and waits as backend events. Every decision (slots, fetch timing, placement) was made by
 memplan.schedule; nothing here decides placement or calls CuPy / NumPy kernels directly.
 
 An MoE model's auxiliary losses are per round (dataflow.moe_ffn): the executor clears the round's
@@ -22,17 +22,16 @@ from dataflow.batch import Batch, default_chunks, make_batch, round_chunks
 from dataflow.blocks import Block, bind_blocks
 from dataflow.layer_ops import LayerCompute
 from dataflow.moe_ffn import RoundRouting, stacked_experts
+from dataflow.executor_ops import OpHandlers
 from dataflow.kernels.host import adamw as host_adamw
-from dataflow.kernels.host import embedding as host_embedding
-from dataflow.kernels.host import norms as host_norms
 from dataflow.kernels.host.memory import zero_fill
 from dataflow.memplan import buffers
+from dataflow.memplan.events import ComputeOp, HostOp
 from dataflow.memplan.plan import AttentionBwd, GradAccum, Plan
 from dataflow.memplan.segments import kv_less
 from dataflow.memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule,
                               compile_update_schedule)
-from dataflow.models.errors import ConfigError
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 STREAM = {s.value: s for s in Stream}
@@ -81,7 +80,7 @@ class StepProgress:
         return self.dispatched / max(1, self.events)
 
 
-class Executor:
+class Executor(OpHandlers):
     def __init__(self, plan: Plan, be: Backend, schedule: Schedule | None = None, *,
                  deferred_update: bool = False, compile_step=None, compile_update=None,
                  compile_eval=None, backward_update: bool = False):
@@ -158,6 +157,18 @@ class Executor:
         self._dispatch = {Fetch: self._copy, WriteBack: self._copy, Fill: self._fill,
                           Compute: self._compute, HostTask: self._host_task,
                           Update: self._update, Record: self._record, Wait: self._wait}
+        self._compute_ops = {
+            ComputeOp.LAYER_FWD: self._layer_fwd, ComputeOp.LAYER_REFWD: self._refwd,
+            ComputeOp.LAYER_BWD: self._layer_bwd, ComputeOp.HEAD: self._head,
+            ComputeOp.HEAD_LOSS: self._head, ComputeOp.MOE_TOTALS_ADD: self._moe_totals_add,
+            ComputeOp.CTX_CAST: self._ctx_cast, ComputeOp.KV_REBUILD: self._kv_rebuild,
+            ComputeOp.EMBED_FWD: self._embed_fwd, ComputeOp.EMBED_BWD: self._embed_bwd,
+            ComputeOp.GRAD_SUMSQ: self._grad_sumsq, ComputeOp.CLIP_SCALE: self._clip_scale}
+        """The handler of each compute op (dataflow.executor_ops.OpHandlers)."""
+        self._host_ops = {
+            HostOp.TOKENS_STAGE: self._tokens_stage, HostOp.EMBED_GATHER: self._embed_gather,
+            HostOp.EMBED_SCATTER: self._embed_scatter, HostOp.GRAD_SUMSQ: self._host_grad_sumsq}
+        """The handler of each host task."""
         self.dispatched: list | None = None
         """Set to a list to have every dispatched event appended (tests, the null backend)."""
         self._n_events = self._n_done = 0
@@ -411,176 +422,10 @@ class Executor:
         self.be.wait(STREAM[ev.stream], self._events[ev.id])
 
     def _compute(self, ev: Compute) -> None:
-        tr = self.tr
-        if ev.op == "layer_fwd":
-            chunk = self._round_chunks[ev.round][ev.chunk]
-            save = None if ev.save is None else self._save_views(ev.save, ev.layer, ev.chunk)
-            if self._routing is not None and ev.round != self._moe_round:
-                self._clear_routing(ev.round)
-            self.compute.forward(ev.name, self._block_views(ev.weights, self.lay),
-                                 tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                                 tr["positions"][chunk.rows], chunk, save,
-                                 self.plan.activations[ev.layer][ev.chunk].level,
-                                 routing=self._routing)
-        elif ev.op == "layer_refwd":
-            self._refwd(ev)
-        elif ev.op == "layer_bwd":
-            chunk = self._round_chunks[ev.round][ev.chunk]
-            # the totals are this round's: every forward of a round runs before its backwards
-            assert self._routing is None or self._moe_round == ev.round, (ev.name, self._moe_round)
-            self.compute.backward(ev.name, self._block_views(ev.weights, self.lay),
-                                  self._block_views(ev.grads, self.lay, self.gdt),
-                                  self._save_views(ev.save, ev.layer, ev.chunk),
-                                  self.plan.activations[ev.layer][ev.chunk].level,
-                                  tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                                  tr["positions"][chunk.rows], chunk, routing=self._routing)
-        elif ev.op in ("head", "head_loss"):
-            self._head(ev)
-        elif ev.op == "moe_totals_add":  # a ring rank: the previous ranks' routing totals
-            self.be.launch(Stream.COMPUTE, "moe_totals_add", tr["moe_counts"], tr["moe_sums"],
-                           tr["moe_partial_counts"], tr["moe_partial_sums"], name=ev.name)
-        elif ev.op == "ctx_cast":
-            save = self._save_views(ev.save, ev.layer, ev.chunk)
-            at = self.chunks[ev.chunk].context
-            rows = slice(at, at + self.T)
-            for part in ("k", "v"):
-                self.be.launch(Stream.COMPUTE, "cast", save[part], self.ctx[f"{part}_ctx"][rows],
-                               name=f"ctx.{part}.L{ev.layer}.c{ev.chunk}")
-        elif ev.op == "kv_rebuild":
-            chunk = self._round_chunks[ev.round][ev.chunk]
-            at = chunk.context
-            rows = slice(at, at + self.T)
-            self.compute.rebuild_kv(ev.name, self._block_views(ev.weights, self.lay),
-                                    self._view(ev.save, (self.T, self.cfg.model_dim), "bf16"),
-                                    self.ctx["k_ctx"][rows], self.ctx["v_ctx"][rows],
-                                    tr["positions"][chunk.rows])
-        elif ev.op == "embed_fwd":
-            table = self.emb_lay.view(self._view(ev.weights, dtype="bf16"), "embed_tokens")
-            self.be.launch(Stream.COMPUTE, "embedding_fwd", tr["ids"], table, tr[ev.y],
-                           name=ev.name)
-        elif ev.op == "embed_bwd":
-            table = self.emb_lay.view(self._view(ev.grads, dtype=self.gdt), "embed_tokens")
-            pad = self.cfg.pad_token_id
-            if pad is not None:  # nn.Embedding(padding_idx): that row's lookup adds nothing
-                self.be.launch(Stream.COMPUTE, "zero_rows_where_", tr["ids"], tr[ev.x], pad,
-                               name=f"{ev.name}.pad")
-            self.be.launch(Stream.COMPUTE, "embedding_bwd", tr["ids"], tr[ev.x], table,
-                           name=ev.name)
-        elif ev.op == "grad_sumsq":
-            self.be.launch(Stream.COMPUTE, "sumsq", self._view(ev.grads, dtype=self.gdt),
-                           tr["scalars"][0:1], True, name=ev.name)
-        elif ev.op == "clip_scale":
-            sc = tr["scalars"]
-            self.be.launch(Stream.COMPUTE, "add_", sc[0:1], sc[2:3], name="gnorm.add_host")
-            max_norm = float("inf") if self.max_norm is None else self.max_norm
-            self.be.launch(Stream.COMPUTE, "clip_scale", sc[0:1], max_norm, sc[1:2],
-                           name=ev.name)
-        else:
-            raise BackendError(f"unknown compute op '{ev.op}' in the schedule")
-
-    def _clear_routing(self, rnd: int) -> None:
-        """Zero the routing totals before round `rnd`'s first forward, on the compute stream
-        behind the last round's backwards that read them."""
-        r = self._routing
-        self.be.launch(Stream.COMPUTE, "fill_", r.counts, 0.0, name=f"moe.clear.r{rnd}")
-        self.be.launch(Stream.COMPUTE, "fill_", r.sums, 0.0, name=f"moe.clear_sums.r{rnd}")
-        self._moe_round = rnd
-
-    def _refwd(self, ev: Compute) -> None:
-        """A segment's recompute of one layer on one chunk: the forward's own kernels, from the
-        boundary's saved input (`src`) or from rows of x first kept into `save`, so its output
-        may overwrite those rows and what it keeps is bit-identical to a forward's. A boundary
-        that kept its attention output (INP_ATTN, FULL) skips the attention: dataflow.memplan.cost
-        charges that re-run as refwd_kept_s."""
-        chunk = self._round_chunks[ev.round][ev.chunk]
-        rows, tr = chunk.rows, self.tr
-        save = attn_out = None
-        if ev.src is not None:
-            kept = self._save_views(ev.src, ev.layer, ev.chunk)
-            x, attn_out = kept["x"], kept.get("o")  # a boundary that kept its attention output
-        else:
-            save = self._save_views(ev.save, ev.layer, ev.chunk)
-            self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"],
-                           name=f"{ev.name}.keep_x")
-            x = save["x"]
-        self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
-                             tr["positions"][rows], chunk, save,
-                             self.plan.activations[ev.layer][ev.chunk].level, input_saved=True,
-                             attn_out=attn_out)
-
-    def _head(self, ev: Compute) -> None:
-        """Final norm, lm_head and loss of every chunk of the round; for 'head' also their
-        backward. 'head_loss' (evaluation) runs at grad_scale 0, so the lm_head gradient the
-        loss kernel forms adds exact zeros into the head's gradient region. A tied head reads
-        the embedding's table and adds its weight gradient into the embedding's gradient (in
-        each round before the lookup's scatter-add of that round: one order, every run)."""
-        be, hb, cfg, tr = self.be, self.hb, self.cfg, self.tr
-        backward = ev.op == "head"
-        w = self._block_views(ev.weights, self.head_lay)
-        g = self._block_views(ev.grads, self.head_lay, self.gdt)
-        lm_w, lm_g = self._tied if self._tied is not None else (w["lm_head"], g["lm_head"])
-        loss_acc = tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
-        final, dfinal = tr[ev.x], tr[ev.y]
-        if self._routing is not None:  # the round's forward is complete: its (aux, z)
-            r = self._routing
-            be.launch(Stream.COMPUTE, "moe_round_losses", r.counts, r.sums, r.n_rows,
-                      tr["moe_losses"][ev.round], name=f"moe.losses.r{ev.round}")
-        for chunk in self.chunks:
-            x, tag = final[chunk.rows], f"head.c{chunk.index}"
-            be.launch(Stream.COMPUTE, "rms_norm_fwd", x, w["norm"], cfg.norm_eps, hb["xn"],
-                      hb["rstd"], name=f"{tag}.norm")
-            be.launch(Stream.COMPUTE, "head_loss_fwd_bwd", hb["xn"], lm_w,
-                      tr["targets"][chunk.rows], hb["logits"], self.grad_scale, hb["dxn"],
-                      lm_g, loss_acc, name=f"{tag}.loss")
-            if backward:
-                be.launch(Stream.COMPUTE, "rms_norm_bwd", x, w["norm"], hb["rstd"],
-                          hb["dxn"], dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")
+        self._compute_ops[ev.op](ev)
 
     def _host_task(self, ev: HostTask) -> None:
-        be, n, d = self.be, self.plan.chunking.tokens_per_round, self.cfg.model_dim
-        # Pinned token staging: buffer (round % 2) x rows (ids, positions, targets).
-        ids = self.host.view("tokens", (2, 3, n), "i32")[ev.round % 2, 0]
-        if ev.op == "tokens_stage":
-            per = self.plan.chunking.seqs_per_round
-            rows = slice(ev.round * per, (ev.round + 1) * per)
-            dst = self._view(ev.dst, (3, n), "i32")
-            b = self._batch
-            src = (b.ids[rows].reshape(-1), b.positions[rows].reshape(-1),
-                   b.targets[rows].reshape(-1))
-
-            def stage():
-                for row, values in zip(dst, src):
-                    row[...] = values
-
-            be.host_call(Stream.HOST, stage, writes=(dst,), name=ev.name)
-        elif ev.op == "embed_gather":
-            rows = self._view(ev.dst, (n, d), "bf16")
-            table = self.emb_lay.view(self.embed.home("weights"), "embed_tokens")
-            # mode="clip": ids were checked against the vocabulary (dataflow.batch), and the
-            # default mode="raise" buffers `out` in a temporary as large as the rows (1 GiB of
-            # RSS at 8b's 131,072-token rounds) and ran 50x slower for bf16 rows.
-            be.host_call(Stream.HOST,
-                         lambda: np.take(table, ids, axis=0, out=rows, mode="clip"),
-                         reads=(table, ids), writes=(rows,), name=ev.name)
-        elif ev.op == "embed_scatter":
-            rows = self._view(ev.src, (n, d), "bf16")  # the round's part of embed_rows
-            grads = self.emb_lay.view(self._view(ev.dst, dtype=self.gdt), "embed_tokens")
-            pad = self.cfg.pad_token_id
-
-            def scatter():
-                if pad is not None:  # nn.Embedding(padding_idx): that row's lookup adds none
-                    rows[ids.reshape(-1) == pad] = 0
-                host_embedding.embedding_bwd(ids, rows, grads)
-
-            be.host_call(Stream.HOST, scatter, reads=(ids, rows),
-                         writes=(grads,) if pad is None else (grads, rows), name=ev.name)
-        elif ev.op == "grad_sumsq":                          # a HOME embedding gradient
-            grads = self._view(ev.dst, dtype=self.gdt)
-            out = self.host.view("norm_host", (2,), "f32")[0:1]
-            be.host_call(Stream.HOST, lambda: host_norms.sumsq_into(grads, out),
-                         reads=(grads,), writes=(out,), name=ev.name)
-        else:
-            raise BackendError(f"unknown host task '{ev.op}' in the schedule")
+        self._host_ops[ev.op](ev)
 
     def _update(self, ev: Update) -> None:
         n = ev.count

@@ -7,11 +7,55 @@ them. Data only: never compiles, never decides placement, never imports array li
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from typing import Union
 
 STREAMS = ("compute", "h2d", "d2h", "host", "opt")
 COMPUTE, H2D, D2H, HOST, OPT = STREAMS
+
+
+# -- the ops of compute events and host tasks -----------------------------------------------------
+class ComputeOp(str, enum.Enum):
+    """What a Compute event runs (see Compute). A str enum: its values are the schedule JSON's
+    strings, and a member equals its string, so comparisons with 'layer_fwd' still hold."""
+
+    LAYER_FWD = "layer_fwd"
+    LAYER_REFWD = "layer_refwd"
+    LAYER_BWD = "layer_bwd"
+    HEAD = "head"
+    HEAD_LOSS = "head_loss"
+    MOE_TOTALS_ADD = "moe_totals_add"
+    CTX_CAST = "ctx_cast"
+    KV_REBUILD = "kv_rebuild"
+    EMBED_FWD = "embed_fwd"
+    EMBED_BWD = "embed_bwd"
+    GRAD_SUMSQ = "grad_sumsq"
+    CLIP_SCALE = "clip_scale"
+
+    def __str__(self) -> str:
+        return self.value  # f-strings and str() give the JSON string on every Python
+
+
+class HostOp(str, enum.Enum):
+    """What a HostTask runs (see HostTask); a str enum like ComputeOp."""
+
+    TOKENS_STAGE = "tokens_stage"
+    EMBED_GATHER = "embed_gather"
+    EMBED_SCATTER = "embed_scatter"
+    GRAD_SUMSQ = "grad_sumsq"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _as_op(kind: type[enum.Enum], op):
+    """`op` as a member of `kind`, refusing an unknown string by name."""
+    try:
+        return kind(op)
+    except ValueError:
+        raise ValueError(f"unknown {kind.__name__} {op!r}; known: "
+                         f"{', '.join(m.value for m in kind)}") from None
 
 
 # -- the region table ---------------------------------------------------------------------------
@@ -105,7 +149,7 @@ class Compute:
     Plan.kv_rebuild). x and y name the transition buffers read and written."""
 
     name: str
-    op: str
+    op: ComputeOp
     round: int
     layer: int = -1
     chunk: int = -1
@@ -117,6 +161,9 @@ class Compute:
     stream: str = COMPUTE
     src: Ref | None = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "op", _as_op(ComputeOp, self.op))  # emitters pass strings
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostTask:
@@ -124,15 +171,18 @@ class HostTask:
     names of the pinned token buffer: both rows take the input ids and RoPE positions, the
     second row alone takes the targets, once the positions have left it), 'embed_gather' /
     'embed_scatter' (embedding rows of a HOME table: the gather writes the round's rows into
-    `dst`; the scatter adds the gradient rows at `src` into the gradient `dst`), 'zero' (clear
-    `dst`)."""
+    `dst`; the scatter adds the gradient rows at `src` into the gradient `dst`), 'grad_sumsq'
+    (the squared norm of a HOME embedding gradient `dst`)."""
 
     name: str
-    op: str
+    op: HostOp
     round: int = -1
     dst: Ref | None = None
     stream: str = HOST
     src: Ref | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "op", _as_op(HostOp, self.op))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dataflow.engine import Engine
-from dataflow.engine_options import UnknownOptionError
+from dataflow.engine_options import EngineOptions, RunOptions, UnknownOptionError
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.models.errors import ConfigError
 from dataflow.optimizer import AdamWConfig
@@ -216,6 +216,35 @@ def test_constructor_shows_its_options_and_names_the_closest_to_a_misspelt_one()
         plan = eng.plan
     with pytest.raises(UnknownOptionError, match="'weight_decy'.*'weight_decay'"):
         Engine.from_plan(plan, backend="numpy", weight_decy=0.1)
+
+
+def test_one_options_object_builds_the_engine_the_keywords_build(rng):
+    """Engine(model, EngineOptions(...)) and from_plan(plan, RunOptions(...)) train the same bits
+    as the same values passed as keywords; options beside keywords, or of another type, are
+    refused by name, and a missing budget is Python's own TypeError."""
+    batch = _tokens(rng)
+    with _engine(weight_decay=0.1) as eng:
+        want = eng.train_step(batch).loss, eng.state_dict()
+        plan = eng.plan
+    options = EngineOptions(host_gb=0.5, dev_gb=0.25, seqlen=SEQLEN, seqs_per_step=8,
+                            run=RunOptions(backend="numpy", lr=1e-3, weight_decay=0.1))
+    for make in (lambda: Engine("tiny", options), lambda: Engine("tiny", options=options),
+                 lambda: Engine.from_plan(plan, options.run)):
+        with make() as eng:
+            assert eng.train_step(batch).loss == want[0]
+            _same_state(eng.state_dict(), want[1])
+    with pytest.raises(ConfigError, match="options and the keyword.*lr"):
+        Engine("tiny", options, lr=1e-3)
+    with pytest.raises(ConfigError, match="options and the keyword.*seed"):
+        Engine.from_plan(plan, options.run, seed=1)
+    with pytest.raises(TypeError, match="EngineOptions, not RunOptions"):
+        Engine("tiny", options.run)
+    with pytest.raises(TypeError, match="missing 2 required keyword-only arguments: 'dev_gb' "
+                                        "and 'seqlen'"):
+        Engine("tiny", host_gb=1)
+    assert options.keywords() == {"host_gb": 0.5, "dev_gb": 0.25, "seqlen": SEQLEN,
+                                  "seqs_per_step": 8, "backend": "numpy", "lr": 1e-3,
+                                  "weight_decay": 0.1}
 
 
 # -- row 6: clipping, lr, step, optimizer, resume -----------------------------------------------

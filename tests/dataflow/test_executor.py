@@ -13,6 +13,9 @@ from dataflow.backend import Place
 from dataflow.backends.sanitizer import ScheduleRace
 from dataflow.data import token_stream
 from dataflow.engine import Engine
+from dataflow.executor import Executor
+from dataflow.memplan.events import Compute, ComputeOp, HostOp, HostTask
+from dataflow.memplan.schedule import Schedule, compile_schedule
 from dataflow.optimizer import AdamWConfig
 from dataflow.reference_trainer import ReferenceTrainer
 from dataflow.models.config import load_config
@@ -177,3 +180,26 @@ def test_two_split_sequences_a_round_refill_the_context_row_by_row():
         assert losses == base_losses, rebuild
         for a, b in zip(_blocks(w), _blocks(base)):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), rebuild
+
+
+def test_every_op_has_one_handler_and_the_schedule_json_keeps_its_strings():
+    """The executor maps every ComputeOp and HostOp to a handler; a compiled schedule's events
+    hold the enums, its JSON spells them as the strings it always did, and the JSON round trip
+    gives the same events and the same text."""
+    cfg = load_config("tiny")
+    plan = dict(path_plans(cfg))["embed_head_at_home"]
+    with Engine.from_plan(plan, backend="numpy") as eng:
+        assert isinstance(eng.ex, Executor)
+        assert set(eng.ex._compute_ops) == set(ComputeOp)
+        assert set(eng.ex._host_ops) == set(HostOp)
+    sch = compile_schedule(plan)
+    ops = [e.op for e in sch.events if type(e) in (Compute, HostTask)]
+    assert all(type(op) in (ComputeOp, HostOp) for op in ops)
+    assert {HostOp.EMBED_GATHER, HostOp.EMBED_SCATTER, ComputeOp.HEAD} <= set(ops)
+    text = sch.to_json()
+    assert '"op": "layer_fwd"' in text and "ComputeOp" not in text
+    again = Schedule.from_json(text)
+    assert again.events == sch.events and again.to_json() == text
+    assert Compute("c", "layer_bwd", 0).op is ComputeOp.LAYER_BWD
+    with pytest.raises(ValueError, match="unknown ComputeOp 'layer_fw'; known: layer_fwd"):
+        Compute("c", "layer_fw", 0)
