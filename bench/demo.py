@@ -139,7 +139,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     from dataflow.backend import BackendError
     from dataflow.backends import make_backend
     from dataflow.memplan import explain, make_plan
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.plan.plan import Budget
     from dataflow.models.hf import model_config
 
     t_start = time.perf_counter()

@@ -101,7 +101,7 @@ def readable_file(text: str) -> str:
 # -- checks before any allocation --------------------------------------------------------------
 def load_plan(path: str):
     """The Plan in `path`; ConfigError (exit 2) when it is not one."""
-    from dataflow.memplan.plan import Plan
+    from dataflow.memplan.plan.plan import Plan
 
     try:
         text = Path(path).read_text()
@@ -117,7 +117,7 @@ def load_plan(path: str):
 def check_plan_matches(plan, cfg, seqlen: int, host_gb: float, dev_gb: float) -> None:
     """Refuse a plan whose model, seqlen or budgets differ from the positionals (they used to be
     ignored silently, and a different seqlen failed only after initialisation)."""
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.plan.plan import Budget
 
     want = Budget.from_gib(host_gb, dev_gb)
     diffs = []

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     step_s = sum(steady) / len(steady)
     tokens_per_step = batch * args.seqlen
     flops = model_flops_per_seq(cfg, args.seqlen) * batch
-    from dataflow.memplan.profiles import profile_for_device
+    from dataflow.memplan.plan.profiles import profile_for_device
 
     peak = profile_for_device(name).peak_bf16_flop_per_s if gpu else float("nan")
     out.update(batch=batch, tokens_per_step=tokens_per_step, step_times_s=times, losses=losses,

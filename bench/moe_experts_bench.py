@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     xp, dyp = bf(r, d), bf(r, d)
     if args.as_engine:  # views of one block, an expert's three matrices together (models/layout)
-        from dataflow.memplan.buffers import CUBLAS_WORKSPACE_BYTES
+        from dataflow.memplan.plan.buffers import CUBLAS_WORKSPACE_BYTES
 
         block = bf(n, 3 * f * d, scale=d ** -0.5)
         gblock = cp.zeros((n, 3 * f * d), BF16)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 from dataflow.bench.sweep.sweep import git_commit
 from dataflow.memplan import get_profile
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
                                         ring_efficiency, ring_profile)
-from dataflow.memplan.ring_schedule import simulate_ring
+from dataflow.memplan.step.ring_compile import simulate_ring
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 
@@ -45,12 +45,12 @@ RANKS = (2, 4, 8, 16, 32, 64)
 @contextlib.contextmanager
 def staged_ahead():
     """What if the ring compiler staged each round's tokens and embedding rows a round ahead, as
-    the one-device compiler does (its stage_next)? memplan/ring_schedule.py's _RingCompiler
+    the one-device compiler does (its stage_next)? memplan/step/ring_compile.py's _RingCompiler
     overrides stage_next to stage them only when the round loads them, so the rank holding the
     embedding runs the last round's host scatter and this round's gather between rounds while
     the others wait. Swaps the hook for the duration (this process only); yields False, and
     changes nothing, once the ring compiler no longer overrides it."""
-    from dataflow.memplan import ring_schedule, schedule
+    from dataflow.memplan.step import compile as schedule, ring_compile as ring_schedule
 
     cls = ring_schedule._RingCompiler
     if "stage_next" not in vars(cls):
@@ -66,7 +66,7 @@ def staged_ahead():
 
 def plan_ring(cfg, seqlen: int, budget: Budget, profile, n: int, max_rounds: int | None):
     """(rank plans, note): the planner's chunking, or a full ring's where that leaves the ring
-    under-full and a full one fits (memplan/layout.py _candidates); rounds capped if asked."""
+    under-full and a full one fits (memplan/search/layout.py _candidates); rounds capped if asked."""
     cap = {} if max_rounds is None else {"rounds_per_step": max_rounds}
     base = make_rank_plans(cfg, seqlen, budget, profile, n)
     ch = base[0].plan.chunking

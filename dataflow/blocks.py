@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from dataflow.arena import Arena
-from dataflow.memplan.plan import LayerPlacement, Where
+from dataflow.memplan.plan.plan import LayerPlacement, Where
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 
 PARTS = ("weights", "grads", "m", "v")

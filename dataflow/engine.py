@@ -24,8 +24,8 @@ from dataflow.engine_options import (RunOptions, check_option_names, checkpoint_
 from dataflow.executor import Executor
 from dataflow.instrument import StepBreakdown, TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from dataflow.memplan.cost import workload_of
-from dataflow.memplan.plan import Budget, Plan
+from dataflow.memplan.search.cost import workload_of
+from dataflow.memplan.plan.plan import Budget, Plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.hf import is_hf_dir, model_config
 from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
@@ -174,7 +174,7 @@ class Engine:
         trace: wrap the backend in a TracingBackend, so every StepResult carries its breakdown
             and `last_trace` the step's spans.
         progress: anything with update(), called once per block initialised or loaded.
-        schedule: a compiled dataflow.memplan.schedule.Schedule to run instead of the plan's.
+        schedule: a compiled dataflow.memplan.step.compile.Schedule to run instead of the plan's.
         deferred_update: (default True) a step's AdamW runs inside the next step's first
             round, hidden behind its compute, or before anything reads, saves or evaluates the
             model; the same bits as False, which updates at the end of each step.
@@ -865,7 +865,7 @@ def _nonfinite_name(value: float) -> str:
 def default_profile(be):
     """The planner's hardware profile for this backend: 'cpu' for NumPy; for a GPU, the built-in
     (or cached, measured) profile whose name the device name contains, else H100's."""
-    from dataflow.memplan.profiles import get_profile, profile_for_device
+    from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 
     if be.name == "numpy":
         return get_profile("cpu")

@@ -11,7 +11,7 @@ import math
 import sys
 import traceback
 
-from dataflow.memplan.errors import InfeasibleBudget, categories_text, size_text
+from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, size_text
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
 from dataflow.memplan.cli_args import (
@@ -94,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> str:
-    from dataflow.memplan.explain import explain
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile, load_profile
-    from dataflow.memplan.search import make_plan
+    from dataflow.memplan.search.explain import explain
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile, load_profile
+    from dataflow.memplan.search.search import make_plan
     from dataflow.models.config import load_config
 
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")

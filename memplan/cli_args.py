@@ -37,7 +37,7 @@ def positive(kind):
 def seqlen_tokens(text: str) -> int:
     """An argparse type for SEQLEN: a whole number of tokens in [1, MAX_SEQLEN]. Exponent forms
     of whole numbers ('8e3') are read; one too large is refused as too large, naming the limit."""
-    from dataflow.memplan.chunking import MAX_SEQLEN
+    from dataflow.memplan.plan.chunking import MAX_SEQLEN
 
     try:
         value = int(text)

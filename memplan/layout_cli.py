@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from dataflow.memplan.layout import LayoutChoice, choose_layout, layout_text
-from dataflow.memplan.ring_plan import LINKS, scaling, scaling_text
+from dataflow.memplan.search.layout import LayoutChoice, choose_layout, layout_text
+from dataflow.memplan.search.ring_plan import LINKS, scaling, scaling_text
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
 

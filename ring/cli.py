@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.backend == "numpy" and args.transport == "nccl":
             raise ConfigError("the NCCL transport needs --backend cupy")
-        from dataflow.memplan.cost import MAX_ROUNDS_PER_STEP
+        from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
 
         if args.rounds is not None and args.rounds > MAX_ROUNDS_PER_STEP:
             raise ConfigError(f"--rounds {args.rounds} exceeds the planner's "
@@ -169,7 +169,7 @@ def launch_backend(backend: str) -> str:
 def launch_profile(backend: str):
     """The profile the ranks will plan with, found without a CUDA context in this process: the
     CPU's for NumPy, else the one of GPU 0's name as NVML reports it."""
-    from dataflow.memplan.profiles import get_profile, profile_for_device
+    from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 
     if backend == "numpy":
         return get_profile("cpu")
@@ -188,14 +188,14 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, n: in
                    tokens_per_step: int | None, rounds: int | None, quiet: bool = False,
                    placement: str = "cyclic", split_fetch: bool = False):
     """(replicas, plan constraints for every rank) of n processes: the layout the planner
-    predicts fastest (dataflow.memplan.layout), printed with the alternatives it weighed; with
+    predicts fastest (dataflow.memplan.search.layout), printed with the alternatives it weighed; with
     replicas given, the chunking of that split that predicts fastest (a full ring, at least as
     many chunks a round as ranks, where one fits). `placement` fixes how a ring deals its
     layers, or 'auto': the faster predicted of layout.WEIGHED_PLACEMENTS; the constraints then
     carry a placement other than cyclic ('placement', RingJob.placement). Raises ConfigError
     naming what does not fit."""
-    from dataflow.memplan.layout import WEIGHED_PLACEMENTS, choose_layout, layout_text
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.search.layout import WEIGHED_PLACEMENTS, choose_layout, layout_text
+    from dataflow.memplan.plan.plan import Budget
     from dataflow.ring.worker import model_config
 
     if rounds and tokens_per_step:

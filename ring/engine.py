@@ -23,7 +23,7 @@ class Ring:
     replicas: int | None = None
     """Data-parallel copies of the ring: WORLD_SIZE processes form `replicas` rings of
     WORLD_SIZE / replicas ranks (layer i on rank i mod that). None (the default): the layout
-    the planner predicts fastest for WORLD_SIZE GPUs (dataflow.memplan.layout.choose_layout),
+    the planner predicts fastest for WORLD_SIZE GPUs (dataflow.memplan.search.layout.choose_layout),
     the same in every process; the engine's rank_plan (replicas, n_ranks, placement) says
     what it chose."""
     transport: str = "auto"
@@ -32,7 +32,7 @@ class Ring:
     timeout_s: float = 120.0
     """How long a rank waits for another before failing with a RingError naming it."""
     placement: str = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    """How the ring deals its layers (dataflow.memplan.search.ring_plan.PLACEMENTS): 'cyclic' (layer i
     on rank i mod N), 'balanced' (the head's rank owns fewer layers: it also runs the head),
     'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
     A 'placement' in plan_options takes precedence."""
@@ -119,8 +119,8 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     `last_breakdown`. split_fetch: with replicas, each fetches 1/R of every streamed weight use
     and gathers the rest from the others (RankPlan.split_fetch)."""
     from dataflow.engine import default_profile
-    from dataflow.memplan.plan import Budget, GradAccum
-    from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
+    from dataflow.memplan.plan.plan import Budget, GradAccum
+    from dataflow.memplan.search.ring_plan import make_rank_plan, ring_profile
     from dataflow.ring.rank import RingRank
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
@@ -152,8 +152,8 @@ def _choose_replicas(cfg, seqlen, host_gb, dev_gb, env, backend, transport, prof
     """(replicas, plan constraints) of the layout the planner predicts fastest for the
     world's processes, planned as the ranks will plan (their backend's profile, NCCL's reserve).
     A global batch (seqs_per_step) is kept exactly: only splits that divide it are weighed."""
-    from dataflow.memplan.layout import WEIGHED_PLACEMENTS, choose_layout
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.search.layout import WEIGHED_PLACEMENTS, choose_layout
+    from dataflow.memplan.plan.plan import Budget
     from dataflow.models.errors import ConfigError
     from dataflow.ring.cli import launch_profile
 

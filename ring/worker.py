@@ -37,7 +37,7 @@ class RingJob:
     lr: float = 1e-3
     max_grad_norm: float | None = 1.0
     grad_accum: str = "bf16"
-    """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.GradAccum)."""
+    """'bf16' or 'fp32' gradient accumulation (dataflow.memplan.plan.plan.GradAccum)."""
     eager_update: bool = False
     trace: bool = False
     """Each rank traces its backend's streams and reports every step's breakdown."""
@@ -61,7 +61,7 @@ class RingJob:
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
     placement: str = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    """How the ring deals its layers (dataflow.memplan.search.ring_plan.PLACEMENTS): 'cyclic' (layer i
     on rank i mod N), 'balanced' (the head's rank owns fewer layers) or 'contiguous'. A
     'placement' among the constraints (a layout's choice) takes precedence."""
     eval_seqs: int = 0

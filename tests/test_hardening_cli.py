@@ -17,7 +17,7 @@ import pytest
 
 from dataflow.bench import demo_checks
 from dataflow.bench.demo import main as demo_main
-from dataflow.memplan.chunking import MAX_SEQLEN, _divisors
+from dataflow.memplan.plan.chunking import MAX_SEQLEN, _divisors
 from dataflow.memplan.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]

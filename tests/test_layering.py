@@ -21,7 +21,7 @@ ARRAY_LIBS = {"numpy", "cupy", "cupyx", "ml_dtypes", "numba", "torch", "jax"}
 
 
 def _layer(module: str) -> str:
-    """The architecture's package of a dotted import: `dataflow.memplan.cost` -> memplan,
+    """The architecture's package of a dotted import: `dataflow.memplan.search.cost` -> memplan,
     `dataflow.engine` -> dataflow; a bare `memplan...` keeps its name (and is refused below)."""
     parts = module.split(".")
     if parts[0] == "dataflow" and len(parts) > 1 and parts[1] in OURS - {"dataflow"}:
@@ -92,7 +92,7 @@ def test_memplan_imports_no_array_gpu_or_downstream_package():
 
 def test_importing_the_planner_loads_no_array_library():
     """At run time too: importing memplan (and its CLI) pulls in no numpy or cupy."""
-    code = ("import sys, dataflow.memplan, dataflow.memplan.cli, dataflow.memplan.sanity, dataflow.memplan.schedule; "
+    code = ("import sys, dataflow.memplan, dataflow.memplan.cli, dataflow.memplan.search.sanity, dataflow.memplan.step.compile; "
             "bad = [m for m in ('numpy', 'cupy', 'ml_dtypes', 'numba') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

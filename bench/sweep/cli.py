@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args):
     from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
     from dataflow.bench.sweep.sweep import SweepConfig
-    from dataflow.memplan.chunking import MAX_SEQLEN
+    from dataflow.memplan.plan.chunking import MAX_SEQLEN
 
     if args.executor == "local" and (args.cluster or args.partition):
         raise ConfigError("--cluster and --partition apply to --executor submitit only")

@@ -14,7 +14,7 @@ import socket
 from dataflow.bench.sweep.grid import Cell
 from dataflow.bench.sweep.record import CellRecord, Status
 from dataflow.memplan import InfeasibleBudget, make_plan
-from dataflow.memplan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
+from dataflow.memplan.plan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 
@@ -52,7 +52,7 @@ def resolve_profile(backend: str, *, gpu: str | None = None, profile_file: str |
     """The profile to plan for: --profile FILE or --gpu NAME when given; 'cpu' for the NumPy
     backend (as the demo plans); else the built-in profile matching the local GPU's name (as
     dataflow.engine.default_profile matches it), H100's when none matches or no GPU is here."""
-    from dataflow.memplan.profiles import get_profile, known_profiles, load_profile
+    from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile
 
     if profile_file:
         return load_profile(profile_file)
@@ -77,7 +77,7 @@ def plan_columns(plan: Plan) -> dict:
     levels = {level: sum(a.level is level for a in acts) for level in SavedLevel}
     opt = sorted({lp.optimizer.value for lp in plan.layers},
                  key=[o.value for o in OptimizerWhere].index)
-    from dataflow.memplan.cost import predict_schedule
+    from dataflow.memplan.search.cost import predict_schedule
 
     p, ch = predict_schedule(plan, plan.profile), plan.chunking  # the schedule that will run
     return dict(

@@ -153,9 +153,9 @@ def simulated_trace(plan, update: str = "deferred") -> StepTrace:
     StepTrace: the same stall analysis as a measured step, at event granularity (one compute
     span per layer and chunk, not per op). update: where AdamW runs (the Engine's default:
     the previous step's, deferred into round 0; 'end' for --eager-update)."""
-    from dataflow.memplan.cost import event_seconds
-    from dataflow.memplan.schedule import compile_schedule
-    from dataflow.memplan.sim import simulate_schedule
+    from dataflow.memplan.search.cost import event_seconds
+    from dataflow.memplan.step.compile import compile_schedule
+    from dataflow.memplan.search.round_sim import simulate_schedule
 
     sch = compile_schedule(plan, update=update)
     tl = simulate_schedule(sch, event_seconds(plan, plan.profile), plan.profile, spans=True)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.simulated:
-            from dataflow.memplan.plan import Plan
+            from dataflow.memplan.plan.plan import Plan
 
             plan = Plan.from_json(Path(args.trace).read_text())
             steps = [simulated_trace(plan)]

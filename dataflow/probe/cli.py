@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 
 from dataflow.memplan.cli_args import OneLineParser, parse_or_exit_code, positive
-from dataflow.memplan.profiles import default_cache_path, known_profiles, save_profile
+from dataflow.memplan.plan.profiles import default_cache_path, known_profiles, save_profile
 from dataflow.models.config import load_config, zoo_names
 from dataflow.models.errors import ConfigError
 

@@ -1,21 +1,21 @@
 """The step as data: `compile_schedule(plan)` turns a plan into one frozen list of typed events
 (fetch, write-back, fill, compute, host task, optimizer update, record, wait), each on its stream
 and naming the byte ranges it touches, plus the region table every one of those ranges lives in.
-The simulator (memplan/sim.py) times exactly this list and the executor (dataflow/executor.py)
+The simulator (memplan/search/round_sim.py) times exactly this list and the executor (dataflow/executor.py)
 dispatches exactly this list, so the plan that is predicted is the plan that runs.
 
 Slot assignment (which slot a streamed block or saved activation visits, evicting the one needed
 farthest ahead) and fetch timing (a fetch is issued as soon as its slot is free) are decided here,
-once per plan, by the slot rings of memplan/slot_ring.py; the events and Schedule themselves are
-memplan/events.py. Pure Python: never imports array libraries, never touches a device."""
+once per plan, by the slot rings of memplan/step/slot_ring.py; the events and Schedule themselves are
+memplan/step/events.py. Pure Python: never imports array libraries, never touches a device."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan import buffers
-from dataflow.memplan.decisions import decisions_of
-from dataflow.memplan.events import (
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.step.events import (
     COMPUTE,
     D2H,
     EVENT_TYPES,
@@ -37,16 +37,16 @@ from dataflow.memplan.events import (
     Wait,
     WriteBack,
 )
-from dataflow.memplan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
-from dataflow.memplan.plan import OptimizerWhere, Where
-from dataflow.memplan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
+from dataflow.memplan.plan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
+from dataflow.memplan.plan.plan import OptimizerWhere, Where
+from dataflow.memplan.plan.segments import (KV_REGION, boundary_kv_sharers, inner_region, is_inner,
                               kv_rebuilt, segment_bounds)
-from dataflow.memplan.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
+from dataflow.memplan.step.slot_ring import ZERO, _Emitter, _Ring, _Use, for_round
 from dataflow.models.flops import SavedLevel
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
-# The data (Region, Ref, the events, Schedule) lives in memplan/events.py and the slot rings in
-# memplan/slot_ring.py; the public names are re-exported here, where the rest of the code imports
+# The data (Region, Ref, the events, Schedule) lives in memplan/step/events.py and the slot rings in
+# memplan/step/slot_ring.py; the public names are re-exported here, where the rest of the code imports
 # them.
 __all__ = [
     "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "OPT", "STREAMS", "ZERO", "Compute", "Event",
@@ -133,7 +133,7 @@ class _Compiler:
             self.cfg, self.ch.tokens_per_round)}
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
         self.kv_sharers = boundary_kv_sharers(self.d)
-        """(layer, chunk)s whose K/V go through KV_REGION (dataflow.memplan.segments)."""
+        """(layer, chunk)s whose K/V go through KV_REGION (dataflow.memplan.plan.segments)."""
         self.kv_rebuilt = kv_rebuilt(self.d)
         """(layer, chunk)s whose K/V the backward re-forms from x (Plan.kv_rebuild)."""
         self.kv_stage_free: list[int | None] = [None] * buffers.KV_REBUILD_STAGES
@@ -418,7 +418,7 @@ class _Compiler:
     def _transition(self, name: str) -> tuple[int, int]:
         return self._tr_offsets[name], self._tr_specs[name].nbytes
 
-    # -- hooks: where a wrapping compiler (memplan/ring_schedule.py) adds its events ---------
+    # -- hooks: where a wrapping compiler (memplan/step/ring_compile.py) adds its events ---------
     has_embed = True
     """This compiler's rounds run the embedding (a ring rank: only the owner of layer 0)."""
     has_head = True

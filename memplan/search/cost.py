@@ -1,5 +1,5 @@
 """The cost model: compute seconds from FLOPs, copy seconds from bytes, their overlap per layer
-window, the optimizer, and the predicted step (dataflow.memplan.plan.Prediction). Every constant is named
+window, the optimizer, and the predicted step (dataflow.memplan.plan.plan.Prediction). Every constant is named
 here and explained in docs/planner.md. Pure arithmetic: never imports array libraries, never reads
 the clock, never touches a device.
 
@@ -13,14 +13,14 @@ import dataclasses
 import functools
 import math
 
-from dataflow.memplan import buffers
-from dataflow.memplan.chunking import head_sub_tokens
-from dataflow.memplan.decisions import decisions_of
-from dataflow.memplan.memory import grad_bpe
-from dataflow.memplan.plan import (AttentionBwd, Chunking, HardwareProfile, OptimizerWhere, Prediction,
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.chunking import head_sub_tokens
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.memory import grad_bpe
+from dataflow.memplan.plan.plan import (AttentionBwd, Chunking, HardwareProfile, OptimizerWhere, Prediction,
                           Where)
-from dataflow.memplan.segments import kv_rebuilt, segment_bounds
-from dataflow.memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
+from dataflow.memplan.plan.segments import kv_rebuilt, segment_bounds
+from dataflow.memplan.search.round_sim import RoundResult, Workload, simulate_round, simulate_schedule
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import (
     SavedLevel,
@@ -257,12 +257,12 @@ def kv_rebuild_cost(cfg: ModelConfig, tokens: int, p: HardwareProfile) -> tuple[
 
 def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int, k: int,
                       boundary_level=None) -> tuple[list[float], float]:
-    """Layer-segment recompute (memplan/segments.py): (seconds added to each layer's backward
+    """Layer-segment recompute (memplan/plan/segments.py): (seconds added to each layer's backward
     window, FLOPs per round). A segment of m >= 2 layers re-runs all m layers' forward over
     every chunk before the backward of its top layer; hardware FLOPs, so HFU counts them and
     MFU does not. `boundary_level(layer, chunk)`: the level a boundary kept; where it keeps
     the attention output, the boundary's re-run is refwd_kept_s. Without it, every re-run is
-    a whole forward (dataflow.memplan.space takes the boundaries' share off per level)."""
+    a whole forward (dataflow.memplan.search.space takes the boundaries' share off per level)."""
     per_layer_s = [0.0] * n_layers
     fwd_s, fwd_flops = sum(c.fwd_s for c in costs), sum(c.fwd_flops for c in costs)
     flops = 0.0
@@ -484,13 +484,13 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, comp
     the simulation (a first and a later round, then the optimizer; the later round repeats).
     step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
     optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
-    token, are not counted). update: where AdamW runs (dataflow.memplan.schedule.UPDATE_MODES): by
+    token, are not counted). update: where AdamW runs (dataflow.memplan.step.compile.UPDATE_MODES): by
     default as the Engine runs it, the previous step's inside round 0 (a step after the first;
     optimizer_s is then only the norm and clip scale after the last round), 'end', or
     'backward' (an unclipped step's own, inside its last round). `compiler(rounds, update)`
     and `comm` (as simulate_schedule's) time another compilation of the same plan: a ring
-    rank's replica (dataflow.memplan.ring_schedule.replica_prediction)."""
-    from dataflow.memplan.schedule import compile_schedule
+    rank's replica (dataflow.memplan.step.ring_compile.replica_prediction)."""
+    from dataflow.memplan.step.compile import compile_schedule
 
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking

@@ -4,11 +4,11 @@ parity tests to force a particular plan. Never imports array libraries, never de
 
 from __future__ import annotations
 
-from dataflow.memplan.cost import predict
-from dataflow.memplan.decisions import Decisions, validate_decisions
-from dataflow.memplan.errors import InfeasibleBudget, categories_text, gib_text
-from dataflow.memplan.memory import memory_map
-from dataflow.memplan.plan import (
+from dataflow.memplan.search.cost import predict
+from dataflow.memplan.plan.decisions import Decisions, validate_decisions
+from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_text
+from dataflow.memplan.plan.memory import memory_map
+from dataflow.memplan.plan.plan import (
     Budget,
     Chunking,
     GradAccum,

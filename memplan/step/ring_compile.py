@@ -6,7 +6,7 @@ Wait events as everything else, so a transport can overlap them with compute. Se
 receives get a stream each ('send', 'recv'): with rendezvous semantics (NCCL, large messages) a
 send that waits for its receiver must never sit in front of a receive the receiver needs first.
 
-Reuses dataflow.memplan.schedule's compiler whole (slot rings, fetch timing, the round, the optimizer)
+Reuses dataflow.memplan.step.compile's compiler whole (slot rings, fetch timing, the round, the optimizer)
 and overrides only its hooks (a layer's input arrives, its output leaves, a block's gradient is
 final, which blocks are owned): no `if ring:` branch exists in the single-device code. Pure
 Python: never imports array libraries, never touches a device, never talks to another rank."""
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.events import Compute
-from dataflow.memplan.ring_plan import RankPlan, moe_routing_chain
-from dataflow.memplan.schedule import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
+from dataflow.memplan.step.events import Compute
+from dataflow.memplan.search.ring_plan import RankPlan, moe_routing_chain
+from dataflow.memplan.step.compile import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
                                        _Compiler)
 
 SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
@@ -163,7 +163,7 @@ class _RingCompiler(_ReplicaCompiler):
         if getattr(rp.plan, "segment_layers", 1) > 1:
             raise ConfigError(f"rank {rp.rank}'s plan recomputes segments of "
                               f"{rp.plan.segment_layers} layers, which a ring rank cannot run "
-                              "(dataflow.memplan.ring_plan refuses such plans); plan it again")
+                              "(dataflow.memplan.search.ring_plan refuses such plans); plan it again")
         self.run_pos = []
         """Each local layer's position in its run of consecutive global layers (0: first)."""
         for j, g in enumerate(rp.layers):
@@ -353,7 +353,7 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
     """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv (and
     with rp.split_fetch, replica `replica`'s weight parts: they differ between replicas only in
     which part each fetches).
-    `update` as dataflow.memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
+    `update` as dataflow.memplan.step.compile.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
     all-reduced and the clip scale made global before the previous step ended)."""
     if update == "backward":
@@ -364,13 +364,13 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
     """The AdamW of this rank's own blocks alone, after a step compiled with update='none' or
-    'deferred' (as dataflow.memplan.schedule.compile_update_schedule): no sends, no receives."""
+    'deferred' (as dataflow.memplan.step.compile.compile_update_schedule): no sends, no receives."""
     return _compiler(rp).compile_update()
 
 
 def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1, replica: int = 0) -> Schedule:
     """A forward-only evaluation of `rounds` rounds on rank `rp.rank` (as
-    dataflow.memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
+    dataflow.memplan.step.compile.compile_eval_schedule), with the forward's sends and receives: each layer's
     input arrives from the rank before it and its output leaves for the rank after."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
@@ -407,7 +407,7 @@ class Arrivals:
 
 @dataclasses.dataclass(slots=True)
 class RingComm:
-    """How dataflow.memplan.sim.simulate_schedule times one rank's communication: a Send occupies the
+    """How dataflow.memplan.search.round_sim.simulate_schedule times one rank's communication: a Send occupies the
     send stream for bytes / link rate + latency, after which its message has arrived; a Recv
     ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
     is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
@@ -441,12 +441,12 @@ class RingComm:
 def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
     """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
     (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
-    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.cost.
+    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.search.cost.
     predict_schedule), with the split (its part copies over the host link, the gathers over a
     link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
-    The step's all-reduce is left out of both (dataflow.memplan.layout adds it); Send / Recv
+    The step's all-reduce is left out of both (dataflow.memplan.search.layout adds it); Send / Recv
     are not compiled (the rank alone). rp.plan.prediction without the split."""
-    from dataflow.memplan.cost import predict_schedule
+    from dataflow.memplan.search.cost import predict_schedule
 
     if not (rp.split_fetch and rp.replicas > 1):
         return rp.plan.prediction
@@ -469,15 +469,15 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
                   profile=None, update: str = "deferred") -> tuple:
-    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.sim, all at once (a
+    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.search.round_sim, all at once (a
     thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
     per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
     assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
     the previous step's inside round 0, a step after the first; or 'end')."""
     import threading
 
-    from dataflow.memplan.cost import event_seconds
-    from dataflow.memplan.sim import simulate_schedule
+    from dataflow.memplan.search.cost import event_seconds
+    from dataflow.memplan.search.round_sim import simulate_schedule
 
     arrivals, out = Arrivals(), {}
 

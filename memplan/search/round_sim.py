@@ -1,4 +1,4 @@
-"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.schedule) event by event: the
+"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.step.compile) event by event: the
 prediction of a plan comes from it. `simulate_round` is the search's fast screen over candidates
 (one round of the overlap model: compute windows F0..F(L-1), head, B(L-1)..B0 on one stream;
 copies in need order on an h2d and a d2h stream. A copy starts when its stream is free and its
@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from dataflow.memplan.plan import HardwareProfile
+from dataflow.memplan.plan.plan import HardwareProfile
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -290,8 +290,8 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
     stream is free (a wait moves the stream's clock to the waited record); copies run at the
     duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
-    gives the compute / host / fill durations (dataflow.memplan.cost.event_seconds). `comm` (a ring
-    rank's: dataflow.memplan.ring_schedule.RingComm) times the events on its `streams` (Send, Recv,
+    gives the compute / host / fill durations (dataflow.memplan.search.cost.event_seconds). `comm` (a ring
+    rank's: dataflow.memplan.step.ring_compile.RingComm) times the events on its `streams` (Send, Recv,
     AllReduce): `comm.finish(event, start)` is when one ends."""
     clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
     recorded = [0.0] * schedule.n_ids

@@ -16,7 +16,7 @@ libraries."""
 
 from __future__ import annotations
 
-from dataflow.memplan.plan import Where
+from dataflow.memplan.plan.plan import Where
 from dataflow.models.flops import SavedLevel
 
 KV_REGION = "home.ctx_kv"
@@ -111,11 +111,11 @@ def inner_regions(d, act_bytes) -> tuple[list[tuple[str, int]], list[tuple[str, 
 
 
 def finish_segment_plan(d, budget, profile):
-    """dataflow.memplan.build.finish_plan for decisions that may use segments: the memory map and the
+    """dataflow.memplan.search.build.finish_plan for decisions that may use segments: the memory map and the
     prediction are computed from `d` (segments included); the Plan carries its segment_layers."""
     import dataclasses
 
-    from dataflow.memplan.build import finish_plan
+    from dataflow.memplan.search.build import finish_plan
 
     return dataclasses.replace(finish_plan(d, budget, profile), segment_layers=d.segment_layers)
 
@@ -125,7 +125,7 @@ def with_segments(plan, k: int, budget=None):
     its own budget (raises InfeasibleBudget when the new layout does not fit)."""
     import dataclasses
 
-    from dataflow.memplan.decisions import decisions_of
+    from dataflow.memplan.plan.decisions import decisions_of
 
     d = dataclasses.replace(decisions_of(plan), segment_layers=k)
     return finish_segment_plan(d, budget or plan.budget, plan.profile)

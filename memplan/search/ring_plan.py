@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Plan
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Plan
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -153,8 +153,8 @@ def head_layer_units(cfg: ModelConfig, ch, profile: HardwareProfile,
     """The final norm + lm_head's compute per chunk in layers' worth (one layer's forward and
     backward of the same chunk, the mean over a round's chunks), from the cost model: about 2
     for 8b at 8k (vocabulary 128k). The head's sub-chunk is the cost model's default one."""
-    from dataflow.memplan.chunking import head_sub_tokens
-    from dataflow.memplan.cost import chunk_costs, head_seconds
+    from dataflow.memplan.plan.chunking import head_sub_tokens
+    from dataflow.memplan.search.cost import chunk_costs, head_seconds
 
     costs = chunk_costs(cfg, ch, profile)
     layer_s = sum(c.fwd_s + c.bwd_s for c in costs) / len(costs)
@@ -216,7 +216,7 @@ def routing_chain(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = 
                   ) -> tuple[int, ...] | None:
     """The ranks in the order of their last layers (the head's last): the path an MoE model's
     partial routing totals take after each rank's last forward of a round, and back from the
-    head before the backward (dataflow.memplan.ring_schedule). None where that order is not the
+    head before the backward (dataflow.memplan.step.ring_compile). None where that order is not the
     ring's (each rank's successor must be its next neighbour, the only rank it sends
     forward to): then the placement cannot carry MoE layers."""
     last = {}
@@ -273,7 +273,7 @@ class RankPlan:
     """With replicas: each replica fetches 1/R of every streamed weight use over its own host
     link and gathers the other parts from the other replicas (their weights are the same bits),
     so the replicas of one host share its copies instead of each moving the whole model
-    (dataflow.memplan.ring_schedule, docs/ring.md)."""
+    (dataflow.memplan.step.ring_compile, docs/ring.md)."""
 
     @property
     def ring_owners(self) -> tuple[int, ...]:
@@ -493,9 +493,9 @@ def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float,
     layer (recompute included), the head's seconds a round, the rank's layer and head work a
     round): the cost model's numbers (cost.workload_of, cost.chunk_costs), as simulate_ring
     times them."""
-    from dataflow.memplan.cost import LEVEL_INDEX, chunk_costs, workload_of
-    from dataflow.memplan.decisions import decisions_of
-    from dataflow.memplan.plan import AttentionBwd
+    from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, workload_of
+    from dataflow.memplan.plan.decisions import decisions_of
+    from dataflow.memplan.plan.plan import AttentionBwd
 
     plan, p = rp.plan, rp.plan.profile
     d, w = decisions_of(plan), workload_of(plan, p)

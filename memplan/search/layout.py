@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Where
-from dataflow.memplan.ring_plan import (LINKS, MAX_RANKS, PLACEMENTS, Link, RankPlan,
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
+from dataflow.memplan.search.ring_plan import (LINKS, MAX_RANKS, PLACEMENTS, Link, RankPlan,
                                         make_rank_plans, predict_ring, ring_profile)
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -150,7 +150,7 @@ def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
     each plan's prediction its stand-alone step with its part copies and the gathers over
     `link` (ring_schedule.replica_prediction). Ranks of one kind (layers, embedding, head) are
     predicted once per `memo`."""
-    from dataflow.memplan.ring_schedule import replica_prediction
+    from dataflow.memplan.step.ring_compile import replica_prediction
 
     memo = {} if memo is None else memo
     out = []
