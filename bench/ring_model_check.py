@@ -30,7 +30,7 @@ from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.search.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
                                         ring_efficiency, ring_profile)
-from dataflow.memplan.step.ring_compile import simulate_ring
+from dataflow.memplan.search.predict import simulate_ring
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 
@@ -45,19 +45,20 @@ RANKS = (2, 4, 8, 16, 32, 64)
 @contextlib.contextmanager
 def staged_ahead():
     """What if the ring compiler staged each round's tokens and embedding rows a round ahead, as
-    the one-device compiler does (its stage_next)? memplan/step/ring_compile.py's _RingCompiler
+    the one-device compiler does (its stage_next)? memplan/step/ring_compile.py's RingCompiler
     overrides stage_next to stage them only when the round loads them, so the rank holding the
     embedding runs the last round's host scatter and this round's gather between rounds while
     the others wait. Swaps the hook for the duration (this process only); yields False, and
     changes nothing, once the ring compiler no longer overrides it."""
-    from dataflow.memplan.step import compile as schedule, ring_compile as ring_schedule
+    from dataflow.memplan.step.compile import StepCompiler
+    from dataflow.memplan.step.ring_compile import RingCompiler
 
-    cls = ring_schedule._RingCompiler
+    cls = RingCompiler
     if "stage_next" not in vars(cls):
         yield False
         return
     saved = cls.stage_next
-    cls.stage_next = schedule._Compiler.stage_next
+    cls.stage_next = StepCompiler.stage_next
     try:
         yield True
     finally:

@@ -2,11 +2,8 @@
 what is prefetched and recomputed, and predicts the step. Pure Python: never imports array
 libraries, never touches a device. See docs/planner.md."""
 
-from dataflow.memplan.search.build import build_plan
-from dataflow.memplan.search.cost import predict, predict_schedule
 from dataflow.memplan.plan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
 from dataflow.memplan.plan.errors import InfeasibleBudget
-from dataflow.memplan.search.explain import explain
 from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map
 from dataflow.memplan.plan.plan import (
                           Budget,
@@ -23,6 +20,10 @@ from dataflow.memplan.plan.plan import (
                           Where,
 )
 from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile, save_profile
+from dataflow.memplan.search.build import build_plan
+from dataflow.memplan.search.cost import predict
+from dataflow.memplan.search.explain import explain
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.search.search import MinimumBudgets, make_plan, minimum_budgets
 
 __all__ = [

@@ -32,7 +32,7 @@ class Ring:
     timeout_s: float = 120.0
     """How long a rank waits for another before failing with a RingError naming it."""
     placement: str = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.search.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    """How the ring deals its layers (dataflow.memplan.plan.ranks.PLACEMENTS): 'cyclic' (layer i
     on rank i mod N), 'balanced' (the head's rank owns fewer layers: it also runs the head),
     'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas None).
     A 'placement' in plan_options takes precedence."""

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
-from dataflow.memplan.search.ring_plan import RankPlan
+from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
                                             compile_ring_eval_schedule, compile_ring_schedule,
                                             compile_ring_update_schedule)

@@ -61,7 +61,7 @@ class RingJob:
     constraints: tuple[tuple[str, int], ...] = ()
     """Plan constraints (chunk_tokens, chunks_per_round, rounds_per_step) for every rank."""
     placement: str = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.search.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    """How the ring deals its layers (dataflow.memplan.plan.ranks.PLACEMENTS): 'cyclic' (layer i
     on rank i mod N), 'balanced' (the head's rank owns fewer layers) or 'contiguous'. A
     'placement' among the constraints (a layout's choice) takes precedence."""
     eval_seqs: int = 0

@@ -97,3 +97,66 @@ def test_importing_the_planner_loads_no_array_library():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# memplan's three layers
+MEMPLAN_LAYERS = ("plan", "step", "search")
+"""memplan's layers, each importing only those before it: plan <- step <- search."""
+MEMPLAN_EDGE = {"__init__.py", "cli.py", "cli_args.py", "layout_cli.py"}
+"""memplan's modules outside the three layers: the package's re-exports and the CLI's (issue 50
+moves the CLI's into a package of its own; their lazy imports are that package's to answer for)."""
+
+
+def _memplan_layer(module: str) -> str | None:
+    """The memplan layer of a dotted import (`dataflow.memplan.step.compile` -> step), or None."""
+    parts = module.split(".")
+    if parts[:2] == ["dataflow", "memplan"] and len(parts) > 2 and parts[2] in MEMPLAN_LAYERS:
+        return parts[2]
+    return None
+
+
+def test_every_memplan_module_lives_in_one_of_its_three_layers():
+    """memplan/ holds plan/, step/ and search/ and, beside them, only its __init__ and the CLI."""
+    loose = sorted(p.name for p in (ROOT / "memplan").glob("*.py") if p.name not in MEMPLAN_EDGE)
+    assert not loose, loose
+    for layer in MEMPLAN_LAYERS:
+        assert len(list((ROOT / "memplan" / layer).glob("*.py"))) >= 4, layer
+
+
+def test_memplan_layers_import_one_way_plan_step_search():
+    """plan imports neither step nor search, step imports plan but not search; no layer imports
+    the package itself (its __init__ re-exports search)."""
+    bad = []
+    for i, layer in enumerate(MEMPLAN_LAYERS):
+        allowed = set(MEMPLAN_LAYERS[:i + 1])
+        for f in sorted((ROOT / "memplan" / layer).rglob("*.py")):
+            for _, module, names in _imports(f):
+                dep = _memplan_layer(module)
+                if module == "dataflow.memplan":
+                    dep = next((n for n in names if n in MEMPLAN_LAYERS), "the package")
+                if dep is not None and dep not in allowed:
+                    bad.append(f"{f.relative_to(ROOT)} ({layer}) imports {module} {names}")
+    assert not bad, "\n".join(bad)
+
+
+def test_memplan_has_no_function_local_import_of_our_modules_without_a_reason():
+    """An import of one of our modules inside a function hides an import circle; memplan allows
+    one only with a comment on its line saying why (an optional dependency, say)."""
+    bad = []
+    for f in _files("memplan"):
+        if f.parent.name == "memplan" and f.name in MEMPLAN_EDGE - {"__init__.py"}:
+            continue
+        lines = f.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines), filename=str(f))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    ours = any(_layer(a.name) in OURS for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    ours = node.level > 0 or _layer(node.module or "") in OURS
+                else:
+                    continue
+                if ours and "#" not in lines[node.lineno - 1]:
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not bad, "\n".join(bad)

@@ -77,7 +77,7 @@ def plan_columns(plan: Plan) -> dict:
     levels = {level: sum(a.level is level for a in acts) for level in SavedLevel}
     opt = sorted({lp.optimizer.value for lp in plan.layers},
                  key=[o.value for o in OptimizerWhere].index)
-    from dataflow.memplan.search.cost import predict_schedule
+    from dataflow.memplan.search.predict import predict_schedule
 
     p, ch = predict_schedule(plan, plan.profile), plan.chunking  # the schedule that will run
     return dict(

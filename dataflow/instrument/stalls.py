@@ -155,7 +155,7 @@ def simulated_trace(plan, update: str = "deferred") -> StepTrace:
     the previous step's, deferred into round 0; 'end' for --eager-update)."""
     from dataflow.memplan.search.cost import event_seconds
     from dataflow.memplan.step.compile import compile_schedule
-    from dataflow.memplan.search.round_sim import simulate_schedule
+    from dataflow.memplan.step.sim import simulate_schedule
 
     sch = compile_schedule(plan, update=update)
     tl = simulate_schedule(sch, event_seconds(plan, plan.profile), plan.profile, spans=True)

@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.decisions import any_streamed_optimizer, decisions_of
 from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from dataflow.memplan.plan.segments import (KV_REGION, inner_regions, is_inner, kv_less, kv_rebuilt,
-                              kv_region_bytes)
+from dataflow.memplan.plan.segments import (
+    KV_REGION,
+    inner_regions,
+    is_inner,
+    kv_less,
+    kv_rebuilt,
+    kv_region_bytes,
+)
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {

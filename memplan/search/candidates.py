@@ -11,8 +11,8 @@ import functools
 import math
 
 from dataflow.memplan.plan.chunking import chunking_candidates
-from dataflow.memplan.search.cost import round_times, max_rounds, rounds_for_target
 from dataflow.memplan.plan.plan import GradAccum, HardwareProfile, OptimizerWhere
+from dataflow.memplan.search.cost import max_rounds, round_times, rounds_for_target
 from dataflow.memplan.search.space import Space, State
 from dataflow.models.config import ModelConfig
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import chunk_target_tokens
-from dataflow.memplan.search.cost import DEFAULT_OPT_TARGET_FRAC
 from dataflow.memplan.plan.memory import CATEGORIES
 from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
+from dataflow.memplan.search.cost import DEFAULT_OPT_TARGET_FRAC
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.models.flops import SavedLevel, flop_model_version
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -217,8 +218,6 @@ def explain(plan: Plan, update: str = "deferred") -> str:
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
             f"attention backward {plan.attention_bwd.value}]")
     s = plan.slots
-    from dataflow.memplan.search.cost import predict_schedule
-
     pr = predict_schedule(plan, plan.profile, update=update)
     lines = [head, *_chunking_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "

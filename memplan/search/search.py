@@ -11,18 +11,40 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.search.build import build_plan, validate_budget
+from dataflow.memplan.plan.chunking import (
+    MAX_ROUND_TOKENS,
+    ROUND_MULTIPLES,
+    _divisors,
+    check_seqlen,
+    chunk_candidates,
+    chunk_target_tokens,
+    head_sub_choices,
+)
 from dataflow.memplan.plan.decisions import refuse_moe
-from dataflow.memplan.search.candidates import Candidate, Score, Table, candidate_table, segment_table
-from dataflow.memplan.plan.chunking import (MAX_ROUND_TOKENS, ROUND_MULTIPLES, _divisors, check_seqlen,
-                              head_sub_choices,
-                              chunk_candidates, chunk_target_tokens)
-from dataflow.memplan.search.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
 from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_up, size_text
-from dataflow.memplan.search.cost import segment_recompute
 from dataflow.memplan.plan.memory import memory_map
-from dataflow.memplan.plan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
-from dataflow.memplan.plan.segments import finish_segment_plan
+from dataflow.memplan.plan.plan import (
+    AttentionBwd,
+    Budget,
+    GradAccum,
+    HardwareProfile,
+    OptimizerWhere,
+    Plan,
+)
+from dataflow.memplan.plan.profiles import get_profile
+from dataflow.memplan.search.build import build_plan, finish_segment_plan, validate_budget
+from dataflow.memplan.search.candidates import (
+    Candidate,
+    Score,
+    Table,
+    candidate_table,
+    segment_table,
+)
+from dataflow.memplan.search.cost import (
+    DEFAULT_OPT_TARGET_FRAC,
+    MAX_ROUNDS_PER_STEP,
+    segment_recompute,
+)
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -137,7 +159,6 @@ def _segment_floor(table: Table) -> float:
 
 def _profile(profile: HardwareProfile | None) -> HardwareProfile:
     if profile is None:
-        from dataflow.memplan.plan.profiles import get_profile
         return get_profile()
     return profile
 

@@ -11,14 +11,40 @@ import functools
 
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
-from dataflow.memplan.search.cost import (KEEPS_ATTN_OUT, LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs,
-                          head_seconds, kv_rebuild_cost, make_workload, segment_recompute)
 from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
-from dataflow.memplan.plan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
-                             row_parts)
-from dataflow.memplan.plan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
-                          Slots, Where)
-from dataflow.memplan.plan.segments import REBUILT_KV_LEVELS, is_inner, kv_region_nbytes, segment_bounds
+from dataflow.memplan.plan.memory import (
+    NORM_HOST_BYTES,
+    TOKEN_ID_BYTES,
+    TOKEN_STAGING_ROWS,
+    grad_bpe,
+    row_parts,
+)
+from dataflow.memplan.plan.plan import (
+    AttentionBwd,
+    Chunking,
+    GradAccum,
+    HardwareProfile,
+    SavedActivation,
+    Slots,
+    Where,
+)
+from dataflow.memplan.plan.segments import (
+    REBUILT_KV_LEVELS,
+    is_inner,
+    kv_region_nbytes,
+    segment_bounds,
+)
+from dataflow.memplan.search.cost import (
+    KEEPS_ATTN_OUT,
+    LEVEL_INDEX,
+    OptimizerCost,
+    adamw_cost,
+    chunk_costs,
+    head_seconds,
+    kv_rebuild_cost,
+    make_workload,
+    segment_recompute,
+)
 from dataflow.memplan.search.round_sim import Workload
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel

@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.ranks import RankPlan, moe_routing_chain
+from dataflow.memplan.step.compile import (
+    COMPUTE,
+    H2D,
+    HOST,
+    Fetch,
+    HostTask,
+    Ref,
+    Schedule,
+    StepCompiler,
+)
 from dataflow.memplan.step.events import Compute
-from dataflow.memplan.search.ring_plan import RankPlan, moe_routing_chain
-from dataflow.memplan.step.compile import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
-                                       _Compiler)
+from dataflow.models.errors import ConfigError
 
 SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
 COMM_STREAMS = (SEND, RECV, REDUCE, GATHER)
@@ -82,7 +91,7 @@ def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
     return ((rnd * 2 + int(backward)) * n_layers + layer) * n_chunks + chunk
 
 
-class _ReplicaCompiler(_Compiler):
+class ReplicaCompiler(StepCompiler):
     """Rank r's compiler with data-parallel replicas: the single-device compiler of the rank's
     plan plus an all-reduce of each owned block's gradient where it is final. A ring of one rank
     (plain data parallelism) is this alone: the single-device round, nothing to send. With
@@ -149,7 +158,7 @@ class _ReplicaCompiler(_Compiler):
         events.extend(tail)
 
 
-class _RingCompiler(_ReplicaCompiler):
+class RingCompiler(ReplicaCompiler):
     """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
     (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
     hooks below receive each layer's input from the previous rank and send its output on.
@@ -158,8 +167,6 @@ class _RingCompiler(_ReplicaCompiler):
     ping-pong between the two residual buffers as on one device."""
 
     def __init__(self, rp: RankPlan, replica: int = 0):
-        from dataflow.models.errors import ConfigError
-
         if getattr(rp.plan, "segment_layers", 1) > 1:
             raise ConfigError(f"rank {rp.rank}'s plan recomputes segments of "
                               f"{rp.plan.segment_layers} layers, which a ring rank cannot run "
@@ -344,8 +351,8 @@ class _RingCompiler(_ReplicaCompiler):
         return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
 
 
-def _compiler(rp: RankPlan, replica: int = 0) -> _ReplicaCompiler:
-    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp, replica)
+def _compiler(rp: RankPlan, replica: int = 0) -> ReplicaCompiler:
+    return (RingCompiler if rp.n_ranks > 1 else ReplicaCompiler)(rp, replica)
 
 
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
@@ -379,125 +386,3 @@ def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1, replica: int = 0) 
 
 RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce, GatherParts)}
 """For Schedule.from_json(text, RING_EVENT_TYPES): a ring schedule's own events."""
-
-
-class Arrivals:
-    """When each message of a simulated ring is in its receiver's buffer, posted by the sending
-    rank's simulation and awaited by the receiving rank's (each rank is timed in a thread)."""
-
-    def __init__(self, timeout_s: float = 600.0):
-        import threading
-
-        self._cv = threading.Condition()
-        self._times: dict = {}
-        self.timeout_s = timeout_s
-
-    def post(self, key, t: float) -> None:
-        with self._cv:
-            self._times[key] = t
-            self._cv.notify_all()
-
-    def take(self, key) -> float:
-        with self._cv:
-            if not self._cv.wait_for(lambda: key in self._times, self.timeout_s):
-                raise RuntimeError(f"simulated ring: message {key} (sending rank, tag) never "
-                                   "sent: the ranks' schedules do not match")
-            return self._times[key]
-
-
-@dataclasses.dataclass(slots=True)
-class RingComm:
-    """How dataflow.memplan.search.round_sim.simulate_schedule times one rank's communication: a Send occupies the
-    send stream for bytes / link rate + latency, after which its message has arrived; a Recv
-    ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
-    is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
-    2 (R - 1) / R * B / rate + latency, a GatherParts of B bytes an all-gather's
-    (R - 1) / R * B / rate + latency (the replicas run in step). `reduce` False: the all-reduce
-    takes no time (a layout that adds it to the step itself)."""
-
-    rank: int
-    replicas: int
-    bytes_per_s: float
-    latency_s: float
-    arrivals: Arrivals | None
-    streams: tuple = COMM_STREAMS
-    reduce: bool = True
-
-    def finish(self, ev, start: float) -> float:
-        if type(ev) is Send:
-            end = start + ev.src.nbytes / self.bytes_per_s + self.latency_s
-            self.arrivals.post((self.rank, ev.tag), end)
-            return end
-        if type(ev) is Recv:
-            return max(start, self.arrivals.take((ev.peer, ev.tag)))
-        r = self.replicas
-        if type(ev) is GatherParts:
-            return start + (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
-        if not self.reduce:
-            return start
-        return start + 2 * (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
-
-
-def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
-    """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
-    (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
-    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.search.cost.
-    predict_schedule), with the split (its part copies over the host link, the gathers over a
-    link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
-    The step's all-reduce is left out of both (dataflow.memplan.search.layout adds it); Send / Recv
-    are not compiled (the rank alone). rp.plan.prediction without the split."""
-    from dataflow.memplan.search.cost import predict_schedule
-
-    if not (rp.split_fetch and rp.replicas > 1):
-        return rp.plan.prediction
-    timed = []
-    for split in (False, True):
-        r = dataclasses.replace(rp, split_fetch=split)
-        comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                        latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
-                        reduce=False)
-        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=lambda
-                                      rounds, update, r=r: _ReplicaCompiler(r).compile(rounds,
-                                                                                       update)))
-    k = timed[1].step_time_s / timed[0].step_time_s
-    p = rp.plan.prediction
-    return dataclasses.replace(
-        p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
-        model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,
-        h2d_bytes=timed[1].h2d_bytes)
-
-
-def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
-                  profile=None, update: str = "deferred") -> tuple:
-    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.search.round_sim, all at once (a
-    thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
-    per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
-    assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
-    the previous step's inside round 0, a step after the first; or 'end')."""
-    import threading
-
-    from dataflow.memplan.search.cost import event_seconds
-    from dataflow.memplan.search.round_sim import simulate_schedule
-
-    arrivals, out = Arrivals(), {}
-
-    def run(rp) -> None:
-        p = profile or rp.plan.profile
-        try:
-            out[rp.rank] = simulate_schedule(
-                compile_ring_schedule(rp, update=update), event_seconds(rp.plan, p), p,
-                comm=RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                              latency_s=latency_s, arrivals=arrivals))
-        except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            out[rp.rank] = exc
-
-    threads = [threading.Thread(target=run, args=(rp,)) for rp in rank_plans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    lines = tuple(out[rp.rank] for rp in rank_plans)
-    for tl in lines:
-        if isinstance(tl, Exception):
-            raise tl
-    return lines, max(tl.total_s for tl in lines)

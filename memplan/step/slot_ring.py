@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from dataflow.memplan.step.events import COMPUTE, D2H, H2D, Fetch, Fill, Record, Ref, Wait, WriteBack
+from dataflow.memplan.step.events import (
+    COMPUTE,
+    D2H,
+    H2D,
+    Fetch,
+    Fill,
+    Record,
+    Ref,
+    Wait,
+    WriteBack,
+)
 
 ZERO = "zero"
 """A slot use whose fetch is a zero fill (the first round's gradient sums)."""

@@ -93,7 +93,7 @@ def test_the_prediction_simulates_the_last_round_apart():
     carries the updates) and repeats only the middle one: 8b at 8k on 80/24, 40 rounds a step,
     is then no slower than updating at the end, where extrapolating the last round as the
     repeating one predicted 86 s against 69."""
-    from dataflow.memplan.search.cost import predict_schedule
+    from dataflow.memplan.search.predict import predict_schedule
     from dataflow.memplan.plan.plan import Budget
     from dataflow.memplan.plan.profiles import get_profile
     from dataflow.memplan.search.search import make_plan

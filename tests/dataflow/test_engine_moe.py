@@ -38,7 +38,7 @@ from dataflow.memplan.plan.buffers import (chunk_workspace_specs, moe_rows, pack
                                       saved_activation_bytes)
 from dataflow.memplan.plan.memory import device_regions, host_regions
 from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere, Where
-from dataflow.memplan.plan.segments import with_segments
+from dataflow.memplan.search.build import with_segments
 from dataflow.moe_ffn import MoeFfn, RoundRouting, stacked_experts
 from dataflow.models.config import MoE, ModelConfig
 from dataflow.models.errors import ConfigError

@@ -42,7 +42,7 @@ from dataflow.kernels.reference.moe import (MoeWeights, RouterLossTerms, moe_blo
                                             moe_block_fwd)
 from dataflow.memplan.plan.buffers import MOE_OP_SCRATCH, chunk_workspace_specs  # noqa: E402
 from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere, Where  # noqa: E402
-from dataflow.memplan.plan.segments import with_segments  # noqa: E402
+from dataflow.memplan.search.build import with_segments  # noqa: E402
 from dataflow.moe_ffn import EXPERT_STACKS, MoeFfn, RoundRouting, stacked_experts  # noqa: E402
 from dataflow.models.flops import SavedLevel  # noqa: E402
 from dataflow.models.init import BF16  # noqa: E402

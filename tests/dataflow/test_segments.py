@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Where
-from dataflow.memplan.plan.segments import with_segments
+from dataflow.memplan.search.build import with_segments
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, streamed

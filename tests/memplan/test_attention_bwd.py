@@ -8,7 +8,7 @@ import pytest
 
 from dataflow.memplan import make_plan
 from dataflow.memplan.plan import buffers
-from dataflow.memplan.search.cost import predict_schedule
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.plan import AttentionBwd, Budget, Plan
 from dataflow.memplan.plan.profiles import get_profile
 from dataflow.models.config import load_config

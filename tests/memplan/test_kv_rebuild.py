@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dataflow.memplan.plan import buffers
-from dataflow.memplan.search.cost import predict_schedule
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.decisions import decisions_of, validate_decisions
 from dataflow.memplan.plan.memory import device_regions, host_regions
 from dataflow.memplan.plan.plan import Budget, Plan, Where

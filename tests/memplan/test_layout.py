@@ -112,7 +112,7 @@ def test_ring_ranks_are_planned_without_segment_recompute():
     them, or a refusal naming the budgets), where it used to hand the ring a plan it could not
     run (8b at 30/24 per device with 2 chunks a round: segments of 2 layers)."""
     from dataflow.memplan.plan.errors import InfeasibleBudget
-    from dataflow.memplan.search.ring_plan import rank_model
+    from dataflow.memplan.plan.ranks import rank_model
 
     cfg, budget = load_config("8b"), Budget.from_gib(30, 24)
     prof = ring_profile(get_profile("h200"), 2, "nccl")

@@ -11,7 +11,7 @@ from dataflow.memplan import get_profile
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.search.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
                                         ring_profile)
-from dataflow.memplan.step.ring_compile import simulate_ring
+from dataflow.memplan.search.predict import simulate_ring
 from dataflow.models.config import load_config
 
 

@@ -15,7 +15,7 @@ from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.errors import GIB, InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Plan, Where
 from dataflow.memplan.search.search import make_plan, minimum_budgets
-from dataflow.memplan.plan.segments import finish_segment_plan
+from dataflow.memplan.search.build import finish_segment_plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel

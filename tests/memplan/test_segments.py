@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from dataflow.memplan.plan.chunking import chunking_candidates
-from dataflow.memplan.search.cost import KEEPS_ATTN_OUT, predict_schedule, workload_of
+from dataflow.memplan.search.cost import KEEPS_ATTN_OUT, workload_of
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map
 from dataflow.memplan.plan.plan import GradAccum, Where
 from dataflow.memplan.step.compile import Compute, compile_schedule
@@ -85,7 +86,7 @@ def test_refusal_names_smallest_budgets_with_and_without_segments(h100):
 def _tiny4_plan(k):
     """tiny with four layers, streamed, one chunk's activations at home and one on the device."""
     from dataflow.memplan.plan.plan import Budget, OptimizerWhere
-    from dataflow.memplan.plan.segments import with_segments
+    from dataflow.memplan.search.build import with_segments
     from tests.dataflow.plans import forced_plan, streamed
 
     cfg = dataclasses.replace(load_config("tiny"), n_layers=4)

@@ -47,7 +47,7 @@ def lone_rank(cfg, be, *, seed: int = 0):
     import uuid
 
     from dataflow.memplan.plan.plan import OptimizerWhere
-    from dataflow.memplan.search.ring_plan import RankPlan
+    from dataflow.memplan.plan.ranks import RankPlan
     from dataflow.ring.rank import RingRank
     from dataflow.ring.shm import SharedMemoryTransport, cleanup
     from tests.dataflow.plans import forced_plan, streamed

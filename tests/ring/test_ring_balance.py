@@ -13,17 +13,9 @@ import pytest
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile
 from dataflow.memplan.plan.plan import Budget
-from dataflow.memplan.search.ring_plan import (
-    PLACEMENTS,
-    RankPlan,
-    head_layer_units,
-    head_rank,
-    layer_owners,
-    make_rank_plan,
-    make_rank_plans,
-    owned_layers,
-    ring_profile,
-)
+from dataflow.memplan.plan.ranks import PLACEMENTS, RankPlan, head_rank, layer_owners, owned_layers
+from dataflow.memplan.search.ring_plan import (head_layer_units, make_rank_plan, make_rank_plans,
+    ring_profile)
 from dataflow.memplan.step.ring_compile import compile_ring_schedule
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError

@@ -193,7 +193,7 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng, split):
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
     from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere
-    from dataflow.memplan.search.ring_plan import RankPlan
+    from dataflow.memplan.plan.ranks import RankPlan
     from dataflow.memplan.step.ring_compile import (PART_ALIGN, AllReduce, GatherParts,
                                                 compile_ring_schedule)
     from dataflow.memplan.step.compile import Fetch

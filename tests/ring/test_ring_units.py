@@ -10,14 +10,8 @@ import pytest
 
 from dataflow.memplan import get_profile, make_plan
 from dataflow.memplan.plan.plan import Budget
-from dataflow.memplan.search.ring_plan import (
-    LINKS,
-    head_rank,
-    make_rank_plans,
-    owned_layers,
-    predict_ring,
-    rank_model,
-)
+from dataflow.memplan.search.ring_plan import LINKS, make_rank_plans, predict_ring
+from dataflow.memplan.plan.ranks import head_rank, owned_layers, rank_model
 from dataflow.memplan.step.ring_compile import (
     AllReduce,
     Recv,
@@ -243,9 +237,10 @@ def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
 
 def test_ring_schedules_round_trip_through_json_and_time_together():
     """A ring schedule (Send / Recv / AllReduce included) survives to_json / from_json, and
-    dataflow.memplan.search.round_sim times every rank's schedule together (a receive waits for its send's arrival):
+    dataflow.memplan.step.sim times every rank's schedule together (a receive waits for its send's arrival):
     a slower link never gives a faster step, and no rank finishes before its own work."""
-    from dataflow.memplan.step.ring_compile import RING_EVENT_TYPES, AllReduce, simulate_ring
+    from dataflow.memplan.step.ring_compile import RING_EVENT_TYPES, AllReduce
+    from dataflow.memplan.search.predict import simulate_ring
     from dataflow.memplan.step.compile import Schedule
 
     plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, 3, replicas=2, **CHUNKING)
