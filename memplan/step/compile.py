@@ -38,7 +38,14 @@ from dataflow.memplan.step.events import (
 )
 from dataflow.memplan.step.rounds import UPDATE_MODES, Rounds
 from dataflow.memplan.step.slot_ring import ZERO
-from dataflow.memplan.step.state import CompilerState, block_key, region_table
+from dataflow.memplan.step.state import (
+    EMBED,
+    HEAD,
+    BlockKey,
+    CompilerState,
+    block_key,
+    region_table,
+)
 from dataflow.memplan.step.update import OptimizerUpdate
 from dataflow.models.flops import SavedLevel
 
@@ -48,7 +55,7 @@ from dataflow.models.flops import SavedLevel
 __all__ = [
     "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "OPT", "STREAMS", "ZERO", "Compute", "Event",
     "Fetch", "Fill", "HostTask", "Record", "Ref", "Region", "RegionTable", "Schedule", "Update",
-    "Wait", "WriteBack", "StepCompiler", "UPDATE_MODES", "block_key", "compile_eval_schedule", "compile_schedule",
+    "Wait", "WriteBack", "BlockKey", "EMBED", "HEAD", "StepCompiler", "UPDATE_MODES", "block_key", "compile_eval_schedule", "compile_schedule",
     "compile_update_schedule", "level_of", "region_table",
 ]
 

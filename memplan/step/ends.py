@@ -16,6 +16,7 @@ from dataflow.memplan.step.events import (
     Ref,
     WriteBack,
 )
+from dataflow.memplan.step.state import EMBED, HEAD
 
 
 class ModelEnds:
@@ -68,7 +69,7 @@ class ModelEnds:
     def gathers_rows(self) -> bool:
         """The host gathers each round's embedding rows: a HOME table this plan holds (a ring
         rank without the embedding gathers nothing)."""
-        return self.d.holds_embed and self.block("embed", "weights", False) is None
+        return self.d.holds_embed and self.block(EMBED, "weights", False) is None
 
     def load_tokens(self, rnd: int) -> None:
         """Token ids, RoPE positions and targets of the round (staged on the host, usually one
@@ -89,7 +90,7 @@ class ModelEnds:
 
     def embed_fwd(self, rnd: int, out: str) -> None:
         em = self.em
-        dev = self.block("embed", "weights", False)
+        dev = self.block(EMBED, "weights", False)
         if dev is not None:
             em.add(Compute("embed.fwd", "embed_fwd", rnd, weights=dev, y=out))
             return
@@ -103,7 +104,7 @@ class ModelEnds:
 
     def embed_bwd(self, rnd: int, dx: str) -> None:
         em = self.em
-        dev = self.block("embed", "grads", False)
+        dev = self.block(EMBED, "grads", False)
         if dev is not None:
             em.add(Compute("embed.bwd", "embed_bwd", rnd, grads=dev, x=dx))
             self.sumsq(rnd, "embed", dev)
@@ -118,7 +119,7 @@ class ModelEnds:
         em.add(WriteBack("embed.dx", rows, self.ref("transitions", off, n)))
         self.dx_sent = em.record(D2H)
         em.wait(HOST, self.dx_sent)
-        home = self.block("embed", "grads", True)
+        home = self.block(EMBED, "grads", True)
         em.add(HostTask("embed.scatter", "embed_scatter", rnd, home, src=rows))
         if rnd == self.last_round:  # the squared norm of the finished sum, on the host
             em.add(HostTask("gnorm.embed", "grad_sumsq", rnd, home))
@@ -128,8 +129,8 @@ class ModelEnds:
         self.rows_free[rnd % self.row_parts].append(ev)  # and the gradient rows in its part
 
     def head(self, rnd: int, final: str, dfinal: str) -> None:
-        w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
-        g = self.hg_ring.acquire(0) if self.hg_ring else self.block("head", "grads", False)
+        w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
+        g = self.hg_ring.acquire(0) if self.hg_ring else self.block(HEAD, "grads", False)
         self.em.wait(COMPUTE, self.targets_ready)
         self.em.add(Compute("head", "head", rnd, weights=w, grads=g, x=final, y=dfinal))
         self.sumsq(rnd, "head", g)

@@ -27,6 +27,7 @@ from dataflow.memplan.step.compile import (
     StepCompiler,
 )
 from dataflow.memplan.step.events import Compute
+from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 from dataflow.models.errors import ConfigError
 
 SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
@@ -148,13 +149,13 @@ class ReplicaCompiler(StepCompiler):
         start = len(events)
         super().embed_bwd(rnd, dx)
         if self.rp.replicas == 1 or rnd != self.last_round or \
-                self.block("embed", "grads", False) is not None:
+                self.block(EMBED, "grads", False) is not None:
             return
         at = next(i for i in range(start, len(events)) if type(events[i]) is HostTask
                   and events[i].op == "grad_sumsq")
         tail = events[at:]
         del events[at:]
-        self.allreduce("embed", self.block("embed", "grads", True), HOST)
+        self.allreduce("embed", self.block(EMBED, "grads", True), HOST)
         events.extend(tail)
 
 
@@ -330,11 +331,11 @@ class RingCompiler(ReplicaCompiler):
                 and chunk == self.C - 1):  # this rank's last forward of the round
             self._totals_forward(rnd)
 
-    def owned_blocks(self) -> list[str]:
+    def owned_blocks(self) -> list[BlockKey]:
         """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are
         never updated)."""
-        keys = [f"layer{j}" for j in range(len(self.rp.layers))]
-        return keys + ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
+        keys = [BlockKey.of_layer(j) for j in range(len(self.rp.layers))]
+        return keys + [EMBED] * self.rp.has_embed + [HEAD] * self.rp.has_head
 
     def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
         return self._sends_done(super().compile(rounds, update))

@@ -18,6 +18,7 @@ from dataflow.memplan.step.events import (
     Schedule,
 )
 from dataflow.memplan.step.slot_ring import _Ring, _Use, for_round
+from dataflow.memplan.step.state import HEAD, BlockKey
 
 UPDATE_MODES = ("end", "none", "deferred", "backward")
 """Where a step's AdamW runs (StepCompiler.compile): after its last round, not in its list, the
@@ -60,7 +61,8 @@ class Rounds:
             starts.append(len(em.events))
             self.round(rnd)
         if self.pending:
-            raise RuntimeError(f"deferred updates never placed: {sorted(self.pending)}")
+            raise RuntimeError("deferred updates never placed: "
+                               f"{sorted(k.name for k in self.pending)}")
         opt_start = len(em.events)
         # The last in-round update still reads the scale that clip_scale rewrites (to 1 again),
         # and the step ends after its write-back.
@@ -82,7 +84,7 @@ class Rounds:
         streamed = [i for i in range(L) if self.d.layers[i].weights is Where.HOME]
         if streamed:  # the training ring's slots, visited by the forward's uses alone
             ring = _Ring(em, self.wring.slots, "w")
-            uses = [_Use(i, self.block(f"layer{i}", "weights", True)) for i in streamed]
+            uses = [_Use(i, self.block(BlockKey.of_layer(i), "weights", True)) for i in streamed]
             assigned = ring.assign(uses)
             index = {i: j for j, i in enumerate(streamed)}
         starts = []
@@ -98,7 +100,7 @@ class Rounds:
             for layer in range(L):
                 x, y = self.resid(layer)
                 name = self.global_layer(layer)
-                dev = self.block(f"layer{layer}", "weights", False)
+                dev = self.block(BlockKey.of_layer(layer), "weights", False)
                 w = dev if dev is not None else ring.acquire(index[layer])
                 for c in range(self.C):
                     self.input_arrives(rnd, False, layer, x, c)
@@ -115,7 +117,7 @@ class Rounds:
             other, final = self.resid(L - 1)
             for c in range(self.C):
                 self.before_write(other, c)
-            w = self.hw_ring.acquire(0) if self.hw_ring else self.block("head", "weights", False)
+            w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
             em.wait(COMPUTE, self.targets_ready)
             # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
             # into the device head.grads region (a slot or the resident sum, idle between steps).
@@ -139,7 +141,8 @@ class Rounds:
             uses = self.g_uses[first]
             if self.in_backward and rnd == self.last_round:  # the update reads the slot
                 uses = [dataclasses.replace(u, writeback=None)
-                        if f"layer{u.key}" in self.in_backward else u for u in uses]
+                        if BlockKey.of_layer(u.key) in self.in_backward else u
+                        for u in uses]
             self.gring.begin(uses, self.g_assigned[first])
         if self.hg_ring is not None:
             self.hg_ring.begin(self.hg_uses[first], self.hg_assigned[first])
@@ -166,8 +169,8 @@ class Rounds:
                     self.release_act("f", layer, c)
                 self.output_leaves(rnd, False, layer, y, c)
             self.release_weights("f", layer)
-            if first and "head" in self.pending and layer == max(L - 2, 0):
-                self.deferred_update("head")
+            if first and HEAD in self.pending and layer == max(L - 2, 0):
+                self.deferred_update(HEAD)
             if self.has_head and layer == L - 2 and self.hw_ring is not None:
                 self.hw_ring.prefetch(0)                              # head weights arrive early
         if self.has_head:
@@ -207,7 +210,7 @@ class Rounds:
                 # gradient rows to leave, not for layer 0's gradient write-back.
                 self.embed_bwd(rnd, dx)
             self.sumsq(rnd, f"L{name}", g)
-            if rnd == self.last_round and f"layer{layer}" in self.in_backward:
+            if rnd == self.last_round and BlockKey.of_layer(layer) in self.in_backward:
                 self.update_in_backward(layer, w, g)
                 continue
             self.release_grads(layer)

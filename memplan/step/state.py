@@ -5,6 +5,8 @@ the step itself; never imports memplan.search, never touches a device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.memory import device_regions, embed_row_parts, grad_bpe, host_regions
@@ -42,8 +44,37 @@ def region_table(plan) -> RegionTable:
                        host_budget=budget.host_bytes if budget else 0)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockKey:
+    """One block of the model the compiler moves and updates: a layer (by its index in the
+    plan), the embedding or the head. Typed, so a layer's index is never parsed back out of
+    its name; `name` is what the region table and the events spell ('layer3', 'embed')."""
+
+    kind: str
+    """'layer', 'embed' or 'head'."""
+    layer: int | None = None
+    """The plan's layer index (a ring rank's local one); None for the embedding and head."""
+
+    @classmethod
+    def of_layer(cls, layer: int) -> BlockKey:
+        return cls("layer", layer)
+
+    @property
+    def is_layer(self) -> bool:
+        return self.kind == "layer"
+
+    @property
+    def name(self) -> str:
+        """The block's name in region and event names: 'layer3', 'embed', 'head'."""
+        return f"layer{self.layer}" if self.is_layer else self.kind
+
+
+EMBED, HEAD = BlockKey("embed"), BlockKey("head")
+
+
 def block_key(kind: str, layer: int | None = None) -> str:
-    return f"layer{layer}" if kind == "layer" else kind
+    """The name of a block in the region table and the events (BlockKey.name)."""
+    return BlockKey(kind, layer if kind == "layer" else None).name
 
 
 class CompilerState:
@@ -67,11 +98,11 @@ class CompilerState:
         self.embed_grads_ready: int | None = None
         self.embed_w_ready: int | None = None
         """The deferred update of a HOME embedding table has written it back (HOST or OPT)."""
-        self.pending: set[str] = set()
+        self.pending: set[BlockKey] = set()
         """Blocks whose deferred AdamW (update='deferred') is still to be placed in round 0."""
         self.deferring = False
         """Compiling a deferred update (its gradients were final before this list began)."""
-        self.in_backward: frozenset[str] = frozenset()
+        self.in_backward: frozenset[BlockKey] = frozenset()
         """Layers whose AdamW update='backward' runs in the last round (_backward_updated)."""
         self.backward_done: int | None = None
         """OPT record after the last such update's write-back."""
@@ -128,16 +159,15 @@ class CompilerState:
         r = self._regions[name]
         return Ref(name, offset, r.nbytes - offset if nbytes is None else nbytes)
 
-    def block(self, key: str, part: str, home: bool) -> Ref | None:
-        kind = "layer" if key.startswith("layer") else key
+    def block(self, key: BlockKey, part: str, home: bool) -> Ref | None:
         bpe = {"weights": 2, "grads": 2 if self.gdt == "bf16" else 4, "m": 2, "v": 2}[part]
-        name = ("home." if home else "") + f"{key}.{part}"
-        return self.ref(name, 0, self.numel[kind] * bpe) if self.has(name) else None
+        name = ("home." if home else "") + f"{key.name}.{part}"
+        return self.ref(name, 0, self.numel[key.kind] * bpe) if self.has(name) else None
 
-    def placement(self, key: str):
-        if key.startswith("layer"):
-            return self.d.layers[int(key[5:])]
-        return self.d.embed if key == "embed" else self.d.head
+    def placement(self, key: BlockKey):
+        if key.is_layer:
+            return self.d.layers[key.layer]
+        return self.d.embed if key == EMBED else self.d.head
 
     def _slots(self, region: str, count: int, size: int) -> list[Ref]:
         if count == 0 or not self.has(region):
@@ -164,7 +194,7 @@ class CompilerState:
         streamed = [i for i in range(L) if d.layers[i].weights is Where.HOME]
         if streamed:
             self.wring = _Ring(em, self._slots("weight_slots", d.slots.weight_slots, n * 2), "w")
-            home = {i: self.block(f"layer{i}", "weights", True) for i in streamed}
+            home = {i: self.block(BlockKey.of_layer(i), "weights", True) for i in streamed}
             order = [("f", i) for i in streamed] + [(ph, i) for ph, i in back if i in home]
             self.w_uses = [_Use(i, home[i]) for _, i in order]
             self.w_assigned = self.wring.assign_rounds(self.w_uses)
@@ -172,7 +202,7 @@ class CompilerState:
         gstreamed = [i for i in reversed(range(L)) if d.layers[i].grads is Where.HOME]
         if gstreamed:
             self.gring = _Ring(em, self._slots("grad_slots", d.slots.grad_slots, n * gb), "g")
-            home = {i: self.block(f"layer{i}", "grads", True) for i in gstreamed}
+            home = {i: self.block(BlockKey.of_layer(i), "grads", True) for i in gstreamed}
             self.g_uses = {first: [_Use(i, ZERO if first else home[i], home[i], self.gdt)
                                    for i in gstreamed] for first in (True, False)}
             self.g_assigned = {k: self.gring.assign(u) for k, u in self.g_uses.items()}
@@ -209,38 +239,38 @@ class CompilerState:
         nh = self.numel["head"]
         if head.weights is Where.HOME and d.holds_head:
             self.hw_ring = _Ring(em, [self.ref("head.weights", 0, nh * 2)], "headw")
-            self.hw_uses = [_Use("head", self.block("head", "weights", True))]
+            self.hw_uses = [_Use("head", self.block(HEAD, "weights", True))]
             self.hw_assigned = self.hw_ring.assign_rounds(self.hw_uses)
         if head.grads is Where.HOME and d.holds_head:
             self.hg_ring = _Ring(em, [self.ref("head.grads", 0, nh * gb)], "headg")
-            hg = self.block("head", "grads", True)
+            hg = self.block(HEAD, "grads", True)
             self.hg_uses = {f: [_Use("head", ZERO if f else hg, hg, self.gdt)]
                             for f in (True, False)}
             self.hg_assigned = {f: self.hg_ring.assign(u) for f, u in self.hg_uses.items()}
 
     def weights(self, phase: str, layer: int) -> Ref:
-        dev = self.block(f"layer{layer}", "weights", False)
+        dev = self.block(BlockKey.of_layer(layer), "weights", False)
         return dev if dev is not None else self.wring.acquire(self.w_index[(phase, layer)])
 
     def weights_ahead(self, phase: str, layer: int) -> Ref | None:
         """weights(phase, layer) acquired before the use ahead of it is released, or None when
         the ring cannot yet (its slot still holds that use: a ring of one slot)."""
-        dev = self.block(f"layer{layer}", "weights", False)
+        dev = self.block(BlockKey.of_layer(layer), "weights", False)
         if dev is not None:
             return dev
         i = self.w_index[(phase, layer)]
         return self.wring.acquire(i) if self.wring.ready(i) else None
 
     def release_weights(self, phase: str, layer: int) -> None:
-        if self.block(f"layer{layer}", "weights", False) is None:
+        if self.block(BlockKey.of_layer(layer), "weights", False) is None:
             self.wring.release(self.w_index[(phase, layer)])
 
     def grads(self, layer: int) -> Ref:
-        dev = self.block(f"layer{layer}", "grads", False)
+        dev = self.block(BlockKey.of_layer(layer), "grads", False)
         return dev if dev is not None else self.gring.acquire(self.g_index[layer])
 
     def release_grads(self, layer: int) -> None:
-        if self.block(f"layer{layer}", "grads", False) is None:
+        if self.block(BlockKey.of_layer(layer), "grads", False) is None:
             self.gring.release(self.g_index[layer])
 
     def act(self, phase: str, layer: int, chunk: int) -> Ref:
@@ -301,8 +331,8 @@ class CompilerState:
         """The step's gradient of block `what` is complete in `grads` (written on `stream`),
         right before its squared norm (one device: nothing more to add)."""
 
-    def owned_blocks(self) -> list[str]:
+    def owned_blocks(self) -> list[BlockKey]:
         """The blocks the optimizer updates (one device: all of them; a plan that does not hold
         the embedding or head: not those)."""
-        return [f"layer{i}" for i in range(self.L)] + ["embed"] * self.has_embed \
-            + ["head"] * self.has_head
+        return [BlockKey.of_layer(i) for i in range(self.L)] + [EMBED] * self.has_embed \
+            + [HEAD] * self.has_head

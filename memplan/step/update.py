@@ -21,19 +21,20 @@ from dataflow.memplan.step.events import (
     Update,
     WriteBack,
 )
+from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 
 
 class OptimizerUpdate:
     """Gradient norm, clipping and AdamW events (StepCompiler's part)."""
 
-    def _backward_updated(self) -> frozenset[str]:
+    def _backward_updated(self) -> frozenset[BlockKey]:
         """The layers update='backward' updates inside the last round: streamed ones whose
         weights and gradients both pass through slots and whose AdamW streams through the
         device."""
         if self.wring is None or self.gring is None:
             return frozenset()
         out = set()
-        for key in (f"layer{i}" for i in range(self.L)):
+        for key in (BlockKey.of_layer(i) for i in range(self.L)):
             p = self.placement(key)
             if p.weights is Where.HOME and p.grads is Where.HOME \
                     and p.optimizer is OptimizerWhere.STREAMED:
@@ -45,7 +46,7 @@ class OptimizerUpdate:
         the weight and gradient slots (m and v come over H2D), on the OPT stream so the next
         layer's backward does not queue behind it; the gradient slot is free after the
         kernels, the weight slot after the weights' write-back."""
-        em, key = self.em, f"layer{layer}"
+        em, key = self.em, BlockKey.of_layer(layer)
         em.wait(OPT, em.record(COMPUTE))  # the layer's backward and gradient norm are done
         self.deferring = True
         done = self.update_streamed(key, params=w, grads=g)
@@ -74,14 +75,14 @@ class OptimizerUpdate:
         scale every update reads, both on the device; the host gets the scale by one small D2H
         when a block is updated there. Nothing waits on the host."""
         em = self.em
-        if self.block("embed", "grads", False) is None:
+        if self.block(EMBED, "grads", False) is None:
             em.wait(H2D, self.embed_grads_ready)
             em.add(Fetch("gnorm.embed", self.ref("transitions", self._scalar(2), 4),
                          self.ref("norm_host", 0, 4)))
             em.wait(COMPUTE, em.record(H2D))
         em.add(Compute("clip_scale", "clip_scale", self.last_round))
         self.scale_on_host = None
-        keys = [f"layer{i}" for i in range(self.L)] + ["embed", "head"]
+        keys = [BlockKey.of_layer(i) for i in range(self.L)] + [EMBED, HEAD]
         if any(self.placement(k).optimizer is OptimizerWhere.HOST for k in keys):
             em.wait(D2H, em.record(COMPUTE))
             em.wait(D2H, self.host_scale_read)  # deferred host updates read the last scale
@@ -103,29 +104,29 @@ class OptimizerUpdate:
             else:
                 self.update_streamed(key)
 
-    def _grads_ready(self, key: str, stream: str) -> None:
-        ring = self.gring if key.startswith("layer") else self.hg_ring if key == "head" else None
-        gkey = int(key[5:]) if key.startswith("layer") else key
-        if ring is not None:
-            self.em.wait(stream, ring.host_ready.get(gkey))
-        if key == "embed":
+    def _grads_ready(self, key: BlockKey, stream: str) -> None:
+        ring = self.gring if key.is_layer else self.hg_ring if key == HEAD else None
+        if ring is not None:  # the rings' uses are keyed by layer index, or 'head'
+            self.em.wait(stream, ring.host_ready.get(key.layer if key.is_layer else key.kind))
+        if key == EMBED:
             self.em.wait(stream, self.embed_grads_ready)
 
-    def _numel(self, key: str) -> int:
-        return self.numel["layer" if key.startswith("layer") else key]
+    def _numel(self, key: BlockKey) -> int:
+        return self.numel[key.kind]
 
-    def update_device(self, key: str) -> None:
+    def update_device(self, key: BlockKey) -> None:
         parts = [self.block(key, p, False) for p in ("weights", "grads", "m", "v")]
-        self.em.add(Update(f"adamw.{key}", key, 0, self._numel(key), *parts))
-        self.em.add(Fill(f"zero_grads.{key}", parts[1], self.gdt))
+        self.em.add(Update(f"adamw.{key.name}", key.name, 0, self._numel(key), *parts))
+        self.em.add(Fill(f"zero_grads.{key.name}", parts[1], self.gdt))
 
-    def update_host(self, key: str) -> None:
+    def update_host(self, key: BlockKey) -> None:
         em = self.em
         self._grads_ready(key, HOST)
         em.wait(HOST, self.scale_on_host)
         em.wait(HOST, em.record(H2D))  # the device may still be reading the home weights
         parts = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
-        em.add(Update(f"adamw.host.{key}", key, 0, self._numel(key), *parts, stream=HOST))
+        em.add(Update(f"adamw.host.{key.name}", key.name, 0, self._numel(key), *parts,
+                      stream=HOST))
         em.record(HOST)
 
     def zero_home_embed_grads(self) -> None:
@@ -134,7 +135,7 @@ class OptimizerUpdate:
         behind the next round's staging and long before round 0's scatter, not at the end of
         the last step, where its 0.3 s (8b) was the step's tail. Between steps it holds the
         last step's sum."""
-        home = self.block("embed", "grads", True)
+        home = self.block(EMBED, "grads", True)
         if home is None or self.d.embed.grads is not Where.HOME:
             return
         em = self.em
@@ -142,7 +143,7 @@ class OptimizerUpdate:
         em.add(Fill("zero_grads.embed", home, self.gdt, HOST))
         self.embed_grads_ready = em.record(HOST)
 
-    def update_streamed(self, key: str, params: Ref | None = None,
+    def update_streamed(self, key: BlockKey, params: Ref | None = None,
                         grads: Ref | None = None) -> int:
         """Pieces of opt_stage_elems: H2D p, g, m, v -> AdamW -> write-back of p, m, v (on the
         compute and D2H streams; a deferred update's on the OPT stream). `params`: a device copy
@@ -172,27 +173,27 @@ class OptimizerUpdate:
             em.wait(H2D, self.stage_free[buf])
             for j, (dst, src) in enumerate(zip(dev, host)):
                 if grads is None or j >= 2:  # in place: weights and gradient are on the device
-                    em.add(Fetch(f"opt.h2d.{key}", dst, src))
+                    em.add(Fetch(f"opt.h2d.{key.name}", dst, src))
             # A deferred update's kernel and write-backs run on their own stream: the compute
             # stream never queues behind its fetches, nor the activations' write-backs behind
             # its copies.
             ust, wst = (OPT, OPT) if self.deferring else (COMPUTE, D2H)
             em.wait(ust, em.record(H2D))
-            em.add(Update(f"adamw.{key}.{i}", key, start, n, *dev, stream=ust))
+            em.add(Update(f"adamw.{key.name}.{i}", key.name, start, n, *dev, stream=ust))
             if wst != ust:
                 em.wait(wst, em.record(ust))
             elif start + n == numel:
                 self.params_ready = em.record(OPT)  # the last piece's kernel, before its copies
             for j in (0, 2, 3):
-                em.add(WriteBack(f"opt.d2h.{key}", host[j], dev[j], stream=wst))
+                em.add(WriteBack(f"opt.d2h.{key.name}", host[j], dev[j], stream=wst))
             self.stage_free[buf] = em.record(wst)
         return em.record(wst)
 
     # -- the previous step's update, deferred into round 0 (update='deferred') ---------------
-    def fused(self, key: str) -> bool:
+    def fused(self, key: BlockKey) -> bool:
         """A streamed layer whose deferred update fills the weight slot of its round-0
         forward: the update's H2D of the weights is that forward's fetch."""
-        if not key.startswith("layer") or self.wring is None:
+        if not key.is_layer or self.wring is None:
             return False
         p = self.placement(key)
         return p.weights is Where.HOME and p.optimizer is OptimizerWhere.STREAMED
@@ -201,13 +202,13 @@ class OptimizerUpdate:
         """Round 0's start: the pending updates that are not fused into a weight fetch (the
         embedding, resident and host-updated layers), before anything reads those blocks;
         then the first fused layer fetches are queued, ahead of the token and row uploads."""
-        for key in [k for k in self.owned_blocks() if k != "head" and not self.fused(k)]:
+        for key in [k for k in self.owned_blocks() if k != HEAD and not self.fused(k)]:
             self.deferred_update(key)
         if self.wring is not None:
             self.wring.fill = self.fill_weights
             self.wring.prefetch(len(self.wring.slots) - 1)
 
-    def deferred_update(self, key: str) -> None:
+    def deferred_update(self, key: BlockKey) -> None:
         """The pending AdamW of `key`, placed where the round no longer reads its old state;
         marks when its home weights and gradients are free again for the round's own copies."""
         self.pending.discard(key)
@@ -223,15 +224,14 @@ class OptimizerUpdate:
             self._home_updated(key, self.update_streamed(key))
         self.deferring = False
 
-    def _home_updated(self, key: str, done: int) -> None:
+    def _home_updated(self, key: BlockKey, done: int) -> None:
         """After `done`, key's home weights hold the update and its home gradient was read:
         the round's weight fetches, gradient write-backs, gathers and zero fills wait for it."""
-        if key == "embed":
+        if key == EMBED:
             self.embed_w_ready = self.embed_grads_ready = done
             return
-        rings = (self.wring, self.gring) if key.startswith("layer") else \
-            (self.hw_ring, self.hg_ring)
-        rkey = int(key[5:]) if key.startswith("layer") else key
+        rings = (self.wring, self.gring) if key.is_layer else (self.hw_ring, self.hg_ring)
+        rkey = key.layer if key.is_layer else key.kind  # the rings' use keys
         for ring in rings:
             if ring is not None:
                 ring.host_ready[rkey] = done
@@ -240,7 +240,7 @@ class OptimizerUpdate:
         """The weight ring's fill hook in round 0 of a deferred step: a pending streamed
         layer's first fetch is its update, in the slot (None: fetch as usual). Returns (OPT
         record after its last kernel, OPT record after the updated weights left the slot)."""
-        key = f"layer{use.key}"
+        key = BlockKey.of_layer(use.key)
         if key not in self.pending or not self.fused(key):
             return None
         self.pending.discard(key)
