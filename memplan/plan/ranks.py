@@ -6,6 +6,7 @@ never searches, never compiles a schedule, never imports array libraries."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from dataflow.memplan.plan.plan import Plan
 from dataflow.models import serial
@@ -13,7 +14,6 @@ from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
 MAX_RANKS = 64
-
 
 
 def check_ring(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:
@@ -33,15 +33,38 @@ def check_ring(n_layers: int, n_ranks: int, rank: int | None = None, replicas: i
         raise ConfigError(f"rank {rank!r} is outside a ring of {n_ranks}; use 0..{n_ranks - 1}")
 
 
+class Placement(str, enum.Enum):
+    """How a ring deals its layers (layer_owners): CYCLIC, layer i on rank i mod N; BALANCED, a
+    walk around the ring in which the head's rank owns fewer layers, by the head's cost in
+    layers; CONTIGUOUS, the balanced counts in one block per rank. A str enum that prints and
+    serialises as its value ('cyclic'), so plan JSON and CLI text read as before; strings from
+    the CLI or constraints are parsed once, by parse_placement."""
 
-PLACEMENTS = ("cyclic", "balanced", "contiguous")
-"""How a ring deals its layers (layer_owners): 'cyclic', layer i on rank i mod N; 'balanced', a
-walk around the ring in which the head's rank owns fewer layers, by the head's cost in layers;
-'contiguous', the balanced counts in one block per rank."""
+    CYCLIC = "cyclic"
+    BALANCED = "balanced"
+    CONTIGUOUS = "contiguous"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
+PLACEMENTS = tuple(p.value for p in Placement)
+"""The placements' names, as the CLI and constraints spell them."""
 
-def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
+
+def parse_placement(placement: Placement | str) -> Placement:
+    """`placement` as a Placement, or a ConfigError naming the known ones."""
+    try:
+        return Placement(placement)
+    except ValueError:
+        raise ConfigError(f"unknown ring placement {placement!r}; known: "
+                          f"{', '.join(PLACEMENTS)}") from None
+
+
+def layer_owners(n_layers: int, n_ranks: int, placement: Placement | str = Placement.CYCLIC,
                  head_layers: float = 0.0) -> tuple[int, ...]:
     """The rank owning each global layer: a walk around the ring (each layer on the rank of the
     one before or on the next rank, (r+1) mod N) from rank 0 (layer 0, beside the embedding) to
@@ -53,9 +76,8 @@ def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
     in one visit per rank. Example: 32 layers, N = 2, head worth 2 layers: rank 0 owns 17,
     rank 1 owns 15 (15 laps; two of rank 0's visits hold two layers)."""
     check_ring(n_layers, n_ranks)
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
-    if placement == "cyclic" or n_ranks == 1:
+    placement = parse_placement(placement)
+    if placement is Placement.CYCLIC or n_ranks == 1:
         return tuple(i % n_ranks for i in range(n_layers))
     if not head_layers >= 0:  # also NaN
         raise ConfigError(f"the head's cost in layers must be >= 0, got {head_layers!r}")
@@ -70,7 +92,7 @@ def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
     best = min(range(1, n - others + 1),
                key=lambda n_h: (max(max(counts(n_h)[:-1]), n_h + head_layers), -n_h))
     per_rank = counts(best)
-    laps = 1 if placement == "contiguous" else min(per_rank)
+    laps = 1 if placement is Placement.CONTIGUOUS else min(per_rank)
     owners = []
     for lap in range(laps):
         for r, count in enumerate(per_rank):
@@ -78,7 +100,6 @@ def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
             owners += [r] * (1 + (lap + 1) * extra // laps - lap * extra // laps)
     assert len(owners) == n_layers and owners[0] == 0 and owners[-1] == n_ranks - 1
     return tuple(owners)
-
 
 
 def owned_layers(n_layers: int, n_ranks: int, rank: int,
@@ -89,7 +110,6 @@ def owned_layers(n_layers: int, n_ranks: int, rank: int,
     if not owners:
         return tuple(range(rank, n_layers, n_ranks))
     return tuple(i for i, r in enumerate(owners) if r == rank)
-
 
 
 def routing_chain(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None
@@ -108,19 +128,16 @@ def routing_chain(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = 
     return chain
 
 
-
 def embed_rank(n_layers: int, n_ranks: int) -> int:
     """The rank holding the embedding: the owner of layer 0 (no hop before the first layer),
     rank 0 in every placement."""
     return 0
 
 
-
 def head_rank(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None) -> int:
     """The rank holding the final norm and lm_head: the owner of layer L-1 (`owners` as
     owned_layers')."""
     return owners[-1] if owners else (n_layers - 1) % n_ranks
-
 
 
 def rank_model(cfg: ModelConfig, n_ranks: int, rank: int,
@@ -131,7 +148,6 @@ def rank_model(cfg: ModelConfig, n_ranks: int, rank: int,
     if n_ranks == 1:
         return cfg
     return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n)
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,8 +165,9 @@ class RankPlan:
     replicas: int = 1
     """Data-parallel copies of the whole ring: R rings of N ranks train R slices of the global
     batch, and each gradient is summed over the R copies of its rank before the optimizer."""
-    placement: str = dataclasses.field(default="cyclic", metadata={"omit_if_default": True})
-    """How the ring deals its layers (PLACEMENTS); plans written before placements were cyclic."""
+    placement: Placement = dataclasses.field(default=Placement.CYCLIC,
+                                             metadata={"omit_if_default": True})
+    """How the ring deals its layers; plans written before placements were cyclic."""
     owners: tuple[int, ...] = dataclasses.field(default=(), metadata={"omit_if_default": True})
     """The owner of every global layer (layer_owners); empty for the cyclic placement."""
     split_fetch: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
@@ -173,9 +190,8 @@ class RankPlan:
         return serial.to_json(self)
 
 
-
 def moe_routing_chain(name: str, n_layers: int, n_ranks: int, owners: tuple[int, ...],
-                      placement: str) -> tuple[int, ...]:
+                      placement: Placement) -> tuple[int, ...]:
     """routing_chain, or a ConfigError naming the placement where the ranks' last layers do not
     follow the ring (the planner refuses such a ring, and so does a hand-made rank's compiler)."""
     chain = routing_chain(n_layers, n_ranks, owners)

@@ -90,7 +90,6 @@ def finish_segment_plan(d, budget, profile):
     return dataclasses.replace(finish_plan(d, budget, profile), segment_layers=d.segment_layers)
 
 
-
 def with_segments(plan, k: int, budget=None):
     """`plan` (a Plan) with segment_layers k, re-laid out and re-predicted; by default within
     its own budget (raises InfeasibleBudget when the new layout does not fit)."""

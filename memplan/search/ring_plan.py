@@ -14,7 +14,7 @@ from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, Plan
 from dataflow.memplan.plan.ranks import (
-    PLACEMENTS,
+    Placement,
     RankPlan,
     check_ring,
     embed_rank,
@@ -22,6 +22,7 @@ from dataflow.memplan.plan.ranks import (
     layer_owners,
     moe_routing_chain,
     owned_layers,
+    parse_placement,
     rank_model,
 )
 from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
@@ -153,7 +154,7 @@ def head_layer_units(cfg: ModelConfig, ch, profile: HardwareProfile,
 def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                    placement: str = "cyclic", split_fetch: bool = False,
+                    placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
                     **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
@@ -163,6 +164,7 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
     (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
     Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     check_ring(cfg.n_layers, n_ranks, replicas=replicas)
+    placement = parse_placement(placement)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
     # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
@@ -188,12 +190,13 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                   placement: str = "cyclic", split_fetch: bool = False,
+                   placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
                    **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
     every rank agrees without talking."""
     check_ring(cfg.n_layers, n_ranks, rank, replicas)
+    placement = parse_placement(placement)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
     rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
@@ -207,8 +210,6 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     the cyclic ring is planned first for its chunking, the head's cost in layers at that
     chunking (head_layer_units) deals the layers, and rank 0 is planned again with its own
     layers under that chunking (so every rank computes the same owners)."""
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
     if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
         raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
                           f"of {n_ranks} puts the embedding on rank 0 and the head on the last "
@@ -217,7 +218,7 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     constraints = _no_segments(constraints, n_ranks)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
-    if placement == "cyclic" or n_ranks == 1:
+    if placement is Placement.CYCLIC or n_ranks == 1:
         return (), first
     ch = first.chunking
     owners = layer_owners(cfg.n_layers, n_ranks, placement,
@@ -248,7 +249,7 @@ def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ())
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
-               replicas=1, placement="cyclic", owners=()):
+               replicas=1, placement=Placement.CYCLIC, owners=()):
     ch = first.chunking
     shared = dict(_no_segments(constraints, n_ranks), chunk_tokens=ch.chunk_tokens,
                   chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step)
@@ -267,7 +268,7 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
                     has_head=r == head_rank(cfg.n_layers, n_ranks, owners),
                     n_layers=cfg.n_layers, plan=plan, replicas=replicas,
-                    placement=placement if n_ranks > 1 else "cyclic", owners=owners)
+                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners)
 
 
 # -- the scaling model --------------------------------------------------------------------------

@@ -33,7 +33,6 @@ class Arrivals:
             return self._times[key]
 
 
-
 @dataclasses.dataclass(slots=True)
 class RingComm:
     """How dataflow.memplan.step.sim.simulate_schedule times one rank's communication: a Send occupies the

@@ -33,7 +33,6 @@ class Timeline:
     timed event (not records and waits), for the same stall analysis as a measured trace."""
 
 
-
 def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
                       spans: bool = False) -> Timeline:
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
