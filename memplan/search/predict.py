@@ -26,16 +26,16 @@ from dataflow.models.flops import model_flops_per_seq
 
 def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, compiler=None,
                      comm=None) -> Prediction:
-    """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by
-    the simulation (a first and a later round, then the optimizer; the later round repeats).
-    step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
-    optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
-    token, are not counted). update: where AdamW runs (dataflow.memplan.step.compile.UPDATE_MODES): by
-    default as the Engine runs it, the previous step's inside round 0 (a step after the first;
-    optimizer_s is then only the norm and clip scale after the last round), 'end', or
-    'backward' (an unclipped step's own, inside its last round). `compiler(rounds, update)`
-    and `comm` (as simulate_schedule's) time another compilation of the same plan: a ring
-    rank's replica (dataflow.memplan.step.ring_compile.replica_prediction)."""
+    """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by the
+    simulation (a first and a later round, then the optimizer; the later round repeats). step =
+    compute + recompute + exposed h2d (waits on host work included) + exposed d2h + optimizer,
+    exactly. Bytes are state and activation bytes (the round's token ids, 8 B per token, are not
+    counted). update: where AdamW runs (dataflow.memplan.step.compile.UPDATE_MODES): by default as
+    the Engine runs it, the previous step's inside round 0 (a step after the first; optimizer_s is
+    then only the norm and clip scale after the last round), 'end', or 'backward' (an unclipped
+    step's own, inside its last round). `compiler(rounds, update)` and `comm` (as
+    simulate_schedule's) time another compilation of the same plan: a ring rank's replica
+    (replica_prediction, below)."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
     w = workload_of(d, p)
@@ -111,11 +111,11 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
 
 def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
                   profile=None, update: str = "deferred") -> tuple:
-    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.step.sim, all at once (a thread
-    per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
-    per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
-    assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
-    the previous step's inside round 0, a step after the first; or 'end')."""
+    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.step.sim, all at
+    once (a thread per rank; a receive waits for its send's simulated arrival). Returns (one
+    Timeline per rank, step seconds: the slowest rank's). A simulation of the compiled events over
+    an assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default: the
+    previous step's inside round 0, a step after the first; or 'end')."""
     arrivals, out = Arrivals(), {}
 
     def run(rp) -> None:

@@ -1,13 +1,14 @@
 """The step as data: `compile_schedule(plan)` turns a plan into one frozen list of typed events
 (fetch, write-back, fill, compute, host task, optimizer update, record, wait), each on its stream
 and naming the byte ranges it touches, plus the region table every one of those ranges lives in.
-The simulator (memplan/step/sim.py) times exactly this list and the executor (dataflow/executor.py)
-dispatches exactly this list, so the plan that is predicted is the plan that runs.
+The simulator (memplan/step/sim.py) times exactly this list and the executor
+(dataflow/executor.py) dispatches exactly this list, so the plan that is predicted is the plan
+that runs.
 
 Slot assignment (which slot a streamed block or saved activation visits, evicting the one needed
 farthest ahead) and fetch timing (a fetch is issued as soon as its slot is free) are decided here,
-once per plan, by the slot rings of memplan/step/slot_ring.py; the events and Schedule themselves are
-memplan/step/events.py. Pure Python: never imports array libraries, never touches a device."""
+once per plan, by the slot rings of memplan/step/slot_ring.py; the events and Schedule themselves
+are memplan/step/events.py. Pure Python: never imports array libraries, never touches a device."""
 
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ from dataflow.memplan.step.state import (
 from dataflow.memplan.step.update import OptimizerUpdate
 from dataflow.models.flops import SavedLevel
 
-# The data (Region, Ref, the events, Schedule) lives in memplan/step/events.py and the slot rings in
-# memplan/step/slot_ring.py; the public names are re-exported here, where the rest of the code imports
-# them.
+# The data (Region, Ref, the events, Schedule) lives in memplan/step/events.py, the slot rings
+# in memplan/step/slot_ring.py and the compiler's parts beside them; the public names are
+# re-exported here, where the rest of the code imports them.
 __all__ = [
     "COMPUTE", "D2H", "EVENT_TYPES", "H2D", "HOST", "OPT", "STREAMS", "ZERO", "Compute", "Event",
     "Fetch", "Fill", "HostTask", "Record", "Ref", "Region", "RegionTable", "Schedule", "Update",
-    "Wait", "WriteBack", "BlockKey", "EMBED", "HEAD", "StepCompiler", "UPDATE_MODES", "block_key", "compile_eval_schedule", "compile_schedule",
-    "compile_update_schedule", "level_of", "region_table",
+    "Wait", "WriteBack", "BlockKey", "EMBED", "HEAD", "StepCompiler", "UPDATE_MODES", "block_key",
+    "compile_eval_schedule", "compile_schedule", "compile_update_schedule", "level_of",
+    "region_table",
 ]
 
 

@@ -35,13 +35,13 @@ class Arrivals:
 
 @dataclasses.dataclass(slots=True)
 class RingComm:
-    """How dataflow.memplan.step.sim.simulate_schedule times one rank's communication: a Send occupies the
-    send stream for bytes / link rate + latency, after which its message has arrived; a Recv
-    ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
-    is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
-    2 (R - 1) / R * B / rate + latency, a GatherParts of B bytes an all-gather's
-    (R - 1) / R * B / rate + latency (the replicas run in step). `reduce` False: the all-reduce
-    takes no time (a layout that adds it to the step itself)."""
+    """How dataflow.memplan.step.sim.simulate_schedule times one rank's communication: a Send
+    occupies the send stream for bytes / link rate + latency, after which its message has arrived; a
+    Recv ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
+    is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's 2 (R - 1) / R * B /
+    rate + latency, a GatherParts of B bytes an all-gather's (R - 1) / R * B / rate + latency (the
+    replicas run in step). `reduce` False: the all-reduce takes no time (a layout that adds it to
+    the step itself)."""
 
     rank: int
     replicas: int

@@ -38,9 +38,9 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
     stream is free (a wait moves the stream's clock to the waited record); copies run at the
     duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
-    gives the compute / host / fill durations (dataflow.memplan.search.cost.event_seconds). `comm` (a ring
-    rank's: dataflow.memplan.step.ring_compile.RingComm) times the events on its `streams` (Send, Recv,
-    AllReduce): `comm.finish(event, start)` is when one ends."""
+    gives the compute / host / fill durations (dataflow.memplan.search.cost.event_seconds).
+    `comm` (a ring rank's: dataflow.memplan.step.ring_sim.RingComm) times the events on its
+    `streams` (Send, Recv, AllReduce): `comm.finish(event, start)` is when one ends."""
     clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
     recorded = [0.0] * schedule.n_ids
     origin = [""] * schedule.n_ids
