@@ -36,8 +36,8 @@ from dataflow.bench.sweep.record import Status
 from dataflow.bench.sweep.runner import measured_fields
 from dataflow.bench.sweep.sweep import git_commit
 from dataflow.memplan import InfeasibleBudget, make_plan
-from dataflow.memplan.cost import predict_schedule
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf import model_config
 from dataflow.models.serial import to_json
@@ -81,7 +81,7 @@ class BudgetRecord:
     """Sum of the plan's device regions (the arena is the whole budget; this is what it uses)."""
     planned_host_bytes: int | None = None
     predicted_tok_per_s: float | None = None
-    """The planner's prediction for the compiled schedule (dataflow.memplan.cost.predict_schedule)."""
+    """The planner's prediction for the compiled schedule (dataflow.memplan.search.predict.predict_schedule)."""
     peak_device_used_bytes: int | None = None
     """Largest NVML sample: per-process used memory, or device-wide used minus the level before
     the cell started (device_method says which); includes the CUDA context. None without NVML."""

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dataflow.memplan.profiles import profile_for_device
+from dataflow.memplan.plan.profiles import profile_for_device
 from dataflow.models.flops import model_flops_per_seq
 
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from dataflow.bench.sweep.sweep import git_commit
-from dataflow.memplan.buffers import CUBLAS_WORKSPACE_BYTES
+from dataflow.memplan.plan.buffers import CUBLAS_WORKSPACE_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

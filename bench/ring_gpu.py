@@ -288,9 +288,9 @@ def _single_plan(cfg, spec: dict, be):
 
     from dataflow.engine import default_profile
     from dataflow.memplan import make_plan
-    from dataflow.memplan.build import finish_plan
-    from dataflow.memplan.decisions import decisions_of
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.search.build import finish_plan
+    from dataflow.memplan.plan.decisions import decisions_of
+    from dataflow.memplan.plan.plan import Budget
 
     host, dev = spec["budget"]
     plan = make_plan(cfg, spec["seqlen"], Budget.from_gib(host, dev), default_profile(be),
@@ -416,10 +416,10 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     if not rank0 or not rank0.get("chunking"):
         return None
     from dataflow.memplan import make_plan
-    from dataflow.memplan.layout import predict_layout
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile, profile_for_device
-    from dataflow.memplan.ring_plan import LINKS, Link
+    from dataflow.memplan.search.layout import predict_layout
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile, profile_for_device
+    from dataflow.memplan.search.ring_plan import LINKS, Link
     from dataflow.ring.job import model_config
 
     prof = profile_for_device(devices[0]) if devices and args.backend == "cupy" else \

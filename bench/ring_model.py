@@ -1,6 +1,6 @@
 """The ring-model check's planner half (issue 38, "one model, checked"): the analytical ring model
 (`memplan.ring_plan.predict_ring`, what the layout chooser weighs) against the simulation of
-every rank's compiled schedule timed together (`memplan.ring_schedule.simulate_ring`), one row
+every rank's compiled schedule timed together (`memplan.search.predict.simulate_ring`), one row
 per ring, planned as the layout chooser plans it. bench/ring_model_check.py is its command line
 (table and JSON record). Pure planner: never imports array libraries or psutil, never touches a
 device, so a planner test can import it."""
@@ -11,11 +11,13 @@ import contextlib
 import math
 import time
 
-from dataflow.memplan import get_profile, ring_schedule, schedule
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (LINKS, make_rank_plans, predict_ring, ring_efficiency,
+from dataflow.memplan import get_profile
+from dataflow.memplan.step.compile import StepCompiler
+from dataflow.memplan.step.ring_compile import RingCompiler
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import (LINKS, make_rank_plans, predict_ring, ring_efficiency,
                                         ring_profile)
-from dataflow.memplan.ring_schedule import simulate_ring
+from dataflow.memplan.search.predict import simulate_ring
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 
@@ -30,17 +32,17 @@ RANKS = (2, 4, 8, 16, 32, 64)
 @contextlib.contextmanager
 def staged_ahead():
     """What if the ring compiler staged each round's tokens and embedding rows a round ahead, as
-    the one-device compiler does (its stage_next)? memplan/ring_schedule.py's _RingCompiler
+    the one-device compiler does (its stage_next)? memplan/step/ring_compile.py's RingCompiler
     overrides stage_next to stage them only when the round loads them, so the rank holding the
     embedding runs the last round's host scatter and this round's gather between rounds while
     the others wait. Swaps the hook for the duration (this process only); yields False, and
     changes nothing, once the ring compiler no longer overrides it."""
-    cls = ring_schedule._RingCompiler
+    cls = RingCompiler
     if "stage_next" not in vars(cls):
         yield False
         return
     saved = cls.stage_next
-    cls.stage_next = schedule._Compiler.stage_next
+    cls.stage_next = StepCompiler.stage_next
     try:
         yield True
     finally:
@@ -49,7 +51,7 @@ def staged_ahead():
 
 def plan_ring(cfg, seqlen: int, budget: Budget, profile, n: int, max_rounds: int | None):
     """(rank plans, note): the planner's chunking, or a full ring's where that leaves the ring
-    under-full and a full one fits (memplan/layout.py _candidates); rounds capped if asked."""
+    under-full and a full one fits (memplan/search/layout.py _candidates); rounds capped if asked."""
     cap = {} if max_rounds is None else {"rounds_per_step": max_rounds}
     base = make_rank_plans(cfg, seqlen, budget, profile, n)
     ch = base[0].plan.chunking

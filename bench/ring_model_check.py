@@ -24,8 +24,8 @@ from pathlib import Path
 
 from dataflow.bench.ring_model import CASES, RANKS, check_one
 from dataflow.bench.sweep.sweep import git_commit
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.ring_plan import LINKS, RING_EFFICIENCY
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.search.ring_plan import LINKS, RING_EFFICIENCY
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 

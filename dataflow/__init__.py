@@ -34,7 +34,7 @@ _LAZY = {
     "StepFailedError": "dataflow.models.errors",
     "UnknownOptionError": "dataflow.engine_options",
     "ModelConfig": "dataflow.models.config",
-    "InfeasibleBudget": "dataflow.memplan.errors",
+    "InfeasibleBudget": "dataflow.memplan.plan.errors",
     "Ring": "dataflow.ring.engine",
 }
 

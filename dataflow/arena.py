@@ -3,12 +3,12 @@ on the device the whole budget the executor gives (the budget less the libraries
 the regions leave may be lent to cuDNN as workspace), on the host the regions' bytes only, rounded up
 to SLAB_ROUND_BYTES (pinning what no region uses would only raise the process's RSS and its
 set-up time). Views are made by name; nothing is allocated after construction.
-Never decides what the regions are (dataflow.memplan.memory lists them)."""
+Never decides what the regions are (dataflow.memplan.plan.memory lists them)."""
 
 from __future__ import annotations
 
 from dataflow.backend import Backend, BackendError, Place
-from dataflow.memplan.buffers import DTYPE_BYTES, TensorSpec, align, offsets
+from dataflow.memplan.plan.buffers import DTYPE_BYTES, TensorSpec, align, offsets
 
 
 SLAB_ROUND_BYTES = 2 << 20

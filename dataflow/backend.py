@@ -18,7 +18,7 @@ class Stream(enum.Enum):
     HOST = "host"
     """CPU work ordered with the device streams (host AdamW, embedding gather/scatter)."""
     OPT = "opt"
-    """A deferred AdamW's kernels and write-backs (dataflow.memplan.schedule), beside the round's own
+    """A deferred AdamW's kernels and write-backs (dataflow.memplan.step.compile), beside the round's own
     copies, so the activations' write-backs never queue behind the update's fetches."""
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from dataflow.layer_ops import ChunkInfo
 from dataflow.kernels.reference import IGNORE
-from dataflow.memplan.plan import Chunking
+from dataflow.memplan.plan.plan import Chunking
 from dataflow.models.errors import ConfigError
 
 MAX_POSITION = (1 << 31) - 1

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from dataflow.arena import Arena
-from dataflow.memplan.plan import LayerPlacement, Where
+from dataflow.memplan.plan.plan import LayerPlacement, Where
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 
 PARTS = ("weights", "grads", "m", "v")
@@ -30,7 +30,7 @@ class BlockKey:
     @property
     def region(self) -> str:
         """The prefix of the block's regions in the plan's table: 'embed', 'layer3', 'head'
-        (dataflow.memplan.memory names them so)."""
+        (dataflow.memplan.plan.memory names them so)."""
         return f"layer{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
 
 

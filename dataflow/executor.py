@@ -25,11 +25,11 @@ from dataflow.moe_ffn import RoundRouting, stacked_experts
 from dataflow.executor_ops import OpHandlers
 from dataflow.kernels.host import adamw as host_adamw
 from dataflow.kernels.host.memory import zero_fill
-from dataflow.memplan import buffers
-from dataflow.memplan.events import ComputeOp, HostOp
-from dataflow.memplan.plan import AttentionBwd, GradAccum, Plan
-from dataflow.memplan.segments import kv_less
-from dataflow.memplan.schedule import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.step.events import ComputeOp, HostOp
+from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, Plan
+from dataflow.memplan.plan.segments import kv_less
+from dataflow.memplan.step.compile import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule,
                               compile_update_schedule)
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
@@ -88,7 +88,7 @@ class Executor(OpHandlers):
         layer's update fills the weight slot its forward reads, hiding the update behind that
         round's compute), or in `flush()`; a given `schedule` runs as it is (not deferred).
         compile_step(update), compile_update() and compile_eval(rounds): the step's, the lone
-        update's and an evaluation's schedules (default: dataflow.memplan.schedule's of `plan`; a ring
+        update's and an evaluation's schedules (default: dataflow.memplan.step.compile's of `plan`; a ring
         rank's add its messages). backward_update: a step that does not clip runs its AdamW
         inside its own last round (update='backward': each streamed layer's right after its
         gradient is final, from its slots; the same bits as at the end), after running any
@@ -174,7 +174,7 @@ class Executor(OpHandlers):
         self._n_events = self._n_done = 0
         self._at = None
         self._kv_less = kv_less(plan)
-        """(layer, chunk)s whose saved activation keeps no K/V (dataflow.memplan.segments.kv_less)."""
+        """(layer, chunk)s whose saved activation keeps no K/V (dataflow.memplan.plan.segments.kv_less)."""
         self.step_index = 0
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
@@ -438,6 +438,6 @@ class Executor(OpHandlers):
                               lambda: host_adamw.adamw_step(p, g, m, v, *hp, float(scale[0])),
                               reads=(g, scale), writes=(p, m, v), name=ev.name)
         else:
-            # a deferred update's kernel runs on the OPT stream (dataflow.memplan.schedule)
+            # a deferred update's kernel runs on the OPT stream (dataflow.memplan.step.compile)
             self.be.launch(Stream(ev.stream), "adamw_step", p, g, m, v, *self.hyper,
                            self.tr["scalars"][1:2], name=ev.name)

@@ -11,7 +11,7 @@ import numpy as np
 from dataflow.backend import Stream
 from dataflow.kernels.host import embedding as host_embedding
 from dataflow.kernels.host import norms as host_norms
-from dataflow.memplan.events import Compute, ComputeOp, HostTask
+from dataflow.memplan.step.events import Compute, ComputeOp, HostTask
 
 
 class OpHandlers:
@@ -58,7 +58,7 @@ class OpHandlers:
         """A segment's recompute of one layer on one chunk: the forward's own kernels, from the
         boundary's saved input (`src`) or from rows of x first kept into `save`, so its output
         may overwrite those rows and what it keeps is bit-identical to a forward's. A boundary
-        that kept its attention output (INP_ATTN, FULL) skips the attention: dataflow.memplan.cost
+        that kept its attention output (INP_ATTN, FULL) skips the attention: dataflow.memplan.search.cost
         charges that re-run as refwd_kept_s."""
         chunk = self._round_chunks[ev.round][ev.chunk]
         rows, tr = chunk.rows, self.tr

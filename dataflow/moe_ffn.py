@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from dataflow.memplan.buffers import moe_rows, moe_saved_specs
+from dataflow.memplan.plan.buffers import moe_rows, moe_saved_specs
 from dataflow.models.config import ModelConfig
 from dataflow.models.layout import ROUTER_TENSOR, BlockLayout, expert_names
 

@@ -19,7 +19,7 @@ import cupy as cp
 import dataflow.kernels.cuda as K
 from dataflow.ops_cuda_moe import MOE_BOUND, MoeOps
 from dataflow.ops_numpy import WRITES
-from dataflow.memplan.buffers import key_block_spans
+from dataflow.memplan.plan.buffers import key_block_spans
 from dataflow.settings import settings_from_env
 
 
@@ -71,7 +71,7 @@ class CudaOps(MoeOps):
         self._lent: dict = {}
         """Arena views lent by the executor: 'attn_workspace', 'dk16', 'dv16', 'dq32',
         'norm_scratch', 'sumsq_scratch', 'cublas_workspace'; an MoE model's chunk-workspace
-        scratch (dataflow.memplan.buffers.MOE_OP_SCRATCH) and 'moe_offsets_host' (pinned)."""
+        scratch (dataflow.memplan.plan.buffers.MOE_OP_SCRATCH) and 'moe_offsets_host' (pinned)."""
         self._own: dict[tuple, cp.ndarray] = {}
         self._det_fits: dict[tuple, bool] = {}
         """Scratch allocated outside the arena because a lent region was too small."""
@@ -127,7 +127,7 @@ class CudaOps(MoeOps):
         A context longer than the lent bf16 dK/dV scratch (the planner's key block) is taken
         one key block at a time (_attention_bwd_blocked), and so is any chunk past the first
         when the plan lent the fp32 dQ scratch that needs: its mask then covers its own keys
-        only (dataflow.memplan.buffers.key_block_spans)."""
+        only (dataflow.memplan.plan.buffers.key_block_spans)."""
         end = q_offset + q.shape[0]
         block = self._key_block(k)
         if block is not None and (end > block or (q_offset > 0 and "dq32" in self._lent)):
@@ -165,7 +165,7 @@ class CudaOps(MoeOps):
 
     def _attention_bwd_blocked(self, q, k, v, o, lse, do, q_offset, dq, dk, dv, block):
         """The backward of one query chunk against a long context, one key block per cuDNN
-        call (dataflow.memplan.buffers.key_block_spans): the chunk against its own keys (causal), the
+        call (dataflow.memplan.plan.buffers.key_block_spans): the chunk against its own keys (causal), the
         rest of its key block, then every block wholly before it (no mask). Exact: each call
         sees the forward's o and lse, so its softmax weights are the global ones; dK/dV of a
         block are complete, and dQ is the fp32 sum of the blocks' bf16 parts. Bounds the
@@ -193,7 +193,7 @@ class CudaOps(MoeOps):
         """Deterministic (bit-reproducible) backward when a chunk attends to itself only and
         cuDNN's workspace for it (2*T*T*H + ...) fits the lent region; otherwise the atomic-dQ
         algorithm, whose workspace grows with the context, not with T*S. The planner sizes
-        the region the same way (dataflow.memplan.buffers.attention_workspace_bytes)."""
+        the region the same way (dataflow.memplan.plan.buffers.attention_workspace_bytes)."""
         if k.shape[0] != q.shape[0]:
             return False
         key = (q.shape, k.shape, q_offset)

@@ -1,7 +1,7 @@
 """The mixture-of-experts ops of the CuPy op table (dataflow.ops_cuda.CudaOps inherits them): the
 names, signatures and semantics of dataflow.ops_numpy's MoE ops, composed of dataflow.kernels.cuda's
 router and expert kernels as tests/kernels/test_cuda_moe.py composes the block. Scratch comes from
-the chunk workspace the executor lends (dataflow.memplan.buffers.MOE_OP_SCRATCH), the experts' row
+the chunk workspace the executor lends (dataflow.memplan.plan.buffers.MOE_OP_SCRATCH), the experts' row
 counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
 and never waits for anything but the one event below.
 

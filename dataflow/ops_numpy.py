@@ -168,7 +168,7 @@ def sumsq(x, out, accumulate=True):
 
 
 # -- mixture of experts (kernels.reference.moe_router / moe_experts; docs/moe.md) -------------
-# Index arrays and counts are int64 arena views (dataflow.memplan.buffers.moe_saved_specs), the
+# Index arrays and counts are int64 arena views (dataflow.memplan.plan.buffers.moe_saved_specs), the
 # reference's dtype and the CUDA kernels'.
 
 

@@ -1,5 +1,5 @@
 """AdamW's hyperparameters, learning-rate hook and step counter. Where and in what order blocks are
-updated is part of the compiled schedule (dataflow.memplan.schedule); the maths lives in the op tables.
+updated is part of the compiled schedule (dataflow.memplan.step.compile); the maths lives in the op tables.
 Never decides placement and never issues copies."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class AdamWConfig:
 
 class AdamW:
     """Hyperparameters and the step counter. The updates themselves are events of the compiled
-    schedule (dataflow.memplan.schedule: on the device, streamed through the device, or on the host);
+    schedule (dataflow.memplan.step.compile: on the device, streamed through the device, or on the host);
     the executor asks `begin_step` for this step's hyperparameters before dispatching them."""
 
     __slots__ = ("config", "schedule", "step_count", "last_grad_norm")

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from dataflow.batch import default_chunks
-from dataflow.memplan.plan import Plan
+from dataflow.memplan.plan.plan import Plan
 from dataflow.settings import settings_from_env
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -29,7 +29,7 @@ class AttentionShape:
     n_q: int
     q_offset: int
     key_block: int = 0
-    """Keys per backward call (dataflow.memplan.buffers.key_block_spans); 0: the whole context."""
+    """Keys per backward call (dataflow.memplan.plan.buffers.key_block_spans); 0: the whole context."""
 
     @property
     def self_only(self) -> bool:
@@ -41,7 +41,7 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
     """Distinct attention shapes of a round with one document per row (what
     dataflow.layer_ops calls): per chunk segment, n_q = its rows and q_offset = the context
     before them. Packed documents (doc_ids) make data-dependent shapes that no warm-up knows."""
-    from dataflow.memplan.buffers import attention_key_block
+    from dataflow.memplan.plan.buffers import attention_key_block
 
     ch = plan.chunking
     block = attention_key_block(plan.model, ch.chunk_tokens, ch.seqlen)
@@ -63,7 +63,7 @@ def host_kernels_of_plan(plan: Plan) -> frozenset[str]:
     """The host kernels `plan`'s schedule will run, from the plan alone (before the schedule is
     compiled): AdamW for any block updated on the host, the embedding scatter and sum of squares
     for a HOME embedding gradient it holds. The same set as host_kernels_used(its schedule)."""
-    from dataflow.memplan.plan import OptimizerWhere, Where
+    from dataflow.memplan.plan.plan import OptimizerWhere, Where
 
     blocks = [*plan.layers] + [plan.embed] * plan.holds_embed + [plan.head] * plan.holds_head
     used = set()
@@ -84,7 +84,7 @@ def start_host_compile(plan: Plan):
     import subprocess
     import sys
 
-    from dataflow.memplan.plan import GradAccum
+    from dataflow.memplan.plan.plan import GradAccum
 
     gdt = "float32" if plan.grad_accum is GradAccum.FP32 else "bfloat16"
     todo = sorted(k for k in host_kernels_of_plan(plan) if (k, gdt) not in _WARM)
@@ -155,7 +155,7 @@ def start_prebuild(plan: Plan, be) -> Prebuild | None:
 def host_kernels_used(schedule) -> frozenset[str]:
     """Which numba host kernels a compiled schedule runs: AdamW for updates on the host stream,
     the embedding scatter and sum of squares for a HOME embedding's host tasks."""
-    from dataflow.memplan.schedule import HostTask, Update
+    from dataflow.memplan.step.compile import HostTask, Update
 
     used = set()
     for ev in schedule.events:
@@ -210,7 +210,7 @@ def warm_up(plan: Plan, be, schedule=None, background=None) -> dict[str, float]:
     exist (the backend sizes cuDNN's choice of backward from its lent workspace), before the
     first step. `background`: start_host_compile's process, waited for first (its wait is
     part of 'host_kernels')."""
-    from dataflow.memplan.plan import GradAccum
+    from dataflow.memplan.plan.plan import GradAccum
 
     t0 = time.perf_counter()
     _join(background)

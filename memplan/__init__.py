@@ -2,13 +2,10 @@
 what is prefetched and recomputed, and predicts the step. Pure Python: never imports array
 libraries, never touches a device. See docs/planner.md."""
 
-from dataflow.memplan.build import build_plan
-from dataflow.memplan.cost import predict, predict_schedule
-from dataflow.memplan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.explain import explain
-from dataflow.memplan.memory import device_regions, host_regions, memory_map
-from dataflow.memplan.plan import (
+from dataflow.memplan.plan.decisions import ALLOWED_PLACEMENTS, Decisions, validate_decisions
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map
+from dataflow.memplan.plan.plan import (
                           Budget,
                           Chunking,
                           GradAccum,
@@ -22,8 +19,12 @@ from dataflow.memplan.plan import (
                           Slots,
                           Where,
 )
-from dataflow.memplan.profiles import get_profile, known_profiles, load_profile, save_profile
-from dataflow.memplan.search import MinimumBudgets, make_plan, minimum_budgets
+from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile, save_profile
+from dataflow.memplan.search.build import build_plan
+from dataflow.memplan.search.cost import predict
+from dataflow.memplan.search.explain import explain
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.search.search import MinimumBudgets, make_plan, minimum_budgets
 
 __all__ = [
     "build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "explain", "predict", "predict_schedule",

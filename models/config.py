@@ -198,7 +198,7 @@ class ModelConfig:
     layer uses (Qwen3-30B-A3B: 6144; OLMoE: the expert width) and which nothing counts. The
     engine trains it on the NumPy and CuPy backends (every expert moves with its layer's block),
     on one device, as replicas and on rings (the ranks pass each round's routing totals:
-    dataflow.memplan.ring_schedule); an op table without MoE ops refuses it by name
+    dataflow.memplan.step.ring_compile); an op table without MoE ops refuses it by name
     (dataflow.engine.refuse_moe_backend).
     Left out of the JSON when None, so configs, checkpoints and plan hashes without it are
     unchanged."""

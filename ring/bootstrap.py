@@ -12,8 +12,8 @@ from typing import Callable
 from dataflow.backends import make_backend
 from dataflow.engine import default_profile
 from dataflow.instrument import TracingBackend
-from dataflow.memplan.plan import Budget, GradAccum
-from dataflow.memplan.ring_plan import make_rank_plan, ring_profile
+from dataflow.memplan.plan.plan import Budget, GradAccum
+from dataflow.memplan.search.ring_plan import make_rank_plan, ring_profile
 from dataflow.models.errors import ConfigError
 from dataflow.ring.env import RankEnv
 from dataflow.ring.kinds import TransportKind

@@ -15,7 +15,7 @@ import numpy as np
 
 from dataflow.batch import make_batch
 from dataflow.engine import StepResult
-from dataflow.memplan.plan import GradAccum
+from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import flop_model_version, model_flops_per_seq
@@ -44,7 +44,7 @@ class Ring:
     timeout_s: float = 120.0
     """How long a rank waits for another before failing with a RingError naming it."""
     placement: PlacementChoice = "cyclic"
-    """How the ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS): 'cyclic' (layer i
+    """How the ring deals its layers (dataflow.memplan.plan.ranks.PLACEMENTS): 'cyclic' (layer i
     on rank i mod ring_size), 'balanced' (the head's rank owns fewer layers: it also runs the
     head), 'contiguous', or 'auto': the one the layout chooser predicts fastest (with replicas
     None). A 'placement' in plan_options takes precedence."""

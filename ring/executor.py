@@ -12,11 +12,11 @@ import dataclasses
 import numpy as np
 
 from dataflow.executor import Executor, RoundStats, StepStats
-from dataflow.memplan.ring_plan import RankPlan
-from dataflow.memplan.ring_schedule import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
+from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
                                             compile_ring_eval_schedule, compile_ring_schedule,
                                             compile_ring_update_schedule)
-from dataflow.memplan.schedule import Record, Schedule, Wait
+from dataflow.memplan.step.compile import Record, Schedule, Wait
 from dataflow.ring.transport import Transport
 
 
@@ -44,7 +44,7 @@ class RingExecutor(Executor):
         # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
         # one place at a time), and a ring of 2 shares one mailbox for both directions.
         # An MoE model's ranks also pass the round's routing totals on: two small messages
-        # each way (dataflow.memplan.ring_schedule).
+        # each way (dataflow.memplan.step.ring_compile).
         totals = 4 if cfg.moe is not None and rp.n_ranks > 1 else 0
         transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round + totals,
                        max(reduced, default=0), max(gathered, default=0))

@@ -12,7 +12,7 @@ import json
 import numpy as np
 
 from dataflow.data import token_stream
-from dataflow.memplan.plan import GradAccum
+from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.serial import from_json
 from dataflow.ring.kinds import Placement, TransportKind
@@ -36,7 +36,7 @@ class RingJob:
     lr: float = 1e-3
     max_grad_norm: float | None = 1.0
     grad_accum: GradAccum = GradAccum.BF16
-    """Gradient accumulation across rounds (dataflow.memplan.plan.GradAccum)."""
+    """Gradient accumulation across rounds (dataflow.memplan.plan.plan.GradAccum)."""
     eager_update: bool = False
     """Run each step's AdamW at its own end (default: inside the next step's first round, and
     the last step's before the weights are written; the same bits either way)."""

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 from dataflow.models.errors import ConfigError
 
 Placement = Literal["cyclic", "balanced", "contiguous"]
-"""How a ring deals its layers (dataflow.memplan.ring_plan.PLACEMENTS)."""
+"""How a ring deals its layers (dataflow.memplan.plan.ranks.PLACEMENTS)."""
 
 PlacementChoice = Literal["cyclic", "balanced", "contiguous", "auto"]
 """A Placement, or 'auto': the one the layout chooser predicts fastest."""

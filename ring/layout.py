@@ -1,6 +1,6 @@
 """The one place a ring's layout is chosen (choose_ring_layout): how the job's `gpus` processes
 split into replicas of a ring of `ring_size` ranks, with the chunking and placement every rank
-plans, as dataflow.memplan.layout predicts fastest. dataflow-ring, dataflow-demo --gpus and the
+plans, as dataflow.memplan.search.layout predicts fastest. dataflow-ring, dataflow-demo --gpus and the
 RingEngine all come here. Also what a launching process knows of the ranks' hardware without a
 CUDA context. Never spawns processes and never touches a device."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from dataflow.memplan.layout import WEIGHED_PLACEMENTS, LayoutChoice, choose_layout, layout_text
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.profiles import get_profile, profile_for_device
+from dataflow.memplan.search.layout import WEIGHED_PLACEMENTS, LayoutChoice, choose_layout, layout_text
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models.errors import ConfigError
 from dataflow.ring.job import model_config
 from dataflow.ring.kinds import PlacementChoice, TransportKind

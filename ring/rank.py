@@ -16,7 +16,7 @@ from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
 from dataflow.instrument import TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from dataflow.memplan.ring_plan import RankPlan
+from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.models import init
 from dataflow.models.errors import ConfigError
 from dataflow.models.layout import BlockKind

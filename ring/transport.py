@@ -2,7 +2,7 @@
 backend view to a neighbour and the replicas' gradient all-reduce, ordered on the transport's own
 streams by events, plus a tiny synchronous control plane (all-gather of a few float64 values,
 abort). Processes are numbered replica-major: process replica * N + rank. Never decides what is
-sent or when: the compiled ring schedule does (dataflow.memplan.ring_schedule)."""
+sent or when: the compiled ring schedule does (dataflow.memplan.step.ring_compile)."""
 
 from __future__ import annotations
 

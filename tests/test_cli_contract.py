@@ -30,7 +30,7 @@ from dataflow.bench.sweep.grid import expand
 from dataflow.bench.sweep.record import CellRecord
 from dataflow.bench.sweep.table import CSV, SweepStore, read_table
 from dataflow.cli import plan as plan_cli
-from dataflow.memplan.chunking import MAX_SEQLEN
+from dataflow.memplan.plan.chunking import MAX_SEQLEN
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["0.5", "0.25", "64", "tiny", "--backend", "numpy"]

@@ -17,7 +17,7 @@ import pytest
 
 from dataflow.cli import demo_checks
 from dataflow.cli.demo import main as demo_main
-from dataflow.memplan.chunking import MAX_SEQLEN, _divisors
+from dataflow.memplan.plan.chunking import MAX_SEQLEN, _divisors
 from dataflow.cli.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]

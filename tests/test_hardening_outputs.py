@@ -117,7 +117,7 @@ def test_engine_at_full_level_reports_no_recompute():
     from dataflow.data import token_stream
     from dataflow.engine import Engine, default_profile
     from dataflow.memplan import make_plan
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.plan.plan import Budget
     from dataflow.models.config import load_config
     from dataflow.models.flops import SavedLevel
 

@@ -25,7 +25,7 @@ CLI_DIR = ROOT / "dataflow" / "cli"
 
 
 def _layer(module: str) -> str:
-    """The architecture's package of a dotted import: `dataflow.memplan.cost` -> memplan,
+    """The architecture's package of a dotted import: `dataflow.memplan.search.cost` -> memplan,
     `dataflow.engine` -> dataflow; a bare `memplan...` keeps its name (and is refused below)."""
     parts = module.split(".")
     if parts[0] == "dataflow" and len(parts) > 1 and parts[1] in OURS - {"dataflow"} | {CLI}:
@@ -217,8 +217,70 @@ def test_memplan_imports_no_array_gpu_or_downstream_package():
 
 def test_importing_the_planner_loads_no_array_library():
     """At run time too: importing memplan (and its CLI) pulls in no numpy or cupy."""
-    code = ("import sys, dataflow.memplan, dataflow.cli.plan, dataflow.memplan.sanity, dataflow.memplan.schedule; "
+    code = ("import sys, dataflow.memplan, dataflow.cli.plan, dataflow.memplan.search.sanity, "
+            "dataflow.memplan.step.compile; "
             "bad = [m for m in ('numpy', 'cupy', 'ml_dtypes', 'numba') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# memplan's three layers
+MEMPLAN_LAYERS = ("plan", "step", "search")
+"""memplan's layers, each importing only those before it: plan <- step <- search."""
+MEMPLAN_EDGE = {"__init__.py"}
+"""memplan's modules outside the three layers: the package's re-exports (dataflow-plan, the
+planner's command line, is dataflow/cli/plan.py)."""
+
+
+def _memplan_layer(module: str) -> str | None:
+    """The memplan layer of a dotted import (`dataflow.memplan.step.compile` -> step), or None."""
+    parts = module.split(".")
+    if parts[:2] == ["dataflow", "memplan"] and len(parts) > 2 and parts[2] in MEMPLAN_LAYERS:
+        return parts[2]
+    return None
+
+
+def test_every_memplan_module_lives_in_one_of_its_three_layers():
+    """memplan/ holds plan/, step/ and search/ and, beside them, only its __init__."""
+    loose = sorted(p.name for p in (ROOT / "memplan").glob("*.py") if p.name not in MEMPLAN_EDGE)
+    assert not loose, loose
+    for layer in MEMPLAN_LAYERS:
+        assert len(list((ROOT / "memplan" / layer).glob("*.py"))) >= 4, layer
+
+
+def test_memplan_layers_import_one_way_plan_step_search():
+    """plan imports neither step nor search, step imports plan but not search; no layer imports
+    the package itself (its __init__ re-exports search)."""
+    bad = []
+    for i, layer in enumerate(MEMPLAN_LAYERS):
+        allowed = set(MEMPLAN_LAYERS[:i + 1])
+        for f in sorted((ROOT / "memplan" / layer).rglob("*.py")):
+            for _, module, names in _imports(f):
+                dep = _memplan_layer(module)
+                if module == "dataflow.memplan":
+                    dep = next((n for n in names if n in MEMPLAN_LAYERS), "the package")
+                if dep is not None and dep not in allowed:
+                    bad.append(f"{f.relative_to(ROOT)} ({layer}) imports {module} {names}")
+    assert not bad, "\n".join(bad)
+
+
+def test_memplan_has_no_function_local_import_of_our_modules_without_a_reason():
+    """An import of one of our modules inside a function hides an import circle; memplan allows
+    one only with a comment on its line saying why (an optional dependency, say)."""
+    bad = []
+    for f in _files("memplan"):
+        lines = f.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines), filename=str(f))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    ours = any(_layer(a.name) in OURS for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    ours = node.level > 0 or _layer(node.module or "") in OURS
+                else:
+                    continue
+                if ours and "#" not in lines[node.lineno - 1]:
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not bad, "\n".join(bad)

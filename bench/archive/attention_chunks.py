@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dataflow.ops_cuda import CudaOps
-    from dataflow.memplan.buffers import attention_key_block
+    from dataflow.memplan.plan.buffers import attention_key_block
     from dataflow.models.config import load_config
 
     cfg = load_config(a.model)

@@ -16,7 +16,7 @@ import time
 from dataflow.bench.sweep.sweep import git_commit
 
 # name: (kind, model, T queries, S keys, q_offset, causal, deterministic) — the shapes the
-# long-context plans run (8,192-token chunks; key blocks of dataflow.memplan.buffers.attention_key_block)
+# long-context plans run (8,192-token chunks; key blocks of dataflow.memplan.plan.buffers.attention_key_block)
 CASES = {
     "8b-fwd-8k": ("fwd", "8b", 8192, 8192, 0, True, True),
     "8b-bwd-8k-det": ("bwd", "8b", 8192, 8192, 0, True, True),

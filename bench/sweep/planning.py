@@ -14,9 +14,9 @@ import socket
 from dataflow.bench.sweep.grid import Cell
 from dataflow.bench.sweep.record import CellRecord, Status
 from dataflow.memplan import InfeasibleBudget, make_plan
-from dataflow.memplan.cost import predict_schedule
-from dataflow.memplan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
-from dataflow.memplan.profiles import get_profile, known_profiles, load_profile
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
+from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 

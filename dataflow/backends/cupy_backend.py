@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
-from dataflow.memplan.buffers import key_block_spans
+from dataflow.memplan.plan.buffers import key_block_spans
 from dataflow.settings import settings_from_env
 
 try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
-from dataflow.memplan.buffers import DTYPE_BYTES
+from dataflow.memplan.plan.buffers import DTYPE_BYTES
 
 _BYTES = DTYPE_BYTES
 

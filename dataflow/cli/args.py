@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from dataflow.memplan.chunking import MAX_SEQLEN
+from dataflow.memplan.plan.chunking import MAX_SEQLEN
 from dataflow.models.errors import ConfigError
 
 

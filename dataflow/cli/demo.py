@@ -21,7 +21,7 @@ from dataflow.cli.demo_ring import run_ring
 from dataflow.cli.demo_training import Training, add_flags, default_lr
 from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler, op_totals
 from dataflow.memplan import explain, make_plan
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.metrics_log import FORMATS, MetricsLog, run_metadata
 from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError, NonFiniteError

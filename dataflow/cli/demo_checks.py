@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from dataflow.memplan.plan import Budget, Plan
+from dataflow.memplan.plan.plan import Budget, Plan
 from dataflow.models.errors import ConfigError
 from dataflow.settings import settings_from_env
 

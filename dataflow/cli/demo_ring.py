@@ -1,5 +1,5 @@
 """`dataflow-demo <host_gb> <dev_gb> <seqlen> <model> --gpus N`: the demo on N GPUs in the layout
-the planner chooses (replicas of a ring, dataflow.memplan.layout; budgets per device; --rounds or
+the planner chooses (replicas of a ring, dataflow.memplan.search.layout; budgets per device; --rounds or
 --tokens-per-step shape the global batch) through dataflow.ring.run's launcher: it spawns the ranks
 (or, under torchrun / srun with --gpus equal to WORLD_SIZE, is one of them), prints each rank's
 step lines and one summary line (tok/s of the whole ring). Constant lr, clipping as

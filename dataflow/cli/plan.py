@@ -25,13 +25,13 @@ from dataflow.cli.args import (
     run_command,
     seqlen_tokens,
 )
-from dataflow.memplan.errors import InfeasibleBudget, categories_text, size_text
-from dataflow.memplan.explain import explain
-from dataflow.memplan.layout import LayoutChoice, choose_layout, layout_text
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.profiles import get_profile, load_profile
-from dataflow.memplan.ring_plan import LINKS, scaling, scaling_text
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, size_text
+from dataflow.memplan.search.explain import explain
+from dataflow.memplan.search.layout import LayoutChoice, choose_layout, layout_text
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.profiles import get_profile, load_profile
+from dataflow.memplan.search.ring_plan import LINKS, scaling, scaling_text
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json

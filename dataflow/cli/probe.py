@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dataflow.backends import cupy_backend
 from dataflow.cli.args import BAD_INPUT, Debug, OneLineParser, Outcome, positive, run_command
-from dataflow.memplan.profiles import default_cache_path, known_profiles, save_profile
+from dataflow.memplan.plan.profiles import default_cache_path, known_profiles, save_profile
 from dataflow.probe.profile import build_profile, builtin_profile, format_table
 from dataflow.models.config import load_config, zoo_names
 from dataflow.models.errors import ConfigError

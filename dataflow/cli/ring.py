@@ -16,7 +16,7 @@ import tempfile
 import dataflow
 from dataflow.cli.args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
                                positive)
-from dataflow.memplan.cost import MAX_ROUNDS_PER_STEP
+from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
 from dataflow.models.errors import ConfigError
 from dataflow.ring.job import RingJob
 from dataflow.ring.kinds import PLACEMENT_CHOICES, TransportKind

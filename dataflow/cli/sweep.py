@@ -24,7 +24,7 @@ from dataflow.cli.args import (
     positive,
     run_command,
 )
-from dataflow.memplan.chunking import MAX_SEQLEN
+from dataflow.memplan.plan.chunking import MAX_SEQLEN
 from dataflow.models.errors import ConfigError
 
 PROG = "dataflow-sweep"

@@ -21,7 +21,7 @@ from dataflow.engine.setup import Started, backend_for, plan_engine, start
 from dataflow.engine.state_io import BlockRef
 from dataflow.engine.steps import CONFIGURED, StepResult
 from dataflow.engine_options import EngineOptions, RunOptions, check_option_names
-from dataflow.memplan.plan import Plan
+from dataflow.memplan.plan.plan import Plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models import hf
@@ -120,7 +120,7 @@ class Engine:
         trace: wrap the backend in a TracingBackend, so every StepResult carries its breakdown
             and `last_trace` the step's spans.
         progress: anything with update(), called once per block initialised or loaded.
-        schedule: a compiled dataflow.memplan.schedule.Schedule to run instead of the plan's.
+        schedule: a compiled dataflow.memplan.step.compile.Schedule to run instead of the plan's.
         deferred_update: (default True) a step's AdamW runs inside the next step's first
             round, hidden behind its compute, or before anything reads, saves or evaluates the
             model; the same bits as False, which updates at the end of each step.

@@ -21,9 +21,9 @@ from dataflow.engine_options import (EngineOptions, RunOptions, checkpoint_dir,
 from dataflow.executor import Executor
 from dataflow.instrument import TracingBackend
 from dataflow.memplan import make_plan
-from dataflow.memplan.cost import workload_of
-from dataflow.memplan.plan import Budget, Plan
-from dataflow.memplan.profiles import get_profile, profile_for_device
+from dataflow.memplan.search.cost import workload_of
+from dataflow.memplan.plan.plan import Budget, Plan
+from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models import init
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError

@@ -23,10 +23,10 @@ from dataflow.backend import Stream
 from dataflow.instrument.breakdown import StepTrace, op_key, length, subtract, union
 from dataflow.instrument.chrome import STEP_TID, STREAM_TIDS, write_chrome_trace
 from dataflow.instrument.spans import Clock, Span, SpanKind
-from dataflow.memplan.cost import event_seconds
-from dataflow.memplan.plan import Plan
-from dataflow.memplan.schedule import compile_schedule
-from dataflow.memplan.sim import simulate_schedule
+from dataflow.memplan.search.cost import event_seconds
+from dataflow.memplan.plan.plan import Plan
+from dataflow.memplan.step.compile import compile_schedule
+from dataflow.memplan.step.sim import simulate_schedule
 
 MIN_GAP_S = 20e-6
 """Gaps shorter than this are launch jitter, not stalls."""

@@ -23,7 +23,7 @@ import numpy as np
 from dataflow.backend import Place, Stream
 from dataflow.backends.cupy_backend import CupyBackend
 from dataflow.probe.profile import Measurements, attn_flops, gemm_flops
-from dataflow.memplan.cost import ADAMW_STATE_BYTES_PER_ELEM
+from dataflow.memplan.search.cost import ADAMW_STATE_BYTES_PER_ELEM
 from dataflow.models.config import ModelConfig
 from dataflow.settings import settings_from_env
 

@@ -2,7 +2,7 @@
 that puts it beside the built-in profile. Pure Python over plain numbers: never touches a
 device, never reads the clock, so the tests drive it with made-up measurements.
 
-Efficiencies are stored the way dataflow.memplan.cost reads them: the measured rate divided by the peak
+Efficiencies are stored the way dataflow.memplan.search.cost reads them: the measured rate divided by the peak
 times the cost model's own shape factors (`gemm_flop_per_s` / `attn_flop_per_s` at efficiency
 1), so the planner reproduces the measured rate at the measured shape."""
 
@@ -12,9 +12,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from dataflow.memplan.cost import ATTN_ATOMIC_BWD_SPEEDUP, attn_flop_per_s, gemm_flop_per_s
-from dataflow.memplan.plan import GIB, HardwareProfile
-from dataflow.memplan.profiles import get_profile, known_profiles
+from dataflow.memplan.search.cost import ATTN_ATOMIC_BWD_SPEEDUP, attn_flop_per_s, gemm_flop_per_s
+from dataflow.memplan.plan.plan import GIB, HardwareProfile
+from dataflow.memplan.plan.profiles import get_profile, known_profiles
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import attn_bwd_flops, attn_fwd_flops, flash_recompute_flops, layer_matmul_flops

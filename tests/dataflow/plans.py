@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan import build_plan, get_profile
-from dataflow.memplan.plan import (Budget, Chunking, GradAccum, LayerPlacement, OptimizerWhere,
+from dataflow.memplan.plan.plan import (Budget, Chunking, GradAccum, LayerPlacement, OptimizerWhere,
                           SavedActivation, Slots, Where)
 from dataflow.models.flops import SavedLevel
 
@@ -101,7 +101,7 @@ def with_grad_accum(plan, grad_accum):
 def updated_pieces(events) -> dict[tuple[str, int], int]:
     """Elements AdamW updates in `events`, summed per (block, first element) piece (a deferred
     update's pieces must add up to the lone update schedule's)."""
-    from dataflow.memplan.schedule import Update
+    from dataflow.memplan.step.compile import Update
 
     out: dict[tuple[str, int], int] = {}
     for e in events:

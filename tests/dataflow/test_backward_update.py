@@ -1,5 +1,5 @@
 """The AdamW of a step that does not clip, inside its own last round (Engine(backward_update=
-True), dataflow.memplan.schedule's update='backward'): each streamed layer's update runs from its weight
+True), dataflow.memplan.step.compile's update='backward'): each streamed layer's update runs from its weight
 and gradient slots right after its last backward, and the numbers are the bits of updating at
 the end of each step, on every forced executor path and with layer segments, with the schedule
 sanitizer on. A clipped step falls back to the deferred update, and the two modes alternate."""
@@ -10,7 +10,7 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.schedule import Update, compile_schedule
+from dataflow.memplan.step.compile import Update, compile_schedule
 from dataflow.models.config import load_config
 from tests.dataflow.plans import path_plans, split_plans
 from tests.dataflow.test_deferred_update import _batches, _same_state
@@ -78,10 +78,10 @@ def test_streamed_layers_update_before_the_last_round_ends():
 
 
 def test_a_ring_refuses_the_update_in_the_backward():
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.ring_plan import make_rank_plans
-    from dataflow.memplan.ring_schedule import compile_ring_schedule
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.ring_plan import make_rank_plans
+    from dataflow.memplan.step.ring_compile import compile_ring_schedule
+    from dataflow.memplan.plan.profiles import get_profile
 
     rps = make_rank_plans(load_config("tiny"), 256, Budget.from_gib(1, 1), get_profile("cpu"), 2)
     with pytest.raises(ValueError, match="one device"):
@@ -93,10 +93,10 @@ def test_the_prediction_simulates_the_last_round_apart():
     carries the updates) and repeats only the middle one: 8b at 8k on 80/24, 40 rounds a step,
     is then no slower than updating at the end, where extrapolating the last round as the
     repeating one predicted 86 s against 69."""
-    from dataflow.memplan.cost import predict_schedule
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
-    from dataflow.memplan.search import make_plan
+    from dataflow.memplan.search.predict import predict_schedule
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
+    from dataflow.memplan.search.search import make_plan
 
     prof = get_profile("h100")
     plan = make_plan(load_config("8b"), 8192, Budget.from_gib(80, 24), prof)

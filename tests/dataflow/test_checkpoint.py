@@ -19,7 +19,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.plan import Plan
+from dataflow.memplan.plan.plan import Plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ChecksumError, ConfigError
 from tests.dataflow.plans import path_plans
@@ -36,7 +36,7 @@ import numpy as np
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.plan import Plan
+from dataflow.memplan.plan.plan import Plan
 plan_file, ckpt, out = sys.argv[1:4]
 plan = Plan.from_json(open(plan_file).read())
 with Engine.from_plan(plan, backend="numpy", seed=99,
@@ -170,7 +170,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.plan import Plan
+from dataflow.memplan.plan.plan import Plan
 plan = Plan.from_json(open(sys.argv[1]).read())
 root, kill_after = sys.argv[2], int(sys.argv[3])
 with Engine.from_plan(plan, backend="numpy", optimizer=AdamWConfig(lr=2e-3, max_grad_norm=1.0),

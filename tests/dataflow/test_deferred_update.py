@@ -10,7 +10,7 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.schedule import Update, compile_schedule, compile_update_schedule
+from dataflow.memplan.step.compile import Update, compile_schedule, compile_update_schedule
 from dataflow.models.config import load_config
 from dataflow.models.errors import NonFiniteError
 from tests.dataflow.plans import path_plans, split_plans, updated_pieces
@@ -145,7 +145,7 @@ def test_real_plans_place_every_deferred_update_exactly_once(model, seqlen, host
     one a step has): round 0 updates every element of every block once, as many as the update
     schedule alone does, and nothing updates after round 0."""
     from dataflow.memplan import get_profile, make_plan
-    from dataflow.memplan.plan import Budget
+    from dataflow.memplan.plan.plan import Budget
 
     plan = make_plan(load_config(model), seqlen, Budget.from_gib(host, dev), get_profile("h100"))
     sch = compile_schedule(plan, rounds=min(2, plan.chunking.rounds_per_step), update="deferred")

@@ -13,10 +13,10 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.optimizer import AdamWConfig
 from dataflow.memplan import make_plan
-from dataflow.memplan.memory import embed_row_parts, host_regions
-from dataflow.memplan.plan import Budget, OptimizerWhere
-from dataflow.memplan.profiles import get_profile
-from dataflow.memplan.schedule import (STREAMS, Fetch, HostTask, Record, Wait, WriteBack, _Compiler,
+from dataflow.memplan.plan.memory import embed_row_parts, host_regions
+from dataflow.memplan.plan.plan import Budget, OptimizerWhere
+from dataflow.memplan.plan.profiles import get_profile
+from dataflow.memplan.step.compile import (STREAMS, Fetch, HostTask, Record, Wait, WriteBack, StepCompiler,
                               compile_eval_schedule, compile_schedule)
 from dataflow.models.config import load_config
 from tests.dataflow.plans import forced_plan, streamed
@@ -138,7 +138,7 @@ def test_one_part_over_several_rounds_stages_after_the_backward():
         offs = {e.dst.offset for e in sch.events if type(e) is HostTask and e.op == "embed_gather"}
         assert offs == {0}
         assert unordered_row_accesses(sch.events, sch.n_ids) == []
-    broken = _Compiler(plan)
+    broken = StepCompiler(plan)
     broken.stage_ahead_ok = lambda rnd: True
     sch = broken.compile(3)
     assert unordered_row_accesses(sch.events, sch.n_ids)

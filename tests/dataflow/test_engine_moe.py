@@ -34,11 +34,11 @@ from dataflow.kernels.reference import adamw_step
 from dataflow.kernels.reference.moe import MoeWeights, RouterLossTerms, moe_block_bwd, moe_block_fwd
 from dataflow.kernels.reference.moe_experts import unpermute_fwd
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.buffers import (chunk_workspace_specs, moe_rows, packed_bytes,
+from dataflow.memplan.plan.buffers import (chunk_workspace_specs, moe_rows, packed_bytes,
                                       saved_activation_bytes)
-from dataflow.memplan.memory import device_regions, host_regions
-from dataflow.memplan.plan import Budget, GradAccum, OptimizerWhere, Where
-from dataflow.memplan.segments import with_segments
+from dataflow.memplan.plan.memory import device_regions, host_regions
+from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere, Where
+from dataflow.memplan.search.build import with_segments
 from dataflow.moe_ffn import MoeFfn, RoundRouting, stacked_experts
 from dataflow.models.config import MoE, ModelConfig
 from dataflow.models.errors import ConfigError
@@ -321,7 +321,7 @@ def test_a_backend_without_moe_ops_and_rings_refuse_moe_by_name():
     (both tables have the ops); a ring of 2 or more is refused by the ring planner, naming rings
     and issue 41 (data-parallel replicas, rings of 1, train it: tests/ring/test_ring_moe.py)."""
     from dataflow.engine import refuse_moe_backend
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.search.ring_plan import make_rank_plans
 
     cfg = CONFIGS["olmoe"]
     for kind in ("numpy", "cupy", "auto"):
@@ -349,7 +349,7 @@ def test_executor_lends_the_cuda_moe_scratch_from_its_arenas(rng):
     views (buffers.MOE_OP_SCRATCH) and the pinned host region of the offsets, int64 (N + 1,),
     which the host memory map holds; dataflow.ops_cuda's MoE ops use them instead of allocating
     (the NumPy table ignores them)."""
-    from dataflow.memplan.buffers import MOE_HOST_REGION, MOE_OP_SCRATCH, align
+    from dataflow.memplan.plan.buffers import MOE_HOST_REGION, MOE_OP_SCRATCH, align
 
     cfg, lent = CONFIGS["olmoe"], {}
     n = cfg.moe.n_experts

@@ -40,9 +40,9 @@ from dataflow.engine import Engine  # noqa: E402
 from dataflow.kernels.reference import moe_router as rrt  # noqa: E402
 from dataflow.kernels.reference.moe import (MoeWeights, RouterLossTerms, moe_block_bwd,  # noqa: E402
                                             moe_block_fwd)
-from dataflow.memplan.buffers import MOE_OP_SCRATCH, chunk_workspace_specs  # noqa: E402
-from dataflow.memplan.plan import Budget, GradAccum, OptimizerWhere, Where  # noqa: E402
-from dataflow.memplan.segments import with_segments  # noqa: E402
+from dataflow.memplan.plan.buffers import MOE_OP_SCRATCH, chunk_workspace_specs  # noqa: E402
+from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere, Where  # noqa: E402
+from dataflow.memplan.search.build import with_segments  # noqa: E402
 from dataflow.moe_ffn import EXPERT_STACKS, MoeFfn, RoundRouting, stacked_experts  # noqa: E402
 from dataflow.models.flops import SavedLevel  # noqa: E402
 from dataflow.models.init import BF16  # noqa: E402

@@ -14,13 +14,13 @@ from dataflow.backends.sanitizer import ScheduleRace
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.executor import Executor
-from dataflow.memplan.events import Compute, ComputeOp, HostOp, HostTask
-from dataflow.memplan.schedule import Schedule, compile_schedule
+from dataflow.memplan.step.events import Compute, ComputeOp, HostOp, HostTask
+from dataflow.memplan.step.compile import Schedule, compile_schedule
 from dataflow.optimizer import AdamWConfig
 from dataflow.reference_trainer import ReferenceTrainer
 from dataflow.models.config import load_config
 from dataflow.models.init import init_model
-from dataflow.memplan.plan import OptimizerWhere, Where
+from dataflow.memplan.plan.plan import OptimizerWhere, Where
 from dataflow.models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, path_plans, split_plans, streamed
 
@@ -99,8 +99,8 @@ def test_arenas_are_the_device_budget_and_the_host_regions(tiny_runs):
     reserve, and one host slab of the plan's host regions rounded up to whole 2 MiB pages,
     within the host budget (nothing pinned that no region uses)."""
     from dataflow.arena import SLAB_ROUND_BYTES
-    from dataflow.memplan.buffers import align
-    from dataflow.memplan.schedule import compile_schedule
+    from dataflow.memplan.plan.buffers import align
+    from dataflow.memplan.step.compile import compile_schedule
 
     for name, (plan, (_, _, (dev, host))) in tiny_runs.items():
         assert dev == plan.budget.device_bytes - plan.profile.library_reserve_bytes, name
@@ -124,7 +124,7 @@ def test_small_model_split_and_packed_match_reference():
 def test_sanitizer_catches_a_removed_event():
     """Dropping the compute stream's wait on a weight prefetch from the compiled schedule makes
     the sanitizer report a race that names both ops."""
-    from dataflow.memplan.schedule import Fetch, Record, Wait, compile_schedule
+    from dataflow.memplan.step.compile import Fetch, Record, Wait, compile_schedule
 
     cfg = load_config("tiny")
     plan = path_plans(cfg)[2][1]

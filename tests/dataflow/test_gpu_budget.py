@@ -16,7 +16,7 @@ cp = require_gpu()
 from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
-from dataflow.memplan.plan import Where  # noqa: E402
+from dataflow.memplan.plan.plan import Where  # noqa: E402
 from dataflow.models.config import load_config  # noqa: E402
 from dataflow.models.flops import SavedLevel  # noqa: E402
 from tests.dataflow.plans import forced_plan  # noqa: E402
@@ -29,8 +29,7 @@ def test_split_sequence_with_8_contexts_allocates_nothing_outside_the_arena(monk
     with the key-block backward of long contexts (blocks of 512 keys: up to 4 per call)."""
     monkeypatch.setenv("DATAFLOW_ALLOC_GUARD", "error")
     if key_block is not None:
-        from dataflow.memplan import buffers
-
+        from dataflow.memplan.plan import buffers
         cfg = load_config("small")
         per_key = (buffers.ATTN_NONDET_CONTEXT_BYTES + 4) * cfg.kv_dim
         monkeypatch.setattr(buffers, "KEY_BLOCK_TARGET_BYTES", per_key * key_block)

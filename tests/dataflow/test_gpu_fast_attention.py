@@ -18,8 +18,8 @@ from dataflow.data import token_stream  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.optimizer import AdamWConfig  # noqa: E402
 from dataflow.memplan import make_plan  # noqa: E402
-from dataflow.memplan.plan import AttentionBwd, Budget  # noqa: E402
-from dataflow.memplan.profiles import get_profile  # noqa: E402
+from dataflow.memplan.plan.plan import AttentionBwd, Budget  # noqa: E402
+from dataflow.memplan.plan.profiles import get_profile  # noqa: E402
 from dataflow.models.config import load_config  # noqa: E402
 
 

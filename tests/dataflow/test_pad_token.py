@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dataflow.engine import Engine
-from dataflow.memplan.plan import OptimizerWhere
+from dataflow.memplan.plan.plan import OptimizerWhere
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import ModelWeights, init_model

@@ -14,8 +14,8 @@ import pytest
 
 from dataflow.cli import probe as cli
 from dataflow.probe.profile import Measurements, build_profile, builtin_profile, format_table
-from dataflow.memplan.cost import attn_flop_per_s, gemm_flop_per_s
-from dataflow.memplan.profiles import BUILTIN_PROFILES, default_cache_path, get_profile, load_profile
+from dataflow.memplan.search.cost import attn_flop_per_s, gemm_flop_per_s
+from dataflow.memplan.plan.profiles import BUILTIN_PROFILES, default_cache_path, get_profile, load_profile
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 
@@ -137,7 +137,7 @@ def test_measured_profile_round_trips_through_get_profile(tmp_path, rng):
     cfg, base = load_config("8b"), BUILTIN_PROFILES["h100"]
     prof = build_profile(base, fake_measurements(rng), cfg)
     path = tmp_path / "profile.json"
-    from dataflow.memplan.profiles import save_profile
+    from dataflow.memplan.plan.profiles import save_profile
 
     save_profile(prof, path)
     assert load_profile(path) == prof

@@ -12,12 +12,12 @@ from dataflow.backends import make_backend
 from dataflow.executor import Executor
 from dataflow.optimizer import AdamW, AdamWConfig
 from dataflow.memplan import make_plan
-from dataflow.memplan.cost import event_seconds
-from dataflow.memplan.plan import Budget, Where
-from dataflow.memplan.profiles import get_profile
-from dataflow.memplan.schedule import (Compute, Fetch, Record, Schedule, Wait, WriteBack,
+from dataflow.memplan.search.cost import event_seconds
+from dataflow.memplan.plan.plan import Budget, Where
+from dataflow.memplan.plan.profiles import get_profile
+from dataflow.memplan.step.compile import (Compute, Fetch, Record, Schedule, Wait, WriteBack,
                               compile_schedule)
-from dataflow.memplan.sim import simulate_schedule
+from dataflow.memplan.step.sim import simulate_schedule
 from dataflow.models.config import load_config
 from tests.dataflow.plans import path_plans, split_plans
 
@@ -90,7 +90,7 @@ def test_schedule_prediction_adds_up_and_counts_state_bytes_only():
     """predict_schedule: step = compute + recompute + exposed + optimizer exactly; an all-resident
     plan moves no state bytes and waits only for the round's token ids; a plan streaming its
     weights predicts more exposed copy time."""
-    from dataflow.memplan.cost import predict_schedule
+    from dataflow.memplan.search.predict import predict_schedule
     from tests.memplan.forced import forced
 
     h100 = get_profile("h100")

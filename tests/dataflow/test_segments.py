@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dataflow.memplan.plan import Budget, OptimizerWhere, Where
-from dataflow.memplan.segments import with_segments
+from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Where
+from dataflow.memplan.search.build import with_segments
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, streamed
@@ -111,9 +111,9 @@ def test_split_boundaries_kept_at_home_leave_their_kv_to_one_shared_region(runs)
     recompute sends its re-formed K/V to home.ctx_kv and the backward refills from there (the
     bit-identity test above runs it). Other levels, device-homed chunks and inner layers keep
     theirs; packed chunks (no context to refill) too."""
-    from dataflow.memplan.buffers import align, saved_activation_bytes
-    from dataflow.memplan.memory import host_regions
-    from dataflow.memplan.schedule import compile_schedule
+    from dataflow.memplan.plan.buffers import align, saved_activation_bytes
+    from dataflow.memplan.plan.memory import host_regions
+    from dataflow.memplan.step.compile import compile_schedule
 
     plan = runs[("split", 2)][0]
     cfg, ch = plan.model, plan.chunking
@@ -147,7 +147,7 @@ def test_shared_boundary_kv_is_ordered_and_bit_identical_with_two_sequences_a_ro
     """No two accesses to the same bytes of home.ctx_kv (the K/V copies home, the refills) are
     unordered across two steps; and training under the sanitizer (two seeds) equals the plan
     without segments bit for bit."""
-    from dataflow.memplan.schedule import compile_schedule
+    from dataflow.memplan.step.compile import compile_schedule
     from tests.dataflow import test_embed_rows
 
     base = _two_sequence_split_plan()

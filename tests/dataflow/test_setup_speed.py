@@ -11,8 +11,8 @@ import pytest
 from dataflow.bench import setup_speed as ss
 from dataflow.warmup import AttentionShape, attention_shapes, warm_host_kernels
 from dataflow.memplan import make_plan
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.profiles import get_profile
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.profiles import get_profile
 from dataflow.models.hf import model_config
 
 
@@ -119,7 +119,7 @@ def test_keep_caches_passes_no_cache_directories():
 
 
 def test_attention_shapes_of_a_split_sequence_are_one_per_chunk_context():
-    from dataflow.memplan.buffers import attention_key_block
+    from dataflow.memplan.plan.buffers import attention_key_block
 
     """A sequence split into chunks gives one shape per chunk position, offsets 0, T, 2T, ..."""
     plan = make_plan(model_config("8b"), 65536, Budget.from_gib(96, 30), get_profile("h100"))
@@ -167,7 +167,7 @@ def test_warm_up_with_a_schedule_warms_only_the_host_kernels_it_runs(monkeypatch
     exactly those, at the plan's gradient dtype; one with none warms none (each numba compile
     costs seconds of setup)."""
     import dataflow.warmup as W
-    from dataflow.memplan.schedule import HostTask, Update
+    from dataflow.memplan.step.compile import HostTask, Update
 
     class _Sched:
         def __init__(self, events):
@@ -194,9 +194,9 @@ def test_the_plan_names_the_host_kernels_its_schedule_runs():
     start first) gives what host_kernels_used reads off the compiled schedule, for every path
     plan and both ranks of a ring (the rank without the embedding runs no scatter)."""
     from dataflow.warmup import host_kernels_of_plan, host_kernels_used
-    from dataflow.memplan.ring_plan import make_rank_plans
-    from dataflow.memplan.ring_schedule import compile_ring_schedule
-    from dataflow.memplan.schedule import compile_schedule
+    from dataflow.memplan.search.ring_plan import make_rank_plans
+    from dataflow.memplan.step.ring_compile import compile_ring_schedule
+    from dataflow.memplan.step.compile import compile_schedule
     from dataflow.models.config import load_config
     from tests.dataflow.plans import path_plans
 

@@ -57,8 +57,8 @@ def test_simulated_step_reads_like_a_trace():
     """The planner's simulation of a tiny plan as a StepTrace: every stream's spans inside the
     step, copies with their bytes, and the same report as a measured step."""
     from dataflow.memplan import make_plan
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
     from dataflow.models.config import load_config
     from dataflow.instrument.stalls import report, simulated_trace
 
@@ -87,8 +87,8 @@ def test_simulated_step_written_as_a_chrome_trace_reads_back(tmp_path, capsys):
     """--simulated --chrome writes the planner's timeline of a plan as a trace that opens like
     a measured one and gives the same report."""
     from dataflow.memplan import make_plan
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
     from dataflow.models.config import load_config
     from dataflow.instrument.stalls import main
 

@@ -21,7 +21,7 @@ from dataflow.instrument import (Clock, Span, SpanKind, StepTrace, TracingBacken
                                  compute_breakdown, op_totals, parse_name, pcie_counters,
                                  write_chrome_trace)
 from dataflow.optimizer import AdamWConfig
-from dataflow.memplan.plan import OptimizerWhere, Where
+from dataflow.memplan.plan.plan import OptimizerWhere, Where
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, streamed

@@ -14,7 +14,7 @@ from dataflow.optimizer import AdamW, AdamWConfig
 from dataflow.reference_model import forward_backward
 from dataflow.reference_trainer import ReferenceTrainer
 from dataflow.kernels.reference import IGNORE
-from dataflow.memplan.plan import GradAccum
+from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import init_model
@@ -210,8 +210,8 @@ def test_trainer_batch_is_kept_under_two_budgets_and_both_match_the_reference(rn
     ref = ReferenceTrainer(cfg, init_model(cfg, 0), lr=LR)
     want = [ref.train_step(b).loss_mean for b in batches]
     from dataflow.memplan import make_plan
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
 
     roomy = make_plan(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"), seqs_per_step=12,
                       grad_accum=GradAccum.FP32)
@@ -245,9 +245,9 @@ def test_planner_keeps_the_batch_or_names_the_smallest_budgets_for_it():
     small is refused naming the batch and the smallest budgets; a tokens_per_step that is not a
     multiple of seqlen names the nearest ones."""
     from dataflow.memplan import make_plan
-    from dataflow.memplan.errors import InfeasibleBudget
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.plan.errors import InfeasibleBudget
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
 
     cfg = load_config("tiny")
     for n in (1, 7, 12, 64):

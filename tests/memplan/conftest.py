@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from dataflow.memplan.profiles import BUILTIN_PROFILES
+from dataflow.memplan.plan.profiles import BUILTIN_PROFILES
 
 
 @pytest.fixture(autouse=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataflow.memplan.build import build_plan
-from dataflow.memplan.chunking import make_chunking
-from dataflow.memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT
-from dataflow.memplan.plan import Budget, GradAccum, SavedActivation, Slots, Where
+from dataflow.memplan.search.build import build_plan
+from dataflow.memplan.plan.chunking import make_chunking
+from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT
+from dataflow.memplan.plan.plan import Budget, GradAccum, SavedActivation, Slots, Where
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from dataflow.memplan import buffers, make_plan
-from dataflow.memplan.cost import predict_schedule
-from dataflow.memplan.plan import AttentionBwd, Budget, Plan
-from dataflow.memplan.profiles import get_profile
+from dataflow.memplan import make_plan
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.plan import AttentionBwd, Budget, Plan
+from dataflow.memplan.plan.profiles import get_profile
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 
@@ -17,7 +18,7 @@ H100 = get_profile("h100")
 
 
 def _attn_workspace(plan: Plan) -> int:
-    from dataflow.memplan.memory import device_regions
+    from dataflow.memplan.plan.memory import device_regions
 
     return dict(device_regions(plan))["attn_workspace"]
 

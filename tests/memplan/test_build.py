@@ -3,9 +3,9 @@ tests do) with budgets in the MiB range, and refuses decisions that do not fit."
 
 import pytest
 
-from dataflow.memplan.build import build_plan
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget, GradAccum, OptimizerWhere, Plan, Where
+from dataflow.memplan.search.build import build_plan
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere, Plan, Where
 from dataflow.models.flops import SavedLevel
 
 from .forced import HOME_HOST, HOME_STREAMED, RESIDENT, acts, forced

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from dataflow.cli.plan import main
-from dataflow.memplan.plan import Plan
-from dataflow.memplan.profiles import get_profile, save_profile
+from dataflow.memplan.plan.plan import Plan
+from dataflow.memplan.plan.profiles import get_profile, save_profile
 
 
 def _run(capsys, *argv):
@@ -115,9 +115,9 @@ def test_refusal_below_both_budgets_names_both(capsys):
 def test_refusal_just_below_the_minimum_suggests_one_consistent_pair():
     """Budgets a byte under the smallest pair: the rounded-up device budget already works with
     this host, so the way out names no host and no second, contradicting device figure."""
-    from dataflow.memplan.errors import InfeasibleBudget
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.search import make_plan, minimum_budgets
+    from dataflow.memplan.plan.errors import InfeasibleBudget
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.search import make_plan, minimum_budgets
     from dataflow.models.config import load_config
 
     cfg, prof = load_config("tiny"), get_profile("h100")

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan.cost import predict, rounds_for_target
-from dataflow.memplan.plan import Where
+from dataflow.memplan.search.cost import predict, rounds_for_target
+from dataflow.memplan.plan.plan import Where
 from dataflow.models.flops import FLOP_MODEL_VERSION, SavedLevel, model_flops_per_seq
 
 from .forced import HOME_HOST, HOME_STREAMED, RESIDENT, acts, forced
@@ -110,7 +110,7 @@ def test_faster_pcie_never_predicts_a_slower_step(h100):
 def test_random_forced_plans_predict_consistent_steps(prng, h100):
     """For random decisions on small: the step is the sum of its parts, every part is
     non-negative, HFU >= MFU, and bytes moved are zero exactly when nothing lives at home."""
-    from dataflow.memplan.plan import GradAccum, SavedActivation
+    from dataflow.memplan.plan.plan import GradAccum, SavedActivation
 
     for _ in range(40):
         placements = [prng.choice([RESIDENT, HOME_HOST, HOME_STREAMED]) for _ in range(4)]
@@ -139,7 +139,7 @@ def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
     the dense rate is the small-GEMM rate's (rows / (rows + EXPERT_GEMM_HALF_ROWS)) plus one
     offsets wait, the backward's twice the forward's GEMM part; at a chunk so small that the
     launches take longer than the GEMMs, the launches are the time."""
-    from dataflow.memplan import cost
+    from dataflow.memplan.search import cost
     from dataflow.models.hf import model_config
 
     assert cost.expert_extra_seconds(model_config("1b"), h100, 8192) == (0.0, 0.0)

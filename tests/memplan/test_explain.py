@@ -1,8 +1,8 @@
 """explain(): a terminal overview of a plan with a reason for every decision."""
 
-from dataflow.memplan.explain import explain
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.search.explain import explain
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import load_config
 from dataflow.models.flops import FLOP_MODEL_VERSION
 
@@ -33,9 +33,9 @@ def test_why_names_the_bottleneck_and_shares_of_the_simulated_prediction():
     """The reasons' bottleneck line quotes the same simulated step the Prediction line prints
     (the search's per-round estimate once named another bottleneck at 8b@64k)."""
     from dataflow.memplan import explain, make_plan
-    from dataflow.memplan.cost import predict_schedule
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
+    from dataflow.memplan.search.predict import predict_schedule
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
     from dataflow.models.config import load_config
 
     plan = make_plan(load_config("8b"), 65536, Budget.from_gib(96, 30), get_profile("h100"))
@@ -52,7 +52,7 @@ def test_explain_predicts_the_update_mode_the_run_uses(h100):
     schedule (an earlier note: the demo printed the deferred update's for every mode)."""
     import pytest
 
-    from dataflow.memplan.cost import predict_schedule
+    from dataflow.memplan.search.predict import predict_schedule
 
     plan = make_plan(load_config("8b"), 8192, Budget.from_gib(80, 24), h100)
     for update, flag in (("end", "--eager-update"), ("backward", "--backward-update")):

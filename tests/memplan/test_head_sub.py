@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.cost import LAUNCH_OVERHEAD_FRAC, head_seconds
-from dataflow.memplan.decisions import decisions_of
-from dataflow.memplan.memory import memory_map
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.search.cost import LAUNCH_OVERHEAD_FRAC, head_seconds
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.memory import memory_map
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import load_config
 
 H100 = get_profile("h100")

@@ -1,4 +1,4 @@
-"""Key blocks of a long context's attention backward (dataflow.memplan.buffers): the spans the CUDA op
+"""Key blocks of a long context's attention backward (dataflow.memplan.plan.buffers): the spans the CUDA op
 table runs cover exactly the keys a chunk sees, once each, none longer than a block, and the
 planner's scratch shrinks with them."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataflow.memplan import buffers
+from dataflow.memplan.plan import buffers
 from dataflow.models.config import load_config
 
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan import buffers
-from dataflow.memplan.cost import predict_schedule
-from dataflow.memplan.decisions import decisions_of, validate_decisions
-from dataflow.memplan.memory import device_regions, host_regions
-from dataflow.memplan.plan import Budget, Plan, Where
-from dataflow.memplan.schedule import compile_schedule
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.decisions import decisions_of, validate_decisions
+from dataflow.memplan.plan.memory import device_regions, host_regions
+from dataflow.memplan.plan.plan import Budget, Plan, Where
+from dataflow.memplan.step.compile import compile_schedule
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -117,10 +117,10 @@ def test_search_takes_it_where_the_schedule_is_faster(h100, model, seqlen, host,
 
 def test_a_ring_rank_chooses_it_on_its_own_and_its_schedule_reforms_kv(h100):
     """8b at 131k as a ring of 2 (60/24 per device): each rank's search decides for itself, and
-    the ring's compiled schedule (dataflow.memplan.ring_schedule, which extends the single-device one)
+    the ring's compiled schedule (dataflow.memplan.step.ring_compile, which extends the single-device one)
     re-forms K/V exactly where its plan says."""
-    from dataflow.memplan.ring_plan import make_rank_plans
-    from dataflow.memplan.ring_schedule import compile_ring_schedule
+    from dataflow.memplan.search.ring_plan import make_rank_plans
+    from dataflow.memplan.step.ring_compile import compile_ring_schedule
 
     rps = make_rank_plans(load_config("8b"), 1 << 17, Budget.from_gib(60, 24), h100, 2)
     assert any(rp.plan.kv_rebuild for rp in rps)

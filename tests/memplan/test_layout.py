@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.layout import allreduce_seconds, choose_layout, layout_text, ring_sizes
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (LINKS, NCCL_RESERVE_4_BYTES, NCCL_RESERVE_BYTES,
+from dataflow.memplan.search.layout import allreduce_seconds, choose_layout, layout_text, ring_sizes
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import (LINKS, NCCL_RESERVE_4_BYTES, NCCL_RESERVE_BYTES,
                                         REPLICA_RESERVE_BYTES, make_rank_plans, ring_profile)
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
@@ -92,7 +92,7 @@ def test_processes_sharing_a_host_plan_with_its_shared_copy_rate():
     (s18: 2 replicas of 8b at 60/24 ran 17.2 s a step against one GPU's 15.5 s, all of it
     exposed copy): every rank of a launch of several processes plans at the shared rate, over
     NCCL or shared memory; one process, and the NumPy backend's profile, keep their own."""
-    from dataflow.memplan.ring_plan import SHARED_HOST_COPY_EFFICIENCY as share
+    from dataflow.memplan.search.ring_plan import SHARED_HOST_COPY_EFFICIENCY as share
 
     assert ring_profile(H100, 1, "nccl") == H100
     for transport in ("nccl", "shm"):
@@ -111,8 +111,8 @@ def test_ring_ranks_are_planned_without_segment_recompute():
     the model: the search plans ring ranks without segments (the best plan that fits without
     them, or a refusal naming the budgets), where it used to hand the ring a plan it could not
     run (8b at 30/24 per device with 2 chunks a round: segments of 2 layers)."""
-    from dataflow.memplan.errors import InfeasibleBudget
-    from dataflow.memplan.ring_plan import rank_model
+    from dataflow.memplan.plan.errors import InfeasibleBudget
+    from dataflow.memplan.plan.ranks import rank_model
 
     cfg, budget = load_config("8b"), Budget.from_gib(30, 24)
     prof = ring_profile(get_profile("h200"), 2, "nccl")
@@ -129,8 +129,8 @@ def test_a_full_ring_is_also_weighed_in_smaller_chunks_and_longer_rounds():
     """Beside the planner's chunking a ring of n weighs n and 2n chunks a round at the planner's
     chunk size and at half and a quarter of it (never below MIN_RING_CHUNK_TOKENS, never a
     shape the caller fixed): 32b at 120/40 on 2 GPUs holds one 8k chunk a round but two of 4k."""
-    from dataflow.memplan.layout import MIN_RING_CHUNK_TOKENS, _full_ring_chunkings
-    from dataflow.memplan.plan import Chunking
+    from dataflow.memplan.search.layout import MIN_RING_CHUNK_TOKENS, _full_ring_chunkings
+    from dataflow.memplan.plan.plan import Chunking
 
     one = Chunking(seqlen=8192, chunk_tokens=8192, seqs_per_chunk=1, chunks_per_seq=1,
                    chunks_per_round=1, rounds_per_step=72)
@@ -152,7 +152,7 @@ def test_rings_with_more_chunks_than_ranks_are_predicted_at_their_measured_effic
     chunks ran 0.894: their step is divided by OVERFULL_RING_EFFICIENCY too, so the layout takes
     more chunks only where they buy more than that (8b at 30/24 on a ring of 4: 4 chunks a
     round, not 8)."""
-    from dataflow.memplan.ring_plan import (OVERFULL_RING_EFFICIENCY, RING_EFFICIENCY,
+    from dataflow.memplan.search.ring_plan import (OVERFULL_RING_EFFICIENCY, RING_EFFICIENCY,
                                             ring_efficiency)
 
     assert ring_efficiency(1, 4) == 1.0

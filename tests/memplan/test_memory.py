@@ -1,14 +1,14 @@
-"""The memory map: named regions in a fixed order, sized by memplan/buffers.py, and the rules
+"""The memory map: named regions in a fixed order, sized by memplan/plan/buffers.py, and the rules
 that decide which exist (docs/planner.md)."""
 
 import dataclasses
 
 import pytest
 
-from dataflow.memplan import buffers
-from dataflow.memplan.decisions import Decisions, validate_decisions
-from dataflow.memplan.memory import device_regions, host_regions, memory_map, region_category
-from dataflow.memplan.plan import GradAccum, LayerPlacement, OptimizerWhere, Where
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.decisions import Decisions, validate_decisions
+from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map, region_category
+from dataflow.memplan.plan.plan import GradAccum, LayerPlacement, OptimizerWhere, Where
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -148,8 +148,8 @@ def test_candidate_memory_never_counts_the_embedding_rows_short(h100, prng, mode
     plan's at the scored rounds, host bytes are at least its own, and equal unless the bound
     allowed several rounds while the plan runs one (then exactly one part of rows more: 1b at
     131072 has such candidates)."""
-    from dataflow.memplan.cost import max_rounds, rounds_for_target
-    from dataflow.memplan.search import _decisions, _options, _table
+    from dataflow.memplan.search.cost import max_rounds, rounds_for_target
+    from dataflow.memplan.search.search import _decisions, _options, _table
 
     cfg = load_config(model)
     frac = dict(_options(cfg, {}))["target_optimizer_frac"]

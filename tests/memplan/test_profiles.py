@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan.profiles import (
+from dataflow.memplan.plan.profiles import (
     BUILTIN_PROFILES,
     default_cache_path,
     get_profile,

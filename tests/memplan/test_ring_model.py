@@ -8,10 +8,10 @@ import pytest
 
 from dataflow.bench.ring_model import staged_ahead
 from dataflow.memplan import get_profile
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import (LINKS, RING_EFFICIENCY, make_rank_plans, predict_ring,
                                         ring_profile)
-from dataflow.memplan.ring_schedule import simulate_ring
+from dataflow.memplan.search.predict import simulate_ring
 from dataflow.models.config import load_config
 
 

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from dataflow.memplan.candidates import candidate_table
-from dataflow.memplan.chunking import head_sub_tokens
-from dataflow.memplan.decisions import decisions_of
-from dataflow.memplan.errors import GIB, InfeasibleBudget
-from dataflow.memplan.plan import Budget, OptimizerWhere, Plan, Where
-from dataflow.memplan.search import make_plan, minimum_budgets
-from dataflow.memplan.segments import finish_segment_plan
+from dataflow.memplan.search.candidates import candidate_table
+from dataflow.memplan.plan.chunking import head_sub_tokens
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.errors import GIB, InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Plan, Where
+from dataflow.memplan.search.search import make_plan, minimum_budgets
+from dataflow.memplan.search.build import finish_segment_plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel

@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan.chunking import chunking_candidates
-from dataflow.memplan.cost import KEEPS_ATTN_OUT, predict_schedule, workload_of
-from dataflow.memplan.memory import device_regions, host_regions, memory_map
-from dataflow.memplan.plan import GradAccum, Where
-from dataflow.memplan.schedule import Compute, compile_schedule
-from dataflow.memplan.space import ACT_CLASSES, Space
+from dataflow.memplan.plan.chunking import chunking_candidates
+from dataflow.memplan.search.cost import KEEPS_ATTN_OUT, workload_of
+from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map
+from dataflow.memplan.plan.plan import GradAccum, Where
+from dataflow.memplan.step.compile import Compute, compile_schedule
+from dataflow.memplan.search.space import ACT_CLASSES, Space
 from dataflow.models.config import load_config
 from tests.memplan.test_space import _random_state
 
@@ -45,8 +46,8 @@ def test_8b_at_256k_fits_120_24_only_with_segments(h100):
     """8b at 262144 tokens: no plan without segments fits host 120 / device 24 GiB (they need
     ~159 GiB of host); make_plan turns to layer segments and the plan fits both budgets, its
     recompute counted in HFU only."""
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.search import make_plan
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.search import make_plan
 
     cfg, budget = load_config("8b"), Budget.from_gib(120, 24)
     plan = make_plan(cfg, 262144, budget, h100)
@@ -54,8 +55,8 @@ def test_8b_at_256k_fits_120_24_only_with_segments(h100):
     assert plan.memory.host_bytes <= budget.host_bytes
     pr = plan.prediction
     assert pr.recompute_s > 0 and pr.hfu > pr.mfu
-    from dataflow.memplan.candidates import candidate_table
-    from dataflow.memplan.search import _options
+    from dataflow.memplan.search.candidates import candidate_table
+    from dataflow.memplan.search.search import _options
 
     plain_table = candidate_table(cfg, 262144, h100, GradAccum.BF16, _options(cfg, {}))
     assert not any(c.device_bytes <= budget.device_bytes and c.host_bytes <= budget.host_bytes
@@ -67,9 +68,9 @@ def test_8b_at_256k_fits_120_24_only_with_segments(h100):
 def test_refusal_names_smallest_budgets_with_and_without_segments(h100):
     """8b at 524288 within host 120 GiB: the message names the smallest pair (segments
     included, also in the fields) and the pair without segments, which needs more host."""
-    from dataflow.memplan.errors import InfeasibleBudget
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.search import make_plan, minimum_budgets
+    from dataflow.memplan.plan.errors import InfeasibleBudget
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.search import make_plan, minimum_budgets
 
     cfg = load_config("8b")
     with pytest.raises(InfeasibleBudget) as exc:
@@ -84,8 +85,8 @@ def test_refusal_names_smallest_budgets_with_and_without_segments(h100):
 
 def _tiny4_plan(k):
     """tiny with four layers, streamed, one chunk's activations at home and one on the device."""
-    from dataflow.memplan.plan import Budget, OptimizerWhere
-    from dataflow.memplan.segments import with_segments
+    from dataflow.memplan.plan.plan import Budget, OptimizerWhere
+    from dataflow.memplan.search.build import with_segments
     from tests.dataflow.plans import forced_plan, streamed
 
     cfg = dataclasses.replace(load_config("tiny"), n_layers=4)
@@ -101,9 +102,9 @@ def test_schedule_times_the_segment_recompute(h100):
     forward; the simulated step's recompute grows by exactly those forwards' seconds (a
     boundary's without attention where it kept its attention output); the
     schedule round-trips through JSON and an older plan file (no segment_layers) loads as k=1."""
-    from dataflow.memplan.cost import chunk_costs
-    from dataflow.memplan.plan import Plan
-    from dataflow.memplan.schedule import Schedule
+    from dataflow.memplan.search.cost import chunk_costs
+    from dataflow.memplan.plan.plan import Plan
+    from dataflow.memplan.step.compile import Schedule
 
     plain, seg = _tiny4_plan(1), _tiny4_plan(2)
     sch = compile_schedule(seg)

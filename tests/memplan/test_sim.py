@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan.sim import Workload, duplex_rates, simulate_round
+from dataflow.memplan.search.round_sim import Workload, duplex_rates, simulate_round
 
 
 def _two_streamed_layers(p, **over) -> Workload:

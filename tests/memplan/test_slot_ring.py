@@ -1,4 +1,4 @@
-"""dataflow.memplan.slot_ring._Ring, taken ahead of turn (what the schedule's K/V re-forming a layer ahead
+"""dataflow.memplan.step.slot_ring._Ring, taken ahead of turn (what the schedule's K/V re-forming a layer ahead
 does): `ready` says whether a use's fetch could be issued, and `acquire` refuses a slot whose
 fetch never was (it would read the block the slot still holds)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dataflow.memplan.events import Fetch, Ref, Wait
-from dataflow.memplan.slot_ring import _Emitter, _Ring, _Use
+from dataflow.memplan.step.events import Fetch, Ref, Wait
+from dataflow.memplan.step.slot_ring import _Emitter, _Ring, _Use
 
 
 def _ring(n_slots: int, n_uses: int = 3) -> _Ring:

@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 
-from dataflow.memplan.chunking import chunking_candidates
-from dataflow.memplan.cost import workload_of
-from dataflow.memplan.memory import memory_map
-from dataflow.memplan.plan import GradAccum
-from dataflow.memplan.space import Space, State, spread_order
+from dataflow.memplan.plan.chunking import chunking_candidates
+from dataflow.memplan.search.cost import workload_of
+from dataflow.memplan.plan.memory import memory_map
+from dataflow.memplan.plan.plan import GradAccum
+from dataflow.memplan.search.space import Space, State, spread_order
 from dataflow.models.config import load_config
 
 

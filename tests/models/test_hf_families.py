@@ -14,7 +14,7 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf import hf_config, hf_config_dict

@@ -18,7 +18,7 @@ import pytest
 from dataflow.engine import Engine
 from dataflow.memplan import make_plan
 from dataflow.cli.plan import main as plan_main
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import MoE, ModelConfig, load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import (FLOP_MODEL_VERSION, MOE_FLOP_MODEL_VERSION, SavedLevel,
@@ -343,7 +343,7 @@ def test_planner_plans_moe_for_one_device_and_rings_and_refuses_shared_experts(c
     ring of 2 (a ring rank's plan passes validate_decisions; a 4-layer config keeps it quick:
     the zoo model's table of 2-64 GPUs takes 50 s); a shared expert is refused by name."""
     from dataflow.memplan import get_profile
-    from dataflow.memplan.decisions import decisions_of, validate_decisions
+    from dataflow.memplan.plan.decisions import decisions_of, validate_decisions
     from dataflow.models.layout import layer_layout as lay_of
 
     cfg = load_config("qwen3-30b-a3b")

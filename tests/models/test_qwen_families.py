@@ -15,8 +15,8 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.buffers import chunk_workspace_specs, packed_bytes
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.buffers import chunk_workspace_specs, packed_bytes
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel, hardware_flops_per_seq, level_recompute_flops

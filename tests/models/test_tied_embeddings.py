@@ -17,9 +17,9 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.decisions import HOME_HOST, HOME_STREAMED
-from dataflow.memplan.memory import device_regions, host_regions
-from dataflow.memplan.plan import Budget, GradAccum, Where
+from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED
+from dataflow.memplan.plan.memory import device_regions, host_regions
+from dataflow.memplan.plan.plan import Budget, GradAccum, Where
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf import hf_config, hf_config_dict
@@ -121,7 +121,7 @@ def test_engine_tracks_float64_tied_loss_gradient_and_adamw_steps(rng):
 def _tied_plans():
     """Forced plans of the tied model that share one chunking (2 chunks a round, 2 rounds):
     the table resident, the head's norm resident or streamed, layers resident or streamed."""
-    from dataflow.memplan.plan import OptimizerWhere
+    from dataflow.memplan.plan.plan import OptimizerWhere
     from dataflow.models.flops import SavedLevel
     from tests.dataflow.plans import forced_plan, streamed
 
@@ -285,7 +285,7 @@ def test_llama32_1b_zoo_entry_has_the_released_shape_and_plans():
 def test_ring_of_two_refuses_a_tied_model_and_rings_of_one_plan_it():
     """A ring of 2+ would put the one parameter on two ranks: refused, naming the reason and
     what works; rings of 1 (data-parallel replicas) plan it."""
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.search.ring_plan import make_rank_plans
 
     cfg = dataclasses.replace(load_config("tiny"), name="tiny-tied", tie_embeddings=True)
     budget = Budget.from_gib(1, 1)
@@ -307,7 +307,7 @@ def test_two_data_parallel_replicas_train_a_tied_model_as_one_device(tmp_path, r
     32,768 elements). The step-1 loss precedes any update and is exact; later losses within
     1e-6."""
     from dataflow.models.serial import to_json
-    from dataflow.memplan.plan import GradAccum
+    from dataflow.memplan.plan.plan import GradAccum
     from dataflow.ring.job import RingJob
     from tests.ring.test_ring_cpu import _ring, _single_device
 

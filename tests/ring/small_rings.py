@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan import get_profile
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import load_config
 
 CPU = get_profile("cpu")
@@ -26,7 +26,7 @@ def sends_pair_with_receives(plans) -> int:
     """Across the ranks' compiled schedules each Send(tag) to rank p is a Recv(tag) from the
     sender on p, in the same order per (sender, receiver) pair, with equal byte counts; returns
     the number of sends."""
-    from dataflow.memplan.ring_schedule import Recv, Send, compile_ring_schedule
+    from dataflow.memplan.step.ring_compile import Recv, Send, compile_ring_schedule
 
     n = len(plans)
     scheds = [compile_ring_schedule(rp) for rp in plans]
@@ -46,8 +46,8 @@ def lone_rank(cfg, be, *, seed: int = 0):
     chunk a round."""
     import uuid
 
-    from dataflow.memplan.plan import OptimizerWhere
-    from dataflow.memplan.ring_plan import RankPlan
+    from dataflow.memplan.plan.plan import OptimizerWhere
+    from dataflow.memplan.plan.ranks import RankPlan
     from dataflow.ring.rank import RingRank
     from dataflow.ring.shm import SharedMemoryTransport, cleanup
     from tests.dataflow.plans import forced_plan, streamed

@@ -12,19 +12,11 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (
-    PLACEMENTS,
-    RankPlan,
-    head_layer_units,
-    head_rank,
-    layer_owners,
-    make_rank_plan,
-    make_rank_plans,
-    owned_layers,
-    ring_profile,
-)
-from dataflow.memplan.ring_schedule import compile_ring_schedule
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.ranks import PLACEMENTS, RankPlan, head_rank, layer_owners, owned_layers
+from dataflow.memplan.search.ring_plan import (head_layer_units, make_rank_plan, make_rank_plans,
+    ring_profile)
+from dataflow.memplan.step.ring_compile import compile_ring_schedule
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import from_json
@@ -221,7 +213,7 @@ def test_choose_layout_weighs_placements_when_asked_and_hands_the_ranks_the_choi
     """choose_layout weighs the placements (WEIGHED_PLACEMENTS, the default) and keeps the one
     predict_ring puts ahead for 8b on 2 H100s; an option's constraints carry a placement other
     than cyclic, which is what dataflow-ring's resolve_layout hands every rank."""
-    from dataflow.memplan.layout import WEIGHED_PLACEMENTS, choose_layout
+    from dataflow.memplan.search.layout import WEIGHED_PLACEMENTS, choose_layout
 
     cfg, prof, budget = load_config("8b"), get_profile("h100"), Budget.from_gib(60, 24)
 

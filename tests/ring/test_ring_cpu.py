@@ -18,10 +18,10 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import load_config
 from dataflow.models.serial import to_json
-from dataflow.memplan.plan import GradAccum
+from dataflow.memplan.plan.plan import GradAccum
 from dataflow.ring.job import RingJob, batches, model_config
 from dataflow.ring.launch import launch
 from tests.ring.threads import in_threads
@@ -153,7 +153,7 @@ def test_killed_rank_makes_every_other_rank_exit_with_a_clear_error(tmp_path, ca
 
 def test_ring_refuses_more_ranks_than_layers():
     """A ring of 3 over the 2-layer tiny model is refused up front, naming the limit."""
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.search.ring_plan import make_rank_plans
     from dataflow.models.errors import ConfigError
 
     with pytest.raises(ConfigError, match="at most 2 ranks"):
@@ -192,11 +192,11 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng, split):
     bit."""
     from dataflow.backends import make_backend
     from dataflow.optimizer import AdamWConfig
-    from dataflow.memplan.plan import GradAccum, OptimizerWhere
-    from dataflow.memplan.ring_plan import RankPlan
-    from dataflow.memplan.ring_schedule import (PART_ALIGN, AllReduce, GatherParts,
+    from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere
+    from dataflow.memplan.plan.ranks import RankPlan
+    from dataflow.memplan.step.ring_compile import (PART_ALIGN, AllReduce, GatherParts,
                                                 compile_ring_schedule)
-    from dataflow.memplan.schedule import Fetch
+    from dataflow.memplan.step.compile import Fetch
     from dataflow.ring.rank import RingRank
     from dataflow.ring.shm import SharedMemoryTransport
     from tests.dataflow.plans import forced_plan, streamed
@@ -296,11 +296,11 @@ def test_engine_with_ring_trains_as_one_rank_of_the_ring(rng, deferred):
 
 def test_ring_without_replicas_runs_the_layout_the_planner_chooses(rng):
     """Ring() without replicas: every process runs the split of the world that
-    dataflow.memplan.layout predicts fastest for its profile (tiny on the CPU profile: 2
+    dataflow.memplan.search.layout predicts fastest for its profile (tiny on the CPU profile: 2
     data-parallel replicas), keeps the trainer's global batch exactly, and trains it as one
     device does (the replicas' loss within fp32 rounding of one device's: their partial sums
     are added in another order; later steps within docs/ring.md's stated bound, 1e-4)."""
-    from dataflow.memplan.layout import choose_layout
+    from dataflow.memplan.search.layout import choose_layout
     from dataflow.ring.engine import Ring
     from dataflow.ring.env import RankEnv
 
@@ -332,7 +332,7 @@ def test_ring_with_kv_rebuild_reproduces_one_device_keeping_kv(tmp_path, rng):
     rank 1 keeps its activations at home at INP_ONLY without K/V and re-forms them from x in
     its backward. Losses and weights equal one device's that keeps every K/V (a larger budget:
     placement only), bit for bit."""
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.search.ring_plan import make_rank_plans
     from dataflow.models.flops import SavedLevel
 
     rebuild = (("chunk_tokens", 128), ("chunks_per_round", 4), ("rounds_per_step", 1),

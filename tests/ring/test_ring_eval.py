@@ -1,5 +1,5 @@
 """RingEngine.eval_step on CPU (ranks as threads, NumPy backend, shared-memory transport): the
-ring's forward-only evaluation (dataflow.memplan.ring_schedule.compile_ring_eval_schedule: the forward's
+ring's forward-only evaluation (dataflow.memplan.step.ring_compile.compile_ring_eval_schedule: the forward's
 sends and receives, no backward, no optimizer) gives one device's eval_step loss bit for bit,
 with replicas too, and leaves the weights, the pending update and the next step untouched."""
 
@@ -10,10 +10,10 @@ import dataclasses
 import numpy as np
 
 from dataflow.engine import Engine
-from dataflow.memplan.ring_plan import make_rank_plan
-from dataflow.memplan.ring_schedule import Recv, Send, compile_ring_eval_schedule
+from dataflow.memplan.search.ring_plan import make_rank_plan
+from dataflow.memplan.step.ring_compile import Recv, Send, compile_ring_eval_schedule
 from dataflow.memplan import get_profile
-from dataflow.memplan.plan import Budget
+from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import load_config
 from dataflow.ring.engine import Ring
 from dataflow.ring.env import RankEnv

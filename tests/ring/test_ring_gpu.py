@@ -23,7 +23,7 @@ from tests.gpu import require_gpu  # noqa: E402
 cp = require_gpu()
 
 from dataflow.engine import Engine  # noqa: E402
-from dataflow.memplan.plan import GradAccum  # noqa: E402
+from dataflow.memplan.plan.plan import GradAccum  # noqa: E402
 from dataflow.ring.env import RankEnv  # noqa: E402
 from dataflow.ring.job import RingJob, batches, eval_batch, model_config  # noqa: E402
 from dataflow.ring.kinds import TransportKind  # noqa: E402
@@ -234,7 +234,7 @@ def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_pa
 def test_moe_ring_of_two_on_the_gpu_trains_as_one_gpu(tmp_path, transport):
     """An OLMoE-shaped model on a ring of 2 (sharing one GPU through shared memory, or one GPU
     each over NCCL): the ranks pass the round's routing totals along their last layers and back
-    (dataflow.memplan.ring_schedule), so the losses and evaluation are one GPU's within fp32
+    (dataflow.memplan.step.ring_compile), so the losses and evaluation are one GPU's within fp32
     rounding of the routing sums (step 1 within 1e-6, later within docs/ring.md's 1e-4).
     Written in the twentieth session without a GPU; its first GPU run (twenty-first) passed over
     shm and failed over NCCL only on the budget, 1.0 GiB a rank, now 3.0."""

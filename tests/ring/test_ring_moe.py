@@ -5,7 +5,7 @@ against one device running both replicas' rows as two rounds: fp32 accumulation 
 round keep the single-device order of every sum, so losses, auxiliary losses and weights must be
 bit-identical, with each replica fetching all of every streamed layer or half of it (split
 fetches). Rings of two and more ranks pass the round's routing totals between their ranks
-(dataflow.memplan.ring_schedule) and train it as one device, within fp32 rounding of the sums."""
+(dataflow.memplan.step.ring_compile) and train it as one device, within fp32 rounding of the sums."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from dataflow.engine import Engine
 from dataflow.memplan import get_profile
-from dataflow.memplan.plan import Budget, GradAccum, OptimizerWhere
+from dataflow.memplan.plan.plan import Budget, GradAccum, OptimizerWhere
 from dataflow.models.config import MoE, ModelConfig
 from dataflow.models.errors import ConfigError
 from tests.dataflow.plans import forced_plan, streamed
@@ -43,7 +43,7 @@ def _plan(rounds: int):
 @pytest.mark.parametrize("split", [False, True])
 def test_moe_replicas_reproduce_one_device_bit_for_bit(rng, split):
     from dataflow.backends import make_backend
-    from dataflow.memplan.ring_plan import RankPlan
+    from dataflow.memplan.plan.ranks import RankPlan
     from dataflow.optimizer import AdamWConfig
     from dataflow.ring.rank import RingRank
     from dataflow.ring.shm import SharedMemoryTransport
@@ -125,7 +125,7 @@ def test_a_ring_of_two_trains_moe_as_one_device(rng, n_layers, placement):
 def test_a_placement_whose_last_layers_skip_around_the_ring_is_refused_for_moe():
     """The routing totals follow the ranks' last layers, each to its next neighbour: a ring of 3
     whose last layers are not in ring order cannot pass them and says so."""
-    from dataflow.memplan.ring_plan import moe_routing_chain, routing_chain
+    from dataflow.memplan.plan.ranks import moe_routing_chain, routing_chain
 
     assert routing_chain(4, 2) == (0, 1)  # cyclic: layers 2, 3 last
     assert routing_chain(5, 2) == (1, 0)  # cyclic, the head on rank 0

@@ -9,23 +9,17 @@ import threading
 import pytest
 
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import (
-    LINKS,
-    head_rank,
-    make_rank_plans,
-    owned_layers,
-    predict_ring,
-    rank_model,
-)
-from dataflow.memplan.ring_schedule import (
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import LINKS, make_rank_plans, predict_ring
+from dataflow.memplan.plan.ranks import head_rank, owned_layers, rank_model
+from dataflow.memplan.step.ring_compile import (
     AllReduce,
     Recv,
     Send,
     compile_ring_schedule,
     compile_ring_update_schedule,
 )
-from dataflow.memplan.schedule import Update
+from dataflow.memplan.step.compile import Update
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.ring.env import rank_env
@@ -120,7 +114,7 @@ def test_a_ring_job_crosses_to_its_ranks_as_json_with_its_enums_and_process_coun
     gradient accumulation as enums (their text in the JSON) and the job's gpus."""
     import json
 
-    from dataflow.memplan.plan import GradAccum
+    from dataflow.memplan.plan.plan import GradAccum
     from dataflow.ring.job import RingJob
     from dataflow.ring.kinds import TransportKind
 
@@ -222,8 +216,8 @@ def test_a_ring_is_planned_where_one_device_does_not_fit(capsys):
 def test_ring_profile_reserves_nccl_memory_on_gpus_only():
     """An NCCL ring of two or more processes on a GPU profile reserves NCCL_RESERVE_BYTES more
     device memory; one process, the shared-memory transport or the CPU profile reserve none."""
-    from dataflow.memplan.profiles import get_profile
-    from dataflow.memplan.ring_plan import NCCL_RESERVE_BYTES, ring_profile
+    from dataflow.memplan.plan.profiles import get_profile
+    from dataflow.memplan.search.ring_plan import NCCL_RESERVE_BYTES, ring_profile
 
     gpu, cpu = get_profile("h100"), get_profile("cpu")
     assert ring_profile(gpu, 2, "nccl").library_reserve_bytes == \
@@ -274,10 +268,11 @@ def test_demo_gpus_refuses_what_a_ring_does_not_take(capsys, monkeypatch):
 
 def test_ring_schedules_round_trip_through_json_and_time_together():
     """A ring schedule (Send / Recv / AllReduce included) survives to_json / from_json, and
-    dataflow.memplan.sim times every rank's schedule together (a receive waits for its send's arrival):
+    dataflow.memplan.step.sim times every rank's schedule together (a receive waits for its send's arrival):
     a slower link never gives a faster step, and no rank finishes before its own work."""
-    from dataflow.memplan.ring_schedule import RING_EVENT_TYPES, AllReduce, simulate_ring
-    from dataflow.memplan.schedule import Schedule
+    from dataflow.memplan.step.ring_compile import RING_EVENT_TYPES, AllReduce
+    from dataflow.memplan.search.predict import simulate_ring
+    from dataflow.memplan.step.compile import Schedule
 
     plans = make_rank_plans(_cfg(5), 64, BUDGET, CPU, 3, replicas=2, **CHUNKING)
     sched = compile_ring_schedule(plans[1])
@@ -296,10 +291,10 @@ def test_a_rank_holds_no_region_of_the_embedding_or_head_it_does_not_own():
     """A ring rank's plan leaves out the state, rows and buffers of the blocks other ranks own
     (32b at 125/40: 5.8 GiB of host on the head's rank, 6.5 GiB of device on the other), its
     memory map is the regions that exist, and a single-device plan's JSON is as before."""
-    from dataflow.memplan.memory import device_regions, host_regions, memory_map
-    from dataflow.memplan.plan import Budget
-    from dataflow.memplan.profiles import get_profile
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.plan.memory import device_regions, host_regions, memory_map
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.plan.profiles import get_profile
+    from dataflow.memplan.search.ring_plan import make_rank_plans
 
     cfg = load_config("tiny")
     r0, r1 = make_rank_plans(cfg, 64, Budget.from_gib(1, 0.25), get_profile("cpu"), 2)
@@ -322,8 +317,8 @@ def test_the_engine_refuses_a_ring_ranks_plan():
     """A rank's plan holds only part of the model: Engine.from_plan says so instead of training
     a model without its head."""
     from dataflow.engine import Engine
-    from dataflow.memplan.profiles import get_profile
-    from dataflow.memplan.ring_plan import make_rank_plans
+    from dataflow.memplan.plan.profiles import get_profile
+    from dataflow.memplan.search.ring_plan import make_rank_plans
 
     r0, _ = make_rank_plans(load_config("tiny"), 64, Budget.from_gib(1, 0.25),
                             get_profile("cpu"), 2)

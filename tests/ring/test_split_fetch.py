@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.layout import choose_layout
-from dataflow.memplan.ring_plan import make_rank_plans
-from dataflow.memplan.ring_schedule import GATHER, GatherParts, compile_ring_schedule
-from dataflow.memplan.schedule import COMPUTE, H2D, Fetch, Record, Wait
+from dataflow.memplan.search.layout import choose_layout
+from dataflow.memplan.search.ring_plan import make_rank_plans
+from dataflow.memplan.step.ring_compile import GATHER, GatherParts, compile_ring_schedule
+from dataflow.memplan.step.compile import COMPUTE, H2D, Fetch, Record, Wait
 from tests.ring.small_rings import BUDGET, CPU, tiny_with
 
 STREAMED = {"max_resident_layers": 0}

@@ -3,9 +3,9 @@
 rounds a replica; a replica's and one GPU's per-round parts at 16k x 16 rounds; the layout the
 planner chooses for 2 GPUs. Run: python bench/records/s19-ring-model/ratios.py (CPU, no GPU)."""
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.layout import choose_layout, layout_text, predict_layout
-from dataflow.memplan.plan import Budget
-from dataflow.memplan.ring_plan import make_rank_plans, ring_profile
+from dataflow.memplan.search.layout import choose_layout, layout_text, predict_layout
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.search.ring_plan import make_rank_plans, ring_profile
 from dataflow.models.config import load_config
 
 cfg = load_config("8b")

@@ -59,7 +59,7 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
                            kv: bool = True) -> tuple[TensorSpec, ...]:
     """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (at
     INP_ONLY and INP_ATTN; x and rstd come first, so their offsets stay): no K and V, for a
-    split sequence's activation whose K/V the backward re-forms (dataflow.memplan.segments.kv_less)."""
+    split sequence's activation whose K/V the backward re-forms (dataflow.memplan.plan.segments.kv_less)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
     if not kv and level is SavedLevel.FULL:
@@ -149,7 +149,7 @@ re-forms K/V from the last."""
 
 def kv_rebuild_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
     """Device staging of a K/V rebuild (Plan.kv_rebuild): KV_REBUILD_STAGES chunks' saved
-    inputs x (dataflow.memplan.schedule uses them in turn)."""
+    inputs x (dataflow.memplan.step.compile uses them in turn)."""
     return tuple(TensorSpec(f"x{i}", (tokens, cfg.model_dim), "bf16")
                  for i in range(KV_REBUILD_STAGES))
 
@@ -307,7 +307,7 @@ def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
     expert's softmax mass and, last, the sum of logsumexp^2 (the z-loss). `moe_losses` keeps
     each round's (aux, z) for the step's result, read with the LM losses. A ring rank receives
     the previous rank's partial totals into `moe_partial_*` and adds them to its own
-    (dataflow.memplan.ring_schedule, "routing totals")."""
+    (dataflow.memplan.step.ring_compile, "routing totals")."""
     n = cfg.moe.n_experts
     return (TensorSpec("moe_counts", (n,), "i64"), TensorSpec("moe_sums", (n + 1,), "f32"),
             TensorSpec("moe_losses", (MAX_ROUNDS_PER_STEP, 2), "f32"),

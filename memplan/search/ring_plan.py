@@ -9,13 +9,27 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Plan
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan.chunking import head_sub_tokens
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, Plan
+from dataflow.memplan.plan.ranks import (
+    Placement,
+    RankPlan,
+    check_ring,
+    embed_rank,
+    head_rank,
+    layer_owners,
+    moe_routing_chain,
+    owned_layers,
+    parse_placement,
+    rank_model,
+)
+from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
-MAX_RANKS = 64
 NCCL_RESERVE_BYTES = 1 << 30
 """Device memory NCCL holds in each process of a ring of two processes beside the arena and the
 libraries (communicator buffers, proxy state, the transport's staging): measured 1.00 GiB per
@@ -125,37 +139,11 @@ def ring_profile(profile: HardwareProfile, processes: int, transport: str,
         shared, library_reserve_bytes=profile.library_reserve_bytes + extra)
 
 
-def _check(n_layers: int, n_ranks: int, rank: int | None = None, replicas: int = 1) -> None:
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas:
-        raise ConfigError(f"replicas {replicas!r} is not a whole number >= 1")
-    if isinstance(n_ranks, int) and n_ranks * replicas > MAX_RANKS:
-        raise ConfigError(f"{replicas} replicas of a ring of {n_ranks} make {n_ranks * replicas} "
-                          f"processes; at most {MAX_RANKS}")
-    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or not 1 <= n_ranks <= MAX_RANKS:
-        raise ConfigError(f"ring size {n_ranks!r} is not a whole number in 1..{MAX_RANKS}")
-    if n_ranks > n_layers:
-        raise ConfigError(f"a ring of {n_ranks} needs at least {n_ranks} layers (layer i lives on "
-                          f"rank i mod N) but the model has {n_layers}; use at most "
-                          f"{n_layers} ranks")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                             or not 0 <= rank < n_ranks):
-        raise ConfigError(f"rank {rank!r} is outside a ring of {n_ranks}; use 0..{n_ranks - 1}")
-
-
-PLACEMENTS = ("cyclic", "balanced", "contiguous")
-"""How a ring deals its layers (layer_owners): 'cyclic', layer i on rank i mod N; 'balanced', a
-walk around the ring in which the head's rank owns fewer layers, by the head's cost in layers;
-'contiguous', the balanced counts in one block per rank."""
-
-
 def head_layer_units(cfg: ModelConfig, ch, profile: HardwareProfile,
                      grad_accum: GradAccum = GradAccum.BF16) -> float:
     """The final norm + lm_head's compute per chunk in layers' worth (one layer's forward and
     backward of the same chunk, the mean over a round's chunks), from the cost model: about 2
     for 8b at 8k (vocabulary 128k). The head's sub-chunk is the cost model's default one."""
-    from dataflow.memplan.chunking import head_sub_tokens
-    from dataflow.memplan.cost import chunk_costs, head_seconds
-
     costs = chunk_costs(cfg, ch, profile)
     layer_s = sum(c.fwd_s + c.bwd_s for c in costs) / len(costs)
     head_s = head_seconds(cfg, ch.chunk_tokens, head_sub_tokens(ch.chunk_tokens),
@@ -163,138 +151,10 @@ def head_layer_units(cfg: ModelConfig, ch, profile: HardwareProfile,
     return head_s / max(layer_s, 1e-30)
 
 
-def layer_owners(n_layers: int, n_ranks: int, placement: str = "cyclic",
-                 head_layers: float = 0.0) -> tuple[int, ...]:
-    """The rank owning each global layer: a walk around the ring (each layer on the rank of the
-    one before or on the next rank, (r+1) mod N) from rank 0 (layer 0, beside the embedding) to
-    the head's rank (layer L-1). 'cyclic': layer i on rank i mod N. 'balanced': the head's rank
-    N-1 owns n_h layers and the others share the rest as evenly as they can (extra layers to the
-    lower ranks), n_h chosen so that no rank's layers (the head's rank's plus `head_layers`, the
-    head's cost in layers) exceed the least they can; n_h laps 0, 1, .., N-1, each rank's extra
-    layers spread over its visits as runs of consecutive layers. 'contiguous': the same counts
-    in one visit per rank. Example: 32 layers, N = 2, head worth 2 layers: rank 0 owns 17,
-    rank 1 owns 15 (15 laps; two of rank 0's visits hold two layers)."""
-    _check(n_layers, n_ranks)
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
-    if placement == "cyclic" or n_ranks == 1:
-        return tuple(i % n_ranks for i in range(n_layers))
-    if not head_layers >= 0:  # also NaN
-        raise ConfigError(f"the head's cost in layers must be >= 0, got {head_layers!r}")
-    n, others = n_layers, n_ranks - 1
-
-    def counts(n_h: int) -> list[int]:
-        q, extra = divmod(n - n_h, others)
-        return [q + (r < extra) for r in range(others)] + [n_h]
-
-    # the most layers any rank runs (the head's rank with the head), least first; of equal
-    # loads the head's rank keeps more layers (fewer runs, closer to the cyclic walk)
-    best = min(range(1, n - others + 1),
-               key=lambda n_h: (max(max(counts(n_h)[:-1]), n_h + head_layers), -n_h))
-    per_rank = counts(best)
-    laps = 1 if placement == "contiguous" else min(per_rank)
-    owners = []
-    for lap in range(laps):
-        for r, count in enumerate(per_rank):
-            extra = count - laps  # spread over the laps: visit `lap` holds 1 + its share
-            owners += [r] * (1 + (lap + 1) * extra // laps - lap * extra // laps)
-    assert len(owners) == n_layers and owners[0] == 0 and owners[-1] == n_ranks - 1
-    return tuple(owners)
-
-
-def owned_layers(n_layers: int, n_ranks: int, rank: int,
-                 owners: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Global indices of the layers rank `rank` owns, in forward order (`owners`: the
-    layer_owners of a placement; None: cyclic)."""
-    _check(n_layers, n_ranks, rank)
-    if not owners:
-        return tuple(range(rank, n_layers, n_ranks))
-    return tuple(i for i, r in enumerate(owners) if r == rank)
-
-
-def routing_chain(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None
-                  ) -> tuple[int, ...] | None:
-    """The ranks in the order of their last layers (the head's last): the path an MoE model's
-    partial routing totals take after each rank's last forward of a round, and back from the
-    head before the backward (dataflow.memplan.ring_schedule). None where that order is not the
-    ring's (each rank's successor must be its next neighbour, the only rank it sends
-    forward to): then the placement cannot carry MoE layers."""
-    last = {}
-    for layer, r in enumerate(owners or layer_owners(n_layers, n_ranks)):
-        last[r] = layer
-    chain = tuple(sorted(last, key=last.get))
-    if len(chain) != n_ranks or any(b != (a + 1) % n_ranks for a, b in zip(chain, chain[1:])):
-        return None
-    return chain
-
-
-def embed_rank(n_layers: int, n_ranks: int) -> int:
-    """The rank holding the embedding: the owner of layer 0 (no hop before the first layer),
-    rank 0 in every placement."""
-    return 0
-
-
-def head_rank(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None) -> int:
-    """The rank holding the final norm and lm_head: the owner of layer L-1 (`owners` as
-    owned_layers')."""
-    return owners[-1] if owners else (n_layers - 1) % n_ranks
-
-
-def rank_model(cfg: ModelConfig, n_ranks: int, rank: int,
-               owners: tuple[int, ...] | None = None) -> ModelConfig:
-    """The model one rank plans: the same shapes with only its own layers (its plan holds only
-    the embedding and head it owns: make_plan's holds_embed / holds_head)."""
-    n = len(owned_layers(cfg.n_layers, n_ranks, rank, owners))
-    if n_ranks == 1:
-        return cfg
-    return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RankPlan:
-    rank: int
-    n_ranks: int
-    layers: tuple[int, ...]
-    """Global layer indices owned, in forward order; local layer j is global layer layers[j]."""
-    has_embed: bool
-    has_head: bool
-    n_layers: int
-    """Layers of the whole model."""
-    plan: Plan
-    """The single-device plan of this rank's model (rank_model) under the per-device budgets."""
-    replicas: int = 1
-    """Data-parallel copies of the whole ring: R rings of N ranks train R slices of the global
-    batch, and each gradient is summed over the R copies of its rank before the optimizer."""
-    placement: str = dataclasses.field(default="cyclic", metadata={"omit_if_default": True})
-    """How the ring deals its layers (PLACEMENTS); plans written before placements were cyclic."""
-    owners: tuple[int, ...] = dataclasses.field(default=(), metadata={"omit_if_default": True})
-    """The owner of every global layer (layer_owners); empty for the cyclic placement."""
-    split_fetch: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
-    """With replicas: each replica fetches 1/R of every streamed weight use over its own host
-    link and gathers the other parts from the other replicas (their weights are the same bits),
-    so the replicas of one host share its copies instead of each moving the whole model
-    (dataflow.memplan.ring_schedule, docs/ring.md)."""
-
-    @property
-    def ring_owners(self) -> tuple[int, ...]:
-        """The owner of every global layer, whatever the placement."""
-        return self.owners or layer_owners(self.n_layers, self.n_ranks)
-
-    @property
-    def head_owner(self) -> int:
-        """The rank of this ring that holds the head (head_rank)."""
-        return head_rank(self.n_layers, self.n_ranks, self.owners)
-
-    def to_json(self) -> str:
-        from dataflow.models.serial import to_json
-
-        return to_json(self)
-
-
 def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                    placement: str = "cyclic", split_fetch: bool = False,
+                    placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
                     **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
@@ -303,7 +163,8 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
     global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
     (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
     Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
-    _check(cfg.n_layers, n_ranks, replicas=replicas)
+    check_ring(cfg.n_layers, n_ranks, replicas=replicas)
+    placement = parse_placement(placement)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
     # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
@@ -329,12 +190,13 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
 def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
-                   placement: str = "cyclic", split_fetch: bool = False,
+                   placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
                    **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
     every rank agrees without talking."""
-    _check(cfg.n_layers, n_ranks, rank, replicas)
+    check_ring(cfg.n_layers, n_ranks, rank, replicas)
+    placement = parse_placement(placement)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                             placement)
     rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
@@ -348,8 +210,6 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     the cyclic ring is planned first for its chunking, the head's cost in layers at that
     chunking (head_layer_units) deals the layers, and rank 0 is planned again with its own
     layers under that chunking (so every rank computes the same owners)."""
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"unknown ring placement {placement!r}; known: {', '.join(PLACEMENTS)}")
     if cfg.tie_embeddings and n_ranks > 1:  # one parameter would live on two ranks
         raise ConfigError(f"{cfg.name} ties its head to the embedding (one parameter), but a ring "
                           f"of {n_ranks} puts the embedding on rank 0 and the head on the last "
@@ -358,7 +218,7 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     constraints = _no_segments(constraints, n_ranks)
     first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
                       grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
-    if placement == "cyclic" or n_ranks == 1:
+    if placement is Placement.CYCLIC or n_ranks == 1:
         return (), first
     ch = first.chunking
     owners = layer_owners(cfg.n_layers, n_ranks, placement,
@@ -370,19 +230,6 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
     first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
                       grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
     return owners, first
-
-
-def moe_routing_chain(name: str, n_layers: int, n_ranks: int, owners: tuple[int, ...],
-                      placement: str) -> tuple[int, ...]:
-    """routing_chain, or a ConfigError naming the placement where the ranks' last layers do not
-    follow the ring (the planner refuses such a ring, and so does a hand-made rank's compiler)."""
-    chain = routing_chain(n_layers, n_ranks, owners)
-    if chain is None:
-        raise ConfigError(f"model '{name}': the {placement} placement over {n_ranks} ranks gives "
-                          "the ranks' last layers an order that is not the ring's, which the "
-                          "routing totals of its MoE layers must follow; use --placement cyclic "
-                          "or contiguous")
-    return chain
 
 
 def _no_segments(constraints: dict, n_ranks: int) -> dict:
@@ -402,7 +249,7 @@ def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ())
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
-               replicas=1, placement="cyclic", owners=()):
+               replicas=1, placement=Placement.CYCLIC, owners=()):
     ch = first.chunking
     shared = dict(_no_segments(constraints, n_ranks), chunk_tokens=ch.chunk_tokens,
                   chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step)
@@ -421,7 +268,7 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
                     has_head=r == head_rank(cfg.n_layers, n_ranks, owners),
                     n_layers=cfg.n_layers, plan=plan, replicas=replicas,
-                    placement=placement if n_ranks > 1 else "cyclic", owners=owners)
+                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners)
 
 
 # -- the scaling model --------------------------------------------------------------------------
@@ -493,10 +340,6 @@ def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float,
     layer (recompute included), the head's seconds a round, the rank's layer and head work a
     round): the cost model's numbers (cost.workload_of, cost.chunk_costs), as simulate_ring
     times them."""
-    from dataflow.memplan.cost import LEVEL_INDEX, chunk_costs, workload_of
-    from dataflow.memplan.decisions import decisions_of
-    from dataflow.memplan.plan import AttentionBwd
-
     plan, p = rp.plan, rp.plan.profile
     d, w = decisions_of(plan), workload_of(plan, p)
     costs = chunk_costs(d.model, d.chunking, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)

@@ -6,7 +6,7 @@ Wait events as everything else, so a transport can overlap them with compute. Se
 receives get a stream each ('send', 'recv'): with rendezvous semantics (NCCL, large messages) a
 send that waits for its receiver must never sit in front of a receive the receiver needs first.
 
-Reuses dataflow.memplan.schedule's compiler whole (slot rings, fetch timing, the round, the optimizer)
+Reuses dataflow.memplan.step.compile's compiler whole (slot rings, fetch timing, the round, the optimizer)
 and overrides only its hooks (a layer's input arrives, its output leaves, a block's gradient is
 final, which blocks are owned): no `if ring:` branch exists in the single-device code. Pure
 Python: never imports array libraries, never touches a device, never talks to another rank."""
@@ -15,10 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.events import Compute
-from dataflow.memplan.ring_plan import RankPlan, moe_routing_chain
-from dataflow.memplan.schedule import (COMPUTE, H2D, HOST, Fetch, HostTask, Ref, Schedule,
-                                       _Compiler)
+from dataflow.memplan.plan.ranks import RankPlan, moe_routing_chain
+from dataflow.memplan.step.compile import (
+    COMPUTE,
+    H2D,
+    HOST,
+    Fetch,
+    HostTask,
+    Ref,
+    Schedule,
+    StepCompiler,
+)
+from dataflow.memplan.step.events import Compute
+from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
+from dataflow.models.errors import ConfigError
 
 SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
 COMM_STREAMS = (SEND, RECV, REDUCE, GATHER)
@@ -82,7 +92,7 @@ def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
     return ((rnd * 2 + int(backward)) * n_layers + layer) * n_chunks + chunk
 
 
-class _ReplicaCompiler(_Compiler):
+class ReplicaCompiler(StepCompiler):
     """Rank r's compiler with data-parallel replicas: the single-device compiler of the rank's
     plan plus an all-reduce of each owned block's gradient where it is final. A ring of one rank
     (plain data parallelism) is this alone: the single-device round, nothing to send. With
@@ -139,17 +149,17 @@ class _ReplicaCompiler(_Compiler):
         start = len(events)
         super().embed_bwd(rnd, dx)
         if self.rp.replicas == 1 or rnd != self.last_round or \
-                self.block("embed", "grads", False) is not None:
+                self.block(EMBED, "grads", False) is not None:
             return
         at = next(i for i in range(start, len(events)) if type(events[i]) is HostTask
                   and events[i].op == "grad_sumsq")
         tail = events[at:]
         del events[at:]
-        self.allreduce("embed", self.block("embed", "grads", True), HOST)
+        self.allreduce("embed", self.block(EMBED, "grads", True), HOST)
         events.extend(tail)
 
 
-class _RingCompiler(_ReplicaCompiler):
+class RingCompiler(ReplicaCompiler):
     """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
     (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
     hooks below receive each layer's input from the previous rank and send its output on.
@@ -158,12 +168,10 @@ class _RingCompiler(_ReplicaCompiler):
     ping-pong between the two residual buffers as on one device."""
 
     def __init__(self, rp: RankPlan, replica: int = 0):
-        from dataflow.models.errors import ConfigError
-
         if getattr(rp.plan, "segment_layers", 1) > 1:
             raise ConfigError(f"rank {rp.rank}'s plan recomputes segments of "
                               f"{rp.plan.segment_layers} layers, which a ring rank cannot run "
-                              "(dataflow.memplan.ring_plan refuses such plans); plan it again")
+                              "(dataflow.memplan.search.ring_plan refuses such plans); plan it again")
         self.run_pos = []
         """Each local layer's position in its run of consecutive global layers (0: first)."""
         for j, g in enumerate(rp.layers):
@@ -323,11 +331,11 @@ class _RingCompiler(_ReplicaCompiler):
                 and chunk == self.C - 1):  # this rank's last forward of the round
             self._totals_forward(rnd)
 
-    def owned_blocks(self) -> list[str]:
+    def owned_blocks(self) -> list[BlockKey]:
         """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are
         never updated)."""
-        keys = [f"layer{j}" for j in range(len(self.rp.layers))]
-        return keys + ["embed"] * self.rp.has_embed + ["head"] * self.rp.has_head
+        keys = [BlockKey.of_layer(j) for j in range(len(self.rp.layers))]
+        return keys + [EMBED] * self.rp.has_embed + [HEAD] * self.rp.has_head
 
     def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
         return self._sends_done(super().compile(rounds, update))
@@ -344,8 +352,8 @@ class _RingCompiler(_ReplicaCompiler):
         return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
 
 
-def _compiler(rp: RankPlan, replica: int = 0) -> _ReplicaCompiler:
-    return (_RingCompiler if rp.n_ranks > 1 else _ReplicaCompiler)(rp, replica)
+def _compiler(rp: RankPlan, replica: int = 0) -> ReplicaCompiler:
+    return (RingCompiler if rp.n_ranks > 1 else ReplicaCompiler)(rp, replica)
 
 
 def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
@@ -353,7 +361,7 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
     """The event list of one step of rank `rp.rank`: its plan's events plus Send / Recv (and
     with rp.split_fetch, replica `replica`'s weight parts: they differ between replicas only in
     which part each fetches).
-    `update` as dataflow.memplan.schedule.compile_schedule: 'deferred' runs the previous step's AdamW of
+    `update` as dataflow.memplan.step.compile.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
     all-reduced and the clip scale made global before the previous step ended)."""
     if update == "backward":
@@ -364,13 +372,13 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:
     """The AdamW of this rank's own blocks alone, after a step compiled with update='none' or
-    'deferred' (as dataflow.memplan.schedule.compile_update_schedule): no sends, no receives."""
+    'deferred' (as dataflow.memplan.step.compile.compile_update_schedule): no sends, no receives."""
     return _compiler(rp).compile_update()
 
 
 def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1, replica: int = 0) -> Schedule:
     """A forward-only evaluation of `rounds` rounds on rank `rp.rank` (as
-    dataflow.memplan.schedule.compile_eval_schedule), with the forward's sends and receives: each layer's
+    dataflow.memplan.step.compile.compile_eval_schedule), with the forward's sends and receives: each layer's
     input arrives from the rank before it and its output leaves for the rank after."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
@@ -379,125 +387,3 @@ def compile_ring_eval_schedule(rp: RankPlan, rounds: int = 1, replica: int = 0) 
 
 RING_EVENT_TYPES = {cls.__name__: cls for cls in (Send, Recv, AllReduce, GatherParts)}
 """For Schedule.from_json(text, RING_EVENT_TYPES): a ring schedule's own events."""
-
-
-class Arrivals:
-    """When each message of a simulated ring is in its receiver's buffer, posted by the sending
-    rank's simulation and awaited by the receiving rank's (each rank is timed in a thread)."""
-
-    def __init__(self, timeout_s: float = 600.0):
-        import threading
-
-        self._cv = threading.Condition()
-        self._times: dict = {}
-        self.timeout_s = timeout_s
-
-    def post(self, key, t: float) -> None:
-        with self._cv:
-            self._times[key] = t
-            self._cv.notify_all()
-
-    def take(self, key) -> float:
-        with self._cv:
-            if not self._cv.wait_for(lambda: key in self._times, self.timeout_s):
-                raise RuntimeError(f"simulated ring: message {key} (sending rank, tag) never "
-                                   "sent: the ranks' schedules do not match")
-            return self._times[key]
-
-
-@dataclasses.dataclass(slots=True)
-class RingComm:
-    """How dataflow.memplan.sim.simulate_schedule times one rank's communication: a Send occupies the
-    send stream for bytes / link rate + latency, after which its message has arrived; a Recv
-    ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
-    is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's
-    2 (R - 1) / R * B / rate + latency, a GatherParts of B bytes an all-gather's
-    (R - 1) / R * B / rate + latency (the replicas run in step). `reduce` False: the all-reduce
-    takes no time (a layout that adds it to the step itself)."""
-
-    rank: int
-    replicas: int
-    bytes_per_s: float
-    latency_s: float
-    arrivals: Arrivals | None
-    streams: tuple = COMM_STREAMS
-    reduce: bool = True
-
-    def finish(self, ev, start: float) -> float:
-        if type(ev) is Send:
-            end = start + ev.src.nbytes / self.bytes_per_s + self.latency_s
-            self.arrivals.post((self.rank, ev.tag), end)
-            return end
-        if type(ev) is Recv:
-            return max(start, self.arrivals.take((ev.peer, ev.tag)))
-        r = self.replicas
-        if type(ev) is GatherParts:
-            return start + (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
-        if not self.reduce:
-            return start
-        return start + 2 * (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
-
-
-def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
-    """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
-    (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
-    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.cost.
-    predict_schedule), with the split (its part copies over the host link, the gathers over a
-    link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
-    The step's all-reduce is left out of both (dataflow.memplan.layout adds it); Send / Recv
-    are not compiled (the rank alone). rp.plan.prediction without the split."""
-    from dataflow.memplan.cost import predict_schedule
-
-    if not (rp.split_fetch and rp.replicas > 1):
-        return rp.plan.prediction
-    timed = []
-    for split in (False, True):
-        r = dataclasses.replace(rp, split_fetch=split)
-        comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                        latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
-                        reduce=False)
-        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=lambda
-                                      rounds, update, r=r: _ReplicaCompiler(r).compile(rounds,
-                                                                                       update)))
-    k = timed[1].step_time_s / timed[0].step_time_s
-    p = rp.plan.prediction
-    return dataclasses.replace(
-        p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
-        model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,
-        h2d_bytes=timed[1].h2d_bytes)
-
-
-def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
-                  profile=None, update: str = "deferred") -> tuple:
-    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.sim, all at once (a
-    thread per rank; a receive waits for its send's simulated arrival). Returns (one Timeline
-    per rank, step seconds: the slowest rank's). A simulation of the compiled events over an
-    assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default:
-    the previous step's inside round 0, a step after the first; or 'end')."""
-    import threading
-
-    from dataflow.memplan.cost import event_seconds
-    from dataflow.memplan.sim import simulate_schedule
-
-    arrivals, out = Arrivals(), {}
-
-    def run(rp) -> None:
-        p = profile or rp.plan.profile
-        try:
-            out[rp.rank] = simulate_schedule(
-                compile_ring_schedule(rp, update=update), event_seconds(rp.plan, p), p,
-                comm=RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                              latency_s=latency_s, arrivals=arrivals))
-        except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            out[rp.rank] = exc
-
-    threads = [threading.Thread(target=run, args=(rp,)) for rp in rank_plans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    lines = tuple(out[rp.rank] for rp in rank_plans)
-    for tl in lines:
-        if isinstance(tl, Exception):
-            raise tl
-    return lines, max(tl.total_s for tl in lines)

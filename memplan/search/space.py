@@ -9,17 +9,43 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from dataflow.memplan import buffers
-from dataflow.memplan.chunking import head_sub_tokens
-from dataflow.memplan.cost import (KEEPS_ATTN_OUT, LEVEL_INDEX, OptimizerCost, adamw_cost, chunk_costs,
-                          head_seconds, kv_rebuild_cost, make_workload, segment_recompute)
-from dataflow.memplan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
-from dataflow.memplan.memory import (NORM_HOST_BYTES, TOKEN_ID_BYTES, TOKEN_STAGING_ROWS, grad_bpe,
-                             row_parts)
-from dataflow.memplan.plan import (AttentionBwd, Chunking, GradAccum, HardwareProfile, SavedActivation,
-                          Slots, Where)
-from dataflow.memplan.segments import REBUILT_KV_LEVELS, is_inner, kv_region_nbytes, segment_bounds
-from dataflow.memplan.sim import Workload
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.chunking import head_sub_tokens
+from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
+from dataflow.memplan.plan.memory import (
+    NORM_HOST_BYTES,
+    TOKEN_ID_BYTES,
+    TOKEN_STAGING_ROWS,
+    grad_bpe,
+    row_parts,
+)
+from dataflow.memplan.plan.plan import (
+    AttentionBwd,
+    Chunking,
+    GradAccum,
+    HardwareProfile,
+    SavedActivation,
+    Slots,
+    Where,
+)
+from dataflow.memplan.plan.segments import (
+    REBUILT_KV_LEVELS,
+    is_inner,
+    kv_region_nbytes,
+    segment_bounds,
+)
+from dataflow.memplan.search.cost import (
+    KEEPS_ATTN_OUT,
+    LEVEL_INDEX,
+    OptimizerCost,
+    adamw_cost,
+    chunk_costs,
+    head_seconds,
+    kv_rebuild_cost,
+    make_workload,
+    segment_recompute,
+)
+from dataflow.memplan.search.round_sim import Workload
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
 
@@ -74,7 +100,7 @@ def spread_order(n: int) -> list[int]:
 
 class Space:
     """Everything fixed for one (model, chunking, profile, grad accumulation) and, for layer-
-    segment recompute (memplan/segments.py), one segment length with one ACT_CLASSES entry for
+    segment recompute (memplan/plan/segments.py), one segment length with one ACT_CLASSES entry for
     every rebuilt inner activation. The State's activation classes then spread over the kept
     (boundary) layers only."""
 
@@ -98,7 +124,7 @@ class Space:
         self.kept_rank = {kept[i]: r for r, i in enumerate(spread_order(len(kept)))}
         self.n_kept = len(kept)
         # Split sequences: boundaries kept at home at INP_ONLY leave their K/V to one shared
-        # region (dataflow.memplan.segments.shares_boundary_kv); a last segment of one layer keeps them.
+        # region (dataflow.memplan.plan.segments.shares_boundary_kv); a last segment of one layer keeps them.
         self.kv_free_b = self.kv_region_b = 0
         self.kv_keeper = None
         if self.k > 1 and ch.chunks_per_seq > 1:
@@ -161,7 +187,7 @@ class Space:
         self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
             + self.holds_head * self.C * head_seconds(cfg, t, self.head_sub, self.gbpe, p)
         # A chunk kept at home brings x over H2D a second time for its re-forming, during the
-        # backward of the layer above (dataflow.memplan.schedule.prefill_context): H2D bytes of that
+        # backward of the layer above (dataflow.memplan.step.compile.prefill_context): H2D bytes of that
         # layer's activation traffic, which the workload hides behind compute where it can.
         x_b = t * cfg.model_dim * 2 if kv_rebuild else 0
         self.class_extra_b = tuple(x_b if where is Where.HOME and lv in REBUILT_KV_LEVELS

@@ -4,11 +4,12 @@ parity tests to force a particular plan. Never imports array libraries, never de
 
 from __future__ import annotations
 
-from dataflow.memplan.cost import predict
-from dataflow.memplan.decisions import Decisions, validate_decisions
-from dataflow.memplan.errors import InfeasibleBudget, categories_text, gib_text
-from dataflow.memplan.memory import memory_map
-from dataflow.memplan.plan import (
+import dataclasses
+
+from dataflow.memplan.plan.decisions import Decisions, decisions_of, validate_decisions
+from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_text
+from dataflow.memplan.plan.memory import memory_map
+from dataflow.memplan.plan.plan import (
     Budget,
     Chunking,
     GradAccum,
@@ -18,6 +19,7 @@ from dataflow.memplan.plan import (
     SavedActivation,
     Slots,
 )
+from dataflow.memplan.search.cost import predict
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -80,3 +82,16 @@ def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareP
                   activations=acts, embed=embed, head=head, grad_accum=grad_accum,
                   kv_rebuild=kv_rebuild)
     return finish_plan(d, budget, profile)
+
+
+def finish_segment_plan(d, budget, profile):
+    """dataflow.memplan.search.build.finish_plan for decisions that may use segments: the memory map and the
+    prediction are computed from `d` (segments included); the Plan carries its segment_layers."""
+    return dataclasses.replace(finish_plan(d, budget, profile), segment_layers=d.segment_layers)
+
+
+def with_segments(plan, k: int, budget=None):
+    """`plan` (a Plan) with segment_layers k, re-laid out and re-predicted; by default within
+    its own budget (raises InfeasibleBudget when the new layout does not fit)."""
+    d = dataclasses.replace(decisions_of(plan), segment_layers=k)
+    return finish_segment_plan(d, budget or plan.budget, plan.profile)

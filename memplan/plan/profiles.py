@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dataflow.memplan.plan import GIB, HardwareProfile
+from dataflow.memplan.plan.plan import GIB, HardwareProfile
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import from_json, to_json
 

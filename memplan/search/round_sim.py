@@ -1,4 +1,4 @@
-"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.schedule) event by event: the
+"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.step.compile) event by event: the
 prediction of a plan comes from it. `simulate_round` is the search's fast screen over candidates
 (one round of the overlap model: compute windows F0..F(L-1), head, B(L-1)..B0 on one stream;
 copies in need order on an h2d and a d2h stream. A copy starts when its stream is free and its
@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from dataflow.memplan.plan import HardwareProfile
+from dataflow.memplan.plan.plan import HardwareProfile
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -259,96 +259,3 @@ def _act_slot(i: int, bwd_items: _Items, fwd_items: _Items, n_items: int) -> flo
         return bwd_items.time(i)
     i += n_items
     return fwd_items.time(i) if i >= 0 else 0.0
-
-
-# -- the compiled schedule, timed event by event ---------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class Timeline:
-    """What `simulate_schedule` found: when each stream finished, when each round ended, and
-    how long the compute stream waited on each other stream."""
-
-    total_s: float
-    round_end_s: tuple[float, ...]
-    """Compute-stream time at the end of each round (the optimizer follows the last)."""
-    compute_busy_s: float
-    exposed_s: dict
-    """Seconds the compute stream waited on 'h2d', 'd2h', 'host' and 'opt' (a deferred
-    update)."""
-    exposed_by_round: tuple
-    """The same, per round, then the optimizer."""
-    busy_by_round: tuple
-    """Compute-stream busy seconds per round, then the optimizer."""
-    events: tuple
-    """The events timed, in order: the schedule's own list."""
-    spans: tuple = ()
-    """With simulate_schedule(spans=True): (stream, event name, start s, end s, bytes) of every
-    timed event (not records and waits), for the same stall analysis as a measured trace."""
-
-
-def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
-                      spans: bool = False) -> Timeline:
-    """Time `schedule.events` in order, as the streams would run them: an event starts when its
-    stream is free (a wait moves the stream's clock to the waited record); copies run at the
-    duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
-    gives the compute / host / fill durations (dataflow.memplan.cost.event_seconds). `comm` (a ring
-    rank's: dataflow.memplan.ring_schedule.RingComm) times the events on its `streams` (Send, Recv,
-    AllReduce): `comm.finish(event, start)` is when one ends."""
-    clock = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
-    recorded = [0.0] * schedule.n_ids
-    origin = [""] * schedule.n_ids
-    exposed = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "opt": 0.0}
-    for s in comm.streams if comm is not None else ():
-        clock[s] = exposed[s] = 0.0
-    busy = 0.0
-    round_end, by_round, busy_at = [], [], []
-    boundaries = set(schedule.round_starts[1:]) | {schedule.optimizer_start}
-    timed: list = []
-    one_way = {"h2d": p.h2d_bytes_per_s, "d2h": p.d2h_bytes_per_s}
-    duplex = {"h2d": p.h2d_duplex_bytes_per_s, "d2h": p.d2h_duplex_bytes_per_s}
-    other = {"h2d": "d2h", "d2h": "h2d"}
-    link = {"h2d": "h2d", "d2h": "d2h", "opt": "d2h"}
-    """A deferred update's write-backs (the 'opt' stream) cross the D2H link."""
-    for i, ev in enumerate(schedule.events):
-        if boundaries and i in boundaries:
-            round_end.append(clock["compute"])
-            by_round.append(dict(exposed))
-            busy_at.append(busy)
-        kind = type(ev).__name__
-        s = ev.stream
-        if kind == "Record":
-            recorded[ev.id], origin[ev.id] = clock[s], s
-        elif kind == "Wait":
-            t = recorded[ev.id]
-            if t > clock[s]:
-                if s == "compute" and origin[ev.id] in exposed:
-                    exposed[origin[ev.id]] += t - clock[s]
-                clock[s] = t
-        elif comm is not None and s in comm.streams:
-            start = clock[s]
-            clock[s] = comm.finish(ev, clock[s])
-            if spans:
-                timed.append((s, ev.name, start, clock[s], 0))
-        elif kind in ("Fetch", "WriteBack"):
-            d = link[s]
-            rate = duplex[d] if clock[other[d]] > clock[s] else one_way[d]
-            if s == "opt" and clock["d2h"] > clock[s]:
-                rate /= 2  # sharing the D2H link with the round's own write-backs
-            start = clock[s]
-            clock[s] += ev.dst.nbytes / rate
-            if spans:
-                timed.append((s, ev.name, start, clock[s], ev.dst.nbytes))
-        else:
-            d = seconds(ev)
-            if spans:
-                timed.append((s, ev.name, clock[s], clock[s] + d, 0))
-            clock[s] += d
-            if s == "compute":
-                busy += d
-    by_round.append(dict(exposed))
-    busy_at.append(busy)
-    per = [{k: b[k] - (by_round[i - 1][k] if i else 0.0) for k in b} for i, b in enumerate(by_round)]
-    busy_per = [b - (busy_at[i - 1] if i else 0.0) for i, b in enumerate(busy_at)]
-    return Timeline(total_s=max(clock.values()), round_end_s=tuple(round_end),
-                    compute_busy_s=busy, exposed_s=exposed, exposed_by_round=tuple(per),
-                    busy_by_round=tuple(busy_per), events=schedule.events,
-                    spans=tuple(timed))

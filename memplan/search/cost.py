@@ -1,5 +1,5 @@
 """The cost model: compute seconds from FLOPs, copy seconds from bytes, their overlap per layer
-window, the optimizer, and the predicted step (dataflow.memplan.plan.Prediction). Every constant is named
+window, the optimizer, and the predicted step (dataflow.memplan.plan.plan.Prediction). Every constant is named
 here and explained in docs/planner.md. Pure arithmetic: never imports array libraries, never reads
 the clock, never touches a device.
 
@@ -13,14 +13,20 @@ import dataclasses
 import functools
 import math
 
-from dataflow.memplan import buffers
-from dataflow.memplan.chunking import head_sub_tokens
-from dataflow.memplan.decisions import decisions_of
-from dataflow.memplan.memory import grad_bpe
-from dataflow.memplan.plan import (AttentionBwd, Chunking, HardwareProfile, OptimizerWhere, Prediction,
-                          Where)
-from dataflow.memplan.segments import kv_rebuilt, segment_bounds
-from dataflow.memplan.sim import RoundResult, Workload, simulate_round, simulate_schedule
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.chunking import head_sub_tokens
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.memory import grad_bpe
+from dataflow.memplan.plan.plan import (
+    AttentionBwd,
+    Chunking,
+    HardwareProfile,
+    OptimizerWhere,
+    Prediction,
+    Where,
+)
+from dataflow.memplan.plan.segments import kv_rebuilt, segment_bounds
+from dataflow.memplan.search.round_sim import RoundResult, Workload, simulate_round
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import (
     SavedLevel,
@@ -257,12 +263,12 @@ def kv_rebuild_cost(cfg: ModelConfig, tokens: int, p: HardwareProfile) -> tuple[
 
 def segment_recompute(costs: tuple[ChunkCosts, ...], n_layers: int, k: int,
                       boundary_level=None) -> tuple[list[float], float]:
-    """Layer-segment recompute (memplan/segments.py): (seconds added to each layer's backward
+    """Layer-segment recompute (memplan/plan/segments.py): (seconds added to each layer's backward
     window, FLOPs per round). A segment of m >= 2 layers re-runs all m layers' forward over
     every chunk before the backward of its top layer; hardware FLOPs, so HFU counts them and
     MFU does not. `boundary_level(layer, chunk)`: the level a boundary kept; where it keeps
     the attention output, the boundary's re-run is refwd_kept_s. Without it, every re-run is
-    a whole forward (dataflow.memplan.space takes the boundaries' share off per level)."""
+    a whole forward (dataflow.memplan.search.space takes the boundaries' share off per level)."""
     per_layer_s = [0.0] * n_layers
     fwd_s, fwd_flops = sum(c.fwd_s for c in costs), sum(c.fwd_flops for c in costs)
     flops = 0.0
@@ -476,66 +482,6 @@ def event_seconds(plan, p: HardwareProfile):
         return 0.0
 
     return seconds
-
-
-def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, compiler=None,
-                     comm=None) -> Prediction:
-    """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by
-    the simulation (a first and a later round, then the optimizer; the later round repeats).
-    step = compute + recompute + exposed h2d (waits on host work included) + exposed d2h +
-    optimizer, exactly. Bytes are state and activation bytes (the round's token ids, 8 B per
-    token, are not counted). update: where AdamW runs (dataflow.memplan.schedule.UPDATE_MODES): by
-    default as the Engine runs it, the previous step's inside round 0 (a step after the first;
-    optimizer_s is then only the norm and clip scale after the last round), 'end', or
-    'backward' (an unclipped step's own, inside its last round). `compiler(rounds, update)`
-    and `comm` (as simulate_schedule's) time another compilation of the same plan: a ring
-    rank's replica (dataflow.memplan.ring_schedule.replica_prediction)."""
-    from dataflow.memplan.schedule import compile_schedule
-
-    d = decisions_of(plan)
-    cfg, ch = d.model, d.chunking
-    w = workload_of(d, p)
-    R = ch.rounds_per_step
-    # update='backward' makes the last round unlike the middle ones: simulate first, middle
-    # and last; otherwise the rounds from 1 on are alike: first and one later.
-    n = min(R, 3 if update == "backward" else 2)
-    sch = compile_schedule(d, rounds=n, update=update) if compiler is None else \
-        compiler(n, update)
-    tl = simulate_schedule(sch, event_seconds(d, p), p, comm=comm)
-    ends = tl.round_end_s
-    opt_s = tl.total_s - ends[-1]
-
-    def rounds_total(per_round: list) -> float:
-        """Every simulated round once, the middle one (round 1) R - n more times: the same
-        extrapolation as the step (a per-round list may end with the tail after the rounds,
-        which the optimizer's time holds)."""
-        return sum(per_round[:n]) + (R - n) * per_round[min(1, n - 1)]
-
-    step = rounds_total([e - s for s, e in zip([0.0, *ends[:-1]], ends)]) + opt_s
-
-    exp = {k: rounds_total([r[k] for r in tl.exposed_by_round])
-           for k in ("h2d", "d2h", "host", "opt")}
-    opt_s += exp["opt"]  # rounds waiting on a deferred update count as optimizer time
-    busy = rounds_total(list(tl.busy_by_round))
-    h2d, d2h = sch.bytes_moved(state_only=True)
-    if R > n:  # the middle round's bytes repeat
-        mid_end = sch.round_starts[2] if n > 2 else sch.optimizer_start
-        later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], mid_end, state_only=True)
-        h2d, d2h = h2d + (R - n) * later_h2d, d2h + (R - n) * later_d2h
-    model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
-    hw_flops = model_flops + R * w.extra_flops
-    opt = optimizer_cost(w, p)
-    opt_name = "host memory" if opt.host_bound else "optimizer"
-    parts = (("h2d", exp["h2d"]), ("d2h", exp["d2h"]), ("host", exp["host"]), (opt_name, opt_s))
-    name, worst = max(parts, key=lambda kv: kv[1])
-    return Prediction(
-        step_time_s=step, compute_s=busy - R * w.recompute_s, recompute_s=R * w.recompute_s,
-        exposed_h2d_s=exp["h2d"] + exp["host"], exposed_d2h_s=exp["d2h"], optimizer_s=opt_s,
-        h2d_bytes=h2d, d2h_bytes=d2h, tok_per_s=ch.tokens_per_step / step,
-        model_tflop_per_s=model_flops / step / 1e12,
-        mfu=model_flops / step / p.peak_bf16_flop_per_s,
-        hfu=hw_flops / step / p.peak_bf16_flop_per_s,
-        bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
 
 
 def predict(plan, p: HardwareProfile) -> Prediction:

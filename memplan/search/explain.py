@@ -4,11 +4,12 @@ the plan only (works for forced plans too). Never imports array libraries."""
 
 from __future__ import annotations
 
-from dataflow.memplan import buffers
-from dataflow.memplan.chunking import chunk_target_tokens
-from dataflow.memplan.cost import DEFAULT_OPT_TARGET_FRAC
-from dataflow.memplan.memory import CATEGORIES
-from dataflow.memplan.plan import OptimizerWhere, Plan, Where
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.chunking import chunk_target_tokens
+from dataflow.memplan.plan.memory import CATEGORIES
+from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
+from dataflow.memplan.search.cost import DEFAULT_OPT_TARGET_FRAC
+from dataflow.memplan.search.predict import predict_schedule
 from dataflow.models.flops import SavedLevel, flop_model_version
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -110,7 +111,7 @@ def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
 
 
 def _moe_caveat(plan: Plan) -> list[str]:
-    """An MoE model's prediction rests on two measured shapes (memplan/cost.py's expert GEMM
+    """An MoE model's prediction rests on two measured shapes (memplan/search/cost.py's expert GEMM
     constants, olmoe-1b-7b and qwen3-30b-a3b on an H200); the user should know how far it was
     borne out."""
     if plan.model.moe is None:
@@ -203,7 +204,7 @@ UPDATE_WHERE = {
     "backward": ("inside its own last round, each streamed layer's right after its gradient is "
                  "final (--backward-update)"),
 }
-"""Where the Engine runs a step's AdamW, by dataflow.memplan.schedule.UPDATE_MODES name."""
+"""Where the Engine runs a step's AdamW, by dataflow.memplan.step.compile.UPDATE_MODES name."""
 
 
 def explain(plan: Plan, update: str = "deferred") -> str:
@@ -217,8 +218,6 @@ def explain(plan: Plan, update: str = "deferred") -> str:
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
             f"attention backward {plan.attention_bwd.value}]")
     s = plan.slots
-    from dataflow.memplan.cost import predict_schedule
-
     pr = predict_schedule(plan, plan.profile, update=update)
     lines = [head, *_chunking_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "

@@ -1,5 +1,5 @@
 """The memory map of a plan: the named device and host regions the executor allocates, in a fixed
-order, and their totals per category. Built only from memplan/buffers.py and the block layouts,
+order, and their totals per category. Built only from memplan/plan/buffers.py and the block layouts,
 so the planner's promise and the executor's arenas are the same list. The rules are written out
 in docs/planner.md. Never imports array libraries and never decides placement.
 
@@ -7,11 +7,17 @@ Both `device_regions` and `host_regions` accept a Plan or a Decisions (the same 
 
 from __future__ import annotations
 
-from dataflow.memplan import buffers
-from dataflow.memplan.decisions import any_streamed_optimizer, decisions_of
-from dataflow.memplan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
-from dataflow.memplan.segments import (KV_REGION, inner_regions, is_inner, kv_less, kv_rebuilt,
-                              kv_region_bytes)
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.decisions import any_streamed_optimizer, decisions_of
+from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
+from dataflow.memplan.plan.segments import (
+    KV_REGION,
+    inner_regions,
+    is_inner,
+    kv_less,
+    kv_rebuilt,
+    kv_region_bytes,
+)
 
 CATEGORIES = ("weights", "grads", "optimizer_state", "saved_activations", "workspaces", "buffers")
 _FIXED_CATEGORY = {
@@ -36,7 +42,7 @@ def row_parts(rounds_per_step: int) -> int:
     table at `rounds_per_step` rounds a step: a gather buffer per round in flight, two for
     alternate rounds when a step has more than one (the next round is gathered while this one
     runs), one otherwise. The backward's gradient rows come home into the gather buffer of
-    their round, whose rows have left for the device by then (memplan/schedule.py orders both
+    their round, whose rows have left for the device by then (memplan/step/compile.py orders both
     by events)."""
     return 1 if rounds_per_step == 1 else 2
 
@@ -82,7 +88,7 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
 
 def _act_sizes(cfg, tokens: int):
     """(level, kv) -> bytes of one saved activation of a chunk of `tokens`, with or without its
-    K/V (dataflow.memplan.segments.kv_less says which); cached per call site."""
+    K/V (dataflow.memplan.plan.segments.kv_less says which); cached per call site."""
     sizes = {}
 
     def size(level, kv: bool = True) -> int:

@@ -10,10 +10,10 @@ import dataclasses
 import functools
 import math
 
-from dataflow.memplan.chunking import chunking_candidates
-from dataflow.memplan.cost import round_times, max_rounds, rounds_for_target
-from dataflow.memplan.plan import GradAccum, HardwareProfile, OptimizerWhere
-from dataflow.memplan.space import Space, State
+from dataflow.memplan.plan.chunking import chunking_candidates
+from dataflow.memplan.plan.plan import GradAccum, HardwareProfile, OptimizerWhere
+from dataflow.memplan.search.cost import max_rounds, round_times, rounds_for_target
+from dataflow.memplan.search.space import Space, State
 from dataflow.models.config import ModelConfig
 
 MAX_WEIGHT_SLOTS = 8
@@ -197,7 +197,7 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
     plain = candidate_table(cfg, seqlen, p, grad_accum, options)
     spaces, cands = [], []
     for base, chain in zip(plain.spaces, plain.chain_states):
-        if base.kv_rebuild:  # segments keep their own boundary K/V scheme (dataflow.memplan.segments)
+        if base.kv_rebuild:  # segments keep their own boundary K/V scheme (dataflow.memplan.plan.segments)
             continue
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:

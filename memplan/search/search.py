@@ -11,18 +11,40 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.build import build_plan, validate_budget
-from dataflow.memplan.decisions import refuse_moe
-from dataflow.memplan.candidates import Candidate, Score, Table, candidate_table, segment_table
-from dataflow.memplan.chunking import (MAX_ROUND_TOKENS, ROUND_MULTIPLES, _divisors, check_seqlen,
-                              head_sub_choices,
-                              chunk_candidates, chunk_target_tokens)
-from dataflow.memplan.cost import DEFAULT_OPT_TARGET_FRAC, MAX_ROUNDS_PER_STEP
-from dataflow.memplan.errors import InfeasibleBudget, categories_text, gib_up, size_text
-from dataflow.memplan.cost import segment_recompute
-from dataflow.memplan.memory import memory_map
-from dataflow.memplan.plan import AttentionBwd, Budget, GradAccum, HardwareProfile, OptimizerWhere, Plan
-from dataflow.memplan.segments import finish_segment_plan
+from dataflow.memplan.plan.chunking import (
+    MAX_ROUND_TOKENS,
+    ROUND_MULTIPLES,
+    _divisors,
+    check_seqlen,
+    chunk_candidates,
+    chunk_target_tokens,
+    head_sub_choices,
+)
+from dataflow.memplan.plan.decisions import refuse_moe
+from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_up, size_text
+from dataflow.memplan.plan.memory import memory_map
+from dataflow.memplan.plan.plan import (
+    AttentionBwd,
+    Budget,
+    GradAccum,
+    HardwareProfile,
+    OptimizerWhere,
+    Plan,
+)
+from dataflow.memplan.plan.profiles import get_profile
+from dataflow.memplan.search.build import build_plan, finish_segment_plan, validate_budget
+from dataflow.memplan.search.candidates import (
+    Candidate,
+    Score,
+    Table,
+    candidate_table,
+    segment_table,
+)
+from dataflow.memplan.search.cost import (
+    DEFAULT_OPT_TARGET_FRAC,
+    MAX_ROUNDS_PER_STEP,
+    segment_recompute,
+)
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -137,7 +159,6 @@ def _segment_floor(table: Table) -> float:
 
 def _profile(profile: HardwareProfile | None) -> HardwareProfile:
     if profile is None:
-        from dataflow.memplan.profiles import get_profile
         return get_profile()
     return profile
 
@@ -153,7 +174,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     ('streamed' or 'host'), max_resident_layers, attention_bwd ('deterministic', the default,
     or 'fast': see AttentionBwd), kv_rebuild (True / False; by default the search tries both
     for split sequences: see Plan.kv_rebuild), holds_embed and holds_head (False for a ring
-    rank that does not own the embedding / head: dataflow.memplan.ring_plan), and the trainer's global
+    rank that does not own the embedding / head: dataflow.memplan.search.ring_plan), and the trainer's global
     batch as seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes
     exactly that many sequences per step (chunks x rounds chosen to fit it). Raises
     InfeasibleBudget naming the smallest budgets that work."""

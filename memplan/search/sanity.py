@@ -1,6 +1,6 @@
 """The sanity table of docs/planner-sanity.md: predictions with the built-in H100 profile beside
 ml_dataflow's published H100 measurements (shared/reference/ml_dataflow-measured.md).
-`python -m dataflow.memplan.sanity` prints it; `--write` replaces the table in the doc. Never imports
+`python -m dataflow.memplan.search.sanity` prints it; `--write` replaces the table in the doc. Never imports
 array libraries."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dataflow.memplan.plan import Budget, Where
-from dataflow.memplan.profiles import BUILTIN_PROFILES
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan.plan import Budget, Where
+from dataflow.memplan.plan.profiles import BUILTIN_PROFILES
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import load_config
 
 ANCHORS = (
@@ -77,7 +77,7 @@ def table(profile_name: str = "h100") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dataflow.memplan.sanity", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dataflow.memplan.search.sanity", description=__doc__)
     ap.add_argument("--write", action="store_true", help=f"replace the table in {DOC}")
     args = ap.parse_args(argv)
     text = table()

@@ -1,7 +1,7 @@
 """The step's data: the region table (every byte range a step touches, by place), the `Ref`s
 into it, the typed events of a schedule (fetch, write-back, fill, compute, host task, optimizer
 update, record, wait) and `Schedule`, the frozen event list with its JSON round trip. The
-compiler (memplan/schedule.py) writes these, the simulator times them and the executor dispatches
+compiler (memplan/step/compile.py) writes these, the simulator times them and the executor dispatches
 them. Data only: never compiles, never decides placement, never imports array libraries."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Region:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RegionTable:
     """Every byte range a step touches, by place, laid out back to back (aligned) in the order
-    dataflow.memplan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
+    dataflow.memplan.plan.memory lists them. The arenas are exactly the budgets; regions use a prefix."""
 
     device: tuple[Region, ...]
     host: tuple[Region, ...]
@@ -261,7 +261,7 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str, extra_types: dict | None = None) -> "Schedule":
         """Inverse of to_json; `extra_types` names event classes beyond EVENT_TYPES (a ring's
-        Send / Recv / AllReduce: dataflow.memplan.ring_schedule.RING_EVENT_TYPES)."""
+        Send / Recv / AllReduce: dataflow.memplan.step.ring_compile.RING_EVENT_TYPES)."""
         types = {**EVENT_TYPES, **(extra_types or {})}
         raw = json.loads(text)
         regs = raw["regions"]

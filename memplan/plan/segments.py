@@ -16,7 +16,7 @@ libraries."""
 
 from __future__ import annotations
 
-from dataflow.memplan.plan import Where
+from dataflow.memplan.plan.plan import Where
 from dataflow.models.flops import SavedLevel
 
 KV_REGION = "home.ctx_kv"
@@ -108,24 +108,3 @@ def inner_regions(d, act_bytes) -> tuple[list[tuple[str, int]], list[tuple[str, 
     for (home, pos, chunk), nbytes in sorted(sizes.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         out[home].append((inner_region(pos, chunk, k, home), nbytes))
     return out[Where.DEVICE], out[Where.HOME]
-
-
-def finish_segment_plan(d, budget, profile):
-    """dataflow.memplan.build.finish_plan for decisions that may use segments: the memory map and the
-    prediction are computed from `d` (segments included); the Plan carries its segment_layers."""
-    import dataclasses
-
-    from dataflow.memplan.build import finish_plan
-
-    return dataclasses.replace(finish_plan(d, budget, profile), segment_layers=d.segment_layers)
-
-
-def with_segments(plan, k: int, budget=None):
-    """`plan` (a Plan) with segment_layers k, re-laid out and re-predicted; by default within
-    its own budget (raises InfeasibleBudget when the new layout does not fit)."""
-    import dataclasses
-
-    from dataflow.memplan.decisions import decisions_of
-
-    d = dataclasses.replace(decisions_of(plan), segment_layers=k)
-    return finish_segment_plan(d, budget or plan.budget, plan.profile)

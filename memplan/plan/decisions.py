@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dataflow.memplan.plan import (
+from dataflow.memplan.plan.plan import (
     AttentionBwd,
     Chunking,
     GradAccum,
@@ -131,7 +131,7 @@ def refuse_moe(cfg: ModelConfig, *, holds_embed: bool = True, holds_head: bool =
     """The planner's limits on a mixture-of-experts config (ModelConfig.moe): every expert moves
     with its layer's block, on one device, in data-parallel replicas and on a ring rank (a plan
     that holds neither the embedding nor the head: the ring passes the round's routing totals
-    between its ranks, dataflow.memplan.ring_schedule); shared experts are refused, which have
+    between its ranks, dataflow.memplan.step.ring_compile); shared experts are refused, which have
     no engine ops. make_plan calls it first and validate_decisions again (Engine.from_plan's
     hand-made plans too). Raises ConfigError. holds_embed / holds_head are accepted for the
     callers' sake and no longer limit anything."""

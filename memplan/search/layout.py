@@ -10,15 +10,24 @@ the predictions are a model, not measurements."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
-from dataflow.memplan.errors import InfeasibleBudget
-from dataflow.memplan.plan import Budget, GradAccum, HardwareProfile, Where
-from dataflow.memplan.ring_plan import (LINKS, MAX_RANKS, PLACEMENTS, Link, RankPlan,
-                                        make_rank_plans, predict_ring, ring_profile)
-from dataflow.memplan.search import make_plan
+from dataflow.memplan.plan.errors import InfeasibleBudget
+from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
+from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
+from dataflow.memplan.search.predict import replica_prediction
+from dataflow.memplan.search.ring_plan import (
+    LINKS,
+    Link,
+    make_rank_plans,
+    predict_ring,
+    ring_profile,
+)
+from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
+from dataflow.models.serial import to_json
 
 PLACEMENT = "cyclic"
 """Layer i on rank i mod N: the default placement (docs/ring.md)."""
@@ -104,9 +113,6 @@ class LayoutChoice:
     """The chosen ring's plans (one per rank); not serialised."""
 
     def to_json_dict(self) -> dict:
-        from dataflow.models.serial import to_json
-        import json
-
         def one(o: LayoutOption) -> dict:
             return json.loads(to_json(o))
 
@@ -150,8 +156,6 @@ def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
     each plan's prediction its stand-alone step with its part copies and the gathers over
     `link` (ring_schedule.replica_prediction). Ranks of one kind (layers, embedding, head) are
     predicted once per `memo`."""
-    from dataflow.memplan.ring_schedule import replica_prediction
-
     memo = {} if memo is None else memo
     out = []
     for rp in rps:

@@ -2,7 +2,7 @@
 which slot each use visits by Belady's rule (evict the block needed farthest ahead), once per
 plan; `_Ring.prefetch` / `acquire` / `release` place each fetch as soon as its slot is free and
 each write-back as soon as the compute is done, as events on the compiler's `_Emitter`. Used by
-memplan/schedule.py's compiler only. Pure Python: never imports array libraries, never touches a
+memplan/step/compile.py's compiler only. Pure Python: never imports array libraries, never touches a
 device, never decides placement (the plan says what is streamed)."""
 
 from __future__ import annotations
@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from dataflow.memplan.events import COMPUTE, D2H, H2D, Fetch, Fill, Record, Ref, Wait, WriteBack
+from dataflow.memplan.step.events import (
+    COMPUTE,
+    D2H,
+    H2D,
+    Fetch,
+    Fill,
+    Record,
+    Ref,
+    Wait,
+    WriteBack,
+)
 
 ZERO = "zero"
 """A slot use whose fetch is a zero fill (the first round's gradient sums)."""
@@ -62,7 +72,7 @@ class _Ring:
         """Event after which the home copy of a key holds its latest bytes."""
         self.fill = None
         """Optional hook (use, slot ref) -> (ready, read out) or None: fills a slot in place of
-        its fetch (a deferred AdamW writes the updated weights into it: dataflow.memplan.schedule).
+        its fetch (a deferred AdamW writes the updated weights into it: dataflow.memplan.step.compile).
         `ready` orders the use's compute; `read out` is the record after the slot's bytes were
         copied home, which the slot's next fill waits for."""
         self.read_out: dict[int, int] = {}
@@ -70,7 +80,7 @@ class _Ring:
         self.fetch = None
         """Optional hook (use, slot ref, name) -> record or None: brings a use's home bytes into
         its slot in place of the one whole Fetch (data-parallel replicas each fetch a part and
-        gather the rest from each other: dataflow.memplan.ring_schedule). Called after the
+        gather the rest from each other: dataflow.memplan.step.ring_compile). Called after the
         slot's waits on the H2D stream; the record is what the use's compute waits for."""
 
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:

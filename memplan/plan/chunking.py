@@ -4,8 +4,8 @@ Never imports array libraries."""
 
 from __future__ import annotations
 
-from dataflow.memplan.decisions import validate_chunking
-from dataflow.memplan.plan import Chunking
+from dataflow.memplan.plan.decisions import validate_chunking
+from dataflow.memplan.plan.plan import Chunking
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -25,9 +25,9 @@ second. Only sequences longer than 256 chunk targets (2M tokens on 8b) are affec
 HEAD_SUB_TARGET_TOKENS = 1024
 """Head/cross-entropy sub-chunk: the smallest divisor of the chunk at least this long."""
 HEAD_SUB_TARGETS = (HEAD_SUB_TARGET_TOKENS, 2048)
-"""Sub-chunk targets a chosen plan may take (dataflow.memplan.search._longer_head_sub): a longer one
+"""Sub-chunk targets a chosen plan may take (dataflow.memplan.search.search._longer_head_sub): a longer one
 holds more fp32 logits on the device (0.5 GiB more at 2048 for a 128k vocabulary) and
-accumulates the head's weight gradient half as often (dataflow.memplan.cost.head_seconds)."""
+accumulates the head's weight gradient half as often (dataflow.memplan.search.cost.head_seconds)."""
 
 
 def chunk_target_tokens(cfg: ModelConfig) -> int:
@@ -41,7 +41,7 @@ def chunk_target_tokens(cfg: ModelConfig) -> int:
 
 MAX_SEQLEN = 1 << 24
 """Longest sequence the planner accepts (16,777,216 tokens, 16x the 1M-token step cap of
-dataflow.memplan.cost): planning any seqlen up to it takes well under a second, and a step of even one
+dataflow.memplan.search.cost): planning any seqlen up to it takes well under a second, and a step of even one
 such sequence is past any budget we can plan for. Checked by chunk_candidates and make_chunking
 (and at the CLIs' edge)."""
 

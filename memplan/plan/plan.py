@@ -97,7 +97,7 @@ class HardwareProfile:
     library_reserve_bytes: int = 0
     """Device memory the libraries hold outside the arena after setup (cuDNN and cuBLAS handles,
     loaded kernel modules, CuPy's own state): part of the device budget, so the arena is the
-    budget less this. Measured, not guessed (memplan/profiles.py LIBRARY_RESERVE_BYTES)."""
+    budget less this. Measured, not guessed (memplan/plan/profiles.py LIBRARY_RESERVE_BYTES)."""
     host_overhead_bytes: int = 0
     """Process memory beyond the pinned host arena (the interpreter, imported libraries, page
     tables, staging of loaded files): the plan states it, and the process RSS stays within the
@@ -227,7 +227,7 @@ class Plan:
     prediction: Prediction
     planner_version: str
     segment_layers: int = 1
-    """Layer-segment recompute (memplan/segments.py): k > 1 keeps the saved activations of layers
+    """Layer-segment recompute (memplan/plan/segments.py): k > 1 keeps the saved activations of layers
     0, k, 2k, ... only and rebuilds the others in the backward by re-running the segment's
     forward; their `activations` entries then say where and at which level the rebuilt ones
     live. 1 (the default, and every plan written before segments existed): none."""
@@ -236,7 +236,7 @@ class Plan:
     """Which fused-attention backward chunks that attend to themselves use (AttentionBwd); the
     plan reserves its workspace. Left out of the JSON (and hash) while deterministic."""
     holds_embed: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
-    """False for a ring rank that does not own the embedding (dataflow.memplan.ring_plan): no region of
+    """False for a ring rank that does not own the embedding (dataflow.memplan.search.ring_plan): no region of
     the embedding's state or pinned rows exists on it. Left out of the JSON while True."""
     holds_head: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
     """False for a ring rank that does not own the final norm and lm_head: no region of the

@@ -1,0 +1,140 @@
+"""What a plan is predicted to do: its compiled schedule (dataflow.memplan.step) timed by the
+simulator with the cost model's durations, for one device, a ring rank's replica, or a whole
+ring at once. A simulation of the compiled events, not a measurement; never imports array
+libraries, never touches a device."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.plan import HardwareProfile, Prediction
+from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.search.cost import BOTTLENECK_FRAC, event_seconds, optimizer_cost, workload_of
+from dataflow.memplan.step.compile import compile_schedule
+from dataflow.memplan.step.ring_compile import (
+    GATHER,
+    REDUCE,
+    ReplicaCompiler,
+    compile_ring_schedule,
+)
+from dataflow.memplan.step.ring_sim import Arrivals, RingComm
+from dataflow.memplan.step.sim import simulate_schedule
+from dataflow.models.flops import model_flops_per_seq
+
+
+def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, compiler=None,
+                     comm=None) -> Prediction:
+    """The predicted step of a Plan or Decisions on hardware `p`: its compiled schedule timed by the
+    simulation (a first and a later round, then the optimizer; the later round repeats). step =
+    compute + recompute + exposed h2d (waits on host work included) + exposed d2h + optimizer,
+    exactly. Bytes are state and activation bytes (the round's token ids, 8 B per token, are not
+    counted). update: where AdamW runs (dataflow.memplan.step.compile.UPDATE_MODES): by default as
+    the Engine runs it, the previous step's inside round 0 (a step after the first; optimizer_s is
+    then only the norm and clip scale after the last round), 'end', or 'backward' (an unclipped
+    step's own, inside its last round). `compiler(rounds, update)` and `comm` (as
+    simulate_schedule's) time another compilation of the same plan: a ring rank's replica
+    (replica_prediction, below)."""
+    d = decisions_of(plan)
+    cfg, ch = d.model, d.chunking
+    w = workload_of(d, p)
+    R = ch.rounds_per_step
+    # update='backward' makes the last round unlike the middle ones: simulate first, middle
+    # and last; otherwise the rounds from 1 on are alike: first and one later.
+    n = min(R, 3 if update == "backward" else 2)
+    sch = compile_schedule(d, rounds=n, update=update) if compiler is None else \
+        compiler(n, update)
+    tl = simulate_schedule(sch, event_seconds(d, p), p, comm=comm)
+    ends = tl.round_end_s
+    opt_s = tl.total_s - ends[-1]
+
+    def rounds_total(per_round: list) -> float:
+        """Every simulated round once, the middle one (round 1) R - n more times: the same
+        extrapolation as the step (a per-round list may end with the tail after the rounds,
+        which the optimizer's time holds)."""
+        return sum(per_round[:n]) + (R - n) * per_round[min(1, n - 1)]
+
+    step = rounds_total([e - s for s, e in zip([0.0, *ends[:-1]], ends)]) + opt_s
+
+    exp = {k: rounds_total([r[k] for r in tl.exposed_by_round])
+           for k in ("h2d", "d2h", "host", "opt")}
+    opt_s += exp["opt"]  # rounds waiting on a deferred update count as optimizer time
+    busy = rounds_total(list(tl.busy_by_round))
+    h2d, d2h = sch.bytes_moved(state_only=True)
+    if R > n:  # the middle round's bytes repeat
+        mid_end = sch.round_starts[2] if n > 2 else sch.optimizer_start
+        later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], mid_end, state_only=True)
+        h2d, d2h = h2d + (R - n) * later_h2d, d2h + (R - n) * later_d2h
+    model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+    hw_flops = model_flops + R * w.extra_flops
+    opt = optimizer_cost(w, p)
+    opt_name = "host memory" if opt.host_bound else "optimizer"
+    parts = (("h2d", exp["h2d"]), ("d2h", exp["d2h"]), ("host", exp["host"]), (opt_name, opt_s))
+    name, worst = max(parts, key=lambda kv: kv[1])
+    return Prediction(
+        step_time_s=step, compute_s=busy - R * w.recompute_s, recompute_s=R * w.recompute_s,
+        exposed_h2d_s=exp["h2d"] + exp["host"], exposed_d2h_s=exp["d2h"], optimizer_s=opt_s,
+        h2d_bytes=h2d, d2h_bytes=d2h, tok_per_s=ch.tokens_per_step / step,
+        model_tflop_per_s=model_flops / step / 1e12,
+        mfu=model_flops / step / p.peak_bf16_flop_per_s,
+        hfu=hw_flops / step / p.peak_bf16_flop_per_s,
+        bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
+
+
+def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
+    """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
+    (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
+    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.search.cost.
+    predict_schedule), with the split (its part copies over the host link, the gathers over a
+    link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
+    The step's all-reduce is left out of both (dataflow.memplan.search.layout adds it); Send / Recv
+    are not compiled (the rank alone). rp.plan.prediction without the split."""
+    if not (rp.split_fetch and rp.replicas > 1):
+        return rp.plan.prediction
+    timed = []
+    for split in (False, True):
+        r = dataclasses.replace(rp, split_fetch=split)
+        comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                        latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
+                        reduce=False)
+        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=lambda
+                                      rounds, update, r=r: ReplicaCompiler(r).compile(rounds,
+                                                                                       update)))
+    k = timed[1].step_time_s / timed[0].step_time_s
+    p = rp.plan.prediction
+    return dataclasses.replace(
+        p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
+        model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,
+        h2d_bytes=timed[1].h2d_bytes)
+
+
+def simulate_ring(rank_plans, bytes_per_s: float, latency_s: float = 0.0,
+                  profile=None, update: str = "deferred") -> tuple:
+    """The ring's step: every rank's compiled schedule timed by dataflow.memplan.step.sim, all at
+    once (a thread per rank; a receive waits for its send's simulated arrival). Returns (one
+    Timeline per rank, step seconds: the slowest rank's). A simulation of the compiled events over
+    an assumed link, not a measurement. update: where AdamW runs (as a ring runs it by default: the
+    previous step's inside round 0, a step after the first; or 'end')."""
+    arrivals, out = Arrivals(), {}
+
+    def run(rp) -> None:
+        p = profile or rp.plan.profile
+        try:
+            out[rp.rank] = simulate_schedule(
+                compile_ring_schedule(rp, update=update), event_seconds(rp.plan, p), p,
+                comm=RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                              latency_s=latency_s, arrivals=arrivals))
+        except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            out[rp.rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rp,)) for rp in rank_plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = tuple(out[rp.rank] for rp in rank_plans)
+    for tl in lines:
+        if isinstance(tl, Exception):
+            raise tl
+    return lines, max(tl.total_s for tl in lines)
