@@ -48,10 +48,10 @@ class Settings:
     traceback) instead of printing one line (ring/worker.py; dataflow-ring --debug sets it for the
     ranks it spawns)."""
     ring_id: str | None = None
-    """DATAFLOW_RING_ID: names the ring's shared-memory segments (ring/launch.py); unset:
+    """DATAFLOW_RING_ID: names the ring's shared-memory segments (ring/env.py); unset:
     TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or the rendezvous port."""
     ring_port: str | None = None
-    """DATAFLOW_RING_PORT: the ring's rendezvous port (ring/launch.py); unset: MASTER_PORT + 1."""
+    """DATAFLOW_RING_PORT: the ring's rendezvous port (ring/env.py); unset: MASTER_PORT + 1."""
     run_ahead_ops: str = ""
     """DATAFLOW_RUN_AHEAD_OPS: how many compute ops the CuPy backend lets the host enqueue ahead
     of the device (a multiple of 4, at least 4); empty: its RUN_AHEAD_OPS."""

@@ -11,6 +11,7 @@ import os
 import re
 
 from dataflow.models.errors import ConfigError
+from dataflow.settings import settings_from_env
 
 DEFAULT_PORT = 29517
 """The rendezvous port (NCCL id exchange) when neither DATAFLOW_RING_PORT nor MASTER_PORT is set
@@ -63,7 +64,9 @@ def rank_env(environ=None) -> RankEnv:
                           "the environment; launch with torchrun --nproc-per-node N, srun, or "
                           "dataflow-ring --gpus N (which spawns the ranks)")
     local = _int(environ, ("LOCAL_RANK", "SLURM_LOCALID"), "the GPU index on this host")
-    port = _int(environ, ("DATAFLOW_RING_PORT",), "the ring's rendezvous port")
+    ring = settings_from_env(environ)
+    port = _int({"DATAFLOW_RING_PORT": ring.ring_port}, ("DATAFLOW_RING_PORT",),
+                "the ring's rendezvous port")
     if port is None:  # torchrun's agent serves its own store at MASTER_PORT: take the next one
         master = _int(environ, ("MASTER_PORT",), "the master port")
         port = None if master is None else master + 1
@@ -74,7 +77,7 @@ def rank_env(environ=None) -> RankEnv:
     if not 0 < port < 65536:
         raise ConfigError(f"the ring's rendezvous port {port} (DATAFLOW_RING_PORT, else "
                           "MASTER_PORT + 1) is not a TCP port (1..65535)")
-    run_id = (environ.get("DATAFLOW_RING_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    run_id = (ring.ring_id or environ.get("TORCHELASTIC_RUN_ID")
               or environ.get("SLURM_JOB_ID") or f"p{port}")
     run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:40]
     return RankEnv(rank=rank, gpus=gpus, local_rank=rank if local is None else local,
