@@ -164,10 +164,10 @@ def test_rope_cuda_matches_reference_at_positions_up_to_1m(rng, n_heads, head_di
                              ("rope_bwd", kc.rope_bwd, ref.rope_bwd)):
         truth, r = fn_r(f64(x), pos, theta), fn_r(x, pos, theta)
         out = poisoned(x.shape, BF16)
-        fn_c(dev(x), dev(pos), theta, out)
+        fn_c(CTX, dev(x), dev(pos), theta, out)
         check_close(f"{name} E={head_dim}", host(out), truth, r)
         inplace = dev(x)
-        fn_c(inplace, dev(pos), theta, inplace)
+        fn_c(CTX, inplace, dev(pos), theta, inplace)
         assert np.array_equal(host(inplace).view(np.uint16), host(out).view(np.uint16))
 
 

@@ -50,13 +50,13 @@ def test_rope_cuda_with_llama3_scaling_matches_reference(rng, name, dtype):
                            ("rope_bwd", kc.rope_bwd, ref.rope_bwd)):
         truth, r = fn_r(x.astype(F64), pos, table), fn_r(x, pos, table)
         out = _poisoned(x.shape, dtype)
-        fn_c(_dev(x), _dev(pos), table, out)
+        fn_c(CTX, _dev(x), _dev(pos), table, out)
         err, err_ref = _rel(_host(out), truth), _rel(r, truth)
         bound = max(2.0 * err_ref, FP32_FLOOR)
         print(f"{op} {name} {dtype}: err {err:.3e} reference {err_ref:.3e} bound {bound:.3e}")
         assert err <= bound, (op, name, err, bound)
         inplace = _dev(x)
-        fn_c(inplace, _dev(pos), table, inplace)
+        fn_c(CTX, inplace, _dev(pos), table, inplace)
         assert np.array_equal(_host(inplace).view(np.uint8), _host(out).view(np.uint8))
 
 
