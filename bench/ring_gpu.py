@@ -40,6 +40,19 @@ import threading
 import time
 from pathlib import Path
 
+from dataflow.backends import make_backend
+from dataflow.bench.sweep.sweep import git_commit
+from dataflow.engine import Engine, default_profile
+from dataflow.memplan import make_plan
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.profiles import get_profile, profile_for_device
+from dataflow.memplan.search.build import finish_plan
+from dataflow.memplan.search.layout import predict_layout
+from dataflow.memplan.search.ring_plan import LINKS, Link
+from dataflow.optimizer import AdamWConfig
+from dataflow.ring.job import RingJob, batches, model_config
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 INTERVAL_S = 0.5
@@ -248,11 +261,6 @@ def ring_command(args) -> list[str]:
 def single_child(spec_json: str) -> int:
     """The one-GPU run in this fresh process: prints one JSON line (losses, step times)."""
     spec = json.loads(spec_json)
-    from dataflow.backends import make_backend
-    from dataflow.engine import Engine
-    from dataflow.optimizer import AdamWConfig
-    from dataflow.ring.job import RingJob, batches, model_config
-
     cfg = model_config(spec["model"])
     host, dev = spec["budget"]
     job = RingJob(model=spec["model"], seqlen=spec["seqlen"], host_gb=host, dev_gb=dev, gpus=1,
@@ -285,12 +293,6 @@ def _single_plan(cfg, spec: dict, be):
     where memory allows), that one: the loss and the head's gradient are then summed in the same
     pieces, so the two runs can agree bit for bit."""
     import dataclasses
-
-    from dataflow.engine import default_profile
-    from dataflow.memplan import make_plan
-    from dataflow.memplan.search.build import finish_plan
-    from dataflow.memplan.plan.decisions import decisions_of
-    from dataflow.memplan.plan.plan import Budget
 
     host, dev = spec["budget"]
     plan = make_plan(cfg, spec["seqlen"], Budget.from_gib(host, dev), default_profile(be),
@@ -341,8 +343,6 @@ def _earlier_ring(args) -> dict:
 def collect(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from dataflow.bench.sweep.sweep import git_commit
-
     probe = ProcessPeaks()
     record = {"kind": "ring_gpu", "commit": git_commit(REPO_ROOT), "devices": probe.device_names(),
               "config": {"model": args.model, "seqlen": args.seqlen, "gpus": args.gpus,
@@ -415,13 +415,6 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     at the single budget with the ring's chunking. A model; the record holds both."""
     if not rank0 or not rank0.get("chunking"):
         return None
-    from dataflow.memplan import make_plan
-    from dataflow.memplan.search.layout import predict_layout
-    from dataflow.memplan.plan.plan import Budget
-    from dataflow.memplan.plan.profiles import get_profile, profile_for_device
-    from dataflow.memplan.search.ring_plan import LINKS, Link
-    from dataflow.ring.job import model_config
-
     prof = profile_for_device(devices[0]) if devices and args.backend == "cupy" else \
         get_profile("cpu")
     cfg = model_config(args.model)

@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from dataflow.models.errors import ConfigError
+from dataflow.models.layout import BlockKind
 
 
 def blocks_of(source: str | Path, *, verify: bool = True):
     """(ModelConfig, iterator of (kind, layer, block)) for a checkpoint or a model directory."""
+    # Here, not at the top: they load numba (0.7 s), and `dataflow-export --help` imports this.
     from dataflow.checkpoint import checkpoint_model, iter_weight_blocks, resolve_checkpoint
 
     source = Path(source)
@@ -21,8 +23,9 @@ def blocks_of(source: str | Path, *, verify: bool = True):
         ckpt = None
     if ckpt is not None:
         return checkpoint_model(ckpt), iter_weight_blocks(ckpt, verify=verify)
+    # numba again (models.init, models.storage): see the import of dataflow.checkpoint above.
     from dataflow.models.init import BF16
-    from dataflow.models.storage import load_block_into, read_manifest
+    from dataflow.models.storage import load_block_into, read_manifest  # numba, as above
 
     cfg, manifest = read_manifest(source)  # refuses, naming what a model directory needs
 
@@ -38,6 +41,4 @@ def blocks_of(source: str | Path, *, verify: bool = True):
 
 
 def _kind(value: str):
-    from dataflow.models.layout import BlockKind
-
     return BlockKind(value)

@@ -14,7 +14,12 @@ import ml_dtypes
 import numpy as np
 
 from dataflow.batch import default_chunks
-from dataflow.memplan.plan.plan import Plan
+from dataflow.kernels.host import adamw as host_adamw
+from dataflow.kernels.host import embedding as host_embedding
+from dataflow.kernels.host import norms as host_norms
+from dataflow.memplan.plan.buffers import attention_key_block
+from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere, Plan, Where
+from dataflow.memplan.step.compile import HostTask, Update
 from dataflow.settings import settings_from_env
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -41,8 +46,6 @@ def attention_shapes(plan: Plan) -> tuple[AttentionShape, ...]:
     """Distinct attention shapes of a round with one document per row (what
     dataflow.layer_ops calls): per chunk segment, n_q = its rows and q_offset = the context
     before them. Packed documents (doc_ids) make data-dependent shapes that no warm-up knows."""
-    from dataflow.memplan.plan.buffers import attention_key_block
-
     ch = plan.chunking
     block = attention_key_block(plan.model, ch.chunk_tokens, ch.seqlen)
     shapes = set()
@@ -63,8 +66,6 @@ def host_kernels_of_plan(plan: Plan) -> frozenset[str]:
     """The host kernels `plan`'s schedule will run, from the plan alone (before the schedule is
     compiled): AdamW for any block updated on the host, the embedding scatter and sum of squares
     for a HOME embedding gradient it holds. The same set as host_kernels_used(its schedule)."""
-    from dataflow.memplan.plan.plan import OptimizerWhere, Where
-
     blocks = [*plan.layers] + [plan.embed] * plan.holds_embed + [plan.head] * plan.holds_head
     used = set()
     if any(b.optimizer is OptimizerWhere.HOST for b in blocks):
@@ -83,8 +84,6 @@ def start_host_compile(plan: Plan):
     import os
     import subprocess
     import sys
-
-    from dataflow.memplan.plan.plan import GradAccum
 
     gdt = "float32" if plan.grad_accum is GradAccum.FP32 else "bfloat16"
     todo = sorted(k for k in host_kernels_of_plan(plan) if (k, gdt) not in _WARM)
@@ -155,8 +154,6 @@ def start_prebuild(plan: Plan, be) -> Prebuild | None:
 def host_kernels_used(schedule) -> frozenset[str]:
     """Which numba host kernels a compiled schedule runs: AdamW for updates on the host stream,
     the embedding scatter and sum of squares for a HOME embedding's host tasks."""
-    from dataflow.memplan.step.compile import HostTask, Update
-
     used = set()
     for ev in schedule.events:
         if isinstance(ev, Update) and ev.stream == "host":
@@ -173,10 +170,6 @@ def warm_host_kernels(kernels=HOST_KERNELS, grad_dtypes=(BF16, F32)) -> dict[str
     the executor passes (bf16 params, m, v and embedding rows, int32 ids, gradients of each of
     `grad_dtypes`), so its compiled code is loaded (from numba's cache, or compiled) now.
     Seconds per kernel and gradient dtype."""
-    from dataflow.kernels.host import adamw as host_adamw
-    from dataflow.kernels.host import embedding as host_embedding
-    from dataflow.kernels.host import norms as host_norms
-
     seconds = {}
     n, d, vocab = 64, 8, 16
     rng = np.random.default_rng(0)
@@ -210,8 +203,6 @@ def warm_up(plan: Plan, be, schedule=None, background=None) -> dict[str, float]:
     exist (the backend sizes cuDNN's choice of backward from its lent workspace), before the
     first step. `background`: start_host_compile's process, waited for first (its wait is
     part of 'host_kernels')."""
-    from dataflow.memplan.plan.plan import GradAccum
-
     t0 = time.perf_counter()
     _join(background)
     if schedule is None:

@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
+from dataflow.backends.alloc_guard import AllocationGuard
 from dataflow.memplan.plan.buffers import key_block_spans
 from dataflow.settings import settings_from_env
 
@@ -144,6 +145,7 @@ class MappedHostMemory:
         self.seconds["map"] = time.perf_counter() - t0
         try:
             if populate == "touch" and self.nbytes:
+                # numba (0.25 s), here: `dataflow-probe --help` imports this module.
                 from dataflow.kernels.host.memory import prefault_zero
 
                 t0 = time.perf_counter()
@@ -254,7 +256,7 @@ class CupyBackend(Backend):
 
         # Imported here, as CuPy is: this module imports without the gpu extra.
         from dataflow import ops_cuda
-        from dataflow.kernels.cuda.context import CudaContext
+        from dataflow.kernels.cuda.context import CudaContext  # CuPy, as ops_cuda
 
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -275,8 +277,6 @@ class CupyBackend(Backend):
         """How the last host slab was pinned: method, pieces, seconds (and map/touch/register
         seconds for 'register'); None before any host slab."""
         self._op = ""
-        from dataflow.backends.alloc_guard import AllocationGuard
-
         self.guard = AllocationGuard(lambda: self._op)
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) \
@@ -433,8 +433,9 @@ class CupyBackend(Backend):
         return self._build(attention_shapes, (n_heads, n_kv_heads, head_dim), None)
 
     def _build(self, attention_shapes, heads: tuple[int, int, int], ws_bytes) -> dict:
+        # CuPy, here: this module imports without the gpu extra.
         from dataflow.kernels import cuda as K
-        from dataflow.kernels.cuda.warm import precompile
+        from dataflow.kernels.cuda.warm import precompile  # CuPy, as above
 
         seconds = {}
         t0 = time.perf_counter()

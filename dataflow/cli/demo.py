@@ -139,7 +139,7 @@ def _train(args) -> int:
 
 
 def _run(args, stop: checks.StopSignals) -> int:
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf import model_config  # loads numba: off the --help path (top)
 
     t_start = time.perf_counter()
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
@@ -174,7 +174,7 @@ def _run(args, stop: checks.StopSignals) -> int:
     weights = args.model if not _is_zoo(args.model) else None
     log.info("backend: %s (%s)", backend, getattr(be_probe, "device_name", backend))
     if plan is None:
-        from dataflow.engine import default_profile
+        from dataflow.engine import default_profile  # loads numba: off the --help path (top)
 
         profile = default_profile(be_probe)
         extra = {"rounds_per_step": args.rounds} if args.rounds else {}
@@ -190,7 +190,7 @@ def _run(args, stop: checks.StopSignals) -> int:
 
     if stop.signum:
         return _interrupted(args, stop)
-    from dataflow.engine import Engine
+    from dataflow.engine import Engine  # loads numba: off the --help path (top)
 
     t0 = time.perf_counter()
     with Progress(cfg.n_layers + 2, f"init {cfg.name}") as init_bar, stop.abortable():

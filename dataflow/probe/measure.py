@@ -22,6 +22,10 @@ import numpy as np
 
 from dataflow.backend import Place, Stream
 from dataflow.backends.cupy_backend import CupyBackend
+from dataflow.kernels.cuda import (CudaContext, attention, attention_bwd, attention_fwd, cast,
+                                   linear_bwd_w, linear_bwd_x, linear_fwd)
+from dataflow.kernels.host import adamw as host_adamw
+from dataflow.kernels.host.memory import copy_into
 from dataflow.probe.profile import Measurements, attn_flops, gemm_flops
 from dataflow.memplan.search.cost import ADAMW_STATE_BYTES_PER_ELEM
 from dataflow.models.config import ModelConfig
@@ -131,8 +135,6 @@ def _sustained(fn, stream, seconds: float) -> tuple[float, float]:
 def _randn_bf16(ctx, shape, std: float = 1.0):
     """A bf16 device array of N(0, std^2) values (random data: a zero GEMM draws less power),
     rounded by the kernels' cast in the CudaContext `ctx`."""
-    from dataflow.kernels.cuda import cast
-
     out = cp.empty(shape, dtype=BF16)
     f32 = cp.random.standard_normal(out.size, dtype=cp.float32)
     f32 *= std
@@ -193,8 +195,6 @@ def _host_median_s(fn, repeats: int) -> float:
 
 def _host_copy_s(nbytes: int) -> float:
     """Median seconds of dataflow.kernels.host.memory.copy_into (numba, parallel) over `nbytes`."""
-    from dataflow.kernels.host.memory import copy_into
-
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     return _host_median_s(lambda: copy_into(dst, src), 5)
@@ -202,8 +202,6 @@ def _host_copy_s(nbytes: int) -> float:
 
 def measure_host(s: Settings) -> dict[str, float]:
     """Parallel host memcpy (read + write) and the engine's host AdamW, bytes as cost.py counts."""
-    from dataflow.kernels.host import adamw as host_adamw
-
     copy_s = _host_copy_s(s.host_bytes)
     n = s.adamw_elems
     param, grad = np.full(n, 0.02, dtype=BF16), np.full(n, 1e-3, dtype=BF16)
@@ -219,8 +217,6 @@ def measure_gemm(cfg: ModelConfig, s: Settings, stream, ctx) -> tuple[float, flo
     """(first window, sustained) FLOP/s of one layer's forward and backward GEMMs at
     chunk_tokens, shaped and accumulated as dataflow.layer_ops calls them (ctx: the kernels'
     CudaContext)."""
-    from dataflow.kernels.cuda import linear_bwd_w, linear_bwd_x, linear_fwd
-
     t, d, q, kv, f = s.chunk_tokens, cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
     x, xo, act = _randn_bf16(ctx, (t, d)), _randn_bf16(ctx, (t, q)), _randn_bf16(ctx, (t, f))
     # (input, weight (out, in), output, dx): q, k, v, gate and up read x; o reads the attention
@@ -248,8 +244,6 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, ctx, context: int,
                       deterministic: bool) -> tuple[float, float]:
     """Sustained hardware FLOP/s of the fused attention forward and backward for chunk_tokens
     queries after `context` keys of the same sequence (0: a packed, self-attending chunk)."""
-    from dataflow.kernels.cuda import attention_bwd, attention_fwd
-
     t, h, kh, e = s.chunk_tokens, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     keys = context + t
     q, k = _randn_bf16(ctx, (t, h, e)), _randn_bf16(ctx, (keys, kh, e))
@@ -273,8 +267,6 @@ def measure_attention(cfg: ModelConfig, s: Settings, stream, ctx, context: int,
 
 def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
     """Every measurement the profile needs, on device 0, logged as it goes."""
-    from dataflow.kernels.cuda import CudaContext, attention
-
     t0 = time.perf_counter()
     name, total, gen = device_info()
     be = CupyBackend()

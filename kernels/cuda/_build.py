@@ -59,6 +59,8 @@ def _module(ctx, source: str, names: tuple[str, ...], dev: int) -> cupy.RawModul
 def kernel_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(source, instantiations) of every launcher module in dataflow.kernels.cuda: each module that names
     its `.cu` in `_SRC` and the instantiations in `_NAMES`."""
+    # Not at the top: an import circle (the package's __init__ imports the launchers, which
+    # import this module).
     import dataflow.kernels.cuda as pkg
 
     found = {}

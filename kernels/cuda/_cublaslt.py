@@ -62,7 +62,7 @@ def _lib(ctx):
     """libcublasLt as loaded by CuPy's libcublas, argtypes set (once per CudaContext)."""
     if ctx.cublaslt_lib is not None:
         return ctx.cublaslt_lib
-    from dataflow.kernels.cuda import _cublas
+    from dataflow.kernels.cuda import _cublas  # needs CuPy: see the top
 
     _cublas.handle(ctx)  # makes sure libcublas (and with it libcublasLt) is loaded
     lib = _cublas.loaded_library(ctx, "libcublasLt.so") or ctypes.CDLL("libcublasLt.so")
@@ -136,7 +136,7 @@ class _Device:
     def desc(self, op_a: int, op_b: int) -> int:
         d = self.descs.get((op_a, op_b))
         if d is None:
-            from dataflow.kernels.cuda import _cublas
+            from dataflow.kernels.cuda import _cublas  # needs CuPy: see the top
 
             p = ctypes.c_void_p()
             _check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(p), _cublas._COMPUTE_32F,
@@ -227,7 +227,7 @@ def gemm_loop(ctx, ab_dtype, c_dtype):
     descriptor, layouts and the bucket's algorithm) and the ctypes call."""
     import cupy
 
-    from dataflow.kernels.cuda import _cublas
+    from dataflow.kernels.cuda import _cublas  # needs CuPy: see the top
 
     ta = _cublas._dtype_code(ab_dtype, "A and B")
     tc = _cublas._dtype_code(c_dtype, "C")

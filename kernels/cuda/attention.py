@@ -37,7 +37,7 @@ import math
 import cupy
 import numpy as np
 
-from dataflow.kernels.cuda import _build, utils
+from dataflow.kernels.cuda import _build, graph_cache, utils
 from dataflow.kernels.cuda._build import BF16, F32
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,6 @@ def _cache_key(key: tuple) -> tuple:
 
 def _load_cached(ctx, key: tuple):
     """[graph, None, workspace bytes] deserialised from dataflow.kernels.cuda.graph_cache, or None."""
-    from dataflow.kernels.cuda import graph_cache
-
     if graph_cache.cache_dir(ctx.cudnn_cache_dir) is None:
         return None
     cudnn = _cudnn()
@@ -199,8 +197,6 @@ def _load_cached(ctx, key: tuple):
 
 
 def _store_cached(ctx, key: tuple, graph) -> None:
-    from dataflow.kernels.cuda import graph_cache
-
     root = ctx.cudnn_cache_dir
     if graph_cache.cache_dir(root) is not None:
         graph_cache.store(_cache_key(key), graph, graph_cache.environment(_cudnn(), key[0]),

@@ -1,8 +1,8 @@
-"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.step.compile) event by event: the
-prediction of a plan comes from it. `simulate_round` is the search's fast screen over candidates
-(one round of the overlap model: compute windows F0..F(L-1), head, B(L-1)..B0 on one stream;
-copies in need order on an h2d and a d2h stream. A copy starts when its stream is free and its
-slot is free (weight slot: the use `weight_slots` uses back has ended; grad slot: the grads
+"""Timing. `simulate_schedule` times a compiled schedule (dataflow.memplan.step.compile) event by
+event: the prediction of a plan comes from it. `simulate_round` is the search's fast screen over
+candidates (one round of the overlap model: compute windows F0..F(L-1), head, B(L-1)..B0 on one
+stream; copies in need order on an h2d and a d2h stream. A copy starts when its stream is free and
+its slot is free (weight slot: the use `weight_slots` uses back has ended; grad slot: the grads
 `grad_slots` layers back have gone home; activation slot: the item `act_slots` items back has been
 sent home or consumed). A window starts when its inputs have arrived. The home activations of a
 window are treated as evenly spread over its compute). Pure arithmetic, no arrays, no clock."""
@@ -92,30 +92,59 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
     to fetch, no weights left in slots) and the part of it compute waited for each stream."""
     # The search calls this twice per candidate it scores: the per-layer lists are read into
     # locals and two-way maxima written as conditionals (same values, about a quarter less time).
-    L, S, GS, AS = w.n_layers, w.weight_slots, w.grad_slots, w.act_slots
-    streamed, grads_home, act_count, act_bytes = w.streamed, w.grads_home, w.act_count, w.act_bytes
-    bwd_s, fwd_s, layer_bytes, grad_bytes = w.bwd_s, w.fwd_s, w.layer_bytes, w.grad_bytes
-    order = [i for i in range(L) if streamed[i]]
+    S, streamed, act_bytes, layer_bytes = w.weight_slots, w.streamed, w.act_bytes, w.layer_bytes
+    order = [i for i in range(w.n_layers) if streamed[i]]
     n = len(order)
     fpos = {layer: j for j, layer in enumerate(order)}
     held = min(S, n)
-    n_g = sum(grads_home)
+    n_g = sum(w.grads_home)
     acts = sum(act_bytes)
     sums = 0 if first else 1
     h_f = w.embed_rows_bytes + (n if first else n - held) * layer_bytes + w.head_w_bytes \
         + sums * w.head_g_bytes
-    h_b = (n - held) * layer_bytes + sums * n_g * grad_bytes + acts
-    d_b = n_g * grad_bytes + w.head_g_bytes + w.embed_grad_rows_bytes
+    h_b = (n - held) * layer_bytes + sums * n_g * w.grad_bytes + acts
+    d_b = n_g * w.grad_bytes + w.head_g_bytes + w.embed_grad_rows_bytes
     rhf, rdf = duplex_rates(h_f, acts, p)
     rhb, rdb = duplex_rates(h_b, d_b, p)
-    layer_f, layer_b, grad_b = layer_bytes / rhf, layer_bytes / rhb, grad_bytes / rhb
-    grad_d = grad_bytes / rdb
 
-    t = dfree = exp_h = exp_d = 0.0
     use_end: list[float] = []
-    fwd_items, bwd_items = _Items(), _Items()
+    fwd_items = _Items()
+    t, hfree, dfree, exp_h, exp_d = _forward(w, fpos, first, rhf, rdf, use_end, fwd_items)
+
+    arr = t  # head: its weights and running grad sum queue behind the forward's loads
+    if w.head_w_bytes or (sums and w.head_g_bytes):
+        hfree += (w.head_w_bytes + sums * w.head_g_bytes) / rhf
+        arr = max(arr, hfree)
+    exp_h += arr - t
+    t = arr + w.head_s
+    if w.head_g_bytes:
+        dfree = max(dfree, t) + w.head_g_bytes / rdb
+
+    t, hfree, dfree, exp_h, exp_d = _backward(w, fpos, first, n - held, rhb, rdb, use_end,
+                                              fwd_items, (t, hfree, dfree, exp_h, exp_d))
+    if w.embed_grad_rows_bytes:
+        dfree = max(dfree, t) + w.embed_grad_rows_bytes / rdb
+    tail = max(hfree, dfree) - t
+    if tail > 0:
+        if dfree >= hfree:
+            exp_d += tail
+        else:
+            exp_h += tail
+        t += tail
+    return RoundResult(time_s=t, exposed_h2d_s=exp_h, exposed_d2h_s=exp_d,
+                       h2d_bytes=round(h_f + h_b), d2h_bytes=round(acts + d_b))
+
+
+def _forward(w: Workload, fpos: dict[int, int], first: bool, rhf: float, rdf: float,
+             use_end: list[float], fwd_items: _Items) -> tuple[float, float, float, float, float]:
+    """The forward windows F0..F(L-1) of simulate_round, at the forward phase's rates: (time,
+    h2d free, d2h free, exposed h2d, exposed d2h) after them. Appends each streamed layer's end
+    of use to `use_end` and each window's home activations to `fwd_items`."""
+    L, S, AS = w.n_layers, w.weight_slots, w.act_slots
+    streamed, act_count, act_bytes, fwd_s = w.streamed, w.act_count, w.act_bytes, w.fwd_s
+    layer_f = w.layer_bytes / rhf
+    t = dfree = exp_h = exp_d = 0.0
     fwd_time = fwd_items.time
-    n_items = sum(act_count)
     hfree = w.embed_rows_bytes / rhf  # the round's embedding rows, needed by layer 0
     fi = 0
     for layer in range(L):  # forward
@@ -164,16 +193,23 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
         if is_streamed:
             use_end.append(end)
         t = end
+    return t, hfree, dfree, exp_h, exp_d
 
-    arr = t  # head: its weights and running grad sum queue behind the forward's loads
-    if w.head_w_bytes or (sums and w.head_g_bytes):
-        hfree += (w.head_w_bytes + sums * w.head_g_bytes) / rhf
-        arr = max(arr, hfree)
-    exp_h += arr - t
-    t = arr + w.head_s
-    if w.head_g_bytes:
-        dfree = max(dfree, t) + w.head_g_bytes / rdb
 
+def _backward(w: Workload, fpos: dict[int, int], first: bool, not_held: int, rhb: float,
+              rdb: float, use_end: list[float], fwd_items: _Items,
+              state: tuple[float, float, float, float, float]
+              ) -> tuple[float, float, float, float, float]:
+    """The backward windows B(L-1)..B0 of simulate_round, at the backward phase's rates, from
+    `state` (time, h2d free, d2h free, exposed h2d, exposed d2h) after the head; the same after
+    them. `not_held`: streamed layers whose weights the forward did not leave in slots."""
+    L, S, GS, AS = w.n_layers, w.weight_slots, w.grad_slots, w.act_slots
+    streamed, grads_home, act_count, act_bytes = w.streamed, w.grads_home, w.act_count, w.act_bytes
+    bwd_s = w.bwd_s
+    layer_b, grad_b, grad_d = w.layer_bytes / rhb, w.grad_bytes / rhb, w.grad_bytes / rdb
+    t, hfree, dfree, exp_h, exp_d = state
+    bwd_items = _Items()
+    n_items = sum(act_count)
     g_done: list[float] = []
     bj = 0
     for layer in reversed(range(L)):  # backward
@@ -182,7 +218,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
         is_streamed = streamed[layer]
         if is_streamed:
             j = fpos[layer]
-            if j < n - held:
+            if j < not_held:
                 u = use_end[len(use_end) - S]
                 if u > hfree:
                     hfree = u
@@ -239,17 +275,7 @@ def simulate_round(w: Workload, p: HardwareProfile, *, first: bool) -> RoundResu
         if is_streamed:
             use_end.append(end)
         t = end
-    if w.embed_grad_rows_bytes:
-        dfree = max(dfree, t) + w.embed_grad_rows_bytes / rdb
-    tail = max(hfree, dfree) - t
-    if tail > 0:
-        if dfree >= hfree:
-            exp_d += tail
-        else:
-            exp_h += tail
-        t += tail
-    return RoundResult(time_s=t, exposed_h2d_s=exp_h, exposed_d2h_s=exp_d,
-                       h2d_bytes=round(h_f + h_b), d2h_bytes=round(acts + d_b))
+    return t, hfree, dfree, exp_h, exp_d
 
 
 def _act_slot(i: int, bwd_items: _Items, fwd_items: _Items, n_items: int) -> float:
