@@ -54,12 +54,6 @@ class RingRank:
         self.warm_up_parts = warm_up(rp.plan, be, self.ex.schedule, background)
         """warm_up's seconds per part (and, on a GPU, the cuDNN graphs built / read from disk)."""
 
-    def _blocks(self):
-        """(global key, Block) for the blocks this rank owns."""
-        rp, ex = self.rp, self.ex
-        out = [("embed", ex.embed)] if rp.has_embed else []
-        out += [(f"layer{g}", ex.layers[j]) for j, g in enumerate(rp.layers)]
-        return out + ([("head", ex.head)] if rp.has_head else [])
 
     def _init_state(self, seed: int) -> None:
         """Zero grads, m and v; initialise each owned block's weights (the global model's)
@@ -69,14 +63,15 @@ class RingRank:
         2.4 on 32b's embedding or head rank."""
         cfg = self.rp.plan.model  # same shapes as the global model; n_layers is the rank's
         self.be.synchronize()
-        for key, b in self._blocks():
+        for ref in self.block_refs():  # global layer indices
+            b = self._block(ref)
             zero_state(self.be, b)
-            if key == "embed":
+            if ref.kind is BlockKind.EMBED:
                 fill = functools.partial(init.init_embed_block, cfg, seed)
-            elif key == "head":
+            elif ref.kind is BlockKind.HEAD:
                 fill = functools.partial(init.init_head_block, cfg, seed)
             else:  # the initialiser keys on the global layer index, not on n_layers
-                g = int(key[5:])
+                g = ref.layer
                 fill = functools.partial(init.init_layer_block, _with_layers(cfg, g + 1), g, seed)
             init_weights(self.ex, self.be, b, fill)
 
