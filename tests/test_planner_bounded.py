@@ -29,6 +29,7 @@ from dataflow.models.errors import ConfigError
 from dataflow.models.hf import save_pretrained
 from dataflow.models.init import init_model
 from dataflow.models.serial import to_dict
+from dataflow.progress import SlowNotice
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(name="two", vocab_size=300, model_dim=64, head_dim=16, n_layers=2, n_heads=4,
@@ -147,3 +148,16 @@ def test_demo_on_cpu_says_the_prediction_is_rough_and_prints_step_mfu(caplog):
     step = re.search(r"step 1: loss .* MFU +(\d+\.\d)%  HFU +(\d+\.\d)%", err)
     assert plan_mfu and step, err
     assert "n/a" not in step.group(0)
+
+
+def test_slow_notice_says_a_long_call_is_still_running_and_a_short_one_nothing():
+    """SlowNotice (the demo's 'planning ...: still running after N s') speaks only past its
+    interval."""
+    said = []
+    with SlowNotice("planning x", said.append, interval_s=0.05, hint="Ctrl-C stops it"):
+        time.sleep(0.3)
+    assert said and said[0].startswith("planning x: still running after") and "Ctrl-C" in said[0]
+    quiet = []
+    with SlowNotice("planning y", quiet.append, interval_s=5):
+        pass
+    assert quiet == []

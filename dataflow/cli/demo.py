@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 done; 2 bad input (including budgets above the memory this "
                "machine has); 1 failure while running; 3 the loss or gradient norm became NaN "
                "or infinite; 130/143 stopped by SIGINT/SIGTERM (the first signal stops after "
-               "the step in progress, a second one at once; --json, --trace and --metrics are "
-               "closed and valid either way).")
+               "the step in progress, a second one at once; while planning the first one stops "
+               "at once; --json, --trace and --metrics are closed and valid either way).")
     p.add_argument("host_gb", type=checks.positive_float,
                    help="host (pinned) memory budget, GiB")
     p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
