@@ -29,6 +29,7 @@ from dataflow.models.errors import ConfigError
 from dataflow.models.hf import save_pretrained
 from dataflow.models.init import init_model
 from dataflow.models.serial import to_dict
+from dataflow.models.storage import save_model
 from dataflow.progress import SlowNotice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,3 +162,17 @@ def test_slow_notice_says_a_long_call_is_still_running_and_a_short_one_nothing()
     with SlowNotice("planning y", quiet.append, interval_s=5):
         pass
     assert quiet == []
+
+
+def test_demo_refuses_a_saved_model_whose_config_disagrees_with_its_manifest(tmp_path, capsys):
+    """A dataflow model directory (save_model) whose config.json was edited to 10^6 layers: its
+    manifest's block count is compared first, exit 2 in a line within 10 s."""
+    path = save_model(init_model(SMALL, 0), tmp_path / "saved")
+    data = json.loads((path / "config.json").read_text())
+    data["n_layers"] = 1_000_000
+    (path / "config.json").write_text(json.dumps(data))
+    t0 = time.perf_counter()
+    code = demo_main(["1", "0.25", "64", str(path), "--backend", "numpy"])
+    assert time.perf_counter() - t0 < 10
+    err = _one_line(capsys, code)
+    assert "n_layers 1,000,000" in err and "2 layer block(s)" in err, err
