@@ -9,7 +9,11 @@ labels[:, j + 1] (tokens[:, j + 1] without labels), so labels are shifted inside
 LlamaForCausalLM shifts them. A document starts wherever doc_ids change, or wherever the position
 ids do not continue (p[j] != p[j - 1] + 1); attention never crosses a start, and RoPE uses the
 position inside the document (with position_ids: the given ids). Without labels, the last token
-of a document predicts nothing (its target is the next document's first token)."""
+of a document predicts nothing (its target is the next document's first token).
+
+Each of them may be an array (NumPy, CuPy, anything with __array__ or __dlpack__) or a list of
+equal-length lists of ids, as a tokenizer's input_ids come without return_tensors: taken as the
+array NumPy makes of it (the same bits), ragged rows refused by name."""
 
 from __future__ import annotations
 
@@ -50,7 +54,16 @@ def _as_int_array(name: str, value, want: tuple[int, int] | None) -> np.ndarray:
             value = np.from_dlpack(value)
         except (TypeError, RuntimeError, BufferError):
             value = value.get() if hasattr(value, "get") else np.asarray(value)
-    arr = np.asarray(value)
+    try:  # a list of equal-length lists of ids (a tokenizer's input_ids) is taken as its array
+        arr = np.asarray(value)
+    except ValueError:  # NumPy refuses ragged nesting: rows of different lengths
+        lengths = sorted({len(r) for r in value if hasattr(r, "__len__")}) \
+            if isinstance(value, (list, tuple)) else []
+        shown = ", ".join(map(str, lengths[:4])) + (", ..." if len(lengths) > 4 else "")
+        raise ConfigError(f"{name} is a nested list whose rows have different lengths "
+                          f"({shown}); "
+                          "every row holds seqlen + 1 ids: pad or pack the rows to one "
+                          "length") from None
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
         raise ConfigError(f"{name} must be a 2-D integer array, got shape {arr.shape} dtype "
                           f"{arr.dtype}")

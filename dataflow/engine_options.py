@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -42,6 +43,33 @@ def check_option_names(given: Iterable[str], valid: Iterable[str], where: str) -
                                  name=name, suggestion=close[0] if close else None)
 
 
+def _kind(value) -> str:
+    """'a string', 'a list', 'None': what a refused value is, in words."""
+    if value is None:
+        return "None"
+    words = {str: "string", bool: "bool", list: "list", tuple: "tuple", dict: "dict",
+             float: "float", int: "int", bytes: "bytes object"}
+    name = words.get(type(value), type(value).__name__)
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def check_numbers(owner, reals: tuple[str, ...] = (), whole: tuple[str, ...] = (),
+                  optional: tuple[str, ...] = ()) -> None:
+    """Refuse, by name, a field of `owner` that is not a number ('host_gb must be a number, got
+    '1' (a string)'): `reals` any real number, `whole` a whole number; a name also in
+    `optional` may be None. bool is refused (True is not a budget). The values themselves are
+    checked where they are used (Budget, AdamWConfig, the planner), which name them too."""
+    for names, cls, words in ((reals, numbers.Real, "a number"),
+                              (whole, numbers.Integral, "a whole number")):
+        for name in names:
+            value = getattr(owner, name)
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, cls):
+                alt = " or None" if name in optional else ""
+                raise ConfigError(f"{name} must be {words}{alt}, got {value!r} ({_kind(value)})")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunOptions:
     """How an Engine runs a plan (everything but the plan itself); Engine.from_plan takes it
@@ -65,6 +93,15 @@ class RunOptions:
     schedule: Any = None
     deferred_update: bool = True
     backward_update: bool = False
+
+    def __post_init__(self) -> None:
+        check_numbers(self, reals=("lr", "eps", "weight_decay", "max_grad_norm"),
+                      whole=("seed", "sanitize_seed"), optional=("max_grad_norm",))
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas)):
+            raise ConfigError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r} "
+                              f"({_kind(betas)})")
 
     @classmethod
     def from_keywords(cls, options: dict, where: str) -> "RunOptions":
@@ -108,6 +145,13 @@ class EngineOptions:
     profile: Any = None
     plan_options: dict | None = None
     run: RunOptions = dataclasses.field(default_factory=RunOptions)
+
+    def __post_init__(self) -> None:
+        check_numbers(self, reals=("host_gb", "dev_gb"),
+                      whole=("seqlen", "seqs_per_step", "tokens_per_step"),
+                      optional=("seqs_per_step", "tokens_per_step"))
+        if not isinstance(self.run, RunOptions):
+            raise ConfigError(f"run must be a RunOptions, got {_kind(self.run)}")
 
     def plan_keywords(self) -> dict:
         """plan_options with seqs_per_step / tokens_per_step added where given: the keywords

@@ -124,3 +124,32 @@ class StepWatch:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class SlowNotice:
+    """While a long call runs, every `interval_s` write `say(line)` saying it is still running:
+    `with SlowNotice("planning 8b", log.info, hint="Ctrl-C stops it"): make_plan(...)`. A call
+    shorter than the interval writes nothing (the planner's search has no cheap fraction done,
+    so this says only the time)."""
+
+    def __init__(self, label: str, say, *, interval_s: float = 5.0, hint: str = ""):
+        self.label, self.say, self.interval_s, self.hint = label, say, interval_s, hint
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dataflow-slow-notice",
+                                        daemon=True)
+        self._t0 = 0.0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            elapsed = time.perf_counter() - self._t0
+            self.say(f"{self.label}: still running after {elapsed:.0f} s"
+                     + (f" ({self.hint})" if self.hint else ""))
+
+    def __enter__(self) -> "SlowNotice":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

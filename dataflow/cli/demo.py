@@ -26,13 +26,17 @@ from dataflow.metrics_log import FORMATS, MetricsLog, run_metadata
 from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError, NonFiniteError
 from dataflow.models.serial import to_dict
-from dataflow.progress import Progress, StepWatch
+from dataflow.progress import Progress, SlowNotice, StepWatch
 
 # The engine and models.hf load NumPy and numba (seconds): they are imported inside the
 # functions that train, so --help and a refused argument answer at once.
 
 log = logging.getLogger("dataflow.demo")
 PROG = "dataflow-demo"
+CPU_CAVEAT = ("  (a rough prediction: the CPU profile is not calibrated, its peak and rates are "
+              "round guesses, so measured tok/s may differ several-fold; MFU and HFU use the "
+              "same guessed peak in the plan and in each step)")
+"""Said under the plan's prediction when it was made for the NumPy backend's CPU profile."""
 
 
 def _metrics_path(text: str) -> str:
@@ -49,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 done; 2 bad input (including budgets above the memory this "
                "machine has); 1 failure while running; 3 the loss or gradient norm became NaN "
                "or infinite; 130/143 stopped by SIGINT/SIGTERM (the first signal stops after "
-               "the step in progress, a second one at once; --json, --trace and --metrics are "
-               "closed and valid either way).")
+               "the step in progress, a second one at once; while planning the first one stops "
+               "at once; --json, --trace and --metrics are closed and valid either way).")
     p.add_argument("host_gb", type=checks.positive_float,
                    help="host (pinned) memory budget, GiB")
     p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
@@ -142,7 +146,11 @@ def _run(args, stop: checks.StopSignals) -> int:
     from dataflow.models.hf import model_config  # loads numba: off the --help path (top)
 
     t_start = time.perf_counter()
+    from dataflow.engine.setup import check_weights_match  # loads numba: off the --help path
+
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory
+    if not _is_zoo(args.model):  # before any planning: a wrong config.json can plan for hours
+        check_weights_match(cfg, args.model)
     lr = args.lr or default_lr(cfg.model_dim)
     if args.gpus > 1:
         if args.fast_attention:
@@ -182,11 +190,15 @@ def _run(args, stop: checks.StopSignals) -> int:
             extra["attention_bwd"] = "fast"
         if args.seqs_per_step or args.tokens_per_step:
             extra.update(seqs_per_step=args.seqs_per_step, tokens_per_step=args.tokens_per_step)
-        plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb), profile,
-                         **extra)
+        # the first signal stops a search at once (no step to finish); one that runs long says so
+        with stop.abortable(first_signal=True), SlowNotice(
+                f"planning {cfg.name} ({cfg.n_layers:,} layers)", log.info,
+                hint="Ctrl-C stops it"):
+            plan = make_plan(cfg, args.seqlen, Budget.from_gib(args.host_gb, args.dev_gb),
+                             profile, **extra)
     checks.check_budgets_fit_machine(plan, be_probe)
-    log.info("%s", explain(plan, update="backward" if args.backward_update
-                           else "end" if args.eager_update else "deferred"))
+    log.info("%s", _with_caveat(plan, explain(plan, update="backward" if args.backward_update
+                                              else "end" if args.eager_update else "deferred")))
 
     if stop.signum:
         return _interrupted(args, stop)
@@ -226,6 +238,18 @@ def _run(args, stop: checks.StopSignals) -> int:
     if stop.signum:
         return _interrupted(args, stop)
     return 0
+
+
+def _with_caveat(plan, text: str) -> str:
+    """The plan's explanation, with CPU_CAVEAT under its prediction when the profile is the
+    CPU one (the NumPy backend's): the lines after 'Prediction on cpu' up to the search's own
+    estimate are the prediction."""
+    if plan.profile.name != "cpu":
+        return text
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if line.startswith("  (the search ranked")),
+              len(lines) - 1)
+    return "\n".join(lines[:at + 1] + [CPU_CAVEAT] + lines[at + 1:])
 
 
 def _interrupted(args, stop) -> int:
@@ -316,12 +340,13 @@ class _Run:
             args.stop_status = self.status
 
     def _report(self, r, bar) -> None:
-        plan, backend = self.plan, self.backend
+        plan = self.plan
         for i, loss in enumerate(r.round_losses):
             bar.info("step %d round %d: %d seqs, %d tokens, loss %.4f", r.step, i,
                      plan.chunking.seqs_per_round, plan.chunking.tokens_per_round, loss)
-        mfu = f"{r.mfu:6.1%}" if backend != "numpy" else "   n/a"
-        hfu = f"{r.hfu:6.1%}" if backend != "numpy" else "   n/a"
+        # the plan's peak and formula (docs/flops.md), so a step's MFU compares with the plan's;
+        # on a CPU both rest on the CPU profile's guessed peak (CPU_CAVEAT)
+        mfu, hfu = f"{r.mfu:6.1%}", f"{r.hfu:6.1%}"
         norm = f"{r.grad_norm:.3g}" if r.grad_norm is not None else "n/a"
         bar.info("step %d: loss %.4f  lr %.3g  grad_norm %s  %.0f tok/s  %.1f TFLOP/s  MFU %s  "
                  "HFU %s  %.2f s (FLOP model %s)", r.step, r.loss, r.lr, norm, r.tok_per_s,

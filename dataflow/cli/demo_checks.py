@@ -167,7 +167,8 @@ def _gpu_free_bytes() -> int | None:
 class StopSignals:
     """`with StopSignals() as stop:` the first SIGINT or SIGTERM asks to stop before the next
     step (`stop.signum` is set; the loop checks it); a second one, inside `with stop.abortable():`
-    (initialisation, a step), raises KeyboardInterrupt at once, abandoning that work; outside it
+    (initialisation, a step), raises KeyboardInterrupt at once, abandoning that work (inside
+`stop.abortable(first_signal=True)`, planning, the first one does); outside it
     (writing the trace, metrics or a checkpoint) the stop waits for the loop, so no file is left
     half-written. Restores the previous handlers on exit (ignores further stop signals once a
     stop was asked for, so the exit code stands). Outside the main thread (where Python
@@ -177,9 +178,12 @@ class StopSignals:
         self.signum: int | None = None
         self._previous = {}
         self._abortable = False
+        self._at_first = False
 
-    def abortable(self) -> "_Abortable":
-        return _Abortable(self)
+    def abortable(self, *, first_signal: bool = False) -> "_Abortable":
+        """Inside it a second signal stops at once; with first_signal=True the first one too
+        (planning: nothing is half-done or half-written there, and no step would end it)."""
+        return _Abortable(self, first_signal)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
@@ -187,6 +191,9 @@ class StopSignals:
                 raise KeyboardInterrupt
             return
         self.signum = signum
+        if self._at_first:
+            log.info("%s: stopping now", signal.Signals(signum).name)
+            raise KeyboardInterrupt
         log.info("%s: stopping after the step in progress (send it again to stop now)",
                  signal.Signals(signum).name)
 
@@ -211,11 +218,13 @@ class StopSignals:
 
 
 class _Abortable:
-    def __init__(self, stop: StopSignals):
-        self.stop = stop
+    def __init__(self, stop: StopSignals, first_signal: bool):
+        self.stop, self.first_signal = stop, first_signal
 
     def __enter__(self) -> None:
         self.stop._abortable = True
+        self.stop._at_first = self.first_signal
 
     def __exit__(self, *exc) -> None:
         self.stop._abortable = False
+        self.stop._at_first = False

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
 import time
 from pathlib import Path
 
@@ -27,8 +29,9 @@ from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models import init
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import is_hf_dir, model_config, open_weights
+from dataflow.models.hf import INDEX, SINGLE, is_hf_dir, model_config, open_weights
 from dataflow.models.layout import BlockKind
+from dataflow.models.safetensors_io import SafetensorsFile
 from dataflow.models.serial import from_dict
 from dataflow.optimizer import AdamW, AdamWConfig
 from dataflow.warmup import start_host_compile, start_prebuild, warm_up
@@ -84,6 +87,8 @@ def plan_engine(model, options: EngineOptions) -> Planned:
         cfg = model if isinstance(model, ModelConfig) else model_config(model)
     run.check()
     refuse_moe_backend(cfg, run.backend)  # a caller's own backend, before the plan
+    if isinstance(run.weights, (str, Path)):  # before the plan: a wrong config can take long
+        check_weights_match(cfg, run.weights)
     t0 = time.perf_counter()
     be = backend_for(run)
     t1 = time.perf_counter()
@@ -178,6 +183,63 @@ def load_weights(state: StateIO, weights, progress) -> None:
         state.write(b, block)
         if progress is not None:
             progress.update()
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+EMBED_NAME = "model.embed_tokens.weight"
+
+
+def check_weights_match(cfg: ModelConfig, path) -> None:
+    """Refuse a model directory whose weights do not have the shape its config says: the number
+    of layers stored, the hidden size and the vocabulary (Hugging Face: read from the safetensors
+    headers and index only, no tensor; a saved model: its manifest's block count). Cheap, so it
+    runs before planning: a config.json saying 1,000,000 layers over weights for 2 must fail in a
+    line, not after the planner has searched a million-layer model."""
+    path = Path(path)
+    if is_hf_dir(path):
+        shapes = _hf_shapes(path)
+        layers = {int(m.group(1)) for n in shapes if (m := _LAYER_NAME.match(n))}
+        stored = max(layers) + 1 if layers else 0
+        if stored != cfg.n_layers:
+            raise ConfigError(f"{path / 'config.json'} says num_hidden_layers {cfg.n_layers:,} "
+                              f"but the weights hold {stored:,} layer(s); config.json and the "
+                              f"weights disagree: set num_hidden_layers {stored}")
+        embed = shapes.get(EMBED_NAME)
+        if embed is not None and tuple(embed) != (cfg.vocab_size, cfg.model_dim):
+            raise ConfigError(f"{path / 'config.json'} says vocab_size {cfg.vocab_size:,} and "
+                              f"hidden_size {cfg.model_dim:,} but {EMBED_NAME} has shape "
+                              f"{list(embed)}; config.json and the weights disagree")
+    elif (path / "manifest.json").is_file():
+        try:
+            blocks = json.loads((path / "manifest.json").read_text()).get("blocks")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return  # read_manifest names a damaged manifest when the weights are loaded
+        stored = sum(1 for b in blocks if isinstance(b, dict) and b.get("kind") == "layer") \
+            if isinstance(blocks, list) else cfg.n_layers
+        if stored != cfg.n_layers:
+            raise ConfigError(f"{path / 'config.json'} says n_layers {cfg.n_layers:,} but "
+                              f"{path / 'manifest.json'} lists {stored:,} layer block(s); the "
+                              "config and the weights disagree: re-save the model")
+
+
+def _hf_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Tensor name -> shape of a Hugging Face directory (None for tensors of shards that are
+    not read: only the shard holding the embedding is opened)."""
+    if not (path / INDEX).is_file():
+        f = SafetensorsFile(path / SINGLE)
+        return {n: f.shape(n) for n in f.names()}
+    try:
+        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{path / INDEX} has no weight_map; re-save the model")
+    shapes = dict.fromkeys(weight_map)
+    if EMBED_NAME in weight_map:
+        f = SafetensorsFile(path / weight_map[EMBED_NAME])
+        if EMBED_NAME in f:
+            shapes[EMBED_NAME] = f.shape(EMBED_NAME)
+    return shapes
 
 
 def refuse_moe_backend(cfg: ModelConfig, backend) -> None:
