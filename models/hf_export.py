@@ -123,7 +123,10 @@ class ExportResult:
                 f"{self.n_params / 1e6:.1f}M parameters, bf16) to {self.path}: "
                 f"{len(self.files)} files, {_size(self.nbytes)} ({', '.join(self.files)})")
         if self.source is not None:
-            line += f"; kept from {self.source}: {', '.join(('config values',) + self.kept)}"
+            n_tok = sum(name in TOKENIZER_FILES for name in self.kept)
+            kept = ["config values"] + (["generation config"] if GENERATION_CONFIG in self.kept
+                                        else []) + ([f"tokenizer ({n_tok} files)"] if n_tok else [])
+            line += f"; kept from {self.source}: {', '.join(kept)}"
         if self.changes:
             line += f"; changed: {', '.join(self.changes)}"
         if self.missing:

@@ -6,6 +6,7 @@ its refusal, and a failed export leaves nothing behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -48,12 +49,15 @@ def _engine(model=ODD, **kw):
     return Engine(model, host_gb=0.5, dev_gb=0.25, seqlen=64, backend="numpy", **kw)
 
 
-def _hf_source(path):
-    """A Hugging Face directory of ODD with a tokenizer, a generation config and config values
+QWEN3 = dataclasses.replace(ODD, name="qwen3-odd", family="qwen3", qk_norm=True, head_dim=32)
+
+
+def _hf_source(path, cfg=ODD):
+    """A Hugging Face directory of `cfg` with a tokenizer, a generation config and config values
     our ModelConfig does not hold (token ids, a 512-token context, fp32 stated)."""
-    with _engine(seed=5) as eng:
+    with _engine(cfg, seed=5) as eng:
         eng.save_pretrained(path)
-    config = {**hf_config_dict(ODD), **SOURCE_CONFIG}
+    config = {**hf_config_dict(cfg), **SOURCE_CONFIG}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for name, body in TOKENIZER_FILES.items():
         (path / name).write_bytes(body)
@@ -94,6 +98,20 @@ def test_export_of_a_run_trained_from_hf_keeps_tokenizer_and_config(trained_run,
     assert line.startswith(f"dataflow-export: wrote LlamaForCausalLM (3 layers, ")
     assert str(out) in line and "tokenizer.json" in line and "model.safetensors" in line
     assert "torch_dtype float32 -> bfloat16" in line and "no tokenizer" not in line
+
+
+def test_qwen3_export_keeps_its_family_and_context_length(tmp_path, capsys):
+    """A Qwen3 source exports as Qwen3ForCausalLM with its own max_position_embeddings (512
+    stays 512), and the summary line names Qwen3ForCausalLM."""
+    _hf_source(tmp_path / "src", QWEN3)
+    with _engine(str(tmp_path / "src")) as eng:
+        eng.save_checkpoint(tmp_path / "run")
+    capsys.readouterr()
+    assert main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["max_position_embeddings"] == 512 and cfg["bos_token_id"] == 1
+    assert "wrote Qwen3ForCausalLM (3 layers" in capsys.readouterr().err
 
 
 def test_resumed_run_keeps_the_source_in_its_next_checkpoint(trained_run, tmp_path):
