@@ -69,6 +69,10 @@ def _train_one_step(eng, seed=0):
     eng.train_step(rng.integers(0, ODD.vocab_size, (eng.seqs_per_step, 65)))
 
 
+def _step_dir(run):
+    return run / sorted(p.name for p in run.iterdir() if p.name.startswith("step_"))[-1]
+
+
 @pytest.fixture
 def trained_run(tmp_path):
     """A checkpoint of one step trained from a Hugging Face directory that is then moved away."""
@@ -186,27 +190,63 @@ def test_export_refuses_a_directory_that_is_not_a_model_and_writes_nothing(train
 def test_failed_export_leaves_no_directory_behind(trained_run, tmp_path, capsys):
     """A checkpoint whose block fails its checksum mid-export exits 2 and leaves neither
     OUT_DIR, nor a hidden temporary, nor the parent directories the export made."""
-    block = trained_run / sorted(p.name for p in trained_run.iterdir()
-                                 if p.name.startswith("step_"))[-1] / "layer_001.bin"
+    block = _step_dir(trained_run) / "layer_001.bin"
     data = bytearray(block.read_bytes())
     data[10] ^= 0xFF
     block.write_bytes(bytes(data))
     assert main([str(trained_run), str(tmp_path / "a" / "b" / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert "layer_001.bin" in err and "Traceback" not in err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "layer_001.bin" in err and "Traceback" not in err
     assert not (tmp_path / "a").exists()
 
 
-def test_export_loads_with_transformers_autotokenizer_and_model(trained_run, tmp_path):
-    """transformers' AutoTokenizer and AutoModelForCausalLM load the export and generate."""
+
+def test_tampered_source_file_in_a_checkpoint_is_refused_naming_it(trained_run, tmp_path,
+                                                                   capsys):
+    """A checkpoint whose stored tokenizer fails its sha256 exits 2 naming the file, and no
+    export is written."""
+    tok = _step_dir(trained_run) / "source" / "tokenizer.json"
+    body = bytearray(tok.read_bytes())
+    body[3] ^= 0x01
+    tok.write_bytes(bytes(body))
+    assert main([str(trained_run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "source/tokenizer.json" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_to_a_file_is_refused_naming_it(trained_run, tmp_path, capsys):
+    """OUT_DIR that is a file: exit 2, one line naming it, the file untouched."""
+    out = tmp_path / "a_file"
+    out.write_text("x")
+    assert main([str(trained_run), str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "is a file" in err
+    assert out.read_text() == "x"
+
+
+def test_export_loads_with_transformers_autotokenizer(trained_run, tmp_path):
+    """transformers' AutoTokenizer loads the export: the source's tokens and special ids."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert main([str(trained_run), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok("hello world").input_ids[-2:] == [3, 4]
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.max_new_tokens) == (2, 7)
+
+
+def test_export_generates_with_transformers_automodel(trained_run, tmp_path):
+    """AutoModelForCausalLM loads the export (512-token context kept) and generates from the
+    tokenizer's ids."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
     out = tmp_path / "hf"
     assert main([str(trained_run), str(out)]) == 0
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
     ids = tok("hello world", return_tensors="pt").input_ids
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.max_position_embeddings == 512
     got = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert got.shape[1] >= ids.shape[1]
+    assert got.shape[1] > ids.shape[1]
