@@ -10,6 +10,11 @@ Layout of one checkpoint, `<root>/step_00000042/`:
     embed.m.bin, embed.v.bin, layer_000.m.bin ... AdamW m and v, same layout as the weights
     checkpoint.json                               step, plan, optimizer, schedule, data, rng, and
                                                   every file above with its size and sha256
+    source/config.json, source/tokenizer.json ... the Hugging Face files of the directory the
+                                                  model was imported from (models.hf_export
+                                                  SOURCE_FILES that existed), byte for byte, so
+                                                  dataflow-export writes a loadable directory
+                                                  after the source moved; absent otherwise
     checkpoint.json.sha256                        sha256 of checkpoint.json: written last, so a
                                                   checkpoint without it was never sealed
 """
@@ -35,6 +40,8 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.models.atomic_io import write_hashed
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ChecksumError, ConfigError
+from dataflow.models.hf import is_hf_dir
+from dataflow.models.hf_export import ModelSource, read_source
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind
 from dataflow.models.serial import from_dict, to_dict, to_json
@@ -54,6 +61,8 @@ dataflow.models.atomic_io's pieces of the same size."""
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TEMP_DIR = re.compile(r"^\.step_\d{8,}\.(tmp|old)-(\d+)-[0-9a-f]+$")
 _DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
+SOURCE_DIR = "source"
+"""The checkpoint's copy of its model's Hugging Face files (see the layout above)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,7 +132,8 @@ def save_checkpoint(eng, root: str | Path, *, data: dict | None = None, rng=None
     try:
         files, manifest_blocks = write_block_files(eng, eng.block_refs(), tmp)
         seal(tmp, eng.plan.model, files, manifest_blocks,
-             checkpoint_meta(eng.optimizer, eng.plan, step, data, rng, extra))
+             checkpoint_meta(eng.optimizer, eng.plan, step, data, rng, extra),
+             source=eng.model_source)
         final = root / step_dir_name(step)
         move_into_place(tmp, final)
     except BaseException:
@@ -191,19 +201,24 @@ def checkpoint_meta(optimizer, plan, step: int, data, rng, extra) -> dict:
 
 
 def seal(tmp: Path, cfg: ModelConfig, files: list[dict], manifest_blocks: list[dict],
-         meta: dict) -> None:
+         meta: dict, source: ModelSource | None = None) -> None:
     """Complete a checkpoint whose block files are in `tmp`: write config.json and manifest.json
-    (the weights then form a dataflow.models.storage model directory), checkpoint.json with `meta`, the
-    model and every file's size and sha256, and last the seal."""
+    (the weights then form a dataflow.models.storage model directory), the `source` files under
+    source/ (its path in checkpoint.json's "source"), checkpoint.json with `meta`, the model and
+    every file's size and sha256, and last the seal."""
     manifest = {"format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
                 "byte_order": "little", "blocks": manifest_blocks}
     files = list(files)
-    for name, text in (("config.json", to_json(cfg) + "\n"),
-                       ("manifest.json", json.dumps(manifest, indent=1) + "\n")):
-        body = text.encode()
+    written = [("config.json", (to_json(cfg) + "\n").encode()),
+               ("manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())]
+    if source is not None:
+        (tmp / SOURCE_DIR).mkdir()
+        written += [(f"{SOURCE_DIR}/{name}", body) for name, body in source.files]
+    for name, body in written:
         files.append({"file": name, "nbytes": len(body), "sha256": write_bytes(tmp / name,
                                                                                body)})
-    meta = {**meta, "model": to_dict(cfg), "files": files}
+    meta = {**meta, "model": to_dict(cfg), "files": files,
+            **({} if source is None else {"source": {"path": source.path}})}
     body = (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
     sha = write_bytes(tmp / META, body)
     write_bytes(tmp / SEAL, (sha + "\n").encode())  # last: the checkpoint is now whole
@@ -494,3 +509,38 @@ def _differences(a, b, label: str) -> list[str]:
                 for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return [f"{label}: checkpoint {a!r}, engine {b!r}"]
 
+
+
+# -- the model's source -------------------------------------------------------------------------
+def model_source(resume: Path | None, weights) -> ModelSource | None:
+    """The Hugging Face files an engine's model came from, read once when it is built: a
+    resumed checkpoint's source/ copy, else the Hugging Face directory its weights are loaded
+    from, else None (a zoo model, a config, a saved model directory)."""
+    if resume is not None:
+        return checkpoint_source(resume)
+    if isinstance(weights, (str, Path)) and is_hf_dir(weights):
+        return read_source(weights)
+    return None
+
+
+def checkpoint_source(path: str | Path) -> ModelSource | None:
+    """The source/ files a checkpoint stored (each checked against its sha256), or None for a
+    checkpoint of a model that came from no Hugging Face directory (or saved before checkpoints
+    stored sources)."""
+    path, meta = read_checkpoint(path)
+    record = meta.get("source")
+    if not isinstance(record, dict):
+        return None
+    files = []
+    for entry in meta["files"]:
+        name = entry["file"]
+        if not name.startswith(f"{SOURCE_DIR}/"):
+            continue
+        body = (path / name).read_bytes()
+        got = hashlib.sha256(body).hexdigest()
+        if got != entry["sha256"]:
+            raise ChecksumError(f"checkpoint file {path / name} fails its checksum: sha256 "
+                                f"{got}, {META} says {entry['sha256']}; re-copy the checkpoint",
+                                path=str(path / name), expected=entry["sha256"], actual=got)
+        files.append((name[len(SOURCE_DIR) + 1:], body))
+    return ModelSource(path=str(record.get("path")), files=tuple(files))

@@ -1,7 +1,8 @@
 """The weights of a checkpoint (a step directory, or the newest under a --checkpoint-dir) or of a
-saved model directory, read one block at a time with checksums verified, for
-`dataflow-export RUN_OR_CKPT OUT_DIR` (dataflow.cli.export) to write as a Hugging Face Llama
-directory. Never starts an engine or touches a device."""
+saved model directory, read one block at a time with checksums verified, and the Hugging Face
+files of the directory the model came from (a checkpoint's stored source/ copy), for
+`dataflow-export RUN_OR_CKPT OUT_DIR` (dataflow.cli.export) to write as a Hugging Face
+directory of the model's family. Never starts an engine or touches a device."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from dataflow.models.layout import BlockKind
 
 
 def blocks_of(source: str | Path, *, verify: bool = True):
-    """(ModelConfig, iterator of (kind, layer, block)) for a checkpoint or a model directory."""
+    """(ModelConfig, iterator of (kind, layer, block), ModelSource or None) for a checkpoint or
+    a model directory; the ModelSource is the Hugging Face files a checkpoint stored (a model
+    directory stores none)."""
     # Here, not at the top: they load numba (0.7 s), and `dataflow-export --help` imports this.
-    from dataflow.checkpoint import checkpoint_model, iter_weight_blocks, resolve_checkpoint
+    from dataflow.checkpoint import (checkpoint_model, checkpoint_source, iter_weight_blocks,
+                                     resolve_checkpoint)
 
     source = Path(source)
     try:
@@ -22,7 +26,8 @@ def blocks_of(source: str | Path, *, verify: bool = True):
     except ConfigError:
         ckpt = None
     if ckpt is not None:
-        return checkpoint_model(ckpt), iter_weight_blocks(ckpt, verify=verify)
+        return (checkpoint_model(ckpt), iter_weight_blocks(ckpt, verify=verify),
+                checkpoint_source(ckpt))
     # numba again (models.init, models.storage): see the import of dataflow.checkpoint above.
     from dataflow.models.init import BF16
     from dataflow.models.storage import load_block_into, read_manifest  # numba, as above
@@ -37,7 +42,7 @@ def blocks_of(source: str | Path, *, verify: bool = True):
             yield (_kind(entry["kind"]), entry["layer"],
                    load_block_into(source, entry["kind"], entry["layer"], out, verify=verify))
 
-    return cfg, gen()
+    return cfg, gen(), None
 
 
 def _kind(value: str):

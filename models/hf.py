@@ -15,6 +15,7 @@ transformers saves a tied model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import uuid
@@ -25,6 +26,8 @@ import numpy as np
 from dataflow.models.config import (FAMILY_ATTENTION, MOE_FAMILIES, SUPPORTED_ROPE_TYPES,
                                     ModelConfig, RopeScaling, RopeType, load_config)
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_export import (ExportResult, ModelSource, missing_tokenizer,
+                                       rebuilt_config, source_config)
 from dataflow.models.hf_moe import DROP, moe_from_hf, moe_hf_dict
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
@@ -419,20 +422,82 @@ class HFWeights:
 
 
 def save_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
-                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+                    source: ModelSource | None = None) -> Path:
+    """Write a Hugging Face directory at `path` from `blocks` and return the path
+    (export_pretrained, which also says what it wrote)."""
+    return export_pretrained(cfg, blocks, path, max_shard_bytes=max_shard_bytes,
+                             overwrite=overwrite, source=source).path
+
+
+def export_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
+                      max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+                      source: ModelSource | None = None,
+                      flag: str = "overwrite=True") -> ExportResult:
     """Write a Hugging Face directory (config.json in cfg's family's spelling) at `path` from
-    `blocks`, an iterable of
-    (kind, layer, 1-D bf16 block) in model order (embed, layers 0..L-1, head), consumed one at
-    a time. One model.safetensors when it fits in max_shard_bytes, else shards plus
-    model.safetensors.index.json. Atomic: written beside `path` and renamed into place."""
+    `blocks`, an iterable of (kind, layer, 1-D bf16 block) in model order (embed, layers
+    0..L-1, head), consumed one at a time. One model.safetensors when it fits in
+    max_shard_bytes, else shards plus model.safetensors.index.json. With `source` (the
+    Hugging Face directory the model was imported from, models.hf_export.ModelSource) its
+    config.json is kept (token ids, context length, rope spelling; dtype bfloat16) when it still
+    describes cfg, and its generation_config.json and tokenizer files are copied byte for byte.
+    All or nothing: written into a hidden directory beside `path`, renamed into place when
+    complete; on failure it and any parent directory this call made are removed. `flag`: how
+    the caller spells overwrite, for the refusal of an occupied `path`."""
     _refuse_unexportable(cfg)
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        if not (overwrite and path.is_dir() and is_hf_dir(path)):
-            raise ConfigError(f"{path} exists and is not empty; choose a new path (or pass "
-                              "overwrite=True to replace a Hugging Face model directory)")
-    layout = _blocks_of(cfg)
-    tensors = [(lay.full_name(t.name, layer), t) for _, layer, lay in layout for t in lay.tensors]
+    check_export_dir(path, overwrite, flag=flag)
+    made = [p for p in reversed(path.parents) if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        _write_weights(cfg, blocks, tmp, max_shard_bytes)
+        changes = _write_config(cfg, source, tmp)
+        kept = []
+        for name, body in source.copied() if source is not None else ():
+            (tmp / name).write_bytes(body)
+            kept.append(name)
+        files = tuple(sorted(p.name for p in tmp.iterdir()))
+        nbytes = sum((tmp / f).stat().st_size for f in files)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in reversed(made):  # deepest first; only those still empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
+    return ExportResult(path=path, architecture=ARCHITECTURES[cfg.family],
+                        n_layers=cfg.n_layers, n_params=cfg.n_params, files=files,
+                        nbytes=nbytes, source=None if source is None else source.path,
+                        kept=tuple(kept), changes=tuple(changes),
+                        missing=missing_tokenizer(cfg, source))
+
+
+def check_export_dir(path: str | Path, overwrite: bool, *, flag: str = "overwrite=True") -> None:
+    """Refuse an export to a file, to a non-empty directory that is not a Hugging Face model,
+    or to one that is without overwrite. `flag`: how the caller spells overwrite
+    ('overwrite=True' in Python, '--overwrite' on dataflow-export's command line)."""
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file; choose a new or empty directory to export to")
+    if not is_hf_dir(path):
+        raise ConfigError(f"{path} exists and holds files that are not a Hugging Face model "
+                          f"({flag} replaces only one); choose a new or empty directory")
+    if not overwrite:
+        raise ConfigError(f"{path} already holds a Hugging Face model; pass {flag} to replace "
+                          "it, or choose a new path")
+
+
+def _shards(cfg: ModelConfig, max_shard_bytes: int) -> list[list[tuple[str, object]]]:
+    """(name, tensor layout) of every tensor, grouped into shards of at most max_shard_bytes
+    (a tensor larger than that gets a shard alone)."""
+    tensors = [(lay.full_name(t.name, layer), t) for _, layer, lay in _blocks_of(cfg)
+               for t in lay.tensors]
     shards, current, size = [], [], 0
     for name, t in tensors:
         nbytes = 2 * t.numel
@@ -442,55 +507,77 @@ def save_pretrained(cfg: ModelConfig, blocks, path: str | Path, *,
         current.append((name, t))
         size += nbytes
     shards.append(current)
+    return shards
+
+
+def _write_weights(cfg: ModelConfig, blocks, tmp: Path, max_shard_bytes: int) -> None:
+    """The safetensors files (and index) of `blocks` in `tmp`, one block in memory at a time."""
+    shards = _shards(cfg, max_shard_bytes)
     n = len(shards)
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
                                      for i in range(n)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    shard_of = {name: i for i, shard in enumerate(shards) for name, _ in shard}
+    writers: list[SafetensorsWriter | None] = [None] * n
+    total = 0
+    it = iter(blocks)
+    for kind, layer, lay in _blocks_of(cfg):
+        try:
+            got_kind, got_layer, block = next(it)
+        except StopIteration:
+            raise ConfigError(f"save_pretrained got too few blocks: {kind.value} "
+                              f"{layer} is missing") from None
+        if (got_kind, got_layer) != (kind, layer) or block.size != lay.numel:
+            raise ConfigError(f"save_pretrained expected block {kind.value} {layer} of "
+                              f"{lay.numel} elements, got {got_kind} {got_layer} of "
+                              f"{block.size}")
+        for t in lay.tensors:
+            name = lay.full_name(t.name, layer)
+            i = shard_of[name]
+            if writers[i] is None:
+                if i and writers[i - 1] is not None:
+                    writers[i - 1].close()
+                writers[i] = SafetensorsWriter(
+                    tmp / names[i], [(nm, BF16, tt.shape) for nm, tt in shards[i]],
+                    metadata={"format": "pt"})
+            writers[i].write(name, lay.view(block, t.name).astype(BF16, copy=False))
+            total += 2 * t.numel
+        del block
+    for w in writers:
+        if w is not None:
+            w.close()
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: names[i] for name, i in shard_of.items()}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(cfg: ModelConfig, source: ModelSource | None, tmp: Path) -> list[str]:
+    """Write config.json into `tmp` (the source's where it still describes cfg, read back with
+    hf_config to check) and return the changes the summary states."""
+    ours = hf_config_dict(cfg)
+    data, changes = source_config(ours, source)
+    where = tmp / "config.json"
+    where.write_text(json.dumps(data, indent=2) + "\n")
+    if data is ours:
+        return changes
     try:
-        shard_of = {name: i for i, shard in enumerate(shards) for name, _ in shard}
-        writers: list[SafetensorsWriter | None] = [None] * n
-        total = 0
-        it = iter(blocks)
-        for kind, layer, lay in layout:
-            try:
-                got_kind, got_layer, block = next(it)
-            except StopIteration:
-                raise ConfigError(f"save_pretrained got too few blocks: {kind.value} "
-                                  f"{layer} is missing") from None
-            if (got_kind, got_layer) != (kind, layer) or block.size != lay.numel:
-                raise ConfigError(f"save_pretrained expected block {kind.value} {layer} of "
-                                  f"{lay.numel} elements, got {got_kind} {got_layer} of "
-                                  f"{block.size}")
-            for t in lay.tensors:
-                name = lay.full_name(t.name, layer)
-                i = shard_of[name]
-                if writers[i] is None:
-                    if i and writers[i - 1] is not None:
-                        writers[i - 1].close()
-                    writers[i] = SafetensorsWriter(
-                        tmp / names[i], [(nm, BF16, tt.shape) for nm, tt in shards[i]],
-                        metadata={"format": "pt"})
-                writers[i].write(name, lay.view(block, t.name).astype(BF16, copy=False))
-                total += 2 * t.numel
-            del block
-        for w in writers:
-            if w is not None:
-                w.close()
-        if n > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {name: names[shard_of[name]] for name, _ in tensors}}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        back = dataclasses.replace(hf_config(tmp), name=cfg.name)
+        why = None if back == cfg else "the source's config.json describes another shape"
+    except ConfigError as exc:
+        why = f"the source's config.json does not import: {exc}"
+    if why is None:
+        return changes
+    data, changes = rebuilt_config(ours, source, why)
+    where.write_text(json.dumps(data, indent=2) + "\n")
+    return changes
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename tmp to path; an old directory there is first moved aside, then deleted."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)

@@ -150,7 +150,9 @@ class Engine:
                                schedule=schedule, deferred_update=deferred_update,
                                backward_update=backward_update))
         planned = plan_engine(model, options)
+        source = checkpoint.model_source(planned.resume, planned.run.weights)  # HF files kept
         self._adopt(start(planned.plan, planned.backend, planned.run))
+        self.model_source = source
         if planned.resume is not None:
             try:  # the settings the caller passed are deliberate changes of the checkpoint's
                 self.load_checkpoint(planned.resume, allow_changes=True)
@@ -184,6 +186,7 @@ class Engine:
         run.check()
         self = object.__new__(cls)
         self._adopt(start(plan, backend_for(run), run))
+        self.model_source = checkpoint.model_source(None, run.weights)
         return self
 
     def _adopt(self, started: Started) -> None:
@@ -261,10 +264,11 @@ class Engine:
 
     @_serialised
     def save_pretrained(self, path, *, overwrite: bool = False):
-        """Write the weights as a Hugging Face Llama directory in bf16 (config.json and
-        safetensors), one block in host memory at a time."""
+        """Write the weights as a Hugging Face directory of the model's family in bf16
+        (config.json and safetensors, plus the source's tokenizer and generation config when
+        the model came from a Hugging Face directory), one block in host memory at a time."""
         return hf.save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
-                               overwrite=overwrite)
+                               overwrite=overwrite, source=self.model_source)
 
     # -- training (dataflow.engine.steps) -----------------------------------------------------
     @property
