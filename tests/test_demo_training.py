@@ -115,7 +115,7 @@ def test_demo_fast_attention_plans_the_fast_backward_and_trains(capsys):
 
 def test_default_warmup_is_cut_to_short_runs_only_up_to_1b_width():
     from dataflow.cli.demo_training import default_warmup
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf_config import model_config
 
     assert [default_warmup(model_config(n).model_dim, 3) for n in ("tiny", "1b", "8b")] == \
         [3, 3, 10]

@@ -139,7 +139,7 @@ def _train(args) -> int:
 
 
 def _run(args, stop: checks.StopSignals) -> int:
-    from dataflow.models.hf import model_config  # loads numba: off the --help path (top)
+    from dataflow.models.hf_config import model_config  # loads numba: off the --help path (top)
 
     t_start = time.perf_counter()
     cfg = model_config(args.model)  # a zoo name, a saved model or a Hugging Face directory

@@ -27,7 +27,8 @@ from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models import init
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import is_hf_dir, model_config, open_weights
+from dataflow.models.hf import open_weights
+from dataflow.models.hf_config import is_hf_dir, model_config
 from dataflow.models.layout import BlockKind
 from dataflow.models.serial import from_dict
 from dataflow.optimizer import AdamW, AdamWConfig
