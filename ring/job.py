@@ -22,7 +22,8 @@ from dataflow.ring.kinds import Placement, TransportKind
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RingJob:
     model: str
-    """Zoo name or a config path, or a ModelConfig as JSON (tests use small custom shapes)."""
+    """Any model argument (dataflow.models.hf_config.model_config), or a ModelConfig as JSON (tests
+    use small custom shapes)."""
     seqlen: int
     host_gb: float
     """Per-device budgets (GiB)."""
