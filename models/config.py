@@ -159,9 +159,7 @@ class MoE:
 
     def __post_init__(self) -> None:
         for field in ("n_experts", "top_k", "expert_ffn_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"moe {field} must be a positive integer, got {value!r}")
+            check_count(getattr(self, field), f"moe {field}")
         if self.top_k > self.n_experts:
             raise ConfigError(f"moe top_k {self.top_k} is more than n_experts "
                               f"{self.n_experts}; each token picks k distinct experts")

@@ -21,6 +21,7 @@ from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf import save_pretrained
 from dataflow.models.hf_config import hf_config, model_config
+from dataflow.models.hf_moe import moe_from_hf
 from dataflow.models.init import init_model
 
 SHAPE = ModelConfig(name="mine", vocab_size=256, model_dim=64, head_dim=16, n_layers=2,
@@ -228,3 +229,23 @@ def test_model_config_refuses_a_field_of_the_wrong_type_by_name(field, value, wo
     with pytest.raises(ConfigError) as err:
         dataclasses.replace(SHAPE, **{field: value})
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("family, key, value, words", [
+    ("olmoe", "num_experts", "64", "num_experts must be a positive whole number, got '64' "
+                                   "(a string)"),
+    ("olmoe", "num_experts_per_tok", 8.0, "num_experts_per_tok must be a positive whole number, "
+                                          "got 8.0 (a float); write 8"),
+    ("olmoe", "intermediate_size", 0, "intermediate_size must be a positive whole number, got 0"),
+    ("qwen3_moe", "moe_intermediate_size", True, "moe_intermediate_size must be a positive whole "
+                                                 "number, got true (true/false)"),
+    ("qwen3_moe", "norm_topk_prob", "true", "norm_topk_prob must be true or false, got 'true' "
+                                            "(a string)"),
+    ("qwen3_moe", "decoder_sparse_step", True, "decoder_sparse_step True is not supported"),
+])
+def test_moe_keys_of_the_wrong_type_are_refused_by_their_config_json_name(family, key, value,
+                                                                         words):
+    """OlmoeConfig's and Qwen3MoeConfig's counts are checked under their own key names."""
+    with pytest.raises(ConfigError) as err:
+        moe_from_hf({key: value}, family, "X", "d/config.json")
+    assert str(err.value).startswith("d/config.json: ") and words in str(err.value), err.value
