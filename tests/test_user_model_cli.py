@@ -86,6 +86,17 @@ def test_ring_resolves_a_hugging_face_directory_before_launching(hf_dir, capsys)
     assert "my-model has 2" in err and "--gpus 2" in err
 
 
+def test_ring_trains_a_step_of_a_hugging_face_directory_on_numpy_and_says_it_loads_no_weights(
+        hf_dir, capfd):
+    """A 1-step ring of 2 processes on the NumPy backend trains the directory's shape; the
+    launcher says, in one note, that the ring initialises from --seed rather than loading the
+    directory's weights."""
+    assert ring_cli.main(["--gpus", "2", "0.5", "0.25", "64", str(hf_dir), "--steps", "1",
+                          "--backend", "numpy"]) == 0
+    err = capfd.readouterr().err
+    assert "does not load its weights" in err and "step 1/1 loss" in err
+
+
 def test_probe_accepts_the_directory_and_refuses_cleanly_without_a_gpu(hf_dir, monkeypatch,
                                                                        capsys):
     """dataflow-probe --model DIR gets past the model (a bad one would be named) to the GPU
