@@ -39,7 +39,7 @@ from dataflow.memplan import InfeasibleBudget, make_plan
 from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.plan import Budget
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import model_config
+from dataflow.models.hf_config import model_config
 from dataflow.models.serial import to_json
 
 log = logging.getLogger("dataflow.budget_truth")

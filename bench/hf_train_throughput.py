@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         print(f"hf_train_throughput needs torch and transformers: {exc}", file=sys.stderr)
         return 2
     # dataflow.models.hf loads numba (about 2 s): imported after the torch check and --help
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf_config import model_config
 
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first warms up)")

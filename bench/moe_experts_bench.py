@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shape(model: str, tokens: int) -> dict:
-    from dataflow.models.hf import model_config  # loads numba (about 2 s): not on --help's path
+    from dataflow.models.hf_config import model_config  # loads numba (about 2 s): not on --help's path
 
     cfg = model_config(model)
     if cfg.moe is None:

@@ -40,7 +40,7 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.models.atomic_io import write_hashed
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ChecksumError, ConfigError
-from dataflow.models.hf import is_hf_dir
+from dataflow.models.hf_config import is_hf_dir
 from dataflow.models.hf_export import ModelSource, read_source
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind

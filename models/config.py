@@ -29,6 +29,46 @@ class RopeType(enum.Enum):
 SUPPORTED_ROPE_TYPES = tuple(t.value for t in RopeType)
 
 
+def described(value) -> str:
+    """`value` for a message, with its JSON kind when that is what is wrong: "'64' (a string)",
+    "64.0 (a float)", "true (true/false)", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (true/false)"
+    kinds = {str: "a string", float: "a float", list: "a list", tuple: "a list", dict: "an object"}
+    kind = kinds.get(type(value))
+    return f"{value!r} ({kind})" if kind else repr(value)
+
+
+def _written_as(value) -> str:
+    """How to write `value` so that it is read as a whole number, when it plainly is one."""
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        return f"; write {int(value)} without quotes"
+    if isinstance(value, float) and math.isfinite(value) and value == int(value) and value > 0:
+        return f"; write {int(value)}"
+    return ""
+
+
+def check_count(value, what: str) -> int:
+    """`value` if it is a positive whole number (not true/false, not 64.0, not '64'); else a
+    ConfigError naming `what`, the value, its kind and how to write it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive whole number, got {described(value)}"
+                          f"{_written_as(value)}")
+    return value
+
+
+def check_positive(value, what: str) -> float:
+    """`value` as a float if it is a positive finite number (an int or a float, not true/false
+    or a string); else a ConfigError naming `what` and the value."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        hint = "; write it without quotes" if isinstance(value, str) else ""
+        raise ConfigError(f"{what} must be a positive finite number, got {described(value)}{hint}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RopeScaling:
     """transformers' `rope_scaling` of a Llama 3.1/3.2 config.json, field for field. Inverse
@@ -119,9 +159,7 @@ class MoE:
 
     def __post_init__(self) -> None:
         for field in ("n_experts", "top_k", "expert_ffn_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"moe {field} must be a positive integer, got {value!r}")
+            check_count(getattr(self, field), f"moe {field}")
         if self.top_k > self.n_experts:
             raise ConfigError(f"moe top_k {self.top_k} is more than n_experts "
                               f"{self.n_experts}; each token picks k distinct experts")
@@ -204,21 +242,19 @@ class ModelConfig:
     unchanged."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"model name must be a non-empty string, got {described(self.name)}")
         for field in ("vocab_size", "model_dim", "head_dim", "n_layers", "n_heads",
                       "n_kv_heads", "ffn_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model '{self.name}': {field} must be a positive integer, "
-                                  f"got {value!r}")
+            check_count(getattr(self, field), f"model '{self.name}': {field}")
+        for field in ("rope_theta", "norm_eps"):
+            check_positive(getattr(self, field), f"model '{self.name}': {field}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model '{self.name}': n_heads {self.n_heads} is not a multiple "
                               f"of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"model '{self.name}': head_dim {self.head_dim} must be even "
                               "for RoPE")
-        if not self.rope_theta > 0 or not self.norm_eps > 0:
-            raise ConfigError(f"model '{self.name}': rope_theta and norm_eps must be positive, "
-                              f"got {self.rope_theta!r} and {self.norm_eps!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"model '{self.name}': family {self.family!r} is not one of "
                               f"{', '.join(FAMILIES)}")

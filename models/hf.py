@@ -23,190 +23,22 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.models.config import (FAMILY_ATTENTION, MOE_FAMILIES, SUPPORTED_ROPE_TYPES,
-                                    ModelConfig, RopeScaling, RopeType, load_config)
+from dataflow.models.config import ModelConfig, RopeScaling
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import ARCHITECTURES, INDEX, SINGLE, hf_config, is_hf_dir
 from dataflow.models.hf_export import (ExportResult, ModelSource, missing_tokenizer,
                                        rebuilt_config, source_config)
-from dataflow.models.hf_moe import DROP, moe_from_hf, moe_hf_dict
+from dataflow.models.hf_moe import DROP, moe_hf_dict
 from dataflow.models.init import BF16
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 from dataflow.models.safetensors_io import SafetensorsFile, SafetensorsWriter
 from dataflow.models.storage import load_model
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 << 30
 """transformers' default max_shard_size ("5GB"); a block larger than this gets a shard alone."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers some older exports carry; RoPE frequencies are recomputed from rope_theta and
 rope_scaling."""
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-
-
-def is_hf_dir(path) -> bool:
-    """True for a directory holding a transformers config.json and safetensors weights."""
-    p = Path(str(path))
-    if not (p.is_dir() and (p / "config.json").is_file()):
-        return False
-    if not ((p / INDEX).is_file() or (p / SINGLE).is_file()):
-        return False
-    try:
-        data = json.loads((p / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
-
-
-FAMILY_PAD_TOKEN = {"olmoe": 1}
-"""transformers' pad_token_id where config.json leaves it out (OlmoeConfig's default; the other
-families' is None): the embedding row it never trains (ModelConfig.pad_token_id)."""
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-"""model_type -> the transformers class whose computation our kernels reproduce (docs/moe.md
-for the MoE families)."""
-
-NOT_YET = {
-    "qwen2_moe": "Qwen2-MoE's sigmoid-gated shared expert is not built",
-    "mixtral": ("Mixtral's mixture-of-experts layout (block_sparse_moe, w1/w2/w3) is not built "
-                "yet; the engine's MoE block trains OLMoE and Qwen3-MoE"),
-    "gemma": "Gemma's GeLU FFN, scaled embedding and (1 + w) norms are not built",
-    "gemma2": "Gemma 2's soft-capping and alternating sliding windows are not built",
-    "phi3": "Phi-3's fused qkv / gate_up projections are not imported yet",
-}
-"""Families refused by name, with what is missing."""
-
-
-def _window(data: dict, where) -> int | None:
-    """Mistral's sliding_window: None (or absent) attends over the whole sequence."""
-    w = data.get("sliding_window")
-    if w is None:
-        return None
-    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
-        raise ConfigError(f"{where}: sliding_window {w!r} is not a positive integer or null")
-    return w
-
-
-def hf_config(path: str | Path, *, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama, Mistral, Qwen2, Qwen3, OLMoE or Qwen3-MoE
-    directory (the family from its model_type, with Qwen2's q/k/v biases, the QK-norm of Qwen3
-    and both MoE families, the MoE block of OlmoeConfig / Qwen3MoeConfig); refuses what our
-    kernels would not compute exactly as transformers does."""
-    path = Path(path)
-    where = path / "config.json"
-    data = json.loads(where.read_text())
-    family = data.get("model_type")
-    if family not in ARCHITECTURES:
-        why = NOT_YET.get(family, "its computation is not built")
-        raise ConfigError(f"{where}: model_type {family!r} is not supported ({why}); "
-                          f"supported: {', '.join(repr(f) for f in ARCHITECTURES)} "
-                          f"({', '.join(ARCHITECTURES.values())})")
-    checks = {"hidden_act": ("silu", data.get("hidden_act", "silu")),
-              "mlp_bias": (False, data.get("mlp_bias", False))}
-    if family != "qwen2":  # Qwen2's q/k/v biases are not a switch; Llama's and Qwen3's would
-        # bias o_proj as well, which is not built
-        checks["attention_bias"] = (False, data.get("attention_bias", False))
-    if family in ("qwen2", "qwen3", "qwen3_moe"):  # sliding layers from max_window_layers on
-        checks["use_sliding_window"] = (False, data.get("use_sliding_window", False))
-    layer_types = data.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):  # transformers 5 spells windows so too
-        raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} are not supported "
-                          f"for {ARCHITECTURES[family]}: only full_attention layers are built "
-                          "(the kernels compute full causal attention)")
-    for key, (want, got) in checks.items():
-        if got != want:
-            raise ConfigError(f"{where}: {key} = {got!r} is not supported for "
-                              f"{ARCHITECTURES[family]} (our kernels implement {key} = "
-                              f"{want!r}); import a model without it")
-    rope_theta, rope_scaling = _hf_rope(data, where)
-    tied = data.get("tie_word_embeddings", False)  # every supported family defaults to False
-    if not isinstance(tied, bool):
-        raise ConfigError(f"{where}: tie_word_embeddings {tied!r} is not true or false")
-    moe = (moe_from_hf(data, family, ARCHITECTURES[family], where) if family in MOE_FAMILIES
-           else None)
-    try:
-        heads, dim = int(data["num_attention_heads"]), int(data["hidden_size"])
-        head_dim = int(data.get("head_dim") or dim // heads)
-        if family == "olmoe" and head_dim != dim // heads:  # OlmoeAttention has no head_dim
-            raise ConfigError(f"{where}: head_dim {head_dim} is not hidden_size // "
-                              f"num_attention_heads = {dim // heads}, which OlmoeForCausalLM "
-                              "uses; drop head_dim")
-        return ModelConfig(
-            name=name or path.resolve().name, vocab_size=int(data["vocab_size"]),
-            model_dim=dim, head_dim=head_dim,
-            n_layers=int(data["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(data.get("num_key_value_heads") or heads),
-            ffn_dim=int(data["intermediate_size"]),
-            rope_theta=rope_theta, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_scaling=rope_scaling, family=family,
-            sliding_window=_window(data, where) if family == "mistral" else None,
-            attention_bias=FAMILY_ATTENTION[family][0], qk_norm=FAMILY_ATTENTION[family][1],
-            tie_embeddings=tied, moe=moe,
-            pad_token_id=data.get("pad_token_id", FAMILY_PAD_TOKEN.get(family)))
-    except KeyError as exc:
-        raise ConfigError(f"{where} has no {exc.args[0]!r}; a LlamaConfig needs vocab_size, "
-                          "hidden_size, intermediate_size, num_hidden_layers, "
-                          "num_attention_heads") from None
-
-
-def _hf_rope(data: dict, where) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, rope_scaling) of a LlamaConfig dict: `rope_theta` plus `rope_scaling` as
-    transformers 4.x writes them, or transformers 5's `rope_parameters` (theta inside). Plain
-    RoPE ('default' or no scaling) gives None; 'llama3' a RopeScaling; any other type, or a
-    'llama3' entry with missing or unknown keys, is refused naming it."""
-    theta = data.get("rope_theta")
-    scaling = data.get("rope_scaling")
-    params = data.get("rope_parameters")
-    if scaling is None and isinstance(params, dict):
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        inner = params.get("rope_theta")
-        if theta is not None and inner is not None and inner != theta:
-            raise ConfigError(f"{where}: rope_theta {theta!r} and rope_parameters.rope_theta "
-                              f"{inner!r} disagree; keep one")
-        theta = inner if theta is None else theta
-    theta = 10000.0 if theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ConfigError(f"{where}: rope_theta {theta!r} is not a number")
-    if scaling is None:
-        return float(theta), None
-    supported = (f"supported: {', '.join(repr(t) for t in SUPPORTED_ROPE_TYPES)} (Llama 3.1/3.2) "
-                 "or none/'default' (plain RoPE theta ** (-2j/E))")
-    if not isinstance(scaling, dict):
-        raise ConfigError(f"{where}: rope_scaling {scaling!r} is not a JSON object; {supported}")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    rest = {k: v for k, v in scaling.items() if k not in ("rope_type", "type")}
-    if rope_type == "default":
-        if rest:
-            raise ConfigError(f"{where}: rope_scaling of rope_type 'default' (plain RoPE) takes "
-                              f"no parameters, got {sorted(rest)}")
-        return float(theta), None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope_scaling rope_type {rope_type!r} is not supported; "
-                          f"{supported}")
-    missing = [k for k in _LLAMA3_KEYS if k not in rest]
-    unknown = sorted(k for k in rest if k not in _LLAMA3_KEYS)
-    if missing or unknown:
-        raise ConfigError(f"{where}: rope_scaling of rope_type {rope_type!r} needs exactly "
-                          f"{', '.join(_LLAMA3_KEYS)}; missing {missing}, unknown {unknown}")
-    values = {k: rest[k] for k in _LLAMA3_KEYS}
-    for k, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{where}: rope_scaling {k} {v!r} is not a number")
-    orig = values["original_max_position_embeddings"]
-    if orig != int(orig):
-        raise ConfigError(f"{where}: rope_scaling original_max_position_embeddings {orig!r} is "
-                          "not an integer")
-    try:
-        return float(theta), RopeScaling(
-            rope_type=RopeType(rope_type), factor=float(values["factor"]),
-            low_freq_factor=float(values["low_freq_factor"]),
-            high_freq_factor=float(values["high_freq_factor"]),
-            original_max_position_embeddings=int(orig))
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
 
 
 def hf_rope_scaling(scaling: RopeScaling | None) -> dict | None:
@@ -272,10 +104,6 @@ def _refuse_unexportable(cfg: ModelConfig) -> None:
                           f"{cfg.n_heads} is not model_dim {cfg.model_dim}; OlmoeConfig has "
                           "no head_dim (it uses hidden_size // num_attention_heads)")
 
-
-def model_config(name_or_path) -> ModelConfig:
-    """Like dataflow.models.config.load_config, but a Hugging Face directory is accepted too."""
-    return hf_config(name_or_path) if is_hf_dir(name_or_path) else load_config(name_or_path)
 
 
 def open_weights(path):

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 from dataflow.models.config import ModelConfig, load_config, zoo_names
-from dataflow.models.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",

@@ -5,7 +5,7 @@ tensors stay with the weights there. Never touches tensors or a device."""
 
 from __future__ import annotations
 
-from dataflow.models.config import ModelConfig, MoE
+from dataflow.models.config import ModelConfig, MoE, check_count, described
 from dataflow.models.errors import ConfigError
 
 DROP = object()
@@ -30,7 +30,7 @@ def moe_from_hf(data: dict, family: str, arch: str, where) -> MoE:
                               "every layer must be a mixture of experts (dense layers among "
                               "them are not built); import a model with mlp_only_layers []")
         step = data.get("decoder_sparse_step", 1)
-        if step != 1:
+        if isinstance(step, bool) or step != 1 or not isinstance(step, int):
             raise ConfigError(f"{where}: decoder_sparse_step {step!r} is not supported for "
                               f"{arch}: only 1 (every layer a mixture of experts) is built")
     n = data.get("num_experts", data.get("num_local_experts"))
@@ -39,11 +39,17 @@ def moe_from_hf(data: dict, family: str, arch: str, where) -> MoE:
                           f"{data['num_local_experts']!r} disagree; keep one")
     defaults = MOE_DEFAULTS[family]
     width_key = "intermediate_size" if family == "olmoe" else "moe_intermediate_size"
+    counts = {"num_experts": defaults["num_experts"] if n is None else n,
+              "num_experts_per_tok": data.get("num_experts_per_tok", 8),
+              width_key: data.get(width_key, defaults[width_key])}
+    for key, value in counts.items():  # by the config.json key, before MoE names its field
+        check_count(value, f"{where}: {key}")
+    norm = data.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{where}: norm_topk_prob must be true or false, got {described(norm)}")
     try:
-        return MoE(n_experts=defaults["num_experts"] if n is None else n,
-                   top_k=data.get("num_experts_per_tok", 8),
-                   expert_ffn_dim=data.get(width_key, defaults[width_key]),
-                   norm_topk_prob=data.get("norm_topk_prob", False),
+        return MoE(n_experts=counts["num_experts"], top_k=counts["num_experts_per_tok"],
+                   expert_ffn_dim=counts[width_key], norm_topk_prob=norm,
                    router_aux_loss_coef=data.get("router_aux_loss_coef",
                                                  defaults["router_aux_loss_coef"]),
                    router_z_loss_coef=data.get("router_z_loss_coef", 0.0))

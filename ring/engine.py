@@ -19,7 +19,7 @@ from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import flop_model_version, model_flops_per_seq
-from dataflow.models.hf import model_config
+from dataflow.models.hf_config import model_config
 from dataflow.optimizer import AdamWConfig
 from dataflow.ring.bootstrap import open_rank
 from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint

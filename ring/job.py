@@ -13,7 +13,8 @@ import numpy as np
 
 from dataflow.data import token_stream
 from dataflow.memplan.plan.plan import GradAccum
-from dataflow.models.config import ModelConfig, load_config
+from dataflow.models.config import ModelConfig
+from dataflow.models.hf_config import model_config as resolve_model
 from dataflow.models.serial import from_json
 from dataflow.ring.kinds import Placement, TransportKind
 
@@ -21,7 +22,8 @@ from dataflow.ring.kinds import Placement, TransportKind
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RingJob:
     model: str
-    """Zoo name or a config path, or a ModelConfig as JSON (tests use small custom shapes)."""
+    """Any model argument (dataflow.models.hf_config.model_config), or a ModelConfig as JSON (tests
+    use small custom shapes)."""
     seqlen: int
     host_gb: float
     """Per-device budgets (GiB)."""
@@ -100,10 +102,12 @@ class RingJob:
 
 
 def model_config(spec: str) -> ModelConfig:
-    """A zoo name or config path (load_config), or a ModelConfig's JSON."""
+    """A ModelConfig's JSON, or any model argument the other commands take (a zoo name, a saved
+    model or checkpoint step directory, a config JSON, a Hugging Face directory: one resolution,
+    dataflow.models.hf_config.model_config)."""
     if spec.lstrip().startswith("{"):
         return from_json(ModelConfig, spec)
-    return load_config(spec)
+    return resolve_model(spec)
 
 
 def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):

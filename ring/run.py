@@ -12,6 +12,7 @@ import shutil
 import sys
 
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import is_hf_dir
 from dataflow.ring.env import RankEnv, rank_env
 from dataflow.ring.job import RingJob, model_config
 from dataflow.ring.launch import launch
@@ -38,6 +39,11 @@ def ring_processes(model: str, gpus: int | None, replicas: int) -> tuple[RankEnv
     if ring_size > cfg.n_layers:
         raise ConfigError(f"a ring of {ring_size} needs at least {ring_size} layers; {cfg.name} "
                           f"has {cfg.n_layers}: use --gpus {cfg.n_layers * replicas} or fewer")
+    if is_hf_dir(model) and (env is None or env.rank == 0):
+        # A ring rank initialises its blocks from --seed (ring.rank); it has no weight loader
+        print(f"note: {model} is a Hugging Face directory: the ring trains its shape from a "
+              "random initialisation (--seed) and does not load its weights; dataflow-demo "
+              "on one GPU fine-tunes them", file=sys.stderr)
     return env, gpus
 
 

@@ -96,7 +96,7 @@ def test_default_peak_lr_shrinks_with_width_above_1b():
     """The demo's peak lr: 1e-3 for the toy models, 3e-4 up to 1b's width, then 3e-4 * 2048 /
     width, which kept 8b's loss falling over its first 3 steps on the H100 (3e-4 made it rise)."""
     from dataflow.cli.demo_training import default_lr
-    from dataflow.models.hf import model_config as get_model
+    from dataflow.models.hf_config import model_config as get_model
 
     assert [default_lr(get_model(n).model_dim) for n in ("tiny", "small", "1b", "8b")] == \
         [1e-3, 1e-3, 3e-4, pytest.approx(1.5e-4)]
@@ -115,7 +115,7 @@ def test_demo_fast_attention_plans_the_fast_backward_and_trains(capsys):
 
 def test_default_warmup_is_cut_to_short_runs_only_up_to_1b_width():
     from dataflow.cli.demo_training import default_warmup
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf_config import model_config
 
     assert [default_warmup(model_config(n).model_dim, 3) for n in ("tiny", "1b", "8b")] == \
         [3, 3, 10]

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     import ml_dtypes
 
     from dataflow.bench.sweep.sweep import git_commit
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf_config import model_config
 
     cfg = model_config(args.model)
     rng = np.random.default_rng(0)

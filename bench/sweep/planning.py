@@ -17,8 +17,8 @@ from dataflow.memplan import InfeasibleBudget, make_plan
 from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
 from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile
-from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
+from dataflow.models.hf_config import model_config
 
 log = logging.getLogger("dataflow.sweep")
 
@@ -118,7 +118,7 @@ def plan_cell(cell: Cell, profile: HardwareProfile, *, attention_bwd: str = "det
     refuses them. Other planner errors (unknown model, bad seqlen) propagate: they are the
     user's to fix, not a cell's result. The demo runs the plan's JSON, which carries its
     attention backward."""
-    cfg = load_config(cell.model)
+    cfg = model_config(cell.model)
     try:
         plan = make_plan(cfg, cell.seqlen, Budget.from_gib(cell.host_gib, cell.dev_gib), profile,
                          attention_bwd=attention_bwd)

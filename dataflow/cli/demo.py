@@ -143,7 +143,7 @@ def _train(args) -> int:
 
 
 def _run(args, stop: checks.StopSignals) -> int:
-    from dataflow.models.hf import model_config  # loads numba: off the --help path (top)
+    from dataflow.models.hf_config import model_config  # loads numba: off the --help path (top)
 
     t_start = time.perf_counter()
     from dataflow.engine.setup import check_weights_match  # loads numba: off the --help path

@@ -32,8 +32,8 @@ from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.profiles import get_profile, load_profile
 from dataflow.memplan.search.ring_plan import LINKS, scaling, scaling_text
 from dataflow.memplan.search.search import make_plan
-from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import MODEL_FORMS, model_config
 from dataflow.models.serial import to_json
 
 PROG = "dataflow-plan"
@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
     p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
     p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
-    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b, llama3.2-1b, mistral-7b, qwen2.5-7b, "
-                        "qwen3-8b, ...) or a config path")
+    p.add_argument("model", help=f"{MODEL_FORMS} (zoo: tiny, small, 1b, 8b, 15b, 32b, "
+                                 "llama3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, ...)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpu", metavar="NAME", default=None,
                      help="built-in hardware profile (default h100; a measured profile cached by "
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args) -> str:
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
-    cfg = load_config(args.model)
+    cfg = model_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
     if args.gpus > 1:
         if args.fast_attention:

@@ -14,8 +14,9 @@ from dataflow.backends import cupy_backend
 from dataflow.cli.args import BAD_INPUT, Debug, OneLineParser, Outcome, positive, run_command
 from dataflow.memplan.plan.profiles import default_cache_path, known_profiles, save_profile
 from dataflow.probe.profile import build_profile, builtin_profile, format_table
-from dataflow.models.config import load_config, zoo_names
+from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import MODEL_FORMS, model_config
 
 PROG = "dataflow-probe"
 log = logging.getLogger("dataflow.probe")
@@ -32,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(power-capped) rates over the datasheet peak. Writes the profile (the built-in one of "
         "this GPU with every measured field replaced) and prints it beside the built-in. "
         "Needs an NVIDIA GPU with CuPy: without one it exits with status 2."))
-    p.add_argument("--model", default="8b", metavar="NAME",
-                   help=f"model whose layer shapes are measured: {', '.join(zoo_names())} or a "
-                        "config path (default 8b)")
+    p.add_argument("--model", default="8b", metavar="MODEL",
+                   help=f"model whose layer shapes are measured: {MODEL_FORMS} (zoo: "
+                        f"{', '.join(zoo_names())}; default 8b)")
     p.add_argument("--quick", action="store_true",
                    help="smaller copies and 8 s of GEMMs instead of 30 (under a minute on an "
                         "H100); the default takes about 90 s")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args) -> int:
-    cfg = load_config(args.model)
+    cfg = model_config(args.model)
     if not cupy_backend.gpu_available():
         raise ConfigError(NO_GPU)
     return _probe(args, cfg)

@@ -18,6 +18,7 @@ from dataflow.cli.args import (OneLineParser, check_checkpoint_flags, parse_or_e
                                positive)
 from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import MODEL_FORMS
 from dataflow.ring.job import RingJob
 from dataflow.ring.kinds import PLACEMENT_CHOICES, TransportKind
 from dataflow.ring.layout import resolve_layout
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("host_gb", type=positive(float), help="pinned host memory per rank, GiB")
     p.add_argument("dev_gb", type=positive(float), help="device memory per rank, GiB")
     p.add_argument("seqlen", type=positive(int), help="tokens per sequence")
-    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, ...) or a config path")
+    p.add_argument("model", help=f"{MODEL_FORMS}; the ring trains the model's shape from "
+                                 "--seed's initialisation (it loads no weights yet)")
     p.add_argument("--gpus", type=positive(int), default=None, metavar="N",
                    help="processes in all (required unless launched by torchrun/srun)")
     p.add_argument("--replicas", type=positive(int), default=None, metavar="R",

@@ -26,6 +26,7 @@ from dataflow.cli.args import (
 )
 from dataflow.memplan.plan.chunking import MAX_SEQLEN
 from dataflow.models.errors import ConfigError
+from dataflow.models.hf_config import MODEL_FORMS, model_config
 
 PROG = "dataflow-sweep"
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run (or predict) a grid of cells into a sweep directory",
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     run.add_argument("--model", required=True,
-                     help="zoo names or model dirs, comma-separated (e.g. 1b,8b)")
+                     help=f"models, comma-separated (e.g. 1b,8b); each {MODEL_FORMS}")
     run.add_argument("--seqlen", required=True, help="tokens per sequence: list or range")
     run.add_argument("--host", required=True,
                      help="host budgets in GiB: a list (60,80,100) or a range (20:60:10)")
@@ -104,7 +105,10 @@ def _config(args) -> SweepConfig:
     if max(seqlens) > MAX_SEQLEN:
         raise ConfigError(f"--seqlen {max(seqlens):,} is too large: the planner handles at most "
                           f"{MAX_SEQLEN:,} tokens per sequence")
-    cells = expand(parse_names(args.model, "--model"), seqlens,
+    models = parse_names(args.model, "--model")
+    for model in models:  # a bad model is refused before the sweep directory is made
+        model_config(model)
+    cells = expand(models, seqlens,
                    parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,

@@ -29,7 +29,8 @@ from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models import init
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import INDEX, SINGLE, is_hf_dir, model_config, open_weights
+from dataflow.models.hf import open_weights
+from dataflow.models.hf_config import INDEX, SINGLE, is_hf_dir, model_config
 from dataflow.models.layout import BlockKind
 from dataflow.models.safetensors_io import SafetensorsFile
 from dataflow.models.serial import from_dict

@@ -83,7 +83,8 @@ def test_a_tied_head_still_trains_the_padding_row(rng):
 
 
 def test_hf_import_reads_the_padding_row_and_export_writes_it(tmp_path):
-    from dataflow.models.hf import hf_config, hf_config_dict
+    from dataflow.models.hf import hf_config_dict
+    from dataflow.models.hf_config import hf_config
 
     olmoe = load_config("olmoe-1b-7b")
     assert olmoe.pad_token_id == 1

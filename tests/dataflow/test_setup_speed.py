@@ -13,7 +13,7 @@ from dataflow.warmup import AttentionShape, attention_shapes, warm_host_kernels
 from dataflow.memplan import make_plan
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.profiles import get_profile
-from dataflow.models.hf import model_config
+from dataflow.models.hf_config import model_config
 
 
 class _FakeProbe:

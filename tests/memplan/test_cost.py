@@ -140,7 +140,7 @@ def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
     offsets wait, the backward's twice the forward's GEMM part; at a chunk so small that the
     launches take longer than the GEMMs, the launches are the time."""
     from dataflow.memplan.search import cost
-    from dataflow.models.hf import model_config
+    from dataflow.models.hf_config import model_config
 
     assert cost.expert_extra_seconds(model_config("1b"), h100, 8192) == (0.0, 0.0)
     cfg = model_config("olmoe-1b-7b")

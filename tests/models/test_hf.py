@@ -12,7 +12,8 @@ import pytest
 from dataflow.engine import Engine
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import HFWeights, hf_config, is_hf_dir, save_pretrained
+from dataflow.models.hf import HFWeights, save_pretrained
+from dataflow.models.hf_config import hf_config, is_hf_dir
 from dataflow.models.init import BF16
 from dataflow.models.safetensors_io import SafetensorsFile, save_file
 

@@ -17,7 +17,8 @@ from dataflow.memplan import get_profile, make_plan
 from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import hf_config, hf_config_dict
+from dataflow.models.hf import hf_config_dict
+from dataflow.models.hf_config import hf_config
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -14,7 +14,8 @@ import pytest
 
 from dataflow.models.config import MoE, ModelConfig, load_config
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import HFWeights, hf_config, hf_config_dict, save_pretrained
+from dataflow.models.hf import HFWeights, hf_config_dict, save_pretrained
+from dataflow.models.hf_config import hf_config
 from dataflow.models.init import BF16
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 from dataflow.models.safetensors_io import SafetensorsFile, save_file

@@ -369,7 +369,8 @@ def test_hf_export_of_an_moe_config_writes_its_family_and_refuses_shared_experts
     """HF export of OLMoE / Qwen3-MoE is built (tests/models/test_hf_moe.py round-trips it):
     the zoo entry's config.json names its family and reads back as it; a shared expert, which
     neither family has, is refused by name."""
-    from dataflow.models.hf import hf_config, hf_config_dict, save_pretrained
+    from dataflow.models.hf import hf_config_dict, save_pretrained
+    from dataflow.models.hf_config import hf_config
 
     cfg = load_config("olmoe-1b-7b")
     data = hf_config_dict(cfg)

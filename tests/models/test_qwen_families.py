@@ -20,7 +20,8 @@ from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel, hardware_flops_per_seq, level_recompute_flops
-from dataflow.models.hf import hf_config, hf_config_dict
+from dataflow.models.hf import hf_config_dict
+from dataflow.models.hf_config import hf_config
 from dataflow.models.init import BF16, init_model
 from dataflow.models.layout import ALIGN_ELEMS, layer_layout
 from dataflow.reference_model import forward_backward

@@ -21,7 +21,8 @@ from dataflow.reference_trainer import ReferenceTrainer
 from dataflow.kernels.reference import rope_inv_freq
 from dataflow.models.config import ModelConfig, RopeScaling, RopeType, load_config
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import hf_config, hf_config_dict
+from dataflow.models.hf import hf_config_dict
+from dataflow.models.hf_config import hf_config
 from dataflow.models.init import BF16
 from dataflow.models.serial import from_dict, from_json, stable_hash, to_dict, to_json
 

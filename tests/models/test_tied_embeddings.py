@@ -22,7 +22,8 @@ from dataflow.memplan.plan.memory import device_regions, host_regions
 from dataflow.memplan.plan.plan import Budget, GradAccum, Where
 from dataflow.models.config import ModelConfig, load_config
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import hf_config, hf_config_dict
+from dataflow.models.hf import hf_config_dict
+from dataflow.models.hf_config import hf_config
 from dataflow.models.init import BF16, ModelWeights, init_model
 from dataflow.models.layout import embed_layout, head_layout
 from dataflow.optimizer import AdamWConfig
