@@ -25,6 +25,7 @@ from dataflow.memplan.plan.plan import Budget
 from dataflow.metrics_log import FORMATS, MetricsLog, run_metadata
 from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError, NonFiniteError
+from dataflow.models.hf_config import model_config
 from dataflow.models.serial import to_dict
 from dataflow.progress import Progress, SlowNotice, StepWatch
 
@@ -143,8 +144,6 @@ def _train(args) -> int:
 
 
 def _run(args, stop: checks.StopSignals) -> int:
-    from dataflow.models.hf_config import model_config  # loads numba: off the --help path (top)
-
     t_start = time.perf_counter()
     from dataflow.engine.setup import check_weights_match  # loads numba: off the --help path
 
