@@ -184,3 +184,62 @@ def test_save_after_a_failure_before_any_update_is_allowed_and_whole(tmp_path, d
         got = again.state_dict()
     for k, v in want.items():
         assert np.asarray(v).tobytes() == np.asarray(got[k]).tobytes(), k
+
+
+def test_ring_command_lines_refuse_a_model_directory_before_launching(hf_dir, capsys):
+    """dataflow-ring and dataflow-demo --gpus 2: exit 2, one line, nothing written."""
+    from dataflow.cli.ring import main as ring_main
+
+    argv = ["1", "0.25", "64", "tiny", "--gpus", "2", "--backend", "numpy", "--save-every", "1"]
+    before = _listing(hf_dir)
+    for main in (ring_main, demo_main):
+        capsys.readouterr()
+        assert main([*argv, "--checkpoint-dir", str(hf_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds a model" in err and str(hf_dir) in err, err
+    assert _listing(hf_dir) == before
+
+
+class _OneProcess:
+    """A transport of one process (rank 0 of replica 0): all-gathers return its own row."""
+
+    rank, replica, ring_size, replicas = 0, 0, 1, 1
+
+    def allgather(self, row):
+        return [np.asarray(row)]
+
+
+class _EngineAsRank:
+    """An Engine in the shape save_ring_checkpoint reads (blocks, optimizer, rp.plan)."""
+
+    def __init__(self, eng):
+        self.eng, self.optimizer = eng, eng.optimizer
+        self.rp = type("RankPlan", (), {"plan": eng.plan})()
+
+    def block_refs(self):
+        return self.eng.block_refs()
+
+    def layout(self, ref):
+        return self.eng.layout(ref)
+
+    def read_block(self, ref, part):
+        return self.eng.read_block(ref, part)
+
+
+def test_ring_save_refuses_a_model_directory_unless_force_dir(hf_dir, tmp_path):
+    """save_ring_checkpoint (RingEngine.save_checkpoint's) refuses on process 0, naming the
+    directory, and writes nothing; with force_dir the checkpoint lands and loads."""
+    from dataflow.ring.checkpoint import save_ring_checkpoint
+
+    before = _listing(hf_dir)
+    with _engine() as eng:
+        rank = _EngineAsRank(eng)
+        with pytest.raises(ConfigError, match=r"holds a model .*force_dir=True"):
+            save_ring_checkpoint(rank, _OneProcess(), eng.plan.model, hf_dir)
+        assert _listing(hf_dir) == before
+        root = tmp_path / "forced"
+        root.mkdir()
+        (root / "notes.txt").write_text("mine")
+        path = save_ring_checkpoint(rank, _OneProcess(), eng.plan.model, root, force_dir=True)
+    with _engine() as again:
+        assert again.load_checkpoint(path).step == 0
