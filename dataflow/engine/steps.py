@@ -103,11 +103,12 @@ class StepRunner:
             return None
         if not allow_failed_step:
             raise StepFailedError(
-                f"step {failed.step} failed ({failed.reason}) after its AdamW update or the "
-                f"previous step's had begun, so the weights or AdamW state may be half-updated "
-                f"and {call} refuses to save them; reload a saved state (load_state_dict, or a "
-                f"new Engine from a checkpoint), or pass allow_failed_step=True to save anyway "
-                "(a checkpoint is then marked as saved after a failed step)",
+                f"step {failed.step} failed ({failed.reason}) after an AdamW update had begun "
+                "or the step was counted, so the weights, AdamW state or step count may be "
+                f"half-updated and {call} refuses to save them; reload a saved state "
+                "(load_state_dict, or a new Engine from a checkpoint), or pass "
+                "allow_failed_step=True to save anyway (a checkpoint is then marked as saved "
+                "after a failed step)",
                 step=failed.step, reason=failed.reason)
         return {"step": failed.step, "reason": failed.reason}
 

@@ -243,3 +243,18 @@ def test_ring_save_refuses_a_model_directory_unless_force_dir(hf_dir, tmp_path):
         path = save_ring_checkpoint(rank, _OneProcess(), eng.plan.model, root, force_dir=True)
     with _engine() as again:
         assert again.load_checkpoint(path).step == 0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the blow-up overflows on purpose
+def test_save_after_a_non_finite_step_refuses(tmp_path):
+    """A NaN/inf step was counted (its deferred update dropped): the step count no longer
+    matches the weights, so saving refuses and writes nothing."""
+    from dataflow.models.errors import NonFiniteError
+
+    with _engine(lr=1e9) as eng:
+        with pytest.raises(NonFiniteError):
+            for i in range(4):
+                eng.train_step(_batch(eng, 1000 * i))
+        with pytest.raises(StepFailedError, match=r"failed \((loss|grad norm) "):
+            eng.save_checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
