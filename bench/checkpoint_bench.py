@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         before = _digest(eng) if args.digest else None
         with RssSampler() as rss:
             t0 = time.perf_counter()
-            path = eng.save_checkpoint(args.dir, keep=1)
+            path = eng.save_checkpoint(args.dir, keep=1, force_dir=True)
             out["save_s"] = time.perf_counter() - t0
         out["rss_peak_save_bytes"] = rss.peak
         out["checkpoint_bytes"] = sum(f.stat().st_size for f in path.iterdir())

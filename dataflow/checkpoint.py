@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 import warnings
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataflow.checkpoint_dir import STEP_DIR, TEMP_DIR, check_checkpoint_root
 from dataflow.lr_schedule import schedule_from_dict, schedule_to_dict
 from dataflow.optimizer import AdamWConfig
 from dataflow.models.atomic_io import write_hashed
@@ -58,11 +58,26 @@ SEAL = "checkpoint.json.sha256"
 _PIECE_BYTES = 64 << 20
 """Files are read and hashed in 64 MiB pieces (hashlib releases the GIL on them); written in
 dataflow.models.atomic_io's pieces of the same size."""
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_TEMP_DIR = re.compile(r"^\.step_\d{8,}\.(tmp|old)-(\d+)-[0-9a-f]+$")
+_STEP_DIR, _TEMP_DIR = STEP_DIR, TEMP_DIR
 _DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
 SOURCE_DIR = "source"
 """The checkpoint's copy of its model's Hugging Face files (see the layout above)."""
+
+
+class ModelMismatchError(ConfigError):
+    """A checkpoint of another model than the engine's: `checkpoint_model` and `engine_model`
+    (ModelConfigs), and the fields where they differ."""
+
+    def __init__(self, path: Path, checkpoint_model: ModelConfig, engine_model: ModelConfig):
+        self.path, self.checkpoint_model, self.engine_model = path, checkpoint_model, engine_model
+        ours, theirs = to_dict(engine_model), to_dict(checkpoint_model)
+        self.differences = [f"{k} {theirs.get(k)!r} vs {ours.get(k)!r}"
+                            for k in sorted(set(ours) | set(theirs))
+                            if k != "name" and ours.get(k) != theirs.get(k)]
+        super().__init__(f"checkpoint {path} is for model '{checkpoint_model.name}', this engine "
+                         f"runs '{engine_model.name}' ({'; '.join(self.differences[:4])}); "
+                         f"build the Engine for '{checkpoint_model.name}' (or from the "
+                         "checkpoint itself), or save to another checkpoint directory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,22 +133,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 # -- saving -------------------------------------------------------------------------------------
 def save_checkpoint(eng, root: str | Path, *, data: dict | None = None, rng=None,
-                    extra: dict | None = None, keep: int | None = None) -> Path:
+                    extra: dict | None = None, keep: int | None = None,
+                    force_dir: bool = False, failed_step: dict | None = None) -> Path:
     """Write the engine's state to `root/step_<step>` and return that path.
 
     data: the data source's state() (JSON-able). rng: a numpy Generator (its bit generator's
     state is stored) or such a state dict. extra: any JSON-able dict. keep: afterwards delete
     the oldest sealed checkpoints under root so that `keep` remain. A save that fails or is
-    killed leaves at most a hidden `.step_*.tmp-*` directory, removed by a later save."""
+    killed leaves at most a hidden `.step_*.tmp-*` directory, removed by a later save.
+    A root that holds anything but checkpoints (a model, other files) is refused, nothing
+    written, unless force_dir. failed_step: the failed step a forced save comes after
+    ({"step", "reason"}), recorded in checkpoint.json so a load can warn."""
     keep, rng = checked_keep(keep), rng_state(rng)
+    check_checkpoint_root(str(root), force=force_dir, way_out="pass force_dir=True")
     root = Path(root)
     step = eng.optimizer.step_count
     tmp = new_temp_dir(root, step)
     try:
         files, manifest_blocks = write_block_files(eng, eng.block_refs(), tmp)
-        seal(tmp, eng.plan.model, files, manifest_blocks,
-             checkpoint_meta(eng.optimizer, eng.plan, step, data, rng, extra),
-             source=eng.model_source)
+        meta = checkpoint_meta(eng.optimizer, eng.plan, step, data, rng, extra)
+        if failed_step is not None:
+            meta["failed_step"] = failed_step
+        seal(tmp, eng.plan.model, files, manifest_blocks, meta, source=eng.model_source)
         final = root / step_dir_name(step)
         move_into_place(tmp, final)
     except BaseException:
@@ -434,8 +455,7 @@ def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
     where = str(path / META)
     cfg = from_dict(ModelConfig, meta["model"], where=f"{where} model")
     if dataclasses.replace(cfg, name=model.name) != model:
-        raise ConfigError(f"checkpoint {path} is for model {to_dict(cfg)}, this engine runs "
-                          f"{to_dict(model)}; build the Engine for the checkpoint's model")
+        raise ModelMismatchError(path, cfg, model)
     opt = from_dict(AdamWConfig, meta["optimizer"], where=f"{where} optimizer")
     stored, schedule = meta.get("schedule"), optimizer.schedule
     adopt = None
@@ -490,6 +510,11 @@ def apply(eng, path: Path, meta: dict, todo: list[tuple], adopt, plan_hash: str)
     eng.optimizer.step_count = int(meta["step"])
     if adopt is not None:
         eng.optimizer.schedule = adopt
+    if meta.get("failed_step") is not None:
+        failed = meta["failed_step"]
+        log.warning("checkpoint %s was saved by force after step %s failed (%s): its weights "
+                    "or AdamW state may be half-updated", path, failed.get("step"),
+                    failed.get("reason"))
     if meta["plan_hash"] != plan_hash:
         log.info("checkpoint %s was saved under plan %s; resuming under plan %s", path,
                  meta["plan_hash"], plan_hash)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dataflow import checkpoint as ckpt
+from dataflow.checkpoint_dir import check_checkpoint_root
 from dataflow.models.errors import ConfigError
 
 _LIST = "rank{rank}.files.json"
@@ -27,20 +28,25 @@ _LIST = "rank{rank}.files.json"
 
 
 def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None, rng=None,
-                         extra: dict | None = None, keep: int | None = None) -> Path:
+                         extra: dict | None = None, keep: int | None = None,
+                         force_dir: bool = False) -> Path:
     """Write the ring's state to `root/step_<step>` (dataflow.checkpoint's layout and checks)
     and return that path on every process. rank: this process's dataflow.ring.rank.RingRank;
-    cfg: the whole model's ModelConfig; data / rng / extra / keep: as dataflow.checkpoint's,
-    taken from process 0."""
+    cfg: the whole model's ModelConfig; data / rng / extra / keep / force_dir: as
+    dataflow.checkpoint's, taken from process 0 (which refuses a root holding other files
+    unless force_dir; every process then raises)."""
     keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)
     root, step = Path(root), rank.optimizer.step_count
     leader = transport.rank == 0 and transport.replica == 0
     tmp, failure = None, ""
     if leader:
         try:
+            check_checkpoint_root(str(root), force=force_dir, way_out="pass force_dir=True")
             tag = uuid.uuid4().hex[:8]
             tmp = ckpt.new_temp_dir(root, step, tag=tag)
             token = [float(os.getpid()), float(int(tag, 16))]
+        except ConfigError as exc:
+            token, failure = [-1.0, 0.0], str(exc)
         except OSError as exc:
             token, failure = [-1.0, 0.0], f"process 0 cannot create a checkpoint in {root}: {exc}"
     else:

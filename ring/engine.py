@@ -179,14 +179,15 @@ class RingEngine:
         return self.rank.weights()
 
     def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
-                        extra: dict | None = None, keep: int | None = None):
+                        extra: dict | None = None, keep: int | None = None,
+                        force_dir: bool = False):
         """Save the whole ring's weights, AdamW m and v, step and schedule (and process 0's
         data / rng / extra) to `path/step_<step>`, as Engine.save_checkpoint does; every rank
         writes its own blocks. Collective; `path` must be one directory that every process
         sees. Returns the checkpoint's path on every process."""
         self._check_open()
         return save_ring_checkpoint(self.rank, self.transport, self.cfg, path, data=data,
-                                    rng=rng, extra=extra, keep=keep)
+                                    rng=rng, extra=extra, keep=keep, force_dir=force_dir)
 
     def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
         """Restore this rank's blocks, the step and the schedule from a checkpoint of the whole

@@ -76,6 +76,8 @@ class RingJob:
     """Save every this many steps and at the last step (0: never)."""
     keep: int = 3
     """Keep the newest this many checkpoints (0: all)."""
+    force_checkpoint_dir: bool = False
+    """Save into checkpoint_dir even though it holds other files (dataflow.checkpoint_dir)."""
     resume: bool = False
     """Start from the newest checkpoint in checkpoint_dir (from step 0 when there is none);
     `steps` is then the run's total, so a run resumed at step 3 of 6 trains 3 more."""

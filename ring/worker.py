@@ -66,7 +66,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 t0 = time.perf_counter()
                 path = save_ring_checkpoint(rank, transport, cfg, job.checkpoint_dir,
                                             data={"source": job.data, "step": step + 1},
-                                            keep=job.keep or None)
+                                            keep=job.keep or None,
+                                            force_dir=job.force_checkpoint_dir)
                 if env.rank == 0:
                     print(f"{tag} step {step + 1}: checkpoint {path} "
                           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)

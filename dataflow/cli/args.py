@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
+from dataflow.checkpoint_dir import check_checkpoint_root
 from dataflow.memplan.plan.chunking import MAX_SEQLEN
 from dataflow.models.errors import ConfigError
 
@@ -116,15 +117,23 @@ def print_report(text: str) -> int:
     return 0
 
 
-def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool) -> None:
+def check_checkpoint_flags(checkpoint_dir: str, save_every: int, keep: int, resume: bool,
+                           force_dir: bool = False) -> None:
     """Refuse checkpoint flags that cannot work (ConfigError, one line): the same for
-    dataflow-demo (one GPU or a ring) and dataflow-ring."""
+    dataflow-demo (one GPU or a ring) and dataflow-ring. A --checkpoint-dir that holds anything
+    but this engine's checkpoints (a model, other files) is refused unless force_dir
+    (--force-checkpoint-dir)."""
     if (save_every or resume) and not checkpoint_dir:
         raise ConfigError("--save-every and --resume need --checkpoint-dir D")
+    if force_dir and not checkpoint_dir:
+        raise ConfigError("--force-checkpoint-dir needs --checkpoint-dir D")
     if keep < 0:
         raise ConfigError(f"--keep {keep} is negative; give 0 (keep all) or more")
     if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {checkpoint_dir} is a file; pass a directory")
+    if checkpoint_dir:
+        check_checkpoint_root(checkpoint_dir, force=force_dir,
+                              way_out="add --force-checkpoint-dir")
 
 
 # -- the preamble of every main() -------------------------------------------------------------

@@ -31,7 +31,8 @@ def run_ring(args, parser, lr: float) -> int:
     if used:
         raise ConfigError(f"--gpus {args.gpus} trains a ring, which does not take "
                           f"{', '.join(used)} yet; drop them, or train on one GPU")
-    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
+    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume,
+                           args.force_checkpoint_dir)
     env, n = ring_processes(args.model, args.gpus, 1)
     backend = launch_backend(args.backend)
     replicas, constraints = resolve_layout(
@@ -45,6 +46,7 @@ def run_ring(args, parser, lr: float) -> int:
                   transport=TransportKind.AUTO, timeout_s=300.0, save_weights=False,
                   eager_update=args.eager_update, checkpoint_dir=args.checkpoint_dir or "",
                   save_every=args.save_every, keep=args.keep, resume=args.resume,
+                  force_checkpoint_dir=args.force_checkpoint_dir,
                   out_dir="" if env else tempfile.mkdtemp(prefix="dataflow-demo-ring-"))
     return run_job(job, env, as_json=args.json, prog="dataflow-demo", keep_out=False)
 

@@ -1,7 +1,8 @@
 """The training-run options of dataflow-demo: lr schedule and clipping (--warmup, --min-lr,
 --max-grad-norm), user data and validation (--data, --eval-every), checkpoints and resume
-(--checkpoint-dir, --save-every, --keep, --resume). Turns them into engine arguments and the
-per-step hooks the demo's loop calls. Never decides placement and never runs a step itself."""
+(--checkpoint-dir, --force-checkpoint-dir, --save-every, --keep, --resume). Turns them into
+engine arguments and the per-step hooks the demo's loop calls. Never decides placement and
+never runs a step itself."""
 
 from __future__ import annotations
 
@@ -102,7 +103,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "Parquet), forward only on the engine (Engine.eval_step); default: no "
                         "validation")
     g.add_argument("--checkpoint-dir", metavar="D",
-                   help="directory of checkpoints (step_NNNNNNNN/ subdirectories)")
+                   help="directory of checkpoints (step_NNNNNNNN/ subdirectories); one that "
+                        "holds anything else (a model, other files) is refused")
+    g.add_argument("--force-checkpoint-dir", action="store_true",
+                   help="write checkpoints into --checkpoint-dir even though it holds other "
+                        "files (a model directory, say)")
     g.add_argument("--save-every", type=_count, default=0, metavar="N",
                    help="save a checkpoint every N steps and at the last step")
     g.add_argument("--keep", type=_count, default=3, metavar="K",
@@ -115,7 +120,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(args) -> None:
     """Refuse combinations argparse cannot see (raised as ConfigError: exit 2)."""
-    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume)
+    check_checkpoint_flags(args.checkpoint_dir or "", args.save_every, args.keep, args.resume,
+                           args.force_checkpoint_dir)
 
 
 class Training:
@@ -147,7 +153,8 @@ class Training:
     def start(self, eng) -> None:
         """Open the data (unless open_data did), then resume weights, state and data position
         if asked."""
-        from dataflow.checkpoint import latest_checkpoint  # NumPy and numba: only for a run
+        # NumPy and numba: only for a run
+        from dataflow.checkpoint import ModelMismatchError, latest_checkpoint
 
         args = self.args
         if self.source is None:
@@ -160,6 +167,13 @@ class Training:
             return
         try:
             info = eng.load_checkpoint(path)
+        except ModelMismatchError as exc:
+            raise ConfigError(
+                f"--resume: checkpoint {path} was made from model '{exc.checkpoint_model.name}', "
+                f"this run trains '{exc.engine_model.name}' "
+                f"({'; '.join(exc.differences[:4])}); pass the model it was made from "
+                f"({exc.checkpoint_model.name}, or the checkpoint {path} itself), or another "
+                "--checkpoint-dir for this model") from None
         except ConfigError as exc:
             raise ConfigError(f"{exc} (for the demo: pass the --lr, --warmup, --min-lr, "
                               "--max-grad-norm and --steps of the saved run)") from None
@@ -187,7 +201,8 @@ class Training:
             t0 = time.perf_counter()
             path = eng.save_checkpoint(args.checkpoint_dir, data=self.source.state(),
                                        extra={"demo_args": _jsonable(args)},
-                                       keep=args.keep or None)
+                                       keep=args.keep or None,
+                                       force_dir=args.force_checkpoint_dir)
             log.info("step %d: checkpoint %s (%.1f s)", step, path, time.perf_counter() - t0)
 
 

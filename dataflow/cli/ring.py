@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of checkpoints (step_NNNNNNNN/), one that every rank sees; "
                         "the Engine's format, so one device or a ring of another size resumes "
                         "from them")
+    p.add_argument("--force-checkpoint-dir", action="store_true",
+                   help="write checkpoints into --checkpoint-dir even though it holds other "
+                        "files (a model directory, say); without it such a directory is refused")
     p.add_argument("--save-every", type=positive(int), default=0, metavar="N",
                    help="save a checkpoint every N steps and at the last step")
     p.add_argument("--keep", type=int, default=3, metavar="K",
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--rounds {args.rounds} exceeds the planner's "
                               f"{MAX_ROUNDS_PER_STEP}; give fewer (the global batch is rounds x "
                               "chunks per round)")
-        check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume)
+        check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
+                               args.force_checkpoint_dir)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
         replicas, constraints = resolve_layout(
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   split_fetch=args.split_fetch,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
+                  force_checkpoint_dir=args.force_checkpoint_dir,
                   constraints=tuple(sorted(constraints.items())), placement=placement)
     return run_job(job, env, as_json=args.json, prog=PROG, keep_out=bool(args.out))
 

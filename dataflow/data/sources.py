@@ -1,7 +1,8 @@
 """Token sources for a training run, opened from a path: a text file (byte-level tokens, as the
 shipped corpus), a token file (.npy, or raw uint16/uint32 .bin as nanoGPT and llm.c write them)
 or Parquet (a file or a directory, through ArrowTokenDataset). Token files are memory-mapped,
-never read whole. Each source has a documented order, a JSON-able resumable position and an
+never read whole; a token file is scanned once when opened (in pieces) for ids outside the
+vocabulary. Each source has a documented order, a JSON-able resumable position and an
 optional held-out slice for validation. Never tokenises, never downloads, never touches a model.
 
 Order of a token-array source: the training part is one stream read front to back and wrapped
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +175,65 @@ def open_source(path: str | Path | None, seqlen: int, vocab_size: int, *, eval_s
     else:
         raise ConfigError(f"--data {path}: unknown kind of file '{path.suffix}'; use text "
                           f"({', '.join(TEXT_SUFFIXES)}), .npy, .bin or .parquet")
+    check_token_ids(tokens, vocab_size, str(path))
     return ArraySource(tokens, seqlen, vocab_size, name=str(path), eval_seqs=eval_seqs)
+
+
+SCAN_PIECE_TOKENS = 1 << 22
+"""Tokens read per piece when a token file is scanned (8-16 MiB): the scan's whole footprint."""
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, name: str) -> None:
+    """Refuse (ConfigError naming `name`, the first offending position and id, and vocab_size)
+    a token array holding an id outside [0, vocab_size). One pass, vectorised per piece of
+    SCAN_PIECE_TOKENS; a memory map is read through a reused buffer, not its mapping, so the
+    scan adds one piece to the process's memory however large the file (pages read through a
+    mapping would stay resident in it). Skipped when the dtype cannot hold a bad id."""
+    if tokens.size == 0 or _dtype_fits(tokens.dtype, vocab_size):
+        return
+    t0 = time.perf_counter()
+    for start, piece in _pieces(tokens):
+        bad = (piece >= vocab_size) if piece.dtype.kind == "u" else \
+            ((piece < 0) | (piece >= vocab_size))
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            raise ConfigError(f"--data {name}: token id {int(piece[at])} at position "
+                              f"{start + at:,} is outside the model's vocabulary [0, "
+                              f"{vocab_size}); use a model whose vocab_size covers the "
+                              "tokenizer, or fix the file")
+    seconds = time.perf_counter() - t0
+    if seconds > 1.0:
+        log.info("scanned %s: %d token ids, all below %d (%.1f s)", name, tokens.size,
+                 vocab_size, seconds)
+
+
+def _dtype_fits(dtype: np.dtype, vocab_size: int) -> bool:
+    info = np.iinfo(dtype)
+    return info.min >= 0 and info.max < vocab_size
+
+
+def _pieces(tokens: np.ndarray):
+    """(start, array) of consecutive pieces of a 1-D token array."""
+    n, step = tokens.size, SCAN_PIECE_TOKENS
+    filename = getattr(tokens, "filename", None)
+    if not (isinstance(tokens, np.memmap) and filename and tokens.flags.c_contiguous):
+        for start in range(0, n, step):
+            yield start, np.asarray(tokens[start:start + step])
+        return
+    buf = np.empty(min(n, step), tokens.dtype)
+    with open(filename, "rb", buffering=0) as f:
+        f.seek(tokens.offset)
+        for start in range(0, n, step):
+            piece = buf[:min(step, n - start)]
+            view = memoryview(piece.view(np.uint8))
+            got = 0
+            while got < len(view):
+                k = f.readinto(view[got:])
+                if not k:
+                    raise ConfigError(f"--data {filename} ended early at token {start:,}; "
+                                      "the file is truncated")
+                got += k
+            yield start, piece
 
 
 KINDS = "a text (.txt/.md), .npy, .bin or .parquet file"

@@ -10,6 +10,7 @@ import functools
 import gc
 import inspect
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -250,11 +251,19 @@ class Engine:
 
     @_serialised
     def save_checkpoint(self, path, *, data: dict | None = None, rng=None,
-                        extra: dict | None = None, keep: int | None = None):
+                        extra: dict | None = None, keep: int | None = None,
+                        force_dir: bool = False, allow_failed_step: bool = False):
         """Save weights, AdamW m and v, step, schedule and the caller's data position, RNG
         state and `extra` to `path/step_<step>` (atomic, one block in host memory at a time);
-        keep: afterwards delete all but the newest `keep`. Returns the checkpoint's path."""
-        return checkpoint.save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep)
+        keep: afterwards delete all but the newest `keep`. Returns the checkpoint's path.
+
+        Refused, nothing written: a `path` that holds anything but checkpoints (a model,
+        other files; ConfigError) unless force_dir=True; and after a failed step whose state
+        may be half-updated (StepFailedError) unless allow_failed_step=True, which marks the
+        checkpoint (checkpoint.json's failed_step; loading it warns)."""
+        failed = self._steps.check_savable("save_checkpoint", allow_failed_step)
+        return checkpoint.save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep,
+                                          force_dir=force_dir, failed_step=failed)
 
     @_serialised
     def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
@@ -263,10 +272,16 @@ class Engine:
         return checkpoint.load_checkpoint(self, path, verify=verify, allow_changes=allow_changes)
 
     @_serialised
-    def save_pretrained(self, path, *, overwrite: bool = False):
+    def save_pretrained(self, path, *, overwrite: bool = False, allow_failed_step: bool = False):
         """Write the weights as a Hugging Face directory of the model's family in bf16
         (config.json and safetensors, plus the source's tokenizer and generation config when
-        the model came from a Hugging Face directory), one block in host memory at a time."""
+        the model came from a Hugging Face directory), one block in host memory at a time.
+        After a failed step whose weights may be half-updated it refuses (StepFailedError)
+        unless allow_failed_step=True (then it warns: the directory has no place to mark it)."""
+        if self._steps.check_savable("save_pretrained", allow_failed_step) is not None:
+            warnings.warn(f"save_pretrained writes {path} after step "
+                          f"{self._steps.failed_step.step} failed: its weights may be "
+                          "half-updated", UserWarning, stacklevel=3)
         return hf.save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
                                overwrite=overwrite, source=self.model_source)
 

@@ -56,29 +56,61 @@ class StepResult:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FailedStep:
+    """A step that raised or was interrupted, which blocks further steps until a state is
+    reloaded."""
+
+    step: int
+    reason: str
+    """One line: the exception's type and text, 'interrupted', or the non-finite value."""
+    state_whole: bool
+    """The weights, AdamW m and v and the step count are provably those before the step: it
+    began with no deferred update pending and stopped before the optimizer counted it, so no
+    AdamW event of any step ran (its rounds touch gradients only). Saving is then safe."""
+
+
 CONFIGURED = object()
 """train_step's max_grad_norm default: the clipping the engine was built with."""
 
 
 class StepRunner:
     """Runs an engine's steps and evaluations on its executor and keeps what a step leaves
-    behind: the failed step that blocks further ones (`failed_step`: (step, reason) or None)
+    behind: the failed step that blocks further ones (`failed_step`, a FailedStep or None)
     and the last step's trace (`last_trace`, when the backend traces)."""
 
     def __init__(self, plan, be, ex, optimizer, round_extra_flops: float):
         self.plan, self.be, self.ex, self.optimizer = plan, be, ex, optimizer
         self.round_extra_flops = round_extra_flops
-        self.failed_step: tuple[int, str] | None = None
+        self.failed_step: FailedStep | None = None
         self.last_trace = None
 
     def check_usable(self) -> None:
         """Refuse to go on after a failed step (its state may be half-updated)."""
         if self.failed_step is not None:
-            step, reason = self.failed_step
+            step, reason = self.failed_step.step, self.failed_step.reason
             raise StepFailedError(
                 f"step {step} failed ({reason}), so gradients and AdamW state may be half-"
                 "updated; reload a saved state with load_state_dict(state) (or weights only "
                 "with weights_only=True), or create a new Engine", step=step, reason=reason)
+
+    def check_savable(self, call: str, allow_failed_step: bool) -> dict | None:
+        """Refuse (StepFailedError) to save the state after a failed step unless it is provably
+        whole (FailedStep.state_whole) or allow_failed_step; returns what a forced save records
+        ({"step", "reason"}), None when nothing failed or the state is whole."""
+        failed = self.failed_step
+        if failed is None or failed.state_whole:
+            return None
+        if not allow_failed_step:
+            raise StepFailedError(
+                f"step {failed.step} failed ({failed.reason}) after an AdamW update had begun "
+                "or the step was counted, so the weights, AdamW state or step count may be "
+                f"half-updated and {call} refuses to save them; reload a saved state "
+                "(load_state_dict, or a new Engine from a checkpoint), or pass "
+                "allow_failed_step=True to save anyway (a checkpoint is then marked as saved "
+                "after a failed step)",
+                step=failed.step, reason=failed.reason)
+        return {"step": failed.step, "reason": failed.reason}
 
     def settle(self) -> None:
         """Apply a deferred AdamW still pending, so reads, writes and evaluations see the model
@@ -115,7 +147,9 @@ class StepRunner:
         result = self.result(stats, lr, batch.counted)
         for what, value in (("loss", result.loss), ("grad norm", result.grad_norm)):
             if value is not None and not np.isfinite(value):
-                self.failed_step = (step, f"{what} {value}")
+                # The step was counted (and without a deferred update, applied): not whole.
+                self.failed_step = FailedStep(step=step, reason=f"{what} {value}",
+                                              state_whole=False)
                 self.ex.drop_pending()  # deferred: the blown-up update never lands
                 raise NonFiniteError(
                     f"{what} became {_nonfinite_name(value)} at step {step} (lr {lr:g}); lower "
@@ -132,13 +166,19 @@ class StepRunner:
         if tracer is not None:
             tracer.begin_step(step)
         saved = opt.config, opt.schedule
+        # What makes a failure harmless to the saved state: no earlier update left to run in
+        # this step's first round, and the optimizer never counted this step (begin_step
+        # comes before any AdamW event of the step, in every schedule the executor runs).
+        pending_before, count_before = self.ex.update_pending, opt.step_count
         opt.config, opt.schedule, opt.last_grad_norm = call_config, None, None
         try:
             stats = self.ex.step(batch, opt)
             opt.last_grad_norm = stats.grad_norm
         except BaseException as exc:  # KeyboardInterrupt too: the step stopped part way
-            self.failed_step = (step, "interrupted" if isinstance(exc, KeyboardInterrupt)
-                                else f"{type(exc).__name__}: {exc}")
+            self.failed_step = FailedStep(
+                step=step, reason="interrupted" if isinstance(exc, KeyboardInterrupt)
+                else f"{type(exc).__name__}: {exc}",
+                state_whole=not pending_before and opt.step_count == count_before)
             self.ex.drop_pending()
             self.last_trace = None
             if tracer is not None:

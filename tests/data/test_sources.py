@@ -86,12 +86,13 @@ def test_resume_with_another_split_or_file_is_refused(tmp_path, rng):
 
 
 def test_out_of_vocabulary_ids_are_refused_naming_the_file(tmp_path, rng):
-    """A token id the model cannot embed is refused with the file's name and the id."""
+    """A token id the model cannot embed is refused when the file is opened, with the file's
+    name, the id and its position."""
     tokens = rng.integers(0, 50, 300)
     tokens[5] = 777
     path = _write("bin16", tokens, tmp_path)
-    with pytest.raises(ConfigError, match="777.*t.bin"):
-        open_source(path, 8, 100).next_batch(2)
+    with pytest.raises(ConfigError, match=r"t\.bin: token id 777 at position 5 "):
+        open_source(path, 8, 100)
 
 
 def test_parquet_source_holds_out_the_last_file(tmp_path, rng):

@@ -216,12 +216,13 @@ def test_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(
 
 
 def test_keep_last_k_deletes_only_older_sealed_checkpoints(plans, tmp_path):
-    """keep=2 leaves the newest two checkpoints and never touches other entries of the root."""
+    """keep=2 leaves the newest two checkpoints and never touches other entries of a root
+    forced to hold them (force_dir: a root with other files is refused otherwise)."""
     (tmp_path / "notes.txt").write_text("mine")
     with _engine(plans["all_resident"]) as eng:
         for step in range(3):
             _train(eng, 1, step * 1000)
-            eng.save_checkpoint(tmp_path, keep=2)
+            eng.save_checkpoint(tmp_path, keep=2, force_dir=True)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert all((p / SEAL).is_file() for p in list_checkpoints(tmp_path))
