@@ -92,18 +92,37 @@ class Progress:
         self.close()
 
 
-class StepWatch:
+class _Ticker:
+    """A daemon thread that runs the subclass's `_loop` while the `with` block runs (`_t0` is
+    when it began); leaving the block stops and joins it."""
+
+    def __init__(self, thread_name: str):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self._t0 = 0.0  # set when the block starts (__enter__)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class StepWatch(_Ticker):
     """While a step runs, every `interval_s` write `say(line)` with how far it has got:
     `with StepWatch(eng.step_progress, "step 3", log.info): eng.train_step(...)`. A step
     shorter than the interval writes nothing. `position()` returns an object with `fraction`,
     `dispatched`, `events` and `at` (dataflow.executor.StepProgress), or None."""
 
     def __init__(self, position, label: str, say, *, interval_s: float = 30.0):
+        super().__init__("dataflow-step-watch")
         self.position, self.label, self.say, self.interval_s = position, label, say, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dataflow-step-watch",
-                                        daemon=True)
-        self._t0 = 0.0  # set when the step starts (__enter__)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -116,40 +135,19 @@ class StepWatch:
                      f"({p.at}), {elapsed:.0f} s" + (f", about {eta:.0f} s to go" if eta
                                                      else ""))
 
-    def __enter__(self) -> "StepWatch":
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-class SlowNotice:
+class SlowNotice(_Ticker):
     """While a long call runs, every `interval_s` write `say(line)` saying it is still running:
     `with SlowNotice("planning 8b", log.info, hint="Ctrl-C stops it"): make_plan(...)`. A call
     shorter than the interval writes nothing (the planner's search has no cheap fraction done,
     so this says only the time)."""
 
     def __init__(self, label: str, say, *, interval_s: float = 5.0, hint: str = ""):
+        super().__init__("dataflow-slow-notice")
         self.label, self.say, self.interval_s, self.hint = label, say, interval_s, hint
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dataflow-slow-notice",
-                                        daemon=True)
-        self._t0 = 0.0
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             elapsed = time.perf_counter() - self._t0
             self.say(f"{self.label}: still running after {elapsed:.0f} s"
                      + (f" ({self.hint})" if self.hint else ""))
-
-    def __enter__(self) -> "SlowNotice":
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

@@ -14,6 +14,7 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
+from tests.faults import fail_on as _fail_on
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -120,21 +121,6 @@ def test_weights_only_load_zeroes_adamw_state_and_restarts_the_step_count(rng):
     with _engine() as c, pytest.raises(ConfigError, match="exp_avg"):
         c.load_state_dict(weights)  # a full load still needs the optimizer state
 
-
-def _fail_on(eng, prefix: str, exc: BaseException):
-    """Make the engine's backend raise `exc` at the first op whose span name starts with
-    `prefix` (e.g. 'b.' for the backward), once."""
-    launch = eng.be.launch
-    fired = []
-
-    def patched(stream, op, *args, name=None, **kw):
-        if not fired and name is not None and name.startswith(prefix):
-            fired.append(name)
-            raise exc
-        return launch(stream, op, *args, name=name, **kw)
-
-    eng.be.launch = patched
-    return fired
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()])

@@ -18,6 +18,7 @@ from dataflow.cli.demo import main as demo_main
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.models.errors import ConfigError, StepFailedError
+from tests.faults import fail_on as _fail_on
 
 BASE = ["0.5", "0.25", "64", "tiny", "--backend", "numpy", "--steps", "1"]
 
@@ -119,20 +120,6 @@ def test_demo_resume_of_another_models_checkpoint_names_that_model(tmp_path, cap
     assert "'tiny'" in line and "'small'" in line and "--checkpoint-dir" in line
     assert "--lr" not in line and "--steps" not in line
 
-
-def _fail_on(eng, prefix: str, exc: BaseException):
-    """Make the backend raise `exc` at the first op whose span name starts with `prefix`."""
-    launch = eng.be.launch
-    fired = []
-
-    def patched(stream, op, *args, name=None, **kw):
-        if not fired and name is not None and name.startswith(prefix):
-            fired.append(name)
-            raise exc
-        return launch(stream, op, *args, name=name, **kw)
-
-    eng.be.launch = patched
-    return fired
 
 
 def test_save_after_a_step_failed_mid_update_refuses_and_force_marks_the_manifest(tmp_path,
