@@ -165,3 +165,25 @@ def test_demo_trains_an_moe_directory_and_logs_the_router_losses(tmp_path, capsy
     steps = json.loads(out)["steps"]
     assert len(steps) == 2 and all(np.isfinite(s["aux_loss"]) for s in steps)
     assert "step 2: router load-balancing loss" in caplog.text
+
+
+def test_demo_warns_when_text_data_bypasses_the_models_own_tokenizer(tmp_path, capsys, caplog):
+    """A model directory with its own tokenizer, given a text file (or no --data): the run says
+    once that the text becomes byte ids, not that tokenizer's ids; a token file says nothing."""
+    from dataflow.engine import Engine
+
+    with Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=64, backend="numpy") as eng:
+        eng.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    (tmp_path / "train.txt").write_text("a user's own text, " * 100)
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, 2000))
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    base = ["2", "0.25", "64", str(tmp_path / "model"), "--steps", "1", "--backend", "numpy"]
+    for data, warned in ((["--data", str(tmp_path / "train.txt")], True), ([], True),
+                         (["--data", str(tmp_path / "ids.npy")], False)):
+        caplog.clear()
+        assert demo_main(base + data) == 0
+        said = [r.getMessage() for r in caplog.records if "byte ids" in r.getMessage()]
+        assert len(said) == int(warned), (data, said)
+        if warned:
+            assert "tokenizer.json" in said[0] and "README" in said[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 from dataflow.cli.args import check_checkpoint_flags
 from dataflow.lr_schedule import WarmupCosine
@@ -145,10 +146,19 @@ class Training:
     def open_data(self, seqlen: int) -> None:
         """Open --data (or the shipped text) now, before the engine is built, so a bad file is
         refused (ConfigError: exit 2, naming it) before anything is initialised or written."""
-        from dataflow.data.sources import open_source  # NumPy: loaded only for a run, not --help
+        # NumPy: loaded only for a run, not --help
+        from dataflow.data.sources import TEXT_SUFFIXES, open_source
 
         self.source = open_source(self.args.data, seqlen, self.cfg.vocab_size,
                                   eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
+        data = self.args.data
+        tokenizer = _own_tokenizer(self.args.model)
+        if tokenizer and (data is None or Path(data).suffix in TEXT_SUFFIXES):
+            what = f"--data {data}" if data else "the shipped text (no --data)"
+            log.warning("%s becomes byte ids 0..255, not the ids of %s's own tokenizer (%s): "
+                        "a pretrained model learns nonsense from them; write the model's token "
+                        "ids to a .npy first (README, 'Fine-tune your own Hugging Face model')",
+                        what, self.args.model, tokenizer)
 
     def start(self, eng) -> None:
         """Open the data (unless open_data did), then resume weights, state and data position
@@ -209,3 +219,11 @@ class Training:
 def _jsonable(args) -> dict:
     return {k: v for k, v in vars(args).items()
             if isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _own_tokenizer(model: str) -> str | None:
+    """The tokenizer file a model directory ships (tokenizer.json, tokenizer.model), or None."""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (Path(model) / name).is_file():
+            return name
+    return None
