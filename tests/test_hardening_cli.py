@@ -269,3 +269,14 @@ def test_finite_budget_too_large_for_bytes_is_refused_by_name(capsys, main):
         code = exc.code
     err = _one_line_refusal(capsys, code)
     assert "device budget 1.67423e+299 GiB" in err and "1 PiB" in err
+
+
+def test_a_misspelt_flag_is_refused_with_the_flag_it_was_meant_to_be(capsys):
+    """`--stpes 2` exits 2 with one line that names --steps; an unlike word gets no guess."""
+    from dataflow.cli.demo import main as demo_main
+
+    assert demo_main(["2", "0.25", "64", "tiny", "--stpes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean --steps for --stpes?" in err[0], err
+    assert demo_main(["2", "0.25", "64", "tiny", "--zzz", "2"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

@@ -7,6 +7,7 @@ Never imports array libraries, so dataflow-plan stays free of them."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import logging
 import math
@@ -28,7 +29,21 @@ class UsageError(Exception):
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
-        raise UsageError(message)
+        raise UsageError(message + self._close_flags(message))
+
+    def _close_flags(self, message: str) -> str:
+        """'; did you mean --steps?' for a misspelt flag of an 'unrecognized arguments' error
+        (Python 3.12 only learned to suggest; the floor is 3.10)."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if \
+                flag.startswith("--") else []
+            hints += [f"{close[0]} for {flag}"] if close else []
+        return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
 def positive(kind):
