@@ -106,6 +106,22 @@ def _refuse_unexportable(cfg: ModelConfig) -> None:
 
 
 
+def weight_map(path: str | Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file of a Hugging Face directory that holds it (its
+    index's weight_map, or every tensor of model.safetensors); reads headers only."""
+    path = Path(path)
+    if not (path / INDEX).is_file():
+        return {n: SINGLE for n in SafetensorsFile(path / SINGLE).names()}
+    try:
+        index = json.loads((path / INDEX).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    where = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(where, dict):
+        raise ConfigError(f"{path / INDEX} has no weight_map; re-save the model")
+    return dict(where)
+
+
 def open_weights(path):
     """Weights at `path`: a Hugging Face directory (HFWeights, read lazily) or a dataflow.models.storage
     model directory (read whole, verified)."""
@@ -137,14 +153,7 @@ class HFWeights:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.cfg = hf_config(self.path)
-        if (self.path / INDEX).is_file():
-            index = json.loads((self.path / INDEX).read_text())
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise ConfigError(f"{self.path / INDEX} has no weight_map; re-save the model")
-        else:
-            weight_map = {n: SINGLE for n in SafetensorsFile(self.path / SINGLE).names()}
-        self._where = dict(weight_map)
+        self._where = weight_map(self.path)
         self._files: dict[str, SafetensorsFile] = {}
         known = {lay.full_name(t.name, layer) for _, layer, lay in _blocks_of(self.cfg)
                  for t in lay.tensors}

@@ -29,8 +29,8 @@ from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.models import init
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.models.hf import open_weights
-from dataflow.models.hf_config import INDEX, SINGLE, is_hf_dir, model_config
+from dataflow.models.hf import open_weights, weight_map
+from dataflow.models.hf_config import is_hf_dir, model_config
 from dataflow.models.layout import BlockKind
 from dataflow.models.safetensors_io import SafetensorsFile
 from dataflow.models.serial import from_dict
@@ -226,18 +226,10 @@ def check_weights_match(cfg: ModelConfig, path) -> None:
 def _hf_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     """Tensor name -> shape of a Hugging Face directory (None for tensors of shards that are
     not read: only the shard holding the embedding is opened)."""
-    if not (path / INDEX).is_file():
-        f = SafetensorsFile(path / SINGLE)
-        return {n: f.shape(n) for n in f.names()}
-    try:
-        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        weight_map = None
-    if not isinstance(weight_map, dict):
-        raise ConfigError(f"{path / INDEX} has no weight_map; re-save the model")
-    shapes = dict.fromkeys(weight_map)
-    if EMBED_NAME in weight_map:
-        f = SafetensorsFile(path / weight_map[EMBED_NAME])
+    where = weight_map(path)
+    shapes = dict.fromkeys(where)
+    if EMBED_NAME in where:
+        f = SafetensorsFile(path / where[EMBED_NAME])
         if EMBED_NAME in f:
             shapes[EMBED_NAME] = f.shape(EMBED_NAME)
     return shapes
