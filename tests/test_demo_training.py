@@ -167,9 +167,10 @@ def test_demo_trains_an_moe_directory_and_logs_the_router_losses(tmp_path, capsy
     assert "step 2: router load-balancing loss" in caplog.text
 
 
-def test_demo_warns_when_text_data_bypasses_the_models_own_tokenizer(tmp_path, capsys, caplog):
-    """A model directory with its own tokenizer, given a text file (or no --data): the run says
-    once that the text becomes byte ids, not that tokenizer's ids; a token file says nothing."""
+def test_demo_never_trains_a_models_text_on_byte_ids_unasked(tmp_path, capsys, caplog):
+    """A model directory with a tokenizer of its own (here one the library cannot read), given
+    a text file: exit 2 naming that tokenizer, before any work; --tokenizer bytes trains on byte
+    ids as asked, saying so; a token file never needs a tokenizer."""
     from dataflow.engine import Engine
 
     with Engine("tiny", host_gb=1, dev_gb=0.25, seqlen=64, backend="numpy") as eng:
@@ -177,13 +178,13 @@ def test_demo_warns_when_text_data_bypasses_the_models_own_tokenizer(tmp_path, c
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     (tmp_path / "train.txt").write_text("a user's own text, " * 100)
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, 2000))
-    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    caplog.set_level(logging.INFO, logger="dataflow")
     base = ["2", "0.25", "64", str(tmp_path / "model"), "--steps", "1", "--backend", "numpy"]
-    for data, warned in ((["--data", str(tmp_path / "train.txt")], True), ([], True),
-                         (["--data", str(tmp_path / "ids.npy")], False)):
-        caplog.clear()
-        assert demo_main(base + data) == 0
-        said = [r.getMessage() for r in caplog.records if "byte ids" in r.getMessage()]
-        assert len(said) == int(warned), (data, said)
-        if warned:
-            assert "tokenizer.json" in said[0] and "README" in said[0]
+    capsys.readouterr()
+    assert demo_main(base + ["--data", str(tmp_path / "train.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "tokenizers library" in err, err
+    caplog.clear()
+    assert demo_main(base + ["--data", str(tmp_path / "train.txt"), "--tokenizer", "bytes"]) == 0
+    assert any("byte ids 0..255 as asked" in r.getMessage() for r in caplog.records)
+    assert demo_main(base + ["--data", str(tmp_path / "ids.npy")]) == 0

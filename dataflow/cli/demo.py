@@ -306,13 +306,13 @@ class _Run:
             for _ in range(self.training.remaining(eng)):
                 if stop.signum:
                     break
-                batch = self.training.next_batch(eng)
+                batch, batch_kwargs = self.training.next_batch(eng)
                 if self.pcie:
                     self.pcie.start()
                 try:
                     with stop.abortable(), StepWatch(eng.step_progress,
                                                      f"step {args.steps_done + 1}", bar.info):
-                        r = eng.train_step(batch)  # long steps report every 30 s
+                        r = eng.train_step(*batch, **batch_kwargs)  # reports every 30 s
                 except NonFiniteError as exc:
                     self.status = f"nonfinite {exc.what} at step {exc.step}"
                     moved = self.pcie.stop() if self.pcie else None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 
 from dataflow.cli.args import check_checkpoint_flags
+from dataflow.cli.data import add_tokenise_flags
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.models.errors import ConfigError
 from dataflow.optimizer import AdamWConfig
@@ -94,10 +94,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="clip the global gradient norm to X (default 1.0; 0 turns clipping "
                         "off); the norm is reported every step either way")
     g.add_argument("--data", metavar="PATH",
-                   help="train on this file instead of the shipped text: text (.txt/.md, "
-                        "byte-level tokens), .npy or .bin token ids (raw uint16 as nanoGPT "
-                        "writes, *.u32.bin raw uint32, or llm.c's header format), or .parquet "
-                        "(a file or directory; column 'tokens')")
+                   help="train on this instead of the shipped text: text files or a folder "
+                        "of them, JSONL (a 'text' field or chat 'messages'), Parquet/Arrow "
+                        "text, all tokenised with the model's own tokenizer (see "
+                        "'tokenising'); or token ids as they are: .npy, .bin (raw uint16 as "
+                        "nanoGPT writes, *.u32.bin raw uint32, or llm.c's header format), "
+                        "Parquet with a 'tokens' column")
     g.add_argument("--eval-every", type=_interval, default=None, metavar="N",
                    help=f"every N >= 1 steps, the validation loss on {EVAL_SEQS} held-out "
                         "sequences (the end of the data, never trained on; the last file for "
@@ -117,6 +119,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest checkpoint in --checkpoint-dir (start "
                         "fresh when there is none): weights, AdamW state, step, schedule, "
                         "data position")
+    add_tokenise_flags(p)
 
 
 def check_flags(args) -> None:
@@ -146,19 +149,12 @@ class Training:
     def open_data(self, seqlen: int) -> None:
         """Open --data (or the shipped text) now, before the engine is built, so a bad file is
         refused (ConfigError: exit 2, naming it) before anything is initialised or written."""
-        # NumPy: loaded only for a run, not --help
-        from dataflow.data.sources import TEXT_SUFFIXES, open_source
+        # NumPy and the tokeniser: loaded only for a run, not --help
+        from dataflow.data.open_data import DataOptions, open_data
 
-        self.source = open_source(self.args.data, seqlen, self.cfg.vocab_size,
-                                  eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
-        data = self.args.data
-        tokenizer = _own_tokenizer(self.args.model)
-        if tokenizer and (data is None or Path(data).suffix in TEXT_SUFFIXES):
-            what = f"--data {data}" if data else "the shipped text (no --data)"
-            log.warning("%s becomes byte ids 0..255, not the ids of %s's own tokenizer (%s): "
-                        "a pretrained model learns nonsense from them; write the model's token "
-                        "ids to a .npy first (README, 'Fine-tune your own Hugging Face model')",
-                        what, self.args.model, tokenizer)
+        self.source = open_data(self.args.data, seqlen, self.cfg.vocab_size,
+                                model=self.args.model, options=DataOptions.from_args(self.args),
+                                eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
 
     def start(self, eng) -> None:
         """Open the data (unless open_data did), then resume weights, state and data position
@@ -197,13 +193,15 @@ class Training:
         return max(0, self.args.steps - eng.optimizer.step_count)
 
     def next_batch(self, eng):
-        return self.source.next_batch(eng.seqs_per_step)
+        """(args, kwargs) of the next Engine.train_step."""
+        return step_args(self.source.next_batch(eng.seqs_per_step))
 
     def after_step(self, eng, result) -> None:
         """Validation and checkpoint after step `result.step`, when their interval says so."""
         args, step = self.args, result.step
         if args.eval_every and step % args.eval_every == 0:
-            loss = eng.eval_step(self.source.eval_batch(EVAL_SEQS))
+            held, kwargs = step_args(self.source.eval_batch(EVAL_SEQS))
+            loss = eng.eval_step(*held, **kwargs)
             self.eval_losses.append((step, loss))
             log.info("step %d: validation loss %.4f (%d held-out sequences)", step, loss,
                      EVAL_SEQS)
@@ -221,9 +219,9 @@ def _jsonable(args) -> dict:
             if isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def _own_tokenizer(model: str) -> str | None:
-    """The tokenizer file a model directory ships (tokenizer.json, tokenizer.model), or None."""
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if (Path(model) / name).is_file():
-            return name
-    return None
+def step_args(batch) -> tuple[tuple, dict]:
+    """A source's batch (token rows, or a TokenBatch with labels and doc_ids) as the
+    (args, kwargs) of Engine.train_step / eval_step."""
+    if hasattr(batch, "step_args"):
+        return batch.step_args()
+    return (batch,), {}

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
+from pathlib import Path
+
 import numpy as np
 
 from dataflow.models.errors import ConfigError
@@ -19,6 +21,11 @@ BYTE_VOCAB = 256
 @functools.lru_cache(maxsize=1)
 def _corpus_bytes() -> bytes:
     return resources.files("dataflow.data").joinpath("corpus.txt").read_bytes()
+
+
+def shipped_text_path() -> Path:
+    """The shipped text's file (tokenised like any --data when a model has its own tokenizer)."""
+    return Path(str(resources.files("dataflow.data").joinpath("corpus.txt")))
 
 
 def shipped_text() -> str:

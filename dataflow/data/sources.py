@@ -164,7 +164,7 @@ def open_source(path: str | Path | None, seqlen: int, vocab_size: int, *, eval_s
             raise ConfigError(f"--data {path}: no Parquet files there; pass a .parquet file or "
                               "a directory of them")
         return ParquetSource(files, seqlen, vocab_size, eval_seqs=eval_seqs)
-    _check_regular_file(path)
+    check_regular_file(path)
     if path.suffix == ".npy":
         tokens = _npy_tokens(path)
     elif path.suffix == ".bin":
@@ -239,7 +239,7 @@ def _pieces(tokens: np.ndarray):
 KINDS = "a text (.txt/.md), .npy, .bin or .parquet file"
 
 
-def _check_regular_file(path: Path) -> None:
+def check_regular_file(path: Path) -> None:
     """Refuse, naming the path, what is not a non-empty regular file: a missing path, a device
     such as /dev/zero (endless, so never a token file), a FIFO or socket, or an empty file (which
     NumPy's loaders report as EOFError or 'cannot mmap an empty file', without the path)."""

@@ -1,0 +1,327 @@
+"""Tokenise a user's data once, into a cached corpus the packer memory-maps: the ids of every
+record, which of them carry loss (assistant tokens of chat records; every token of text), and
+where each record starts. Cached beside the data (or in --cache-dir) under a key of the
+tokenizer's and the data's hashes, so a changed file or tokenizer re-tokenises and an unchanged
+one never does. Parallel over worker processes, with progress and an ETA; written to a temporary
+folder renamed into place, so a crash or Ctrl-C leaves no half-written corpus. Never packs rows
+and never touches a model's weights or a device.
+
+A corpus folder holds tokens.npy (uint16 when the vocabulary fits, else uint32), learn.npy
+(uint8, 1 where the token is learnt), starts.npy (int64, each record's first token, then the
+total), chat.npy (uint8 per record: 1 for a chat record, packed whole) and corpus.json (what was
+tokenised with what, and the summary)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dataflow.data.chat import ChatError, ChatTemplate, assistant_token_mask
+from dataflow.data.records import Fields, Record, data_files, read_records
+from dataflow.data.tokenizer import Tokenizer, TokenizerInfo
+from dataflow.models.errors import ConfigError
+from dataflow.progress import Progress
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+"""Bumped when what a corpus holds or how records become ids changes: old caches re-tokenise."""
+UNIT_BYTES = 1 << 18
+"""Input bytes per unit of work sent to a worker."""
+PARALLEL_BYTES = 8 << 20
+"""Data smaller than this is tokenised in this process (starting workers costs about a second)."""
+CACHE_FOLDER = ".dataflow-cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSummary:
+    records: int
+    tokens: int
+    learnt: int
+    """Tokens that carry loss (everything but chat records' prompts and template text)."""
+    longest: int
+    longest_where: str
+    chat_records: int
+    silent_records: int
+    """Records with no learnt token (a chat without an assistant turn)."""
+    input_bytes: int
+    seconds: float
+
+    @property
+    def masked_share(self) -> float:
+        return 1.0 - self.learnt / max(1, self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A tokenised corpus on disk (what tokenise() returns)."""
+
+    path: Path
+    key: str
+    summary: CorpusSummary
+    tokenizer: str
+    cached: bool
+    """Found in the cache (nothing was tokenised this time)."""
+
+    def arrays(self):
+        """(tokens, learn, starts, chat), memory-mapped."""
+        load = functools.partial(np.load, mmap_mode="r", allow_pickle=False)
+        return (load(self.path / "tokens.npy"), load(self.path / "learn.npy"),
+                load(self.path / "starts.npy"), load(self.path / "chat.npy"))
+
+
+def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(),
+             chat_template: str | None = None, cache_dir: str | Path | None = None,
+             jobs: int | None = None, progress: bool = True) -> Corpus:
+    """The corpus of `data` (a file or folder) under `tokenizer`: from the cache when its key
+    is there, else tokenised now. chat_template: a template to use instead of the tokenizer's.
+    jobs: worker processes (default: the machine's cores; 1 tokenises in this process)."""
+    files = data_files(data)
+    template = chat_template if chat_template is not None else tokenizer.info.chat_template
+    key = _key(files, tokenizer.info, fields, template)
+    root = _cache_root(Path(data), cache_dir)
+    final = root / f"{Path(data).name}-{key[:16]}"
+    if (final / "corpus.json").is_file():
+        meta = json.loads((final / "corpus.json").read_text())
+        return Corpus(final, key, CorpusSummary(**meta["summary"]), tokenizer.info.name, True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        summary = _tokenise_into(tmp, files, tokenizer, fields, template, jobs, progress)
+        meta = {"format": FORMAT, "key": key, "tokenizer": dataclasses.asdict(tokenizer.info)
+                | {"chat_template": template}, "fields": dataclasses.asdict(fields),
+                "files": [str(f) for f in files], "summary": dataclasses.asdict(summary)}
+        (tmp / "corpus.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process cached the same key meanwhile: theirs is the same
+            if not (final / "corpus.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Corpus(final, key, summary, tokenizer.info.name, False)
+
+
+def _key(files, info: TokenizerInfo, fields: Fields, template) -> str:
+    """sha256 of the format, the tokenizer's files, the fields and template, and every data
+    file's path and contents."""
+    h = hashlib.sha256(json.dumps([FORMAT, info.digest, dataclasses.asdict(fields),
+                                   template]).encode())
+    for f in files:
+        h.update(str(f.resolve()).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/dataflow/tokens (default ~/.cache/dataflow/tokens): for data that
+    cannot have a cache beside it (the shipped text, inside the installed package)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dataflow" / "tokens"
+
+
+def _cache_root(data: Path, cache_dir) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).resolve()
+    root = data.resolve().parent / CACHE_FOLDER
+    parent = root if root.exists() else root.parent
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write the tokenised corpus beside {data} ({parent} is not "
+                          "writable); pass --cache-dir DIR")
+    return root
+
+
+def _tokenise_into(out: Path, files, tokenizer, fields, template, jobs, progress):
+    t0 = time.perf_counter()
+    total = sum(f.stat().st_size for f in files)
+    jobs = jobs or os.cpu_count() or 1
+    dtype = np.uint16 if tokenizer.info.vocab_size <= 1 << 16 else np.uint32
+    writer = _Writer(out, dtype, tokenizer.info.eos_id)
+    units = _units(read_records(files, fields))
+    mib = max(1, total >> 20)
+    bar = Progress(mib, "tokenising MiB", logger=log) if progress and total >= PARALLEL_BYTES \
+        else None
+    done_bytes = 0
+    try:
+        for result, size in _results(units, tokenizer, template, jobs, total):
+            writer.add(result)
+            done_bytes += size
+            if bar:
+                bar.update(min(mib, done_bytes >> 20) - bar.done,
+                           info=f"{writer.tokens:,} tokens")
+    finally:
+        if bar:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    return writer.close(total, seconds)
+
+
+def _units(records):
+    """Lists of records of about UNIT_BYTES each (a text file's pieces may fall in different
+    units: each piece knows it continues the one before)."""
+    unit, size = [], 0
+    for r in records:
+        unit.append(r)
+        size += r.size
+        if size >= UNIT_BYTES:
+            yield unit, size
+            unit, size = [], 0
+    if unit:
+        yield unit, size
+
+
+def _results(units, tokenizer, template, jobs, total):
+    """(unit result, input bytes) in order, from worker processes when worth it."""
+    if jobs <= 1 or total < PARALLEL_BYTES:
+        for unit, size in units:
+            yield _tokenise_unit(tokenizer, template, unit), size
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx,
+                                                initializer=_quiet_worker) as pool:
+        pending = collections.deque()
+        try:
+            for unit, size in units:
+                pending.append((pool.submit(_tokenise_unit, tokenizer, template, unit), size))
+                if len(pending) >= 2 * jobs:
+                    future, n = pending.popleft()
+                    yield future.result(), n
+            while pending:
+                future, n = pending.popleft()
+                yield future.result(), n
+        except BaseException:
+            for future, _ in pending:
+                future.cancel()
+            raise
+
+
+def _quiet_worker():
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the
+    # parallelism
+
+
+@functools.lru_cache(maxsize=4)
+def _template(source: str, specials: tuple, added: tuple) -> ChatTemplate:
+    return ChatTemplate(source, dict(specials), added)
+
+
+def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit: list[Record]):
+    """The ids, learn flags and record lengths of a unit (ConfigError naming a bad record)."""
+    ids, learn, chat, cont, where = [], [], [], [], []
+    for r in unit:
+        if r.text is not None and not r.text and not r.continues:
+            continue  # an empty document: nothing to learn, not even its end
+        if r.messages is not None:
+            if template is None:
+                raise ConfigError(
+                    f"{r.where}: a chat record, but tokenizer {tokenizer.info.name} has no chat "
+                    "template (tokenizer_config.json's chat_template or chat_template.jinja); "
+                    "pass --chat-template FILE")
+            tpl = _template(template, tuple(sorted(tokenizer.info.special_tokens.items())),
+                            tokenizer.added_tokens())
+            messages = _drop_none(r.messages)
+            try:
+                text, spans = tpl.render_with_spans(messages)
+            except ChatError as exc:
+                raise ConfigError(f"{r.where}: {exc}") from None
+            t, offsets = tokenizer.encode(text, special=False)
+            if offsets is None:
+                raise ConfigError(f"{r.where}: chat records need a model's tokenizer, not bytes")
+            m = np.asarray(assistant_token_mask(offsets.tolist(), spans), np.uint8)
+        else:
+            t, _ = tokenizer.encode(r.text, special=not r.continues)
+            m = np.ones(t.size, np.uint8)
+        ids.append(t)
+        learn.append(m)
+        chat.append(r.messages is not None)
+        cont.append(r.continues)
+        where.append(r.where)
+    return ids, learn, chat, cont, where
+
+
+def _drop_none(messages):
+    """As transformers does before rendering: keys whose value is None are left out (a
+    Parquet struct's missing fields come as None)."""
+    if not isinstance(messages, list):
+        return messages
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+            for m in messages]
+
+
+class _Writer:
+    """Appends units to the corpus's files, one record at a time: a text file's later pieces
+    join its document, and the tokenizer's EOS ends each text document (learnt: the model learns
+    where documents end; the packer keeps attention from crossing it)."""
+
+    def __init__(self, out: Path, dtype, eos_id: int | None):
+        self.out, self.dtype, self.eos_id = out, dtype, eos_id
+        self._tok = open(out / "tokens.raw", "wb")
+        self._learn = open(out / "learn.raw", "wb")
+        self.starts, self.chat = [], []
+        self.tokens = self.learnt = self.silent = 0
+        self.longest = (0, "")
+        self._open = None
+        """(where, is chat, tokens so far, learnt so far) of the record being written."""
+
+    def add(self, result) -> None:
+        for t, m, c, k, where in zip(*result):
+            if not k:
+                self._close_record()
+                self._open = [where, c, 0, 0]
+                self.starts.append(self.tokens)
+                self.chat.append(c)
+            self._write(t, m)
+
+    def _write(self, t, m) -> None:
+        self._tok.write(np.asarray(t).astype(self.dtype).tobytes())
+        self._learn.write(np.asarray(m, np.uint8).tobytes())
+        learnt = int(np.count_nonzero(m))
+        self.tokens += len(t)
+        self.learnt += learnt
+        self._open[2] += len(t)
+        self._open[3] += learnt
+
+    def _close_record(self) -> None:
+        if self._open is None:
+            return
+        where, chat, n, _ = self._open
+        if not chat and self.eos_id is not None:
+            self._write([self.eos_id], [1])
+        where, chat, n, learnt = self._open
+        self.silent += learnt == 0
+        if n > self.longest[0]:
+            self.longest = (n, where)
+        self._open = None
+
+    def close(self, input_bytes: int, seconds: float) -> CorpusSummary:
+        self._close_record()
+        self._tok.close()
+        self._learn.close()
+        n = self.tokens
+        for name, dtype in (("tokens", self.dtype), ("learn", np.uint8)):
+            raw = self.out / f"{name}.raw"
+            arr = np.memmap(raw, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+            np.save(self.out / f"{name}.npy", arr)
+            del arr
+            raw.unlink()
+        np.save(self.out / "starts.npy", np.asarray(self.starts + [n], np.int64))
+        np.save(self.out / "chat.npy", np.asarray(self.chat, np.uint8))
+        return CorpusSummary(len(self.chat), n, self.learnt, self.longest[0], self.longest[1],
+                             int(sum(self.chat)), int(self.silent), input_bytes, seconds)
