@@ -1,6 +1,7 @@
-"""Token sources for training: the byte-level corpus shipped with the package (no network) and
-a resumable packer of pre-tokenised Parquet data. Produces int32 token rows only; never touches
-a model, a plan or a device."""
+"""Data for training: the byte-level corpus shipped with the package (no network), token files,
+and the user's text, JSONL, chat and Parquet/Arrow data tokenised once with the model's own
+tokenizer (open_data, tokenise, PackedCorpus: batches of ids, labels and document ids).
+Produces int32 rows only; never touches a model's weights, a plan or a device."""
 
 from dataflow.data.shipped import (
     BYTE_VOCAB,
@@ -11,9 +12,22 @@ from dataflow.data.shipped import (
     token_stream,
 )
 
+LAZY = {"ArrowTokenDataset": "dataflow.data.arrow", "DataOptions": "dataflow.data.open_data",
+        "open_data": "dataflow.data.open_data", "tokenise": "dataflow.data.tokenise",
+        "PackedCorpus": "dataflow.data.packed", "TokenBatch": "dataflow.data.packed",
+        "load_tokenizer": "dataflow.data.tokenizer", "choose_tokenizer": "dataflow.data.tokenizer"}
+"""Loaded when first named: pyarrow, jinja2 and tokenizers add to the import."""
+
 __all__ = [
     "BYTE_VOCAB",
     "ArrowTokenDataset",
+    "DataOptions",
+    "PackedCorpus",
+    "TokenBatch",
+    "choose_tokenizer",
+    "load_tokenizer",
+    "open_data",
+    "tokenise",
     "decode",
     "encode",
     "shipped_text",
@@ -23,9 +37,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "ArrowTokenDataset":
-        # pyarrow adds about 0.2 s to the import: loaded only when the Parquet loader is used
-        from dataflow.data.arrow import ArrowTokenDataset
+    if name in LAZY:
+        import importlib  # the heavy modules load only when named
 
-        return ArrowTokenDataset
+        return getattr(importlib.import_module(LAZY[name]), name)
     raise AttributeError(f"module 'dataflow.data' has no attribute '{name}'")

@@ -91,8 +91,8 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     jobs: worker processes (default: the machine's cores; 1 tokenises in this process)."""
     files = data_files(data)
     template = chat_template if chat_template is not None else tokenizer.info.chat_template
-    key = _key(files, tokenizer.info, fields, template)
     root = _cache_root(Path(data), cache_dir)
+    key = _key(files, tokenizer.info, fields, template, root)
     final = root / f"{Path(data).name}-{key[:16]}"
     if (final / "corpus.json").is_file():
         meta = json.loads((final / "corpus.json").read_text())
@@ -117,17 +117,55 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     return Corpus(final, key, summary, tokenizer.info.name, False)
 
 
-def _key(files, info: TokenizerInfo, fields: Fields, template) -> str:
+def _key(files, info: TokenizerInfo, fields: Fields, template, root: Path) -> str:
     """sha256 of the format, the tokenizer's files, the fields and template, and every data
-    file's path and contents."""
+    file's path and contents (file_digest)."""
+    memo = _DigestMemo(root)
     h = hashlib.sha256(json.dumps([FORMAT, info.digest, dataclasses.asdict(fields),
                                    template]).encode())
     for f in files:
-        h.update(str(f.resolve()).encode() + b"\0")
+        h.update(str(f.resolve()).encode() + b"\0" + memo.digest(f).encode() + b"\0")
+    memo.save()
+    return h.hexdigest()
+
+
+class _DigestMemo:
+    """Each data file's sha256, remembered in the cache folder by path, size and mtime, so an
+    unchanged 10 GB corpus is not read again on every run (a file whose size or mtime changed
+    is hashed again; an edit keeping both, which tools do not make, would go unseen)."""
+
+    def __init__(self, root: Path):
+        self.path = root / "digests.json"
+        try:
+            self.known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    def digest(self, f: Path) -> str:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns]
+        hit = self.known.get(str(f.resolve()))
+        if hit and hit[:2] == stamp:
+            return hit[2]
+        h = hashlib.sha256()
         with open(f, "rb") as fh:
             while block := fh.read(1 << 22):
                 h.update(block)
-    return h.hexdigest()
+        self.known[str(f.resolve())] = stamp + [h.hexdigest()]
+        self.changed = True
+        return h.hexdigest()
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(self.known))
+            os.replace(tmp, self.path)
+        except OSError:  # a memo only: without it the next run hashes again
+            pass
 
 
 def user_cache_dir() -> Path:
