@@ -260,3 +260,16 @@ def test_moe_keys_of_the_wrong_type_are_refused_by_their_config_json_name(family
     with pytest.raises(ConfigError) as err:
         moe_from_hf({key: value}, family, "X", "d/config.json")
     assert str(err.value).startswith("d/config.json: ") and words in str(err.value), err.value
+
+
+def test_ring_refuses_a_model_with_its_own_tokenizer_unless_asked_for_bytes(hf_dir, tmp_path,
+                                                                              capsys):
+    """dataflow-ring reads no --data: a model shipping a tokenizer of its own would train on the
+    shipped text's byte ids, so it exits 2 naming the tokenizer and --tokenizer bytes, before
+    launching anything."""
+    mine = tmp_path / "with-tokenizer"
+    shutil.copytree(hf_dir, mine)
+    (mine / "tokenizer.json").write_text("{}")
+    assert ring_cli.main(["1", "1", "64", str(mine), "--gpus", "2"]) == 2
+    err = _one_line(capsys)
+    assert "tokenizer.json" in err and "--tokenizer bytes" in err

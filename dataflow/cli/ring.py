@@ -17,6 +17,7 @@ import dataflow
 from dataflow.cli.args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
                                positive)
 from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
+from dataflow.data.tokenizer import BYTES, own_tokenizer_file
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS
 from dataflow.ring.job import RingJob
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a CUDA event pair per launch")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
+    p.add_argument("--tokenizer", choices=(BYTES,), default=None,
+                   help="'bytes': run a model that has a tokenizer of its own on the shipped "
+                        "text's byte ids anyway (the ring reads no --data yet: it measures "
+                        "speed and memory); without it such a model is refused")
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
     p.add_argument("--version", action="version", version=f"%(prog)s {dataflow.__version__}")
     return p
@@ -126,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
+        own = own_tokenizer_file(args.model)
+        if own is not None and args.tokenizer != BYTES:
+            raise ConfigError(
+                f"{args.model} has a tokenizer of its own ({own.name}), but dataflow-ring "
+                "trains on the shipped text as byte ids 0..255 (it reads no --data yet); pass "
+                f"--tokenizer {BYTES} to measure it so, or fine-tune with dataflow-demo --data")
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
         replicas, constraints = resolve_layout(
