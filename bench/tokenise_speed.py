@@ -6,14 +6,16 @@ number of worker processes. Builds three synthetic corpora in a temporary folder
   chat   JSONL of {"messages": [...]} records, random conversations of 1-4 turns rendered with
          the tokenizer's ChatML template (assistant tokens learnt, the rest masked)
 
-and a tokenizer (the chat example's byte-level BPE, or --tokenizer DIR: a real model's folder
-with tokenizer.json and, for the chat corpus, a chat template), then times tokenise() on each
-at every --jobs count, into a fresh cache folder each time (nothing is found cached). Data under
-8 MiB is tokenised in-process whatever --jobs says (tokenise.PARALLEL_BYTES), so the corpora are
-made larger than that, --quick too.
+and a tokenizer (the chat example's byte-level BPE; --large-vocab a 150,000-id one of the size
+of Qwen's and Llama 3's; or --tokenizer DIR, a real model's folder with tokenizer.json and, for
+the chat corpus, a chat template), then times tokenise() on each at every --jobs count, into a
+fresh cache folder each time (nothing is found cached). Data under 8 MiB is tokenised in-process
+whatever --jobs says (tokenise.PARALLEL_BYTES), so the corpora are made larger than that,
+--quick too.
 
     python -m dataflow.bench.tokenise_speed --out bench/records/tokenise-speed-16core.json
     python -m dataflow.bench.tokenise_speed --quick
+    python -m dataflow.bench.tokenise_speed --large-vocab --out bench/records/tokenise-speed-150k.json
     python -m dataflow.bench.tokenise_speed --tokenizer ~/models/Qwen3-8B --jobs 1,8,16
 
 Prints a table last (MB = 10^6 bytes of input; tok/s; speed-up over jobs = 1) and, with --out,
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a folder with tokenizer.json (and a chat template for 'chat') instead "
                         "of the chat example's 480-id BPE")
+    p.add_argument("--large-vocab", action="store_true",
+                   help="a 150,000-id BPE trained on random words instead of the example's "
+                        "(a tokenizer.json of about 10 MB, as Qwen's and Llama 3's: loading and "
+                        "encoding cost what a real model's do; about 15 s to train)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, metavar="DIR",
                    help="build the corpora here (default: a temporary folder, removed after)")
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenise-speed-", dir=args.work_dir) as tmp:
         tmp = Path(tmp)
         folder = Path(args.tokenizer) if args.tokenizer else write_tokenizer_dir(
-            tmp / "tokenizer", "chatml")
+            tmp / "tokenizer", "chatml", large=args.large_vocab)
         tok = load_tokenizer(folder)
         t0 = time.perf_counter()
         corpora = make_corpora(tmp / "data", sizes, args.seed)
@@ -178,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
               "versions": {"python": platform.python_version(), "tokenizers": _version(
                   "tokenizers"), "jinja2": _version("jinja2")},
               "config": {"quick": args.quick, **sizes, "jobs": jobs, "corpora": kinds,
-                         "tokenizer": args.tokenizer or "bench.chat_data BPE (480 ids)",
+                         "tokenizer": args.tokenizer or ("bench.chat_data large BPE (150,000 "
+                                                         "ids)" if args.large_vocab else
+                                                         "bench.chat_data BPE (480 ids)"),
                          "vocab_size": tok.info.vocab_size, "seed": args.seed},
               "runs": runs}
     if args.out:
