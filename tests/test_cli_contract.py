@@ -259,7 +259,7 @@ def test_demo_ends_with_a_summary_line_on_stdout(capsys):
 @pytest.mark.parametrize("prog, main", [
     ("dataflow-demo", "dataflow.cli.demo"), ("dataflow-plan", "dataflow.cli.plan"),
     ("dataflow-sweep", "dataflow.cli.sweep"), ("dataflow-ring", "dataflow.cli.ring"),
-    ("dataflow-export", "dataflow.cli.export"),
+    ("dataflow-export", "dataflow.cli.export"), ("dataflow-data", "dataflow.cli.data"),
 ])
 def test_every_command_prints_its_version(capsys, prog, main):
     """--version prints 'PROG VERSION' with dataflow.__version__ and exits 0."""

@@ -1,6 +1,7 @@
 """The worked examples of embedding the engine in a trainer's own loop (examples/) run end to end
 on the tiny model: the NumPy/Arrow fine-tuning loop always, the PyTorch DataLoader one where
-torch is installed."""
+torch is installed; the chat example's model directory and JSONL train with the command it
+prints (needs the data extra)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ def test_logging_example_writes_one_json_line_per_step_with_to_dict(tmp_path):
     assert isinstance(lines[0]["breakdown"], dict)
     scalars = flat_scalars(lines[0])
     assert scalars["loss"] == lines[0]["loss"] and "breakdown/wall_s" in scalars
+
+
+def test_chat_example_writes_a_model_and_chats_whose_replies_the_demo_learns(tmp_path, capsys):
+    """The chat example's model directory and JSONL: dataflow-data finds 1,200 chat records, each
+    with assistant tokens to learn and most tokens masked; 20 steps of the command it prints
+    take the assistant-token loss from ~6.3 to below 3.3 (measured 6.29 -> 2.56)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+    import shlex
+
+    from dataflow.cli.data import main as data_main
+    from dataflow.cli.demo import main as demo_main
+    from examples.chat_finetune import main
+
+    argv = shlex.split(main([str(tmp_path)]))
+    assert argv[0] == "dataflow-demo" and "--data" in argv
+    capsys.readouterr()
+    assert data_main([str(tmp_path / "model"), str(tmp_path / "chats.jsonl"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["records"] == report["chat_records"] == 1200
+    assert report["records_learning_nothing"] == 0 and 0.8 < report["masked_share"] < 0.95
+    argv[argv.index("--steps") + 1] = "20"
+    assert demo_main(argv[1:] + ["--json"]) == 0
+    losses = [s["loss"] for s in json.loads(capsys.readouterr().out)["steps"]]
+    assert len(losses) == 20 and losses[0] > 6.0 and losses[-1] < losses[0] - 3.0, losses

@@ -7,13 +7,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 COMMANDS = {"dataflow-demo": "dataflow.cli.demo", "dataflow-plan": "dataflow.cli.plan",
             "dataflow-sweep": "dataflow.cli.sweep", "dataflow-ring": "dataflow.cli.ring",
-            "dataflow-export": "dataflow.cli.export", "dataflow-probe": "dataflow.cli.probe"}
+            "dataflow-export": "dataflow.cli.export", "dataflow-probe": "dataflow.cli.probe",
+            "dataflow-data": "dataflow.cli.data"}
 
 
 def _python_blocks() -> list[str]:
@@ -68,7 +67,7 @@ def test_every_flag_the_readme_gives_a_command_is_in_its_help():
             helps[key] = _help(command, *sub)
         bad += [f"{' '.join(key)} {flag}" for flag in sorted(flags)
                 if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helps[key])]
-    assert len(helps) >= 6
+    assert len(helps) >= 7
     assert not bad, bad
 
 
@@ -80,19 +79,3 @@ def test_readme_library_example_trains_on_numpy(tmp_path, monkeypatch):
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
     assert (tmp_path / "ckpt").is_dir() and (tmp_path / "hf-out" / "config.json").is_file()
 
-
-def test_readme_tokenizer_example_writes_token_ids(tmp_path, monkeypatch):
-    """The README's tokenisation snippet runs against a tokenizer.json (needs `tokenizers`)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers
-
-    block = next(b for b in _python_blocks() if "Tokenizer.from_file" in b)
-    (tmp_path / "my-model").mkdir()
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, "[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "my-model" / "tokenizer.json"))
-    (tmp_path / "train.txt").write_text("hello world\n\nworld hello again")
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
-    import numpy as np
-    assert np.load(tmp_path / "train.npy").tolist() == [1, 2, 2, 1, 0]

@@ -1,7 +1,8 @@
 """The README's fine-tune walk-through on a model transformers itself wrote (skipped without
-transformers, torch and tokenizers): plan, sweep --predict-only, tokenise, train with checkpoints,
-resume, export, and the export reloaded by AutoTokenizer and AutoModelForCausalLM with the
-source's generation config and special token ids kept."""
+transformers, torch and tokenizers): plan, sweep --predict-only, dataflow-data (the text
+tokenised with the model's own tokenizer), train on it with checkpoints, resume, export, and the
+export reloaded by AutoTokenizer and AutoModelForCausalLM with the source's generation config
+and special token ids kept."""
 
 import json
 import subprocess
@@ -59,16 +60,20 @@ def test_walkthrough_from_plan_to_a_reloaded_export(hf_model, tmp_path):
     _run("dataflow.cli.sweep", "run", "--predict-only", "--gpu", "cpu", "--model", str(hf_model),
          "--seqlen", "64", "--host", "2", "--dev", "0.25", "--out", str(tmp_path / "sweep"))
 
+    # step 2: dataflow-data tokenises the text with the model's own tokenizer (no ids by hand)
     tok = Tokenizer.from_file(str(hf_model / "tokenizer.json"))
     rng = np.random.default_rng(0)
     text = "\n\n".join(" ".join(f"w{i}" for i in rng.integers(0, 125, 200)) for _ in range(8))
-    ids = [i for doc in text.split("\n\n") for i in tok.encode(doc).ids]
-    assert max(ids) < 128 and min(ids) >= 3
-    np.save(tmp_path / "train.npy", np.asarray(ids, dtype=np.int32))
+    (tmp_path / "train.txt").write_text(text)
+    report = json.loads(_run("dataflow.cli.data", str(hf_model), str(tmp_path / "train.txt"),
+                             "--seqlen", "64", "--json").stdout)
+    assert report["tokenizer"] == str(hf_model / "tokenizer.json") and not report["cached"]
+    ids = np.load(Path(report["corpus"]) / "tokens.npy").tolist()
+    assert ids == tok.encode(text).ids + [2]  # one document, ended by the eos token </s>
 
     run = tmp_path / "runs" / "ft"
     common = ["2", "0.25", "64", str(hf_model), "--backend", "numpy", "--data",
-              str(tmp_path / "train.npy"), "--steps", "3", "--lr", "1e-3",
+              str(tmp_path / "train.txt"), "--steps", "3", "--lr", "1e-3",
               "--checkpoint-dir", str(run), "--save-every", "1"]
     _run("dataflow.cli.demo", *common)
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_"))

@@ -267,6 +267,10 @@ def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit: list[Record
         if r.text is not None and not r.text and not r.continues:
             continue  # an empty document: nothing to learn, not even its end
         if r.messages is not None:
+            if tokenizer.is_bytes:  # before the template: passing one would not help
+                raise ConfigError(f"{r.where}: a chat record needs a model's tokenizer (its "
+                                  "tokenizer.json and chat template), not bytes; pass a model "
+                                  "directory that has one, or --tokenizer PATH")
             if template is None:
                 raise ConfigError(
                     f"{r.where}: a chat record, but tokenizer {tokenizer.info.name} has no chat "
@@ -280,8 +284,6 @@ def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit: list[Record
             except ChatError as exc:
                 raise ConfigError(f"{r.where}: {exc}") from None
             t, offsets = tokenizer.encode(text, special=False)
-            if offsets is None:
-                raise ConfigError(f"{r.where}: chat records need a model's tokenizer, not bytes")
             m = np.asarray(assistant_token_mask(offsets.tolist(), spans), np.uint8)
         else:
             t, _ = tokenizer.encode(r.text, special=not r.continues)
