@@ -19,7 +19,7 @@ from dataflow.models.errors import ConfigError
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
-PIECE_CHARS = 1 << 20
+PIECE_CHARS = 1 << 16
 """A text file longer than this is read in pieces of about this many characters, each ending at
 a newline that a letter follows: the common tokenizers' pre-tokenisers split there anyway, so the
 ids match encoding the file whole (a tokenizer that prepends a space to its input, as Llama 2's

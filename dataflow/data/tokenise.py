@@ -261,39 +261,50 @@ def _template(source: str, specials: tuple, added: tuple) -> ChatTemplate:
 
 
 def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit: list[Record]):
-    """The ids, learn flags and record lengths of a unit (ConfigError naming a bad record)."""
-    ids, learn, chat, cont, where = [], [], [], [], []
+    """The ids, learn flags, chat flags, continuation flags and places of a unit's records
+    (ConfigError naming a bad record). The texts are encoded in two library batch calls (with
+    and without the post-processor's special tokens), which the library spreads over its
+    threads when this runs in the main process."""
+    kept, texts, spans = [], [], []
     for r in unit:
         if r.text is not None and not r.text and not r.continues:
             continue  # an empty document: nothing to learn, not even its end
-        if r.messages is not None:
-            if tokenizer.is_bytes:  # before the template: passing one would not help
-                raise ConfigError(f"{r.where}: a chat record needs a model's tokenizer (its "
-                                  "tokenizer.json and chat template), not bytes; pass a model "
-                                  "directory that has one, or --tokenizer PATH")
-            if template is None:
-                raise ConfigError(
-                    f"{r.where}: a chat record, but tokenizer {tokenizer.info.name} has no chat "
-                    "template (tokenizer_config.json's chat_template or chat_template.jinja); "
-                    "pass --chat-template FILE")
-            tpl = _template(template, tuple(sorted(tokenizer.info.special_tokens.items())),
-                            tokenizer.added_tokens())
-            messages = _drop_none(r.messages)
-            try:
-                text, spans = tpl.render_with_spans(messages)
-            except ChatError as exc:
-                raise ConfigError(f"{r.where}: {exc}") from None
-            t, offsets = tokenizer.encode(text, special=False)
-            m = np.asarray(assistant_token_mask(offsets.tolist(), spans), np.uint8)
-        else:
-            t, _ = tokenizer.encode(r.text, special=not r.continues)
-            m = np.ones(t.size, np.uint8)
+        kept.append(r)
+        if r.messages is None:
+            texts.append(r.text)
+            spans.append(None)
+            continue
+        text, s = _render(tokenizer, template, r)
+        texts.append(text)
+        spans.append(s)
+    special = [r.messages is None and not r.continues for r in kept]
+    encoded = tokenizer.encode_many(texts, special, offsets=[s is not None for s in spans])
+    ids, learn = [], []
+    for (t, offsets), s in zip(encoded, spans):
         ids.append(t)
-        learn.append(m)
-        chat.append(r.messages is not None)
-        cont.append(r.continues)
-        where.append(r.where)
-    return ids, learn, chat, cont, where
+        learn.append(np.ones(t.size, np.uint8) if s is None else
+                     np.asarray(assistant_token_mask(offsets.tolist(), s), np.uint8))
+    return (ids, learn, [r.messages is not None for r in kept], [r.continues for r in kept],
+            [r.where for r in kept])
+
+
+def _render(tokenizer: Tokenizer, template: str | None, r: Record):
+    """A chat record's rendered text and assistant spans."""
+    if tokenizer.is_bytes:  # before the template: passing one would not help
+        raise ConfigError(f"{r.where}: a chat record needs a model's tokenizer (its "
+                          "tokenizer.json and chat template), not bytes; pass a model "
+                          "directory that has one, or --tokenizer PATH")
+    if template is None:
+        raise ConfigError(
+            f"{r.where}: a chat record, but tokenizer {tokenizer.info.name} has no chat "
+            "template (tokenizer_config.json's chat_template or chat_template.jinja); "
+            "pass --chat-template FILE")
+    tpl = _template(template, tuple(sorted(tokenizer.info.special_tokens.items())),
+                    tokenizer.added_tokens())
+    try:
+        return tpl.render_with_spans(_drop_none(r.messages))
+    except ChatError as exc:
+        raise ConfigError(f"{r.where}: {exc}") from None
 
 
 def _drop_none(messages):

@@ -83,6 +83,27 @@ class Tokenizer:
         enc = self._tok.encode(text, add_special_tokens=special)
         return np.asarray(enc.ids, np.int64), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
 
+    def encode_many(self, texts: list[str], special: list[bool], *,
+                    offsets: list[bool]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """encode() of each text in order, through the library's batch call (one per value of
+        `special`); offsets only where asked (they cost about 15 % of an encode to convert)."""
+        out: list = [None] * len(texts)
+        for flag in (True, False):
+            at = [i for i, s in enumerate(special) if s is flag]
+            if not at:
+                continue
+            if self._tok is None:
+                for i in at:
+                    out[i] = (np.frombuffer(texts[i].encode("utf-8"), np.uint8)
+                              .astype(np.int64), None)
+                continue
+            for i, enc in zip(at, self._tok.encode_batch([texts[i] for i in at],
+                                                         add_special_tokens=flag)):
+                out[i] = (np.asarray(enc.ids, np.int64),
+                          np.asarray(enc.offsets, np.int64).reshape(-1, 2) if offsets[i]
+                          else None)
+        return out
+
     def token_to_id(self, token: str) -> int | None:
         return None if self._tok is None else self._tok.token_to_id(token)
 
