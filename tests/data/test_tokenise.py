@@ -1,0 +1,380 @@
+"""The data path with a real tokenizer (a byte-level BPE trained on the fly, ChatML template):
+text, folders, JSONL, Parquet/Arrow become exactly the library's own ids with EOS at each
+document end; chat records become exactly the ids of their rendering, learning only the
+assistant's turns; the packer's rows keep documents apart, never split a chat record, and make
+every text token a target once per epoch; the cache re-tokenises when, and only when, the data
+or tokenizer changed, and leaves nothing behind on failure; bad input is refused naming the
+file and line; a run resumes bit for bit; dataflow-data reports what it tokenised."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataflow.batch import make_batch, round_chunks
+from dataflow.cli.data import main as data_main
+from dataflow.cli.demo import main as demo_main
+from dataflow.data import records, tokenise as tokenise_mod
+from dataflow.data.chat import ChatTemplate
+from dataflow.data.packed import PackedCorpus
+from dataflow.data.records import Fields
+from dataflow.data.tokenise import Corpus, tokenise
+from dataflow.data.tokenizer import choose_tokenizer, load_tokenizer
+from dataflow.kernels.reference import IGNORE
+from dataflow.memplan.plan.plan import Chunking
+from dataflow.models.errors import ConfigError
+from tests.data.tokenizer_fixture import (CHATML_TEMPLATE, IM_END, RAISING_TEMPLATE,  # noqa: F401
+                                          bpe_dir, corpus_words, gen_bpe_dir, hf_llama_dir,
+                                          random_conversation, random_sentence, render_chatml,
+                                          tokenizer_copy, train_bpe, write_chat_jsonl,
+                                          write_tokenizer_config)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _lib(folder: Path):
+    """The tokenizers library's own Tokenizer of folder/tokenizer.json (the reference)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _arrays(corpus: Corpus):
+    return tuple(np.array(a) for a in corpus.arrays())
+
+
+def _text(rng, words, n_lines: int) -> str:
+    return "\n".join(random_sentence(rng, words, 1, 14) for _ in range(n_lines)) + "\n"
+
+
+def _tok(folder: Path):
+    return load_tokenizer(folder)
+
+
+def _tokenise(data, folder_or_tok, cache, **kw) -> Corpus:
+    tok = load_tokenizer(folder_or_tok) if isinstance(folder_or_tok, Path) else folder_or_tok
+    return tokenise(data, tok, cache_dir=cache, progress=False, **kw)
+
+
+def _expected_text(lib, texts: list[str]):
+    """tokens and starts of documents `texts`, each the library's ids then EOS."""
+    eos = lib.token_to_id(IM_END)
+    ids, starts = [], [0]
+    for t in texts:
+        ids += lib.encode(t).ids + [eos]
+        starts.append(len(ids))
+    return np.asarray(ids), np.asarray(starts)
+
+
+def _check_text_corpus(corpus: Corpus, lib, texts: list[str]) -> None:
+    tokens, learn, starts, chat = _arrays(corpus)
+    want, want_starts = _expected_text(lib, texts)
+    assert np.array_equal(tokens, want)
+    assert np.array_equal(starts, want_starts)
+    assert learn.dtype == np.uint8 and np.all(learn == 1)
+    assert np.array_equal(chat, np.zeros(len(texts)))
+    assert corpus.summary.records == len(texts) and corpus.summary.tokens == want.size
+
+
+# -- text: the library's own ids, EOS at each document's end ------------------------------------
+def test_text_file_is_the_librarys_ids_then_eos(bpe_dir, tmp_path, rng):
+    """A text file is one document: exactly Tokenizer.encode(text).ids, then the EOS id, every
+    token learnt."""
+    text = _text(rng, corpus_words(), 60)
+    (tmp_path / "doc.txt").write_text(text, encoding="utf-8")
+    corpus = _tokenise(tmp_path / "doc.txt", bpe_dir, tmp_path / "cache")
+    _check_text_corpus(corpus, _lib(bpe_dir), [text])
+    assert not corpus.cached and corpus.summary.chat_records == 0
+
+
+def test_folder_of_text_files_is_tokenised_in_sorted_path_order(bpe_dir, tmp_path, rng):
+    """A folder (walked recursively, hidden entries skipped) is its files' documents in sorted
+    path order, each ending with EOS."""
+    words, data = corpus_words(), tmp_path / "data"
+    names = ["b.txt", "a/z.md", "a/b/c.text", "c.txt", "0.txt"]
+    texts = {}
+    for name in names:
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        texts[name] = _text(rng, words, int(rng.integers(1, 12)))
+        (data / name).write_text(texts[name], encoding="utf-8")
+    (data / ".hidden").mkdir()
+    (data / ".hidden" / "x.txt").write_text("never read")
+    (data / ".skip.txt").write_text("never read")
+    (data / "notes.csv").write_text("not a data file")
+    order = sorted(names, key=lambda n: str(data / n))
+    corpus = _tokenise(data, bpe_dir, tmp_path / "cache")
+    _check_text_corpus(corpus, _lib(bpe_dir), [texts[n] for n in order])
+
+
+def test_jsonl_text_records_are_each_a_document(bpe_dir, tmp_path, rng):
+    """Each JSONL record's text field (named by Fields) is a document of the library's ids plus
+    EOS; other fields are ignored; an empty text is no document at all; blank lines skip."""
+    words = corpus_words()
+    texts = [random_sentence(rng, words, 1, 40) for _ in range(25)]
+    lines = [json.dumps({"id": i, "body": t, "meta": {"x": 1}}, ensure_ascii=False)
+             for i, t in enumerate(texts)]
+    lines.insert(7, json.dumps({"body": ""}))
+    lines.insert(3, "   ")
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    corpus = _tokenise(tmp_path / "d.jsonl", bpe_dir, tmp_path / "cache",
+                       fields=Fields(text="body"))
+    _check_text_corpus(corpus, _lib(bpe_dir), texts)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_table_text_column_is_each_row_a_document(kind, bpe_dir, tmp_path, rng):
+    """A Parquet (several row groups) or Arrow file's text column: each row a document of the
+    library's ids plus EOS; a null row is no document."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    words = corpus_words()
+    texts = [random_sentence(rng, words, 1, 40) for _ in range(30)]
+    column = texts[:10] + [None] + texts[10:]
+    table = pa.table({"text": column, "n": list(range(len(column)))})
+    path = tmp_path / f"d.{kind}"
+    if kind == "parquet":
+        pq.write_table(table, path, row_group_size=7)
+    else:
+        with pa.ipc.new_file(path, table.schema) as w:
+            w.write_table(table)
+    corpus = _tokenise(path, bpe_dir, tmp_path / "cache")
+    _check_text_corpus(corpus, _lib(bpe_dir), texts)
+
+
+def test_text_file_longer_than_a_piece_gives_the_ids_of_encoding_it_whole(bpe_dir, tmp_path,
+                                                                         rng, monkeypatch):
+    """A text file read in pieces (PIECE_CHARS 2000, the file ~25x that) is still one document
+    with exactly the ids of encoding the whole file: the byte-level BPE never merges across a
+    newline that a letter follows."""
+    monkeypatch.setattr(records, "PIECE_CHARS", 2000)
+    text = _text(rng, corpus_words(), 900)
+    assert len(text) > 20 * 2000
+    path = tmp_path / "big.txt"
+    path.write_text(text, encoding="utf-8")
+    pieces = list(records.read_records([path]))
+    assert len(pieces) >= 10 and all(p.continues for p in pieces[1:])
+    assert "".join(p.text for p in pieces) == text
+    corpus = _tokenise(path, bpe_dir, tmp_path / "cache")
+    _check_text_corpus(corpus, _lib(bpe_dir), [text])
+
+
+# -- chat: the rendering's ids, the assistant's turns learnt ------------------------------------
+def _expected_chat(lib, convs):
+    """(tokens, learn, starts) of chat records from the hand-written ChatML rendering: a token
+    is learnt when its characters overlap an assistant turn's `content<|im_end|>\\n`."""
+    ids, learn, starts = [], [], [0]
+    for conv in convs:
+        text, spans = render_chatml(conv)
+        enc = lib.encode(text, add_special_tokens=False)
+        inside = np.zeros(len(text) + 1, bool)
+        for a, b in spans:
+            inside[a:b] = True
+        ids += enc.ids
+        learn += [bool(inside[a:b].any()) for a, b in enc.offsets]
+        starts.append(len(ids))
+    return np.asarray(ids), np.asarray(learn, np.uint8), np.asarray(starts)
+
+
+def test_chat_records_are_the_rendering_ids_learning_only_assistant_turns(bpe_dir, tmp_path,
+                                                                         rng):
+    """Chat JSONL (system/user/assistant, every third with two assistant turns, some without a
+    system turn): tokens are exactly encode(rendered, add_special_tokens=False) of the ChatML
+    rendering written out by hand; learnt tokens are exactly those of each assistant turn's
+    content and end, which are the ids of encoding that turn's own text; no EOS is added."""
+    convs = write_chat_jsonl(tmp_path / "chat.jsonl", rng, 40)
+    assert sum(sum(m["role"] == "assistant" for m in c) == 2 for c in convs) >= 10
+    lib = _lib(bpe_dir)
+    corpus = _tokenise(tmp_path / "chat.jsonl", bpe_dir, tmp_path / "cache")
+    tokens, learn, starts, chat = _arrays(corpus)
+    want_tokens, want_learn, want_starts = _expected_chat(lib, convs)
+    assert np.array_equal(tokens, want_tokens)
+    assert np.array_equal(starts, want_starts)
+    assert np.array_equal(learn, want_learn)
+    assert np.all(chat == 1) and corpus.summary.chat_records == 40
+    for r, conv in enumerate(convs):  # the learnt ids are the assistant turns' own encodings
+        turns = [lib.encode(m["content"] + IM_END + "\n", add_special_tokens=False).ids
+                 for m in conv if m["role"] == "assistant"]
+        seg = slice(starts[r], starts[r + 1])
+        assert tokens[seg][learn[seg] == 1].tolist() == sum(turns, [])
+    assert corpus.summary.learnt == int(want_learn.sum())
+    assert corpus.summary.masked_share == pytest.approx(1 - want_learn.mean())
+
+
+def test_generation_tag_template_learns_the_same_tokens_as_the_plain_one(bpe_dir, gen_bpe_dir,
+                                                                        tmp_path, rng):
+    """The {% generation %} variant of the template marks the assistant turns itself: the same
+    rendering, spans and corpus (tokens and learn flags bit for bit) as the plain template's
+    prefix rule."""
+    convs = write_chat_jsonl(tmp_path / "chat.jsonl", rng, 30, two_turns_every=2)
+    plain, gen = _tok(bpe_dir), _tok(gen_bpe_dir)
+    for conv in convs[:10]:
+        a = ChatTemplate(plain.info.chat_template, plain.info.special_tokens,
+                         plain.added_tokens()).render_with_spans(conv)
+        b = ChatTemplate(gen.info.chat_template, gen.info.special_tokens,
+                         gen.added_tokens()).render_with_spans(conv)
+        assert a == b == render_chatml(conv)
+    one = _tokenise(tmp_path / "chat.jsonl", plain, tmp_path / "c1")
+    two = _tokenise(tmp_path / "chat.jsonl", gen, tmp_path / "c2")
+    assert one.key != two.key
+    for x, y in zip(_arrays(one), _arrays(two)):
+        assert np.array_equal(x, y)
+
+
+# -- packing ----------------------------------------------------------------------------------
+def _mixed_folder(tmp_path, rng) -> Path:
+    """chat.jsonl (25 short conversations), long.jsonl (5 of two long exchanges: longer than a
+    row of 129) and text.jsonl (20 documents of 1..200 words)."""
+    data = tmp_path / "mixed"
+    data.mkdir()
+    write_chat_jsonl(data / "chat.jsonl", rng, 25, two_turns_every=5, hi=3)
+    write_chat_jsonl(data / "long.jsonl", rng, 5, two_turns_every=1, lo=25, hi=40)
+    words = corpus_words()
+    with open(data / "text.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(20):
+            f.write(json.dumps({"text": random_sentence(rng, words, 1, 200)}) + "\n")
+    return data
+
+
+def _tagged(corpus: Corpus, where: Path) -> Corpus:
+    """A copy of corpus whose token at corpus position p is p + 1 (uint32): every packed column
+    names where it came from (0 is padding); learn, starts and chat are the corpus's own."""
+    shutil.copytree(corpus.path, where)
+    n = int(np.load(corpus.path / "starts.npy")[-1])
+    np.save(where / "tokens.npy", np.arange(1, n + 1, dtype=np.uint32))
+    return Corpus(where, corpus.key, corpus.summary, corpus.tokenizer, corpus.cached)
+
+
+def _runs(rows, starts):
+    """Per row, its maximal runs of one doc id: (row, first col, record or None for padding,
+    corpus positions), asserting a run is consecutive positions of one record."""
+    out = []
+    tok, doc = rows.tokens, rows.doc_ids
+    for i in range(tok.shape[0]):
+        cuts = [0] + [j for j in range(1, tok.shape[1]) if doc[i, j] != doc[i, j - 1]] + \
+            [tok.shape[1]]
+        for a, b in zip(cuts, cuts[1:]):
+            t = tok[i, a:b].astype(np.int64)
+            if np.all(t == 0):
+                assert b == tok.shape[1], "padding only ends a row"
+                out.append((i, a, None, None))
+                continue
+            pos = t - 1
+            rec = int(np.searchsorted(starts, pos[0], side="right") - 1)
+            assert np.array_equal(pos, np.arange(pos[0], pos[0] + b - a)), "one run, one slice"
+            assert pos[-1] < starts[rec + 1], "a run never crosses into the next record"
+            out.append((i, a, rec, pos))
+    return out
+
+
+def _check_rows(rows, starts, learn, chat, L):
+    """The packing invariants of one batch of tagged rows (see the tests' docstrings)."""
+    runs = _runs(rows, starts)
+    for k, (i, a, rec, pos) in enumerate(runs):
+        lab = rows.labels[i, a:a + (0 if pos is None else pos.size)]
+        if rec is None:
+            assert np.all(rows.labels[i, a:] == IGNORE) and np.all(rows.tokens[i, a:] == 0)
+            continue
+        if a > 0:
+            assert pos[0] == starts[rec], "a document id changes only at a record's start"
+        want = np.where((learn[pos] == 1) & (pos != starts[rec]), pos + 1, IGNORE)
+        assert np.array_equal(lab, want), "labels: the token where learnt, -100 elsewhere"
+        length = starts[rec + 1] - starts[rec]
+        if chat[rec]:
+            assert pos[0] == starts[rec] and pos.size == min(length, L), "chat kept whole"
+            assert length <= L or a == 0, "a chat record longer than a row starts one"
+        elif pos[-1] != starts[rec + 1] - 1:
+            assert a + pos.size == L, "an unfinished text document fills its row"
+    return runs
+
+
+def _pack_epochs(pc, L, starts, learn, chat, n_epochs, rows_per_batch=3):
+    """Batches until the packer is `n_epochs` epochs in; the runs of all of them."""
+    runs, batches = [], []
+    while pc.state()["epoch"] < n_epochs:
+        b = pc.next_batch(rows_per_batch)
+        batches.append(b)
+        base = sum(x.tokens.shape[0] for x in batches[:-1])
+        runs += [(base + i, a, r, p) for i, a, r, p in _check_rows(b, starts, learn, chat, L)]
+    return runs, batches
+
+
+def _records_in_order(runs, starts, chat, L):
+    """The records in the order rows hold them, a text continuation (a row's first run, on the
+    token the row before ended on in its last column) joined to its record."""
+    seq, prev = [], None
+    for i, a, rec, pos in runs:
+        if rec is not None:
+            if (a == 0 and prev is not None and prev[2] == rec and not chat[rec]
+                    and prev[0] == i - 1 and prev[1] + prev[3].size == L
+                    and pos[0] == prev[3][-1]):
+                # (a document whose first token fell in a row's last column starts again here)
+                seq[-1][1].append((i, a, pos))
+            else:
+                assert pos[0] == starts[rec], "a run inside a record continues the row before"
+                seq.append((rec, [(i, a, pos)]))
+        prev = (i, a, rec, pos)
+    return seq
+
+
+def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch(
+        bpe_dir, tmp_path, rng):
+    """Rows of a tokenised chat + text corpus (positions tagged into the tokens): doc ids change
+    exactly at record starts (and where padding begins); labels are -100 at every record's first
+    token and wherever learn is 0, else the token; a chat record sits whole in one row (or, when
+    longer than a row, cut at the row's end in a row of its own); a text document continues
+    into the next row on the token its row ended on; each epoch holds every record once, and
+    every learnt token but a record's first is a target exactly once; the untagged corpus packs
+    the same ids."""
+    corpus = _tokenise(_mixed_folder(tmp_path, rng), bpe_dir, tmp_path / "cache")
+    tokens, learn, starts, chat = _arrays(corpus)
+    seqlen = 128
+    L = seqlen + 1
+    lengths = np.diff(starts)
+    assert (lengths[chat == 1] > L).sum() == 5 and (lengths[chat == 1] <= L // 2).any()
+    assert (lengths[chat == 0] > 2 * L).any()
+    tagged = _tagged(corpus, tmp_path / "tagged")
+    seed = int(rng.integers(1 << 30))
+    pc = PackedCorpus(tagged, seqlen, seed=seed)
+    assert pc.too_long_records == int(((np.diff(starts) > L) & (chat == 1)).sum())
+    runs, batches = _pack_epochs(pc, L, starts, learn, chat, 2)
+    labels = np.concatenate([b.labels for b in batches])
+    assert any(rec is None for _, _, rec, _ in runs), "some rows end in padding"
+    assert any(a > 0 and chat[rec] for _, a, rec, _ in runs if rec is not None)
+    seq = _records_in_order(runs, starts, chat, L)
+    n = starts.size - 1
+    for epoch in range(2):
+        ep = seq[epoch * n:(epoch + 1) * n]
+        assert sorted(r for r, _ in ep) == list(range(n)), "each record once per epoch"
+        targets = []
+        for rec, parts in ep:
+            held = np.unique(np.concatenate([pos for _, _, pos in parts]))
+            end = min(starts[rec + 1], starts[rec] + L) if chat[rec] else starts[rec + 1]
+            assert np.array_equal(held, np.arange(starts[rec], end)), "a record, in order"
+            assert len(parts) == 1 or not chat[rec], "a chat record never spans rows"
+            for i, a, pos in parts:
+                lab = labels[i, a:a + pos.size].copy()
+                if a == 0:
+                    lab[0] = IGNORE  # column 0 is an input only, never a target
+                targets.append(pos[lab != IGNORE])
+        want = np.concatenate([np.arange(starts[r] + 1, min(starts[r + 1], starts[r] + L))
+                               if chat[r] else np.arange(starts[r] + 1, starts[r + 1])
+                               for r in range(n)])
+        want = want[learn[want] == 1]
+        assert np.array_equal(np.sort(np.concatenate(targets)), want), \
+            "every learnt token but a record's first is a target once per epoch"
+    assert [r for r, _ in seq[:n]] != [r for r, _ in seq[n:2 * n]], "reshuffled each epoch"
+    plain = PackedCorpus(corpus, seqlen, seed=seed, pad_id=0)
+    for b in batches:
+        p = plain.next_batch(b.tokens.shape[0])
+        real = np.where(b.tokens > 0, tokens.astype(np.int32)[np.maximum(b.tokens, 1) - 1], 0)
+        assert np.array_equal(p.tokens, real)
+        assert np.array_equal(p.labels, np.where(b.labels == IGNORE, IGNORE, real))
+        assert np.array_equal(p.doc_ids, b.doc_ids)
+        assert p.tokens.dtype == p.labels.dtype == p.doc_ids.dtype == np.int32
+
