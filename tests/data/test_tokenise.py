@@ -378,3 +378,133 @@ def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch
         assert np.array_equal(p.doc_ids, b.doc_ids)
         assert p.tokens.dtype == p.labels.dtype == p.doc_ids.dtype == np.int32
 
+
+
+def test_too_long_chat_records_are_cut_to_the_row_or_dropped_and_counted(bpe_dir, tmp_path,
+                                                                         rng):
+    """Chat records longer than a row: counted (too_long_records) under either policy, as the
+    library's ids of their renderings say; 'truncate' puts each in a row of its own as its first
+    seqlen + 1 ids; 'drop' never packs them, and every other record still comes once per epoch;
+    with nothing left to train on, the refusal names --too-long."""
+    convs = write_chat_jsonl(tmp_path / "chat.jsonl", rng, 16, two_turns_every=2, hi=12)
+    lib = _lib(bpe_dir)
+    ids = [lib.encode(render_chatml(c)[0], add_special_tokens=False).ids for c in convs]
+    seqlen = int(np.median([len(x) for x in ids]))  # about half the records are longer
+    L = seqlen + 1
+    long = {r for r, x in enumerate(ids) if len(x) > L}
+    assert 0 < len(long) < len(convs)
+    corpus = _tokenise(tmp_path / "chat.jsonl", bpe_dir, tmp_path / "cache")
+    tokens, learn, starts, chat = _arrays(corpus)
+    tagged = _tagged(corpus, tmp_path / "tagged")
+    for policy in ("truncate", "drop"):
+        pc = PackedCorpus(tagged, seqlen, too_long=policy, seed=int(rng.integers(1 << 30)))
+        assert pc.too_long_records == len(long)
+        runs, _ = _pack_epochs(pc, L, starts, learn, chat, 1)
+        seq = _records_in_order(runs, starts, chat, L)
+        kept = sorted(set(range(len(convs))) - (long if policy == "drop" else set()))
+        assert sorted(r for r, _ in seq[:len(kept)]) == kept
+        for rec, [(i, a, pos)] in seq:
+            assert tokens[pos].tolist() == ids[rec][:L]
+            if rec in long:
+                assert policy == "truncate" and a == 0 and pos.size == L
+    with pytest.raises(ConfigError, match="no record left.*--too-long truncate"):
+        PackedCorpus(tagged, 16, too_long="drop")
+    with pytest.raises(ConfigError, match="too_long must be one of truncate, drop"):
+        PackedCorpus(tagged, seqlen, too_long="cut")
+
+
+def _doc_of(doc_ids, row, col):
+    return int(doc_ids[row, col])
+
+
+@pytest.mark.parametrize("chunking", [
+    Chunking(seqlen=64, chunk_tokens=128, seqs_per_chunk=2, chunks_per_seq=1,
+             chunks_per_round=2, rounds_per_step=2),
+    Chunking(seqlen=128, chunk_tokens=32, seqs_per_chunk=1, chunks_per_seq=4,
+             chunks_per_round=8, rounds_per_step=2),
+    "engine"], ids=["packed-seqs", "split-seq", "engine-plan"])
+def test_attention_segments_of_packed_rows_never_cross_a_record(chunking, bpe_dir,
+                                                                 hf_llama_dir, tmp_path, rng):
+    """Packed rows through make_batch(doc_ids=...) and round_chunks: every chunk's segments tile
+    it, each segment's queries and keys lie in one record, its keys start at that record's first
+    column (or its first in this sequence), targets are the labels shifted by one and positions
+    restart at each record; for chunks holding several short sequences, sequences spanning
+    chunks, and a real plan's chunking."""
+    if chunking == "engine":
+        from dataflow.engine import Engine
+
+        with Engine(hf_llama_dir, host_gb=1, dev_gb=0.25, seqlen=64, backend="numpy") as eng:
+            chunking = eng.plan.chunking
+    ch = chunking
+    data = tmp_path / "short"
+    data.mkdir()
+    write_chat_jsonl(data / "chat.jsonl", rng, 20, two_turns_every=4, hi=3)
+    words = corpus_words()
+    (data / "text.jsonl").write_text("".join(
+        json.dumps({"text": random_sentence(rng, words, 1, 15)}) + "\n" for _ in range(60)))
+    corpus = _tokenise(data, bpe_dir, tmp_path / "cache")
+    pc = PackedCorpus(corpus, ch.seqlen, seed=int(rng.integers(1 << 30)))
+    crossings = 0
+    for _ in range(6):
+        rows = pc.next_batch(ch.seqs_per_step)
+        b = make_batch(rows.tokens, rows.labels, doc_ids=rows.doc_ids, vocab_size=512,
+                       rows=ch.seqs_per_step, seqlen=ch.seqlen)
+        assert np.array_equal(b.targets, rows.labels[:, 1:])
+        assert np.array_equal(b.ids, rows.tokens[:, :-1])
+        doc = rows.doc_ids[:, :-1]
+        first = np.array([[np.argmax(doc[r] == doc[r, c]) for c in range(ch.seqlen)]
+                          for r in range(doc.shape[0])])
+        assert np.array_equal(b.positions, np.arange(ch.seqlen) - first)
+        crossings += int((doc[:, 1:] != doc[:, :-1]).sum())
+        for rnd in range(ch.rounds_per_step):
+            for info in round_chunks(ch, b, rnd):
+                segs = info.segments
+                assert segs[0][0] == 0 and segs[-1][1] == ch.chunk_tokens
+                assert all(x[1] == y[0] and x[0] < x[1] for x, y in zip(segs, segs[1:]))
+                for start, end, key in segs:
+                    if info.split:  # rows are columns ctx.. of one sequence; keys its columns
+                        row = rnd * ch.seqs_per_round + info.index // ch.chunks_per_seq
+                        cols = np.arange(info.context + start, info.context + end)
+                        keys = np.arange(key, info.context + end)
+                        rows_of = np.full(cols.size, row)
+                        key_rows = np.full(keys.size, row)
+                    else:  # rows are short sequences one after another
+                        g = np.arange(start, end)
+                        rows_of = rnd * ch.seqs_per_round + info.index * ch.seqs_per_chunk \
+                            + g // ch.seqlen
+                        cols = g % ch.seqlen
+                        kg = np.arange(key, end)
+                        key_rows = rnd * ch.seqs_per_round + info.index * ch.seqs_per_chunk \
+                            + kg // ch.seqlen
+                        keys = kg % ch.seqlen
+                    d = doc[rows_of, cols]
+                    assert np.all(d == d[0]) and np.all(rows_of == rows_of[0])
+                    assert np.all(key_rows == rows_of[0]) and np.all(doc[key_rows, keys] == d[0])
+                    assert keys[0] == first[rows_of[0], cols[0]], "keys from the record's start"
+    assert crossings >= 3 * ch.seqs_per_step, "the rows held many record boundaries"
+
+
+def test_packed_position_resumes_bit_identically_across_an_epoch_boundary(bpe_dir, tmp_path,
+                                                                        rng):
+    """A fresh PackedCorpus given another's state() (through JSON) after any number k of
+    batches yields the same next batches bit for bit, for positions inside a text document and
+    just before and after an epoch ends; a state from another seed is refused."""
+    corpus = _tokenise(_mixed_folder(tmp_path, rng), bpe_dir, tmp_path / "cache")
+    seed = int(rng.integers(1 << 30))
+    pc = PackedCorpus(corpus, 64, seed=seed)
+    seen_offset = seen_epoch = False
+    k = 0
+    while pc.state()["epoch"] < 2:
+        state = json.loads(json.dumps(pc.state()))
+        seen_offset |= state["offset"] > 0
+        seen_epoch |= state["epoch"] == 1
+        fresh = PackedCorpus(corpus, 64, seed=seed)
+        fresh.load_state(state)
+        for _ in range(2):
+            a, b = pc.next_batch(3), fresh.next_batch(3)
+            for x, y in zip((a.tokens, a.labels, a.doc_ids), (b.tokens, b.labels, b.doc_ids)):
+                assert np.array_equal(x, y)
+        k += 2
+    assert seen_offset and seen_epoch and k > 20
+    with pytest.raises(ConfigError, match="same --data"):
+        PackedCorpus(corpus, 64, seed=seed + 1).load_state(pc.state())
