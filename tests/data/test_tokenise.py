@@ -29,11 +29,10 @@ from dataflow.data.tokenizer import choose_tokenizer, load_tokenizer
 from dataflow.kernels.reference import IGNORE
 from dataflow.memplan.plan.plan import Chunking
 from dataflow.models.errors import ConfigError
-from tests.data.tokenizer_fixture import (CHATML_TEMPLATE, IM_END, RAISING_TEMPLATE,  # noqa: F401
-                                          bpe_dir, corpus_words, gen_bpe_dir, hf_llama_dir,
-                                          random_conversation, random_sentence, render_chatml,
-                                          tokenizer_copy, train_bpe, write_chat_jsonl,
-                                          write_tokenizer_config)
+from tests.data.tokenizer_fixture import (  # noqa: F401 (fixtures are used by name)
+    CHATML_TEMPLATE, DEFAULT_SYSTEM, IM_END, RAISING_TEMPLATE, bpe_dir, corpus_words,
+    gen_bpe_dir, hf_llama_dir, random_conversation, random_sentence, render_chatml,
+    tokenizer_copy, train_bpe, write_chat_jsonl, write_tokenizer_config)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -508,3 +507,146 @@ def test_packed_position_resumes_bit_identically_across_an_epoch_boundary(bpe_di
     assert seen_offset and seen_epoch and k > 20
     with pytest.raises(ConfigError, match="same --data"):
         PackedCorpus(corpus, 64, seed=seed + 1).load_state(pc.state())
+
+
+# -- the cache --------------------------------------------------------------------------------
+def _summary(corpus: Corpus) -> dict:
+    s = dict(vars(corpus.summary))
+    s.pop("seconds")
+    return s
+
+
+def _no_tokenising(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenised although the corpus was cached")
+
+    monkeypatch.setattr(tokenise_mod, "_tokenise_unit", refuse)
+
+
+def test_cache_is_reused_unchanged_and_any_change_of_data_template_or_tokenizer_retokenises(
+        bpe_dir, tmp_path, rng, monkeypatch):
+    """A second tokenise of unchanged data is cached (same key and path, nothing tokenised);
+    one changed byte of a file, another chat template in tokenizer_config.json, or another
+    tokenizer.json each give a new key and a corpus of the new ids; the old one stays cached;
+    the cache holds only finished corpora."""
+    words = corpus_words()
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    text = _text(rng, words, 20)
+    (data / "doc.txt").write_text(text, encoding="utf-8")
+    convs = [random_conversation(rng, words) for _ in range(8)]
+    convs[0] = [m for m in convs[0] if m["role"] != "system"]  # the default system turn
+    (data / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    lib = _lib(bpe_dir)
+
+    def expected(lib, text, render=lambda c: render_chatml(c)[0]):
+        chat_ids = sum((lib.encode(render(c), add_special_tokens=False).ids for c in convs), [])
+        return np.asarray(chat_ids + lib.encode(text).ids + [lib.token_to_id(IM_END)])
+
+    first = _tokenise(data, bpe_dir, cache)
+    assert not first.cached and np.array_equal(_arrays(first)[0], expected(lib, text))
+    with monkeypatch.context() as m:
+        _no_tokenising(m)
+        again = _tokenise(data, bpe_dir, cache)
+    assert again.cached and again.path == first.path and again.key == first.key
+    assert _summary(again) == _summary(first)
+
+    at = next(i for i in rng.permutation(len(text)) if text[i].isascii() and text[i].isalpha())
+    changed = text[:at] + ("x" if text[at] != "x" else "y") + text[at + 1:]
+    (data / "doc.txt").write_text(changed, encoding="utf-8")
+    one_byte = _tokenise(data, bpe_dir, cache)
+    assert not one_byte.cached and one_byte.key != first.key and one_byte.path != first.path
+    assert np.array_equal(_arrays(one_byte)[0], expected(lib, changed))
+    (data / "doc.txt").write_text(text, encoding="utf-8")
+
+    other_template = CHATML_TEMPLATE.replace(DEFAULT_SYSTEM, "Be brief.")
+    assert other_template != CHATML_TEMPLATE
+    templ_dir = tokenizer_copy(bpe_dir, tmp_path / "templ", other_template)
+    templ = _tokenise(data, templ_dir, cache)
+    assert not templ.cached and templ.key not in (first.key, one_byte.key)
+    assert np.array_equal(_arrays(templ)[0],
+                          expected(lib, text, lambda c: render_chatml(c, "Be brief.")[0]))
+
+    other_dir = tmp_path / "bpe400"
+    train_bpe(other_dir, vocab_size=400)
+    write_tokenizer_config(other_dir)
+    other = _tokenise(data, other_dir, cache)
+    assert not other.cached and other.key not in (first.key, one_byte.key, templ.key)
+    assert np.array_equal(_arrays(other)[0], expected(_lib(other_dir), text))
+
+    with monkeypatch.context() as m:
+        _no_tokenising(m)
+        back = _tokenise(data, bpe_dir, cache)
+    assert back.cached and back.path == first.path
+    names = sorted(p.name for p in cache.iterdir())
+    assert len(names) == 4 and not any(n.startswith(".") for n in names)
+
+
+class _CountingPool(concurrent.futures.ProcessPoolExecutor):
+    """A ProcessPoolExecutor that counts the units submitted to its workers."""
+
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+        type(self).submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_failure_half_way_leaves_no_corpus_and_no_temporary_folder(jobs, bpe_dir, tmp_path,
+                                                                    rng, monkeypatch):
+    """A bad record late in a JSONL of many units (UNIT_BYTES 256), in this process or in
+    worker processes: the ConfigError names its line, several units had been written, and the
+    cache directory is left empty; the fixed file then tokenises."""
+    monkeypatch.setattr(tokenise_mod, "UNIT_BYTES", 256)
+    if jobs > 1:
+        monkeypatch.setattr(tokenise_mod, "PARALLEL_BYTES", 0)
+        monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _CountingPool)
+        _CountingPool.submitted = 0
+    words = corpus_words()
+    lines = [json.dumps({"text": random_sentence(rng, words, 5, 30)}) for _ in range(60)]
+    good = list(lines)
+    lines[57] = json.dumps({"txt": "misspelt field"})
+    path, cache = tmp_path / "d.jsonl", tmp_path / "cache"
+    path.write_text("\n".join(lines) + "\n")
+    written = []
+    add = tokenise_mod._Writer.add
+    monkeypatch.setattr(tokenise_mod._Writer, "add",
+                        lambda self, result: (written.append(1), add(self, result)))
+    with pytest.raises(ConfigError, match=f"{path}:58: .*its fields: txt"):
+        tokenise(path, load_tokenizer(bpe_dir), cache_dir=cache, jobs=jobs, progress=False)
+    assert len(written) >= 3
+    assert cache.is_dir() and list(cache.iterdir()) == []
+    if jobs > 1:
+        assert _CountingPool.submitted >= 4
+    path.write_text("\n".join(good) + "\n")
+    corpus = tokenise(path, load_tokenizer(bpe_dir), cache_dir=cache, jobs=jobs, progress=False)
+    assert corpus.summary.records == 60 and [p.name for p in cache.iterdir()] == [corpus.path.name]
+
+
+def test_worker_processes_give_a_bit_identical_corpus(bpe_dir, tmp_path, rng, monkeypatch):
+    """Tokenised by 2 worker processes (PARALLEL_BYTES 0, small units, a big text file's pieces
+    falling in different units) or in this process: the same tokens, learn flags, starts, chat
+    flags and summary, bit for bit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(tokenise_mod, "UNIT_BYTES", 1024)
+    monkeypatch.setattr(tokenise_mod, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(records, "PIECE_CHARS", 2000)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _CountingPool)
+    _CountingPool.submitted = 0
+    words, data = corpus_words(), tmp_path / "data"
+    data.mkdir()
+    (data / "big.txt").write_text(_text(rng, words, 500), encoding="utf-8")
+    write_chat_jsonl(data / "chat.jsonl", rng, 30)
+    pq.write_table(pa.table({"text": [random_sentence(rng, words, 1, 30) for _ in range(20)]}),
+                   data / "t.parquet")
+    one = _tokenise(data, bpe_dir, tmp_path / "c1", jobs=1)
+    assert _CountingPool.submitted == 0
+    two = _tokenise(data, bpe_dir, tmp_path / "c2", jobs=2)
+    assert _CountingPool.submitted >= 10
+    assert one.key == two.key and _summary(one) == _summary(two)
+    for x, y in zip(_arrays(one), _arrays(two)):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+    assert _summary(one)["records"] == 1 + 30 + 20

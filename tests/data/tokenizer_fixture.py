@@ -178,12 +178,14 @@ def write_chat_jsonl(path: Path, rng, n: int, *, field: str = "messages",
     return convs
 
 
-def render_chatml(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """CHATML_TEMPLATE's rendering written out by hand, and the character spans of each
-    assistant turn's `content<|im_end|>\\n` (what carries loss): the independent reference."""
+def render_chatml(messages: list[dict], system: str = DEFAULT_SYSTEM
+                  ) -> tuple[str, list[tuple[int, int]]]:
+    """CHATML_TEMPLATE's rendering (with `system` as its default system turn) written out by
+    hand, and the character spans of each assistant turn's `content<|im_end|>\\n` (what carries
+    loss): the independent reference."""
     text, spans = "", []
     if messages[0]["role"] != "system":
-        text += f"{IM_START}system\n{DEFAULT_SYSTEM}{IM_END}\n"
+        text += f"{IM_START}system\n{system}{IM_END}\n"
     for m in messages:
         text += f"{IM_START}{m['role']}\n"
         start = len(text)
