@@ -650,3 +650,204 @@ def test_worker_processes_give_a_bit_identical_corpus(bpe_dir, tmp_path, rng, mo
     for x, y in zip(_arrays(one), _arrays(two)):
         assert x.dtype == y.dtype and np.array_equal(x, y)
     assert _summary(one)["records"] == 1 + 30 + 20
+
+
+# -- bad input: a ConfigError naming the file and the line or record ---------------------------
+def _chat_line(messages) -> str:
+    return json.dumps({"messages": messages})
+
+
+def _ok_chat(rng, words) -> str:
+    return _chat_line(random_conversation(rng, words))
+
+
+def _bad_case(case, tmp_path, rng, bpe_dir):
+    """(data path, tokenizer folder, tokenise kwargs, the words the refusal must hold)."""
+    words = corpus_words()
+    ok = [_ok_chat(rng, words) for _ in range(5)]
+    path = tmp_path / "d.jsonl"
+    if case == "missing field":
+        lines = [json.dumps({"text": random_sentence(rng, words)}) for _ in range(5)]
+        lines[3] = json.dumps({"body": "x", "id": 3, "lang": "en"})
+        path.write_text("\n".join(lines) + "\n")
+        return path, bpe_dir, {}, [f"{path}:4:", "neither a 'text' nor a 'messages' field",
+                                   "its fields: body, id, lang", "--text-field"]
+    if case == "not json":
+        ok[2] = '{"messages": [{"role": "user", "content": "unclosed"}'
+        path.write_text("\n".join(ok) + "\n")
+        return path, bpe_dir, {}, [f"{path}:3:", "not a JSON object"]
+    if case == "unknown role":
+        ok[1] = _chat_line([{"role": "user", "content": "hi"},
+                            {"role": "narrator", "content": "Meanwhile"}])
+        path.write_text("\n".join(ok) + "\n")
+        return path, bpe_dir, {}, [f"{path}:2:", "role 'narrator'", "does not know"]
+    if case == "template raises":
+        ok[4] = _chat_line([{"role": "user", "content": "hi"},
+                            {"role": "tool", "content": "42"}])
+        path.write_text("\n".join(ok) + "\n")
+        return path, bpe_dir, {"chat_template": RAISING_TEMPLATE}, [
+            f"{path}:5:", "the chat template refused it", "this template has no tool turns"]
+    if case == "no template":
+        path.write_text("\n".join(ok) + "\n")
+        plain = tokenizer_copy(bpe_dir, tmp_path / "plain", template=None)
+        return path, plain, {}, [f"{path}:1:", "no chat template", "--chat-template FILE"]
+    if case == "parquet role":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        convs = [random_conversation(rng, words, turns=1) for _ in range(6)]
+        for c in convs:  # one schema for every row: always a system turn
+            if c[0]["role"] != "system":
+                c.insert(0, {"role": "system", "content": "Hi."})
+        convs[4][1]["role"] = "critic"
+        path = tmp_path / "chat.parquet"
+        pq.write_table(pa.table({"messages": convs}), path)
+        return path, bpe_dir, {}, [f"{path}:row 4:", "role 'critic'"]
+    assert case == "not utf-8"
+    path = tmp_path / "d.txt"
+    head = "Alice was beginning to get very tired\n".encode()
+    path.write_bytes(head + b"of sitting \xff\xfe by her sister\n")
+    return path, bpe_dir, {}, [f"{path}: byte {len(head) + 11:,} is not UTF-8", "UTF-8"]
+
+
+@pytest.mark.parametrize("case", ["missing field", "not json", "unknown role", "template raises",
+                                  "no template", "parquet role", "not utf-8"])
+def test_bad_record_is_refused_naming_its_file_and_line(case, bpe_dir, tmp_path, rng):
+    """A JSONL record without the field (listing the fields it has), a line that is not JSON, a
+    role the template does not know (JSONL or Parquet), a template calling raise_exception, chat
+    records with no chat template, text that is not UTF-8: each a ConfigError naming the file
+    and the line, row or byte, and nothing cached."""
+    path, tok_dir, kwargs, words = _bad_case(case, tmp_path, rng, bpe_dir)
+    with pytest.raises(ConfigError) as info:
+        _tokenise(path, tok_dir, tmp_path / "cache", **kwargs)
+    message = str(info.value)
+    for w in words:
+        assert w in message, message
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_tokenizer_with_more_ids_than_the_model_has_rows_is_refused(hf_llama_dir, bpe_dir):
+    """choose_tokenizer: the model directory's own tokenizer (480 ids) fits its 512 rows, but a
+    model of 300 rows is refused naming the tokenizer and both sizes; --tokenizer bytes fits."""
+    tok = choose_tokenizer(hf_llama_dir, None, 512)
+    assert tok.info.name == str(hf_llama_dir / "tokenizer.json")
+    assert tok.info.vocab_size == 480 and tok.info.eos_id == _lib(bpe_dir).token_to_id(IM_END)
+    with pytest.raises(ConfigError) as info:
+        choose_tokenizer(hf_llama_dir, None, 300)
+    message = str(info.value)
+    assert str(hf_llama_dir / "tokenizer.json") in message
+    assert "480 ids" in message and "vocab_size is 300" in message
+    with pytest.raises(ConfigError, match="480 ids"):
+        choose_tokenizer("tiny", str(bpe_dir), 256)
+    assert choose_tokenizer(hf_llama_dir, "bytes", 300).is_bytes
+
+
+# -- a run on a tokenised corpus resumes bit for bit -------------------------------------------
+def _demo(capsys, model, data, tmp_path, *extra) -> dict:
+    capsys.readouterr()
+    code = demo_main(["0.5", "0.25", "64", str(model), "--backend", "numpy", "--json",
+                      "--data", str(data), "--cache-dir", str(tmp_path / "cache"),
+                      "--warmup", "2", "--seqs-per-step", "8", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _weights_digest(step_dir: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(step_dir.iterdir()) if p.name.endswith(".bin")}
+
+
+def test_demo_on_chat_data_resumed_at_step_2_ends_with_the_same_weights(hf_llama_dir, tmp_path,
+                                                                        rng, capsys):
+    """dataflow-demo on the Llama directory and chat JSONL (its own tokenizer and template):
+    4 steps straight, and 4 steps saving every 2 with step 4's checkpoint removed then resumed
+    with --resume, have the same losses at steps 3-4 bit for bit and write the same weights and
+    AdamW state; the checkpoint's data position is the corpus's, past its first epoch."""
+    data = tmp_path / "chat.jsonl"
+    write_chat_jsonl(data, rng, 12, hi=8)
+    straight = _demo(capsys, hf_llama_dir, data, tmp_path, "--steps", "4", "--save-every", "4",
+                     "--checkpoint-dir", str(tmp_path / "a"))
+    ck = tmp_path / "b"
+    _demo(capsys, hf_llama_dir, data, tmp_path, "--steps", "4", "--save-every", "2",
+          "--checkpoint-dir", str(ck))
+    saved = json.loads((ck / "step_00000002" / "checkpoint.json").read_text())["data"]
+    assert saved["kind"] == "corpus" and saved["epoch"] >= 1  # 2 steps of 8 rows > 12 records
+    shutil.rmtree(ck / "step_00000004")  # as if the run had stopped after step 2
+    resumed = _demo(capsys, hf_llama_dir, data, tmp_path, "--steps", "4", "--save-every", "2",
+                    "--checkpoint-dir", str(ck), "--resume")
+    assert [s["step"] for s in resumed["steps"]] == [3, 4]
+    pick = [(s["loss"], s["grad_norm"], s["loss_tokens"]) for s in straight["steps"][2:]]
+    assert [(s["loss"], s["grad_norm"], s["loss_tokens"]) for s in resumed["steps"]] == pick
+    assert _weights_digest(ck / "step_00000004") == _weights_digest(tmp_path / "a" /
+                                                                    "step_00000004")
+    losses = [s["loss"] for s in straight["steps"]]
+    assert all(np.isfinite(losses)) and len(set(losses)) == 4
+
+
+# -- dataflow-data --------------------------------------------------------------------------
+def test_dataflow_data_prints_records_tokens_and_masked_share(hf_llama_dir, bpe_dir, tmp_path,
+                                                              rng, capsys):
+    """dataflow-data MODEL DATA exits 0 with a table whose records, tokens and masked share are
+    those of the library's encoding of the ChatML rendering; run again it finds the corpus."""
+    data = tmp_path / "chat.jsonl"
+    convs = write_chat_jsonl(data, rng, 12)
+    tokens, learn, _ = _expected_chat(_lib(bpe_dir), convs)
+    capsys.readouterr()
+    assert data_main([str(hf_llama_dir), str(data), "--cache-dir", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenised:" in out and "records:          12 (12 chat)" in out
+    assert f"tokens:           {tokens.size:,}" in out
+    assert f"masked (no loss): {100 * (1 - learn.mean()):.1f} %" in out
+    assert str(hf_llama_dir / "tokenizer.json") in out
+    assert data_main([str(hf_llama_dir), str(data), "--cache-dir", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.startswith("corpus:")
+
+
+def test_dataflow_data_json_reports_the_corpus(hf_llama_dir, bpe_dir, tmp_path, rng, capsys):
+    """--json is one JSON document: records, chat records, tokens, learnt tokens, masked share,
+    the longest record and where it is, and with --seqlen the records longer than a row."""
+    data = tmp_path / "chat.jsonl"
+    convs = write_chat_jsonl(data, rng, 12)
+    tokens, learn, starts = _expected_chat(_lib(bpe_dir), convs)
+    lengths = np.diff(starts)
+    capsys.readouterr()
+    assert data_main([str(hf_llama_dir), str(data), "--json", "--seqlen", "64",
+                      "--cache-dir", str(tmp_path / "c"), "--too-long", "drop"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["records"] == doc["chat_records"] == 12
+    assert doc["tokens"] == tokens.size and doc["learnt_tokens"] == int(learn.sum())
+    assert doc["masked_share"] == pytest.approx(1 - learn.mean(), abs=1e-6)
+    assert doc["longest_record"] == lengths.max()
+    assert doc["longest_where"] == f"{data}:{int(np.argmax(lengths)) + 1}"
+    assert doc["longer_than_row"] == doc["chat_longer_than_row"] == int((lengths > 65).sum())
+    assert doc["too_long"] == "drop" and doc["cached"] is False
+    assert doc["tokenizer"] == str(hf_llama_dir / "tokenizer.json")
+
+
+def test_dataflow_data_exits_2_in_one_line_for_a_missing_field(hf_llama_dir, tmp_path, capsys):
+    """A record without the text field: exit 2, one line naming the file, line and the field
+    to pass, no traceback, nothing on stdout."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"content": "two"}) + "\n")
+    capsys.readouterr()
+    assert data_main([str(hf_llama_dir), str(data), "--cache-dir", str(tmp_path / "c")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{data}:2:" in err and "its fields: content" in err and "Traceback" not in err
+
+
+def test_dataflow_data_exits_2_naming_a_tokenizer_json_the_library_cannot_read(
+        hf_llama_dir, tmp_path, capsys):
+    """The byte-level trap: a model directory whose tokenizer.json the library cannot read is
+    refused (exit 2, one line naming that file), never tokenised as bytes."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_llama_dir, model)
+    (model / "tokenizer.json").write_text("{}")
+    (tmp_path / "t.txt").write_text("Some text of the user's own.\n")
+    capsys.readouterr()
+    assert data_main([str(model), str(tmp_path / "t.txt")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(model / "tokenizer.json") in err and "tokenizers library can read" in err
+    assert not (tmp_path / ".dataflow-cache").exists()
