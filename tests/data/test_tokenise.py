@@ -225,6 +225,29 @@ def test_generation_tag_template_learns_the_same_tokens_as_the_plain_one(bpe_dir
         assert np.array_equal(x, y)
 
 
+
+@pytest.mark.parametrize("which", ["plain", "generation"])
+def test_conversation_opening_with_the_assistant_learns_only_its_turns(which, bpe_dir,
+                                                                      gen_bpe_dir, tmp_path,
+                                                                      rng):
+    """A conversation whose first message is the assistant's (a greeting), with the template's
+    default system turn before it: only the assistant turns' content and end are learnt, not
+    the system turn and header the template writes first, under either template."""
+    words = corpus_words()
+    convs = []
+    for _ in range(8):
+        conv = [m for m in random_conversation(rng, words, turns=2) if m["role"] != "system"]
+        convs.append(conv[1:])  # assistant, user, assistant
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n"
+                                              for c in convs))
+    corpus = _tokenise(tmp_path / "c.jsonl", bpe_dir if which == "plain" else gen_bpe_dir,
+                       tmp_path / "cache")
+    tokens, learn, starts, _ = _arrays(corpus)
+    want_tokens, want_learn, _ = _expected_chat(_lib(bpe_dir), convs)
+    assert np.array_equal(tokens, want_tokens)
+    assert np.array_equal(learn, want_learn)
+
+
 # -- packing ----------------------------------------------------------------------------------
 def _mixed_folder(tmp_path, rng) -> Path:
     """chat.jsonl (25 short conversations), long.jsonl (5 of two long exchanges: longer than a
