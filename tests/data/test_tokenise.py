@@ -248,6 +248,36 @@ def test_conversation_opening_with_the_assistant_learns_only_its_turns(which, bp
     assert np.array_equal(learn, want_learn)
 
 
+
+def test_chat_template_jinja_and_the_chat_template_flag_take_precedence(bpe_dir, gen_bpe_dir,
+                                                                        tmp_path, rng):
+    """chat_template.jinja beside tokenizer.json is used instead of tokenizer_config.json's
+    template (as transformers reads it); --chat-template FILE (DataOptions.chat_template) is
+    used instead of either; an unreadable FILE is refused naming it."""
+    from dataflow.data.open_data import DataOptions, tokenise_data
+
+    convs = write_chat_jsonl(tmp_path / "chat.jsonl", rng, 10)
+    want = _expected_chat(_lib(bpe_dir), convs)
+    brief = CHATML_TEMPLATE.replace(DEFAULT_SYSTEM, "Be brief.")
+    jinja_dir = tokenizer_copy(bpe_dir, tmp_path / "jinja", CHATML_TEMPLATE)
+    (jinja_dir / "chat_template.jinja").write_text(brief)
+    assert _tok(jinja_dir).info.chat_template == brief
+    got = _arrays(_tokenise(tmp_path / "chat.jsonl", jinja_dir, tmp_path / "c1"))
+    lib = _lib(bpe_dir)
+    brief_ids = sum((lib.encode(render_chatml(c, "Be brief.")[0], add_special_tokens=False).ids
+                     for c in convs), [])
+    assert got[0].tolist() == brief_ids
+    (tmp_path / "gen.jinja").write_text(_tok(gen_bpe_dir).info.chat_template)
+    flagged = tokenise_data(tmp_path / "chat.jsonl", _tok(jinja_dir),
+                            DataOptions(chat_template=str(tmp_path / "gen.jinja"),
+                                        cache_dir=str(tmp_path / "c2")), progress=False)
+    for x, y in zip(_arrays(flagged)[:3], want):
+        assert np.array_equal(x, y)
+    with pytest.raises(ConfigError, match=f"--chat-template {tmp_path / 'none.jinja'}"):
+        tokenise_data(tmp_path / "chat.jsonl", _tok(jinja_dir),
+                      DataOptions(chat_template=str(tmp_path / "none.jinja")), progress=False)
+
+
 # -- packing ----------------------------------------------------------------------------------
 def _mixed_folder(tmp_path, rng) -> Path:
     """chat.jsonl (25 short conversations), long.jsonl (5 of two long exchanges: longer than a
@@ -433,10 +463,6 @@ def test_too_long_chat_records_are_cut_to_the_row_or_dropped_and_counted(bpe_dir
         PackedCorpus(tagged, 16, too_long="drop")
     with pytest.raises(ConfigError, match="too_long must be one of truncate, drop"):
         PackedCorpus(tagged, seqlen, too_long="cut")
-
-
-def _doc_of(doc_ids, row, col):
-    return int(doc_ids[row, col])
 
 
 @pytest.mark.parametrize("chunking", [
