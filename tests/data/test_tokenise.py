@@ -388,7 +388,7 @@ def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch
     seqlen = 128
     L = seqlen + 1
     lengths = np.diff(starts)
-    assert (lengths[chat == 1] > L).sum() == 5 and (lengths[chat == 1] <= L // 2).any()
+    assert (lengths[chat == 1] > L).sum() >= 5 and (lengths[chat == 1] <= L // 2).any()
     assert (lengths[chat == 0] > 2 * L).any()
     tagged = _tagged(corpus, tmp_path / "tagged")
     seed = int(rng.integers(1 << 30))

@@ -132,9 +132,16 @@ def write_hf_llama(path: Path, tokenizer_dir: Path, shape: ModelConfig = LLAMA_S
 _WORD = re.compile(r"[A-Za-z][A-Za-z’'-]*[,.;!?]?")
 
 
+NON_ASCII_WORDS = ("naïve", "café", "日本語", "Ærø", "🙂", "e\u0301te")
+"""Words whose characters are several bytes (and several byte-level tokens, some cut inside a
+character), so offsets and masks are checked where characters and tokens disagree."""
+
+
 def corpus_words() -> list[str]:
-    """The shipped text's words (each starting with a letter), for random message contents."""
-    return sorted(set(_WORD.findall(shipped_text_path().read_text(encoding="utf-8"))))
+    """The shipped text's words (each starting with a letter) and NON_ASCII_WORDS, for random
+    message contents."""
+    words = set(_WORD.findall(shipped_text_path().read_text(encoding="utf-8")))
+    return sorted(words | set(NON_ASCII_WORDS))
 
 
 def random_sentence(rng, words: list[str], lo: int = 3, hi: int = 25) -> str:
