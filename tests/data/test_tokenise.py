@@ -558,6 +558,34 @@ def test_packed_position_resumes_bit_identically_across_an_epoch_boundary(bpe_di
         PackedCorpus(corpus, 64, seed=seed + 1).load_state(pc.state())
 
 
+
+def test_held_out_records_are_the_corpus_tail_and_never_trained_on(bpe_dir, tmp_path, rng):
+    """With eval_seqs, the last records in file order that hold eval_seqs rows are held out:
+    two epochs of training rows never hold one of their tokens, and eval_batch holds only them,
+    the same rows every call."""
+    corpus = _tokenise(_mixed_folder(tmp_path, rng), bpe_dir, tmp_path / "cache")
+    _, learn, starts, chat = _arrays(corpus)
+    seqlen, eval_seqs = 64, 4
+    lengths = np.diff(starts)
+    held = total = 0
+    while total < eval_seqs * (seqlen + 1):  # as few last records as hold the rows' tokens
+        held += 1
+        total += lengths[-held]
+    first_held = int(starts[starts.size - 1 - held])
+    pc = PackedCorpus(_tagged(corpus, tmp_path / "tagged"), seqlen, eval_seqs=eval_seqs,
+                      seed=int(rng.integers(1 << 30)))
+    assert pc.train_tokens == first_held
+    _, batches = _pack_epochs(pc, seqlen + 1, starts[:starts.size - held], learn, chat, 2)
+    trained = np.concatenate([b.tokens.ravel() for b in batches])
+    assert trained.max() <= first_held, "no held-out token in a training row"
+    ev = pc.eval_batch(8)
+    assert ev.tokens.shape == (eval_seqs, seqlen + 1)
+    pos = ev.tokens[ev.tokens > 0].astype(np.int64) - 1
+    assert pos.min() >= first_held
+    again = pc.eval_batch(eval_seqs)
+    assert np.array_equal(again.tokens, ev.tokens) and np.array_equal(again.labels, ev.labels)
+
+
 # -- the cache --------------------------------------------------------------------------------
 def _summary(corpus: Corpus) -> dict:
     s = dict(vars(corpus.summary))
