@@ -105,7 +105,7 @@ def test_folder_of_text_files_is_tokenised_in_sorted_path_order(bpe_dir, tmp_pat
     (data / ".hidden" / "x.txt").write_text("never read")
     (data / ".skip.txt").write_text("never read")
     (data / "notes.csv").write_text("not a data file")
-    order = sorted(names, key=lambda n: str(data / n))
+    order = ["0.txt", "a/b/c.text", "a/z.md", "b.txt", "c.txt"]
     corpus = _tokenise(data, bpe_dir, tmp_path / "cache")
     _check_text_corpus(corpus, _lib(bpe_dir), [texts[n] for n in order])
 
@@ -225,7 +225,6 @@ def test_generation_tag_template_learns_the_same_tokens_as_the_plain_one(bpe_dir
         assert np.array_equal(x, y)
 
 
-
 @pytest.mark.parametrize("which", ["plain", "generation"])
 def test_conversation_opening_with_the_assistant_learns_only_its_turns(which, bpe_dir,
                                                                       gen_bpe_dir, tmp_path,
@@ -242,11 +241,10 @@ def test_conversation_opening_with_the_assistant_learns_only_its_turns(which, bp
                                               for c in convs))
     corpus = _tokenise(tmp_path / "c.jsonl", bpe_dir if which == "plain" else gen_bpe_dir,
                        tmp_path / "cache")
-    tokens, learn, starts, _ = _arrays(corpus)
+    tokens, learn, _, _ = _arrays(corpus)
     want_tokens, want_learn, _ = _expected_chat(_lib(bpe_dir), convs)
     assert np.array_equal(tokens, want_tokens)
     assert np.array_equal(learn, want_learn)
-
 
 
 def test_chat_template_jinja_and_the_chat_template_flag_take_precedence(bpe_dir, gen_bpe_dir,
@@ -327,7 +325,7 @@ def _runs(rows, starts):
 def _check_rows(rows, starts, learn, chat, L):
     """The packing invariants of one batch of tagged rows (see the tests' docstrings)."""
     runs = _runs(rows, starts)
-    for k, (i, a, rec, pos) in enumerate(runs):
+    for i, a, rec, pos in runs:
         lab = rows.labels[i, a:a + (0 if pos is None else pos.size)]
         if rec is None:
             assert np.all(rows.labels[i, a:] == IGNORE) and np.all(rows.tokens[i, a:] == 0)
@@ -429,7 +427,6 @@ def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch
         assert np.array_equal(p.labels, np.where(b.labels == IGNORE, IGNORE, real))
         assert np.array_equal(p.doc_ids, b.doc_ids)
         assert p.tokens.dtype == p.labels.dtype == p.doc_ids.dtype == np.int32
-
 
 
 def test_too_long_chat_records_are_cut_to_the_row_or_dropped_and_counted(bpe_dir, tmp_path,
@@ -556,7 +553,6 @@ def test_packed_position_resumes_bit_identically_across_an_epoch_boundary(bpe_di
     assert seen_offset and seen_epoch and k > 20
     with pytest.raises(ConfigError, match="same --data"):
         PackedCorpus(corpus, 64, seed=seed + 1).load_state(pc.state())
-
 
 
 def test_held_out_records_are_the_corpus_tail_and_never_trained_on(bpe_dir, tmp_path, rng):
