@@ -6,11 +6,13 @@ Never tokenises and never reads files.
 
 The spans: a template with {% generation %} blocks marks them itself (transformers'
 return_assistant_tokens_mask). Otherwise assistant turn i spans from the end of the rendering of
-messages[:i] with the generation prompt to the end of the rendering of messages[:i + 1]: its
-content and the end-of-turn text the template writes after it (<|im_end|> and its newline), so
-the model learns to stop. A template that renders earlier turns differently once later turns
-follow (some strip an earlier turn's reasoning) has no such prefixes; then each assistant
-content is found in order in the whole rendering, with the added token right after it."""
+messages[:i] with the generation prompt (for a first message: from where its content starts,
+after the default system turn or BOS a template may write first) to the end of the rendering of
+messages[:i + 1]: its content and the end-of-turn text the template writes after it (<|im_end|>
+and its newline), so the model learns to stop. A template that renders earlier turns differently
+once later turns follow (some strip an earlier turn's reasoning) has no such prefixes; then each
+assistant content is found in order in the whole rendering, with the added token right after
+it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from dataflow.models.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 """Roles every template is taken to know; another role must appear in the template's text."""
+_PROBE = "DataflowContentProbe"
+"""Stands in for a first assistant message's content to find where the content starts."""
 
 
 class ChatError(ValueError):
@@ -73,12 +77,24 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            start = self.render(messages[:i], add_generation_prompt=True) if i else \
+                self._opening(m)
             end = self.render(messages[:i + 1])
-            if not (text.startswith(end) and end.startswith(start)):
+            if start is None or not (text.startswith(end) and end.startswith(start)):
                 return None
             spans.append((len(start), len(end)))
         return spans
+
+    def _opening(self, message):
+        """What the template writes before a first message's content (a default system turn,
+        a BOS, the turn's header): the rendering of the message with a probe for its content,
+        up to the probe; None when the probe does not come through."""
+        try:
+            probe = self.render([{**message, "content": _PROBE}])
+        except ChatError:
+            return None
+        at = probe.find(_PROBE)
+        return probe[:at] if at >= 0 else None
 
     def _content_spans(self, messages, text):
         spans, cursor = [], 0
