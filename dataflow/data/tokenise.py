@@ -44,6 +44,9 @@ UNIT_BYTES = 1 << 18
 PARALLEL_BYTES = 8 << 20
 """Data smaller than this is tokenised in this process (starting workers costs about a second)."""
 CACHE_FOLDER = ".dataflow-cache"
+DIGEST_MEMO = "digests.json"
+"""The cache folder's memo of data files' sha256 (_DigestMemo); everything else there is a
+corpus folder."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +138,7 @@ class _DigestMemo:
     is hashed again; an edit keeping both, which tools do not make, would go unseen)."""
 
     def __init__(self, root: Path):
-        self.path = root / "digests.json"
+        self.path = root / DIGEST_MEMO
         try:
             self.known = json.loads(self.path.read_text())
         except (OSError, ValueError):
