@@ -11,8 +11,9 @@ after the default system turn or BOS a template may write first) to the end of t
 messages[:i + 1]: its content and the end-of-turn text the template writes after it (<|im_end|>
 and its newline), so the model learns to stop. A template that renders earlier turns differently
 once later turns follow (some strip an earlier turn's reasoning) has no such prefixes; then each
-assistant content is found in order in the whole rendering, with the added token right after
-it."""
+assistant content is found in order in the whole rendering (or, where the template drops the
+reasoning of an earlier turn as Qwen3's does, its part after </think>), with the added token and
+the newline after it."""
 
 from __future__ import annotations
 
@@ -101,15 +102,21 @@ class ChatTemplate:
         for m in messages:
             if m["role"] != "assistant":
                 continue
-            content = _content_text(m)
-            at = text.find(content, cursor)
+            at, content = -1, ""
+            for content in _visible_forms(_content_text(m)):
+                at = text.find(content, cursor)
+                if at >= 0:
+                    break
             if at < 0:
                 raise ChatError("an assistant message's content does not appear in the rendered "
                                 "conversation, so its tokens cannot be found")
             end = at + len(content)
             follow = next((t for t in self.added_tokens if text.startswith(t, end)), "")
-            spans.append((at, end + len(follow)))
-            cursor = end + len(follow)
+            end += len(follow)
+            if follow:  # the newline a template writes after its end-of-turn token, as the
+                end += len(text[end:]) - len(text[end:].lstrip("\n"))  # prefix rule learns it
+            spans.append((at, end))
+            cursor = end
         return spans
 
 
@@ -142,6 +149,14 @@ def assistant_token_mask(offsets, spans) -> "list[bool]":
         if b > spans[s][0]:
             mask[k] = True
     return mask
+
+
+def _visible_forms(content: str) -> tuple[str, ...]:
+    """The content as a template may show it: whole, or (Qwen3's and DeepSeek-R1's templates
+    drop an earlier turn's reasoning) the part after its last </think>."""
+    if "</think>" not in content:
+        return (content,)
+    return content, content.split("</think>")[-1].lstrip("\n")
 
 
 def _content_text(message) -> str:

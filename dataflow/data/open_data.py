@@ -124,6 +124,10 @@ def packed_source(corpus, seqlen: int, tok: Tokenizer, options: DataOptions, *,
                     src.too_long_records, seqlen + 1,
                     "cut to the row (their endings are not learnt)"
                     if options.too_long == "truncate" else "left out (--too-long drop)")
+    if src.silent_records:
+        log.warning("%d chat records learn nothing inside a row of %d tokens (no assistant "
+                    "turn%s): left out", src.silent_records, seqlen + 1,
+                    ", or it lies past the cut" if options.too_long == "truncate" else "")
     return src
 
 

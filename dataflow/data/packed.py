@@ -68,17 +68,44 @@ class PackedCorpus:
         keep = lengths[:n_train] > 0
         if too_long == "drop":
             keep &= ~long_chat
+        silent = self._learns_nothing(n_train, row)
+        self.silent_records = int((silent & keep).sum())
+        """Chat records left out because nothing of theirs inside a row is learnt (no assistant
+        turn, or, cut to the row, none left): a batch of them would count no target."""
+        keep &= ~silent
         self._train = train[keep]
         self._held = np.arange(n_train, lengths.size)
         if self._train.size == 0:
             raise ConfigError(
                 f"{corpus.path}: no record left to train on ({lengths.size} records, {held} "
                 f"held out, {self.too_long_records} longer than seqlen + 1 = {row} with "
-                f"too_long='{too_long}'); use more data, a longer seqlen or --too-long truncate")
+                f"too_long='{too_long}', {self.silent_records} with no assistant token inside "
+                "a row); use more data, a longer seqlen or --too-long truncate")
         ident = [corpus.key, held, too_long, seed]
         self._fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
         self._pos = (0, 0, 0)  # epoch, index into the epoch's order, offset inside the record
         self._order, self._order_epoch = self._epoch_order(0), 0
+
+    def _learns_nothing(self, n: int, row: int) -> np.ndarray:
+        """Per record of the first n: a chat record none of whose targets inside its row (its
+        tokens 1 .. row - 1: the first is never a target) is learnt. One pass over the learn
+        flags of chat corpora; text records always learn."""
+        out = np.zeros(n, bool)
+        chat = np.flatnonzero(self._chat[:n])
+        if chat.size == 0:
+            return out
+        first = self._starts[chat] + 1
+        last = np.minimum(self._starts[chat] + row, self._starts[chat + 1])
+        empty = first >= last
+        out[chat[empty]] = True
+        chat, first, last = chat[~empty], first[~empty], last[~empty]
+        if chat.size:
+            idx = np.stack([first, last], axis=1).reshape(-1)
+            if idx[-1] == self._learn.size:  # reduceat's indices stay inside the array
+                idx = idx[:-1]
+            sums = np.add.reduceat(np.asarray(self._learn), idx, dtype=np.int64)[::2]
+            out[chat] = sums[:chat.size] == 0
+        return out
 
     def _held_out(self, lengths) -> int:
         need = self.eval_seqs * (self.seqlen + 1)
@@ -164,6 +191,11 @@ class PackedCorpus:
         doc[col:] = d  # padding: a document of its own that learns nothing
         return (tok, lab, doc), (epoch, index, offset)
 
+    def _length_at(self, pos) -> int:
+        """The length of the record at position (epoch, index, offset)."""
+        r = int(self._train_order(pos[0])[pos[1]])
+        return int(self._starts[r + 1] - self._starts[r])
+
     def state(self) -> dict:
         epoch, index, offset = self._pos
         return {"kind": "corpus", "dataset": self._fingerprint, "epoch": epoch,
@@ -180,7 +212,7 @@ class PackedCorpus:
                               "--tokenizer, --eval-every and --too-long as the saved run")
         values = [state.get(k) for k in ("epoch", "record", "offset")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values) \
-                or values[1] >= self._train.size:
+                or values[1] >= self._train.size or values[2] >= self._length_at(values):
             raise ConfigError(f"data position {values} is not a position in {self.name}")
         self._pos = tuple(values)
 

@@ -96,7 +96,7 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     template = chat_template if chat_template is not None else tokenizer.info.chat_template
     root = _cache_root(Path(data), cache_dir)
     key = _key(files, tokenizer.info, fields, template, root)
-    final = root / f"{Path(data).name}-{key[:16]}"
+    final = root / f"{Path(data).resolve().name}-{key[:16]}"
     if (final / "corpus.json").is_file():
         meta = json.loads((final / "corpus.json").read_text())
         return Corpus(final, key, CorpusSummary(**meta["summary"]), tokenizer.info.name, True)

@@ -397,10 +397,12 @@ def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch
     assert any(rec is None for _, _, rec, _ in runs), "some rows end in padding"
     assert any(a > 0 and chat[rec] for _, a, rec, _ in runs if rec is not None)
     seq = _records_in_order(runs, starts, chat, L)
-    n = starts.size - 1
+    trained = [r for r in range(starts.size - 1) if not _silent(r, starts, learn, chat, L)]
+    assert pc.silent_records == starts.size - 1 - len(trained)
+    n = len(trained)
     for epoch in range(2):
         ep = seq[epoch * n:(epoch + 1) * n]
-        assert sorted(r for r, _ in ep) == list(range(n)), "each record once per epoch"
+        assert sorted(r for r, _ in ep) == trained, "each record once per epoch"
         targets = []
         for rec, parts in ep:
             held = np.unique(np.concatenate([pos for _, _, pos in parts]))
@@ -414,7 +416,7 @@ def test_packed_rows_keep_records_apart_and_learn_each_text_token_once_per_epoch
                 targets.append(pos[lab != IGNORE])
         want = np.concatenate([np.arange(starts[r] + 1, min(starts[r + 1], starts[r] + L))
                                if chat[r] else np.arange(starts[r] + 1, starts[r + 1])
-                               for r in range(n)])
+                               for r in trained])
         want = want[learn[want] == 1]
         assert np.array_equal(np.sort(np.concatenate(targets)), want), \
             "every learnt token but a record's first is a target once per epoch"
@@ -570,7 +572,9 @@ def test_held_out_records_are_the_corpus_tail_and_never_trained_on(bpe_dir, tmp_
     first_held = int(starts[starts.size - 1 - held])
     pc = PackedCorpus(_tagged(corpus, tmp_path / "tagged"), seqlen, eval_seqs=eval_seqs,
                       seed=int(rng.integers(1 << 30)))
-    assert pc.train_tokens == first_held
+    silent = sum(int(lengths[r]) for r in range(starts.size - 1 - held)
+                 if _silent(r, starts, learn, chat, seqlen + 1))
+    assert pc.train_tokens == first_held - silent
     _, batches = _pack_epochs(pc, seqlen + 1, starts[:starts.size - held], learn, chat, 2)
     trained = np.concatenate([b.tokens.ravel() for b in batches])
     assert trained.max() <= first_held, "no held-out token in a training row"
@@ -929,3 +933,68 @@ def test_dataflow_data_exits_2_naming_a_tokenizer_json_the_library_cannot_read(
 def _entries(cache):
     """What a cache folder holds besides the memo of data digests: corpora, or leftovers."""
     return sorted(p for p in cache.iterdir() if p.name != tokenise_mod.DIGEST_MEMO)
+
+
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_dropping_earlier_reasoning_learns_each_visible_reply(bpe_dir):
+    """A Qwen3-style template shows an earlier assistant turn without its <think> reasoning and
+    the last one with it, so no rendering of a conversation's beginning is a prefix of the
+    whole: each reply is found by its visible part, and exactly the replies (with their
+    <|im_end|> and newline; the last with its think block) are learnt."""
+    from dataflow.data.chat import ChatTemplate
+
+    tok = load_tokenizer(bpe_dir)
+    tpl = ChatTemplate(QWEN3_LIKE, tok.info.special_tokens, tok.added_tokens())
+    messages = [{"role": "user", "content": "one plus one"},
+                {"role": "assistant", "content": "<think>\nadd them\n</think>\n\ntwo"},
+                {"role": "user", "content": "and two more"},
+                {"role": "assistant", "content": "<think>\nadd two\n</think>\n\nfour"}]
+    text, spans = tpl.render_with_spans(messages)
+    assert "add them" not in text and "add two" in text
+    learnt = [text[a:b] for a, b in spans]
+    assert learnt == ["two<|im_end|>\n", "<think>\nadd two\n</think>\n\nfour<|im_end|>\n"]
+
+
+def test_chat_records_that_learn_nothing_in_a_row_are_left_out_and_counted(bpe_dir, tmp_path):
+    """A record with no assistant turn, and one whose reply lies past the cut of a row, count no
+    target: they are left out of the order (silent_records), so no batch counts nothing; the
+    rest pack as before."""
+    tok = load_tokenizer(bpe_dir)
+    long_prompt = " ".join(["words"] * 200)
+    rows = [{"messages": [{"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "user", "content": long_prompt},
+                          {"role": "assistant", "content": "late"}]}]
+    rows += [{"messages": [{"role": "user", "content": f"q{i}"},
+                           {"role": "assistant", "content": f"a{i}"}]} for i in range(6)]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = tokenise(path, tok, cache_dir=tmp_path / "cache", jobs=1, progress=False)
+    packed = PackedCorpus(corpus, 63)
+    assert packed.silent_records == 2 and packed.too_long_records == 1
+    for _ in range(8):
+        batch = packed.next_batch(2)
+        assert (batch.labels[:, 1:] != -100).sum(axis=1).min() > 0
+
+
+def _silent(r, starts, learn, chat, row) -> bool:
+    """A chat record none of whose targets inside its row is learnt (PackedCorpus leaves it
+    out), computed here from the flags one record at a time."""
+    return bool(chat[r]) and not learn[starts[r] + 1:min(starts[r + 1], starts[r] + row)].any()
