@@ -46,7 +46,26 @@ LLAMA3 = (
     "{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 
-TEMPLATES = {"chatml": CHATML, "chatml-generation": CHATML_GENERATION, "llama3": LLAMA3}
+QWEN3 = (  # Qwen3's rule in small: the replies after the last user turn show their reasoning
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+TEMPLATES = {"chatml": CHATML, "chatml-generation": CHATML_GENERATION, "llama3": LLAMA3,
+             "qwen3": QWEN3}
 """name -> template; every name but 'llama3' uses the ChatML tokenizer."""
 
 SYSTEM_PROMPTS = ("You are a careful assistant.", "Answer in as few words as you can.",

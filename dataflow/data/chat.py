@@ -102,22 +102,34 @@ class ChatTemplate:
         for m in messages:
             if m["role"] != "assistant":
                 continue
-            at, content = -1, ""
+            at, content, follow = -1, "", ""
             for content in _visible_forms(_content_text(m)):
-                at = text.find(content, cursor)
+                at, follow = self._find_reply(text, content, cursor)
                 if at >= 0:
                     break
             if at < 0:
                 raise ChatError("an assistant message's content does not appear in the rendered "
                                 "conversation, so its tokens cannot be found")
-            end = at + len(content)
-            follow = next((t for t in self.added_tokens if text.startswith(t, end)), "")
-            end += len(follow)
+            end = at + len(content) + len(follow)
             if follow:  # the newline a template writes after its end-of-turn token, as the
                 end += len(text[end:]) - len(text[end:].lstrip("\n"))  # prefix rule learns it
             spans.append((at, end))
             cursor = end
         return spans
+
+
+    def _find_reply(self, text: str, content: str, cursor: int) -> tuple[int, str]:
+        """(where `content` is in `text` from `cursor`, the added token right after it): the
+        first place an added token (the end of a turn) follows it, else the first place at all
+        (a short reply such as 'd' is also inside '<|im_end|>')."""
+        first, at = text.find(content, cursor), text.find(content, cursor)
+        while at >= 0:
+            follow = next((t for t in self.added_tokens if text.startswith(t, at + len(content))),
+                          "")
+            if follow:
+                return at, follow
+            at = text.find(content, at + 1)
+        return first, ""
 
 
 def check_messages(messages, template_text: str) -> None:

@@ -971,6 +971,10 @@ def test_a_template_dropping_earlier_reasoning_learns_each_visible_reply(bpe_dir
     assert "add them" not in text and "add two" in text
     learnt = [text[a:b] for a, b in spans]
     assert learnt == ["two<|im_end|>\n", "<think>\nadd two\n</think>\n\nfour<|im_end|>\n"]
+    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    text, spans = tpl.render_with_spans(short)  # 'd' is inside '<|im_end|>' too: not there
+    assert [text[a:b] for a, b in spans] == ["b<|im_end|>\n", "d<|im_end|>\n"]
 
 
 def test_chat_records_that_learn_nothing_in_a_row_are_left_out_and_counted(bpe_dir, tmp_path):
