@@ -12,9 +12,9 @@ import pytest
 
 
 def test_our_chat_rendering_ids_and_mask_agree_with_transformers_on_50_conversations(tmp_path):
-    """For each template (ChatML, ChatML with generation tags, Llama-3 style): text and ids of
-    all 50 random conversations equal apply_chat_template's, and the learn flags equal its
-    assistant_masks."""
+    """For each template (ChatML, ChatML with generation tags, Llama-3 style, Qwen3 style): text
+    and ids of all 50 random conversations equal apply_chat_template's, and the learn flags
+    equal its assistant_masks."""
     pytest.importorskip("transformers")
     from dataflow.bench.chat_template_check import main
 
@@ -22,7 +22,7 @@ def test_our_chat_rendering_ids_and_mask_agree_with_transformers_on_50_conversat
     assert main(["--conversations", "50", "--seed", "3", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["agree"] and [r["template"] for r in rec["results"]] == [
-        "chatml", "chatml-generation", "llama3"]
+        "chatml", "chatml-generation", "llama3", "qwen3"]
     for r in rec["results"]:
         assert r["text_agree"] == r["ids_agree"] == 50 and r["mask_agree"] in (None, 50), r
         assert 0 < r["learnt"] < r["tokens"]
