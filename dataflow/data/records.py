@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -20,8 +22,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
 PIECE_CHARS = 1 << 16
-"""A text file longer than this is read in pieces of about this many characters, each ending at
-a newline that a letter follows: the common tokenizers' pre-tokenisers split there anyway, so the
+"""A text file longer than this is read in pieces of about this many bytes, each ending at
+a newline that an ASCII letter follows: the common tokenizers' pre-tokenisers split there anyway, so the
 ids match encoding the file whole (a tokenizer that prepends a space to its input, as Llama 2's
 SentencePiece does, differs at each cut)."""
 
@@ -65,39 +67,101 @@ def data_files(path: str | Path) -> list[Path]:
     return files
 
 
-def read_records(files: list[Path], fields: Fields = Fields()) -> Iterator[Record]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileSlice:
+    """Bytes [start, end) of a text or JSONL file, cut where a record (a JSONL line) or a text
+    piece ends: a unit of tokenising work a worker reads itself, so the main process never
+    parses or pickles the records."""
+
+    path: Path
+    kind: str
+    """'text' or 'jsonl'."""
+    start: int
+    end: int
+    first_line: int
+    """The 1-based line number at start (JSONL)."""
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+_TEXT_CUT = re.compile(rb"\n[A-Za-z]")
+
+
+def plan_slices(files: list[Path], unit_bytes: int, fields: Fields = Fields()):
+    """The work of `files` in order: a FileSlice per text piece (about PIECE_CHARS bytes, cut at
+    a newline a letter follows) and per about unit_bytes of JSONL lines, else (Parquet, Arrow,
+    a .json array) lists of Records read here of about unit_bytes each."""
     for f in files:
-        if f.suffix in TEXT_SUFFIXES:
-            yield from _text_records(f)
-        elif f.suffix in JSONL_SUFFIXES:
-            yield from _jsonl_records(f, fields)
+        if f.suffix in TEXT_SUFFIXES or (f.suffix in JSONL_SUFFIXES and not _is_json_array(f)):
+            yield from _slices(f, unit_bytes)
+            continue
+        unit, size = [], 0
+        records = _jsonl_records(f, fields) if f.suffix in JSONL_SUFFIXES else \
+            _table_records(f, fields)
+        for r in records:
+            unit.append(r)
+            size += r.size
+            if size >= unit_bytes:
+                yield unit
+                unit, size = [], 0
+        if unit:
+            yield unit
+
+
+def _slices(f: Path, unit_bytes: int):
+    text = f.suffix in TEXT_SUFFIXES
+    step = PIECE_CHARS if text else unit_bytes
+    n = f.stat().st_size
+    if n == 0:
+        return
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        start, line = 0, 1
+        while start < n:
+            if start + step >= n:
+                end = n
+            elif text:
+                m = _TEXT_CUT.search(mm, start + step)
+                end = m.start() + 1 if m else n
+            else:
+                nl = mm.find(b"\n", start + step)
+                end = nl + 1 if nl >= 0 else n
+            yield FileSlice(f, "text" if text else "jsonl", start, end, line)
+            if not text:
+                line += mm[start:end].count(b"\n")
+            start = end
+
+
+def read_slice(s: FileSlice, fields: Fields = Fields()) -> Iterator[Record]:
+    """The records of a FileSlice (ConfigError naming the file and line, or byte)."""
+    with open(s.path, "rb") as fh:
+        fh.seek(s.start)
+        data = fh.read(s.size)
+    if s.kind == "text":
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{s.path}: byte {s.start + exc.start:,} is not UTF-8 "
+                              f"({exc.reason}); text data must be UTF-8") from None
+        yield Record(f"{s.path}", text=text, continues=s.start > 0, size=s.size)
+        return
+    for k, line in enumerate(data.splitlines(keepends=True)):
+        yield from _jsonl_line(line, f"{s.path}:{s.first_line + k}", fields)
+
+
+def read_records(files: list[Path], fields: Fields = Fields()) -> Iterator[Record]:
+    """Every record of `files` in order (what the tokenising workers read, in one process)."""
+    for work in plan_slices(files, 1 << 18, fields):
+        if isinstance(work, FileSlice):
+            yield from read_slice(work, fields)
         else:
-            yield from _table_records(f, fields)
+            yield from work
 
 
-def _text_records(f: Path) -> Iterator[Record]:
-    try:
-        text = f.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{f}: byte {exc.start:,} is not UTF-8 ({exc.reason}); text data "
-                          "must be UTF-8") from None
-    for i, (piece, size) in enumerate(_pieces(text)):
-        yield Record(f"{f}", text=piece, continues=i > 0, size=size)
-
-
-def _pieces(text: str):
-    """(piece, its UTF-8 size) of `text` cut as PIECE_CHARS says."""
-    start = 0
-    while start < len(text):
-        end = min(len(text), start + PIECE_CHARS)
-        if end < len(text):
-            cut = end
-            while cut < len(text) and not (text[cut - 1] == "\n" and text[cut].isalpha()):
-                cut += 1
-            end = cut
-        piece = text[start:end]
-        yield piece, len(piece.encode("utf-8"))
-        start = end
+def _is_json_array(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        return f.suffix == ".json" and fh.read(1) == b"["
 
 
 def _jsonl_records(f: Path, fields: Fields) -> Iterator[Record]:
@@ -109,14 +173,18 @@ def _jsonl_records(f: Path, fields: Fields) -> Iterator[Record]:
                 yield _object_record(obj, f"{f}:record {i}", fields, 0)
             return
         for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(f"{f}:{line_no}: not a JSON object ({exc}); JSONL holds one "
-                                  "JSON object per line") from None
-            yield _object_record(obj, f"{f}:{line_no}", fields, len(line))
+            yield from _jsonl_line(line, f"{f}:{line_no}", fields)
+
+
+def _jsonl_line(line: bytes, where: str, fields: Fields) -> Iterator[Record]:
+    if not line.strip():
+        return
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not a JSON object ({exc}); JSONL holds one JSON object "
+                          "per line") from None
+    yield _object_record(obj, where, fields, len(line))
 
 
 def _load_json(fh, f):

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from dataflow.data.chat import ChatError, ChatTemplate, assistant_token_mask
-from dataflow.data.records import Fields, Record, data_files, read_records
+from dataflow.data.records import FileSlice, Fields, Record, data_files, plan_slices, read_slice
 from dataflow.data.tokenizer import Tokenizer, TokenizerInfo
 from dataflow.models.errors import ConfigError
 from dataflow.progress import Progress
@@ -195,13 +195,13 @@ def _tokenise_into(out: Path, files, tokenizer, fields, template, jobs, progress
     jobs = jobs or os.cpu_count() or 1
     dtype = np.uint16 if tokenizer.info.vocab_size <= 1 << 16 else np.uint32
     writer = _Writer(out, dtype, tokenizer.info.eos_id)
-    units = _units(read_records(files, fields))
+    units = _units(plan_slices(files, UNIT_BYTES, fields))
     mib = max(1, total >> 20)
     bar = Progress(mib, "tokenising MiB", logger=log) if progress and total >= PARALLEL_BYTES \
         else None
     done_bytes = 0
     try:
-        for result, size in _results(units, tokenizer, template, jobs, total):
+        for result, size in _results(units, tokenizer, template, fields, jobs, total):
             writer.add(result)
             done_bytes += size
             if bar:
@@ -214,25 +214,17 @@ def _tokenise_into(out: Path, files, tokenizer, fields, template, jobs, progress
     return writer.close(total, seconds)
 
 
-def _units(records):
-    """Lists of records of about UNIT_BYTES each (a text file's pieces may fall in different
-    units: each piece knows it continues the one before)."""
-    unit, size = [], 0
-    for r in records:
-        unit.append(r)
-        size += r.size
-        if size >= UNIT_BYTES:
-            yield unit, size
-            unit, size = [], 0
-    if unit:
-        yield unit, size
+def _units(work):
+    """(unit, input bytes): a FileSlice (a worker reads it), or a list of records read here."""
+    for unit in work:
+        yield unit, unit.size if isinstance(unit, FileSlice) else sum(r.size for r in unit)
 
 
-def _results(units, tokenizer, template, jobs, total):
+def _results(units, tokenizer, template, fields, jobs, total):
     """(unit result, input bytes) in order, from worker processes when worth it."""
     if jobs <= 1 or total < PARALLEL_BYTES:
         for unit, size in units:
-            yield _tokenise_unit(tokenizer, template, unit), size
+            yield _tokenise_unit(tokenizer, template, unit, fields), size
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx,
@@ -240,7 +232,8 @@ def _results(units, tokenizer, template, jobs, total):
         pending = collections.deque()
         try:
             for unit, size in units:
-                pending.append((pool.submit(_tokenise_unit, tokenizer, template, unit), size))
+                pending.append((pool.submit(_tokenise_unit, tokenizer, template, unit, fields),
+                                size))
                 if len(pending) >= 2 * jobs:
                     future, n = pending.popleft()
                     yield future.result(), n
@@ -263,13 +256,13 @@ def _template(source: str, specials: tuple, added: tuple) -> ChatTemplate:
     return ChatTemplate(source, dict(specials), added)
 
 
-def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit: list[Record]):
-    """The ids, learn flags, chat flags, continuation flags and places of a unit's records
-    (ConfigError naming a bad record). The texts are encoded in two library batch calls (with
+def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit, fields: Fields = Fields()):
+    """The ids, learn flags, chat flags, continuation flags and places of a unit's records (a
+    FileSlice, read here, or a list of Records; ConfigError naming a bad record). The texts are encoded in two library batch calls (with
     and without the post-processor's special tokens), which the library spreads over its
     threads when this runs in the main process."""
     kept, texts, spans = [], [], []
-    for r in unit:
+    for r in read_slice(unit, fields) if isinstance(unit, FileSlice) else unit:
         if r.text is not None and not r.text and not r.continues:
             continue  # an empty document: nothing to learn, not even its end
         kept.append(r)
