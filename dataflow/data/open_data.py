@@ -131,7 +131,6 @@ def packed_source(corpus, seqlen: int, tok: Tokenizer, options: DataOptions, *,
     return src
 
 
-
 def describe_data(model, data, options: DataOptions = DataOptions(), *,
                   seqlen: int | None = None) -> dict:
     """Tokenise `data` (or find it cached) as a run of `model` would, and say what it holds:

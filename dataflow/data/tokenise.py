@@ -122,7 +122,7 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
 
 def _key(files, info: TokenizerInfo, fields: Fields, template, root: Path) -> str:
     """sha256 of the format, the tokenizer's files, the fields and template, and every data
-    file's path and contents (file_digest)."""
+    file's path and contents (through _DigestMemo)."""
     memo = _DigestMemo(root)
     h = hashlib.sha256(json.dumps([FORMAT, info.digest, dataclasses.asdict(fields),
                                    template]).encode())
