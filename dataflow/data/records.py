@@ -75,11 +75,13 @@ class FileSlice:
 
     path: Path
     kind: str
-    """'text' or 'jsonl'."""
+    """'text', 'jsonl' or 'parquet'."""
     start: int
     end: int
+    """Bytes; for Parquet, start is the row group and end - start its share of the file's
+    bytes (for progress)."""
     first_line: int
-    """The 1-based line number at start (JSONL)."""
+    """The 1-based line number at start (JSONL); the first row (Parquet, 0-based)."""
 
     @property
     def size(self) -> int:
@@ -91,11 +93,14 @@ _TEXT_CUT = re.compile(rb"\n[A-Za-z]")
 
 def plan_slices(files: list[Path], unit_bytes: int, fields: Fields = Fields()):
     """The work of `files` in order: a FileSlice per text piece (about PIECE_CHARS bytes, cut at
-    a newline a letter follows) and per about unit_bytes of JSONL lines, else (Parquet, Arrow,
-    a .json array) lists of Records read here of about unit_bytes each."""
+    a newline a letter follows), per about unit_bytes of JSONL lines and per Parquet row group,
+    else (Arrow, a .json array) lists of Records read here of about unit_bytes each."""
     for f in files:
         if f.suffix in TEXT_SUFFIXES or (f.suffix in JSONL_SUFFIXES and not _is_json_array(f)):
             yield from _slices(f, unit_bytes)
+            continue
+        if f.suffix == ".parquet":
+            yield from _row_groups(f, fields)
             continue
         unit, size = [], 0
         records = _jsonl_records(f, fields) if f.suffix in JSONL_SUFFIXES else \
@@ -135,9 +140,11 @@ def _slices(f: Path, unit_bytes: int):
 
 def read_slice(s: FileSlice, fields: Fields = Fields()) -> Iterator[Record]:
     """The records of a FileSlice (ConfigError naming the file and line, or byte)."""
-    with open(s.path, "rb") as fh:
-        fh.seek(s.start)
-        data = fh.read(s.size)
+    data = b""
+    if s.kind != "parquet":
+        with open(s.path, "rb") as fh:
+            fh.seek(s.start)
+            data = fh.read(s.size)
     if s.kind == "text":
         try:
             text = data.decode("utf-8")
@@ -146,7 +153,10 @@ def read_slice(s: FileSlice, fields: Fields = Fields()) -> Iterator[Record]:
                               f"({exc.reason}); text data must be UTF-8") from None
         yield Record(f"{s.path}", text=text, continues=s.start > 0, size=s.size)
         return
-    for k, line in enumerate(data.splitlines(keepends=True)):
+    if s.kind == "parquet":
+        yield from _row_group_records(s, fields)
+        return
+    for k, line in enumerate(data.split(b"\n")):  # as `for line in file`: only \n ends one
         yield from _jsonl_line(line, f"{s.path}:{s.first_line + k}", fields)
 
 
@@ -212,40 +222,74 @@ def _object_record(obj, where: str, fields: Fields, size: int) -> Record:
                       "--text-field or --messages-field")
 
 
-def _table_records(f: Path, fields: Fields) -> Iterator[Record]:
-    # pyarrow adds about 0.2 s to the import: loaded only for Parquet and Arrow data
+def _row_groups(f: Path, fields: Fields):
+    """A FileSlice per row group of a Parquet file (its columns checked here, once)."""
+    pf, column = _parquet_column(f, fields)
+    meta, row = pf.metadata, 0
+    per = max(1, f.stat().st_size // max(1, meta.num_row_groups))
+    for g in range(meta.num_row_groups):
+        yield FileSlice(f, "parquet", g, g + per, row)  # end - start: its share, for progress
+        row += meta.row_group(g).num_rows
+
+
+def _parquet_column(f: Path, fields: Fields):
+    # pyarrow adds about 0.2 s to the import: loaded only for Parquet data
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        if f.suffix == ".parquet":
-            pf = pq.ParquetFile(f)
-            names, batches = pf.schema_arrow.names, lambda cols: pf.iter_batches(columns=cols)
-        else:
-            table = _arrow_table(pa, f)
-            names, batches = table.schema.names, lambda cols: table.select(cols).to_batches()
+        pf = pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as exc:
-        raise ConfigError(f"{f}: not a readable {f.suffix[1:]} file ({exc})") from None
+        raise ConfigError(f"{f}: not a readable parquet file ({exc})") from None
+    return pf, _column(f, pf.schema_arrow.names, fields)
+
+
+def _column(f: Path, names, fields: Fields) -> str:
     column = fields.messages if fields.messages in names else fields.text
     if column not in names:
         raise ConfigError(f"{f}: no column '{fields.text}' or '{fields.messages}' (its columns: "
                           f"{', '.join(names[:8])}); name it with --text-field or "
                           "--messages-field, or write token ids in a 'tokens' column")
+    return column
+
+
+def _row_group_records(s: FileSlice, fields: Fields) -> Iterator[Record]:
+    pf, column = _parquet_column(s.path, fields)
+    batch = pf.read_row_group(s.start, columns=[column])
+    yield from _column_records(s.path, column, fields, batch.column(0).to_pylist(),
+                               s.first_line, s.size)
+
+
+def _column_records(f: Path, column: str, fields: Fields, values, row: int, size: int):
+    """The records of one column's values, the first at row `row`."""
+    each = size // max(1, len(values))
+    for k, v in enumerate(values):
+        where = f"{f}:row {row + k}"
+        if column == fields.messages:
+            yield Record(where, messages=v, size=each)
+        elif v is None:
+            continue  # a null text is an empty document
+        elif not isinstance(v, str):
+            raise ConfigError(f"{where}: column '{column}' holds {type(v).__name__}, not text")
+        else:
+            yield Record(where, text=v, size=each)
+
+
+def _table_records(f: Path, fields: Fields) -> Iterator[Record]:
+    """The records of an Arrow IPC file (read whole, here)."""
+    # pyarrow adds about 0.2 s to the import: loaded only for Arrow data
+    import pyarrow as pa
+
+    try:
+        table = _arrow_table(pa, f)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"{f}: not a readable {f.suffix[1:]} file ({exc})") from None
+    column = _column(f, table.schema.names, fields)
     row = 0
-    for batch in batches([column]):
-        values = batch.column(0).to_pylist()
-        size = batch.nbytes // max(1, len(values))
-        for v in values:
-            where = f"{f}:row {row}"
-            row += 1
-            if column == fields.messages:
-                yield Record(where, messages=v, size=size)
-            elif v is None:
-                continue  # a null text is an empty document
-            elif not isinstance(v, str):
-                raise ConfigError(f"{where}: column '{column}' holds {type(v).__name__}, not text")
-            else:
-                yield Record(where, text=v, size=size)
+    for batch in table.select([column]).to_batches():
+        yield from _column_records(f, column, fields, batch.column(0).to_pylist(), row,
+                                   batch.nbytes)
+        row += batch.num_rows
 
 
 def _arrow_table(pa, f: Path):
