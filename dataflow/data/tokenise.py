@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,12 @@ UNIT_BYTES = 1 << 18
 """Input bytes per unit of work sent to a worker."""
 PARALLEL_BYTES = 8 << 20
 """Data smaller than this is tokenised in this process (starting workers costs about a second)."""
+START_METHOD = "fork" if sys.platform == "linux" else "spawn"
+"""How workers start. Spawned workers re-import the calling script, which then must call
+tokenise under `if __name__ == "__main__":` (a script without it dies in the workers); forked
+ones do not, as PyTorch's DataLoader and datasets' map fork on Linux. A worker only reads files,
+tokenises and returns arrays: it never touches CUDA or the parent's threads (the tokenizers
+library turns its own thread pool off in a forked child)."""
 CACHE_FOLDER = ".dataflow-cache"
 DIGEST_MEMO = "digests.json"
 """The cache folder's memo of data files' sha256 (_DigestMemo); everything else there is a
@@ -226,7 +233,7 @@ def _results(units, tokenizer, template, fields, jobs, total):
         for unit, size in units:
             yield _tokenise_unit(tokenizer, template, unit, fields), size
         return
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+    ctx = multiprocessing.get_context(START_METHOD)
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx,
                                                 initializer=_quiet_worker) as pool:
         pending = collections.deque()
