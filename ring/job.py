@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 
+from dataflow.batch import make_batch
 from dataflow.data import token_stream
 from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import ModelConfig
@@ -34,7 +35,12 @@ class RingJob:
     seed: int = 0
     """Weight initialisation."""
     data: str = "shipped"
-    """'shipped' (the shipped text) or 'random:<seed>' (uniform random ids, for tests)."""
+    """'shipped' (the shipped text's bytes, for byte models), 'random:<seed>' (uniform random
+    ids, for tests) or 'text:<path>' (dataflow.data.open_data: a user's data, or the shipped text
+    when the path is empty, tokenised with the model's own tokenizer as dataflow-demo does;
+    data_options says how)."""
+    data_options: tuple[tuple[str, object], ...] = ()
+    """dataflow.data.open_data.DataOptions fields for 'text:' data."""
     lr: float = 1e-3
     max_grad_norm: float | None = 1.0
     grad_accum: GradAccum = GradAccum.BF16
@@ -98,6 +104,7 @@ class RingJob:
     def from_json(cls, text: str) -> "RingJob":
         raw = json.loads(text)
         raw["constraints"] = tuple(tuple(kv) for kv in raw.get("constraints", ()))
+        raw["data_options"] = tuple(tuple(kv) for kv in raw.get("data_options", ()))
         raw["transport"] = TransportKind.parse(raw.get("transport", "shm"))
         raw["grad_accum"] = GradAccum(raw.get("grad_accum", "bf16"))
         return cls(**raw)
@@ -122,6 +129,13 @@ def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):
             if step >= start:
                 yield batch
         return
+    if job.data.startswith(TEXT):
+        source = open_job_data(job, cfg)
+        for step in range(job.steps):  # the position of step `start`: the steps before it read
+            batch = step_batch(source.next_batch(seqs_per_step), cfg, job.seqlen)
+            if step >= start:
+                yield batch
+        return
     for step in range(start, job.steps):
         yield token_stream(job.seqlen, seqs_per_step, cfg.vocab_size,
                            start=step * seqs_per_step * job.seqlen)
@@ -134,8 +148,32 @@ def eval_batch(job: RingJob, cfg, seqs_per_step: int):
         for _ in range(job.steps):
             stream(seqs_per_step)
         return stream(job.eval_seqs)
+    if job.data.startswith(TEXT):  # the held-out tail, never trained on
+        return open_job_data(job, cfg).eval_batch(job.eval_seqs)
     return token_stream(job.seqlen, job.eval_seqs, cfg.vocab_size,
                         start=job.steps * seqs_per_step * job.seqlen)
+
+
+TEXT = "text:"
+
+
+def open_job_data(job: RingJob, cfg):
+    """The source of a 'text:' job (its corpus cached by the launcher, so a rank only reads)."""
+    # the data path: only for a job that reads a user's data
+    from dataflow.data.open_data import DataOptions, open_data
+
+    path = job.data[len(TEXT):] or None
+    return open_data(path, job.seqlen, cfg.vocab_size, model=job.model,
+                     options=DataOptions(**dict(job.data_options)), eval_seqs=job.eval_seqs,
+                     progress=False)
+
+
+def step_batch(rows, cfg, seqlen: int, *, pad_rows_to: int = 1):
+    """A source's rows (token ids, or a TokenBatch with labels and doc ids) as a Batch."""
+    if hasattr(rows, "labels"):
+        return make_batch(rows.tokens, rows.labels, doc_ids=rows.doc_ids,
+                          vocab_size=cfg.vocab_size, seqlen=seqlen, pad_rows_to=pad_rows_to)
+    return make_batch(rows, vocab_size=cfg.vocab_size, seqlen=seqlen, pad_rows_to=pad_rows_to)
 
 
 def _random_rows(job: RingJob, cfg):

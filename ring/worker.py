@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.batch import make_batch
 from dataflow.checkpoint import latest_checkpoint
 from dataflow.models.errors import ConfigError
 from dataflow.optimizer import AdamWConfig
 from dataflow.ring.bootstrap import open_rank
 from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
 from dataflow.ring.env import RankEnv
-from dataflow.ring.job import RingJob, batches, eval_batch, model_config
+from dataflow.ring.job import RingJob, batches, eval_batch, model_config, step_batch
 from dataflow.ring.transport import RingError
 from dataflow.settings import settings_from_env
 
@@ -74,8 +73,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
         eval_loss = None
         if job.eval_seqs:
             q = rp.plan.chunking.seqs_per_round * job.replicas
-            held = make_batch(eval_batch(job, cfg, seqs), vocab_size=cfg.vocab_size,
-                              seqlen=job.seqlen, pad_rows_to=q)
+            held = step_batch(eval_batch(job, cfg, seqs), cfg, job.seqlen, pad_rows_to=q)
             eval_loss = rank.evaluate(held).loss
             print(f"{tag} eval loss {eval_loss:.6f} ({job.eval_seqs} sequences)",
                   file=sys.stderr, flush=True)

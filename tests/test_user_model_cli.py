@@ -262,11 +262,11 @@ def test_moe_keys_of_the_wrong_type_are_refused_by_their_config_json_name(family
     assert str(err.value).startswith("d/config.json: ") and words in str(err.value), err.value
 
 
-def test_ring_refuses_a_model_with_its_own_tokenizer_unless_asked_for_bytes(hf_dir, tmp_path,
-                                                                              capsys):
-    """dataflow-ring reads no --data: a model shipping a tokenizer of its own would train on the
-    shipped text's byte ids, so it exits 2 naming the tokenizer and --tokenizer bytes, before
-    launching anything."""
+def test_ring_reads_a_models_own_tokenizer_and_refuses_one_it_cannot_read(hf_dir, tmp_path,
+                                                                          capsys):
+    """dataflow-ring tokenises with the model's own tokenizer as dataflow-demo does (never the
+    shipped text's byte ids unasked): a tokenizer.json the library cannot read exits 2 naming
+    it and --tokenizer bytes, before launching anything."""
     mine = tmp_path / "with-tokenizer"
     shutil.copytree(hf_dir, mine)
     (mine / "tokenizer.json").write_text("{}")

@@ -9,6 +9,7 @@ dataflow.ring.layout, the job run by dataflow.ring.run. Never trains in the laun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -16,11 +17,12 @@ import tempfile
 import dataflow
 from dataflow.cli.args import (OneLineParser, check_checkpoint_flags, parse_or_exit_code,
                                positive)
-from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
+from dataflow.cli.data import add_tokenise_flags
 from dataflow.data.tokenizer import BYTES, own_tokenizer_file
+from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS
-from dataflow.ring.job import RingJob
+from dataflow.ring.job import RingJob, model_config
 from dataflow.ring.kinds import PLACEMENT_CHOICES, TransportKind
 from dataflow.ring.layout import resolve_layout
 from dataflow.ring.run import ring_processes, run_job
@@ -107,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a CUDA event pair per launch")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (losses, per-rank exit codes) to stdout")
-    p.add_argument("--tokenizer", choices=(BYTES,), default=None,
-                   help="'bytes': run a model that has a tokenizer of its own on the shipped "
-                        "text's byte ids anyway (the ring reads no --data yet: it measures "
-                        "speed and memory); without it such a model is refused")
+    p.add_argument("--data", metavar="PATH",
+                   help="train on this instead of the shipped text, read as dataflow-demo "
+                        "reads it (text, JSONL, chat, Parquet/Arrow tokenised once with the "
+                        "model's own tokenizer; token files as they are); every rank reads the "
+                        "same global batches")
+    add_tokenise_flags(p)
     p.add_argument("--debug", action="store_true", help="tracebacks from failing ranks")
     p.add_argument("--version", action="version", version=f"%(prog)s {dataflow.__version__}")
     return p
@@ -131,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
-        own = own_tokenizer_file(args.model)
-        if own is not None and args.tokenizer != BYTES:
-            raise ConfigError(
-                f"{args.model} has a tokenizer of its own ({own.name}), but dataflow-ring "
-                "trains on the shipped text as byte ids 0..255 (it reads no --data yet); pass "
-                f"--tokenizer {BYTES} to measure it so, or fine-tune with dataflow-demo --data")
+        data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
         replicas, constraints = resolve_layout(
@@ -164,8 +163,26 @@ def main(argv: list[str] | None = None) -> int:
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   force_checkpoint_dir=args.force_checkpoint_dir,
-                  constraints=tuple(sorted(constraints.items())), placement=placement)
+                  constraints=tuple(sorted(constraints.items())), placement=placement,
+                  data=data, data_options=data_options)
     return run_job(job, env, as_json=args.json, prog=PROG, keep_out=bool(args.out))
+
+
+def _job_data(args) -> tuple[str, tuple]:
+    """(RingJob.data, data_options): the shipped text's bytes for a byte model with no --data
+    (as the ring always trained), else 'text:' data opened here once (tokenised into its cache
+    before any rank starts; a bad file is refused with exit 2)."""
+    if args.data is None and (args.tokenizer == BYTES or own_tokenizer_file(args.model) is None):
+        return "shipped", ()
+    # the data path: only for a ring that reads text
+    from dataflow.data.open_data import DataOptions, open_data
+
+    options = DataOptions.from_args(args)
+    cfg = model_config(args.model)
+    open_data(args.data, args.seqlen, cfg.vocab_size, model=args.model, options=options,
+              eval_seqs=args.eval_seqs)
+    fields = tuple((k, v) for k, v in dataclasses.asdict(options).items())
+    return f"text:{args.data or ''}", fields
 
 
 if __name__ == "__main__":
