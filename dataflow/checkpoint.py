@@ -429,8 +429,8 @@ def checkpoint_model(path: str | Path) -> ModelConfig:
 
 
 # -- loading into an engine ---------------------------------------------------------------------
-def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
-                    allow_changes: bool = False) -> CheckpointInfo:
+def load_checkpoint(eng, path: str | Path, *, verify: bool = True, allow_changes: bool = False,
+                    before_writes=None) -> CheckpointInfo:
     """Restore weights, m, v, step and schedule of `eng` from a checkpoint (a step directory, or
     the newest under a root). The plan may differ (placement does not change values); the model
     must match, and so must the optimizer settings and the schedule unless allow_changes (the
@@ -438,12 +438,15 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True,
     one warns, since set_lr and a step's lr= override it). With
     verify every file is hashed BEFORE anything is written into the engine, so a damaged
     checkpoint is refused with the engine untouched. An engine built without a schedule adopts
-    the checkpoint's."""
+    the checkpoint's. before_writes: called once everything is checked, before the first write
+    (the Engine discards a failed step's state there)."""
     path, meta = read_checkpoint(path)
     adopt = check_settings(path, meta, eng.plan.model, eng.optimizer, allow_changes)
     todo = block_entries(path, meta, eng, eng.block_refs())
     if verify:
         verify_files(path, meta)
+    if before_writes is not None:
+        before_writes()
     return apply(eng, path, meta, todo, adopt, eng.plan.hash)
 
 

@@ -141,6 +141,24 @@ def test_a_step_that_fails_midway_stops_the_engine_until_a_state_is_reloaded(exc
         assert eng.train_step(_batch(eng)).loss == want
 
 
+def test_load_checkpoint_after_a_failed_step_trains_again_as_a_clean_run(tmp_path):
+    """A checkpoint loaded after a step failed in the backward: the half-accumulated gradients
+    are discarded and the next step is exactly a clean run's (it was refused before: the failed
+    step stayed recorded)."""
+    with _engine() as clean:
+        path = clean.save_checkpoint(tmp_path / "ck")
+        want = clean.train_step(_batch(clean)).loss
+    with _engine() as eng:
+        fired = _fail_on(eng, "b.", RuntimeError("injected"))
+        with pytest.raises(RuntimeError):
+            eng.train_step(_batch(eng))
+        assert fired
+        with pytest.raises(StepFailedError, match="load_checkpoint"):
+            eng.train_step(_batch(eng))
+        eng.load_checkpoint(path)
+        assert eng.train_step(_batch(eng)).loss == want
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the blow-up overflows on purpose
 def test_non_finite_loss_raises_naming_step_and_lr_and_stops_the_engine():
     """lr 1e9 blows the weights up: the first NaN/inf loss raises NonFiniteError naming the step

@@ -268,8 +268,16 @@ class Engine:
     @_serialised
     def load_checkpoint(self, path, *, verify: bool = True, allow_changes: bool = False):
         """Restore from a checkpoint directory (or the newest under a root); any plan of the
-        same model loads it. Returns a dataflow.checkpoint.CheckpointInfo (step, data, rng)."""
-        return checkpoint.load_checkpoint(self, path, verify=verify, allow_changes=allow_changes)
+        same model loads it. Returns a dataflow.checkpoint.CheckpointInfo (step, data, rng).
+        After a failed step it is a way back, as load_state_dict is: once the checkpoint is
+        checked, the half-accumulated gradients and AdamW state are zeroed before its blocks
+        are written, and the engine trains again."""
+        failed = self._steps.failed_step is not None
+        info = checkpoint.load_checkpoint(
+            self, path, verify=verify, allow_changes=allow_changes,
+            before_writes=self._state.discard_failed_step if failed else None)
+        self._steps.failed_step = None
+        return info
 
     @_serialised
     def save_pretrained(self, path, *, overwrite: bool = False, allow_failed_step: bool = False):

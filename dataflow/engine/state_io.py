@@ -54,6 +54,12 @@ class StateIO:
         for b in self.ex.blocks():
             zero_state(self.be, b)
 
+    def discard_failed_step(self) -> None:
+        """What a failed step left (pending updates, half-accumulated gradients, m and v), gone
+        before a checked checkpoint is written over it (Engine.load_checkpoint)."""
+        self.ex.drop_pending()
+        self.zero_state()
+
     def write(self, b: Block, array: np.ndarray, part: str = "weights") -> None:
         write_part(self.ex, self.be, b, array, part)
 

@@ -91,8 +91,9 @@ class StepRunner:
             step, reason = self.failed_step.step, self.failed_step.reason
             raise StepFailedError(
                 f"step {step} failed ({reason}), so gradients and AdamW state may be half-"
-                "updated; reload a saved state with load_state_dict(state) (or weights only "
-                "with weights_only=True), or create a new Engine", step=step, reason=reason)
+                "updated; reload a saved state with load_checkpoint(path) or "
+                "load_state_dict(state) (or weights only with weights_only=True), or create a "
+                "new Engine", step=step, reason=reason)
 
     def check_savable(self, call: str, allow_failed_step: bool) -> dict | None:
         """Refuse (StepFailedError) to save the state after a failed step unless it is provably
