@@ -21,6 +21,8 @@ import json
 import re
 from datetime import datetime
 
+import numpy as np
+
 from dataflow.models.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -80,7 +82,8 @@ class ChatTemplate:
                 continue
             start = self.render(messages[:i], add_generation_prompt=True) if i else \
                 self._opening(m)
-            end = self.render(messages[:i + 1])
+            # the whole conversation's rendering is the last turn's end: one render fewer
+            end = text if i + 1 == len(messages) else self.render(messages[:i + 1])
             if start is None or not (text.startswith(end) and end.startswith(start)):
                 return None
             spans.append((len(start), len(end)))
@@ -117,7 +120,6 @@ class ChatTemplate:
             cursor = end
         return spans
 
-
     def _find_reply(self, text: str, content: str, cursor: int) -> tuple[int, str]:
         """(where `content` is in `text` from `cursor`, the added token right after it): the
         first place an added token (the end of a turn) follows it, else the first place at all
@@ -149,17 +151,19 @@ def check_messages(messages, template_text: str) -> None:
                             f"know; use one of {', '.join(ROLES)}")
 
 
-def assistant_token_mask(offsets, spans) -> "list[bool]":
-    """Per token: does its character range [a, b) overlap an assistant span? (transformers'
-    rule for assistant_masks: a token cut by a span's edge counts.)"""
-    mask, s = [False] * len(offsets), 0
-    for k, (a, b) in enumerate(offsets):
-        while s < len(spans) and a >= spans[s][1]:
-            s += 1
-        if s == len(spans):
-            break
-        if b > spans[s][0]:
-            mask[k] = True
+def assistant_token_mask(offsets, spans) -> np.ndarray:
+    """Per token (offsets: (n, 2) character ranges [a, b)), does it overlap an assistant span?
+    transformers' rule for assistant_masks, vectorised: walking the tokens in order, a span is
+    passed once a token starts at or after its end, and a token is learnt when it ends after the
+    start of the first span not passed (so a token cut by a span's edge counts)."""
+    off = np.asarray(offsets, np.int64).reshape(-1, 2)
+    if not len(spans) or not off.size:
+        return np.zeros(len(off), bool)
+    sp = np.asarray(spans, np.int64).reshape(-1, 2)
+    passed = np.maximum.accumulate(np.searchsorted(sp[:, 1], off[:, 0], side="right"))
+    live = passed < len(sp)
+    mask = np.zeros(len(off), bool)
+    mask[live] = off[live, 1] > sp[passed[live], 0]
     return mask
 
 

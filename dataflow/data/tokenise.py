@@ -286,7 +286,7 @@ def _tokenise_unit(tokenizer: Tokenizer, template: str | None, unit, fields: Fie
     for (t, offsets), s in zip(encoded, spans):
         ids.append(t)
         learn.append(np.ones(t.size, np.uint8) if s is None else
-                     np.asarray(assistant_token_mask(offsets.tolist(), s), np.uint8))
+                     assistant_token_mask(offsets, s).astype(np.uint8))
     return (ids, learn, [r.messages is not None for r in kept], [r.continues for r in kept],
             [r.where for r in kept])
 

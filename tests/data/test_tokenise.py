@@ -1002,3 +1002,34 @@ def _silent(r, starts, learn, chat, row) -> bool:
     """A chat record none of whose targets inside its row is learnt (PackedCorpus leaves it
     out), computed here from the flags one record at a time."""
     return bool(chat[r]) and not learn[starts[r] + 1:min(starts[r + 1], starts[r] + row)].any()
+
+
+def test_the_vectorised_assistant_mask_is_transformers_loop(rng):
+    """chat.assistant_token_mask (NumPy) equals transformers' token loop for assistant_masks on
+    fresh random offsets (zero-width tokens, repeated starts, a trailing (0, 0) special token)
+    and spans (none, touching, cutting a token)."""
+    from dataflow.data.chat import assistant_token_mask
+
+    def loop(offsets, spans):
+        mask, s = [False] * len(offsets), 0
+        for k, (a, b) in enumerate(offsets):
+            while s < len(spans) and a >= spans[s][1]:
+                s += 1
+            if s == len(spans):
+                break
+            if b > spans[s][0]:
+                mask[k] = True
+        return mask
+
+    for _ in range(3000):
+        pos, offsets = 0, []
+        for _ in range(int(rng.integers(0, 30))):
+            width = int(rng.integers(0, 5))
+            offsets.append((pos, pos + width))
+            pos += width if rng.random() < 0.9 else 0
+        if offsets and rng.random() < 0.2:
+            offsets.append((0, 0))
+        k = 2 * min((pos + 3) // 2, int(rng.integers(0, 4)))
+        cuts = sorted(rng.choice(pos + 3, k, replace=False).tolist())
+        spans = [(cuts[i], cuts[i + 1]) for i in range(0, k, 2)]
+        assert assistant_token_mask(offsets, spans).tolist() == loop(offsets, spans)
