@@ -68,13 +68,19 @@ class PackedCorpus:
         keep = lengths[:n_train] > 0
         if too_long == "drop":
             keep &= ~long_chat
-        silent = self._learns_nothing(n_train, row)
+        silent_all = self._learns_nothing(lengths.size, row)
+        silent = silent_all[:n_train]
         self.silent_records = int((silent & keep).sum())
         """Chat records left out because nothing of theirs inside a row is learnt (no assistant
         turn, or, cut to the row, none left): a batch of them would count no target."""
         keep &= ~silent
         self._train = train[keep]
-        self._held = np.arange(n_train, lengths.size)
+        self._held = np.arange(n_train, lengths.size)[~silent_all[n_train:]]
+        if eval_seqs and self._held.size == 0:
+            raise ConfigError(
+                f"{corpus.path}: the {held} held-out records at its end learn nothing inside a "
+                f"row of {row} tokens (no assistant token), so validation would count nothing; "
+                "use a longer seqlen, other data, or drop --eval-every")
         if self._train.size == 0:
             raise ConfigError(
                 f"{corpus.path}: no record left to train on ({lengths.size} records, {held} "

@@ -1033,3 +1033,22 @@ def test_the_vectorised_assistant_mask_is_transformers_loop(rng):
         cuts = sorted(rng.choice(pos + 3, k, replace=False).tolist())
         spans = [(cuts[i], cuts[i + 1]) for i in range(0, k, 2)]
         assert assistant_token_mask(offsets, spans).tolist() == loop(offsets, spans)
+
+
+def test_a_held_out_tail_that_learns_nothing_is_refused_and_silent_ones_are_skipped(
+        bpe_dir, tmp_path):
+    """Validation never runs on rows with no target: held-out chat records with nothing learnt
+    in a row are left out of eval_batch, and a tail made only of them is refused by name."""
+    tok = load_tokenizer(bpe_dir)
+    learn = [{"messages": [{"role": "user", "content": f"q{i}"},
+                           {"role": "assistant", "content": f"answer {i}"}]} for i in range(30)]
+    mute = [{"messages": [{"role": "user", "content": " ".join(["words"] * 30)}]}] * 8
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in learn + mute + learn[:3]))
+    corpus = tokenise(path, tok, cache_dir=tmp_path / "cache", jobs=1, progress=False)
+    ev = PackedCorpus(corpus, 63, eval_seqs=2).eval_batch(2)
+    assert all((row[1:] != -100).any() for row in ev.labels)
+    path.write_text("".join(json.dumps(r) + "\n" for r in learn + mute))
+    corpus = tokenise(path, tok, cache_dir=tmp_path / "cache", jobs=1, progress=False)
+    with pytest.raises(ConfigError, match="held-out records at its end learn nothing"):
+        PackedCorpus(corpus, 63, eval_seqs=2)
