@@ -77,15 +77,9 @@ def train_tokenizer(specials=CHATML_SPECIALS, vocab_size: int = VOCAB_SIZE, *,
     """examples/chat_finetune.py's byte-level BPE (GPT-2's pre-tokeniser) trained on the
     shipped text; with bos_post_processor, a post-processor that puts that token first when
     special tokens are added (Llama 3's TemplateProcessing after ByteLevel)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    tok, trainer = _byte_level_bpe(vocab_size, specials)
     tok.train([str(shipped_text_path())], trainer)
     if bos_post_processor is not None:
         bos = (bos_post_processor, tok.token_to_id(bos_post_processor))
@@ -96,6 +90,21 @@ def train_tokenizer(specials=CHATML_SPECIALS, vocab_size: int = VOCAB_SIZE, *,
     return tok
 
 
+def _byte_level_bpe(vocab_size: int, specials, **trainer_options):
+    """An untrained byte-level BPE (GPT-2's pre-tokeniser, decoder and post-processor) and its
+    trainer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, **trainer_options)
+    return tok, trainer
+
+
 def train_large_tokenizer(vocab_size: int = 150_000, seed: int = 0):
     """A byte-level BPE of `vocab_size` ids trained on random lowercase words (the shipped text
     has too few distinct words for more than about 7,000): a tokenizer.json of about 10 MB at
@@ -103,19 +112,11 @@ def train_large_tokenizer(vocab_size: int = 150_000, seed: int = 0):
     do. About 15 s to train on one core."""
     import tempfile
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
              for _ in range(2 * vocab_size)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  min_frequency=2, show_progress=False)
+    tok, trainer = _byte_level_bpe(vocab_size, CHATML_SPECIALS, min_frequency=2)
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "words.txt"
         with open(text, "w") as f:

@@ -935,34 +935,16 @@ def _entries(cache):
     return sorted(p for p in cache.iterdir() if p.name != tokenise_mod.DIGEST_MEMO)
 
 
-QWEN3_LIKE = (
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}"
-    "{%- set content = m.content %}{%- set reasoning = '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{%- if loop.index0 > ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 def test_a_template_dropping_earlier_reasoning_learns_each_visible_reply(bpe_dir):
     """A Qwen3-style template shows an earlier assistant turn without its <think> reasoning and
     the last one with it, so no rendering of a conversation's beginning is a prefix of the
     whole: each reply is found by its visible part, and exactly the replies (with their
     <|im_end|> and newline; the last with its think block) are learnt."""
+    from dataflow.bench.chat_data import QWEN3
     from dataflow.data.chat import ChatTemplate
 
     tok = load_tokenizer(bpe_dir)
-    tpl = ChatTemplate(QWEN3_LIKE, tok.info.special_tokens, tok.added_tokens())
+    tpl = ChatTemplate(QWEN3, tok.info.special_tokens, tok.added_tokens())
     messages = [{"role": "user", "content": "one plus one"},
                 {"role": "assistant", "content": "<think>\nadd them\n</think>\n\ntwo"},
                 {"role": "user", "content": "and two more"},
