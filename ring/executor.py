@@ -1,8 +1,8 @@
 """Runs one ring rank's compiled schedule: the single-device Executor with two more dispatch
 entries (Send / Recv on the transport) and the send / recv streams' records and waits handed to the
 transport, plus the replicas' gradient all-reduce. The step's loss (the head rank's of every
-replica) and the global squared gradient norm (each rank's device sum over its own blocks, after
-the all-reduce) are shared through the transport's all-gather. Never decides placement or what
+replica) and the global squared gradient norm (each block's own, after the all-reduce, added in
+the single-device order) are shared through the transport's all-gather. Never decides placement or what
 is sent: the schedule does."""
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import dataclasses
 
 import numpy as np
 
+from dataflow.backend import Stream
 from dataflow.executor import Executor, RoundStats, StepStats
+from dataflow.memplan.plan.buffers import MAX_NORM_PARTS, NORM_PARTS_AT
 from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
                                             compile_ring_eval_schedule, compile_ring_schedule,
                                             compile_ring_update_schedule)
 from dataflow.memplan.step.compile import Record, Schedule, Wait
+from dataflow.models.errors import ConfigError
 from dataflow.ring.transport import Transport
 
 
@@ -46,6 +49,12 @@ class RingExecutor(Executor):
         # An MoE model's ranks also pass the round's routing totals on: two small messages
         # each way (dataflow.memplan.step.ring_compile).
         totals = 4 if cfg.moe is not None and rp.n_ranks > 1 else 0
+        owned = ["embed"] * rp.has_embed + [f"L{g}" for g in rp.layers] + ["head"] * rp.has_head
+        if len(owned) > MAX_NORM_PARTS:
+            raise ConfigError(f"rank {rp.rank} holds {len(owned)} blocks; a ring rank holds at "
+                              f"most {MAX_NORM_PARTS} (dataflow.memplan.plan.buffers): use more "
+                              "ranks")
+        self._norm_part = {f"gnorm.{what}": k for k, what in enumerate(owned)}
         transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round + totals,
                        max(reduced, default=0), max(gathered, default=0))
 
@@ -90,17 +99,36 @@ class RingExecutor(Executor):
             self._global_sumsq()
         super()._compute(ev)
 
+    def _grad_sumsq(self, ev) -> None:
+        """A block's squared gradient norm into its own scalar (not added into scalar 0): the
+        ranks add the blocks' norms in the single-device order once all are known."""
+        at = NORM_PARTS_AT + self._norm_part[ev.name]
+        self.be.launch(Stream.COMPUTE, "sumsq", self._view(ev.grads, dtype=self.gdt),
+                       self.tr["scalars"][at:at + 1], False, name=ev.name)
+
     def _global_sumsq(self) -> None:
-        """Before the clip scale: every rank holds the squared norm of its own blocks' gradients
-        (device scalar 0, and the host's part of a HOME embedding in scalar 2); gather them and
-        put the global sum in scalar 0 on every rank, so all clip alike. One host sync, where
-        the ring already synchronises (collective: every rank reaches it at the same point)."""
-        sc = self.tr["scalars"]
-        local = self.download(sc[0:3]).astype(np.float64)
-        rows = self._own_ring(self.transport.allgather(np.array([local[0] + local[2]])))
-        total = np.zeros(3, np.float32)
-        total[0] = np.float32(sum(float(row[0]) for row in rows))
-        self.upload(sc[0:3], total)
+        """Before the clip scale: every rank holds the squared norm of each of its blocks'
+        gradients (and the host's part of a HOME embedding in scalar 2); gather them and put
+        the global sum in scalar 0 on every rank, added in fp32 in the order one device adds
+        them (single_device_norm_order), so the ring clips by the same bits. One host sync,
+        where the ring already synchronises (collective: every rank reaches it there)."""
+        sc, n = self.tr["scalars"], len(self._norm_part)
+        host_part = float(self.download(sc[2:3])[0])
+        parts = self.download(sc[NORM_PARTS_AT:NORM_PARTS_AT + n]).astype(np.float64)
+        order = single_device_norm_order(self.rp.n_layers)
+        row = np.zeros(1 + 2 * len(order))
+        row[0] = host_part
+        for name, k in self._norm_part.items():
+            i = order.index(name.removeprefix("gnorm."))
+            row[1 + 2 * i:3 + 2 * i] = (1.0, parts[k])
+        rows = self._own_ring(self.transport.allgather(row))
+        total = np.float32(0.0)
+        for i in range(len(order)):
+            for r in rows:
+                if r[1 + 2 * i]:
+                    total = np.float32(total + np.float32(r[2 + 2 * i]))
+        host = np.float32(sum(np.float32(r[0]) for r in rows))  # only the embedding's rank's
+        self.upload(sc[0:3], np.array([np.float32(total + host), 0, 0], np.float32))
 
     def _own_ring(self, rows: list) -> list:
         """Of an all-gather's rows (every process, replica-major), those of this rank's ring:
@@ -145,3 +173,12 @@ class RingExecutor(Executor):
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         return dataclasses.replace(stats, loss=total, rounds=rounds,
                                    tokens=stats.tokens * self.rp.replicas)
+
+
+def single_device_norm_order(n_layers: int) -> list[str]:
+    """The blocks in the order one device adds their squared gradient norms in a step's last
+    round (dataflow.memplan.step): the head, layers L-1 .. 1, the device embedding (its
+    backward runs inside layer 0's), layer 0. tests/ring/test_ring_norm_order.py checks it
+    against the compiled single-device schedule."""
+    layers = [f"L{g}" for g in range(n_layers - 1, 0, -1)]
+    return ["head"] + layers + ["embed"] + ["L0"] * (n_layers > 0)

@@ -17,9 +17,14 @@ ALIGN_BYTES = 256
 
 
 MAX_ROUNDS_PER_STEP = 512
-SCALARS = 8 + 2 * MAX_ROUNDS_PER_STEP
+NORM_PARTS_AT = 8 + 2 * MAX_ROUNDS_PER_STEP
+MAX_NORM_PARTS = 256
+"""Most blocks one ring rank holds: each has a scalar for its gradient's squared norm."""
+SCALARS = NORM_PARTS_AT + MAX_NORM_PARTS
 """fp32 scalars on the device: [0] squared grad norm, [1] clip scale, [8 + 2r : 10 + 2r] the
-loss sum and token count of round r (read once per step, so no round waits on the host)."""
+loss sum and token count of round r (read once per step, so no round waits on the host),
+[NORM_PARTS_AT + k] a ring rank's squared norm of its k-th block's gradient (the ranks add them
+in the single-device order, dataflow.ring.executor)."""
 
 
 def align(nbytes: int) -> int:
