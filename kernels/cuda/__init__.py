@@ -5,7 +5,7 @@ inside any op. Every launcher takes a CudaContext first (`ctx`, kernels/cuda/con
 compiled modules, library handles, cuDNN graphs and scratch live there, owned by the backend that
 made it, never in module globals. Elementwise and reduction ops are CUDA C++ templates (one `.cu`
 per op beside its launcher, compiled once per device and context by NVRTC, cached in the context);
-GEMMs go through cuBLAS gemmEx; attention through cuDNN's fused SDPA (nvidia-cudnn-frontend).
+GEMMs go through cuBLAS gemmEx (FP8 GEMMs through cuBLASLt, fp8_gemm); attention through cuDNN's fused SDPA (nvidia-cudnn-frontend).
 Importing this package needs CuPy; the NumPy backend never imports it. Shape legend in
 `kernels/__init__.py`.
 
@@ -24,6 +24,10 @@ from dataflow.kernels.cuda.adamw import adamw_step
 from dataflow.kernels.cuda.attention import attention_bwd, attention_fwd, attention_workspace_bytes
 from dataflow.kernels.cuda.context import CudaContext
 from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
+from dataflow.kernels.cuda.fp8 import amax_scale as fp8_amax_scale
+from dataflow.kernels.cuda.fp8 import cast as fp8_cast
+from dataflow.kernels.cuda.fp8 import quantise as fp8_quantise
+from dataflow.kernels.cuda.fp8_gemm import fp8_gemm
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
 from dataflow.kernels.cuda.moe_experts import (expert_order, experts_bwd, experts_bwd_acc_elems,
@@ -43,7 +47,8 @@ __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
     "bias_bwd", "bias_fill", "cast", "cublas_workspace", "CudaContext",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
-    "experts_bwd_acc_elems", "experts_fwd", "fill_", "head_loss_fwd_bwd",
+    "experts_bwd_acc_elems", "experts_fwd", "fill_", "fp8_amax_scale", "fp8_cast", "fp8_gemm",
+    "fp8_quantise", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
     "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",
