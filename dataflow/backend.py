@@ -89,6 +89,24 @@ class Backend(abc.ABC):
     def to_numpy(self, array) -> Any:
         """A host NumPy copy of a view (synchronous; for results and tests, not the hot loop)."""
 
+    precision: str = "bf16"
+    """What the op table computes the linear layers in (dataflow.precision)."""
+
+    def set_precision(self, precision: str) -> None:
+        """Run the linear layers in `precision` from now on (before setup). Every backend runs
+        'bf16'; one with an FP8 op table overrides this for 'fp8'."""
+        # Here, not at the top: dataflow.precision imports the models' errors, which the
+        # backend interface otherwise does not need.
+        from dataflow.precision import check_precision
+
+        if check_precision(precision) != "bf16":
+            raise BackendError(
+                f"precision {precision!r} is not built for the {self.name} backend yet: the FP8 "
+                "quantise kernels exist but the FP8 GEMM and the arena buffers for the FP8 "
+                "copies do not (issue 53, docs/fp8.md); use precision 'bf16', or backend "
+                "'numpy' to run the FP8 recipe on the CPU")
+        self.precision = precision
+
     def seal(self) -> None:
         """Setup is over: every later device byte must come from the arenas (the CuPy backend
         then refuses allocations; others have nothing to guard)."""

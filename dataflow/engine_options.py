@@ -16,6 +16,7 @@ import numpy as np
 from dataflow.batch import _as_int_array
 from dataflow.checkpoint import META, SEAL, latest_checkpoint
 from dataflow.optimizer import AdamWConfig
+from dataflow.precision import check_precision
 from dataflow.models.errors import ConfigError
 
 
@@ -93,10 +94,12 @@ class RunOptions:
     schedule: Any = None
     deferred_update: bool = True
     backward_update: bool = False
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         check_numbers(self, reals=("lr", "eps", "weight_decay", "max_grad_norm"),
                       whole=("seed", "sanitize_seed"), optional=("max_grad_norm",))
+        check_precision(self.precision)
         betas = self.betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
                 isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas)):

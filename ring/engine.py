@@ -87,7 +87,7 @@ class RingEngine:
                  optimizer=None, lr_schedule: Callable[[int], float] | None = None,
                  plan_options: dict | None = None, seqs_per_step: int | None = None,
                  tokens_per_step: int | None = None, grad_accum: str = "bf16", profile=None,
-                 deferred_update: bool = True):
+                 deferred_update: bool = True, precision: str = "bf16"):
         self.cfg = model if isinstance(model, ModelConfig) else model_config(model)
         self.env = ring.env or rank_env()
         transport = TransportKind.parse(ring.transport)
@@ -117,7 +117,7 @@ class RingEngine:
             backend=backend, transport=transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=GradAccum(grad_accum),
             profile=profile, deferred_update=deferred_update, split_fetch=ring.split_fetch,
-            **options)
+            precision=precision, **options)
         self.rank_plan = self.rank.rp
         self.plan = self.rank_plan.plan
         self._closed = False

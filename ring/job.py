@@ -45,6 +45,8 @@ class RingJob:
     max_grad_norm: float | None = 1.0
     grad_accum: GradAccum = GradAccum.BF16
     """Gradient accumulation across rounds (dataflow.memplan.plan.plan.GradAccum)."""
+    precision: str = "bf16"
+    """'bf16' or 'fp8' (dataflow.precision): the ranks' linear layers."""
     eager_update: bool = False
     """Run each step's AdamW at its own end (default: inside the next step's first round, and
     the last step's before the weights are written; the same bits either way)."""

@@ -79,6 +79,13 @@ class NullBackend(Backend):
         self.calls: list[tuple[str, str, str]] = []
         """(kind, stream, name) of every copy, launch, host call, record and wait, in order."""
 
+    def set_precision(self, precision: str) -> None:
+        """Any precision: the null backend computes nothing."""
+        # Here, not at the top: as Backend.set_precision.
+        from dataflow.precision import check_precision
+
+        self.precision = check_precision(precision)
+
     def alloc(self, nbytes: int, place: Place) -> Slab:
         slab = Slab(place=place, nbytes=nbytes, handle=None)
         self._slabs.append(slab)

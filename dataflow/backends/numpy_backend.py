@@ -12,6 +12,7 @@ from numpy.lib.array_utils import byte_bounds
 from dataflow import ops_numpy
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
 from dataflow.backends.sanitizer import Sanitizer
+from dataflow.precision import check_precision
 
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32),
           "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "u8": np.dtype(np.uint8)}
@@ -28,6 +29,14 @@ class NumpyBackend(Backend):
         self._slabs: list[Slab] = []
         self._owner: dict[int, tuple[int, Place]] = {}
         self.device_name = "cpu (numpy)"
+
+    def set_precision(self, precision: str) -> None:
+        """'fp8': the op table of dataflow.ops_fp8_numpy (the linear layers in the FP8 recipe)."""
+        # Here, not at the top: the FP8 table is only loaded by runs that ask for it.
+        from dataflow import ops_fp8_numpy
+
+        self.ops = ops_fp8_numpy.op_table() if check_precision(precision) == "fp8" else ops_numpy
+        self.precision = precision
 
     def alloc(self, nbytes: int, place: Place) -> Slab:
         try:

@@ -27,6 +27,7 @@ from dataflow.models.config import zoo_names
 from dataflow.models.errors import ConfigError, NonFiniteError
 from dataflow.models.hf_config import model_config
 from dataflow.models.serial import to_dict
+from dataflow.precision import PRECISIONS
 from dataflow.progress import Progress, SlowNotice, StepWatch
 
 # The engine and models.hf load NumPy and numba (seconds): they are imported inside the
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "step's first round (needs --max-grad-norm 0: clipping needs the whole "
                         "gradient's norm first; the same bits, but a non-finite step's update "
                         "is then not dropped)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="the linear layers' arithmetic: bf16 (default) or fp8, their GEMMs in "
+                        "the FP8 recipe of docs/fp8.md (E4M3 forward, E5M2 gradients, "
+                        "per-tensor scales); fp8 runs on the numpy backend only so far")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -175,6 +180,7 @@ def _run(args, stop: checks.StopSignals) -> int:
         checks.check_plan_matches(plan, cfg, args.seqlen, args.host_gb, args.dev_gb)
     try:
         be_probe = make_backend(args.backend)
+        be_probe.set_precision(args.precision)  # refused here, before any planning
     except BackendError as exc:  # e.g. --backend cupy without a GPU: bad input, not a crash
         raise ConfigError(str(exc)) from None
     backend = be_probe.name
@@ -209,7 +215,7 @@ def _run(args, stop: checks.StopSignals) -> int:
                                optimizer=training.optimizer, lr_schedule=training.schedule,
                                trace=True, progress=init_bar,
                                deferred_update=not args.eager_update,
-                               backward_update=args.backward_update)
+                               backward_update=args.backward_update, precision=args.precision)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     init_s = time.perf_counter() - t0
     phases = dict(eng.setup_seconds)
@@ -424,7 +430,8 @@ class _Run:
         print(self.summary(), file=sys.stderr if args.json else sys.stdout, flush=True)
         if args.json:
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
-                       "backend": self.backend, "memory": mem, "setup": self.setup,
+                       "backend": self.backend, "precision": self.args.precision,
+                       "memory": mem, "setup": self.setup,
                        "device": getattr(self.be_probe, "device_name", self.backend),
                        "plan": json.loads(self.plan.to_json()),
                        "steps": [to_dict(r) for r in self.results]}, sys.stdout, indent=2)

@@ -22,6 +22,7 @@ from dataflow.data.tokenizer import BYTES, own_tokenizer_file
 from dataflow.memplan.search.cost import MAX_ROUNDS_PER_STEP
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS
+from dataflow.precision import PRECISIONS
 from dataflow.ring.job import RingJob, model_config
 from dataflow.ring.kinds import PLACEMENT_CHOICES, TransportKind
 from dataflow.ring.layout import resolve_layout
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive(int), default=None, metavar="N",
                    help="rounds per step on every rank (default: the planner's choice); the "
                         "global batch is N rounds of the chunks per round")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="the linear layers' arithmetic: bf16 (default) or fp8, their GEMMs in "
+                        "the FP8 recipe of docs/fp8.md (E4M3 forward, E5M2 gradients, "
+                        "per-tensor scales); fp8 runs on the numpy backend only so far (every rank)")
     p.add_argument("--eager-update", action="store_true",
                    help="run each step's AdamW after its last round (default: deferred into the "
                         "next step's first round, behind its compute; the same bits either way)")
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                   backend=args.backend, replicas=replicas, transport=transport,
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
+                  precision=args.precision,
                   eval_seqs=args.eval_seqs, trace=args.trace,
                   split_fetch=args.split_fetch,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,

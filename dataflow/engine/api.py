@@ -88,7 +88,8 @@ class Engine:
                  lr_schedule: Callable[[int], float] | None = None, profile=None,
                  plan_options: dict | None = None, trace: bool = False, progress=None,
                  schedule=None, deferred_update: bool = True, backward_update: bool = False,
-                 sanitize: bool = False, sanitize_seed: int = 0, ring=None):
+                 sanitize: bool = False, sanitize_seed: int = 0, precision: str = "bf16",
+                 ring=None):
         """Plan `model` at `seqlen` under the budgets, then start it.
 
         model: a zoo name ('tiny', '1b', '8b', ...), a config JSON, a saved model directory or a
@@ -130,6 +131,8 @@ class Engine:
             cannot clip (pass max_grad_norm=0), and a step that raises NonFiniteError has then
             already updated the weights, as with deferred_update=False.
         sanitize, sanitize_seed: run the NumPy backend under the schedule sanitizer.
+        precision: 'bf16' (default) or 'fp8': the block projections' GEMMs in the FP8 recipe
+            of docs/fp8.md (NumPy backend only so far: the GPU refuses it, naming why).
         ring: a dataflow.ring.engine.Ring, to train as one process of a ring launched by
             torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
             returns that ring's RingEngine for this process (see docs/ring.md).
@@ -149,7 +152,7 @@ class Engine:
                                optimizer=optimizer, lr_schedule=lr_schedule, sanitize=sanitize,
                                sanitize_seed=sanitize_seed, trace=trace, progress=progress,
                                schedule=schedule, deferred_update=deferred_update,
-                               backward_update=backward_update))
+                               backward_update=backward_update, precision=precision))
         planned = plan_engine(model, options)
         source = checkpoint.model_source(planned.resume, planned.run.weights)  # HF files kept
         self._adopt(start(planned.plan, planned.backend, planned.run))
@@ -167,7 +170,8 @@ class Engine:
         """Start a plan you made or edited. options: a dataflow.engine_options.RunOptions, or
         instead its fields as keywords: those of Engine() from backend on (backend, seed,
         weights, lr, betas, eps, weight_decay, max_grad_norm, optimizer, lr_schedule, trace,
-        progress, schedule, deferred_update, backward_update, sanitize, sanitize_seed), with
+        progress, schedule, deferred_update, backward_update, sanitize, sanitize_seed,
+        precision), with
         the same defaults and meaning; a misspelt one raises UnknownOptionError naming the
         closest."""
         if options is None:

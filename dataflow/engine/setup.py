@@ -249,12 +249,16 @@ def refuse_moe_backend(cfg: ModelConfig, backend) -> None:
 
 
 def backend_for(options: RunOptions):
-    """The backend `options` names (made here), or the one the caller brought."""
+    """The backend `options` names (made here), or the one the caller brought, set to the
+    options' precision (a backend without that precision refuses it, by name)."""
     kind = options.backend
     if isinstance(kind, Backend):
-        return kind  # the caller brought its own (a traced or recording backend, a ring rank's)
-    return make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
-                                 if options.sanitize else {}))
+        be = kind  # the caller brought its own (a traced or recording backend, a ring rank's)
+    else:
+        be = make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
+                                   if options.sanitize else {}))
+    be.set_precision(options.precision)  # its op table's linear layers (dataflow.precision)
+    return be
 
 
 def default_profile(be):
