@@ -22,10 +22,11 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
 PIECE_CHARS = 1 << 16
-"""A text file longer than this is read in pieces of about this many bytes, each ending at
-a newline that an ASCII letter follows: the common tokenizers' pre-tokenisers split there anyway, so the
-ids match encoding the file whole (a tokenizer that prepends a space to its input, as Llama 2's
-SentencePiece does, differs at each cut)."""
+"""A text file longer than this is read in pieces of about this many bytes, each ending at a
+newline that an ASCII letter follows: the common tokenizers' pre-tokenisers split there anyway,
+so the ids match encoding the file whole. A tokenizer that prepends a space to its input, as
+Llama 2's SentencePiece does, would differ at each cut: its files are read whole
+(plan_slices(cut_text=False), Tokenizer.cuts_cleanly)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,11 +92,17 @@ class FileSlice:
 _TEXT_CUT = re.compile(rb"\n[A-Za-z]")
 
 
-def plan_slices(files: list[Path], unit_bytes: int, fields: Fields = Fields()):
+def plan_slices(files: list[Path], unit_bytes: int, fields: Fields = Fields(),
+                cut_text: bool = True):
     """The work of `files` in order: a FileSlice per text piece (about PIECE_CHARS bytes, cut at
-    a newline a letter follows), per about unit_bytes of JSONL lines and per Parquet row group,
-    else (Arrow, a .json array) lists of Records read here of about unit_bytes each."""
+    a newline a letter follows; the whole file when not cut_text), per about unit_bytes of JSONL
+    lines and per Parquet row group, else (Arrow, a .json array) lists of Records read here of
+    about unit_bytes each."""
     for f in files:
+        if f.suffix in TEXT_SUFFIXES and not cut_text:
+            if f.stat().st_size:
+                yield FileSlice(f, "text", 0, f.stat().st_size, 1)
+            continue
         if f.suffix in TEXT_SUFFIXES or (f.suffix in JSONL_SUFFIXES and not _is_json_array(f)):
             yield from _slices(f, unit_bytes)
             continue

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from dataflow.data.chat import ChatError, ChatTemplate, assistant_token_mask
-from dataflow.data.records import FileSlice, Fields, Record, data_files, plan_slices, read_slice
+from dataflow.data.records import (TEXT_SUFFIXES, FileSlice, Fields, Record, data_files,
+                                   plan_slices, read_slice)
 from dataflow.data.tokenizer import Tokenizer, TokenizerInfo
 from dataflow.models.errors import ConfigError
 from dataflow.progress import Progress
@@ -102,7 +103,12 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     files = data_files(data)
     template = chat_template if chat_template is not None else tokenizer.info.chat_template
     root = _cache_root(Path(data), cache_dir)
-    key = _key(files, tokenizer.info, fields, template, root)
+    cut = tokenizer.cuts_cleanly
+    if not cut and any(f.suffix in TEXT_SUFFIXES for f in files):
+        log.info("tokenizer %s prepends a space to each input: its text files are tokenised "
+                 "whole (one worker per file), so the ids are those of each file at once",
+                 tokenizer.info.name)
+    key = _key(files, tokenizer.info, fields, template, root, cut)
     final = root / f"{Path(data).resolve().name}-{key[:16]}"
     if (final / "corpus.json").is_file():
         meta = json.loads((final / "corpus.json").read_text())
@@ -110,7 +116,7 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        summary = _tokenise_into(tmp, files, tokenizer, fields, template, jobs, progress)
+        summary = _tokenise_into(tmp, files, tokenizer, fields, template, jobs, progress, cut)
         meta = {"format": FORMAT, "key": key, "tokenizer": dataclasses.asdict(tokenizer.info)
                 | {"chat_template": template}, "fields": dataclasses.asdict(fields),
                 "files": [str(f) for f in files], "summary": dataclasses.asdict(summary)}
@@ -127,12 +133,15 @@ def tokenise(data: str | Path, tokenizer: Tokenizer, *, fields: Fields = Fields(
     return Corpus(final, key, summary, tokenizer.info.name, False)
 
 
-def _key(files, info: TokenizerInfo, fields: Fields, template, root: Path) -> str:
-    """sha256 of the format, the tokenizer's files, the fields and template, and every data
-    file's path and contents (through _DigestMemo)."""
+def _key(files, info: TokenizerInfo, fields: Fields, template, root: Path,
+         cut_text: bool = True) -> str:
+    """sha256 of the format, the tokenizer's files, the fields and template, whether text is
+    cut into pieces (a tokenizer that does not cut cleanly gets keys of its own, so a corpus
+    an older version cut is tokenised again), and every data file's path and contents
+    (through _DigestMemo)."""
     memo = _DigestMemo(root)
-    h = hashlib.sha256(json.dumps([FORMAT, info.digest, dataclasses.asdict(fields),
-                                   template]).encode())
+    parts = [FORMAT, info.digest, dataclasses.asdict(fields), template]
+    h = hashlib.sha256(json.dumps(parts + ([] if cut_text else ["whole-text"])).encode())
     for f in files:
         h.update(str(f.resolve()).encode() + b"\0" + memo.digest(f).encode() + b"\0")
     memo.save()
@@ -196,13 +205,14 @@ def _cache_root(data: Path, cache_dir) -> Path:
     return root
 
 
-def _tokenise_into(out: Path, files, tokenizer, fields, template, jobs, progress):
+def _tokenise_into(out: Path, files, tokenizer, fields, template, jobs, progress,
+                   cut_text: bool = True):
     t0 = time.perf_counter()
     total = sum(f.stat().st_size for f in files)
     jobs = jobs or os.cpu_count() or 1
     dtype = np.uint16 if tokenizer.info.vocab_size <= 1 << 16 else np.uint32
     writer = _Writer(out, dtype, tokenizer.info.eos_id)
-    units = _units(plan_slices(files, UNIT_BYTES, fields))
+    units = _units(plan_slices(files, UNIT_BYTES, fields, cut_text))
     mib = max(1, total >> 20)
     bar = Progress(mib, "tokenising MiB", logger=log) if progress and total >= PARALLEL_BYTES \
         else None

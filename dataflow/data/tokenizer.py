@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,20 @@ class Tokenizer:
                           else None)
         return out
 
+    @property
+    def cuts_cleanly(self) -> bool:
+        """True when encoding a text in pieces cut at a newline a letter follows gives the ids
+        of encoding it whole (the byte-level BPEs of Llama 3, Qwen, GPT-2: their pre-tokenisers
+        split there anyway); False for one that prepends a space to every input (Llama 2's and
+        Mistral's SentencePiece style): their text files are then tokenised whole
+        (dataflow.data.records.plan_slices). Found by trying CUT_PROBES, once per object."""
+        if self._tok is None:
+            return True
+        cached = getattr(self, "_cuts_cleanly", None)
+        if cached is None:
+            cached = self._cuts_cleanly = all(_cuts_cleanly(self._tok, t) for t in CUT_PROBES)
+        return cached
+
     def token_to_id(self, token: str) -> int | None:
         return None if self._tok is None else self._tok.token_to_id(token)
 
@@ -113,6 +128,20 @@ class Tokenizer:
             return ()
         tokens = [t.content for t in self._tok.get_added_tokens_decoder().values()]
         return tuple(sorted(tokens, key=len, reverse=True))
+
+
+CUT_PROBES = ("The first line of text.\nSecond line, with words.\n\nA new paragraph here.\n",
+              "  indented code()\nreturn x\n#comment\nÜber naïve café.\nEnd of it all",
+              "one\ntwo\nthree 3\nFour\tfive\n")
+"""Texts whose every newline-then-letter cut must not change the ids (Tokenizer.cuts_cleanly)."""
+
+
+def _cuts_cleanly(tok, text: str) -> bool:
+    # The cut rule of dataflow.data.records (_TEXT_CUT): after a newline an ASCII letter follows.
+    cuts = [m.start() + 1 for m in re.finditer(r"\n(?=[A-Za-z])", text)]
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    whole = tok.encode(text, add_special_tokens=False).ids
+    return whole == [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
 
 
 def byte_tokenizer() -> Tokenizer:

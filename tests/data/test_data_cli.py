@@ -20,6 +20,7 @@ def test_data_docs_python_examples_run_on_the_chat_examples_files(tmp_path, monk
     run as written in a folder where examples/chat_finetune.py wrote runs/chat."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
+    monkeypatch.syspath_prepend(str(ROOT))  # examples/ is not a package of the install
     from examples.chat_finetune import main
 
     monkeypatch.chdir(tmp_path)
