@@ -48,22 +48,23 @@ class Fields:
 
 
 def data_files(path: str | Path) -> list[Path]:
-    """The files of --data (a file, or every text/JSONL/Parquet/Arrow file under a folder),
+    """The files of a data path (--data, dataflow-data's DATA: a file, or every text/JSONL/Parquet/Arrow file under a folder),
     sorted; ConfigError naming the path when there are none."""
     path = Path(path)
     known = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
     if not path.exists():
-        raise ConfigError(f"--data {path} does not exist")
+        raise ConfigError(f"data {path} does not exist; pass a text file or folder, JSONL, "
+                          "Parquet or Arrow")
     if path.is_file():
         if path.suffix not in known:
-            raise ConfigError(f"--data {path}: unknown kind of file '{path.suffix}'; text "
+            raise ConfigError(f"data {path}: unknown kind of file '{path.suffix}'; text "
                               f"({', '.join(TEXT_SUFFIXES)}), JSONL, Parquet or Arrow is "
                               "tokenised; .npy and .bin are token ids")
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in known
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
-        raise ConfigError(f"--data {path}: no text ({', '.join(TEXT_SUFFIXES)}), JSONL, Parquet "
+        raise ConfigError(f"data {path}: no text ({', '.join(TEXT_SUFFIXES)}), JSONL, Parquet "
                           "or Arrow files under it")
     return files
 
