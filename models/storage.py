@@ -72,7 +72,9 @@ def _write_block(path: Path, block: np.ndarray) -> str:
     return write_hashed(path, memoryview(block.view(np.uint8)))
 
 
-def _is_model_dir(path: Path) -> bool:
+def is_model_dir(path: str | Path) -> bool:
+    """True for a directory save_model wrote (manifest.json beside config.json)."""
+    path = Path(path)
     return (path / "manifest.json").is_file() and (path / "config.json").is_file()
 
 
@@ -86,7 +88,7 @@ def save_model(weights: ModelWeights, path: str | Path, *, overwrite: bool = Fal
         if not path.is_dir():
             raise ConfigError(f"cannot save a model to {path}: it is a file; choose a new path")
         if any(path.iterdir()):
-            if not _is_model_dir(path):
+            if not is_model_dir(path):
                 raise ConfigError(
                     f"cannot save a model to {path}: it is a non-empty directory "
                     "that is not a model; choose a new or empty path"
@@ -141,7 +143,7 @@ def read_manifest(path: str | Path) -> tuple[ModelConfig, dict]:
     """The config and manifest of a model directory, checked against each other: the block
     list, sizes, tensor names, offsets and shapes must be exactly what the config implies."""
     path = Path(path)
-    if not _is_model_dir(path):
+    if not is_model_dir(path):
         raise ConfigError(
             f"{path} is not a model directory (it needs config.json and "
             "manifest.json); save one with dataflow.models.storage.save_model"

@@ -24,6 +24,7 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.ring.bootstrap import open_rank
 from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
 from dataflow.ring.env import RankEnv, rank_env
+from dataflow.ring.job import model_weights_dir
 from dataflow.ring.kinds import PlacementChoice, TransportKind
 from dataflow.ring.layout import choose_ring_layout, launch_profile, process_backend
 
@@ -118,6 +119,9 @@ class RingEngine:
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=GradAccum(grad_accum),
             profile=profile, deferred_update=deferred_update, split_fetch=ring.split_fetch,
             precision=precision, **options)
+        source = model_weights_dir(model)
+        if source is not None:  # a Hugging Face or saved model brings its weights, as on one GPU
+            self.rank.load_weights(source)
         self.rank_plan = self.rank.rp
         self.plan = self.rank_plan.plan
         self._closed = False

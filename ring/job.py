@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -15,8 +16,10 @@ from dataflow.batch import make_batch
 from dataflow.data import token_stream
 from dataflow.memplan.plan.plan import GradAccum
 from dataflow.models.config import ModelConfig
+from dataflow.models.hf_config import is_hf_dir
 from dataflow.models.hf_config import model_config as resolve_model
 from dataflow.models.serial import from_json
+from dataflow.models.storage import is_model_dir
 from dataflow.ring.kinds import Placement, TransportKind
 
 
@@ -119,6 +122,16 @@ def model_config(spec: str) -> ModelConfig:
     if spec.lstrip().startswith("{"):
         return from_json(ModelConfig, spec)
     return resolve_model(spec)
+
+
+def model_weights_dir(model) -> Path | None:
+    """The directory whose weights a ring on `model` starts from (a Hugging Face directory or
+    a saved dataflow model, as the Engine loads them), else None (a zoo name or a config file:
+    the seeded initialisation)."""
+    if not isinstance(model, (str, Path)):
+        return None
+    path = Path(model)
+    return path if path.is_dir() and (is_hf_dir(path) or is_model_dir(path)) else None
 
 
 def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from dataflow.batch import Batch, make_batch
@@ -18,11 +20,17 @@ from dataflow.instrument import TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
 from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.models import init
+from dataflow.models.hf import HFWeights
+from dataflow.models.hf_config import is_hf_dir
+from dataflow.models.storage import load_block_into
 from dataflow.models.errors import ConfigError
 from dataflow.models.layout import BlockKind
 from dataflow.ring.executor import RingExecutor
 from dataflow.ring.transport import Transport
 from dataflow.warmup import start_host_compile, warm_up
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 class RingRank:
@@ -104,6 +112,23 @@ class RingRank:
         _check_part(part)
         self.ex.flush()
         return read_part(self.ex, self.be, self._block(ref), part)
+
+    def load_weights(self, path) -> None:
+        """Each owned block's weights from the model directory `path` (a Hugging Face
+        directory or a saved dataflow model), read one block at a time and only this rank's,
+        so a fine-tune on a ring starts from the model's own weights as one device does."""
+        path = Path(path)
+        if is_hf_dir(path):
+            hf = HFWeights(path)
+
+            def read(ref):
+                return hf.block(ref.kind, ref.layer, self.layout(ref))
+        else:
+            def read(ref):
+                out = np.empty(self.layout(ref).numel, BF16)
+                return load_block_into(path, ref.kind, ref.layer, out)
+        for ref in self.block_refs():
+            self.write_block(ref, read(ref))
 
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
         """Overwrite an owned block's weights, AdamW m or v (numel bf16 elements)."""

@@ -22,7 +22,8 @@ from dataflow.optimizer import AdamWConfig
 from dataflow.ring.bootstrap import open_rank
 from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
 from dataflow.ring.env import RankEnv
-from dataflow.ring.job import RingJob, batches, eval_batch, model_config, step_batch
+from dataflow.ring.job import (RingJob, batches, eval_batch, model_config, model_weights_dir,
+                               step_batch)
 from dataflow.ring.transport import RingError
 from dataflow.settings import settings_from_env
 
@@ -49,6 +50,9 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas
         start = _resume(job, rank, transport, cfg, tag)
+        source = model_weights_dir(job.model)
+        if start == 0 and source is not None:  # a fine-tune starts from the model's weights
+            rank.load_weights(source)
         for step, batch in enumerate(batches(job, cfg, seqs, start), start):
             if kill and int(kill[1]) == env.rank and int(kill[2]) == step:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,8 @@
 """A ring trains on a user's data as one device does (issue 52): dataflow-ring --data on a
 Hugging Face directory with its own tokenizer reads the chat JSONL through the same data path as
 dataflow-demo (tokenised once, assistant-only labels, records never attending across), and its
-losses and weights equal one device's on the same batches bit for bit."""
+losses and weights equal one device's on the same batches bit for bit, both starting from the
+directory's weights."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ CHUNKING = (("chunk_tokens", 128), ("chunks_per_round", 2), ("rounds_per_step", 
 
 def test_ring_on_chat_data_matches_one_device_bit_for_bit(hf_llama_dir, tmp_path, rng):
     """A ring of 2 processes, 2 steps on 60 chat records (two of them in flight per chunk),
-    against the Engine fed the same TokenBatches (tokens, labels, doc ids)."""
+    against the Engine fed the same TokenBatches (tokens, labels, doc ids), both starting from the
+    directory's own weights (not the seeded initialisation: a fine-tune)."""
     data = tmp_path / "chats.jsonl"
     write_chat_jsonl(data, rng, 60)
     options = DataOptions(cache_dir=str(tmp_path / "cache"), jobs=1)
@@ -37,7 +39,7 @@ def test_ring_on_chat_data_matches_one_device_bit_for_bit(hf_llama_dir, tmp_path
                      get_profile("cpu"), **dict(job.constraints))
     source = open_data(data, job.seqlen, cfg.vocab_size, model=job.model, options=options)
     want = []
-    with Engine.from_plan(plan, backend="numpy", seed=job.seed, lr=job.lr,
+    with Engine.from_plan(plan, backend="numpy", seed=job.seed, lr=job.lr, weights=job.model,
                           max_grad_norm=job.max_grad_norm) as eng:
         for _ in range(job.steps):
             b = source.next_batch(plan.chunking.seqs_per_step)
