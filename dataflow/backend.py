@@ -101,10 +101,9 @@ class Backend(abc.ABC):
 
         if check_precision(precision) != "bf16":
             raise BackendError(
-                f"precision {precision!r} is not built for the {self.name} backend yet: the FP8 "
-                "quantise kernels exist but the FP8 GEMM and the arena buffers for the FP8 "
-                "copies do not (issue 53, docs/fp8.md); use precision 'bf16', or backend "
-                "'numpy' to run the FP8 recipe on the CPU")
+                f"precision {precision!r} is not built for the {self.name} backend: FP8 runs on "
+                "the CuPy backend (an sm_89+ GPU) and on 'numpy' (the recipe on the CPU, "
+                "docs/fp8.md); use precision 'bf16' here")
         self.precision = precision
 
     def seal(self) -> None:

@@ -94,12 +94,10 @@ class RunOptions:
     schedule: Any = None
     deferred_update: bool = True
     backward_update: bool = False
-    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         check_numbers(self, reals=("lr", "eps", "weight_decay", "max_grad_norm"),
                       whole=("seed", "sanitize_seed"), optional=("max_grad_norm",))
-        check_precision(self.precision)
         betas = self.betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
                 isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas)):
@@ -129,7 +127,7 @@ class RunOptions:
 
 
 PLAN_FIELDS = ("host_gb", "dev_gb", "seqlen", "seqs_per_step", "tokens_per_step", "profile",
-               "plan_options")
+               "plan_options", "precision")
 """The keywords of Engine() that the planner takes (EngineOptions' own fields)."""
 
 
@@ -147,12 +145,14 @@ class EngineOptions:
     tokens_per_step: int | None = None
     profile: Any = None
     plan_options: dict | None = None
+    precision: str = "bf16"
     run: RunOptions = dataclasses.field(default_factory=RunOptions)
 
     def __post_init__(self) -> None:
         check_numbers(self, reals=("host_gb", "dev_gb"),
                       whole=("seqlen", "seqs_per_step", "tokens_per_step"),
                       optional=("seqs_per_step", "tokens_per_step"))
+        check_precision(self.precision)
         if not isinstance(self.run, RunOptions):
             raise ConfigError(f"run must be a RunOptions, got {_kind(self.run)}")
 
@@ -164,13 +164,16 @@ class EngineOptions:
                            ("tokens_per_step", self.tokens_per_step)):
             if value is not None:
                 out[key] = value
+        if self.precision != "bf16":
+            out["precision"] = self.precision
         return out
 
     def keywords(self) -> dict:
         """The options as Engine() keywords: the budgets and seqlen, and every other field set
         to something other than its default (what a ring's RingEngine takes)."""
         out = {"host_gb": self.host_gb, "dev_gb": self.dev_gb, "seqlen": self.seqlen}
-        out.update({f: getattr(self, f) for f in PLAN_FIELDS[3:] if getattr(self, f) is not None})
+        out.update({f: getattr(self, f) for f in PLAN_FIELDS[3:]
+                    if getattr(self, f) not in (None, "bf16")})  # precision: its default
         for f in dataclasses.fields(RunOptions):
             value = getattr(self.run, f.name)
             if value != f.default:

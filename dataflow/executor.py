@@ -136,7 +136,8 @@ class Executor(OpHandlers):
         """Per round of the running step: its chunks, with the batch's document segments."""
         self._batch: Batch | None = None
         self._eval_schedules: dict[int, Schedule] = {}
-        self.ws = self.dev.tensors("workspace", buffers.chunk_workspace_specs(cfg, self.T))
+        self.ws = self.dev.tensors("workspace", buffers.chunk_workspace_specs(cfg, self.T,
+                                                                              plan.precision))
         self.ctx = self.dev.tensors("context", buffers.context_specs(
             cfg, ch.seqlen, self.T, ch.chunks_per_seq))
         self.tr = self.dev.tensors("transitions", buffers.transition_specs(cfg, ch.tokens_per_round))
@@ -186,6 +187,8 @@ class Executor(OpHandlers):
         region = self.dev.nbytes("attn_workspace") if self.dev.has("attn_workspace") else 0
         scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
+        if "fp8_a" in self.ws:  # an FP8 plan's operand scratch (memplan.plan.buffers)
+            scratch.update({n: self.ws[n] for n in ("fp8_a", "fp8_b", "fp8_scales", "fp8_amax")})
         if cfg.moe is not None:  # the CUDA MoE ops' scratch and their offsets' pinned host copy
             scratch.update({n: self.ws[n] for n in buffers.MOE_OP_SCRATCH})
             scratch["moe_offsets_host"] = self.host.view(

@@ -4,7 +4,8 @@ weights, E5M2 output gradients, per-tensor current scaling with power-of-two sca
 products scaled once). Every linear op quantises its own inputs, so a tensor used by two ops is
 quantised twice to the same bytes, as one quantisation would give. Only the block projections
 (q, k, v, o, gate, up, down: layer_ops' linear_* calls) change; the embedding, norms, attention,
-the head and loss, the MoE experts and AdamW stay as the bf16 table computes them. A non-finite
+the head and loss, the MoE experts and AdamW stay as the bf16 table computes them, and so does a
+GEMM with a size that is not a multiple of 16 (fp8_shapes_fit: the GPU's rule). A non-finite
 input does not raise here (the reference's quantise would): the op's output is NaN, so the step
 is seen as non-finite and dropped, as on the GPU. Never allocates arena memory."""
 
@@ -38,13 +39,24 @@ def _gemm(dst, a, b, accumulate: bool) -> None:
     ops_numpy._store(dst, prod, accumulate)
 
 
+def fp8_shapes_fit(*sizes: int) -> bool:
+    """Whether a GEMM of these sizes runs in FP8: cuBLASLt's FP8 GEMMs take sizes that are
+    multiples of 16 only, so any other runs the bf16 op, here as on the GPU
+    (dataflow.ops_cuda_fp8)."""
+    return all(s > 0 and s % 16 == 0 for s in sizes)
+
+
 def linear_fwd(x, w, y, accumulate=False):
     """y (=|+=) x @ w.T with x and w in E4M3."""
+    if not fp8_shapes_fit(*x.shape, w.shape[0]):
+        return ops_numpy.linear_fwd(x, w, y, accumulate)
     _gemm(y, _q(x, ref_fp8.E4M3), _q(w, ref_fp8.E4M3), accumulate)
 
 
 def linear_bwd_x(dy, w, dx, accumulate=False):
     """dx (=|+=) dy @ w with dy in E5M2 and w in E4M3."""
+    if not fp8_shapes_fit(*dy.shape, w.shape[1]):
+        return ops_numpy.linear_bwd_x(dy, w, dx, accumulate)
     qw = _q(w, ref_fp8.E4M3)
     wt = None if qw is None else ref_fp8.Fp8Tensor(np.ascontiguousarray(qw.values.T), qw.scale)
     _gemm(dx, _q(dy, ref_fp8.E5M2), wt, accumulate)
@@ -52,6 +64,8 @@ def linear_bwd_x(dy, w, dx, accumulate=False):
 
 def linear_bwd_w(dy, x, dw, accumulate=True):
     """dw (=|+=) dy.T @ x with dy in E5M2 and x in E4M3."""
+    if not fp8_shapes_fit(*dy.shape, x.shape[1]):
+        return ops_numpy.linear_bwd_w(dy, x, dw, accumulate)
     qdy, qx = _q(dy, ref_fp8.E5M2), _q(x, ref_fp8.E4M3)
     dyt = None if qdy is None else ref_fp8.Fp8Tensor(np.ascontiguousarray(qdy.values.T),
                                                      qdy.scale)

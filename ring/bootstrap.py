@@ -65,20 +65,21 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               seed: int = 0, optimizer=None, lr_schedule: Callable[[int], float] | None = None,
               grad_accum: GradAccum = GradAccum.BF16, profile=None,
               deferred_update: bool = True, trace: bool = False, split_fetch: bool = False,
-              precision: str = "bf16", **constraints):
+              **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would.
     deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
     trace: wrap the backend in a TracingBackend; each step's breakdown is then the rank's
     `last_breakdown`. split_fetch: with replicas, each fetches 1/R of every streamed weight use
-    and gathers the rest from the others (RankPlan.split_fetch). precision: the backend's
-    (dataflow.precision; a backend without it refuses, by name)."""
+    and gathers the rest from the others (RankPlan.split_fetch). A 'precision' among the
+    constraints is the rank plan's and its backend's (dataflow.precision; a backend without it
+    refuses, by name, before planning)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
     n = ring_size(env, replicas)
     # AUTO takes its GPU as NCCL would (LOCAL_RANK); the backend then settles the transport
     gpu_kind = TransportKind.NCCL if transport is TransportKind.AUTO else transport
     be = make_rank_backend(backend, gpu_kind, env)
-    be.set_precision(precision)
+    be.set_precision(constraints.get("precision", "bf16"))
     kind = transport.resolve(be.name)
     if trace:
         be = TracingBackend(be)

@@ -95,6 +95,8 @@ class RingEngine:
         opt = optimizer or AdamWConfig(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         options = dict(plan_options or {})
+        if precision != "bf16":  # the rank plans' and their backends' (dataflow.precision)
+            options["precision"] = precision
         if ring.placement != "auto":  # else choose_ring_layout weighs the placements
             options.setdefault("placement", ring.placement)
         if tokens_per_step is not None:
@@ -118,7 +120,7 @@ class RingEngine:
             backend=backend, transport=transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=GradAccum(grad_accum),
             profile=profile, deferred_update=deferred_update, split_fetch=ring.split_fetch,
-            precision=precision, **options)
+            **options)
         source = model_weights_dir(model)
         if source is not None:  # a Hugging Face or saved model brings its weights, as on one GPU
             self.rank.load_weights(source)

@@ -37,6 +37,7 @@ import numpy as np
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
 from dataflow.backends.alloc_guard import AllocationGuard
 from dataflow.memplan.plan.buffers import key_block_spans
+from dataflow.precision import check_precision
 from dataflow.settings import settings_from_env
 
 try:
@@ -399,6 +400,26 @@ class CupyBackend(Backend):
     def seal(self) -> None:
         """Setup is over: from now on a CuPy allocation is an error (see alloc_guard)."""
         self.guard.install()
+
+    def set_precision(self, precision: str) -> None:
+        """'fp8' (an sm_89+ GPU): the linear ops of dataflow.ops_cuda_fp8 in the table's place;
+        'bf16' puts the table's own back."""
+        # Here, not at the top: the FP8 modules are only loaded by runs that ask for them.
+        from dataflow.kernels.cuda.fp8 import require_fp8
+        from dataflow.ops_cuda_fp8 import Fp8Linears  # (as the line above)
+
+        if check_precision(precision) == "fp8":
+            try:
+                require_fp8()
+            except RuntimeError as e:  # an older GPU: refused by name, as a bad setting
+                raise BackendError(str(e)) from None
+        if precision == "fp8" and self.precision != "fp8":
+            self._fp8 = Fp8Linears(self.ops)
+            self._fp8.install()
+        elif precision == "bf16" and self.precision == "fp8":
+            for name, fn in self._fp8.bf16.items():
+                setattr(self.ops, name, fn)
+        self.precision = precision
 
     def lend_scratch(self, scratch: dict) -> None:
         """Library scratch (cuDNN workspace, bf16 dK/dV) comes from these arena views."""

@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "step's first round (needs --max-grad-norm 0: clipping needs the whole "
                         "gradient's norm first; the same bits, but a non-finite step's update "
                         "is then not dropped)")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="the linear layers' arithmetic: bf16 (default) or fp8, their GEMMs in "
-                        "the FP8 recipe of docs/fp8.md (E4M3 forward, E5M2 gradients, "
-                        "per-tensor scales); fp8 runs on the numpy backend only so far")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="the linear layers' arithmetic: bf16 (default; with --plan, the "
+                        "plan's) or fp8, their GEMMs in the FP8 recipe of docs/fp8.md (E4M3 "
+                        "forward, E5M2 gradients, per-tensor scales) on an sm_89+ GPU or the "
+                        "numpy backend")
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -178,9 +179,13 @@ def _run(args, stop: checks.StopSignals) -> int:
                               "--fast-attention cannot change a --plan file; edit the plan or "
                               "drop --plan")
         checks.check_plan_matches(plan, cfg, args.seqlen, args.host_gb, args.dev_gb)
+        if args.precision not in (None, plan.precision.value):
+            raise ConfigError(f"--precision {args.precision} differs from the --plan file's "
+                              f"{plan.precision.value}; plan again with --precision, or drop it")
+    precision = plan.precision.value if plan is not None else args.precision or "bf16"
     try:
         be_probe = make_backend(args.backend)
-        be_probe.set_precision(args.precision)  # refused here, before any planning
+        be_probe.set_precision(precision)  # refused here, before any planning
     except BackendError as exc:  # e.g. --backend cupy without a GPU: bad input, not a crash
         raise ConfigError(str(exc)) from None
     backend = be_probe.name
@@ -191,6 +196,8 @@ def _run(args, stop: checks.StopSignals) -> int:
 
         profile = default_profile(be_probe)
         extra = {"rounds_per_step": args.rounds} if args.rounds else {}
+        if precision != "bf16":
+            extra["precision"] = precision
         if args.fast_attention:
             extra["attention_bwd"] = "fast"
         if args.seqs_per_step or args.tokens_per_step:
@@ -215,7 +222,7 @@ def _run(args, stop: checks.StopSignals) -> int:
                                optimizer=training.optimizer, lr_schedule=training.schedule,
                                trace=True, progress=init_bar,
                                deferred_update=not args.eager_update,
-                               backward_update=args.backward_update, precision=args.precision)
+                               backward_update=args.backward_update)
     training.start(eng)  # opens --data; with --resume loads the newest checkpoint
     init_s = time.perf_counter() - t0
     phases = dict(eng.setup_seconds)
@@ -430,7 +437,7 @@ class _Run:
         print(self.summary(), file=sys.stderr if args.json else sys.stdout, flush=True)
         if args.json:
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
-                       "backend": self.backend, "precision": self.args.precision,
+                       "backend": self.backend, "precision": self.plan.precision.value,
                        "memory": mem, "setup": self.setup,
                        "device": getattr(self.be_probe, "device_name", self.backend),
                        "plan": json.loads(self.plan.to_json()),

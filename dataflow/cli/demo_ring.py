@@ -44,7 +44,7 @@ def run_ring(args, parser, lr: float) -> int:
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
                   max_grad_norm=args.max_grad_norm or None, backend=backend,
                   transport=TransportKind.AUTO, timeout_s=300.0, save_weights=False,
-                  eager_update=args.eager_update, precision=args.precision,
+                  eager_update=args.eager_update, precision=args.precision or "bf16",
                   checkpoint_dir=args.checkpoint_dir or "",
                   save_every=args.save_every, keep=args.keep, resume=args.resume,
                   force_checkpoint_dir=args.force_checkpoint_dir,

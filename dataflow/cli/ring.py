@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="the linear layers' arithmetic: bf16 (default) or fp8, their GEMMs in "
                         "the FP8 recipe of docs/fp8.md (E4M3 forward, E5M2 gradients, "
-                        "per-tensor scales); fp8 runs on the numpy backend only so far (every rank)")
+                        "per-tensor scales) on every rank, on an sm_89+ GPU or the numpy "
+                        "backend")
     p.add_argument("--eager-update", action="store_true",
                    help="run each step's AdamW after its last round (default: deferred into the "
                         "next step's first round, behind its compute; the same bits either way)")

@@ -80,7 +80,8 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, options: EngineOptions | None = None, *,
                  host_gb: float | None = None, dev_gb: float | None = None,
                  seqlen: int | None = None, seqs_per_step: int | None = None,
-                 tokens_per_step: int | None = None, backend: str | Backend = "auto",
+                 tokens_per_step: int | None = None, precision: str = "bf16",
+                 backend: str | Backend = "auto",
                  seed: int = 0, weights=None, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
@@ -88,8 +89,7 @@ class Engine:
                  lr_schedule: Callable[[int], float] | None = None, profile=None,
                  plan_options: dict | None = None, trace: bool = False, progress=None,
                  schedule=None, deferred_update: bool = True, backward_update: bool = False,
-                 sanitize: bool = False, sanitize_seed: int = 0, precision: str = "bf16",
-                 ring=None):
+                 sanitize: bool = False, sanitize_seed: int = 0, ring=None):
         """Plan `model` at `seqlen` under the budgets, then start it.
 
         model: a zoo name ('tiny', '1b', '8b', ...), a config JSON, a saved model directory or a
@@ -107,6 +107,9 @@ class Engine:
             optimizer step, which the planner keeps, choosing chunks and rounds under the
             budgets (InfeasibleBudget names the smallest budgets for it); default: the
             planner's choice (read it as eng.seqs_per_step).
+        precision: 'bf16' (default) or 'fp8': the block projections' GEMMs in the FP8 recipe
+            of docs/fp8.md, planned with its FP8 scratch (Plan.precision; from_plan runs the
+            plan's). On an sm_89+ GPU or the NumPy backend; an older GPU refuses it by name.
         backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
         seed: the initialisation's seed (unused when weights are loaded).
         weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.
@@ -131,8 +134,6 @@ class Engine:
             cannot clip (pass max_grad_norm=0), and a step that raises NonFiniteError has then
             already updated the weights, as with deferred_update=False.
         sanitize, sanitize_seed: run the NumPy backend under the schedule sanitizer.
-        precision: 'bf16' (default) or 'fp8': the block projections' GEMMs in the FP8 recipe
-            of docs/fp8.md (NumPy backend only so far: the GPU refuses it, naming why).
         ring: a dataflow.ring.engine.Ring, to train as one process of a ring launched by
             torchrun, srun or dataflow-ring: the budgets are per device, and the constructor
             returns that ring's RingEngine for this process (see docs/ring.md).
@@ -147,12 +148,13 @@ class Engine:
             options = EngineOptions(
                 host_gb=host_gb, dev_gb=dev_gb, seqlen=seqlen, seqs_per_step=seqs_per_step,
                 tokens_per_step=tokens_per_step, profile=profile, plan_options=plan_options,
+                precision=precision,
                 run=RunOptions(backend=backend, seed=seed, weights=weights, lr=lr, betas=betas,
                                eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                optimizer=optimizer, lr_schedule=lr_schedule, sanitize=sanitize,
                                sanitize_seed=sanitize_seed, trace=trace, progress=progress,
                                schedule=schedule, deferred_update=deferred_update,
-                               backward_update=backward_update, precision=precision))
+                               backward_update=backward_update))
         planned = plan_engine(model, options)
         source = checkpoint.model_source(planned.resume, planned.run.weights)  # HF files kept
         self._adopt(start(planned.plan, planned.backend, planned.run))
@@ -170,8 +172,7 @@ class Engine:
         """Start a plan you made or edited. options: a dataflow.engine_options.RunOptions, or
         instead its fields as keywords: those of Engine() from backend on (backend, seed,
         weights, lr, betas, eps, weight_decay, max_grad_norm, optimizer, lr_schedule, trace,
-        progress, schedule, deferred_update, backward_update, sanitize, sanitize_seed,
-        precision), with
+        progress, schedule, deferred_update, backward_update, sanitize, sanitize_seed), with
         the same defaults and meaning; a misspelt one raises UnknownOptionError naming the
         closest."""
         if options is None:

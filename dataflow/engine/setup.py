@@ -92,6 +92,7 @@ def plan_engine(model, options: EngineOptions) -> Planned:
         check_weights_match(cfg, run.weights)
     t0 = time.perf_counter()
     be = backend_for(run)
+    be.set_precision(options.precision)  # a backend without it refuses here, before planning
     t1 = time.perf_counter()
     plan = make_plan(cfg, options.seqlen, Budget.from_gib(options.host_gb, options.dev_gb),
                      options.profile or default_profile(be), **options.plan_keywords())
@@ -103,6 +104,7 @@ def plan_engine(model, options: EngineOptions) -> Planned:
 def start(plan: Plan, be, options: RunOptions) -> Started:
     """Bind `plan` to `be`: arenas, AdamW, zeroed state, weights, seal and warm-up."""
     refuse_moe_backend(plan.model, be)
+    be.set_precision(plan.precision.value)  # its op table's linear layers (dataflow.precision)
     be = TracingBackend(be) if options.trace else be
     # numba compiles the plan's host kernels (seconds each, cold) in another process while
     # this one pins, clears and initialises; warm_up then loads them from numba's cache
@@ -249,15 +251,13 @@ def refuse_moe_backend(cfg: ModelConfig, backend) -> None:
 
 
 def backend_for(options: RunOptions):
-    """The backend `options` names (made here), or the one the caller brought, set to the
-    options' precision (a backend without that precision refuses it, by name)."""
+    """The backend `options` names (made here), or the one the caller brought."""
     kind = options.backend
     if isinstance(kind, Backend):
         be = kind  # the caller brought its own (a traced or recording backend, a ring rank's)
     else:
         be = make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
                                    if options.sanitize else {}))
-    be.set_precision(options.precision)  # its op table's linear layers (dataflow.precision)
     return be
 
 

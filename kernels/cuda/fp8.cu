@@ -10,7 +10,8 @@
 //   amax, so every value cast with it is NaN and the step is seen as non-finite downstream.
 // fp8_cast<S, E5>:         out[r, c] = fp8(x[r, c] * scale) (round to nearest even, saturated
 //   to +-fmt_max: cvt ... satfinite; NaN stays NaN), and when out_t is given its transpose
-//   out_t[c, r] too, through a 64 x 64 byte tile in shared memory: the backward's GEMMs need
+//   out_t[c, r] too (out may then be null: the transpose alone), through a 64 x 64 byte tile
+//   in shared memory: the backward's GEMMs need
 //   both layouts (cuBLASLt's FP8 GEMMs take only K-contiguous operands). Rows and columns are
 //   multiples of 16 (the launcher checks): every 4-byte group is whole.
 // Max is order-independent, so every result is deterministic.
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(256) fp8_cast(const S* __restrict__ x,
 #pragma unroll
             for (int k = 0; k < 4; k++) f[k] *= scale;
             const unsigned packed = pack_fp8x4<E5>(f);
-            *reinterpret_cast<unsigned*>(out + (i64)r * cols + c) = packed;
+            if (out) *reinterpret_cast<unsigned*>(out + (i64)r * cols + c) = packed;
             if (out_t) *reinterpret_cast<unsigned*>(&tile[ty + 16 * i][4 * tx]) = packed;
         }
     }

@@ -92,7 +92,8 @@ def amax_scale(ctx, x, fmt, scales, scratch=None) -> None:
 
 def cast(ctx, x, fmt, scales, out, out_t=None) -> None:
     """out (R, C) uint8 = fmt(x * scales[1]) for x (R, C) bf16|f32, and out_t (C, R) its
-    transpose when given. R and C must be multiples of 16 (FP8 GEMMs need it too)."""
+    transpose when given (out may then be None: the transpose alone). R and C must be
+    multiples of 16 (FP8 GEMMs need it too)."""
     f = device_format(fmt)
     require_fp8()
     _build.check("x", x)
@@ -101,16 +102,20 @@ def cast(ctx, x, fmt, scales, out, out_t=None) -> None:
                          f"shape {tuple(x.shape)}")
     rows, cols = x.shape
     _build.check("scales", scales, (3,), (F32,))
-    _build.check("out", out, (rows, cols), (U8,))
+    if out is None and out_t is None:
+        raise ValueError("FP8 cast needs out, out_t or both")
+    if out is not None:
+        _build.check("out", out, (rows, cols), (U8,))
     if out_t is not None:
         _build.check("out_t", out_t, (cols, rows), (U8,))
     for name, a in (("x", x), ("out", out), ("out_t", out_t)):
         if a is not None and a.data.ptr % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary")
     grid = (-(-cols // 64), -(-rows // 64))
-    t_ptr = out_t if out_t is not None else np.uint64(0)  # a null pointer: no transpose
+    null = np.uint64(0)  # a null pointer: that layout is not written
     _build.kernel(ctx, _SRC, _NAMES, f"fp8_cast<{_build.ctype(x.dtype, 'x')}, {f.e5}>")(
-        grid, (16, 16), (x, scales, out, t_ptr, np.int32(rows), np.int32(cols)))
+        grid, (16, 16), (x, scales, null if out is None else out,
+                         null if out_t is None else out_t, np.int32(rows), np.int32(cols)))
 
 
 def quantise(ctx, x, fmt, scales, out, out_t=None, scratch=None) -> None:

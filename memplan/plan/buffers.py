@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.plan import Precision
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
@@ -159,8 +160,37 @@ def kv_rebuild_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
                  for i in range(KV_REBUILD_STAGES))
 
 
-def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
-    """Scratch for one (layer, chunk) forward, recompute or backward; reused by every chunk."""
+def fp8_projections(cfg: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+    """(name, out_features, in_features) of the block projections an FP8 plan runs in FP8:
+    q, k, v, o and a dense FFN's gate, up and down (an MoE layer's experts stay bf16)."""
+    d = cfg.model_dim
+    out = [("q", cfg.q_dim, d), ("k", cfg.kv_dim, d), ("v", cfg.kv_dim, d), ("o", d, cfg.q_dim)]
+    if cfg.moe is None:
+        out += [("gate", cfg.ffn_dim, d), ("up", cfg.ffn_dim, d), ("down", d, cfg.ffn_dim)]
+    return tuple(out)
+
+
+FP8_AMAX_PARTS = 1024
+"""Partial maxima of kernels/cuda/fp8.py's two-stage amax (its AMAX_PARTS)."""
+
+
+def fp8_scratch_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
+    """An FP8 plan's operand scratch for one linear op (reused by every op): 'fp8_a' holds its
+    first operand in FP8 (x (T, I), dy (T, O) or dy^T (O, T)), 'fp8_b' its second (w (O, I),
+    w^T (I, O) or x^T (I, T)), 'fp8_scales' each operand's (1 / scale, scale, amax), padded to
+    16 bytes, 'fp8_amax' the amax kernel's partial maxima (FP8_AMAX_PARTS: kernels/cuda/fp8.py's
+    AMAX_PARTS, which refuses a smaller one by name)."""
+    a = max(tokens * max(o, i) for _, o, i in fp8_projections(cfg))
+    b = max(max(o * i, tokens * i) for _, o, i in fp8_projections(cfg))
+    return (TensorSpec("fp8_a", (a,), "u8"), TensorSpec("fp8_b", (b,), "u8"),
+            TensorSpec("fp8_scales", (2, 4), "f32"),
+            TensorSpec("fp8_amax", (FP8_AMAX_PARTS,), "f32"))
+
+
+def chunk_workspace_specs(cfg: ModelConfig, tokens: int,
+                          precision: Precision = Precision.BF16) -> tuple[TensorSpec, ...]:
+    """Scratch for one (layer, chunk) forward, recompute or backward; reused by every chunk
+    (with an FP8 plan's operand scratch, fp8_scratch_specs)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     # An MoE layer runs no dense FFN: its (T, F) buffers give way to moe_workspace_specs.
     dense_ffn = [] if cfg.moe is not None else [
@@ -175,8 +205,9 @@ def chunk_workspace_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ..
         bf += [("qpre", (t, h, e)), ("kpre", (t, k, e))]
         f32 += [("qrstd", (t, h)), ("krstd", (t, k))]
     moe = moe_workspace_specs(cfg, t) if cfg.moe is not None else []
+    fp8 = list(fp8_scratch_specs(cfg, t)) if precision is Precision.FP8 else []
     return tuple([TensorSpec(n, s, "bf16") for n, s in bf]
-                 + [TensorSpec(n, s, "f32") for n, s in f32] + moe)
+                 + [TensorSpec(n, s, "f32") for n, s in f32] + moe + fp8)
 
 
 ATTN_WORKSPACE_SCORE_BYTES = 2

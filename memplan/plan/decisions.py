@@ -12,6 +12,7 @@ from dataflow.memplan.plan.plan import (
     GradAccum,
     LayerPlacement,
     OptimizerWhere,
+    Precision,
     SavedActivation,
     Slots,
     Where,
@@ -55,6 +56,8 @@ class Decisions:
     """See Plan.holds_head."""
     kv_rebuild: bool = False
     """See Plan.kv_rebuild."""
+    precision: Precision = Precision.BF16
+    """See Plan.precision."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -65,7 +68,8 @@ def decisions_of(obj) -> Decisions:
                      activations=obj.activations, embed=obj.embed, head=obj.head,
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
                      attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
-                     holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild)
+                     holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild,
+                     precision=obj.precision)
 
 
 def _positive(where: str, value) -> None:

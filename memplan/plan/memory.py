@@ -140,7 +140,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
                 out.append((f"act.{layer}.{chunk}", nb))
     out += inner_regions(d, act_bytes)[0]
     out.append(("act_slots", s.act_slots * home_max))
-    out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(cfg, t))))
+    out.append(("workspace", buffers.packed_bytes(buffers.chunk_workspace_specs(
+        cfg, t, d.precision))))
     out.append(("attn_workspace", buffers.attention_workspace_bytes(
         cfg, t, ch.seqlen, deterministic=d.attention_bwd is AttentionBwd.DETERMINISTIC)))
     out.append(("library_scratch", buffers.packed_bytes(buffers.library_scratch_specs(cfg))))

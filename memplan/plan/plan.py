@@ -45,6 +45,15 @@ class AttentionBwd(enum.Enum):
     may then differ in the last bits from run to run."""
 
 
+class Precision(enum.Enum):
+    BF16 = "bf16"
+    """Every GEMM in bf16 with fp32 accumulation (the default, and every plan made before)."""
+    FP8 = "fp8"
+    """The block projections' GEMMs (q, k, v, o, gate, up, down; not the experts, attention or
+    the head) in the FP8 recipe of docs/fp8.md: each linear op quantises its operands into the
+    chunk workspace's FP8 scratch (buffers.fp8_scratch_specs)."""
+
+
 class GradAccum(enum.Enum):
     BF16 = "bf16"
     """Accumulate weight gradients across rounds in bf16, as ml_dataflow does."""
@@ -102,6 +111,11 @@ class HardwareProfile:
     """Process memory beyond the pinned host arena (the interpreter, imported libraries, page
     tables, staging of loaded files): the plan states it, and the process RSS stays within the
     host budget plus this."""
+    fp8_gemm_flop_per_s: float | None = dataclasses.field(default=None,
+                                                          metadata={"omit_if_default": True})
+    """Measured FP8 GEMM rate at large sizes (Plan.precision FP8); None until dataflow-probe
+    measures it: an FP8 plan's GEMMs are then predicted at the bf16 rate (no speedup claimed),
+    the quantise passes counted all the same. Left out of the JSON while None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,6 +255,10 @@ class Plan:
     holds_head: bool = dataclasses.field(default=True, metadata={"omit_if_default": True})
     """False for a ring rank that does not own the final norm and lm_head: no region of the
     head's state or buffers exists on it. Left out of the JSON while True."""
+    precision: Precision = dataclasses.field(default=Precision.BF16,
+                                             metadata={"omit_if_default": True})
+    """What the block projections' GEMMs compute in (Precision); the FP8 scratch is in the
+    memory map when FP8. Left out of the JSON (and hash) while bf16."""
     kv_rebuild: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
     """Split sequences only, without segments: INP_ONLY and INP_ATTN activations keep no K/V
     (a third of an INP_ONLY one); before a layer's backward fills the sequence's context, each

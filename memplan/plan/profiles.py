@@ -22,7 +22,7 @@ DEFAULT_PROFILE_NAME = "h100"
 
 def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_alone: float,
        pcie_duplex: float, host_mem: float, dev_mem: float, gen: int,
-       dev_gib: int) -> HardwareProfile:
+       dev_gib: int, fp8_gemm: float | None = None) -> HardwareProfile:
     return HardwareProfile(
         name=name, peak_bf16_flop_per_s=peak, gemm_efficiency=gemm, attn_fwd_efficiency=attn_f,
         attn_bwd_efficiency=attn_b, h2d_bytes_per_s=pcie_alone, d2h_bytes_per_s=pcie_alone,
@@ -30,7 +30,7 @@ def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_a
         host_mem_bytes_per_s=host_mem, device_mem_bytes_per_s=dev_mem, pcie_gen=gen,
         device_mem_bytes=dev_gib * GIB,
         library_reserve_bytes=0 if name == "cpu" else LIBRARY_RESERVE_BYTES,
-        host_overhead_bytes=HOST_OVERHEAD_BYTES)
+        host_overhead_bytes=HOST_OVERHEAD_BYTES, fp8_gemm_flop_per_s=fp8_gemm)
 
 
 LIBRARY_RESERVE_BYTES = 3 * GIB // 4
@@ -60,6 +60,12 @@ pinned memory, 14 bytes moved per parameter): 8b's 8.0e9 parameters took 27 s (i
 run, 2026-11-22). The machines' DRAM is far faster, but this is the rate the planner must use
 to weigh a host optimizer against one streamed through the GPU."""
 
+H200_FP8_GEMM_FLOP_PER_S = 989e12 * 780 / 989 * SUSTAINED_POWER_FACTOR * 15.03 / 8.14
+"""The bf16 GEMM rate times FP8's speedup over bf16 on the GEMMs of Llama3-8B's block at 8,192
+tokens on the lent H200 (bench.fp8_gemm: 15.03 ms bf16, 8.14 ms FP8 for the three GEMMs of every
+projection, bench/records/s26-fp8/call1/fp8_gemm.json): ~1,256 TFLOP/s sustained. The H100 (the
+same die) is not yet measured, so its plans claim no FP8 speedup."""
+
 _BUILTIN = (
     # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
     # 620 fwd / 444 bwd (deterministic; the atomic-dQ backward 520, cost.ATTN_ATOMIC_BWD_SPEEDUP)
@@ -73,7 +79,7 @@ _BUILTIN = (
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
        444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 4.3e12, 5,
-       141),
+       141, fp8_gemm=H200_FP8_GEMM_FLOP_PER_S),
     # A100 80GB SXM: 312 TFLOP/s datasheet; typical cuBLAS ~250, FlashAttention-2 ~60%/50%;
     # PCIe 4 x16 ~25 GB/s alone, ~21 together; HBM2e 2.0 TB/s datasheet.
     _p("a100", 312e12, 0.80, 0.60, 0.50, 25 * GB, 21 * GB, 100 * GB, 1.8e12, 4, 80),

@@ -16,6 +16,7 @@ from dataflow.memplan.plan.plan import (
     HardwareProfile,
     LayerPlacement,
     Plan,
+    Precision,
     SavedActivation,
     Slots,
 )
@@ -60,6 +61,7 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
                 layers=d.layers, activations=d.activations, embed=d.embed, head=d.head,
                 grad_accum=d.grad_accum, memory=mem, prediction=predict(d, profile),
                 planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
+                precision=d.precision,
                 holds_embed=d.holds_embed, holds_head=d.holds_head, segment_layers=d.segment_layers,
                 kv_rebuild=d.kv_rebuild)
 
@@ -67,7 +69,8 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,
                chunking: Chunking, slots: Slots, layers: tuple[LayerPlacement, ...] | list,
                activations, embed: LayerPlacement, head: LayerPlacement,
-               grad_accum: GradAccum = GradAccum.BF16, kv_rebuild: bool = False) -> Plan:
+               grad_accum: GradAccum = GradAccum.BF16, kv_rebuild: bool = False,
+               precision: Precision = Precision.BF16) -> Plan:
     """A Plan from explicit decisions (no search): validates them (placement triples, slot
     counts, chunking shape), computes the memory map and prediction, and raises InfeasibleBudget
     when they do not fit `budget`. `activations[layer][chunk]` is a SavedActivation."""
@@ -80,7 +83,7 @@ def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareP
                 raise ConfigError(f"activations must hold SavedActivation entries, got {a!r}")
     d = Decisions(model=cfg, chunking=chunking, slots=slots, layers=tuple(layers),
                   activations=acts, embed=embed, head=head, grad_accum=grad_accum,
-                  kv_rebuild=kv_rebuild)
+                  kv_rebuild=kv_rebuild, precision=Precision(precision))
     return finish_plan(d, budget, profile)
 
 

@@ -168,7 +168,8 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
                                   chunks_per_round=opts.get("chunks_per_round")):
         for rebuild in kv_rebuild_choices(ch, opts.get("kv_rebuild")):
             sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
-                       holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild)
+                       holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild,
+                       precision=opts["precision"])
             states, chain = _space_states(sp, opts)
             cands += _candidates(sp, opts, len(spaces), states)
             spaces.append(sp)
@@ -202,7 +203,7 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:
                 sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,
-                           holds=base.holds)
+                           holds=base.holds, precision=base.precision)
                 states = {_carried(s, base.N, sp) for s in chain}
                 cands += _candidates(sp, plain.opts, len(spaces), states)
                 spaces.append(sp)

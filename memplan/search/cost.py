@@ -22,6 +22,7 @@ from dataflow.memplan.plan.plan import (
     Chunking,
     HardwareProfile,
     OptimizerWhere,
+    Precision,
     Prediction,
     Where,
 )
@@ -118,6 +119,36 @@ def gemm_flop_per_s(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> float:
             * _scale(cfg.model_dim, GEMM_REF_DIM, GEMM_HALF_DIM))
 
 
+FP8_QUANT_BYTES_PER_ELEM = 5
+"""HBM bytes per element of one FP8 operand copy (kernels/cuda/fp8.py on a bf16 input): the amax
+pass reads 2, the cast reads 2 and writes 1."""
+
+
+def fp8_gemm_flop_per_s(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> float:
+    """The FP8 GEMM rate: the profile's measured one, scaled by size as the bf16 rate is; the
+    bf16 rate where none is measured."""
+    if p.fp8_gemm_flop_per_s is None:
+        return gemm_flop_per_s(cfg, p, tokens)
+    return gemm_flop_per_s(cfg, p, tokens) * p.fp8_gemm_flop_per_s / (
+        p.peak_bf16_flop_per_s * p.gemm_efficiency)
+
+
+def fp8_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds an FP8 plan's layer over `tokens` takes beyond the bf16 one:
+    the FP8 projections' (buffers.fp8_projections) GEMMs at the FP8 rate instead of the bf16
+    rate, plus their quantise passes as the linear ops run them, each op quantising both of its
+    operands (forward x and w; backward dy and w^T for dx, dy^T and x^T for dw). Negative when
+    FP8 is faster. A recompute's forward is still counted at the bf16 rate."""
+    t, gemm, fp8 = tokens, gemm_flop_per_s(cfg, p, tokens), fp8_gemm_flop_per_s(cfg, p, tokens)
+    hbm = p.device_mem_bytes_per_s
+    flops = sum(2.0 * t * o * i for _, o, i in buffers.fp8_projections(cfg))
+    fwd_q = sum(t * i + o * i for _, o, i in buffers.fp8_projections(cfg))
+    bwd_q = sum(2 * t * o + t * i + o * i for _, o, i in buffers.fp8_projections(cfg))
+    q = FP8_QUANT_BYTES_PER_ELEM / hbm
+    return (flops / fp8 - flops / gemm + fwd_q * q,
+            2 * flops / fp8 - 2 * flops / gemm + bwd_q * q)
+
+
 def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, keys: int) -> float:
     return (p.peak_bf16_flop_per_s * efficiency
             * _scale(keys, ATTN_REF_TOKENS, ATTN_HALF_TOKENS, ATTN_LONG_CONTEXT_CAP)
@@ -210,10 +241,12 @@ def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_byte
 
 @functools.lru_cache(maxsize=256)
 def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
-                deterministic: bool = True) -> tuple[ChunkCosts, ...]:
+                deterministic: bool = True,
+                precision: Precision = Precision.BF16) -> tuple[ChunkCosts, ...]:
     """Per chunk of a round (chunks differ by their context offset when a sequence is split).
     deterministic: packed chunks take cuDNN's deterministic attention backward (else, as split
-    sequences always do, the atomic-dQ one: ATTN_ATOMIC_BWD_SPEEDUP)."""
+    sequences always do, the atomic-dQ one: ATTN_ATOMIC_BWD_SPEEDUP). precision FP8: the
+    projections as fp8_extra_seconds says."""
     t = ch.chunk_tokens
     piece = t // ch.seqs_per_chunk  # one sequence's tokens in this chunk
     over = 1.0 + LAUNCH_OVERHEAD_FRAC
@@ -226,6 +259,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
     rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
     exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
+    f8_fwd_s, f8_bwd_s = fp8_extra_seconds(cfg, p, t) if precision is Precision.FP8 else (0, 0)
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -239,8 +273,9 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         if ch.chunks_per_seq > 1 or not deterministic:
             bwd_eff *= ATTN_ATOMIC_BWD_SPEEDUP
         a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, bwd_eff, keys)
-        fwd_s = (mm / gemm + ew_s) * over + a_fwd_s + exp_fwd_s
-        bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s) * over + a_bwd_s + exp_bwd_s
+        fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s
+        bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s) * over + a_bwd_s \
+            + exp_bwd_s
         rec_a = (rec_attn / gemm + ew_s) * over + exp_fwd_s
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
@@ -288,7 +323,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     """The per-round work of a Plan or Decisions, in the form the simulation reads."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision)
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
     act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
@@ -442,7 +477,7 @@ def event_seconds(plan, p: HardwareProfile):
     rate in the simulation): compute from chunk_costs, host work and fills from memory rates."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision)
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2

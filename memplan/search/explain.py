@@ -207,6 +207,20 @@ UPDATE_WHERE = {
 """Where the Engine runs a step's AdamW, by dataflow.memplan.step.compile.UPDATE_MODES name."""
 
 
+def _precision_lines(plan: Plan) -> list[str]:
+    """What an FP8 plan holds and how its speed was predicted (nothing for bf16)."""
+    if plan.precision.value == "bf16":
+        return []
+    scratch = sum(buffers.packed_bytes((s,)) for s in buffers.fp8_scratch_specs(
+        plan.model, plan.chunking.chunk_tokens))
+    rate = plan.profile.fp8_gemm_flop_per_s
+    how = (f"at the profile's measured FP8 rate {rate / 1e12:,.0f} TFLOP/s" if rate else
+           "at the bf16 rate: this profile has no measured FP8 rate, so no speedup is claimed")
+    return [f"Precision fp8: the block projections' GEMMs in FP8 (docs/fp8.md), predicted {how}, "
+            f"their quantise passes counted; {_size(scratch)} of FP8 operand scratch in the "
+            "workspace"]
+
+
 def explain(plan: Plan, update: str = "deferred") -> str:
     """A terminal overview of `plan` and the reason for each decision, the prediction for the
     update mode the run uses (UPDATE_WHERE; the Engine's default, 'deferred', unless told)."""
@@ -216,10 +230,10 @@ def explain(plan: Plan, update: str = "deferred") -> str:
     head = (f"Plan for {cfg.name} at seqlen {plan.chunking.seqlen:,} on {plan.profile.name}: "
             f"budgets host {_size(b.host_bytes)}, device {_size(b.device_bytes)} "
             f"[{plan.planner_version}, hash {plan.hash}, grads {plan.grad_accum.value}, "
-            f"attention backward {plan.attention_bwd.value}]")
+            f"attention backward {plan.attention_bwd.value}, precision {plan.precision.value}]")
     s = plan.slots
     pr = predict_schedule(plan, plan.profile, update=update)
-    lines = [head, *_chunking_lines(plan),
+    lines = [head, *_chunking_lines(plan), *_precision_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
              f"{s.opt_stage_elems:,} elements"),

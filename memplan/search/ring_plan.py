@@ -342,7 +342,8 @@ def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float,
     times them."""
     plan, p = rp.plan, rp.plan.profile
     d, w = decisions_of(plan), workload_of(plan, p)
-    costs = chunk_costs(d.model, d.chunking, p, d.attention_bwd is AttentionBwd.DETERMINISTIC)
+    costs = chunk_costs(d.model, d.chunking, p, d.attention_bwd is AttentionBwd.DETERMINISTIC,
+                        d.precision)
     bwd = []
     for j in range(len(rp.layers)):
         row = [c.bwd_s + c.rec_s[LEVEL_INDEX[a.level]] for c, a in zip(costs, d.activations[j])]

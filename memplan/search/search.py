@@ -25,6 +25,7 @@ from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_
 from dataflow.memplan.plan.memory import memory_map
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
+    Precision,
     Budget,
     GradAccum,
     HardwareProfile,
@@ -54,7 +55,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head", "kv_rebuild", "segments")
+               "holds_head", "kv_rebuild", "segments", "precision")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -121,6 +122,12 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
     if rebuild is not None and not isinstance(rebuild, bool):
         raise ConfigError(f"constraint kv_rebuild must be True, False or None (the search "
                           f"decides), got {rebuild!r}")
+    precision = opts.get("precision", Precision.BF16)
+    try:
+        opts["precision"] = Precision(precision)
+    except ValueError:
+        raise ConfigError(f"precision must be one of {[x.value for x in Precision]}, got "
+                          f"{precision!r}") from None
     attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
     try:
         opts["attention_bwd"] = AttentionBwd(attn)
@@ -195,7 +202,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
         return _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, batch)
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
-    shaping = {k: v for k, v in constraints.items() if k not in ("attention_bwd", "segments")}
+    shaping = {k: v for k, v in constraints.items()
+               if k not in ("attention_bwd", "segments", "precision")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan

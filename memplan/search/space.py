@@ -21,6 +21,7 @@ from dataflow.memplan.plan.memory import (
 )
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
+    Precision,
     Chunking,
     GradAccum,
     HardwareProfile,
@@ -107,9 +108,11 @@ class Space:
     def __init__(self, cfg: ModelConfig, ch: Chunking, p: HardwareProfile, grad_accum: GradAccum,
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
-                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False):
+                 holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
+                 precision: Precision = Precision.BF16):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
+        self.precision = precision
         self.kv_rebuild = kv_rebuild
         """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
@@ -145,20 +148,7 @@ class Space:
         self.act_size = tuple(buffers.saved_activation_bytes(
             cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
         self.head_sub = head_sub_tokens(t)
-        self.fixed_device = sum(buffers.packed_bytes(s) for s in (
-            buffers.chunk_workspace_specs(cfg, t),
-            buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
-            buffers.transition_specs(cfg, ch.tokens_per_round),
-            buffers.library_scratch_specs(cfg)))
-        if self.holds_head:  # its buffers, and its weights and grads (a region or a slot)
-            self.fixed_device += buffers.packed_bytes(buffers.head_specs(cfg, t, self.head_sub)) \
-                + e["head"] * 2 + e["head"] * self.gbpe
-        self.fixed_device += buffers.align(buffers.attention_workspace_bytes(
-            cfg, t, ch.seqlen, deterministic=attention_bwd is AttentionBwd.DETERMINISTIC))
-        self.fixed_device += p.library_reserve_bytes  # outside the arena, inside the budget
-        if kv_rebuild:
-            self.fixed_device += buffers.align(buffers.packed_bytes(
-                buffers.kv_rebuild_specs(cfg, t)))
+        self.fixed_device = self._fixed_device_bytes(t)
         part = ch.tokens_per_round * cfg.model_dim * 2
         self.rows_b = {n: buffers.align(n * part) for n in (1, 2)}
         """Host bytes of a HOME embedding's pinned rows by their parts (memory.row_parts)."""
@@ -168,7 +158,8 @@ class Space:
         self.opt_stage_elems = min(OPT_STAGE_TARGET_ELEMS, max(e.values()))
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
         self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))
-        self.costs = chunk_costs(cfg, ch, p, attention_bwd is AttentionBwd.DETERMINISTIC)
+        self.costs = chunk_costs(cfg, ch, p, attention_bwd is AttentionBwd.DETERMINISTIC,
+                                 precision)
         kv_s, kv_f = kv_rebuild_cost(cfg, t, p) if kv_rebuild else (0.0, 0.0)
         rebuilt = [LEVEL_INDEX[lv] for lv in REBUILT_KV_LEVELS] if kv_rebuild else []
         rec_s = [tuple(r + kv_s * (i in rebuilt) for i, r in enumerate(c.rec_s))
@@ -223,6 +214,26 @@ class Space:
         self._work_by_acts: dict | None = None
         """State.acts -> _layer_work (lists shared by Workloads: nothing mutates them), while
         the search grows this space's chains (start_chains to end_chains); None otherwise."""
+
+    def _fixed_device_bytes(self, t: int) -> int:
+        """Device bytes every state of this space holds whatever it places: a chunk's
+        workspace, the context, transitions, library scratch, the head's buffers and weights
+        where this plan holds it, the attention workspace and the library reserve."""
+        cfg, ch, e = self.cfg, self.ch, self.elems
+        fixed = sum(buffers.packed_bytes(s) for s in (
+            buffers.chunk_workspace_specs(cfg, t, self.precision),
+            buffers.context_specs(cfg, ch.seqlen, t, ch.chunks_per_seq),
+            buffers.transition_specs(cfg, ch.tokens_per_round),
+            buffers.library_scratch_specs(cfg)))
+        if self.holds_head:  # its buffers, and its weights and grads (a region or a slot)
+            fixed += buffers.packed_bytes(buffers.head_specs(cfg, t, self.head_sub)) \
+                + e["head"] * 2 + e["head"] * self.gbpe
+        fixed += buffers.align(buffers.attention_workspace_bytes(
+            cfg, t, ch.seqlen, deterministic=self.attention_bwd is AttentionBwd.DETERMINISTIC))
+        fixed += self.p.library_reserve_bytes  # outside the arena, inside the budget
+        if self.kv_rebuild:
+            fixed += buffers.align(buffers.packed_bytes(buffers.kv_rebuild_specs(cfg, t)))
+        return fixed
 
     def _resident_set(self, k: int) -> frozenset[int]:
         return frozenset(self.order[:k])
@@ -388,7 +399,7 @@ class Space:
                          head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
                          holds_embed=self.holds_embed, holds_head=self.holds_head,
-                         kv_rebuild=self.kv_rebuild)
+                         kv_rebuild=self.kv_rebuild, precision=self.precision)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

@@ -53,11 +53,21 @@ def test_the_fp8_linear_ops_are_the_recipe(rng):
 
 
 def test_a_non_finite_input_gives_nan_not_an_exception(rng):
-    x, w = _bf(rng, (16, 32)), _bf(rng, (8, 32))
+    x, w = _bf(rng, (16, 32)), _bf(rng, (48, 32))
     x[3, 4] = np.inf
-    y = np.zeros((16, 8), BF16)
+    y = np.zeros((16, 48), BF16)
     ops_fp8_numpy.linear_fwd(x, w, y)
     assert np.isnan(y.astype(np.float32)).all()
+
+
+def test_a_shape_fp8_cannot_take_runs_the_bf16_op(rng):
+    """A size that is not a multiple of 16 (cuBLASLt's FP8 rule): the bf16 op, here as on the
+    GPU."""
+    x, w = _bf(rng, (16, 40)), _bf(rng, (32, 40))
+    y, want = np.empty((16, 32), BF16), np.empty((16, 32), BF16)
+    ops_fp8_numpy.linear_fwd(x, w, y)
+    ops_numpy.linear_fwd(x, w, want)
+    assert np.array_equal(y.view(np.uint16), want.view(np.uint16))
 
 
 def test_only_the_linear_ops_change():
@@ -128,12 +138,13 @@ def test_a_ring_trains_in_fp8_as_one_device_does(tmp_path, rng):
     assert res.exit_codes == (0, 0), res
     ring = json.loads((tmp_path / "rank0.json").read_text())["losses"]
     cfg = model_config(job.model)
-    plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
-                     get_profile("cpu"), **dict(job.constraints))
     one = {}
     for precision in ("fp8", "bf16"):
-        with Engine.from_plan(plan, backend="numpy", seed=seed, lr=job.lr, max_grad_norm=None,
-                              precision=precision) as eng:
+        plan = make_plan(cfg, job.seqlen, Budget.from_gib(job.host_gb, job.dev_gb),
+                         get_profile("cpu"), precision=precision, **dict(job.constraints))
+        with Engine.from_plan(plan, backend="numpy", seed=seed, lr=job.lr,
+                              max_grad_norm=None) as eng:
+            assert eng.be.precision == precision
             one[precision] = [eng.train_step(b).loss
                               for b in batches(job, cfg, plan.chunking.seqs_per_step)]
     assert ring == one["fp8"] != one["bf16"]

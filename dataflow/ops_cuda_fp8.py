@@ -1,0 +1,71 @@
+"""The CuPy op table's linear ops in FP8 precision (Plan.precision FP8): each op quantises its two
+operands into the plan's FP8 scratch (the executor lends 'fp8_a', 'fp8_b', 'fp8_scales' and
+'fp8_amax': dataflow.memplan.plan.buffers.fp8_scratch_specs) with dataflow.kernels.cuda.fp8 and
+multiplies them with the cuBLASLt FP8 GEMM (dataflow.kernels.cuda.fp8_gemm): the recipe of
+dataflow.kernels.reference.fp8, as the NumPy table (dataflow.ops_fp8_numpy) runs it. The operands
+are K-contiguous, so the backward's ops quantise into the transposed layouts: dx = dy w takes
+(dy, w^T), dw = dy^T x takes (dy^T, x^T). A shape the FP8 GEMM cannot take (a size not a
+multiple of 16) runs the bf16 op instead, as the NumPy table does. Ops run in stream order, so
+one scratch serves them all. See docs/fp8.md. Never allocates, never synchronises."""
+
+from __future__ import annotations
+
+import dataflow.kernels.cuda as K
+from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
+
+
+class Fp8Linears:
+    """linear_fwd / linear_bwd_x / linear_bwd_w over `ops` (a dataflow.ops_cuda.CudaOps): its
+    CudaContext, its lent scratch, and its bf16 ops for the shapes FP8 cannot take."""
+
+    def __init__(self, ops):
+        self.ops, self.ctx = ops, ops.ctx
+        self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
+
+    def install(self) -> None:
+        """Put the FP8 ops in the table's place (instance attributes, as its bound kernels)."""
+        for name in FP8_LINEAR_OPS:
+            setattr(self.ops, name, getattr(self, name))
+
+    def _scratch(self, m: int, k: int, n: int):
+        """(first operand (m, k), second (n, k), their two scale triples) in the lent scratch."""
+        lent = self.ops._lent
+        if "fp8_a" not in lent:
+            raise RuntimeError("precision fp8 needs the plan's FP8 scratch (fp8_a, fp8_b, "
+                               "fp8_scales, fp8_amax), which this executor did not lend: "
+                               "plan with precision='fp8'")
+        a = lent["fp8_a"][:m * k].reshape(m, k)
+        b = lent["fp8_b"][:n * k].reshape(n, k)
+        sc = lent["fp8_scales"]
+        self.amax = lent["fp8_amax"]
+        return a, b, sc[0, :3], sc[1, :3]
+
+    def linear_fwd(self, x, w, y, accumulate=False):
+        t, i = x.shape
+        o = w.shape[0]
+        if not fp8_shapes_fit(t, o, i):
+            return self.bf16["linear_fwd"](x, w, y, accumulate)
+        a, b, sa, sb = self._scratch(t, i, o)
+        K.fp8_quantise(self.ctx, x, "e4m3", sa, a, scratch=self.amax)
+        K.fp8_quantise(self.ctx, w, "e4m3", sb, b, scratch=self.amax)
+        K.fp8_gemm(self.ctx, a, "e4m3", sa, b, "e4m3", sb, y, accumulate)
+
+    def linear_bwd_x(self, dy, w, dx, accumulate=False):
+        t, o = dy.shape
+        i = w.shape[1]
+        if not fp8_shapes_fit(t, o, i):
+            return self.bf16["linear_bwd_x"](dy, w, dx, accumulate)
+        a, bt, sa, sb = self._scratch(t, o, i)  # dy (T, O); w^T (I, O)
+        K.fp8_quantise(self.ctx, dy, "e5m2", sa, a, scratch=self.amax)
+        K.fp8_quantise(self.ctx, w, "e4m3", sb, None, bt, scratch=self.amax)
+        K.fp8_gemm(self.ctx, a, "e5m2", sa, bt, "e4m3", sb, dx, accumulate)
+
+    def linear_bwd_w(self, dy, x, dw, accumulate=True):
+        t, o = dy.shape
+        i = x.shape[1]
+        if not fp8_shapes_fit(t, o, i):
+            return self.bf16["linear_bwd_w"](dy, x, dw, accumulate)
+        at, bt, sa, sb = self._scratch(o, t, i)  # dy^T (O, T); x^T (I, T)
+        K.fp8_quantise(self.ctx, dy, "e5m2", sa, None, at, scratch=self.amax)
+        K.fp8_quantise(self.ctx, x, "e4m3", sb, None, bt, scratch=self.amax)
+        K.fp8_gemm(self.ctx, at, "e5m2", sa, bt, "e4m3", sb, dw, accumulate)

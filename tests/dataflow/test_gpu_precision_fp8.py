@@ -1,0 +1,99 @@
+"""precision='fp8' on the CuPy backend (docs/fp8.md): set_precision swaps the FP8 linear ops in
+and out; the FP8 linear ops (dataflow.ops_cuda_fp8)
+equal the NumPy FP8 table's (the same quantised bytes, fp32 sums in another order: within the
+output's rounding) on fresh random inputs, and a tiny engine trains in fp8 with the NumPy fp8
+engine's losses within 1e-3 relative. GPU only (sm_89+)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from tests.gpu import require_gpu  # noqa: E402
+
+cp = require_gpu()
+if int(cp.cuda.Device().compute_capability) < 89:
+    pytest.skip("FP8 needs sm_89+", allow_module_level=True)
+
+from dataflow import ops_fp8_numpy  # noqa: E402
+from dataflow.backend import BackendError  # noqa: E402
+from dataflow.backends import make_backend  # noqa: E402
+from dataflow.engine import Engine  # noqa: E402
+from dataflow.memplan import get_profile, make_plan  # noqa: E402
+from dataflow.memplan.plan.plan import Budget  # noqa: E402
+from dataflow.models.config import load_config  # noqa: E402
+from tests.gpu import dev, host  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bf(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
+
+
+def test_fp8_puts_the_fp8_linears_in_the_table_and_bf16_takes_them_out():
+    be = make_backend("cupy")
+    try:
+        bf16 = be.ops.linear_fwd
+        be.set_precision("fp8")
+        assert be.ops.linear_fwd != bf16 and be.precision == "fp8"
+        be.set_precision("bf16")
+        assert be.ops.linear_fwd == bf16 and be.precision == "bf16"
+    finally:
+        be.close()
+
+
+def test_the_fp8_linear_ops_equal_the_numpy_table(rng):
+    be = make_backend("cupy")
+    try:
+        be.set_precision("fp8")
+        t, i, o = 256, 512, 384
+        x, w, dy = _bf(rng, (t, i)), _bf(rng, (o, i), 0.05), _bf(rng, (t, o), 1e-3)
+        be.lend_scratch({"fp8_a": cp.empty(t * max(i, o), np.uint8),
+                         "fp8_b": cp.empty(max(o * i, t * i), np.uint8),
+                         "fp8_scales": cp.empty((2, 4), np.float32),
+                         "fp8_amax": cp.empty(1024, np.float32)})
+        y, dx = cp.empty((t, o), BF16), cp.empty((t, i), BF16)
+        dw = cp.zeros((o, i), np.float32)
+        be.ops.linear_fwd(dev(x), dev(w), y)
+        be.ops.linear_bwd_x(dev(dy), dev(w), dx)
+        be.ops.linear_bwd_w(dev(dy), dev(x), dw, False)
+        want_y, want_dx = np.empty((t, o), BF16), np.empty((t, i), BF16)
+        want_dw = np.zeros((o, i), np.float32)
+        ops_fp8_numpy.linear_fwd(x, w, want_y)
+        ops_fp8_numpy.linear_bwd_x(dy, w, want_dx)
+        ops_fp8_numpy.linear_bwd_w(dy, x, want_dw, False)
+        f = [v.astype(np.float64) for v in (x, w, dy)]
+        # The same FP8 products summed in two orders: each side within its output's rounding
+        # (2^-8 bf16, 2^-24 fp32) and its sum's error over the magnitudes' sum (the operands'
+        # quantisation, at most 2^-3 of each, allowed for in the magnitude): K fp32 roundings
+        # for NumPy, and Hopper's FP8 tensor cores keep only about 14 bits of a partial sum
+        # (DeepSeek-V3's report, 3.3.2; 2^-12.9 of the magnitudes seen for dw on the H200): 2^-11.
+        for name, got, want, unit, k, mag in (
+                ("y", host(y), want_y, 2.0 ** -8, i, np.abs(f[0]) @ np.abs(f[1]).T),
+                ("dx", host(dx), want_dx, 2.0 ** -8, o, np.abs(f[2]) @ np.abs(f[1])),
+                ("dw", host(dw), want_dw, 2.0 ** -24, t, np.abs(f[2]).T @ np.abs(f[0]))):
+            g, wv = got.astype(np.float64), want.astype(np.float64)
+            bound = 2 * unit * np.abs(wv) + (2 * k * 2.0 ** -24 + 2.0 ** -11) * mag * 1.3
+            assert (np.abs(g - wv) <= bound).all(), (name, np.max(np.abs(g - wv) / bound))
+            if unit == 2.0 ** -8:  # a bf16 output mostly rounds to the same value
+                assert np.median(np.abs(g - wv) / (np.abs(wv) + 1e-30)) < unit, name
+    finally:
+        be.close()
+
+
+def _losses(plan, backend):
+    rng = np.random.default_rng(7)
+    with Engine.from_plan(plan, backend=backend, lr=1e-2) as eng:
+        return [eng.train_step(rng.integers(0, 256, (eng.seqs_per_step, 129))).loss
+                for _ in range(3)]
+
+
+def test_a_tiny_engine_trains_in_fp8_as_the_numpy_one():
+    plan = make_plan(load_config("tiny"), 128, Budget.from_gib(1, 0.5), get_profile("cpu"),
+                     precision="fp8")
+    gpu, cpu = _losses(plan, "cupy"), _losses(plan, "numpy")
+    assert all(abs(a - b) < 1e-3 * b for a, b in zip(gpu, cpu)), (gpu, cpu)
