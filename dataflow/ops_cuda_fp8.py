@@ -16,16 +16,41 @@ from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
 
 class Fp8Linears:
     """linear_fwd / linear_bwd_x / linear_bwd_w over `ops` (a dataflow.ops_cuda.CudaOps): its
-    CudaContext, its lent scratch, and its bf16 ops for the shapes FP8 cannot take."""
+    CudaContext, its lent scratch, and its bf16 ops for the shapes FP8 cannot take.
+
+    An operand already in its region is not quantised again: q, k and v read the same x, as do
+    gate and up, and their weight gradients the same x^T. The backend calls forget() before any
+    other op, copy or host call (any of them may write what a region was made from), and an op's
+    own output drops a region made from the memory it writes. This holds because every tensor
+    of a run is an arena view written only through the backend; a caller passing temporaries
+    must keep them alive (a freed block can come back at the same address with other values)."""
 
     def __init__(self, ops):
         self.ops, self.ctx = ops, ops.ctx
         self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
+        self._held: list[tuple | None] = [None, None]
+        """Per region (first operand, second): (source pointer, bytes, shape, strides, format,
+        layout) of the tensor whose FP8 copy it holds, or None."""
 
     def install(self) -> None:
         """Put the FP8 ops in the table's place (instance attributes, as its bound kernels)."""
         for name in FP8_LINEAR_OPS:
             setattr(self.ops, name, getattr(self, name))
+
+    def forget(self) -> None:
+        self._held = [None, None]
+
+    def _quantise(self, region: int, x, fmt: str, scales, out, out_t=None) -> None:
+        key = (x.data.ptr, x.nbytes, x.shape, x.strides, fmt, out is None)
+        if self._held[region] == key:
+            return
+        K.fp8_quantise(self.ctx, x, fmt, scales, out, out_t, scratch=self.amax)
+        self._held[region] = key
+
+    def _wrote(self, y) -> None:
+        lo, hi = y.data.ptr, y.data.ptr + y.nbytes
+        self._held = [h if h is None or h[0] >= hi or h[0] + h[1] <= lo else None
+                      for h in self._held]
 
     def _scratch(self, m: int, k: int, n: int):
         """(first operand (m, k), second (n, k), their two scale triples) in the lent scratch."""
@@ -44,28 +69,34 @@ class Fp8Linears:
         t, i = x.shape
         o = w.shape[0]
         if not fp8_shapes_fit(t, o, i):
+            self.forget()  # the bf16 op writes y unseen
             return self.bf16["linear_fwd"](x, w, y, accumulate)
         a, b, sa, sb = self._scratch(t, i, o)
-        K.fp8_quantise(self.ctx, x, "e4m3", sa, a, scratch=self.amax)
-        K.fp8_quantise(self.ctx, w, "e4m3", sb, b, scratch=self.amax)
+        self._quantise(0, x, "e4m3", sa, a)
+        self._quantise(1, w, "e4m3", sb, b)
         K.fp8_gemm(self.ctx, a, "e4m3", sa, b, "e4m3", sb, y, accumulate)
+        self._wrote(y)
 
     def linear_bwd_x(self, dy, w, dx, accumulate=False):
         t, o = dy.shape
         i = w.shape[1]
         if not fp8_shapes_fit(t, o, i):
+            self.forget()  # the bf16 op writes dx unseen
             return self.bf16["linear_bwd_x"](dy, w, dx, accumulate)
         a, bt, sa, sb = self._scratch(t, o, i)  # dy (T, O); w^T (I, O)
-        K.fp8_quantise(self.ctx, dy, "e5m2", sa, a, scratch=self.amax)
-        K.fp8_quantise(self.ctx, w, "e4m3", sb, None, bt, scratch=self.amax)
+        self._quantise(0, dy, "e5m2", sa, a)
+        self._quantise(1, w, "e4m3", sb, None, bt)
         K.fp8_gemm(self.ctx, a, "e5m2", sa, bt, "e4m3", sb, dx, accumulate)
+        self._wrote(dx)
 
     def linear_bwd_w(self, dy, x, dw, accumulate=True):
         t, o = dy.shape
         i = x.shape[1]
         if not fp8_shapes_fit(t, o, i):
+            self.forget()  # the bf16 op writes dw unseen
             return self.bf16["linear_bwd_w"](dy, x, dw, accumulate)
         at, bt, sa, sb = self._scratch(o, t, i)  # dy^T (O, T); x^T (I, T)
-        K.fp8_quantise(self.ctx, dy, "e5m2", sa, None, at, scratch=self.amax)
-        K.fp8_quantise(self.ctx, x, "e4m3", sb, None, bt, scratch=self.amax)
+        self._quantise(0, dy, "e5m2", sa, None, at)
+        self._quantise(1, x, "e4m3", sb, None, bt)
         K.fp8_gemm(self.ctx, at, "e5m2", sa, bt, "e4m3", sb, dw, accumulate)
+        self._wrote(dw)

@@ -273,3 +273,17 @@ def test_ring_reads_a_models_own_tokenizer_and_refuses_one_it_cannot_read(hf_dir
     assert ring_cli.main(["1", "1", "64", str(mine), "--gpus", "2"]) == 2
     err = _one_line(capsys)
     assert "tokenizer.json" in err and "--tokenizer bytes" in err
+
+
+def test_demo_trains_a_model_config_json_from_its_initialisation(tmp_path, capsys):
+    """A config JSON file (the zoo's form) is a shape to initialise: the demo trains it, where it
+    used to look for weights beside it and stop ('is not a model directory')."""
+    from dataflow.cli import demo as demo_cli  # (as the other CLIs above, at the top: it is big)
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({
+        "name": "mine", "vocab_size": 256, "model_dim": 64, "head_dim": 16, "n_layers": 2,
+        "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 176, "rope_theta": 10000.0,
+        "norm_eps": 1e-5}))
+    assert demo_cli.main(["1", "0.25", "64", str(path), "--steps", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "done"

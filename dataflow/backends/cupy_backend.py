@@ -37,6 +37,7 @@ import numpy as np
 from dataflow.backend import Backend, BackendError, Place, Slab, Stream
 from dataflow.backends.alloc_guard import AllocationGuard
 from dataflow.memplan.plan.buffers import key_block_spans
+from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS as FP8_OPS
 from dataflow.precision import check_precision
 from dataflow.settings import settings_from_env
 
@@ -278,6 +279,8 @@ class CupyBackend(Backend):
         """How the last host slab was pinned: method, pieces, seconds (and map/touch/register
         seconds for 'register'); None before any host slab."""
         self._op = ""
+        self._fp8 = None
+        """dataflow.ops_cuda_fp8.Fp8Linears while the precision is fp8."""
         self.guard = AllocationGuard(lambda: self._op)
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) \
@@ -337,6 +340,8 @@ class CupyBackend(Backend):
         return cp.ndarray(tuple(shape), dtype=dt, memptr=handle + offset)
 
     def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:
+        if self._fp8 is not None:  # it may write an FP8 op's source
+            self._fp8.forget()
         if dst.nbytes != src.nbytes:
             raise BackendError(f"copy '{name}': {src.nbytes} bytes into {dst.nbytes}")
         s = self.streams[stream]
@@ -353,6 +358,8 @@ class CupyBackend(Backend):
 
     def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
         self._op = name or op
+        if self._fp8 is not None and op not in FP8_OPS:  # it may write an FP8 op's source
+            self._fp8.forget()
         with self.streams[stream]:
             getattr(self.ops, op)(*args)
         self._op = ""
@@ -374,6 +381,8 @@ class CupyBackend(Backend):
         _wait_polling(self.record(Stream.HOST))
 
     def host_call(self, stream: Stream, fn, *, reads=(), writes=(), name: str = "host") -> None:
+        if self._fp8 is not None and writes:  # it may write an FP8 op's source
+            self._fp8.forget()
         self.streams[stream].launch_host_func(lambda _arg: fn(), None)
 
     def record(self, stream: Stream):
@@ -419,6 +428,7 @@ class CupyBackend(Backend):
         elif precision == "bf16" and self.precision == "fp8":
             for name, fn in self._fp8.bf16.items():
                 setattr(self.ops, name, fn)
+            self._fp8 = None
         self.precision = precision
 
     def lend_scratch(self, scratch: dict) -> None:

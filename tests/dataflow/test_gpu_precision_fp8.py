@@ -19,7 +19,7 @@ if int(cp.cuda.Device().compute_capability) < 89:
     pytest.skip("FP8 needs sm_89+", allow_module_level=True)
 
 from dataflow import ops_fp8_numpy  # noqa: E402
-from dataflow.backend import BackendError  # noqa: E402
+from dataflow.backend import Stream  # noqa: E402
 from dataflow.backends import make_backend  # noqa: E402
 from dataflow.engine import Engine  # noqa: E402
 from dataflow.memplan import get_profile, make_plan  # noqa: E402
@@ -81,6 +81,37 @@ def test_the_fp8_linear_ops_equal_the_numpy_table(rng):
             assert (np.abs(g - wv) <= bound).all(), (name, np.max(np.abs(g - wv) / bound))
             if unit == 2.0 ** -8:  # a bf16 output mostly rounds to the same value
                 assert np.median(np.abs(g - wv) / (np.abs(wv) + 1e-30)) < unit, name
+    finally:
+        be.close()
+
+
+def test_an_operand_quantised_once_is_reused_until_something_writes_it(rng):
+    """q, k and v from one x (x quantised once), then x rewritten by a copy: the next op
+    quantises the new x (the backend forgot the old copy)."""
+    be = make_backend("cupy")
+    try:
+        be.set_precision("fp8")
+        t, i, o = 128, 256, 128
+        be.lend_scratch({"fp8_a": cp.empty(t * i, np.uint8), "fp8_b": cp.empty(o * i, np.uint8),
+                         "fp8_scales": cp.empty((2, 4), np.float32),
+                         "fp8_amax": cp.empty(1024, np.float32)})
+        x, x2 = _bf(rng, (t, i)), _bf(rng, (t, i), 3.0)
+        ws = [_bf(rng, (o, i), 0.05) for _ in range(3)]
+        # Every device array lives to the end: a freed one's memory could come back as another
+        # tensor at the same address (the engine's arena views never do that unseen).
+        xd, x2d, wds = dev(x), dev(x2), [dev(w) for w in ws]
+        outs = [cp.empty((t, o), BF16) for _ in range(4)]
+        for wd, y in zip(wds, outs):
+            be.launch(Stream.COMPUTE, "linear_fwd", xd, wd, y)
+        be.copy(xd, x2d, Stream.COMPUTE)
+        be.launch(Stream.COMPUTE, "linear_fwd", xd, wds[0], outs[3])
+        be.synchronize()
+        for src, w, y in zip((x, x, x, x2), (*ws, ws[0]), outs):
+            want = np.empty((t, o), BF16)
+            ops_fp8_numpy.linear_fwd(src, w, want)
+            g, wv = host(y).astype(np.float64), want.astype(np.float64)
+            mag = np.abs(src.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+            assert (np.abs(g - wv) <= 2 ** -7 * np.abs(wv) + 2.0 ** -10 * mag).all()
     finally:
         be.close()
 
