@@ -80,7 +80,7 @@ def plan_columns(plan: Plan) -> dict:
     p, ch = predict_schedule(plan, plan.profile), plan.chunking  # the schedule that will run
     return dict(
         plan_hash=plan.hash, planner_version=plan.planner_version,
-        attention_bwd=plan.attention_bwd.value,
+        attention_bwd=plan.attention_bwd.value, precision=plan.precision.value,
         predicted_tok_per_s=p.tok_per_s, predicted_model_tflop_per_s=p.model_tflop_per_s,
         predicted_mfu=p.mfu, predicted_hfu=p.hfu, predicted_step_time_s=p.step_time_s,
         predicted_bottleneck=p.bottleneck, chunk_tokens=ch.chunk_tokens,
@@ -113,18 +113,18 @@ def base_record(cell: Cell, *, status: Status, backend: str, profile: HardwarePr
 
 
 def plan_cell(cell: Cell, profile: HardwareProfile, *, attention_bwd: str = "deterministic",
-              **common) -> tuple[Plan | None, CellRecord]:
+              precision: str = "bf16", **common) -> tuple[Plan | None, CellRecord]:
     """(plan, PREDICTED record) when the budgets fit, (None, INFEASIBLE record) when the planner
     refuses them. Other planner errors (unknown model, bad seqlen) propagate: they are the
     user's to fix, not a cell's result. The demo runs the plan's JSON, which carries its
-    attention backward."""
+    attention backward and precision."""
     cfg = model_config(cell.model)
     try:
         plan = make_plan(cfg, cell.seqlen, Budget.from_gib(cell.host_gib, cell.dev_gib), profile,
-                         attention_bwd=attention_bwd)
+                         attention_bwd=attention_bwd, precision=precision)
     except InfeasibleBudget as exc:
         return None, base_record(cell, status=Status.INFEASIBLE, profile=profile,
-                                 attention_bwd=attention_bwd,
+                                 attention_bwd=attention_bwd, precision=precision,
                                  error=str(exc).strip().splitlines()[-1],
                                  min_device_bytes=exc.min_device_bytes,
                                  min_host_bytes=exc.min_host_bytes, **common)

@@ -84,6 +84,9 @@ class CellRecord:
     attention_bwd: str | None = None
     """The plan's attention backward, 'deterministic' or 'fast' (--fast-attention); tables
     written before this column read back as None, which was always 'deterministic'."""
+    precision: str | None = None
+    """The plan's precision, 'bf16' or 'fp8' (--precision); tables written before this column
+    read back as None, which was always 'bf16'."""
     chunk_tokens: int | None = None
     chunks_per_round: int | None = None
     rounds_per_step: int | None = None

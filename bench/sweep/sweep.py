@@ -42,6 +42,8 @@ class SweepConfig:
     profile_file: str | None = None
     attention_bwd: str = "deterministic"
     """'fast' (--fast-attention): plan every cell with cuDNN's atomic-dQ attention backward."""
+    precision: str = "bf16"
+    """'fp8' (--precision fp8): plan and run every cell's linear layers in FP8 (docs/fp8.md)."""
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
@@ -136,7 +138,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     executor = executor or LocalExecutor()
     store = SweepStore(config.out)
     records = store.load()
-    _refuse_mixed_attention(config, records.values())
+    _refuse_mixed_settings(config, records.values())
     backend = resolve_backend(config.backend)
     if backend == "cupy" and not config.predict_only and not gpu_names():
         raise ConfigError("--backend cupy but NVML sees no GPU here; use --backend numpy, or "
@@ -155,7 +157,8 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
                   commit=git_commit())
     jobs, progress = [], _Progress(len(todo), 0)
     for cell in todo:
-        plan, record = plan_cell(cell, profile, attention_bwd=config.attention_bwd, **common)
+        plan, record = plan_cell(cell, profile, attention_bwd=config.attention_bwd,
+                                 precision=config.precision, **common)
         if plan is None or config.predict_only:
             _keep(store, records, record)
             progress.cell(record)
@@ -184,9 +187,14 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     return mine
 
 
-def _refuse_mixed_attention(config: SweepConfig, records) -> None:
-    """One table, one attention backward: cells are keyed by model, seqlen and budgets, so a
-    resumed sweep with the other backward would skip cells measured with the first one."""
+def _refuse_mixed_settings(config: SweepConfig, records) -> None:
+    """One table, one attention backward and one precision: cells are keyed by model, seqlen
+    and budgets, so a resumed sweep with the other setting would skip cells measured with the
+    first one."""
+    other = sorted({r.precision or "bf16" for r in records} - {config.precision})
+    if other:
+        raise ConfigError(f"{config.out} holds cells planned in {other[0]}; run with "
+                          f"--precision {other[0]} to resume it, or give another --out")
     other = sorted({r.attention_bwd or "deterministic" for r in records} -
                    {config.attention_bwd})
     if other:

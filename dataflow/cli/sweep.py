@@ -27,6 +27,7 @@ from dataflow.cli.args import (
 from dataflow.memplan.plan.chunking import MAX_SEQLEN
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS, model_config
+from dataflow.precision import PRECISIONS
 
 PROG = "dataflow-sweep"
 
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan every cell with cuDNN's faster non-deterministic attention "
                           "backward (as dataflow-demo --fast-attention); a sweep directory "
                           "holds one kind")
+    run.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                     help="plan and run every cell's linear layers in this precision (fp8: "
+                          "docs/fp8.md; not yet a grid axis: a sweep directory holds one)")
     prof = run.add_mutually_exclusive_group()
     prof.add_argument("--gpu", metavar="NAME",
                       help="plan for this built-in profile (default: the local GPU's; h100 "
@@ -113,7 +117,8 @@ def _config(args) -> SweepConfig:
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,
                        gpu=args.gpu, profile_file=args.profile,
-                       attention_bwd="fast" if args.fast_attention else "deterministic")
+                       attention_bwd="fast" if args.fast_attention else "deterministic",
+                       precision=args.precision)
 
 
 def _run(args) -> int:

@@ -8,6 +8,7 @@ does not exist, or one a backend does not have, is refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
 import types
 
 import ml_dtypes
@@ -117,6 +118,21 @@ def test_dataflow_demo_trains_in_fp8_and_says_so(capsys):
     assert out["precision"] == "fp8" and len(out["steps"]) == 2
     assert demo_main(["1", "0.25", "64", "tiny", "--precision", "fp4"]) == 2
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("saved, resumed", [("fp8", "bf16"), ("bf16", "fp8")])
+def test_a_checkpoint_of_one_precision_resumes_in_the_other(saved, resumed, tmp_path, capsys):
+    """The checkpoint's format does not depend on the precision: a run saved in one resumes in
+    the other, and its last step's loss is within FP8's gap of the run that went on."""
+    run = ["1", "0.25", "64", "tiny", "--steps", "2", "--backend", "numpy", "--json",
+           "--checkpoint-dir", str(tmp_path / "ck")]
+    assert demo_main(run + ["--precision", saved, "--save-every", "1"]) == 0
+    whole = json.loads(capsys.readouterr().out)["steps"][-1]["loss"]
+    shutil.rmtree(tmp_path / "ck" / "step_00000002")
+    assert demo_main(run + ["--precision", resumed, "--resume"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precision"] == resumed and [s["step"] for s in out["steps"]] == [2]
+    assert abs(out["steps"][-1]["loss"] - whole) < 1e-2 * whole
 
 
 def test_a_ring_trains_in_fp8_as_one_device_does(tmp_path, rng):
