@@ -133,20 +133,38 @@ def fp8_gemm_flop_per_s(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> fl
         p.peak_bf16_flop_per_s * p.gemm_efficiency)
 
 
+FP8_OP_FIXED_S = 30e-6
+"""Seconds an FP8 linear op takes beyond its GEMM and quantise bytes: its quantise kernels'
+launches and the one-block amax finish (five kernels where bf16 has one). Fitted to 1b at 8k in
+40/16 on an H200 (bench/records/s26-fp8/: 10.82 s measured against 10.08 s a step without it,
+over 23,520 FP8 ops); it moves 8b at 8k by 3 % and at 64k by under 1 %."""
+
+
+def _fp8_inputs(cfg: ModelConfig) -> int:
+    """Features of the distinct inputs an FP8 layer quantises once each (dataflow.ops_cuda_fp8
+    reuses an operand already in its region: q, k and v read one x, as gate and up do)."""
+    seen: dict[str, int] = {}
+    for name, _, i in buffers.fp8_projections(cfg):
+        seen.setdefault({"k": "q", "v": "q", "up": "gate"}.get(name, name), i)
+    return sum(seen.values())
+
+
 def fp8_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> tuple[float, float]:
     """(forward, backward) seconds an FP8 plan's layer over `tokens` takes beyond the bf16 one:
     the FP8 projections' (buffers.fp8_projections) GEMMs at the FP8 rate instead of the bf16
-    rate, plus their quantise passes as the linear ops run them, each op quantising both of its
-    operands (forward x and w; backward dy and w^T for dx, dy^T and x^T for dw). Negative when
-    FP8 is faster. A recompute's forward is still counted at the bf16 rate."""
+    rate, plus their quantise passes as the linear ops run them (forward x once per distinct
+    input and every w; backward dy and w^T for dx, dy^T for dw and x^T once per distinct input)
+    and FP8_OP_FIXED_S an op. Negative when FP8 is faster."""
     t, gemm, fp8 = tokens, gemm_flop_per_s(cfg, p, tokens), fp8_gemm_flop_per_s(cfg, p, tokens)
     hbm = p.device_mem_bytes_per_s
-    flops = sum(2.0 * t * o * i for _, o, i in buffers.fp8_projections(cfg))
-    fwd_q = sum(t * i + o * i for _, o, i in buffers.fp8_projections(cfg))
-    bwd_q = sum(2 * t * o + t * i + o * i for _, o, i in buffers.fp8_projections(cfg))
+    proj = buffers.fp8_projections(cfg)
+    flops = sum(2.0 * t * o * i for _, o, i in proj)
+    weights, inputs = sum(o * i for _, o, i in proj), t * _fp8_inputs(cfg)
+    fwd_q = weights + inputs
+    bwd_q = sum(2 * t * o for _, o, _ in proj) + weights + inputs
     q = FP8_QUANT_BYTES_PER_ELEM / hbm
-    return (flops / fp8 - flops / gemm + fwd_q * q,
-            2 * flops / fp8 - 2 * flops / gemm + bwd_q * q)
+    return (flops / fp8 - flops / gemm + fwd_q * q + len(proj) * FP8_OP_FIXED_S,
+            2 * flops / fp8 - 2 * flops / gemm + bwd_q * q + 2 * len(proj) * FP8_OP_FIXED_S)
 
 
 def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, keys: int) -> float:
@@ -276,13 +294,15 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s
         bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s) * over + a_bwd_s \
             + exp_bwd_s
-        rec_a = (rec_attn / gemm + ew_s) * over + exp_fwd_s
+        # A recompute re-runs its projections in FP8 too: the forward's difference in their share.
+        rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
                               rec_flops=(rec_full, rec_attn, rec_attn + a_fwd),
                               flash_flops=flash,
                               fwd_flops=mm + a_fwd,
-                              refwd_kept_s=(mm_kept / gemm + ew_s) * over + exp_fwd_s,
+                              refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
+                              * over + exp_fwd_s,
                               refwd_kept_flops=mm_kept))
     return tuple(out)
 
