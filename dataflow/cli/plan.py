@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the block projections' GEMMs in bf16 (default) or fp8 (docs/fp8.md): "
                         "an fp8 plan holds the FP8 operand scratch and is predicted at the "
                         "profile's measured FP8 rate, or at the bf16 rate (no speedup claimed) "
-                        "where none is measured; one device only so far")
+                        "where none is measured; with --gpus, every rank and the one device "
+                        "it is compared with")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version_flag(p)
@@ -120,9 +121,6 @@ def _run(args) -> str:
     cfg = model_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
     if args.gpus > 1:
-        if args.precision != "bf16":
-            raise ConfigError("--precision fp8 is planned for one device so far; drop --gpus "
-                              "or --precision")
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans the "
                               "deterministic backward); drop one of them")
@@ -203,19 +201,20 @@ def ring_report(cfg, args, budget, profile) -> str:
     if cap is not None and cap % args.seqlen:
         raise ConfigError(f"--tokens-per-step {cap:,} is not a multiple of seqlen {args.seqlen}")
     memo: dict = {}  # the rings planned, shared by the choices for 2..64 GPUs below
+    fixed = {"precision": args.precision} if args.precision != "bf16" else None
     choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
-                           memo=memo)
+                           memo=memo, constraints=fixed)
     single = choice.single_tok_per_s
     by_gpus = []
     for g in GPU_COUNTS:
         try:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
-                single_tok_per_s=single, memo=memo, quick=True)
+                single_tok_per_s=single, memo=memo, quick=True, constraints=fixed)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
-    preds, _, note = scaling(cfg, args.seqlen, budget, profile)
+    preds, _, note = scaling(cfg, args.seqlen, budget, profile, precision=args.precision)
     if args.json:
         return json.dumps({
             **choice.to_json_dict(),
@@ -227,6 +226,9 @@ def ring_report(cfg, args, budget, profile) -> str:
             "scaling": [json.loads(to_json(p)) for p in preds], "scaling_note": note},
             sort_keys=True)
     lines = [layout_text(choice)]
+    if args.precision != "bf16":
+        lines.append(f"precision {args.precision}: every rank, and the one device the speedups "
+                     "compare with (docs/fp8.md)")
     rps = choice.rank_plans
     ch = rps[0].plan.chunking
     lines.append(f"the chosen ring's devices (budgets per device; {ch.chunk_tokens} tokens x "

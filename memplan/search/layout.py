@@ -324,7 +324,10 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
         links = (link, *links)
     if single_tok_per_s is ...:
         try:
-            single_tok_per_s = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+            # one device in the ring's precision: the speedup compares like with like
+            precision = (constraints or {}).get("precision", "bf16")
+            single_tok_per_s = make_plan(cfg, seqlen, budget, profile,
+                                         precision=precision).prediction.tok_per_s
         except InfeasibleBudget:  # a ring may fit where one device does not
             single_tok_per_s = None
     sizes = ring_sizes(gpus, cfg.n_layers)

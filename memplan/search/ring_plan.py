@@ -479,16 +479,17 @@ def best_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hard
 
 def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
             ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
-            links: tuple[Link, ...] = LINKS, transport: str = "nccl",
+            links: tuple[Link, ...] = LINKS, transport: str = "nccl", precision: str = "bf16",
             ) -> tuple[tuple[RingPrediction, ...], float | None, str]:
     """(predictions for every N in `ranks` that the model's layer count allows and every link,
     the single-device tok/s or None when one device does not fit the budgets, a note on the ring
     sizes left out). For each N the ring is planned twice, with the planner's chunking and with
     at least N chunks per round (a full ring), and the faster prediction is kept; the ranks
-    plan with `transport`'s device memory reserved (ring_profile)."""
+    plan with `transport`'s device memory reserved (ring_profile); every plan, the single
+    device's too, in `precision`."""
     refused = []
     try:
-        single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+        single = make_plan(cfg, seqlen, budget, profile, precision=precision).prediction.tok_per_s
     except InfeasibleBudget as exc:  # a ring may fit where one device does not (issue 18's 32b)
         single = None
         refused.append(f"one device does not fit these budgets ({str(exc).split(';')[0][:160]})")
@@ -496,7 +497,7 @@ def scaling(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProf
     for n in (n for n in ranks if n <= cfg.n_layers):
         try:
             options = rank_plan_options(cfg, seqlen, budget, ring_profile(profile, n, transport),
-                                        n)
+                                        n, precision=precision)
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             refused.append(f"N = {n} refused by the planner ({str(exc).split(';')[0][:120]})")
             continue

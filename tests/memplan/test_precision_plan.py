@@ -59,3 +59,19 @@ def test_a_bad_precision_is_refused_by_name():
     with pytest.raises(ConfigError, match="precision must be one of"):
         make_plan(load_config("tiny"), 64, Budget.from_gib(1, 0.25), get_profile("cpu"),
                   precision="fp16")
+
+
+def test_dataflow_plan_plans_a_ring_in_fp8_against_one_fp8_device(capsys):
+    """--gpus N --precision fp8: every rank's plan is fp8, and the speedups compare with one
+    device in fp8 too (not with bf16, which would flatter the ring)."""
+    import json
+
+    from dataflow.cli import plan as plan_cli  # (the CLI: only this test needs it)
+
+    base = ["80", "24", "8192", "8b", "--gpu", "h200", "--gpus", "2", "--json"]
+    assert plan_cli.main(base + ["--precision", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert all(r["plan"]["precision"] == "fp8" for r in fp8["ranks"])
+    one = make_plan(load_config("8b"), 8192, Budget.from_gib(80, 24), get_profile("h200"),
+                    precision="fp8")
+    assert fp8["single_tok_per_s"] == pytest.approx(one.prediction.tok_per_s)
