@@ -254,11 +254,9 @@ def backend_for(options: RunOptions):
     """The backend `options` names (made here), or the one the caller brought."""
     kind = options.backend
     if isinstance(kind, Backend):
-        be = kind  # the caller brought its own (a traced or recording backend, a ring rank's)
-    else:
-        be = make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
-                                   if options.sanitize else {}))
-    return be
+        return kind  # the caller brought its own (a traced or recording backend, a ring rank's)
+    return make_backend(kind, **({"sanitize": True, "seed": options.sanitize_seed}
+                                 if options.sanitize else {}))
 
 
 def default_profile(be):
