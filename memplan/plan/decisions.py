@@ -181,6 +181,10 @@ def _check_frozen(d: Decisions) -> None:
     if f.layers and cfg.moe is not None:
         raise ConfigError(f"model '{cfg.name}' is a mixture of experts, whose layers cannot be "
                           f"frozen yet (layers {f.spec()}); freeze only embed and head")
+    if f.embed and f.head and len(f.layers) == cfg.n_layers:
+        raise ConfigError(f"freeze '{f.spec()}' freezes every block of model '{cfg.name}', so "
+                          "nothing would train; leave at least one block out (e.g. "
+                          f"layers:0-{cfg.n_layers - 2} keeps the last layer training)")
     if cfg.tie_embeddings and f.embed != f.head:
         raise ConfigError(f"model '{cfg.name}' ties its head to the embedding (one parameter), "
                           "so freeze both or neither: add embed,head to the spec or drop both")

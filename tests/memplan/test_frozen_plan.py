@@ -138,3 +138,11 @@ def test_frozen_state_memory_and_work_match_the_materialised_plan(h100, model, s
                 assert getattr(fast, f.name) == pytest.approx(getattr(full, f.name),
                                                               rel=1e-12), (f.name, s, frozen)
             assert sp.round_lower_bound_s(s) <= full.compute_s + full.recompute_s + 1e-12
+
+
+def test_freezing_every_block_is_refused_by_name():
+    """Nothing would train: the refusal names the spec and a way out."""
+    with pytest.raises(ConfigError, match="freezes every block of model 'tiny', so nothing "
+                                          "would train; leave at least one block out"):
+        make_plan(load_config("tiny"), 64, Budget.from_gib(1, 0.25), get_profile("cpu"),
+                  freeze="embed,head,layers:all")
