@@ -5,6 +5,7 @@ resume with another frozen set is refused by name, and dataflow-plan / dataflow-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,7 +15,10 @@ from dataflow.cli.demo import main as demo_main
 from dataflow.cli.plan import main as plan_main
 from dataflow.data import token_stream
 from dataflow.engine import Engine
+from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
+from dataflow.models.init import init_model
+from dataflow.reference_trainer import ReferenceTrainer
 
 SPEC = "embed,layers:0"
 BUDGET = dict(host_gb=1, dev_gb=0.25, seqlen=64, backend="numpy", seed=11)
@@ -101,3 +105,69 @@ def test_dataflow_demo_trains_with_freeze(capsys):
     assert demo_main(["1", "0.25", "64", "tiny", "--backend", "numpy", "--freeze", "hed"]) == 2
     assert "'hed' is not understood" in capsys.readouterr().err
     assert frozen["plan_hash"]
+
+
+BASE = ModelConfig(name="odd", vocab_size=300, model_dim=64, head_dim=16, n_layers=3, n_heads=4,
+                   n_kv_heads=2, ffn_dim=96, rope_theta=5e4, norm_eps=1e-6)
+FAMILIES = {
+    "llama": BASE,
+    "qwen2": dataclasses.replace(BASE, name="qwen2-odd", family="qwen2", attention_bias=True),
+    "qwen3": dataclasses.replace(BASE, name="qwen3-odd", family="qwen3", qk_norm=True,
+                                 head_dim=32),
+    "tied": dataclasses.replace(BASE, name="tied-odd", tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family,spec,options", [
+    ("qwen2", "layers:1,head", {}),                       # biases' gradients skipped
+    ("qwen3", "embed,layers:0", {}),                      # QK-norm weights' gradients skipped
+    ("tied", "embed,head,layers:2", {}),                  # one table, frozen as one
+    ("llama", "layers:0-1", {"backward_update": True, "max_grad_norm": None}),
+    ("llama", "embed,layers:2", {"deferred_update": False, "max_grad_norm": 0.5}),
+])
+def test_families_and_update_modes_match_the_reference_when_frozen(family, spec, options, rng):
+    """Biased and QK-normed projections, a tied table, the update inside the backward and at
+    the end of the step (with clipping over the trained blocks only): frozen blocks keep their
+    bits over three steps, trained ones track ReferenceTrainer(frozen=) within 10 %."""
+    cfg = FAMILIES[family]
+    seed = int(rng.integers(0, 2**31))
+    clip = options.get("max_grad_norm", 1.0)
+    with Engine(cfg, host_gb=1, dev_gb=0.25, seqlen=32, backend="numpy", seed=seed, lr=1e-3,
+                freeze=spec, sanitize=True, **options) as eng:
+        ch = eng.plan.chunking
+        batches = [rng.integers(0, cfg.vocab_size, (ch.seqs_per_step, ch.seqlen + 1))
+                   for _ in range(3)]
+        losses = [eng.train_step(b).loss for b in batches]
+        got = eng.weights()
+    ref = ReferenceTrainer(cfg, init_model(cfg, seed), lr=1e-3, frozen=spec,
+                           max_grad_norm=clip or None)
+    ref_losses = [ref.train_step(b).loss_mean for b in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2, err_msg=f"seed {seed}")
+    start = init_model(cfg, seed)
+    for i, (g, want, s, trains) in enumerate(zip([got.embed, *got.layers, got.head], ref.blocks,
+                                                 [start.embed, *start.layers, start.head],
+                                                 ref.trains)):
+        if not trains:
+            assert np.array_equal(g.view(np.uint16), s.view(np.uint16)), (i, seed)
+            continue
+        d_got, d_want = g.astype(np.float64) - s, want.astype(np.float64) - s
+        err = np.linalg.norm(d_got - d_want) / np.linalg.norm(d_want)
+        # 10 %, not test_frozen.py's 5 %: these 3-layer shapes at 64 sequences a step show
+        # 4.5-6.6 % unfrozen already (AdamW's first steps turn bf16 rounding into sign flips)
+        assert err < 0.10, f"{family} {spec} block {i}: {err:.3%} (seed {seed})"
+
+
+def test_a_tied_model_freezes_embed_and_head_together():
+    with pytest.raises(ConfigError, match="ties its head to the embedding .* freeze both or "
+                                          "neither"):
+        Engine(FAMILIES["tied"], host_gb=1, dev_gb=0.25, seqlen=32, backend="numpy",
+               freeze="embed")
+
+
+def test_eval_step_runs_with_a_frozen_head():
+    """Evaluation reads a frozen head's weights and forms no gradient: the loss is the one
+    train_step reports for the same batch before its update."""
+    with Engine("tiny", freeze="head,layers:1", **BUDGET) as eng:
+        batch = _batch(eng, 0)
+        loss = eng.eval_step(batch)
+        assert eng.train_step(batch).loss == pytest.approx(loss, rel=1e-6)
