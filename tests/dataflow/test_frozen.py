@@ -12,7 +12,7 @@ from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.memplan.plan.frozen import parse_freeze
 from dataflow.memplan.plan.plan import OptimizerWhere, Where
-from dataflow.memplan.step.compile import Compute, Update, WriteBack, compile_schedule
+from dataflow.memplan.step.compile import Compute, Fetch, Update, WriteBack, compile_schedule
 from dataflow.memplan.step.events import ComputeOp
 from dataflow.models.config import load_config
 from dataflow.models.flops import SavedLevel
@@ -131,3 +131,34 @@ def test_a_plan_with_nothing_frozen_compiles_the_same_schedule():
     assert a == b and a.hash == b.hash
     assert compile_schedule(a).to_json() == compile_schedule(b).to_json()
     assert RESIDENT.weights is Where.DEVICE
+
+
+@pytest.mark.parametrize("name,spec", CASES)
+def test_frozen_step_moves_exactly_the_frozen_blocks_gradient_and_optimizer_bytes_less(name,
+                                                                                       spec):
+    """Against the same plan trained whole, the frozen step's H2D and D2H bytes are less by
+    exactly the full step's copies of the frozen blocks' gradients, their streamed AdamW pieces
+    (weights, gradient, m, v in; weights, m, v out), a HOME table's gradient rows and the host
+    part of its gradient norm; nothing else."""
+    frozen, full = _plan(name, spec), _plan(name, "")
+    f = frozen.frozen
+    blocks = {f"layer{i}" for i in f.layers} | {k for k in ("embed", "head") if f.block(k)}
+
+    def frozen_copy(e) -> bool:
+        host = e.src if type(e) is Fetch else e.dst
+        if any(host.region in (f"home.{b}.grads", f"home.{b}.m", f"home.{b}.v")
+               for b in blocks):
+            return True
+        if any(e.name in (f"opt.h2d.{b}", f"opt.d2h.{b}") for b in blocks):
+            # a deferred update fused into round 0's weight fetch (its H2D of the weights into
+            # the slot the forward reads): the frozen layer still fetches those weights
+            return not (type(e) is Fetch and e.dst.region == "weight_slots")
+        return f.embed and e.name in ("embed.dx", "gnorm.embed")
+
+    for update in ("end", "deferred"):
+        a, b = compile_schedule(full, update=update), compile_schedule(frozen, update=update)
+        h2d = sum(e.dst.nbytes for e in a.events if type(e) is Fetch and frozen_copy(e))
+        d2h = sum(e.dst.nbytes for e in a.events if type(e) is WriteBack and frozen_copy(e))
+        full_h2d, full_d2h = a.bytes_moved()
+        assert b.bytes_moved() == (full_h2d - h2d, full_d2h - d2h), (name, spec, update)
+        assert h2d + d2h > 0 or name == "resident", (name, spec)
