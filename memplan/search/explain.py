@@ -155,10 +155,12 @@ def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
     if resident == cfg.n_layers:
         out.append("layers: all state fits on the device, so no weight or gradient crosses PCIe")
     else:
+        frozen = (f"; a frozen one {_size(layer_b)}, its weights alone"
+                  if plan.frozen.layers else "")
         out.append(f"layers: {resident} resident (each costs {_size(4 * layer_b)} of device for "
-                   f"weights, grads, m and v); the others stream through {s.weight_slots} weight "
-                   f"and {s.grad_slots} grad slot(s) (prefetch depth {s.weight_slots - 1}), "
-                   f"{_size(layer_b)} per crossing")
+                   f"weights, grads, m and v{frozen}); the others stream through "
+                   f"{s.weight_slots} weight and {s.grad_slots} grad slot(s) (prefetch depth "
+                   f"{s.weight_slots - 1}), {_size(layer_b)} per crossing")
     home = [p for p in (*plan.layers, plan.embed, plan.head) if p.weights is Where.HOME]
     if home:
         opt = home[0].optimizer

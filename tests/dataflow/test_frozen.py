@@ -11,7 +11,8 @@ import pytest
 from dataflow.data import token_stream
 from dataflow.engine import Engine
 from dataflow.memplan.plan.frozen import parse_freeze
-from dataflow.memplan.plan.plan import OptimizerWhere, Where
+from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Where
+from dataflow.memplan.search.build import with_segments
 from dataflow.memplan.step.compile import Compute, Fetch, Update, WriteBack, compile_schedule
 from dataflow.memplan.step.events import ComputeOp
 from dataflow.models.config import load_config
@@ -39,6 +40,13 @@ def _plan(name: str, spec: str):
     if name == "home_ends":  # HOME embedding (host AdamW) and head, streamed layers, acts home
         return forced_plan(cfg, 64, layers=(strm, host), embed=host, head=strm,
                            homes=[[Where.HOME, Where.DEVICE]] * n, frozen=frozen, **PACKED)
+    if name == "segments":  # one segment of both layers: the backward re-runs its forward
+        plan = forced_plan(cfg, 64, layers=(strm,) * n, weight_slots=2, frozen=frozen,
+                           homes=[[Where.HOME, Where.DEVICE]] * n, **PACKED)
+        big = with_segments(plan, n, Budget(host_bytes=1 << 32, device_bytes=1 << 32))
+        return with_segments(big, n, Budget(
+            host_bytes=big.memory.host_bytes,
+            device_bytes=big.memory.device_bytes + big.profile.library_reserve_bytes))
     levels = [[SavedLevel.INP_ONLY, SavedLevel.INP_ATTN, SavedLevel.FULL,
                SavedLevel.INP_ONLY]] * n
     return forced_plan(cfg, 256, layers=(strm,) * n, levels=levels,  # split sequences
@@ -49,7 +57,7 @@ def _plan(name: str, spec: str):
 
 CASES = [("resident", "embed,layers:0"), ("streamed", "head,layers:1"),
          ("home_ends", "embed,head,layers:0"), ("home_ends", "layers:1"),
-         ("split", "embed,layers:0")]
+         ("split", "embed,layers:0"), ("segments", "layers:1")]
 
 
 def _batches(plan, seed: int):
