@@ -70,6 +70,9 @@ class Engine:
         if options is not None:
             _check_options_alone(options, kwargs)
         if ring is not None:  # the ring builds this process's rank (dataflow.ring.engine.RingEngine)
+            if kwargs.get("freeze") or getattr(options, "freeze", None):
+                raise ConfigError("freeze= is built for one device so far (docs/freeze.md), not "
+                                  "for a ring; drop ring= or freeze=")
             if options is not None:  # the same engine as its fields passed as keywords
                 return ring.engine(*args[:1], **options.keywords())
             return ring.engine(*args, **kwargs)

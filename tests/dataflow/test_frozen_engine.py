@@ -171,3 +171,11 @@ def test_eval_step_runs_with_a_frozen_head():
         batch = _batch(eng, 0)
         loss = eng.eval_step(batch)
         assert eng.train_step(batch).loss == pytest.approx(loss, rel=1e-6)
+
+
+def test_a_ring_with_freeze_is_refused_by_name():
+    """Rings are not built for frozen blocks yet: refused before any process starts."""
+    from dataflow.ring.engine import Ring  # test-only: the ring's public entry point
+
+    with pytest.raises(ConfigError, match="freeze= is built for one device so far"):
+        Engine("tiny", ring=Ring(), freeze="head", **BUDGET)
