@@ -200,7 +200,7 @@ def write_block_files(eng, refs, directory: Path) -> tuple[list[dict], list[dict
     for ref in refs:
         lay = eng.layout(ref)
         base = block_file(ref.kind, ref.layer)
-        for part in block_parts(eng.plan, ref.kind, ref.layer):  # a frozen block: weights
+        for part in block_parts(_plan_of(eng), ref.kind, ref.layer):  # frozen: weights alone
             array = eng.read_block(ref, part)
             name = base if part == "weights" else base.replace(".bin", f".{part}.bin")
             nbytes, sha = _write_file(directory / name, array)
@@ -444,7 +444,7 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True, allow_changes
     (the Engine discards a failed step's state there)."""
     path, meta = read_checkpoint(path)
     adopt = check_settings(path, meta, eng.plan.model, eng.optimizer, allow_changes)
-    check_frozen(path, meta, eng.plan)
+    check_frozen(path, meta, _plan_of(eng))
     todo = block_entries(path, meta, eng, eng.block_refs())
     if verify:
         verify_files(path, meta)
@@ -492,6 +492,11 @@ def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
     return adopt
 
 
+def _plan_of(eng):
+    """The plan of an Engine, or of a ring rank (its RankPlan's), whose blocks are saved."""
+    return eng.plan if hasattr(eng, "plan") else eng.rp.plan
+
+
 def check_frozen(path: Path, meta: dict, plan) -> None:
     """Refuse a checkpoint trained with another frozen set (Plan.frozen; a checkpoint from
     before frozen blocks froze nothing): a frozen block's file holds weights only, and a
@@ -512,7 +517,7 @@ def block_entries(path: Path, meta: dict, eng, refs) -> list[tuple]:
     todo = []
     for ref in refs:
         numel = eng.layout(ref).numel
-        for part in block_parts(eng.plan, ref.kind, ref.layer):
+        for part in block_parts(_plan_of(eng), ref.kind, ref.layer):
             entry = by_name.get((ref.name, part))
             if entry is None or entry["numel"] != numel or entry["dtype"] not in _DTYPES:
                 raise ConfigError(f"checkpoint {path} has no valid {part} of block {ref.name} "
