@@ -265,7 +265,8 @@ class LayerCompute:
     def backward(self, tag: str, w: dict, g: dict, save: dict, level: SavedLevel, dy, dx, pos,
                  chunk: ChunkInfo, routing: RoundRouting | None = None) -> None:
         """dy (T, D) gradient of the layer output -> dx (T, D); weight grads accumulate into g,
-        or none are formed when g is None (a frozen layer: Plan.frozen). For split chunks the caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
+        or none are formed when g is None (a frozen layer: Plan.frozen). For split chunks the
+        caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
         `routing`: an MoE layer's round totals and auxiliary-loss scale (required with moe)."""
         self.tag = tag
         cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op

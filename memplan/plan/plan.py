@@ -9,9 +9,9 @@ import dataclasses
 import enum
 import math
 
+from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
-from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
 from dataflow.models.flops import SavedLevel
 from dataflow.models.serial import from_json, stable_hash, to_json
 

@@ -405,14 +405,6 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops,
             cfg, ch.seqlen, len(fz.layers), fz.head and head))
 
 
-def trained_model_flops_per_seq(d) -> float:
-    """Model FLOPs per sequence of a Plan or Decisions: less the weight-gradient matmuls its
-    frozen blocks skip (dataflow.models.flops.frozen_flops_per_seq)."""
-    fz = d.frozen
-    return model_flops_per_seq(d.model, d.chunking.seqlen, frozen_layers=len(fz.layers),
-                               frozen_head=fz.head and d.holds_head)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class OptimizerCost:
     time_s: float
