@@ -34,6 +34,10 @@ class Frozen:
         """Whether anything is frozen."""
         return self.embed or self.head or bool(self.layers)
 
+    def __bool__(self) -> bool:
+        """False when nothing is frozen, as an empty spec string is."""
+        return self.anything
+
     def layer(self, i: int) -> bool:
         return i in self.layers
 

@@ -146,3 +146,7 @@ def test_freezing_every_block_is_refused_by_name():
                                           "would train; leave at least one block out"):
         make_plan(load_config("tiny"), 64, Budget.from_gib(1, 0.25), get_profile("cpu"),
                   freeze="embed,head,layers:all")
+
+
+def test_nothing_frozen_is_falsy_like_an_empty_spec():
+    assert not NOTHING_FROZEN and not parse_freeze("", 4) and parse_freeze("head", 4)
