@@ -236,7 +236,8 @@ class Engine:
         np.savez comes back as raw 2-byte void '|V2' and is read as ml_dtypes.bfloat16).
         weights_only: load the parameters alone (e.g. weights from another trainer): AdamW
         state is zeroed and the step count restarts at 0; 'optimizer.*' keys are ignored.
-        Loading also clears gradients and lets an engine whose step failed train again."""
+        Loading also clears gradients and lets an engine whose step failed train again. A
+        frozen block (freeze=) takes its weights alone; AdamW keys of it are passed over."""
         self._state.load_state_dict(state, weights_only)
 
     @_serialised

@@ -118,19 +118,22 @@ class StateIO:
         for b in self.targets():
             lay = self.layout_of(b.kind)
             for suffix, part in parts:
-                if part not in block_parts(self.plan, b.kind, b.layer):
-                    continue  # a frozen block has no m or v: any given is an unknown key
+                # a frozen block has no m or v: a state_dict's (one trained whole) is passed over
+                frozen = part not in block_parts(self.plan, b.kind, b.layer)
                 arrays = {}
                 for t in lay.tensors:
                     name = ("optimizer." if suffix else "") + lay.full_name(t.name, b.layer) \
                         + suffix
                     expected.add(name)
+                    if frozen:
+                        continue
                     value, problem = _checked_tensor(state, name, t.shape, bf16)
                     if problem:
                         problems.append(problem)
                     else:
                         arrays[t.name] = value
-                writes.append((b, part, lay, arrays))
+                if not frozen:
+                    writes.append((b, part, lay, arrays))
         unknown = sorted(k for k in state if k not in expected
                          and not (weights_only and str(k).startswith("optimizer.")))
         if unknown:

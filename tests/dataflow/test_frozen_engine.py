@@ -179,3 +179,27 @@ def test_a_ring_with_freeze_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="freeze= is built for one device so far"):
         Engine("tiny", ring=Ring(), freeze="head", **BUDGET)
+
+
+def test_a_whole_models_state_dict_loads_into_a_frozen_engine():
+    """The frozen blocks take their weights and pass over their AdamW keys; the trained ones
+    take weights, m and v; the frozen engine's own state_dict loads back bit for bit."""
+    with Engine("tiny", **BUDGET) as whole:
+        whole.train_step(_batch(whole, 0))
+        state = whole.state_dict()
+        want = whole.weights()
+    with Engine("tiny", freeze=SPEC, **BUDGET) as eng:
+        eng.load_state_dict(state)
+        got = eng.weights()
+        for a, b in zip([want.embed, *want.layers, want.head],
+                        [got.embed, *got.layers, got.head]):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        mine = eng.state_dict()
+        assert mine["optimizer.step"] == state["optimizer.step"]
+        key = "optimizer.model.layers.1.mlp.up_proj.weight.exp_avg"
+        assert np.array_equal(mine[key].view(np.uint16), state[key].view(np.uint16))
+        eng.load_state_dict(mine)
+        again = eng.state_dict()
+    assert sorted(again) == sorted(mine)
+    for k in mine:
+        assert np.asarray(again[k]).tobytes() == np.asarray(mine[k]).tobytes(), k
