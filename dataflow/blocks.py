@@ -13,6 +13,16 @@ from dataflow.memplan.plan.plan import LayerPlacement, Where
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 
 PARTS = ("weights", "grads", "m", "v")
+BLOCK_PARTS = ("weights", "m", "v")
+"""The parts of a block that persist across steps (gradients are cleared by every step)."""
+
+
+def block_parts(plan, kind: BlockKind, layer: int | None = None) -> tuple[str, ...]:
+    """The persistent parts of a block under `plan`: weights, m and v; the weights alone for a
+    frozen block (Plan.frozen), which has no AdamW state."""
+    if plan.frozen.block("layer" if kind is BlockKind.LAYER else kind.value, layer):
+        return ("weights",)
+    return BLOCK_PARTS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

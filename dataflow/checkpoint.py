@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataflow.blocks import block_parts
 from dataflow.checkpoint_dir import STEP_DIR, TEMP_DIR, check_checkpoint_root
 from dataflow.lr_schedule import schedule_from_dict, schedule_to_dict
 from dataflow.optimizer import AdamWConfig
@@ -199,7 +200,7 @@ def write_block_files(eng, refs, directory: Path) -> tuple[list[dict], list[dict
     for ref in refs:
         lay = eng.layout(ref)
         base = block_file(ref.kind, ref.layer)
-        for part in ("weights", "m", "v"):
+        for part in block_parts(_plan_of(eng), ref.kind, ref.layer):  # frozen: weights alone
             array = eng.read_block(ref, part)
             name = base if part == "weights" else base.replace(".bin", f".{part}.bin")
             nbytes, sha = _write_file(directory / name, array)
@@ -216,6 +217,7 @@ def checkpoint_meta(optimizer, plan, step: int, data, rng, extra) -> dict:
     """checkpoint.json's fields besides the file list."""
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
             "plan_hash": plan.hash, "plan": json.loads(plan.to_json()),
+            "frozen": plan.frozen.spec(),
             "optimizer": to_dict(optimizer.config),
             "schedule": _schedule_record(optimizer.schedule),
             "data": data, "rng": rng, "extra": extra}
@@ -442,6 +444,7 @@ def load_checkpoint(eng, path: str | Path, *, verify: bool = True, allow_changes
     (the Engine discards a failed step's state there)."""
     path, meta = read_checkpoint(path)
     adopt = check_settings(path, meta, eng.plan.model, eng.optimizer, allow_changes)
+    check_frozen(path, meta, _plan_of(eng))
     todo = block_entries(path, meta, eng, eng.block_refs())
     if verify:
         verify_files(path, meta)
@@ -489,6 +492,24 @@ def check_settings(path: Path, meta: dict, model: ModelConfig, optimizer,
     return adopt
 
 
+def _plan_of(eng):
+    """The plan of an Engine, or of a ring rank (its RankPlan's), whose blocks are saved."""
+    return eng.plan if hasattr(eng, "plan") else eng.rp.plan
+
+
+def check_frozen(path: Path, meta: dict, plan) -> None:
+    """Refuse a checkpoint trained with another frozen set (Plan.frozen; a checkpoint from
+    before frozen blocks froze nothing): a frozen block's file holds weights only, and a
+    trained one's AdamW state would be lost or invented."""
+    saved, ours = meta.get("frozen", ""), plan.frozen.spec()
+    if saved != ours:
+        raise ConfigError(f"checkpoint {path} was trained with frozen blocks "
+                          f"'{saved or 'none'}', this engine freezes '{ours or 'none'}'; "
+                          f"resume with freeze='{saved}' (--freeze {saved or chr(39) * 2}), or "
+                          "load its weights alone into a new run (weights=, load_state_dict "
+                          "with weights_only=True)")
+
+
 def block_entries(path: Path, meta: dict, eng, refs) -> list[tuple]:
     """(ref, part, file entry) for weights, m and v of each block of `refs`, each checked
     against the block's element count (eng.layout)."""
@@ -496,7 +517,7 @@ def block_entries(path: Path, meta: dict, eng, refs) -> list[tuple]:
     todo = []
     for ref in refs:
         numel = eng.layout(ref).numel
-        for part in ("weights", "m", "v"):
+        for part in block_parts(_plan_of(eng), ref.kind, ref.layer):
             entry = by_name.get((ref.name, part))
             if entry is None or entry["numel"] != numel or entry["dtype"] not in _DTYPES:
                 raise ConfigError(f"checkpoint {path} has no valid {part} of block {ref.name} "

@@ -127,7 +127,7 @@ class RunOptions:
 
 
 PLAN_FIELDS = ("host_gb", "dev_gb", "seqlen", "seqs_per_step", "tokens_per_step", "profile",
-               "plan_options", "precision")
+               "plan_options", "precision", "freeze")
 """The keywords of Engine() that the planner takes (EngineOptions' own fields)."""
 
 
@@ -146,6 +146,9 @@ class EngineOptions:
     profile: Any = None
     plan_options: dict | None = None
     precision: str = "bf16"
+    freeze: Any = None
+    """Blocks that train no further: a spec such as 'embed,head,layers:0-29' or a Frozen
+    (dataflow.memplan.plan.frozen; Plan.frozen); None or '' freezes nothing."""
     run: RunOptions = dataclasses.field(default_factory=RunOptions)
 
     def __post_init__(self) -> None:
@@ -166,6 +169,8 @@ class EngineOptions:
                 out[key] = value
         if self.precision != "bf16":
             out["precision"] = self.precision
+        if self.freeze:
+            out["freeze"] = self.freeze
         return out
 
     def keywords(self) -> dict:
@@ -173,7 +178,7 @@ class EngineOptions:
         to something other than its default (what a ring's RingEngine takes)."""
         out = {"host_gb": self.host_gb, "dev_gb": self.dev_gb, "seqlen": self.seqlen}
         out.update({f: getattr(self, f) for f in PLAN_FIELDS[3:]
-                    if getattr(self, f) not in (None, "bf16")})  # precision: its default
+                    if getattr(self, f) not in (None, "bf16", "")})  # their defaults
         for f in dataclasses.fields(RunOptions):
             value = getattr(self.run, f.name)
             if value != f.default:

@@ -205,13 +205,15 @@ class Executor(OpHandlers):
         compute stream like every other use of them (the lookup, its scatter-add, the AdamW and
         zero fill of the embedding block), so stream order alone orders them."""
         w, g = self.embed.device("weights"), self.embed.device("grads")
-        if w is None or g is None or not plan.holds_embed:
+        if w is None or (g is None and not plan.frozen.embed) or not plan.holds_embed:
             raise BackendError(f"{plan.model.name} ties its head to the embedding, but this plan "
                                "keeps the embedding off the device (embed placement "
                                f"{plan.embed.weights.value}/{plan.embed.grads.value}); plan it "
                                "again with dataflow.memplan.make_plan, which keeps a tied table "
                                "resident")
-        return self.emb_lay.view(w, "embed_tokens"), self.emb_lay.view(g, "embed_tokens")
+        # a frozen table (and head: Plan.frozen freezes both of a tied pair) has no gradient
+        return self.emb_lay.view(w, "embed_tokens"), \
+            None if g is None else self.emb_lay.view(g, "embed_tokens")
 
     def blocks(self) -> tuple[Block, ...]:
         """Every block in model order: embed, layers, head."""

@@ -34,13 +34,14 @@ class OpHandlers:
                              routing=self._routing)
 
     def _layer_bwd(self, ev: Compute) -> None:
-        """One layer's backward on one chunk, from its saved activation."""
+        """One layer's backward on one chunk, from its saved activation; a frozen layer's (no
+        `grads`: Plan.frozen) forms the input gradient only."""
         tr = self.tr
         chunk = self._round_chunks[ev.round][ev.chunk]
         # the totals are this round's: every forward of a round runs before its backwards
         assert self._routing is None or self._moe_round == ev.round, (ev.name, self._moe_round)
-        self.compute.backward(ev.name, self._block_views(ev.weights, self.lay),
-                              self._block_views(ev.grads, self.lay, self.gdt),
+        grads = None if ev.grads is None else self._block_views(ev.grads, self.lay, self.gdt)
+        self.compute.backward(ev.name, self._block_views(ev.weights, self.lay), grads,
                               self._save_views(ev.save, ev.layer, ev.chunk),
                               self.plan.activations[ev.layer][ev.chunk].level,
                               tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
@@ -81,11 +82,13 @@ class OpHandlers:
         backward. 'head_loss' (evaluation) runs at grad_scale 0, so the lm_head gradient the
         loss kernel forms adds exact zeros into the head's gradient region. A tied head reads
         the embedding's table and adds its weight gradient into the embedding's gradient (in
-        each round before the lookup's scatter-add of that round: one order, every run)."""
+        each round before the lookup's scatter-add of that round: one order, every run). A
+        frozen head (no `grads`: Plan.frozen) forms the input gradient only."""
         be, hb, cfg, tr = self.be, self.hb, self.cfg, self.tr
         backward = ev.op is ComputeOp.HEAD
         w = self._block_views(ev.weights, self.head_lay)
-        g = self._block_views(ev.grads, self.head_lay, self.gdt)
+        g = {"lm_head": None, "norm": None} if ev.grads is None else \
+            self._block_views(ev.grads, self.head_lay, self.gdt)
         lm_w, lm_g = self._tied if self._tied is not None else (w["lm_head"], g["lm_head"])
         loss_acc = tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
         final, dfinal = tr[ev.x], tr[ev.y]

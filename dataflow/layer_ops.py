@@ -17,6 +17,7 @@ round's totals (`routing`); recomputes re-form the same routing without counting
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from dataflow.backend import Backend, Stream
 from dataflow.moe_ffn import MoeFfn, RoundRouting
@@ -51,12 +52,28 @@ def lse_rows(lse, a: int, b: int):
     return lse.reshape(-1)[a * h:b * h].reshape(h, b - a)
 
 
+WEIGHT_GRAD_OPS = types.MappingProxyType({"linear_bwd_w": 2, "bias_bwd": 1})
+"""Ops that form only a weight gradient, by the position of that gradient among their
+arguments: skipped when it is None (a frozen layer). rms_norm_bwd takes a None weight
+gradient itself (it forms dx too)."""
+
+
+class FrozenGrads(dict):
+    """The gradient views of a frozen layer: None for every tensor, so no weight gradient is
+    formed (WEIGHT_GRAD_OPS are skipped, rms_norm_bwd forms dx alone)."""
+
+    def __missing__(self, key):
+        return None
+
+
 class LayerCompute:
     def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
         self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
 
     def _op(self, op: str, *args, tag: str = "") -> None:
+        if op in WEIGHT_GRAD_OPS and args[WEIGHT_GRAD_OPS[op]] is None:
+            return  # a frozen layer's weight gradient: not formed
         self.be.launch(Stream.COMPUTE, op, *args, name=f"{self.tag}.{op}{tag}")
 
     def _kv(self, chunk: ChunkInfo, t: int, own):
@@ -247,12 +264,14 @@ class LayerCompute:
     # -- backward -------------------------------------------------------------------------------
     def backward(self, tag: str, w: dict, g: dict, save: dict, level: SavedLevel, dy, dx, pos,
                  chunk: ChunkInfo, routing: RoundRouting | None = None) -> None:
-        """dy (T, D) gradient of the layer output -> dx (T, D); weight grads accumulate into g.
-        For split chunks the caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
+        """dy (T, D) gradient of the layer output -> dx (T, D); weight grads accumulate into g,
+        or none are formed when g is None (a frozen layer: Plan.frozen). For split chunks the
+        caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
         `routing`: an MoE layer's round totals and auxiliary-loss scale (required with moe)."""
         self.tag = tag
         cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
+        g = FrozenGrads() if g is None else g
         x = save["x"]
         xn = ws["xn"][:t]
         k, v = self._kv(chunk, t, (save.get("k"), save.get("v")))  # a shared boundary: none

@@ -30,12 +30,14 @@ def rms_norm_fwd(x, w, eps, y, rstd, copy=None):
 
 
 def rms_norm_bwd(x, w, rstd, dy, dx, dw, residual=None):
-    """dw accumulates (+=). `residual`: dx then gets it added, as add_(dx, residual) would."""
+    """dw accumulates (+=); None forms none (a frozen block). `residual`: dx then gets it
+    added, as add_(dx, residual) would."""
     dx_, dw_ = ref.rms_norm_bwd(x, w, rstd, dy)
     dx[...] = dx_
     if residual is not None:
         _store(dx, residual, True)
-    _store(dw, dw_, True)
+    if dw is not None:
+        _store(dw, dw_, True)
 
 
 def linear_fwd(x, w, y, accumulate=False):
@@ -121,11 +123,13 @@ def attention_bwd_own(q, k, v, o, lse, do, dq, dk, dv):
 
 
 def head_loss_fwd_bwd(x, w, targets, logits, grad_scale, dx, dw, loss_acc):
-    """Sub-chunks of logits.shape[0] tokens; dw accumulates; loss_acc += [loss_sum, n_valid]."""
+    """Sub-chunks of logits.shape[0] tokens; dw accumulates (None: not formed, a frozen head);
+    loss_acc += [loss_sum, n_valid]."""
     loss, n, dx_, dw_ = ref.head_loss_fwd_bwd(x, w, targets, sub_tokens=logits.shape[0],
                                               grad_scale=grad_scale)
     dx[...] = dx_
-    _store(dw, dw_, True)
+    if dw is not None:
+        _store(dw, dw_, True)
     loss_acc[0] += F32(loss)
     loss_acc[1] += F32(n)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from dataflow.kernels.reference import IGNORE, adamw_step
 from dataflow.reference_model import RouterTotals, backward, forward, forward_backward
+from dataflow.memplan.plan.frozen import as_frozen
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 
@@ -66,13 +67,16 @@ class ReferenceTrainer:
     (bf16 for ModelWeights) and start at zero. micro_batches: an MoE model's batch is this many
     forward calls of consecutive equal groups of rows (the engine's rounds), each with its own
     auxiliary losses, whose mean the objective adds; it changes nothing for a dense model (the
-    batch's rows must still divide into them).
+    batch's rows must still divide into them). frozen: blocks that train no further (a Frozen
+    or a spec such as 'embed,layers:0-1': dataflow.memplan.plan.frozen): they keep their
+    weights, get no AdamW step and no m or v, and their gradients are left out of the norm
+    (the engine forms none for them).
     """
 
     def __init__(self, cfg: ModelConfig, weights, *, lr: float,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, grad_accum_dtype=np.float32,
-                 max_grad_norm: float | None = None, micro_batches: int = 1):
+                 max_grad_norm: float | None = None, micro_batches: int = 1, frozen=None):
         if not lr > 0:
             raise ConfigError(f"lr must be positive, got {lr!r}; try 3e-4")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -102,8 +106,13 @@ class ReferenceTrainer:
         self.grad_accum_dtype = accum
         self.max_grad_norm = max_grad_norm
         self.micro_batches = micro_batches
-        self.m = [np.zeros_like(b) for b in self.blocks]
-        self.v = [np.zeros_like(b) for b in self.blocks]
+        self.frozen = as_frozen(frozen, cfg.n_layers)
+        self.trains = [not self.frozen.embed] + [not self.frozen.layer(i)
+                                                 for i in range(cfg.n_layers)] \
+            + [not self.frozen.head]
+        """Per block in file order (embed, layers..., head): whether it trains."""
+        self.m = [np.zeros_like(b) if t else None for b, t in zip(self.blocks, self.trains)]
+        self.v = [np.zeros_like(b) if t else None for b, t in zip(self.blocks, self.trains)]
         self.step = 0
         """Optimizer steps taken so far."""
         self.last_routers: tuple[RouterTotals, ...] = ()
@@ -183,14 +192,17 @@ class ReferenceTrainer:
     def train_step(self, batch: np.ndarray, labels: np.ndarray | None = None) -> StepResult:
         """One optimizer step on `batch` (n_seqs, seqlen + 1) int (and `labels`, as in
         accumulate_grads): accumulate the mean-loss gradient over its sequences, clip it if
-        asked, then AdamW on every block."""
+        asked, then AdamW on every block that trains."""
         loss_mean, n_tokens, grads = self.accumulate_grads(batch, labels)
-        grad_norm = math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads))
+        grad_norm = math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64)))
+                                  for g, t in zip(grads, self.trains) if t))
         clip_coef = 1.0
         if self.max_grad_norm is not None:
             clip_coef = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         self.step += 1
-        for param, grad, m, v in zip(self.blocks, grads, self.m, self.v):
+        for param, grad, m, v, trains in zip(self.blocks, grads, self.m, self.v, self.trains):
+            if not trains:  # a frozen block keeps its weights
+                continue
             adamw_step(param, grad, m, v, step=self.step, lr=self.lr, beta1=self.betas[0],
                        beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
                        grad_scale=clip_coef)

@@ -87,11 +87,24 @@ def head_flops(cfg: ModelConfig, tokens: int) -> int:
     return 3 * 2 * tokens * cfg.model_dim * cfg.vocab_size
 
 
-def model_flops_per_seq(cfg: ModelConfig, seqlen: int) -> float:
-    """ml_dataflow's per seq flops: L * (3 * layer matmul + attn fwd + attn bwd) + head."""
+def model_flops_per_seq(cfg: ModelConfig, seqlen: int, *, frozen_layers: int = 0,
+                        frozen_head: bool = False) -> float:
+    """ml_dataflow's per seq flops: L * (3 * layer matmul + attn fwd + attn bwd) + head, less
+    the weight-gradient matmuls that frozen blocks do not run (frozen_flops_per_seq)."""
     per_layer = (3 * layer_matmul_flops(cfg, seqlen) + attn_fwd_flops(cfg, seqlen)
                  + attn_bwd_flops(cfg, seqlen))
-    return cfg.n_layers * per_layer + head_flops(cfg, seqlen)
+    return cfg.n_layers * per_layer + head_flops(cfg, seqlen) \
+        - frozen_flops_per_seq(cfg, seqlen, frozen_layers, frozen_head)
+
+
+def frozen_flops_per_seq(cfg: ModelConfig, seqlen: int, frozen_layers: int,
+                         frozen_head: bool) -> float:
+    """The weight-gradient matmuls frozen blocks skip (dataflow.memplan.plan.frozen): a frozen
+    layer's backward forms dx only (one layer matmul's worth instead of two), a frozen head's
+    its backward-x matmul only; a frozen embedding saves nothing here (its lookup and
+    scatter-add are not counted). 0 with nothing frozen, so every count made before stands."""
+    return frozen_layers * layer_matmul_flops(cfg, seqlen) \
+        + frozen_head * 2 * seqlen * cfg.model_dim * cfg.vocab_size
 
 
 def model_flops_per_token(cfg: ModelConfig, seqlen: int) -> float:

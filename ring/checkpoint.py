@@ -136,6 +136,7 @@ def load_ring_checkpoint(rank, transport, cfg, path, *, verify: bool = True,
     try:
         path, meta = ckpt.read_checkpoint(path)
         adopt = ckpt.check_settings(path, meta, cfg, rank.optimizer, allow_changes)
+        ckpt.check_frozen(path, meta, rank.rp.plan)  # a frozen one has no m, v of some blocks
         todo = ckpt.block_entries(path, meta, rank, rank.block_refs())
         if verify:
             ckpt.verify_files(path, {"files": [entry for _, _, entry in todo]})

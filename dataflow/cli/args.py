@@ -87,6 +87,17 @@ def seqlen_tokens(text: str) -> int:
     return value
 
 
+def add_freeze_flag(parser: argparse.ArgumentParser) -> None:
+    """Add --freeze SPEC (Plan.frozen; docs/freeze.md), one help text for every command. The
+    spec is checked against the model's layers when the plan is made."""
+    parser.add_argument(
+        "--freeze", metavar="SPEC", default=None,
+        help="blocks that train no further, comma-separated: embed, head, layers:A-B, "
+             "layers:N, layers:all (e.g. embed,head,layers:0-29): they keep their weights and "
+             "get no gradient, AdamW state, gradient copy or weight-gradient GEMM, and the "
+             "plan counts only what trains (docs/freeze.md; one device only)")
+
+
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
     """Add --version: prints `PROG VERSION` and exits 0. VERSION is the installed distribution's,
     read the way dataflow.__version__ reads it (from the metadata, so that this module needs

@@ -17,11 +17,13 @@ import psutil
 from dataflow.backend import BackendError
 from dataflow.backends import make_backend
 from dataflow.cli import demo_checks as checks
-from dataflow.cli.args import OneLineParser, Outcome, add_version_flag, run_command, seqlen_tokens
+from dataflow.cli.args import (OneLineParser, Outcome, add_freeze_flag, add_version_flag,
+                               run_command, seqlen_tokens)
 from dataflow.cli.demo_ring import run_ring
 from dataflow.cli.demo_training import Training, add_flags, default_lr
 from dataflow.instrument import ChromeTraceWriter, PcieCounter, PcieSampler, op_totals
 from dataflow.memplan import explain, make_plan
+from dataflow.memplan.plan.frozen import parse_freeze
 from dataflow.memplan.plan.plan import Budget
 from dataflow.metrics_log import FORMATS, MetricsLog, run_metadata
 from dataflow.models.config import zoo_names
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward, E5M2 gradients, per-tensor scales) on an sm_89+ GPU or the "
                         "numpy backend; it pays at 8b-sized layers (1.22x on an H200), not "
                         "at small widths (docs/fp8.md)")
+    add_freeze_flag(p)
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -163,9 +166,10 @@ def _run(args, stop: checks.StopSignals) -> int:
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
                               "the deterministic backward); drop one of them")
-        if args.backward_update:
-            raise ConfigError("--backward-update is for one device (a ring rank updates after "
-                              "its gradients are summed); drop it or --gpus")
+        if args.backward_update or args.freeze:
+            raise ConfigError(f"{'--backward-update' if args.backward_update else '--freeze'} "
+                              "is for one device so far (a ring rank updates after its "
+                              "gradients are summed); drop it or --gpus")
 
         return run_ring(args, build_parser(), lr)
     if args.backward_update and (args.eager_update or args.max_grad_norm):
@@ -184,6 +188,9 @@ def _run(args, stop: checks.StopSignals) -> int:
         if args.precision not in (None, plan.precision.value):
             raise ConfigError(f"--precision {args.precision} differs from the --plan file's "
                               f"{plan.precision.value}; plan again with --precision, or drop it")
+        if args.freeze is not None and parse_freeze(args.freeze, cfg.n_layers) != plan.frozen:
+            raise ConfigError(f"--freeze {args.freeze} differs from the --plan file's "
+                              f"'{plan.frozen.spec()}'; plan again with --freeze, or drop it")
     precision = plan.precision.value if plan is not None else args.precision or "bf16"
     try:
         be_probe = make_backend(args.backend)
@@ -202,6 +209,8 @@ def _run(args, stop: checks.StopSignals) -> int:
             extra["precision"] = precision
         if args.fast_attention:
             extra["attention_bwd"] = "fast"
+        if args.freeze:
+            extra["freeze"] = args.freeze
         if args.seqs_per_step or args.tokens_per_step:
             extra.update(seqs_per_step=args.seqs_per_step, tokens_per_step=args.tokens_per_step)
         # the first signal stops a search at once (no step to finish); one that runs long says so

@@ -21,6 +21,7 @@ from dataflow.cli.args import (
     Debug,
     OneLineParser,
     Outcome,
+    add_freeze_flag,
     add_version_flag,
     run_command,
     seqlen_tokens,
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile's measured FP8 rate, or at the bf16 rate (no speedup claimed) "
                         "where none is measured; with --gpus, every rank and the one device "
                         "it is compared with")
+    add_freeze_flag(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version_flag(p)
@@ -124,6 +126,9 @@ def _run(args) -> str:
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans the "
                               "deterministic backward); drop one of them")
+        if args.freeze:
+            raise ConfigError("--freeze is planned for one device so far; drop --gpus or "
+                              "--freeze")
         return ring_report(cfg, args, budget, profile)
     batch = {k: v for k, v in (("seqs_per_step", args.seqs_per_step),
                                ("tokens_per_step", args.tokens_per_step)) if v is not None}
@@ -131,6 +136,8 @@ def _run(args) -> str:
         batch["attention_bwd"] = "fast"
     if args.precision != "bf16":
         batch["precision"] = args.precision
+    if args.freeze:
+        batch["freeze"] = args.freeze
     try:
         plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
     except InfeasibleBudget as exc:

@@ -70,6 +70,9 @@ class Engine:
         if options is not None:
             _check_options_alone(options, kwargs)
         if ring is not None:  # the ring builds this process's rank (dataflow.ring.engine.RingEngine)
+            if kwargs.get("freeze") or getattr(options, "freeze", None):
+                raise ConfigError("freeze= is built for one device so far (docs/freeze.md), not "
+                                  "for a ring; drop ring= or freeze=")
             if options is not None:  # the same engine as its fields passed as keywords
                 return ring.engine(*args[:1], **options.keywords())
             return ring.engine(*args, **kwargs)
@@ -80,7 +83,7 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, options: EngineOptions | None = None, *,
                  host_gb: float | None = None, dev_gb: float | None = None,
                  seqlen: int | None = None, seqs_per_step: int | None = None,
-                 tokens_per_step: int | None = None, precision: str = "bf16",
+                 tokens_per_step: int | None = None, precision: str = "bf16", freeze=None,
                  backend: str | Backend = "auto",
                  seed: int = 0, weights=None, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -110,6 +113,9 @@ class Engine:
         precision: 'bf16' (default) or 'fp8': the block projections' GEMMs in the FP8 recipe
             of docs/fp8.md, planned with its FP8 scratch (Plan.precision; from_plan runs the
             plan's). On an sm_89+ GPU or the NumPy backend; an older GPU refuses it by name.
+        freeze: blocks that train no further, e.g. 'embed,head,layers:0-29' (docs/freeze.md;
+            Plan.frozen): their weights stay as loaded, with no gradient, AdamW state, gradient
+            copy or weight-gradient GEMM; the planner counts only what trains.
         backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
         seed: the initialisation's seed (unused when weights are loaded).
         weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.
@@ -148,7 +154,7 @@ class Engine:
             options = EngineOptions(
                 host_gb=host_gb, dev_gb=dev_gb, seqlen=seqlen, seqs_per_step=seqs_per_step,
                 tokens_per_step=tokens_per_step, profile=profile, plan_options=plan_options,
-                precision=precision,
+                precision=precision, freeze=freeze,
                 run=RunOptions(backend=backend, seed=seed, weights=weights, lr=lr, betas=betas,
                                eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                optimizer=optimizer, lr_schedule=lr_schedule, sanitize=sanitize,
@@ -230,7 +236,8 @@ class Engine:
         np.savez comes back as raw 2-byte void '|V2' and is read as ml_dtypes.bfloat16).
         weights_only: load the parameters alone (e.g. weights from another trainer): AdamW
         state is zeroed and the step count restarts at 0; 'optimizer.*' keys are ignored.
-        Loading also clears gradients and lets an engine whose step failed train again."""
+        Loading also clears gradients and lets an engine whose step failed train again. A
+        frozen block (freeze=) takes its weights alone; AdamW keys of it are passed over."""
         self._state.load_state_dict(state, weights_only)
 
     @_serialised

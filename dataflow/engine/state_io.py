@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from dataflow.block_io import read_part, write_part, zero_state
-from dataflow.blocks import Block
+from dataflow.blocks import BLOCK_PARTS, Block, block_parts
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import ModelWeights
 from dataflow.models.layout import BlockKind
@@ -31,8 +31,6 @@ class BlockRef:
         return f"layers.{self.layer}" if self.kind is BlockKind.LAYER else self.kind.value
 
 
-BLOCK_PARTS = ("weights", "m", "v")
-"""The parts of a block that persist across steps (gradients are cleared by every step)."""
 
 
 class StateIO:
@@ -80,8 +78,9 @@ class StateIO:
         out: dict[str, np.ndarray] = {}
         for b in self.targets():
             lay = self.layout_of(b.kind)
-            parts = {"": self.read(b, "weights"), ".exp_avg": self.read(b, "m"),
-                     ".exp_avg_sq": self.read(b, "v")}
+            names = block_parts(self.plan, b.kind, b.layer)  # a frozen block: weights only
+            parts = {suffix: self.read(b, part) for suffix, part in (
+                ("", "weights"), (".exp_avg", "m"), (".exp_avg_sq", "v")) if part in names}
             for t in lay.tensors:
                 name = lay.full_name(t.name, b.layer)
                 for suffix, block in parts.items():
@@ -119,17 +118,22 @@ class StateIO:
         for b in self.targets():
             lay = self.layout_of(b.kind)
             for suffix, part in parts:
+                # a frozen block has no m or v: a state_dict's (one trained whole) is passed over
+                frozen = part not in block_parts(self.plan, b.kind, b.layer)
                 arrays = {}
                 for t in lay.tensors:
                     name = ("optimizer." if suffix else "") + lay.full_name(t.name, b.layer) \
                         + suffix
                     expected.add(name)
+                    if frozen:
+                        continue
                     value, problem = _checked_tensor(state, name, t.shape, bf16)
                     if problem:
                         problems.append(problem)
                     else:
                         arrays[t.name] = value
-                writes.append((b, part, lay, arrays))
+                if not frozen:
+                    writes.append((b, part, lay, arrays))
         unknown = sorted(k for k in state if k not in expected
                          and not (weights_only and str(k).startswith("optimizer.")))
         if unknown:
@@ -166,11 +170,11 @@ class StateIO:
             ex.embed if ref.kind is BlockKind.EMBED else ex.head
 
     def read_block(self, ref: BlockRef, part: str) -> np.ndarray:
-        _check_part(part)
+        self._check_part(ref, part)
         return self.read(self.block(ref), part)
 
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str) -> None:
-        _check_part(part)
+        self._check_part(ref, part)
         self.steps.settle()  # else the pending update would land on top of the written bytes
         self.write(self.block(ref), array, part)
         self.be.synchronize()
@@ -181,9 +185,12 @@ class StateIO:
                 for ref in self.block_refs())
 
 
-def _check_part(part: str) -> None:
-    if part not in BLOCK_PARTS:
-        raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+    def _check_part(self, ref: BlockRef, part: str) -> None:
+        if part not in BLOCK_PARTS:
+            raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+        if part not in block_parts(self.plan, ref.kind, ref.layer):
+            raise ConfigError(f"block {ref.name} is frozen ({self.plan.frozen.spec()}): it has "
+                              f"weights only, no AdamW '{part}'")
 
 
 def _checked_tensor(state: dict, name: str, shape: tuple, bf16: np.dtype):

@@ -208,7 +208,9 @@ class StepRunner:
     def result(self, stats, lr: float, loss_tokens: int) -> StepResult:
         """The StepResult of the executor's `stats` at `lr`."""
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
-        model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+        fz = plan.frozen  # frozen blocks run no weight-gradient GEMM: not counted
+        model_flops = model_flops_per_seq(cfg, ch.seqlen, frozen_layers=len(fz.layers),
+                                          frozen_head=fz.head) * ch.seqs_per_step
         hw_flops = model_flops + self.round_extra_flops * ch.rounds_per_step
         t = max(stats.step_time_s, 1e-12)
         peak = plan.profile.peak_bf16_flop_per_s

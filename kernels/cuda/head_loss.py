@@ -28,7 +28,8 @@ def xent_kernel(ctx, elems_per_lane: int = 4):
 
 def head_loss_fwd_bwd(ctx, x, w, targets, logits, grad_scale: float, dx, dw, loss_acc) -> None:
     """x (T, D) bf16, w (V, D) bf16, targets (T,) int32 device (IGNORE = -100) ->
-    dx (T, D) bf16|f32 written, dw (V, D) bf16|f32 +=, loss_acc (2,) f32 += [loss_sum, n_valid].
+    dx (T, D) bf16|f32 written, dw (V, D) bf16|f32 += (None: not formed), loss_acc (2,) f32 +=
+    [loss_sum, n_valid].
 
     logits (sub, V) f32 is scratch (its contents are destroyed); sub = logits.shape[0] tokens are
     processed at a time. dx and dw are gradients of grad_scale * loss_sum (pass
@@ -42,7 +43,8 @@ def head_loss_fwd_bwd(ctx, x, w, targets, logits, grad_scale: float, dx, dw, los
     _build.check("w", w, (v, d), (BF16,))
     _build.check("targets", targets, (t,), (I32,))
     _build.check("dx", dx, (t, d))
-    _build.check("dw", dw, (v, d))
+    if dw is not None:  # None: a frozen head, whose weight gradient is not formed
+        _build.check("dw", dw, (v, d))
     _build.check("loss_acc", loss_acc, (2,), (F32,))
     if logits.ndim != 2 or logits.shape[1] != v or logits.shape[0] < 1:
         raise ValueError(f"logits scratch must be (sub, V={v}) fp32; got {tuple(logits.shape)}")
@@ -65,5 +67,6 @@ def head_loss_fwd_bwd(ctx, x, w, targets, logits, grad_scale: float, dx, dw, los
         # dlogits: bf16 (rows, V) in place, row stride 2V elements (= one fp32 row).
         gemm(ctx, rows, d, v, lp, BF16, 2 * v, False, w.data.ptr, w.dtype, d, False,
              dx.data.ptr + t0 * d * dsz, dx.dtype, d, False)
-        gemm(ctx, v, d, rows, lp, BF16, 2 * v, True, xs, x.dtype, d, False,
-             dw.data.ptr, dw.dtype, d, True)
+        if dw is not None:
+            gemm(ctx, v, d, rows, lp, BF16, 2 * v, True, xs, x.dtype, d, False,
+                 dw.data.ptr, dw.dtype, d, True)

@@ -66,7 +66,8 @@ def rms_norm_fwd(ctx, x, w, eps: float, y, rstd, copy=None) -> None:
 
 
 def rms_norm_bwd(ctx, x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -> None:
-    """x (T, D), w (D,), rstd (T,) f32, dy (T, D) -> dx (T, D) written; dw_acc (D,) bf16|f32 +=.
+    """x (T, D), w (D,), rstd (T,) f32, dy (T, D) -> dx (T, D) written; dw_acc (D,) bf16|f32 +=
+    (None: not formed; the per-part partials still go through `scratch`).
 
     dx = rstd * (g - n * mean(g * n)) with g = dy * w, n = x * rstd; dw_acc += sum_t dy * n,
     reduced in two deterministic stages through `scratch` (f32, rms_norm_bwd_scratch_shape;
@@ -80,7 +81,8 @@ def rms_norm_bwd(ctx, x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -
     _build.check("rstd", rstd, (n,), (F32,))
     _build.check("dy", dy, (n, d), (x.dtype,))
     _build.check("dx", dx, (n, d), (x.dtype,))
-    _build.check("dw_acc", dw_acc, (d,), (BF16, F32))
+    if dw_acc is not None:  # None: a frozen block's norm, whose weight gradient is not formed
+        _build.check("dw_acc", dw_acc, (d,), (BF16, F32))
     if residual is not None:
         _build.check("residual", residual, (n, d), (x.dtype,))
     if not _build.aligned16(x, w, dy, dx, dy if residual is None else residual):
@@ -104,6 +106,8 @@ def rms_norm_bwd(ctx, x, w, rstd, dy, dx, dw_acc, scratch=None, residual=None) -
     k1 = _build.kernel(ctx, _SRC, _NAMES, f"rms_norm_bwd_kernel<{t}, {maxp}, {res}>")
     k1((parts,), (threads,), (x, w, rstd, dy, dx, scratch, np.int32(n), np.int32(d),
                               dy if residual is None else residual))
+    if dw_acc is None:
+        return
     tw = _build.ctype(dw_acc.dtype, "dw_acc")
     k2 = _build.kernel(ctx, _SRC, _NAMES, f"rms_norm_dw_reduce<{tw}>")
     k2((-(-d // 32),), (32, 8), (scratch, np.int32(parts), np.int32(d), dw_acc))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
     Chunking,
@@ -58,6 +59,8 @@ class Decisions:
     """See Plan.kv_rebuild."""
     precision: Precision = Precision.BF16
     """See Plan.precision."""
+    frozen: Frozen = NOTHING_FROZEN
+    """See Plan.frozen."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -69,7 +72,7 @@ def decisions_of(obj) -> Decisions:
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
                      attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
                      holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild,
-                     precision=obj.precision)
+                     precision=obj.precision, frozen=obj.frozen)
 
 
 def _positive(where: str, value) -> None:
@@ -150,8 +153,41 @@ def refuse_moe(cfg: ModelConfig, *, holds_embed: bool = True, holds_head: bool =
                           "n_shared_experts 0")
 
 
+def trained_placements(d: Decisions) -> list[LayerPlacement]:
+    """The placements of the blocks that train (layers, embedding, head; not the frozen ones,
+    whose placement counts for their weights only: Plan.frozen)."""
+    f = d.frozen
+    return [p for i, p in enumerate(d.layers) if not f.layer(i)] + [d.embed] * (not f.embed) \
+        + [d.head] * (not f.head)
+
+
 def any_streamed_optimizer(d: Decisions) -> bool:
-    return any(p.optimizer is OptimizerWhere.STREAMED for p in (*d.layers, d.embed, d.head))
+    return any(p.optimizer is OptimizerWhere.STREAMED for p in trained_placements(d))
+
+
+def home_layer_grads(d: Decisions) -> bool:
+    """Whether a trained layer's gradients stream through grad slots."""
+    return any(p.grads is Where.HOME for i, p in enumerate(d.layers) if not d.frozen.layer(i))
+
+
+def _check_frozen(d: Decisions) -> None:
+    """Frozen layers exist; an MoE layer is not frozen (its expert ops have no path without
+    weight gradients yet); a tied embedding and head freeze together (one parameter)."""
+    f, cfg = d.frozen, d.model
+    if not isinstance(f, Frozen):
+        raise ConfigError(f"frozen must be a Frozen, got {type(f).__name__}; use "
+                          "dataflow.memplan.plan.frozen.parse_freeze")
+    f.check(cfg.n_layers)
+    if f.layers and cfg.moe is not None:
+        raise ConfigError(f"model '{cfg.name}' is a mixture of experts, whose layers cannot be "
+                          f"frozen yet (layers {f.spec()}); freeze only embed and head")
+    if f.embed and f.head and len(f.layers) == cfg.n_layers:
+        raise ConfigError(f"freeze '{f.spec()}' freezes every block of model '{cfg.name}', so "
+                          "nothing would train; leave at least one block out (e.g. "
+                          f"layers:0-{cfg.n_layers - 2} keeps the last layer training)")
+    if cfg.tie_embeddings and f.embed != f.head:
+        raise ConfigError(f"model '{cfg.name}' ties its head to the embedding (one parameter), "
+                          "so freeze both or neither: add embed,head to the spec or drop both")
 
 
 def validate_decisions(d: Decisions) -> None:
@@ -167,6 +203,7 @@ def validate_decisions(d: Decisions) -> None:
     _check_placement("head", d.head)
     refuse_moe(cfg, holds_embed=d.holds_embed, holds_head=d.holds_head)
     _check_tied(d)
+    _check_frozen(d)
     if len(d.activations) != cfg.n_layers or any(len(row) != ch.chunks_per_round
                                                  for row in d.activations):
         raise ConfigError(f"activations must be {cfg.n_layers} rows (layers) of "
@@ -176,7 +213,7 @@ def validate_decisions(d: Decisions) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"slots.{field} must be a non-negative integer, got {value!r}")
     needs = (("weight_slots", any(p.weights is Where.HOME for p in d.layers), "layer weights"),
-             ("grad_slots", any(p.grads is Where.HOME for p in d.layers), "layer grads"),
+             ("grad_slots", home_layer_grads(d), "layer grads"),
              ("act_slots", any(a.home is Where.HOME for row in d.activations for a in row),
               "saved activations"),
              ("opt_stage_elems", any_streamed_optimizer(d), "optimizer states STREAMED"))

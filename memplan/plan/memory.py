@@ -8,7 +8,7 @@ Both `device_regions` and `host_regions` accept a Plan or a Decisions (the same 
 from __future__ import annotations
 
 from dataflow.memplan.plan import buffers
-from dataflow.memplan.plan.decisions import any_streamed_optimizer, decisions_of
+from dataflow.memplan.plan.decisions import any_streamed_optimizer, decisions_of, home_layer_grads
 from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
 from dataflow.memplan.plan.segments import (
     KV_REGION,
@@ -73,11 +73,15 @@ def grad_bpe(grad_accum: GradAccum) -> int:
     return buffers.grad_bytes_per_elem(grad_accum.value)
 
 
-def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where):
-    """weights/grads/m/v regions of one block that live at `where`."""
+def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where,
+                   frozen: bool = False):
+    """weights/grads/m/v regions of one block that live at `where`; a frozen block's weights
+    only (Plan.frozen)."""
     out = []
     if placement.weights is where:
         out.append((f"{prefix}.weights", elems * 2))
+    if frozen:
+        return out
     if placement.grads is where:
         out.append((f"{prefix}.grads", elems * gbpe))
     opt_here = (placement.optimizer is OptimizerWhere.DEVICE) == (where is Where.DEVICE)
@@ -112,18 +116,20 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
+    fz = d.frozen
     for i, p in enumerate(d.layers):
-        out += _state_regions(f"layer{i}", p, elems["layer"], gbpe, Where.DEVICE)
+        out += _state_regions(f"layer{i}", p, elems["layer"], gbpe, Where.DEVICE, fz.layer(i))
     if any(p.weights is Where.HOME for p in d.layers):
         out.append(("weight_slots", s.weight_slots * elems["layer"] * 2))
-    if any(p.grads is Where.HOME for p in d.layers):
+    if home_layer_grads(d):
         out.append(("grad_slots", s.grad_slots * elems["layer"] * gbpe))
     if d.holds_embed:
-        out += _state_regions("embed", d.embed, elems["embed"], gbpe, Where.DEVICE)
+        out += _state_regions("embed", d.embed, elems["embed"], gbpe, Where.DEVICE, fz.embed)
     if d.holds_head:
         out.append(("head.weights", elems["head"] * 2))
-        out.append(("head.grads", elems["head"] * gbpe))
-        if d.head.optimizer is OptimizerWhere.DEVICE:
+        if not fz.head:
+            out.append(("head.grads", elems["head"] * gbpe))
+        if d.head.optimizer is OptimizerWhere.DEVICE and not fz.head:
             out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
     t = ch.chunk_tokens
     act_bytes = _act_sizes(cfg, t)
@@ -172,12 +178,14 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
+    fz = d.frozen
     for i, p in enumerate(d.layers):
-        out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME)
+        out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME,
+                              fz.layer(i))
     if d.holds_embed:
-        out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME)
+        out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME, fz.embed)
     if d.holds_head:
-        out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME)
+        out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME, fz.head)
     act_bytes = _act_sizes(cfg, ch.chunk_tokens)
     no_kv = kv_less(d)
     for layer, row in enumerate(d.activations):

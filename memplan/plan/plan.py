@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import math
 
+from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -266,6 +267,10 @@ class Plan:
     chunk's K/V are re-formed from its saved input x (RMSNorm, the K and V projections and RoPE,
     the forward's own kernels, so bit for bit), x coming over H2D into the `kv_rebuild` staging
     for a chunk kept at home. Left out of the JSON while False."""
+    frozen: Frozen = dataclasses.field(default=NOTHING_FROZEN, metadata={"omit_if_default": True})
+    """Blocks that train no further (dataflow.memplan.plan.frozen): no gradient or AdamW region,
+    no gradient copy, no weight-gradient GEMM. Left out of the JSON (and hash) while nothing is
+    frozen."""
 
     def to_json(self) -> str:
         return to_json(self)

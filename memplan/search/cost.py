@@ -34,6 +34,7 @@ from dataflow.models.flops import (
     attn_bwd_flops,
     attn_fwd_flops,
     flash_recompute_flops,
+    frozen_flops_per_seq,
     head_flops,
     layer_matmul_flops,
     level_recompute_flops,
@@ -231,6 +232,9 @@ class ChunkCosts:
     refwd_kept_flops: float = 0.0
     """A segment boundary's re-run from the attention output it kept (KEEPS_ATTN_OUT): the
     O projection and the FFN (and K/V of a split sequence), no Q projection or attention."""
+    bwd_frozen_s: float = 0.0
+    """The backward of a frozen layer (Plan.frozen): bwd_s without the weight-gradient GEMMs
+    (dx only) and without their FP8 share."""
 
 
 KEEPS_ATTN_OUT = (SavedLevel.INP_ATTN, SavedLevel.FULL)
@@ -242,18 +246,22 @@ LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 
 
 
 def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_bytes: int,
-                 p: HardwareProfile) -> float:
+                 p: HardwareProfile, frozen: bool = False) -> float:
     """The head of one chunk: its three GEMMs, the cross-entropy passes over fp32 logits, and
     the weight gradient's accumulation, which reads and writes the whole (V, D) gradient once
     per sub-chunk (at 8b, 2 GiB of bf16 a time: a 2048-token sub-chunk halves it). The GEMM
     term alone matched the head measured with the default sub-chunk (8b at 8k: 44.9 ms
-    predicted, 43.5 measured), so accumulations are counted beyond or short of that one's."""
+    predicted, 43.5 measured), so accumulations are counted beyond or short of that one's.
+    A frozen head (Plan.frozen) runs no weight-gradient GEMM and accumulates nothing."""
     t = chunk_tokens
     hbm = p.device_mem_bytes_per_s
     ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
     extra = t // sub_tokens - t // head_sub_tokens(t)
     acc_bytes = extra * cfg.vocab_size * cfg.model_dim * grad_bytes * 2
-    return (head_flops(cfg, t) / gemm_flop_per_s(cfg, p, t) + (ce_bytes + acc_bytes) / hbm) \
+    flops = head_flops(cfg, t)
+    if frozen:
+        flops, acc_bytes = flops * 2 // 3, 0
+    return (flops / gemm_flop_per_s(cfg, p, t) + (ce_bytes + acc_bytes) / hbm) \
         * (1.0 + LAUNCH_OVERHEAD_FRAC)
 
 
@@ -294,6 +302,8 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s
         bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s) * over + a_bwd_s \
             + exp_bwd_s
+        bwd_frozen_s = (mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s / 2) * over \
+            + a_bwd_s + exp_bwd_s
         # A recompute re-runs its projections in FP8 too: the forward's difference in their share.
         rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s
         rec_f = rec_full / gemm * over
@@ -303,7 +313,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
                               fwd_flops=mm + a_fwd,
                               refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
                               * over + exp_fwd_s,
-                              refwd_kept_flops=mm_kept))
+                              refwd_kept_flops=mm_kept, bwd_frozen_s=bwd_frozen_s))
     return tuple(out)
 
 
@@ -349,7 +359,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
                 for lv in SavedLevel for kv in (True, False) if kv or lv is not SavedLevel.FULL}
     fwd_s = sum(c.fwd_s for c in costs)
-    bwd0 = sum(c.bwd_s for c in costs)
+    bwd_by_frozen = (sum(c.bwd_s for c in costs), sum(c.bwd_frozen_s for c in costs))
     bwd_s, act_count, act_bytes = [], [], []
     rec_s = rec_flops = 0.0
     seg_s, seg_flops = segment_recompute(costs, cfg.n_layers, d.segment_layers,
@@ -363,7 +373,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
             + n_kv * kv_s
         rec_flops += sum(costs[c].rec_flops[LEVEL_INDEX[a.level]] for c, a in enumerate(row)) \
             + n_kv * kv_flops
-        bwd_s.append(bwd0 + r)
+        bwd_s.append(bwd_by_frozen[d.frozen.layer(layer)] + r)
         rec_s += r
         # a re-formed chunk at home crosses H2D twice: its activation, and x for the re-forming
         home = [act_size[(a.level, (layer, c) not in rebuilt)]
@@ -378,34 +388,41 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
 
 def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops, costs, elems,
                   gbpe) -> Workload:
-    """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head."""
-    cfg, ch, L = d.model, d.chunking, d.model.n_layers
+    """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head, frozen (a
+    frozen block has no gradient traffic and no optimizer work)."""
+    cfg, ch, L, fz = d.model, d.chunking, d.model.n_layers, d.frozen
     emb, head = d.holds_embed, d.holds_head  # a ring rank runs only the blocks it owns
     head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
-                                                gbpe, p) if head else 0.0
+                                                gbpe, p, fz.head) if head else 0.0
     rows = ch.tokens_per_round * cfg.model_dim * 2
     opt = {OptimizerWhere.DEVICE: 0, OptimizerWhere.STREAMED: 0, OptimizerWhere.HOST: 0}
-    for placement, n in ((q, elems["layer"]) for q in d.layers):
-        opt[placement.optimizer] += n
-    opt[d.embed.optimizer] += elems["embed"] * emb
-    opt[d.head.optimizer] += elems["head"] * head
+    for i, q in enumerate(d.layers):
+        opt[q.optimizer] += elems["layer"] * (not fz.layer(i))
+    opt[d.embed.optimizer] += elems["embed"] * emb * (not fz.embed)
+    opt[d.head.optimizer] += elems["head"] * head * (not fz.head)
+    bwd_base = (sum(c.bwd_s for c in costs), sum(c.bwd_frozen_s for c in costs))
     return Workload(
         n_layers=L, fwd_s=fwd_s, bwd_s=bwd_s, head_s=head_s,
         streamed=[q.weights is Where.HOME for q in d.layers],
-        grads_home=[q.grads is Where.HOME for q in d.layers], act_count=act_count,
+        grads_home=[q.grads is Where.HOME and not fz.layer(i) for i, q in enumerate(d.layers)],
+        act_count=act_count,
         act_bytes=act_bytes,
         layer_bytes=elems["layer"] * 2, grad_bytes=elems["layer"] * gbpe,
         weight_slots=d.slots.weight_slots, grad_slots=d.slots.grad_slots,
         act_slots=d.slots.act_slots,
         head_w_bytes=elems["head"] * 2 if head and d.head.weights is Where.HOME else 0,
-        head_g_bytes=elems["head"] * gbpe if head and d.head.grads is Where.HOME else 0,
+        head_g_bytes=elems["head"] * gbpe if head and d.head.grads is Where.HOME
+        and not fz.head else 0,
         embed_rows_bytes=rows if emb and d.embed.weights is Where.HOME else 0,
-        embed_grad_rows_bytes=rows if emb and d.embed.grads is Where.HOME else 0,
-        compute_s=L * (fwd_s + sum(c.bwd_s for c in costs)) + head_s, recompute_s=rec_s,
+        embed_grad_rows_bytes=rows if emb and d.embed.grads is Where.HOME and not fz.embed
+        else 0,
+        compute_s=L * fwd_s + sum(bwd_base[fz.layer(i)] for i in range(L)) + head_s,
+        recompute_s=rec_s,
         extra_flops=rec_flops + L * sum(c.flash_flops for c in costs),
         opt_device_elems=opt[OptimizerWhere.DEVICE],
         opt_streamed_elems=opt[OptimizerWhere.STREAMED], opt_host_elems=opt[OptimizerWhere.HOST],
-        gbpe=gbpe)
+        gbpe=gbpe, frozen_flops_per_seq=frozen_flops_per_seq(
+            cfg, ch.seqlen, len(fz.layers), fz.head and head))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -475,7 +492,8 @@ def compose(cfg: ModelConfig, ch: Chunking, p: HardwareProfile, w: Workload,
     step = first.time_s + (R - 1) * later.time_s + opt.time_s
     exp_h = first.exposed_h2d_s + (R - 1) * later.exposed_h2d_s
     exp_d = first.exposed_d2h_s + (R - 1) * later.exposed_d2h_s
-    model_flops = model_flops_per_seq(cfg, ch.seqlen) * ch.seqs_per_step
+    model_flops = (model_flops_per_seq(cfg, ch.seqlen) - w.frozen_flops_per_seq) \
+        * ch.seqs_per_step
     hw_flops = model_flops + R * w.extra_flops
     compute, recompute = R * w.compute_s, R * w.recompute_s
     opt_name = "host memory" if opt.host_bound else "optimizer"
@@ -502,7 +520,7 @@ def event_seconds(plan, p: HardwareProfile):
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2
     head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
-                                                grad_bpe(d.grad_accum), p)
+                                                grad_bpe(d.grad_accum), p, d.frozen.head)
     ctx_s = 4 * ch.chunk_tokens * cfg.kv_dim * 2 / hbm
     kv_s = kv_rebuild_cost(cfg, ch.chunk_tokens, p)[0]
 
@@ -516,7 +534,9 @@ def event_seconds(plan, p: HardwareProfile):
                 return costs[ev.chunk].fwd_s
             if ev.op == "layer_bwd":
                 level = d.activations[ev.layer][ev.chunk].level
-                return costs[ev.chunk].bwd_s + costs[ev.chunk].rec_s[LEVEL_INDEX[level]]
+                cc = costs[ev.chunk]  # no gradient ref: a frozen layer's (dx only)
+                return (cc.bwd_s if ev.grads is not None else cc.bwd_frozen_s) \
+                    + cc.rec_s[LEVEL_INDEX[level]]
             if ev.op == "head":
                 return head_s
             if ev.op == "ctx_cast":

@@ -4,13 +4,22 @@ the plan only (works for forced plans too). Never imports array libraries."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import chunk_target_tokens
-from dataflow.memplan.plan.memory import CATEGORIES
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.frozen import NOTHING_FROZEN
+from dataflow.memplan.plan.memory import CATEGORIES, memory_map
 from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
 from dataflow.memplan.search.cost import DEFAULT_OPT_TARGET_FRAC
 from dataflow.memplan.search.predict import predict_schedule
-from dataflow.models.flops import SavedLevel, flop_model_version
+from dataflow.models.flops import (
+    SavedLevel,
+    flop_model_version,
+    frozen_flops_per_seq,
+    model_flops_per_seq,
+)
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -146,10 +155,12 @@ def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
     if resident == cfg.n_layers:
         out.append("layers: all state fits on the device, so no weight or gradient crosses PCIe")
     else:
+        frozen = (f"; a frozen one {_size(layer_b)}, its weights alone"
+                  if plan.frozen.layers else "")
         out.append(f"layers: {resident} resident (each costs {_size(4 * layer_b)} of device for "
-                   f"weights, grads, m and v); the others stream through {s.weight_slots} weight "
-                   f"and {s.grad_slots} grad slot(s) (prefetch depth {s.weight_slots - 1}), "
-                   f"{_size(layer_b)} per crossing")
+                   f"weights, grads, m and v{frozen}); the others stream through "
+                   f"{s.weight_slots} weight and {s.grad_slots} grad slot(s) (prefetch depth "
+                   f"{s.weight_slots - 1}), {_size(layer_b)} per crossing")
     home = [p for p in (*plan.layers, plan.embed, plan.head) if p.weights is Where.HOME]
     if home:
         opt = home[0].optimizer
@@ -159,15 +170,23 @@ def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
                    f"the Engine runs a step's update {UPDATE_WHERE[update]} "
                    "(what it does not hide there is the prediction's optimizer time)")
     rows = ch.tokens_per_round * cfg.model_dim * 2
+    fz = plan.frozen
     if plan.embed.weights is Where.HOME:
         out.append(f"embedding: the host gathers {_size(rows)} of rows per round instead of the "
-                   f"device holding the table, its grads and AdamW state")
+                   f"device holding the table" + (" (frozen: no gradient rows come back)"
+                                                  if fz.embed else ", its grads and AdamW state"))
     else:
-        out.append("embedding: on the device with its grads and AdamW state")
-    out.append("head: " + ("weights visit the device once a step (a later round finds them "
-                           "still in their slot), grads each round"
-                           if plan.head.weights is Where.HOME else
-                           "resident with its AdamW state"))
+        out.append("embedding: on the device" + (" (frozen: weights only)" if fz.embed else
+                                                 " with its grads and AdamW state"))
+    if fz.head:
+        out.append("head: frozen, its weights " + ("visit the device once a step"
+                                                   if plan.head.weights is Where.HOME else
+                                                   "resident") + "; no gradient or AdamW state")
+    else:
+        out.append("head: " + ("weights visit the device once a step (a later round finds "
+                               "them still in their slot), grads each round"
+                               if plan.head.weights is Where.HOME else
+                               "resident with its AdamW state"))
     out.append(_act_reason(plan))
     exposed = pr.exposed_h2d_s + pr.exposed_d2h_s
     out.append(f"bottleneck: {pr.bottleneck} (exposed copies {_t(exposed)}, recompute "
@@ -221,6 +240,25 @@ def _precision_lines(plan: Plan) -> list[str]:
             "workspace"]
 
 
+def _frozen_lines(plan: Plan) -> list[str]:
+    """What a plan freezes and what that saves against the same decisions trained whole
+    (nothing when nothing is frozen)."""
+    fz = plan.frozen
+    if not fz.anything:
+        return []
+    cfg, ch = plan.model, plan.chunking
+    whole = memory_map(dataclasses.replace(decisions_of(plan), frozen=NOTHING_FROZEN))
+    saved_host = whole.host_bytes - plan.memory.host_bytes
+    saved_dev = whole.device_bytes - plan.memory.device_bytes
+    flops = frozen_flops_per_seq(cfg, ch.seqlen, len(fz.layers), fz.head)
+    share = flops / (model_flops_per_seq(cfg, ch.seqlen)) if flops else 0.0
+    return [f"Frozen: {fz.describe(cfg.n_layers)} ('{fz.spec()}', docs/freeze.md): no gradient, "
+            f"AdamW state, gradient copy or weight-gradient GEMM for them; the same decisions "
+            f"training everything would hold {_size(saved_host)} more host and "
+            f"{_size(saved_dev)} more device; the skipped GEMMs are {share:.1%} of the whole "
+            "model's FLOPs (the MFU below counts only what runs)"]
+
+
 def explain(plan: Plan, update: str = "deferred") -> str:
     """A terminal overview of `plan` and the reason for each decision, the prediction for the
     update mode the run uses (UPDATE_WHERE; the Engine's default, 'deferred', unless told)."""
@@ -233,7 +271,7 @@ def explain(plan: Plan, update: str = "deferred") -> str:
             f"attention backward {plan.attention_bwd.value}, precision {plan.precision.value}]")
     s = plan.slots
     pr = predict_schedule(plan, plan.profile, update=update)
-    lines = [head, *_chunking_lines(plan), *_precision_lines(plan),
+    lines = [head, *_chunking_lines(plan), *_precision_lines(plan), *_frozen_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
              f"{s.opt_stage_elems:,} elements"),

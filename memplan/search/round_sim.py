@@ -49,6 +49,9 @@ class Workload:
     opt_streamed_elems: int
     opt_host_elems: int
     gbpe: int
+    frozen_flops_per_seq: float = 0.0
+    """Model FLOPs per sequence the frozen blocks' skipped weight-gradient GEMMs take off
+    (dataflow.models.flops.frozen_flops_per_seq): MFU counts the work that runs."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from dataflow.memplan.plan.chunking import (
 )
 from dataflow.memplan.plan.decisions import refuse_moe
 from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_up, size_text
+from dataflow.memplan.plan.frozen import as_frozen
 from dataflow.memplan.plan.memory import memory_map
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
@@ -55,7 +56,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head", "kv_rebuild", "segments", "precision")
+               "holds_head", "kv_rebuild", "segments", "precision", "freeze")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -128,6 +129,7 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
     except ValueError:
         raise ConfigError(f"precision must be one of {[x.value for x in Precision]}, got "
                           f"{precision!r}") from None
+    opts["freeze"] = as_frozen(opts.get("freeze"), cfg.n_layers)  # Plan.frozen
     attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
     try:
         opts["attention_bwd"] = AttentionBwd(attn)
@@ -181,7 +183,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     ('streamed' or 'host'), max_resident_layers, attention_bwd ('deterministic', the default,
     or 'fast': see AttentionBwd), kv_rebuild (True / False; by default the search tries both
     for split sequences: see Plan.kv_rebuild), holds_embed and holds_head (False for a ring
-    rank that does not own the embedding / head: dataflow.memplan.search.ring_plan), and the trainer's global
+    rank that does not own the embedding / head: dataflow.memplan.search.ring_plan), freeze (a
+    spec such as 'embed,head,layers:0-29' or a Frozen: Plan.frozen), and the trainer's global
     batch as seqs_per_step or tokens_per_step (a multiple of seqlen): the plan then takes
     exactly that many sequences per step (chunks x rounds chosen to fit it). Raises
     InfeasibleBudget naming the smallest budgets that work."""
@@ -203,7 +206,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
     shaping = {k: v for k, v in constraints.items()
-               if k not in ("attention_bwd", "segments", "precision")}
+               if k not in ("attention_bwd", "segments", "precision", "freeze")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan

@@ -12,6 +12,7 @@ import functools
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
 from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
+from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
 from dataflow.memplan.plan.memory import (
     NORM_HOST_BYTES,
     TOKEN_ID_BYTES,
@@ -109,10 +110,12 @@ class Space:
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
                  holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
-                 precision: Precision = Precision.BF16):
+                 precision: Precision = Precision.BF16, frozen: Frozen = NOTHING_FROZEN):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.precision = precision
+        self.frozen = frozen
+        """Plan.frozen: blocks with weights only (no gradients, AdamW state or their work)."""
         self.kv_rebuild = kv_rebuild
         """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
@@ -174,9 +177,9 @@ class Space:
                 self.rec_pre[i].append(self.rec_pre[i][-1] + rs[i])
                 self.recf_pre[i].append(self.recf_pre[i][-1] + rf[i])
         self.fwd_s = sum(c.fwd_s for c in self.costs)
-        self.bwd0 = sum(c.bwd_s for c in self.costs)
-        self.compute_round_s = self.L * (self.fwd_s + self.bwd0) \
-            + self.holds_head * self.C * head_seconds(cfg, t, self.head_sub, self.gbpe, p)
+        self._init_frozen(frozen)
+        self.compute_round_s = self.L * self.fwd_s + sum(self.bwd_of) + self.holds_head \
+            * self.C * head_seconds(cfg, t, self.head_sub, self.gbpe, p, frozen.head)
         # A chunk kept at home brings x over H2D a second time for its re-forming, during the
         # backward of the layer above (dataflow.memplan.step.compile.prefill_context): H2D bytes of that
         # layer's activation traffic, which the workload hides behind compute where it can.
@@ -184,21 +187,7 @@ class Space:
         self.class_extra_b = tuple(x_b if where is Where.HOME and lv in REBUILT_KV_LEVELS
                                    else 0 for where, lv in ACT_CLASSES)
         self.seg_s, self.seg_flops = segment_recompute(self.costs, self.L, self.k)
-        # A boundary of a segment of two or more layers that keeps its attention output is
-        # re-run without attention: seg_s charges a whole forward to the segment's top layer,
-        # which gets the difference back per boundary chunk at such a level (prefix sums by
-        # level index; zero for INP_ONLY).
-        self.top_of = {first: end - 1 for first, end in segment_bounds(self.L, self.k)
-                       if end - first >= 2}
-        self.rerun_pre = [[0.0] for _ in range(3)]
-        self.rerunf_pre = [[0.0] for _ in range(3)]
-        for cc in self.costs:
-            for i, lv in enumerate((SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY)):
-                kept = lv in KEEPS_ATTN_OUT
-                self.rerun_pre[i].append(self.rerun_pre[i][-1]
-                                         + kept * (cc.fwd_s - cc.refwd_kept_s))
-                self.rerunf_pre[i].append(self.rerunf_pre[i][-1]
-                                          + kept * (cc.fwd_flops - cc.refwd_kept_flops))
+        self._init_rerun()
         rerun = bool(self.top_of)
         self.min_rec_s = tuple(
             min(r[LEVEL_INDEX[lv]] - rerun * (self.rerun_pre[LEVEL_INDEX[lv]][c + 1]
@@ -215,6 +204,37 @@ class Space:
         """State.acts -> _layer_work (lists shared by Workloads: nothing mutates them), while
         the search grows this space's chains (start_chains to end_chains); None otherwise."""
 
+    def _init_rerun(self) -> None:
+        """A boundary of a segment of two or more layers that keeps its attention output is
+        re-run without attention: seg_s charges a whole forward to the segment's top layer,
+        which gets the difference back per boundary chunk at such a level (prefix sums by
+        level index; zero for INP_ONLY)."""
+        self.top_of = {first: end - 1 for first, end in segment_bounds(self.L, self.k)
+                       if end - first >= 2}
+        self.rerun_pre = [[0.0] for _ in range(3)]
+        self.rerunf_pre = [[0.0] for _ in range(3)]
+        for cc in self.costs:
+            for i, lv in enumerate((SavedLevel.FULL, SavedLevel.INP_ATTN, SavedLevel.INP_ONLY)):
+                kept = lv in KEEPS_ATTN_OUT
+                self.rerun_pre[i].append(self.rerun_pre[i][-1]
+                                         + kept * (cc.fwd_s - cc.refwd_kept_s))
+                self.rerunf_pre[i].append(self.rerunf_pre[i][-1]
+                                          + kept * (cc.fwd_flops - cc.refwd_kept_flops))
+
+    def _init_frozen(self, frozen: Frozen) -> None:
+        """Per-layer backward seconds (a frozen layer's without its weight-gradient GEMMs) and
+        the counts State.memory needs: frozen layers among the first k of the spread order
+        (the resident ones), and the bytes a frozen block holds less than a trained one."""
+        self.bwd0 = sum(c.bwd_s for c in self.costs)
+        bwd_frozen = sum(c.bwd_frozen_s for c in self.costs)
+        self.bwd_of = [bwd_frozen if frozen.layer(i) else self.bwd0 for i in range(self.L)]
+        self.frozen_res = [0]
+        for layer in self.order:
+            self.frozen_res.append(self.frozen_res[-1] + frozen.layer(layer))
+        self.n_frozen = len(frozen.layers)
+        self.untrained_b = {k: v - self.elems[k] * 2 for k, v in self.block_state.items()}
+        """Bytes of gradient and AdamW state a frozen block does not hold (per block kind)."""
+
     def _fixed_device_bytes(self, t: int) -> int:
         """Device bytes every state of this space holds whatever it places: a chunk's
         workspace, the context, transitions, library scratch, the head's buffers and weights
@@ -227,7 +247,7 @@ class Space:
             buffers.library_scratch_specs(cfg)))
         if self.holds_head:  # its buffers, and its weights and grads (a region or a slot)
             fixed += buffers.packed_bytes(buffers.head_specs(cfg, t, self.head_sub)) \
-                + e["head"] * 2 + e["head"] * self.gbpe
+                + e["head"] * 2 + e["head"] * self.gbpe * (not self.frozen.head)
         fixed += buffers.align(buffers.attention_workspace_bytes(
             cfg, t, ch.seqlen, deterministic=self.attention_bwd is AttentionBwd.DETERMINISTIC))
         fixed += self.p.library_reserve_bytes  # outside the arena, inside the budget
@@ -239,8 +259,15 @@ class Space:
         return frozenset(self.order[:k])
 
     # -- memory ----------------------------------------------------------------------------
+    def _trained_home_layers(self, s: State) -> int:
+        """Layers at home (not among the resident) that train: their gradients use slots."""
+        return self.L - s.resident - (self.n_frozen - self.frozen_res[s.resident])
+
     def _any_streamed_opt(self, s: State) -> bool:
-        return s.opt_streamed and (s.resident < self.L or not s.embed_dev or not s.head_dev)
+        fz = self.frozen
+        return s.opt_streamed and (self._trained_home_layers(s) > 0
+                                   or not (s.embed_dev or fz.embed)
+                                   or not (s.head_dev or fz.head))
 
     def memory(self, s: State, rounds_per_step: int | None = None) -> tuple[int, int]:
         """(device bytes, host bytes) of the materialised plan at `rounds_per_step` rounds a
@@ -250,22 +277,28 @@ class Space:
         e, L = self.elems, self.L
         if rounds_per_step is None:
             rounds_per_step = self.ch.rounds_per_step
-        dev = self.fixed_device + s.resident * self.block_state["layer"]
-        host = self.fixed_host + (L - s.resident) * self.block_state["layer"]
+        fz, less = self.frozen, self.untrained_b
+        frozen_res = self.frozen_res[s.resident]
+        dev = self.fixed_device + s.resident * self.block_state["layer"] \
+            - frozen_res * less["layer"]
+        host = self.fixed_host + (L - s.resident) * self.block_state["layer"] \
+            - (self.n_frozen - frozen_res) * less["layer"]
         if s.resident < L:
-            dev += s.weight_slots * self.layer_b + s.grad_slots * self.layer_g
+            dev += s.weight_slots * self.layer_b
+            dev += s.grad_slots * self.layer_g * (self._trained_home_layers(s) > 0)
         if not self.holds_embed:
             pass
         elif s.embed_dev:
-            dev += self.block_state["embed"]
+            dev += self.block_state["embed"] - fz.embed * less["embed"]
         else:
-            host += self.block_state["embed"] + self.rows_b[row_parts(rounds_per_step)]
+            host += self.block_state["embed"] - fz.embed * less["embed"] \
+                + self.rows_b[row_parts(rounds_per_step)]
         if not self.holds_head:
             pass
         elif s.head_dev:
-            dev += 2 * e["head"] * 2
+            dev += 2 * e["head"] * 2 * (not fz.head)
         else:
-            host += self.block_state["head"]
+            host += self.block_state["head"] - fz.head * less["head"]
         dev += sum(n * b for n, b in zip(s.acts[:3], self.act_size[:3]))
         host += sum(n * b for n, b in zip(s.acts[3:], self.act_size[3:]))
         home_max = max((b for n, b in zip(s.acts[3:], self.act_size[3:]) if n), default=0)
@@ -290,9 +323,13 @@ class Space:
 
     def optimizer(self, s: State) -> OptimizerCost:
         e, L = self.elems, self.L
-        emb, head = e["embed"] * self.holds_embed, e["head"] * self.holds_head
-        dev = s.resident * e["layer"] + s.embed_dev * emb + s.head_dev * head
-        home = (L - s.resident) * e["layer"] + (not s.embed_dev) * emb + (not s.head_dev) * head
+        fz = self.frozen
+        emb = e["embed"] * self.holds_embed * (not fz.embed)
+        head = e["head"] * self.holds_head * (not fz.head)
+        trained_res = s.resident - self.frozen_res[s.resident]
+        dev = trained_res * e["layer"] + s.embed_dev * emb + s.head_dev * head
+        home = self._trained_home_layers(s) * e["layer"] + (not s.embed_dev) * emb \
+            + (not s.head_dev) * head
         return adamw_cost(dev, home * s.opt_streamed, home * (not s.opt_streamed), self.gbpe,
                           self.p)
 
@@ -376,7 +413,7 @@ class Space:
                 if cls >= 3:
                     k += c1 - c0
                     b += (c1 - c0) * (self.act_size[cls] + self.class_extra_b[cls])
-            bwd_s.append(self.bwd0 + r)
+            bwd_s.append(self.bwd_of[layer] + r)
             rec_s += r
             rec_f += rf
             act_count.append(k)
@@ -390,7 +427,7 @@ class Space:
         streamed = s.resident < self.L
         n_home = sum(s.acts[3:]) + (self.n_inner if self.inner_class >= 3 else 0)
         slots = Slots(weight_slots=s.weight_slots if streamed else 0,
-                      grad_slots=s.grad_slots if streamed else 0,
+                      grad_slots=s.grad_slots if self._trained_home_layers(s) else 0,
                       act_slots=s.act_slots if n_home else 0, head_sub_tokens=self.head_sub,
                       opt_stage_elems=self.opt_stage_elems if self._any_streamed_opt(s) else 0)
         ch = dataclasses.replace(self.ch, rounds_per_step=rounds_per_step)
@@ -399,7 +436,8 @@ class Space:
                          head=RESIDENT if s.head_dev else home, grad_accum=self.grad_accum,
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
                          holds_embed=self.holds_embed, holds_head=self.holds_head,
-                         kv_rebuild=self.kv_rebuild, precision=self.precision)
+                         kv_rebuild=self.kv_rebuild, precision=self.precision,
+                         frozen=self.frozen)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

@@ -103,6 +103,10 @@ class ModelEnds:
         self.rows_sent[rnd] = ev
 
     def embed_bwd(self, rnd: int, dx: str) -> None:
+        """The lookup's gradient: a scatter-add on the device, or the rows sent home and added
+        there; nothing for a frozen table (Plan.frozen), whose rows get no gradient."""
+        if self.d.frozen.embed:
+            return
         em = self.em
         dev = self.block(EMBED, "grads", False)
         if dev is not None:

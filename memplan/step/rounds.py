@@ -121,9 +121,9 @@ class Rounds:
             em.wait(COMPUTE, self.targets_ready)
             # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
             # into the device head.grads region (a slot or the resident sum, idle between steps).
-            em.add(Compute("head", "head_loss", rnd, weights=w,
-                           grads=self.ref("head.grads", 0, self.numel["head"] * (
-                               2 if self.gdt == "bf16" else 4)), x=final, y=other))
+            g = None if self.d.frozen.head else self.ref("head.grads", 0, self.numel["head"] * (
+                2 if self.gdt == "bf16" else 4))  # a frozen head has no gradient region
+            em.add(Compute("head", "head_loss", rnd, weights=w, grads=g, x=final, y=other))
             if self.hw_ring is not None:
                 self.hw_ring.release(0)
         end = len(em.events)

@@ -199,7 +199,8 @@ class CompilerState:
             self.w_uses = [_Use(i, home[i]) for _, i in order]
             self.w_assigned = self.wring.assign_rounds(self.w_uses)
             self.w_index = {use: j for j, use in enumerate(order)}
-        gstreamed = [i for i in reversed(range(L)) if d.layers[i].grads is Where.HOME]
+        gstreamed = [i for i in reversed(range(L))
+                     if d.layers[i].grads is Where.HOME and not d.frozen.layer(i)]
         if gstreamed:
             self.gring = _Ring(em, self._slots("grad_slots", d.slots.grad_slots, n * gb), "g")
             home = {i: self.block(BlockKey.of_layer(i), "grads", True) for i in gstreamed}
@@ -241,7 +242,7 @@ class CompilerState:
             self.hw_ring = _Ring(em, [self.ref("head.weights", 0, nh * 2)], "headw")
             self.hw_uses = [_Use("head", self.block(HEAD, "weights", True))]
             self.hw_assigned = self.hw_ring.assign_rounds(self.hw_uses)
-        if head.grads is Where.HOME and d.holds_head:
+        if head.grads is Where.HOME and d.holds_head and not d.frozen.head:
             self.hg_ring = _Ring(em, [self.ref("head.grads", 0, nh * gb)], "headg")
             hg = self.block(HEAD, "grads", True)
             self.hg_uses = {f: [_Use("head", ZERO if f else hg, hg, self.gdt)]
@@ -265,11 +266,21 @@ class CompilerState:
         if self.block(BlockKey.of_layer(layer), "weights", False) is None:
             self.wring.release(self.w_index[(phase, layer)])
 
-    def grads(self, layer: int) -> Ref:
+    def frozen(self, key: BlockKey) -> bool:
+        """Whether `key` is frozen (Plan.frozen): no gradient, no AdamW."""
+        return self.d.frozen.block(key.kind, key.layer)
+
+    def grads(self, layer: int) -> Ref | None:
+        """Where layer `layer`'s gradient accumulates; None for a frozen layer (its backward
+        forms the input gradient only)."""
+        if self.d.frozen.layer(layer):
+            return None
         dev = self.block(BlockKey.of_layer(layer), "grads", False)
         return dev if dev is not None else self.gring.acquire(self.g_index[layer])
 
     def release_grads(self, layer: int) -> None:
+        if self.d.frozen.layer(layer):
+            return
         if self.block(BlockKey.of_layer(layer), "grads", False) is None:
             self.gring.release(self.g_index[layer])
 
@@ -332,7 +343,8 @@ class CompilerState:
         right before its squared norm (one device: nothing more to add)."""
 
     def owned_blocks(self) -> list[BlockKey]:
-        """The blocks the optimizer updates (one device: all of them; a plan that does not hold
-        the embedding or head: not those)."""
-        return [BlockKey.of_layer(i) for i in range(self.L)] + [EMBED] * self.has_embed \
+        """The blocks the optimizer updates (one device: all of them but the frozen ones; a
+        plan that does not hold the embedding or head: not those)."""
+        keys = [BlockKey.of_layer(i) for i in range(self.L)] + [EMBED] * self.has_embed \
             + [HEAD] * self.has_head
+        return [k for k in keys if not self.frozen(k)]

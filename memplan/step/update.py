@@ -35,6 +35,8 @@ class OptimizerUpdate:
             return frozenset()
         out = set()
         for key in (BlockKey.of_layer(i) for i in range(self.L)):
+            if self.frozen(key):
+                continue
             p = self.placement(key)
             if p.weights is Where.HOME and p.grads is Where.HOME \
                     and p.optimizer is OptimizerWhere.STREAMED:
@@ -65,8 +67,9 @@ class OptimizerUpdate:
     # -- gradient norm and clipping, on the device -------------------------------------------
     def sumsq(self, rnd: int, what: str, grads: Ref) -> None:
         """In the step's last round a block's gradient sum is complete (in its slot or resident
-        region) right after its backward: add its squared norm into the device scalar."""
-        if rnd == self.last_round:
+        region) right after its backward: add its squared norm into the device scalar. A
+        frozen block (no `grads`) adds nothing: the norm is over the trained blocks only."""
+        if rnd == self.last_round and grads is not None:
             self.grads_final(what, grads, COMPUTE)
             self.em.add(Compute(f"gnorm.{what}", "grad_sumsq", rnd, grads=grads))
 
@@ -75,7 +78,7 @@ class OptimizerUpdate:
         scale every update reads, both on the device; the host gets the scale by one small D2H
         when a block is updated there. Nothing waits on the host."""
         em = self.em
-        if self.block(EMBED, "grads", False) is None:
+        if self.block(EMBED, "grads", False) is None and not self.d.frozen.embed:
             em.wait(H2D, self.embed_grads_ready)
             em.add(Fetch("gnorm.embed", self.ref("transitions", self._scalar(2), 4),
                          self.ref("norm_host", 0, 4)))
@@ -83,7 +86,8 @@ class OptimizerUpdate:
         em.add(Compute("clip_scale", "clip_scale", self.last_round))
         self.scale_on_host = None
         keys = [BlockKey.of_layer(i) for i in range(self.L)] + [EMBED, HEAD]
-        if any(self.placement(k).optimizer is OptimizerWhere.HOST for k in keys):
+        if any(self.placement(k).optimizer is OptimizerWhere.HOST for k in keys
+               if not self.frozen(k)):
             em.wait(D2H, em.record(COMPUTE))
             em.wait(D2H, self.host_scale_read)  # deferred host updates read the last scale
             em.add(WriteBack("gnorm.scale", self.ref("norm_host", 4, 4),
