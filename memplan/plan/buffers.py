@@ -352,12 +352,20 @@ def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
 
 
 def head_specs(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int) -> tuple[TensorSpec, ...]:
-    """Final norm output and gradient for a chunk, and one fp32 logits sub-chunk."""
-    d, v = cfg.model_dim, cfg.vocab_size
-    return (TensorSpec("xn", (chunk_tokens, d), "bf16"), TensorSpec("dxn", (chunk_tokens, d), "bf16"),
-            TensorSpec("rstd", (chunk_tokens,), "f32"),
-            TensorSpec("logits", (sub_tokens, v), "f32"),
-            TensorSpec("loss", (2,), "f32"))
+    """Final norm output and gradient for a chunk, and one fp32 logits sub-chunk (of the
+    head's rows: a vocabulary-parallel ring rank's shard). A vocabulary-parallel head's also
+    what its ranks exchange per chunk (dataflow.memplan.step.ring_vocab): the per-token
+    statistics (max, sum-exp, target logit) and those received, the fp32 partial dx and the
+    one received."""
+    d, v, t = cfg.model_dim, cfg.head_rows, chunk_tokens
+    specs = (TensorSpec("xn", (t, d), "bf16"), TensorSpec("dxn", (t, d), "bf16"),
+             TensorSpec("rstd", (t,), "f32"),
+             TensorSpec("logits", (sub_tokens, v), "f32"),
+             TensorSpec("loss", (2,), "f32"))
+    if not cfg.head_vocab_rows:
+        return specs
+    return specs + (TensorSpec("vstats", (t, 3), "f32"), TensorSpec("vstats_in", (t, 3), "f32"),
+                    TensorSpec("vdx", (t, d), "f32"), TensorSpec("vdx_in", (t, d), "f32"))
 
 
 def block_elems(cfg: ModelConfig) -> dict[str, int]:

@@ -24,6 +24,7 @@ from dataflow.memplan.plan.ranks import (
     owned_layers,
     parse_placement,
     rank_model,
+    refuse_vocab_parallel,
 )
 from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
 from dataflow.memplan.search.search import make_plan
@@ -155,34 +156,40 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
                     placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
-                    **constraints) -> tuple[RankPlan, ...]:
+                    vocab_parallel: bool = False, **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
     is then imposed on the others, because every rank must process the same chunks in the same
     rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
     global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
     (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
+    `vocab_parallel`: every rank holds a shard of the head (RankPlan.vocab_parallel).
     Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     check_ring(cfg.n_layers, n_ranks, replicas=replicas)
     placement = parse_placement(placement)
+    vp = bool(vocab_parallel)
+    if vp:
+        refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-                            placement)
+                            placement, vp)
     # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
     # 64 has at most four kinds): plan each kind once and give the others its plan.
     kinds: dict[tuple, RankPlan] = {}
     out = []
     for r in range(n_ranks):
         layers = owned_layers(cfg.n_layers, n_ranks, r, owners)
-        key = (len(layers), *sorted(_holds(cfg, n_ranks, r, owners).items()))
+        model = rank_model(cfg, n_ranks, r, owners, vp)
+        key = (len(layers), model.head_rows, r == head_rank(cfg.n_layers, n_ranks, owners),
+               *sorted(_holds(cfg, n_ranks, r, owners, vp).items()))
         if r == 0 or key not in kinds:
             rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
-                            constraints, replicas, placement, owners)
+                            constraints, replicas, placement, owners, vp)
             kinds.setdefault(key, rp)
         else:
             like = kinds[key]
             rp = dataclasses.replace(
                 like, rank=r, layers=layers,
-                plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r, owners)))
+                plan=dataclasses.replace(like.plan, model=model))
         out.append(dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1))
     return tuple(out)
 
@@ -191,21 +198,24 @@ def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
                    placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
-                   **constraints) -> RankPlan:
+                   vocab_parallel: bool = False, **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
     every rank agrees without talking."""
     check_ring(cfg.n_layers, n_ranks, rank, replicas)
     placement = parse_placement(placement)
+    vp = bool(vocab_parallel)
+    if vp:
+        refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-                            placement)
+                            placement, vp)
     rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
-                    replicas, placement, owners)
+                    replicas, placement, owners, vp)
     return dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1)
 
 
 def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-            placement) -> tuple[tuple[int, ...], Plan]:
+            placement, vp: bool = False) -> tuple[tuple[int, ...], Plan]:
     """(the owners of the placement, empty for cyclic; rank 0's plan). Not cyclic: rank 0 of
     the cyclic ring is planned first for its chunking, the head's cost in layers at that
     chunking (head_layer_units) deals the layers, and rank 0 is planned again with its own
@@ -216,8 +226,8 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                           "layer's rank; train it on one GPU or as data-parallel replicas "
                           "(rings of 1)")
     constraints = _no_segments(constraints, n_ranks)
-    first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
-                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
+    first = make_plan(rank_model(cfg, n_ranks, 0, None, vp), seqlen, budget, profile,
+                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0, (), vp))
     if placement is Placement.CYCLIC or n_ranks == 1:
         return (), first
     ch = first.chunking
@@ -227,8 +237,8 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                   rounds_per_step=ch.rounds_per_step)
     if cfg.moe is not None:
         moe_routing_chain(cfg.name, cfg.n_layers, n_ranks, owners, placement)
-    first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
-                      grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
+    first = make_plan(rank_model(cfg, n_ranks, 0, owners, vp), seqlen, budget, profile,
+                      grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners, vp))
     return owners, first
 
 
@@ -239,23 +249,25 @@ def _no_segments(constraints: dict, n_ranks: int) -> dict:
     return dict(constraints, segments=False) if n_ranks > 1 else dict(constraints)
 
 
-def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ()) -> dict:
+def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = (),
+           vp: bool = False) -> dict:
     """make_plan's holds_embed / holds_head for rank r: it plans and allocates only the
-    embedding and head it owns (Plan.holds_embed)."""
+    embedding and head it owns (Plan.holds_embed); with a vocabulary-parallel head every rank
+    holds its shard of the head."""
     if n_ranks == 1:
         return {}
     return {"holds_embed": r == embed_rank(cfg.n_layers, n_ranks),
-            "holds_head": r == head_rank(cfg.n_layers, n_ranks, owners)}
+            "holds_head": vp or r == head_rank(cfg.n_layers, n_ranks, owners)}
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
-               replicas=1, placement=Placement.CYCLIC, owners=()):
+               replicas=1, placement=Placement.CYCLIC, owners=(), vp=False):
     ch = first.chunking
     shared = dict(_no_segments(constraints, n_ranks), chunk_tokens=ch.chunk_tokens,
                   chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step)
-    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners), seqlen, budget,
-                                          profile, grad_accum=grad_accum, **shared,
-                                          **_holds(cfg, n_ranks, r, owners))
+    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners, vp), seqlen,
+                                          budget, profile, grad_accum=grad_accum, **shared,
+                                          **_holds(cfg, n_ranks, r, owners, vp))
     if n_ranks > 1 and getattr(plan, "segment_layers", 1) > 1:
         # A segment re-runs the forward of consecutive local layers from the first one's input,
         # but a rank's consecutive local layers are not consecutive layers of the model (the
@@ -268,7 +280,8 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
                     has_head=r == head_rank(cfg.n_layers, n_ranks, owners),
                     n_layers=cfg.n_layers, plan=plan, replicas=replicas,
-                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners)
+                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners,
+                    vocab_parallel=vp)
 
 
 # -- the scaling model --------------------------------------------------------------------------
