@@ -154,11 +154,8 @@ def head_rows(vocab_size: int, n_ranks: int, rank: int) -> tuple[int, int]:
 
 
 def refuse_vocab_parallel(cfg: ModelConfig, n_ranks: int) -> None:
-    """The combinations the vocabulary-parallel head does not run yet, refused by name."""
-    if n_ranks < 2:
-        raise ConfigError("--vocab-parallel-head splits the head over the ranks of a ring; a ring "
-                          f"of {n_ranks} has nothing to split it over: use a ring of 2 or more "
-                          "ranks, or leave the flag off")
+    """The combinations the vocabulary-parallel head does not run yet (on a ring of n_ranks),
+    refused by name."""
     if cfg.tie_embeddings:
         raise ConfigError(f"--vocab-parallel-head: model '{cfg.name}' ties its head to the "
                           "embedding, which the vocabulary-parallel head does not split yet; "

@@ -163,11 +163,12 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
     rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
     global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
     (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
-    `vocab_parallel`: every rank holds a shard of the head (RankPlan.vocab_parallel).
+    `vocab_parallel`: every rank holds a shard of the head (RankPlan.vocab_parallel; a ring of
+    one rank holds the whole head, as without it).
     Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     check_ring(cfg.n_layers, n_ranks, replicas=replicas)
     placement = parse_placement(placement)
-    vp = bool(vocab_parallel)
+    vp = bool(vocab_parallel) and n_ranks > 1  # a ring of 1 holds the whole head anyway
     if vp:
         refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
@@ -204,7 +205,7 @@ def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
     every rank agrees without talking."""
     check_ring(cfg.n_layers, n_ranks, rank, replicas)
     placement = parse_placement(placement)
-    vp = bool(vocab_parallel)
+    vp = bool(vocab_parallel) and n_ranks > 1
     if vp:
         refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,

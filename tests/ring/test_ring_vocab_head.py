@@ -133,10 +133,11 @@ def test_vocab_parallel_head_messages_pair_and_shard_the_rows(n_ranks, n_layers)
 
 
 def test_vocab_parallel_head_refuses_what_it_does_not_run_and_names_the_flag():
-    """A ring of 1, a tied head and an MoE model are refused by name, with what works."""
+    """A tied head and an MoE model are refused by name, with what works; a ring of 1 (data
+    parallelism) holds its whole head as without the flag."""
     cfg = tiny_with(2)
-    with pytest.raises(ConfigError, match="--vocab-parallel-head.*ring of 2 or more"):
-        make_rank_plans(cfg, 64, BUDGET, CPU, 1, vocab_parallel=True, **CHUNKING)
+    (alone,) = make_rank_plans(cfg, 64, BUDGET, CPU, 1, vocab_parallel=True, **CHUNKING)
+    assert not alone.vocab_parallel and alone.plan.model.head_rows == cfg.vocab_size
     tied = dataclasses.replace(cfg, tie_embeddings=True)
     with pytest.raises(ConfigError, match="--vocab-parallel-head.*ties its head"):
         make_rank_plans(tied, 64, BUDGET, CPU, 2, vocab_parallel=True, **CHUNKING)
@@ -144,3 +145,46 @@ def test_vocab_parallel_head_refuses_what_it_does_not_run_and_names_the_flag():
 
     with pytest.raises(ConfigError, match="--vocab-parallel-head.*mixture of experts"):
         make_rank_plans(MOE_CFG, 16, BUDGET, CPU, 2, vocab_parallel=True)
+
+
+def test_ring_job_processes_train_with_the_vocab_parallel_head_and_clip(tmp_path, rng):
+    """RingJob(vocab_parallel_head=True): 3 processes (4 layers; clipping on, so the head
+    shards' squared norms join the global norm in rank order) give one device's losses within
+    the module's bound; each rank's npz holds its shard, which assemble into the whole head."""
+    import json
+
+    import ml_dtypes
+
+    from dataflow.ring.job import RingJob
+    from dataflow.ring.launch import launch
+    from dataflow.ring.rank import whole_head
+    from tests.ring.test_ring_cpu import CHUNKING as JOB_CHUNKING
+    from tests.ring.test_ring_cpu import _model, _single_device
+
+    job = RingJob(gpus=3, model=_model(4), seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2,
+                  seed=int(rng.integers(0, 2**31)), data=f"random:{int(rng.integers(0, 2**31))}",
+                  lr=1e-2, max_grad_norm=1.0, timeout_s=60, out_dir=str(tmp_path),
+                  constraints=JOB_CHUNKING, vocab_parallel_head=True)
+    want_losses, want = _single_device(job)
+    res = launch(job)
+    assert res.exit_codes == (0, 0, 0), res
+    info = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for row in info:
+        np.testing.assert_allclose(row["losses"], want_losses, rtol=3e-4)
+    shards = {}
+    for r in range(3):
+        with np.load(tmp_path / f"rank{r}.npz") as z:
+            shards[r] = z["head"].view(ml_dtypes.bfloat16)
+    head = whole_head(tiny_with(4), 3, 0, shards)  # 4 layers on 3 ranks: the head's rank is 0
+    a, b = head.astype(np.float64), want["head"].astype(np.float64)
+    assert np.linalg.norm(a - b) <= job.steps * 2.0**-8 * np.linalg.norm(b)
+
+
+def test_ring_cli_takes_the_flag_and_refuses_what_it_does_not_run(capsys):
+    """dataflow-ring --vocab-parallel-head with --eval-seqs exits 2 naming the flag."""
+    from dataflow.cli.ring import main
+
+    args = ["0.25", "0.25", "64", "tiny", "--gpus", "2", "--replicas", "1", "--steps", "1",
+            "--vocab-parallel-head", "--eval-seqs", "2"]
+    assert main(args) == 2
+    assert "--vocab-parallel-head" in capsys.readouterr().err
