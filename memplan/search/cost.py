@@ -505,6 +505,10 @@ def event_seconds(plan, p: HardwareProfile):
                 return kv_s
             if ev.op == "moe_totals_add":  # a ring rank's routing totals: a few hundred bytes
                 return 0.0
+            if ev.op in ("vocab_stats", "vocab_grad"):  # a vocabulary shard's chunk: 1, 3 GEMMs
+                return head_s / ch.chunks_per_round * (1 if ev.op == "vocab_stats" else 3) / 3
+            if str(ev.op).startswith("vocab_"):  # a chunk's norm, merge, loss or dx sum
+                return 2 * rows / ch.chunks_per_round / hbm
             return 2 * rows / hbm  # embedding rows gathered or scattered on the device
         if kind == "Update":
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)

@@ -363,8 +363,26 @@ def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float,
         row = [c.bwd_s + c.rec_s[LEVEL_INDEX[a.level]] for c, a in zip(costs, d.activations[j])]
         rest = (w.bwd_s[j] - sum(row)) / len(costs)  # KV rebuilds: spread over the chunks
         bwd.append([x + rest for x in row])
-    head_s = w.head_s if rp.has_head else 0.0
+    head_s = w.head_s if rp.holds_head_block else 0.0
+    if rp.vocab_parallel:  # a shard forms its logits twice: for the statistics, then the grads
+        head_s *= VOCAB_HEAD_GEMMS / 3
     return [c.fwd_s for c in costs], bwd, head_s, len(rp.layers) * w.fwd_s + sum(w.bwd_s) + head_s
+
+
+VOCAB_HEAD_GEMMS = 4
+"""GEMMs of a vocabulary-parallel shard's head per chunk (logits for the statistics, logits
+again, dx, dW) against one device's 3 (dataflow.memplan.step.ring_vocab keeps no logits)."""
+
+
+def vocab_exchange_s(rp: RankPlan, link: Link) -> float:
+    """A vocabulary-parallel head's messages on the critical path of one chunk: four passes
+    along the ring's chain of N - 1 hops each (the normed hidden state, T x D bf16; the
+    statistics back and the merged ones round, T x 3 fp32 each; the partial dx back, T x D
+    fp32), one after the other (dataflow.memplan.step.ring_vocab runs a chunk's head before the
+    next chunk's)."""
+    t, d = rp.plan.chunking.chunk_tokens, rp.plan.model.model_dim
+    nbytes = t * d * 2 + 2 * t * 3 * 4 + t * d * 4
+    return (rp.n_ranks - 1) * (nbytes / link.bytes_per_s + 4 * link.latency_s)
 
 
 def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict,
@@ -395,29 +413,40 @@ def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict
     return done
 
 
-def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float) -> tuple[float, dict]:
+def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float,
+                 vocab_chunk_s: float = 0.0) -> tuple[float, dict]:
     """(the critical path of one round through the ring, rank -> its own layer and head work a
     round): the forward's walk from rank 0 to the head's rank, the head there, and the
     backward's walk back (_pipeline_pass), at the cost model's seconds of every layer and chunk
     on its rank (_chunk_seconds). The pipeline's fill and drain, an under-full ring's idle
     (C < N), a hop at every layer when C = N leaves no slack, and chunks of unequal cost
-    (recompute, a long sequence's later chunks) are all this path's length less a rank's work."""
+    (recompute, a long sequence's later chunks) are all this path's length less a rank's work.
+    A vocabulary-parallel head (RankPlan.vocab_parallel) runs on every rank between the walks:
+    the slowest shard's head plus vocab_chunk_s of messages a chunk (vocab_exchange_s), every
+    rank busy with it until the backward starts."""
     visits = _visits(_owners(rank_plans))
     fwd_c, bwd_c, work, head_s, head = {}, {}, {}, 0.0, rank_plans[-1].rank
     kinds: dict[tuple, tuple] = {}  # ranks planned alike (make_rank_plans) share their costs
     for rp in rank_plans:
-        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head)
+        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head,
+               rp.holds_head_block)
         if key not in kinds:
             kinds[key] = _chunk_seconds(rp)
         fwd_c[rp.rank], bwd, h, work[rp.rank] = kinds[key]
         bwd_c.update(zip(rp.layers, bwd))
         if rp.has_head:
-            head_s, head = h, rp.rank
+            head = rp.rank
+        head_s = max(head_s, h)
     order = list(range(rank_plans[0].plan.chunking.chunks_per_round))
     fwd = _pipeline_pass(visits, lambda r, g, c: fwd_c[r][c], order, hop_s, {}, 0.0)
-    turn = fwd[head] + head_s
+    if rank_plans[0].vocab_parallel:  # every rank takes part; the head's rank starts it
+        turn = max(fwd.values()) + head_s + len(order) * vocab_chunk_s
+        free = {rp.rank: turn for rp in rank_plans}
+    else:
+        turn = fwd[head] + head_s
+        free = {**fwd, head: turn}
     bwd = _pipeline_pass(visits[::-1], lambda r, g, c: bwd_c[g][c], order[::-1], hop_s,
-                         {**fwd, head: turn}, turn)
+                         free, turn)
     return max(bwd.values()), work
 
 
@@ -448,12 +477,13 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     rank_s = slow.plan.prediction.step_time_s
     step_s, fill_s, link_s = rank_s, 0.0, 0.0
     if n > 1:
-        round_s, work = ring_round_s(rank_plans, hop_s)
+        vocab_s = vocab_exchange_s(rank_plans[0], link) if rank_plans[0].vocab_parallel else 0.0
+        round_s, work = ring_round_s(rank_plans, hop_s, vocab_s)
         extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
                       for rp in rank_plans)
         owners = _owners(rank_plans)
         link_s = max(_sends_per_chunk(owners, rp.rank) for rp in rank_plans) * chunks * \
-            rounds * hop_s
+            rounds * hop_s + chunks * rounds * vocab_s / max(1, n - 1)  # a rank's own share
         step_s = max(rounds * round_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
         step_s /= ring_efficiency(n, chunks)
