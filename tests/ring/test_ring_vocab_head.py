@@ -71,14 +71,17 @@ def _ring(plans, seed, lr, data, sanitize=False):
     return [losses for losses, _ in out], blocks
 
 
-@pytest.mark.parametrize("n_ranks,n_layers", [(2, 2), (3, 4), (4, 5)])
+@pytest.mark.parametrize("n_ranks,n_layers,placement",
+                         [(2, 2, "cyclic"), (3, 4, "cyclic"), (4, 5, "cyclic"),
+                          (3, 7, "balanced")])
 def test_vocab_parallel_ring_trains_as_one_device_within_the_stated_bound(rng, n_ranks,
-                                                                         n_layers):
-    """Rings of 2, 3 and 4 (the head's rank 1, 0 and 0: the chain starts anywhere) over tiny's
-    vocabulary of 512 (3 does not divide it) reproduce one device's losses and weights within
-    the module's bound."""
+                                                                         n_layers, placement):
+    """Rings of 2, 3 and 4 (the head's rank 1, 0 and 0: the chain starts anywhere; a balanced
+    ring of 3 with runs of layers) over tiny's vocabulary of 512 (3 does not divide it)
+    reproduce one device's losses and weights within the module's bound."""
     cfg = tiny_with(n_layers, name=f"tiny{n_layers}")
-    plans = make_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, vocab_parallel=True, **CHUNKING)
+    plans = make_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, vocab_parallel=True,
+                            placement=placement, **CHUNKING)
     assert all(rp.vocab_parallel and rp.plan.holds_head for rp in plans)
     assert sum(rp.plan.model.head_rows for rp in plans) == cfg.vocab_size
     seed, lr = int(rng.integers(0, 2**31)), 1e-2
