@@ -191,3 +191,30 @@ def test_ring_cli_takes_the_flag_and_refuses_what_it_does_not_run(capsys):
             "--vocab-parallel-head", "--eval-seqs", "2"]
     assert main(args) == 2
     assert "--vocab-parallel-head" in capsys.readouterr().err
+
+
+def test_engine_with_ring_vocab_parallel_head_trains_as_one_device(rng):
+    """Engine(..., ring=Ring(vocab_parallel_head=True)) in threads: every rank's plan is a
+    vocabulary shard's, and the losses are one device's within the module's bound."""
+    from dataflow.ring.engine import Ring, RingEngine
+    from dataflow.ring.env import RankEnv
+
+    cfg = tiny_with(2, name="tiny2")
+    seed = int(rng.integers(0, 2**31))
+    common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=1e-2,
+                  max_grad_norm=1.0, plan_options=dict(CHUNKING))
+    with Engine(cfg, **common) as eng:
+        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
+                for _ in range(2)]
+        want = [eng.train_step(b).loss for b in data]
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, gpus=2, local_rank=r, master_addr="127.0.0.1", master_port=0,
+                      run_id=run_id)
+        with Engine(cfg, ring=Ring(env=env, replicas=1, timeout_s=30, vocab_parallel_head=True),
+                    **common) as eng:
+            assert isinstance(eng, RingEngine) and eng.rank_plan.vocab_parallel
+            return [eng.train_step(b).loss for b in data]
+
+    for losses in in_threads(rank, 2):
+        np.testing.assert_allclose(losses, want, rtol=3e-4)
