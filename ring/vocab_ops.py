@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataflow.backend import Stream
 from dataflow.memplan.plan.ranks import head_rows
-from dataflow.memplan.step.events import Compute, ComputeOp
+from dataflow.memplan.step.events import VOCAB_HEAD_OPS, Compute, ComputeOp
 
 
 class VocabHeadOps:
@@ -20,11 +20,14 @@ class VocabHeadOps:
         rp = self.rp
         self._vocab_row0 = head_rows(self.cfg.vocab_size, rp.n_ranks, rp.rank)[0]
         """The first global lm_head row of this rank's shard."""
-        return {ComputeOp.VOCAB_NORM: self._vocab_norm, ComputeOp.VOCAB_STATS: self._vocab_stats,
-                ComputeOp.VOCAB_MERGE: self._vocab_merge, ComputeOp.VOCAB_LOSS: self._vocab_loss,
-                ComputeOp.VOCAB_GRAD: self._vocab_grad,
-                ComputeOp.VOCAB_DX_ADD: self._vocab_dx_add,
-                ComputeOp.VOCAB_NORM_BWD: self._vocab_norm_bwd}
+        handlers = {ComputeOp.VOCAB_NORM: self._vocab_norm,
+                    ComputeOp.VOCAB_STATS: self._vocab_stats,
+                    ComputeOp.VOCAB_MERGE: self._vocab_merge,
+                    ComputeOp.VOCAB_LOSS: self._vocab_loss, ComputeOp.VOCAB_GRAD: self._vocab_grad,
+                    ComputeOp.VOCAB_DX_ADD: self._vocab_dx_add,
+                    ComputeOp.VOCAB_NORM_BWD: self._vocab_norm_bwd}
+        assert set(handlers) == VOCAB_HEAD_OPS
+        return handlers
 
     def _vocab_rows(self, ev: Compute) -> slice:
         return self.chunks[ev.chunk].rows

@@ -44,6 +44,13 @@ class ComputeOp(str, enum.Enum):
         return self.value  # f-strings and str() give the JSON string on every Python
 
 
+VOCAB_HEAD_OPS = frozenset({ComputeOp.VOCAB_NORM, ComputeOp.VOCAB_STATS, ComputeOp.VOCAB_MERGE,
+                            ComputeOp.VOCAB_LOSS, ComputeOp.VOCAB_GRAD, ComputeOp.VOCAB_DX_ADD,
+                            ComputeOp.VOCAB_NORM_BWD})
+"""The vocabulary-parallel head's ops: only a ring rank's schedule holds them
+(dataflow.memplan.step.ring_vocab), and only dataflow.ring.executor.RingExecutor handles them."""
+
+
 class HostOp(str, enum.Enum):
     """What a HostTask runs (see HostTask); a str enum like ComputeOp."""
 

@@ -22,7 +22,9 @@ import pytest
 from dataflow.engine import Engine
 from dataflow.memplan.plan.ranks import head_rows
 from dataflow.memplan.search.ring_plan import make_rank_plans
-from dataflow.memplan.step.ring_compile import Recv, Send, compile_ring_schedule
+from dataflow.memplan.step.compile import Schedule
+from dataflow.memplan.step.ring_compile import (RING_EVENT_TYPES, Recv, Send,
+                                                compile_ring_schedule)
 from dataflow.models.errors import ConfigError
 from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
 from tests.ring.threads import in_threads
@@ -128,6 +130,8 @@ def test_vocab_parallel_head_messages_pair_and_shard_the_rows(n_ranks, n_layers)
     for rp, (a, b) in zip(plans, spans):
         assert rp.plan.model.head_rows == b - a
         sched = compile_ring_schedule(rp)
+        again = Schedule.from_json(sched.to_json(), RING_EVENT_TYPES)
+        assert again.events == sched.events  # the vocab_* ops and negative tags round-trip
         vocab = [e for e in sched.events if type(e) in (Send, Recv) and "vocab" in e.name]
         pos = (rp.rank - rp.head_owner) % n_ranks  # the head's rank and the chain's last: 4
         per_chunk = 4 if pos in (0, n_ranks - 1) else 8
