@@ -32,37 +32,43 @@ class VocabHeadOps:
     def _vocab_rows(self, ev: Compute) -> slice:
         return self.chunks[ev.chunk].rows
 
+    def _vocab_round(self, name: str, ev: Compute):
+        """The event's chunk's rows of a round-long buffer (vocab_xn, vocab_rstd, vocab_stats,
+        vocab_stats_in)."""
+        return self.tr[name][self._vocab_rows(ev)]
+
     def _vocab_norm(self, ev: Compute) -> None:
         """The head's rank: the final norm of one chunk into xn (which the ring then sends)."""
         w = self._block_views(ev.weights, self.head_lay)
         self.be.launch(Stream.COMPUTE, "rms_norm_fwd", self.tr[ev.x][self._vocab_rows(ev)],
-                       w["norm"], self.cfg.norm_eps, self.hb["xn"], self.hb["rstd"],
-                       name=ev.name)
+                       w["norm"], self.cfg.norm_eps, self._vocab_round("vocab_xn", ev),
+                       self._vocab_round("vocab_rstd", ev), name=ev.name)
 
     def _vocab_stats(self, ev: Compute) -> None:
         hb = self.hb
         w = self._block_views(ev.weights, self.head_lay)
-        self.be.launch(Stream.COMPUTE, "vocab_stats", hb["xn"], w["lm_head"],
-                       self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0, hb["logits"],
-                       hb["vstats"], name=ev.name)
+        self.be.launch(Stream.COMPUTE, "vocab_stats", self._vocab_round("vocab_xn", ev),
+                       w["lm_head"], self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0,
+                       hb["logits"], self._vocab_round("vocab_stats", ev), name=ev.name)
 
     def _vocab_merge(self, ev: Compute) -> None:
-        self.be.launch(Stream.COMPUTE, "vocab_merge", self.hb["vstats"], self.hb["vstats_in"],
-                       name=ev.name)
+        self.be.launch(Stream.COMPUTE, "vocab_merge", self._vocab_round("vocab_stats", ev),
+                       self._vocab_round("vocab_stats_in", ev), name=ev.name)
 
     def _vocab_loss(self, ev: Compute) -> None:
         """The head's rank: the chunk's loss sum and valid count into the round's scalars."""
         loss_acc = self.tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
-        self.be.launch(Stream.COMPUTE, "vocab_loss", self.hb["vstats"],
+        self.be.launch(Stream.COMPUTE, "vocab_loss", self._vocab_round("vocab_stats", ev),
                        self.tr["targets"][self._vocab_rows(ev)], loss_acc, name=ev.name)
 
     def _vocab_grad(self, ev: Compute) -> None:
         hb = self.hb
         w = self._block_views(ev.weights, self.head_lay)
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
-        self.be.launch(Stream.COMPUTE, "vocab_grad", hb["xn"], w["lm_head"],
-                       self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0, hb["vstats"],
-                       hb["logits"], self.grad_scale, hb["vdx"], g["lm_head"], name=ev.name)
+        self.be.launch(Stream.COMPUTE, "vocab_grad", self._vocab_round("vocab_xn", ev),
+                       w["lm_head"], self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0,
+                       self._vocab_round("vocab_stats", ev), hb["logits"], self.grad_scale,
+                       hb["vdx"], g["lm_head"], name=ev.name)
 
     def _vocab_dx_add(self, ev: Compute) -> None:
         """The partial dx of the ranks after this one (received) added onto this rank's."""
@@ -76,4 +82,5 @@ class VocabHeadOps:
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
         self.be.launch(Stream.COMPUTE, "cast", hb["vdx"], hb["dxn"], name=f"{ev.name}.cast")
         self.be.launch(Stream.COMPUTE, "rms_norm_bwd", self.tr[ev.x][rows], w["norm"],
-                       hb["rstd"], hb["dxn"], self.tr[ev.y][rows], g["norm"], name=ev.name)
+                       self._vocab_round("vocab_rstd", ev), hb["dxn"], self.tr[ev.y][rows],
+                       g["norm"], name=ev.name)

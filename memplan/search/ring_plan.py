@@ -374,15 +374,21 @@ VOCAB_HEAD_GEMMS = 4
 again, dx, dW) against one device's 3 (dataflow.memplan.step.ring_vocab keeps no logits)."""
 
 
-def vocab_exchange_s(rp: RankPlan, link: Link) -> float:
-    """A vocabulary-parallel head's messages on the critical path of one chunk: four passes
-    along the ring's chain of N - 1 hops each (the normed hidden state, T x D bf16; the
-    statistics back and the merged ones round, T x 3 fp32 each; the partial dx back, T x D
-    fp32), one after the other (dataflow.memplan.step.ring_vocab runs a chunk's head before the
-    next chunk's)."""
+def vocab_hop_s(rp: RankPlan, link: Link) -> float:
+    """A vocabulary-parallel head's four messages of one chunk over one hop of the ring's
+    chain: the normed hidden state (T x D bf16), the statistics back and the merged ones round
+    (T x 3 fp32 each), the partial dx back (T x D fp32)."""
     t, d = rp.plan.chunking.chunk_tokens, rp.plan.model.model_dim
     nbytes = t * d * 2 + 2 * t * 3 * 4 + t * d * 4
-    return (rp.n_ranks - 1) * (nbytes / link.bytes_per_s + 4 * link.latency_s)
+    return nbytes / link.bytes_per_s + 4 * link.latency_s
+
+
+def vocab_exchange_s(rp: RankPlan, link: Link) -> float:
+    """A vocabulary-parallel head's messages on a round's critical path: four passes of the
+    round's C chunks along the chain of N - 1 hops, each chunk sent on as soon as it is there
+    (dataflow.memplan.step.ring_vocab), a pipeline of N - 2 + C chunk-hops."""
+    n, c = rp.n_ranks, rp.plan.chunking.chunks_per_round
+    return max(0, n - 2 + c) * vocab_hop_s(rp, link)
 
 
 def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict,
@@ -414,7 +420,7 @@ def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict
 
 
 def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float,
-                 vocab_chunk_s: float = 0.0) -> tuple[float, dict]:
+                 vocab_round_s: float = 0.0) -> tuple[float, dict]:
     """(the critical path of one round through the ring, rank -> its own layer and head work a
     round): the forward's walk from rank 0 to the head's rank, the head there, and the
     backward's walk back (_pipeline_pass), at the cost model's seconds of every layer and chunk
@@ -422,8 +428,8 @@ def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float,
     (C < N), a hop at every layer when C = N leaves no slack, and chunks of unequal cost
     (recompute, a long sequence's later chunks) are all this path's length less a rank's work.
     A vocabulary-parallel head (RankPlan.vocab_parallel) runs on every rank between the walks:
-    the slowest shard's head plus vocab_chunk_s of messages a chunk (vocab_exchange_s), every
-    rank busy with it until the backward starts."""
+    the slowest shard's head plus vocab_round_s of messages (vocab_exchange_s), every rank busy
+    with it until the backward starts."""
     visits = _visits(_owners(rank_plans))
     fwd_c, bwd_c, work, head_s, head = {}, {}, {}, 0.0, rank_plans[-1].rank
     kinds: dict[tuple, tuple] = {}  # ranks planned alike (make_rank_plans) share their costs
@@ -440,7 +446,7 @@ def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float,
     order = list(range(rank_plans[0].plan.chunking.chunks_per_round))
     fwd = _pipeline_pass(visits, lambda r, g, c: fwd_c[r][c], order, hop_s, {}, 0.0)
     if rank_plans[0].vocab_parallel:  # every rank takes part; the head's rank starts it
-        turn = max(fwd.values()) + head_s + len(order) * vocab_chunk_s
+        turn = max(fwd.values()) + head_s + vocab_round_s
         free = {rp.rank: turn for rp in rank_plans}
     else:
         turn = fwd[head] + head_s
@@ -477,13 +483,14 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     rank_s = slow.plan.prediction.step_time_s
     step_s, fill_s, link_s = rank_s, 0.0, 0.0
     if n > 1:
-        vocab_s = vocab_exchange_s(rank_plans[0], link) if rank_plans[0].vocab_parallel else 0.0
-        round_s, work = ring_round_s(rank_plans, hop_s, vocab_s)
+        vp = rank_plans[0].vocab_parallel
+        round_s, work = ring_round_s(rank_plans, hop_s,
+                                     vocab_exchange_s(rank_plans[0], link) if vp else 0.0)
         extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
                       for rp in rank_plans)
         owners = _owners(rank_plans)
         link_s = max(_sends_per_chunk(owners, rp.rank) for rp in rank_plans) * chunks * \
-            rounds * hop_s + chunks * rounds * vocab_s / max(1, n - 1)  # a rank's own share
+            rounds * hop_s + (chunks * rounds * vocab_hop_s(rank_plans[0], link) if vp else 0.0)
         step_s = max(rounds * round_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
         step_s /= ring_efficiency(n, chunks)
