@@ -1,5 +1,5 @@
 """The vocabulary-parallel head of a ring as events: every rank holds a shard of the lm_head rows
-(dataflow.memplan.plan.ranks.head_rows) and, chunk by chunk, computes the logits and loss terms
+(dataflow.memplan.plan.ranks.head_rows) and, for each chunk, computes the logits and loss terms
 over its shard. The head's rank H (the final norm, the loss sums) norms the chunk and sends the
 normed hidden state round the ring (H -> H+1 -> ... -> H-1, neighbours only, as the residuals
 travel); each rank forms its per-token statistics (max, sum-exp, target logit) and the ranks
