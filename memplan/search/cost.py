@@ -226,15 +226,15 @@ LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 
 def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_bytes: int,
                  p: HardwareProfile) -> float:
     """The head of one chunk: its three GEMMs, the cross-entropy passes over fp32 logits, and
-    the weight gradient's accumulation, which reads and writes the whole (V, D) gradient once
-    per sub-chunk (at 8b, 2 GiB of bf16 a time: a 2048-token sub-chunk halves it). The GEMM
+    the weight gradient's accumulation, which reads and writes the whole (V, D) gradient (V the
+    head's rows: a vocabulary-parallel ring rank's shard) once per sub-chunk (at 8b, 2 GiB of bf16 a time: a 2048-token sub-chunk halves it). The GEMM
     term alone matched the head measured with the default sub-chunk (8b at 8k: 44.9 ms
     predicted, 43.5 measured), so accumulations are counted beyond or short of that one's."""
     t = chunk_tokens
     hbm = p.device_mem_bytes_per_s
-    ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
+    ce_bytes = t * cfg.head_rows * 4 * CROSS_ENTROPY_PASSES
     extra = t // sub_tokens - t // head_sub_tokens(t)
-    acc_bytes = extra * cfg.vocab_size * cfg.model_dim * grad_bytes * 2
+    acc_bytes = extra * cfg.head_rows * cfg.model_dim * grad_bytes * 2
     return (head_flops(cfg, t) / gemm_flop_per_s(cfg, p, t) + (ce_bytes + acc_bytes) / hbm) \
         * (1.0 + LAUNCH_OVERHEAD_FRAC)
 

@@ -66,3 +66,17 @@ def test_plan_cli_refuses_the_flag_without_gpus(capsys):
 
     assert main(["80", "24", "8192", "8b", "--vocab-parallel-head"]) == 2
     assert "--gpus" in capsys.readouterr().err
+
+
+def test_a_vocabulary_shard_head_costs_its_share_of_the_whole_head():
+    """The cost model's head of a rank model holding a quarter of 8b's rows (GEMMs, the
+    cross-entropy passes and the gradient's accumulation) is a quarter of the whole head's."""
+    from dataflow.memplan.plan.ranks import rank_model
+    from dataflow.memplan.search.cost import head_seconds
+
+    cfg, prof = load_config("8b"), get_profile("h100")
+    shard = rank_model(cfg, 4, 1, None, vocab_parallel=True)
+    assert shard.head_rows * 4 == cfg.vocab_size
+    for sub in (1024, 4096):
+        whole, part = (head_seconds(c, 8192, sub, 2, prof) for c in (cfg, shard))
+        assert part == pytest.approx(whole / 4, rel=1e-9)
