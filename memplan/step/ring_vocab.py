@@ -8,9 +8,9 @@ its own), H computes the loss from the merged statistics and sends them round ag
 forms its shard's weight gradient and an fp32 partial dx, summed back along the ring in the same
 fixed order, and H rounds the sum once and runs the norm's backward. Each of the four passes
 runs over all the round's chunks (the hidden states and statistics are kept for the round), so
-the ring carries one chunk's messages while its ranks compute the next's. The orders never change, so
-a run is reproducible; they are not one device's (the fp32 sums over the vocabulary are split),
-so the results match one device up to fp32 rounding. A mixin of
+the ring carries one chunk's messages while its ranks compute the next's. The orders never
+change, so a run is reproducible; they are not one device's (the fp32 sums over the vocabulary
+are split), so the results match one device up to fp32 rounding. A mixin of
 dataflow.memplan.step.ring_compile.RingCompiler; pure Python, never touches a device."""
 
 from __future__ import annotations
