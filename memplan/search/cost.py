@@ -228,8 +228,9 @@ def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_byte
     """The head of one chunk: its three GEMMs, the cross-entropy passes over fp32 logits, and
     the weight gradient's accumulation, which reads and writes the whole (V, D) gradient (V the
     head's rows: a vocabulary-parallel ring rank's shard) once per sub-chunk (at 8b, 2 GiB of
-    bf16 a time: a 2048-token sub-chunk halves it). The GEMM term alone matched the head measured with the default sub-chunk (8b at 8k: 44.9 ms
-    predicted, 43.5 measured), so accumulations are counted beyond or short of that one's."""
+    bf16 a time: a 2048-token sub-chunk halves it). The GEMM term alone matched the head
+    measured with the default sub-chunk (8b at 8k: 44.9 ms predicted, 43.5 measured), so
+    accumulations are counted beyond or short of that one's."""
     t = chunk_tokens
     hbm = p.device_mem_bytes_per_s
     ce_bytes = t * cfg.head_rows * 4 * CROSS_ENTROPY_PASSES
