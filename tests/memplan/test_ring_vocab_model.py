@@ -4,6 +4,8 @@ exchanges' messages, it agrees with the simulated schedules, and choose_layout w
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dataflow.bench.ring_model import staged_ahead
@@ -60,10 +62,16 @@ def test_choose_layout_weighs_the_vocab_parallel_head_and_carries_it_in_the_cons
     assert choice.chosen.on("nvlink").tok_per_s > plain.chosen.on("nvlink").tok_per_s
 
 
-def test_plan_cli_refuses_the_flag_without_gpus(capsys):
-    """dataflow-plan --vocab-parallel-head on one device exits 2 naming --gpus."""
+def test_plan_cli_weighs_the_flag_with_gpus_and_refuses_it_without(capsys):
+    """dataflow-plan --gpus 2 --vocab-parallel-head prints the layout table with its head column
+    (the ring of 2 planned with the head split, 'vocab'); on one device it exits 2 naming
+    --gpus."""
     from dataflow.cli.plan import main
 
+    assert main(["1", "0.25", "64", "tiny", "--gpu", "cpu", "--gpus", "2",
+                 "--vocab-parallel-head"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ [ *]\s+2\s+1\s+.*\svocab\s", out, re.M), out  # ring 2, replicas 1
     assert main(["80", "24", "8192", "8b", "--vocab-parallel-head"]) == 2
     assert "--gpus" in capsys.readouterr().err
 
