@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
                         "the vocabulary, instead of the last layer's rank carrying the whole "
-                        "head (NumPy backend, untied dense models; no --eval-seqs or "
-                        "checkpoints yet; docs/ring.md)")
+                        "head (NumPy backend, untied dense models; no checkpoints yet; "
+                        "docs/ring.md)")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -146,10 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
-        if args.vocab_parallel_head and (args.eval_seqs or args.checkpoint_dir
-                                         or args.backend != "numpy"):
+        if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
             raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
-                              "--eval-seqs or --checkpoint-dir so far; drop those or the flag")
+                              "--checkpoint-dir so far; drop those or the flag")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)

@@ -352,11 +352,15 @@ class RingCompiler(VocabHead, ReplicaCompiler):
     def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
         return self._sends_done(super().compile(rounds, update))
 
-    def compile_eval(self, rounds: int) -> Schedule:
+    def head_eval(self, rnd: int, final: str, other: str) -> None:
+        """An evaluation round's head: the single-device one, or this rank's part of a
+        vocabulary-parallel head's forward (dataflow.memplan.step.ring_vocab)."""
         if self.rp.vocab_parallel:
-            raise ConfigError("an evaluation with --vocab-parallel-head is not built yet (its "
-                              "forward-only head would exchange the same statistics); evaluate "
-                              "on a ring without the flag, or on one device")
+            self.vocab_head_eval(rnd, final)
+        else:
+            super().head_eval(rnd, final, other)
+
+    def compile_eval(self, rounds: int) -> Schedule:
         return self._sends_done(super().compile_eval(rounds))
 
     def _sends_done(self, sched: Schedule) -> Schedule:

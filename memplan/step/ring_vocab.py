@@ -131,6 +131,32 @@ class VocabHead:
         if self.hw_ring:
             self.hw_ring.release(0)
 
+    def vocab_head_eval(self, rnd: int, final: str) -> None:
+        """An evaluation round's head on this rank: the first two passes (the normed hidden
+        states round the ring, the statistics merged back) and the loss on the head's rank."""
+        w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
+        self.em.wait(COMPUTE, self.targets_ready)
+        first, last = self.vocab_pos == 0, self.vocab_pos == self.rp.n_ranks - 1
+        for c in range(self.C):
+            if first:
+                self._vcompute("norm", "vocab_norm", rnd, c, ("vocab_xn", "vocab_rstd"),
+                               weights=w, x=final)
+            else:
+                self._vrecv(rnd, c, XN, "vocab_xn", self.prev)
+            if not last:
+                self._vsend(rnd, c, XN, "vocab_xn", self.next)
+            self._vcompute("stats", "vocab_stats", rnd, c, ("vocab_stats",), weights=w)
+        for c in range(self.C):
+            if not last:
+                self._vrecv(rnd, c, STATS, "vocab_stats_in", self.next)
+                self._vcompute("merge", "vocab_merge", rnd, c, ("vocab_stats",))
+            if first:
+                self._vcompute("loss", "vocab_loss", rnd, c, ())
+            else:
+                self._vsend(rnd, c, STATS, "vocab_stats", self.prev)
+        if self.hw_ring is not None:
+            self.hw_ring.release(0)
+
     def vocab_sends_done(self) -> None:
         """The step ends after its last sends of head buffers."""
         for ev in self.vsent.values():

@@ -188,11 +188,11 @@ def test_ring_job_processes_train_with_the_vocab_parallel_head_and_clip(tmp_path
 
 
 def test_ring_cli_takes_the_flag_and_refuses_what_it_does_not_run(capsys):
-    """dataflow-ring --vocab-parallel-head with --eval-seqs exits 2 naming the flag."""
+    """dataflow-ring --vocab-parallel-head with --checkpoint-dir exits 2 naming the flag."""
     from dataflow.cli.ring import main
 
     args = ["0.25", "0.25", "64", "tiny", "--gpus", "2", "--replicas", "1", "--steps", "1",
-            "--vocab-parallel-head", "--eval-seqs", "2"]
+            "--vocab-parallel-head", "--checkpoint-dir", "/nonexistent/ckpt"]
     assert main(args) == 2
     assert "--vocab-parallel-head" in capsys.readouterr().err
 
@@ -222,3 +222,36 @@ def test_engine_with_ring_vocab_parallel_head_trains_as_one_device(rng):
 
     for losses in in_threads(rank, 2):
         np.testing.assert_allclose(losses, want, rtol=3e-4)
+
+
+def test_a_vocab_parallel_ring_evaluates_as_one_device_within_the_bound(rng):
+    """RingEngine.eval_step with the vocabulary-parallel head (a ring of 3 over 4 layers: the
+    forward's passes and the statistics merged to the head's rank, no backward): one device's
+    evaluation loss within FP32_LOSS_REL before a step, and within the module's 3e-4 after it;
+    the step between trains as one device's within the bound."""
+    from dataflow.ring.engine import Ring
+    from dataflow.ring.env import RankEnv
+
+    cfg = tiny_with(4, name="tiny4")
+    common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", lr=1e-2,
+                  seed=int(rng.integers(0, 2**31)), max_grad_norm=None,
+                  plan_options=dict(CHUNKING))
+    held = rng.integers(0, cfg.vocab_size, (6, 65), dtype=np.int32)
+    labels = held.copy()
+    labels[0, :10] = -100
+    with Engine(cfg, **common) as eng:
+        train = rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
+        want = [eng.eval_step(held, labels), eng.train_step(train).loss,
+                eng.eval_step(held, labels)]
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, gpus=3, local_rank=r, master_addr="127.0.0.1", master_port=0,
+                      run_id=run_id)
+        with Engine(cfg, ring=Ring(env=env, replicas=1, timeout_s=30, vocab_parallel_head=True),
+                    **common) as eng:
+            return [eng.eval_step(held, labels), eng.train_step(train).loss,
+                    eng.eval_step(held, labels)]
+
+    for got in in_threads(rank, 3):
+        assert abs(got[0] - want[0]) <= FP32_LOSS_REL * want[0]
+        np.testing.assert_allclose(got, want, rtol=3e-4)
