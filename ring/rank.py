@@ -120,21 +120,28 @@ class RingRank:
         directory or a saved dataflow model), read one block at a time and only this rank's,
         so a fine-tune on a ring starts from the model's own weights as one device does."""
         path = Path(path)
-        if self.rp.vocab_parallel:
-            raise ConfigError("--vocab-parallel-head starts from the seeded initialisation only: "
-                              "reading a shard of a model directory's head is not built yet; "
-                              "leave the flag off to fine-tune from a directory")
+        cfg = self.rp.plan.model
+        whole_cfg = dataclasses.replace(cfg, head_vocab_rows=0)  # the directory's whole head
+
+        def layout(ref):  # a vocabulary shard reads the whole head, then keeps its rows
+            if ref.kind is BlockKind.HEAD and self.rp.vocab_parallel:
+                return head_layout(whole_cfg)
+            return self.layout(ref)
+
         if is_hf_dir(path):
             hf = HFWeights(path)
 
             def read(ref):
-                return hf.block(ref.kind, ref.layer, self.layout(ref))
+                return hf.block(ref.kind, ref.layer, layout(ref))
         else:
             def read(ref):
-                out = np.empty(self.layout(ref).numel, BF16)
+                out = np.empty(layout(ref).numel, BF16)
                 return load_block_into(path, ref.kind, ref.layer, out)
         for ref in self.block_refs():
-            self.write_block(ref, read(ref))
+            block = read(ref)
+            if ref.kind is BlockKind.HEAD and self.rp.vocab_parallel:
+                block = _head_shard(cfg, self.rp, block)
+            self.write_block(ref, block)
 
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
         """Overwrite an owned block's weights, AdamW m or v (numel bf16 elements)."""
@@ -238,8 +245,13 @@ def _init_head_shard(cfg, rp: RankPlan, seed: int, out=None) -> np.ndarray:
     """A vocabulary-parallel rank's head block: the whole model's initial head (the same bits
     one device starts from), of which it keeps the final norm and its own lm_head rows. The
     whole head passes through a host temporary (V x D bf16: 1 GiB at 8b) once, at setup."""
+    whole = init.init_head_block(dataclasses.replace(cfg, head_vocab_rows=0), seed)
+    return _head_shard(cfg, rp, whole, out)
+
+
+def _head_shard(cfg, rp: RankPlan, whole: np.ndarray, out=None) -> np.ndarray:
+    """Rank rp.rank's head block (the final norm, its lm_head rows) of the whole head block."""
     whole_cfg = dataclasses.replace(cfg, head_vocab_rows=0)
-    whole = init.init_head_block(whole_cfg, seed)
     a, b = head_rows(cfg.vocab_size, rp.n_ranks, rp.rank)
     lay, whole_lay = head_layout(cfg), head_layout(whole_cfg)
     if out is None:

@@ -255,3 +255,40 @@ def test_a_vocab_parallel_ring_evaluates_as_one_device_within_the_bound(rng):
     for got in in_threads(rank, 3):
         assert abs(got[0] - want[0]) <= FP32_LOSS_REL * want[0]
         np.testing.assert_allclose(got, want, rtol=3e-4)
+
+
+def test_a_vocab_parallel_ring_on_a_saved_model_starts_from_its_weights(tmp_path, rng):
+    """A ring of 2 with the vocabulary-parallel head on a saved model directory: each rank
+    reads the directory's head and keeps its rows, so the losses are one device's on the same
+    directory within the module's bound, not those of the seeded initialisation."""
+    import json
+
+    from dataflow.memplan import get_profile, make_plan
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.models.init import init_model
+    from dataflow.models.storage import save_model
+    from dataflow.ring.job import RingJob, batches, model_config
+    from dataflow.ring.launch import launch
+
+    cfg = tiny_with(2)
+    model = save_model(init_model(cfg, int(rng.integers(0, 2**31))), tmp_path / "model")
+    seed = int(rng.integers(0, 2**31))
+    job = RingJob(gpus=2, model=str(model), seqlen=64, host_gb=0.5, dev_gb=0.25, steps=2,
+                  seed=seed, data=f"random:{seed}", lr=1e-2, max_grad_norm=None,
+                  timeout_s=60, out_dir=str(tmp_path / "out"), save_weights=False,
+                  vocab_parallel_head=True,
+                  constraints=tuple(CHUNKING.items()))
+    res = launch(job)
+    assert res.exit_codes == (0, 0), res
+    ring = json.loads((tmp_path / "out" / "rank0.json").read_text())["losses"]
+    plan = make_plan(model_config(job.model), job.seqlen, Budget.from_gib(0.5, 0.25),
+                     get_profile("cpu"), **CHUNKING)
+    want = {}
+    for weights in (str(model), None):
+        with Engine.from_plan(plan, backend="numpy", seed=seed, lr=job.lr, weights=weights,
+                              max_grad_norm=None) as eng:
+            want[weights] = [eng.train_step(b).loss
+                             for b in batches(job, cfg, plan.chunking.seqs_per_step)]
+    assert abs(ring[0] - want[str(model)][0]) <= FP32_LOSS_REL * ring[0]
+    np.testing.assert_allclose(ring, want[str(model)], rtol=3e-4)
+    assert abs(ring[0] - want[None][0]) > 1e-3 * ring[0]
