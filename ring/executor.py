@@ -31,8 +31,8 @@ class RingExecutor(VocabHeadOps, Executor):
         blocks inside the next step's round 0, or in flush()). The schedules are those of the
         transport's replica (with rp.split_fetch each replica fetches its own weight parts)."""
         q = transport.replica if transport is not None else 0
-        if rp.vocab_parallel and getattr(be, "ops", None) is not None and \
-                "vocab_stats" not in be.writes:
+        ops = getattr(be, "ops", None)  # the null backend has no table and runs nothing
+        if rp.vocab_parallel and ops is not None and getattr(ops, "vocab_stats", None) is None:
             raise ConfigError(f"--vocab-parallel-head on the {be.name} backend: its op table has "
                               "no vocabulary-parallel head kernels yet (the NumPy backend has "
                               "them); use --backend numpy, or leave the flag off")

@@ -292,3 +292,23 @@ def test_a_vocab_parallel_ring_on_a_saved_model_starts_from_its_weights(tmp_path
     assert abs(ring[0] - want[str(model)][0]) <= FP32_LOSS_REL * ring[0]
     np.testing.assert_allclose(ring, want[str(model)], rtol=3e-4)
     assert abs(ring[0] - want[None][0]) > 1e-3 * ring[0]
+
+
+def test_a_backend_without_the_vocab_ops_is_refused_by_name():
+    """A rank on a backend whose op table lacks the vocab_* kernels (the CuPy table today;
+    here a NumPy backend with a table stripped of them) is refused before any step, naming the
+    flag and the backend that has them."""
+    import types
+
+    import dataflow.ops_numpy as ops_numpy
+    from dataflow.backends import make_backend
+    from dataflow.ring.executor import RingExecutor
+
+    cfg = tiny_with(2)
+    (rp, _) = make_rank_plans(cfg, 64, BUDGET, CPU, 2, vocab_parallel=True, **CHUNKING)
+    be = make_backend("numpy")
+    be.ops = types.SimpleNamespace(**{k: getattr(ops_numpy, k) for k in ops_numpy.WRITES
+                                      if not k.startswith("vocab_")})
+    with pytest.raises(ConfigError, match="--vocab-parallel-head on the numpy backend.*"
+                                          "NumPy backend has them"):
+        RingExecutor(rp, be, None)
