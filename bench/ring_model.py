@@ -49,36 +49,39 @@ def staged_ahead():
         cls.stage_next = saved
 
 
-def plan_ring(cfg, seqlen: int, budget: Budget, profile, n: int, max_rounds: int | None):
+def plan_ring(cfg, seqlen: int, budget: Budget, profile, n: int, max_rounds: int | None,
+              vocab_parallel: bool = False):
     """(rank plans, note): the planner's chunking, or a full ring's where that leaves the ring
-    under-full and a full one fits (memplan/search/layout.py _candidates); rounds capped if asked."""
+    under-full and a full one fits (memplan/search/layout.py _candidates); rounds capped if asked.
+    vocab_parallel: every rank a shard of the head (RankPlan.vocab_parallel)."""
     cap = {} if max_rounds is None else {"rounds_per_step": max_rounds}
-    base = make_rank_plans(cfg, seqlen, budget, profile, n)
+    vp = {"vocab_parallel": True} if vocab_parallel else {}
+    base = make_rank_plans(cfg, seqlen, budget, profile, n, **vp)
     ch = base[0].plan.chunking
     note = "planner"
     if ch.chunks_per_round < n:
         try:
             base = make_rank_plans(cfg, seqlen, budget, profile, n,
-                                   chunks_per_round=math.lcm(ch.chunks_per_round, n))
+                                   chunks_per_round=math.lcm(ch.chunks_per_round, n), **vp)
             note = "full ring"
         except (ConfigError, ValueError):  # InfeasibleBudget included
             note = "under-full (a full ring does not fit)"
     if cap and base[0].plan.chunking.rounds_per_step > max_rounds:
         c = base[0].plan.chunking.chunks_per_round
-        base = make_rank_plans(cfg, seqlen, budget, profile, n, chunks_per_round=c, **cap)
+        base = make_rank_plans(cfg, seqlen, budget, profile, n, chunks_per_round=c, **cap, **vp)
         note += f", rounds capped at {max_rounds}"
     return base, note
 
 
 def check_one(model: str, seqlen: int, gib: tuple[float, float], n: int,
-              max_rounds: int | None) -> dict:
-    """One row: the model's and the simulation's tok/s for a ring of n, and where the
-    simulated ranks wait."""
+              max_rounds: int | None, vocab_parallel: bool = False) -> dict:
+    """One row: the model's and the simulation's tok/s for a ring of n (with vocab_parallel,
+    its head split over the vocabulary), and where the simulated ranks wait."""
     cfg = load_config(model)
     budget = Budget.from_gib(*gib)
     profile = ring_profile(get_profile("h100"), n, "nccl")
     t0 = time.perf_counter()
-    rps, note = plan_ring(cfg, seqlen, budget, profile, n, max_rounds)
+    rps, note = plan_ring(cfg, seqlen, budget, profile, n, max_rounds, vocab_parallel)
     plan_s = time.perf_counter() - t0
     link = LINKS[0]
     t0 = time.perf_counter()
@@ -102,6 +105,7 @@ def check_one(model: str, seqlen: int, gib: tuple[float, float], n: int,
              for r in range(n)]
     return {
         "model": model, "seqlen": seqlen, "host_gib": gib[0], "device_gib": gib[1],
+        "vocab_parallel_head": bool(vocab_parallel),
         "n_ranks": n, "chunks_per_round": ch.chunks_per_round,
         "rounds_per_step": ch.rounds_per_step, "chunk_tokens": ch.chunk_tokens,
         "tokens_per_step": ch.tokens_per_step, "chunking": note,

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cases to check: model or model@seqlen, comma-separated (every budget "
                          "of CASES for it)")
     ap.add_argument("--ranks", default=",".join(map(str, RANKS)))
+    ap.add_argument("--vocab-parallel-head", action="store_true",
+                    help="plan every ring with its head split over the vocabulary "
+                         "(RankPlan.vocab_parallel)")
     ap.add_argument("--max-rounds", type=int, default=None,
                     help="cap rounds per step (rounds_per_step) to shorten large simulations")
     args = ap.parse_args(argv)
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         n_layers = load_config(model).n_layers
         for n in (n for n in ranks if n <= n_layers):
             try:
-                r = check_one(model, seqlen, gib, n, args.max_rounds)
+                r = check_one(model, seqlen, gib, n, args.max_rounds,
+                              args.vocab_parallel_head)
             except (ConfigError, InfeasibleBudget) as exc:
                 msg = f"{label} N={n}: refused by the planner: {str(exc).split(';')[0][:140]}"
                 notes.append(msg)
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   "link": LINKS[0].name, "link_bytes_per_s": LINKS[0].bytes_per_s,
                   "link_latency_s": LINKS[0].latency_s, "ring_efficiency": RING_EFFICIENCY,
                   "max_rounds": args.max_rounds, "wall_s": total_s, "rows": rows,
+                  "vocab_parallel_head": args.vocab_parallel_head,
                   "refused": notes}
         args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")

@@ -10,6 +10,7 @@ import numpy as np
 import dataflow.kernels.reference as ref
 from dataflow.kernels.reference import moe_experts as ref_experts
 from dataflow.kernels.reference import moe_router as ref_router
+from dataflow.kernels.reference import head_vocab as ref_vocab
 
 F32 = np.float32
 
@@ -132,6 +133,34 @@ def head_loss_fwd_bwd(x, w, targets, logits, grad_scale, dx, dw, loss_acc):
         _store(dw, dw_, True)
     loss_acc[0] += F32(loss)
     loss_acc[1] += F32(n)
+
+
+def vocab_stats(x, w, targets, row0, logits, stats):
+    """A vocabulary shard's per-token statistics (T, 3) of x (T, D) against its rows w (Vs, D)
+    from global row row0 (head_vocab.shard_stats, logits.shape[0] tokens at a time)."""
+    stats[...] = ref_vocab.shard_stats(x, w, targets, row0, sub_tokens=logits.shape[0])
+
+
+def vocab_merge(stats, other):
+    """stats (T, 3) = the merge of stats and other (head_vocab.merge_stats, stats first)."""
+    stats[...] = ref_vocab.merge_stats(stats, other)
+
+
+def vocab_loss(stats, targets, loss_acc):
+    """loss_acc += [loss_sum, n_valid] of the merged statistics (head_vocab.stats_loss)."""
+    _, loss, n = ref_vocab.stats_loss(stats, targets)
+    loss_acc[0] += F32(loss)
+    loss_acc[1] += F32(n)
+
+
+def vocab_grad(x, w, targets, row0, stats, logits, grad_scale, dx, dw):
+    """A vocabulary shard's fp32 partial dx (overwritten) and its rows' dw (+=) from the merged
+    statistics (head_vocab.shard_bwd)."""
+    lse = stats[:, 0] + np.log(stats[:, 1])
+    dx_, dw_ = ref_vocab.shard_bwd(x, w, targets, row0, lse, sub_tokens=logits.shape[0],
+                                   grad_scale=grad_scale)
+    dx[...] = dx_
+    _store(dw, dw_, True)
 
 
 def adamw_step(param, grad, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale):
@@ -283,6 +312,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
     "moe_totals_add": (0, 1),
+    "vocab_stats": (4, 5), "vocab_merge": (0,), "vocab_loss": (2,), "vocab_grad": (5, 7, 8),
     "moe_permute": (3,), "moe_experts_fwd": (5, 6, 7, 8), "moe_combine": (3,),
     "moe_combine_bwd": (4, 5), "moe_experts_bwd": (8, 9, 10, 11), "moe_router_bwd": (13, 14),
 }

@@ -240,6 +240,11 @@ class ModelConfig:
     (dataflow.engine.refuse_moe_backend).
     Left out of the JSON when None, so configs, checkpoints and plan hashes without it are
     unchanged."""
+    head_vocab_rows: int = dataclasses.field(default=0, metadata={"omit_if_default": True})
+    """Rows of the lm_head this model's head holds; 0: all vocab_size. Only the model a
+    vocabulary-parallel ring rank plans sets it (dataflow.memplan.plan.ranks.rank_model: the
+    rank's shard of the vocabulary); its embedding keeps vocab_size rows. Left out of the JSON
+    when 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -291,6 +296,12 @@ class ModelConfig:
                    if self.moe is None else
                    f"has a dense FFN, not moe; mixture-of-experts families are "
                    f"{', '.join(MOE_FAMILIES)}"))
+        rows = self.head_vocab_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= self.vocab_size \
+                or (rows and self.tie_embeddings):
+            raise ConfigError(f"model '{self.name}': head_vocab_rows {rows!r} must be a whole "
+                              f"number in 0..{self.vocab_size} (0: the whole vocabulary), and 0 "
+                              "for a tied head")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(f"model '{self.name}': rope_scaling must be a RopeScaling or None, "
                               f"got {self.rope_scaling!r}")
@@ -358,7 +369,13 @@ class ModelConfig:
     def head_params(self) -> int:
         """Final norm plus the output projection when it is untied (a tied head's projection
         is the embedding, counted once, in embed_params)."""
-        return self.model_dim + (0 if self.tie_embeddings else self.vocab_size * self.model_dim)
+        return self.model_dim + (0 if self.tie_embeddings else self.head_rows * self.model_dim)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the lm_head this model's head holds: vocab_size, or a vocabulary-parallel
+        ring rank's shard (head_vocab_rows)."""
+        return self.head_vocab_rows or self.vocab_size
 
     @property
     def n_params(self) -> int:

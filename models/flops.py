@@ -84,7 +84,7 @@ def attn_bwd_flops(cfg: ModelConfig, chunk_tokens: int, context_tokens: int = 0)
 
 def head_flops(cfg: ModelConfig, tokens: int) -> int:
     """Head forward, backward-x and backward-w matmuls: 3 * (2 * S * D * V)."""
-    return 3 * 2 * tokens * cfg.model_dim * cfg.vocab_size
+    return 3 * 2 * tokens * cfg.model_dim * cfg.head_rows
 
 
 def model_flops_per_seq(cfg: ModelConfig, seqlen: int, *, frozen_layers: int = 0,

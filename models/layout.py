@@ -150,4 +150,4 @@ def head_layout(cfg: ModelConfig) -> BlockLayout:
     if cfg.tie_embeddings:
         return _pack(BlockKind.HEAD, [("norm", (cfg.model_dim,))])
     return _pack(BlockKind.HEAD, [("norm", (cfg.model_dim,)),
-                                  ("lm_head", (cfg.vocab_size, cfg.model_dim))])
+                                  ("lm_head", (cfg.head_rows, cfg.model_dim))])

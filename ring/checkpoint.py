@@ -35,6 +35,7 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
     cfg: the whole model's ModelConfig; data / rng / extra / keep / force_dir: as
     dataflow.checkpoint's, taken from process 0 (which refuses a root holding other files
     unless force_dir; every process then raises)."""
+    _refuse_vocab_parallel(rank)
     keep, rng = ckpt.checked_keep(keep), ckpt.rng_state(rng)
     root, step = Path(root), rank.optimizer.step_count
     leader = transport.rank == 0 and transport.replica == 0
@@ -89,6 +90,15 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
         raise
 
 
+def _refuse_vocab_parallel(rank) -> None:
+    """Every rank of a vocabulary-parallel head holds a shard of the head block, which the
+    checkpoint format keeps whole: refused by name (the same on every process)."""
+    if rank.rp.vocab_parallel:
+        raise ConfigError("checkpoints of a ring with --vocab-parallel-head are not built yet "
+                          "(each rank holds a shard of the head block); train without the flag "
+                          "to save or resume, or read each rank's weights (RingRank.weights)")
+
+
 def _agree(transport, error: BaseException | None, what: str) -> None:
     """Collective: tell every process whether this one failed; re-raise this process's own
     `error`, else raise ConfigError naming the processes that failed ("process(es) [1] `what`")."""
@@ -132,6 +142,7 @@ def load_ring_checkpoint(rank, transport, cfg, path, *, verify: bool = True,
     model (a step directory, or the newest under a root), written by a ring of any size or by
     one device. Checks and (with verify) hashes come first on every process; if any process
     refuses, every process raises and none has written anything."""
+    _refuse_vocab_parallel(rank)
     problem = None
     try:
         path, meta = ckpt.read_checkpoint(path)

@@ -54,6 +54,10 @@ class Ring:
     gathers the rest from the other replicas over NVLink (RankPlan.split_fetch). Off by
     default: on 2 H200s at 60/24 it measured 2.5 % slower than each fetching everything (8b,
     16k chunks, copies already hidden; docs/ring.md)."""
+    vocab_parallel_head: bool = False
+    """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
+    and loss over it, instead of the last layer's rank carrying the whole head
+    (RankPlan.vocab_parallel, docs/ring.md; NumPy backend so far, untied dense models)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""
@@ -97,6 +101,8 @@ class RingEngine:
         options = dict(plan_options or {})
         if precision != "bf16":  # the rank plans' and their backends' (dataflow.precision)
             options["precision"] = precision
+        if ring.vocab_parallel_head:  # every ring of 2+ ranks splits its head's vocabulary
+            options["vocab_parallel"] = True
         if ring.placement != "auto":  # else choose_ring_layout weighs the placements
             options.setdefault("placement", ring.placement)
         if tokens_per_step is not None:

@@ -21,15 +21,21 @@ from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherP
 from dataflow.memplan.step.compile import Record, Schedule, Wait
 from dataflow.models.errors import ConfigError
 from dataflow.ring.transport import Transport
+from dataflow.ring.vocab_ops import VocabHeadOps
 
 
-class RingExecutor(Executor):
+class RingExecutor(VocabHeadOps, Executor):
     def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None,
                  *, deferred_update: bool = False):
         """deferred_update: as the single-device Executor's (each step's AdamW of this rank's
         blocks inside the next step's round 0, or in flush()). The schedules are those of the
         transport's replica (with rp.split_fetch each replica fetches its own weight parts)."""
         q = transport.replica if transport is not None else 0
+        ops = getattr(be, "ops", None)  # the null backend has no table and runs nothing
+        if rp.vocab_parallel and ops is not None and getattr(ops, "vocab_stats", None) is None:
+            raise ConfigError(f"--vocab-parallel-head on the {be.name} backend: its op table has "
+                              "no vocabulary-parallel head kernels yet (the NumPy backend has "
+                              "them); use --backend numpy, or leave the flag off")
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
                                                                            replica=q),
@@ -41,6 +47,8 @@ class RingExecutor(Executor):
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                GatherParts: self._gather_parts, Record: self._ring_record,
                                Wait: self._ring_wait})
+        if rp.vocab_parallel:
+            self._compute_ops.update(self._vocab_handlers())
         ch, cfg = rp.plan.chunking, rp.plan.model
         reduced = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is AllReduce]
         gathered = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is GatherParts]
@@ -49,13 +57,19 @@ class RingExecutor(Executor):
         # An MoE model's ranks also pass the round's routing totals on: two small messages
         # each way (dataflow.memplan.step.ring_compile).
         totals = 4 if cfg.moe is not None and rp.n_ranks > 1 else 0
-        owned = ["embed"] * rp.has_embed + [f"L{g}" for g in rp.layers] + ["head"] * rp.has_head
+        owned = (["embed"] * rp.has_embed + [f"L{g}" for g in rp.layers]
+                 + ["head"] * rp.holds_head_block)
         if len(owned) > MAX_NORM_PARTS:
             raise ConfigError(f"rank {rp.rank} holds {len(owned)} blocks; a ring rank holds at "
                               f"most {MAX_NORM_PARTS} (dataflow.memplan.plan.buffers): use more "
                               "ranks")
         self._norm_part = {f"gnorm.{what}": k for k, what in enumerate(owned)}
-        transport.bind(be, ch.chunk_tokens * cfg.model_dim * 2, 2 * ch.chunks_per_round + totals,
+        # A vocabulary-parallel head sends fp32 partial dx (twice a residual's bytes) and up to
+        # four messages a chunk each way beside the residuals; every rank binds alike (the
+        # mailboxes' sizes must agree).
+        vocab = 4 * ch.chunks_per_round if rp.vocab_parallel else 0
+        message = ch.chunk_tokens * cfg.model_dim * (4 if rp.vocab_parallel else 2)
+        transport.bind(be, message, 2 * ch.chunks_per_round + totals + vocab,
                        max(reduced, default=0), max(gathered, default=0))
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -90,7 +104,7 @@ class RingExecutor(Executor):
         rp = self.rp
         out = [(0, self.embed)] if rp.has_embed else []
         out += [(1 + g, self.layers[j]) for j, g in enumerate(rp.layers)]
-        if rp.has_head:
+        if rp.holds_head_block:
             out.append((rp.n_layers + 1, self.head))
         return out
 

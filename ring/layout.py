@@ -100,14 +100,16 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
 def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus: int, *,
                    backend: str, transport: TransportKind, replicas: int | None,
                    tokens_per_step: int | None, rounds: int | None, quiet: bool = False,
-                   placement: PlacementChoice = "cyclic", split_fetch: bool = False):
+                   placement: PlacementChoice = "cyclic", split_fetch: bool = False,
+                   vocab_parallel: bool = False):
     """(replicas, plan constraints for every rank) of a launch of `gpus` processes, the
     command lines' layout (choose_ring_layout), printed to stderr with the alternatives it
     weighed unless quiet; with replicas given, the chunking of that split that predicts fastest
     (a full ring, at least as many chunks a round as ranks, where one fits). `placement` fixes
     how a ring deals its layers, or 'auto': the faster predicted of WEIGHED_PLACEMENTS; the
     constraints then carry a placement other than cyclic ('placement', RingJob.placement).
-    transport: NCCL or SHM. Raises ConfigError naming what does not fit."""
+    transport: NCCL or SHM. vocab_parallel: rings of 2+ split their head's vocabulary (the
+    constraints then carry it). Raises ConfigError naming what does not fit."""
     if rounds and tokens_per_step:
         raise ConfigError("give --rounds or --tokens-per-step, not both (the global batch is "
                           "rounds x chunks per round x replicas)")
@@ -116,7 +118,8 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus:
         transport=transport, ring_size=None if replicas is None else gpus // replicas,
         tokens_per_step=tokens_per_step, split_fetch=split_fetch,
         constraints={**({"rounds_per_step": rounds} if rounds else {}),
-                     **({} if placement == "auto" else {"placement": placement})})
+                     **({} if placement == "auto" else {"placement": placement}),
+                     **({"vocab_parallel": True} if vocab_parallel else {})})
     if not quiet:
         print(layout_text(choice), file=sys.stderr, flush=True)
     opt = choice.chosen

@@ -18,13 +18,13 @@ from dataflow.engine import BLOCK_PARTS, BlockRef
 from dataflow.executor import StepStats
 from dataflow.instrument import TracingBackend
 from dataflow.optimizer import AdamW, AdamWConfig
-from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.plan.ranks import RankPlan, head_rows
 from dataflow.models import init
 from dataflow.models.hf import HFWeights
 from dataflow.models.hf_config import is_hf_dir
 from dataflow.models.storage import load_block_into
 from dataflow.models.errors import ConfigError
-from dataflow.models.layout import BlockKind
+from dataflow.models.layout import BlockKind, head_layout
 from dataflow.ring.executor import RingExecutor
 from dataflow.ring.transport import Transport
 from dataflow.warmup import start_host_compile, warm_up
@@ -76,6 +76,8 @@ class RingRank:
             zero_state(self.be, b)
             if ref.kind is BlockKind.EMBED:
                 fill = functools.partial(init.init_embed_block, cfg, seed)
+            elif ref.kind is BlockKind.HEAD and self.rp.vocab_parallel:
+                fill = functools.partial(_init_head_shard, cfg, self.rp, seed)
             elif ref.kind is BlockKind.HEAD:
                 fill = functools.partial(init.init_head_block, cfg, seed)
             else:  # the initialiser keys on the global layer index, not on n_layers
@@ -89,12 +91,12 @@ class RingRank:
         rp = self.rp
         refs = [BlockRef(BlockKind.EMBED)] if rp.has_embed else []
         refs += [BlockRef(BlockKind.LAYER, g) for g in rp.layers]
-        return tuple(refs + ([BlockRef(BlockKind.HEAD)] if rp.has_head else []))
+        return tuple(refs + ([BlockRef(BlockKind.HEAD)] if rp.holds_head_block else []))
 
     def _block(self, ref: BlockRef):
         ex, rp = self.ex, self.rp
         owned = (ref.kind is BlockKind.EMBED and rp.has_embed) or (
-            ref.kind is BlockKind.HEAD and rp.has_head) or (
+            ref.kind is BlockKind.HEAD and rp.holds_head_block) or (
             ref.kind is BlockKind.LAYER and ref.layer in rp.layers)
         if not owned:
             raise ConfigError(f"block {ref.name} is not on ring rank {rp.rank} (it owns "
@@ -118,17 +120,28 @@ class RingRank:
         directory or a saved dataflow model), read one block at a time and only this rank's,
         so a fine-tune on a ring starts from the model's own weights as one device does."""
         path = Path(path)
+        cfg = self.rp.plan.model
+        whole_cfg = dataclasses.replace(cfg, head_vocab_rows=0)  # the directory's whole head
+
+        def layout(ref):  # a vocabulary shard reads the whole head, then keeps its rows
+            if ref.kind is BlockKind.HEAD and self.rp.vocab_parallel:
+                return head_layout(whole_cfg)
+            return self.layout(ref)
+
         if is_hf_dir(path):
             hf = HFWeights(path)
 
             def read(ref):
-                return hf.block(ref.kind, ref.layer, self.layout(ref))
+                return hf.block(ref.kind, ref.layer, layout(ref))
         else:
             def read(ref):
-                out = np.empty(self.layout(ref).numel, BF16)
+                out = np.empty(layout(ref).numel, BF16)
                 return load_block_into(path, ref.kind, ref.layer, out)
         for ref in self.block_refs():
-            self.write_block(ref, read(ref))
+            block = read(ref)
+            if ref.kind is BlockKind.HEAD and self.rp.vocab_parallel:
+                block = _head_shard(cfg, self.rp, block)
+            self.write_block(ref, block)
 
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
         """Overwrite an owned block's weights, AdamW m or v (numel bf16 elements)."""
@@ -208,9 +221,45 @@ def _key(ref: BlockRef) -> str:
     return f"layer{ref.layer}" if ref.kind is BlockKind.LAYER else ref.kind.value
 
 
+def whole_head(cfg, n_ranks: int, head_owner: int, shards: dict[int, np.ndarray]) -> np.ndarray:
+    """The head block of the whole model `cfg` from the head blocks of a vocabulary-parallel
+    ring's ranks ({rank: block}): the head's rank's final norm and every rank's lm_head rows in
+    rank order (a rank's own norm copy is never read or trained)."""
+    whole_lay = head_layout(cfg)
+    out = np.zeros(whole_lay.numel, BF16)
+    for r in range(n_ranks):
+        a, b = head_rows(cfg.vocab_size, n_ranks, r)
+        lay = head_layout(dataclasses.replace(cfg, head_vocab_rows=b - a))
+        whole_lay.view(out, "lm_head")[a:b] = lay.view(shards[r], "lm_head")
+        if r == head_owner:
+            whole_lay.view(out, "norm")[...] = lay.view(shards[r], "norm")
+    return out
+
+
 def _check_part(part: str) -> None:
     if part not in BLOCK_PARTS:
         raise ConfigError(f"block part '{part}' is not one of {', '.join(BLOCK_PARTS)}")
+
+
+def _init_head_shard(cfg, rp: RankPlan, seed: int, out=None) -> np.ndarray:
+    """A vocabulary-parallel rank's head block: the whole model's initial head (the same bits
+    one device starts from), of which it keeps the final norm and its own lm_head rows. The
+    whole head passes through a host temporary (V x D bf16: 1 GiB at 8b) once, at setup."""
+    whole = init.init_head_block(dataclasses.replace(cfg, head_vocab_rows=0), seed)
+    return _head_shard(cfg, rp, whole, out)
+
+
+def _head_shard(cfg, rp: RankPlan, whole: np.ndarray, out=None) -> np.ndarray:
+    """Rank rp.rank's head block (the final norm, its lm_head rows) of the whole head block."""
+    whole_cfg = dataclasses.replace(cfg, head_vocab_rows=0)
+    a, b = head_rows(cfg.vocab_size, rp.n_ranks, rp.rank)
+    lay, whole_lay = head_layout(cfg), head_layout(whole_cfg)
+    if out is None:
+        out = np.empty(lay.numel, BF16)
+    out[...] = 0  # alignment padding
+    lay.view(out, "norm")[...] = whole_lay.view(whole, "norm")
+    lay.view(out, "lm_head")[...] = whole_lay.view(whole, "lm_head")[a:b]
+    return out
 
 
 def _with_layers(cfg, n_layers: int):

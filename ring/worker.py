@@ -43,7 +43,8 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
             grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
             split_fetch=job.split_fetch,
-            **{"placement": job.placement, "precision": job.precision, **dict(job.constraints)})
+            **{"placement": job.placement, "precision": job.precision,
+               "vocab_parallel": job.vocab_parallel_head, **dict(job.constraints)})
         rp = rank.rp
         ring_size = rp.n_ranks
         losses, times, breakdowns = [], [], []

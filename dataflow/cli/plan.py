@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(chunks and rounds chosen around it; default: the planner's)")
     batch.add_argument("--tokens-per-step", type=_count, default=None, metavar="N",
                        help="the same in tokens (a multiple of SEQLEN)")
+    p.add_argument("--vocab-parallel-head", action="store_true",
+                   help="with --gpus: weigh rings whose every device computes the logits and "
+                        "loss over 1/N of the vocabulary beside rings whose last device "
+                        "carries the whole head (docs/ring.md)")
     p.add_argument("--fast-attention", action="store_true",
                    help="cuDNN's faster non-deterministic attention backward for packed "
                         "sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k "
@@ -130,6 +134,9 @@ def _run(args) -> str:
             raise ConfigError("--freeze is planned for one device so far; drop --gpus or "
                               "--freeze")
         return ring_report(cfg, args, budget, profile)
+    if args.vocab_parallel_head:
+        raise ConfigError("--vocab-parallel-head splits a ring's head over its devices; give "
+                          "--gpus 2 or more, or drop the flag")
     batch = {k: v for k, v in (("seqs_per_step", args.seqs_per_step),
                                ("tokens_per_step", args.tokens_per_step)) if v is not None}
     if args.fast_attention:
@@ -209,15 +216,17 @@ def ring_report(cfg, args, budget, profile) -> str:
         raise ConfigError(f"--tokens-per-step {cap:,} is not a multiple of seqlen {args.seqlen}")
     memo: dict = {}  # the rings planned, shared by the choices for 2..64 GPUs below
     fixed = {"precision": args.precision} if args.precision != "bf16" else None
+    vocab = bool(getattr(args, "vocab_parallel_head", False))
     choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
-                           memo=memo, constraints=fixed)
+                           memo=memo, constraints=fixed, vocab_parallel_head=vocab)
     single = choice.single_tok_per_s
     by_gpus = []
     for g in GPU_COUNTS:
         try:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
-                single_tok_per_s=single, memo=memo, quick=True, constraints=fixed)
+                single_tok_per_s=single, memo=memo, quick=True, constraints=fixed,
+                vocab_parallel_head=vocab)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
@@ -243,6 +252,8 @@ def ring_report(cfg, args, budget, profile) -> str:
     for rp in rps:
         p = rp.plan
         extra = " + embedding" * rp.has_embed + " + head" * rp.has_head
+        if rp.vocab_parallel:
+            extra += f" + {rp.plan.model.head_rows:,} head rows"
         lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
                      f"{p.memory.device_bytes / GIB:.2f} GiB, host {p.memory.host_bytes / GIB:.2f}"
                      f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-step", type=positive(int), default=None, metavar="T",
                    help="cap on the global batch in tokens (a multiple of seqlen per replica); "
                         "the layout is chosen under it")
+    p.add_argument("--vocab-parallel-head", action="store_true",
+                   help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
+                        "the vocabulary, instead of the last layer's rank carrying the whole "
+                        "head (NumPy backend, untied dense models; no checkpoints yet; "
+                        "docs/ring.md)")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -141,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
+        if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
+            raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
+                              "--checkpoint-dir so far; drop those or the flag")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
@@ -148,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.seqlen, args.host_gb, args.dev_gb, gpus, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
             rounds=args.rounds, quiet=env is not None and env.rank != 0,
-            placement=args.placement, split_fetch=args.split_fetch)
+            placement=args.placement, split_fetch=args.split_fetch,
+            vocab_parallel=args.vocab_parallel_head)
         constraints = dict(constraints)
         placement = constraints.pop("placement", "cyclic")
+        vocab_parallel = bool(constraints.pop("vocab_parallel", False))
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   precision=args.precision,
                   eval_seqs=args.eval_seqs, trace=args.trace,
-                  split_fetch=args.split_fetch,
+                  split_fetch=args.split_fetch, vocab_parallel_head=vocab_parallel,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   force_checkpoint_dir=args.force_checkpoint_dir,

@@ -333,7 +333,8 @@ def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, .
              TensorSpec("targets", (round_tokens,), "i32"),
              TensorSpec("positions", (round_tokens,), "i32"),
              TensorSpec("scalars", (SCALARS,), "f32"))
-    return specs + (moe_round_specs(cfg) if cfg.moe is not None else ())
+    return specs + (moe_round_specs(cfg) if cfg.moe is not None else ()) + (
+        vocab_round_specs(cfg, round_tokens) if cfg.head_vocab_rows else ())
 
 
 def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
@@ -352,12 +353,28 @@ def moe_round_specs(cfg: ModelConfig) -> tuple[TensorSpec, ...]:
 
 
 def head_specs(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int) -> tuple[TensorSpec, ...]:
-    """Final norm output and gradient for a chunk, and one fp32 logits sub-chunk."""
-    d, v = cfg.model_dim, cfg.vocab_size
-    return (TensorSpec("xn", (chunk_tokens, d), "bf16"), TensorSpec("dxn", (chunk_tokens, d), "bf16"),
-            TensorSpec("rstd", (chunk_tokens,), "f32"),
-            TensorSpec("logits", (sub_tokens, v), "f32"),
-            TensorSpec("loss", (2,), "f32"))
+    """Final norm output and gradient for a chunk, and one fp32 logits sub-chunk (of the
+    head's rows: a vocabulary-parallel ring rank's shard). A vocabulary-parallel head's also
+    the fp32 partial dx of a chunk and the one received (dataflow.memplan.step.ring_vocab; its
+    round-long buffers are transitions: vocab_round_specs)."""
+    d, v, t = cfg.model_dim, cfg.head_rows, chunk_tokens
+    specs = (TensorSpec("xn", (t, d), "bf16"), TensorSpec("dxn", (t, d), "bf16"),
+             TensorSpec("rstd", (t,), "f32"),
+             TensorSpec("logits", (sub_tokens, v), "f32"),
+             TensorSpec("loss", (2,), "f32"))
+    if not cfg.head_vocab_rows:
+        return specs
+    return specs + (TensorSpec("vdx", (t, d), "f32"), TensorSpec("vdx_in", (t, d), "f32"))
+
+
+def vocab_round_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, ...]:
+    """A vocabulary-parallel head's round (dataflow.memplan.step.ring_vocab): every chunk's
+    normed hidden state (sent round the ring) and the head rank's rstd, the per-token statistics
+    (max, sum-exp, target logit) and those received, kept for the round so that the ranks pass
+    one chunk's messages while they compute the next's."""
+    t, d = round_tokens, cfg.model_dim
+    return (TensorSpec("vocab_xn", (t, d), "bf16"), TensorSpec("vocab_rstd", (t,), "f32"),
+            TensorSpec("vocab_stats", (t, 3), "f32"), TensorSpec("vocab_stats_in", (t, 3), "f32"))
 
 
 def block_elems(cfg: ModelConfig) -> dict[str, int]:

@@ -140,14 +140,46 @@ def head_rank(n_layers: int, n_ranks: int, owners: tuple[int, ...] | None = None
     return owners[-1] if owners else (n_layers - 1) % n_ranks
 
 
+def head_rows(vocab_size: int, n_ranks: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of the lm_head that rank `rank` of a vocabulary-parallel ring of
+    `n_ranks` holds: consecutive shards, the first vocab_size % n_ranks one row longer (the
+    arithmetic of dataflow.kernels.reference.head_vocab.shard_rows, which memplan may not
+    import)."""
+    if not 1 <= n_ranks <= vocab_size or not 0 <= rank < n_ranks:
+        raise ConfigError(f"a vocabulary of {vocab_size} rows cannot be split over {n_ranks} "
+                          f"ranks (rank {rank}); use at most {vocab_size} ranks")
+    base, extra = divmod(vocab_size, n_ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def refuse_vocab_parallel(cfg: ModelConfig, n_ranks: int) -> None:
+    """The combinations the vocabulary-parallel head does not run yet (on a ring of n_ranks),
+    refused by name."""
+    if cfg.tie_embeddings:
+        raise ConfigError(f"--vocab-parallel-head: model '{cfg.name}' ties its head to the "
+                          "embedding, which the vocabulary-parallel head does not split yet; "
+                          "leave the flag off (train it on one GPU or as replicas)")
+    if cfg.moe is not None:
+        raise ConfigError(f"--vocab-parallel-head: model '{cfg.name}' is a mixture of experts, "
+                          "whose ring passes routing totals through the head's rank; the "
+                          "vocabulary-parallel head does not run with it yet: leave the flag off")
+
+
 def rank_model(cfg: ModelConfig, n_ranks: int, rank: int,
-               owners: tuple[int, ...] | None = None) -> ModelConfig:
+               owners: tuple[int, ...] | None = None, vocab_parallel: bool = False) -> ModelConfig:
     """The model one rank plans: the same shapes with only its own layers (its plan holds only
-    the embedding and head it owns: make_plan's holds_embed / holds_head)."""
+    the embedding and head it owns: make_plan's holds_embed / holds_head). With
+    `vocab_parallel` every rank's head holds its shard of the lm_head rows (head_rows)."""
     n = len(owned_layers(cfg.n_layers, n_ranks, rank, owners))
     if n_ranks == 1:
         return cfg
-    return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n)
+    rows = 0
+    if vocab_parallel:
+        a, b = head_rows(cfg.vocab_size, n_ranks, rank)
+        rows = b - a
+    return dataclasses.replace(cfg, name=f"{cfg.name}@rank{rank}of{n_ranks}", n_layers=n,
+                               head_vocab_rows=rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,11 +207,23 @@ class RankPlan:
     link and gathers the other parts from the other replicas (their weights are the same bits),
     so the replicas of one host share its copies instead of each moving the whole model
     (dataflow.memplan.step.ring_compile, docs/ring.md)."""
+    vocab_parallel: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """Every rank holds a shard of the lm_head rows (head_rows) and computes the logits and
+    loss over it; the head's rank (has_head: the final norm, the loss sums) sends each chunk's
+    normed hidden state round the ring, the ranks merge their per-token max and sum-exp and sum
+    their partial input gradients along it in a fixed order (dataflow.memplan.step.ring_vocab,
+    docs/ring.md "The vocabulary-parallel head")."""
 
     @property
     def ring_owners(self) -> tuple[int, ...]:
         """The owner of every global layer, whatever the placement."""
         return self.owners or layer_owners(self.n_layers, self.n_ranks)
+
+    @property
+    def holds_head_block(self) -> bool:
+        """Whether this rank holds a head block: the head's rank, or every rank of a
+        vocabulary-parallel head (its shard of the rows)."""
+        return self.has_head or self.vocab_parallel
 
     @property
     def head_owner(self) -> int:

@@ -248,16 +248,17 @@ LEVEL_INDEX = {SavedLevel.FULL: 0, SavedLevel.INP_ATTN: 1, SavedLevel.INP_ONLY: 
 def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_bytes: int,
                  p: HardwareProfile, frozen: bool = False) -> float:
     """The head of one chunk: its three GEMMs, the cross-entropy passes over fp32 logits, and
-    the weight gradient's accumulation, which reads and writes the whole (V, D) gradient once
-    per sub-chunk (at 8b, 2 GiB of bf16 a time: a 2048-token sub-chunk halves it). The GEMM
-    term alone matched the head measured with the default sub-chunk (8b at 8k: 44.9 ms
-    predicted, 43.5 measured), so accumulations are counted beyond or short of that one's.
-    A frozen head (Plan.frozen) runs no weight-gradient GEMM and accumulates nothing."""
+    the weight gradient's accumulation, which reads and writes the whole (V, D) gradient (V the
+    head's rows: a vocabulary-parallel ring rank's shard) once per sub-chunk (at 8b, 2 GiB of
+    bf16 a time: a 2048-token sub-chunk halves it). The GEMM term alone matched the head
+    measured with the default sub-chunk (8b at 8k: 44.9 ms predicted, 43.5 measured), so
+    accumulations are counted beyond or short of that one's. A frozen head (Plan.frozen) runs
+    no weight-gradient GEMM and accumulates nothing."""
     t = chunk_tokens
     hbm = p.device_mem_bytes_per_s
-    ce_bytes = t * cfg.vocab_size * 4 * CROSS_ENTROPY_PASSES
+    ce_bytes = t * cfg.head_rows * 4 * CROSS_ENTROPY_PASSES
     extra = t // sub_tokens - t // head_sub_tokens(t)
-    acc_bytes = extra * cfg.vocab_size * cfg.model_dim * grad_bytes * 2
+    acc_bytes = extra * cfg.head_rows * cfg.model_dim * grad_bytes * 2
     flops = head_flops(cfg, t)
     if frozen:
         flops, acc_bytes = flops * 2 // 3, 0
@@ -545,6 +546,10 @@ def event_seconds(plan, p: HardwareProfile):
                 return kv_s
             if ev.op == "moe_totals_add":  # a ring rank's routing totals: a few hundred bytes
                 return 0.0
+            if ev.op in ("vocab_stats", "vocab_grad"):  # a vocabulary shard's chunk: 1, 3 GEMMs
+                return head_s / ch.chunks_per_round * (1 if ev.op == "vocab_stats" else 3) / 3
+            if str(ev.op).startswith("vocab_"):  # a chunk's norm, merge, loss or dx sum
+                return 2 * rows / ch.chunks_per_round / hbm
             return 2 * rows / hbm  # embedding rows gathered or scattered on the device
         if kind == "Update":
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)

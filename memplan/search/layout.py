@@ -65,6 +65,10 @@ class Layout:
     split_fetch: bool = False
     """The replicas split every streamed weight use's host copy among them and gather the parts
     from each other over the link (RankPlan.split_fetch; dataflow-ring --split-fetch)."""
+    vocab_parallel_head: bool = dataclasses.field(default=False,
+                                                  metadata={"omit_if_default": True})
+    """Every rank of the ring holds a shard of the head's vocabulary (RankPlan.vocab_parallel;
+    dataflow-ring --vocab-parallel-head)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -195,7 +199,8 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
     return LayoutOption(
         layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
                       placement=rps[0].placement,
-                      tokens_per_step=tokens, split_fetch=split),
+                      tokens_per_step=tokens, split_fetch=split,
+                      vocab_parallel_head=rps[0].vocab_parallel),
         chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
         rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
         device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
@@ -302,7 +307,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   constraints: dict | None = None,
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
                   memo: dict | None = None, quick: bool = False,
-                  split_fetch: bool = False) -> LayoutChoice:
+                  split_fetch: bool = False, vocab_parallel_head: bool = False) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -311,8 +316,10 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     a ring's chunking only as the planner chose it or rounded up to a full ring (not the
     smaller chunks and longer rounds of _full_ring_chunkings: a third of the planning time,
     for overviews such as dataflow-plan's table over 2..64 GPUs). split_fetch: replicas split
-    their weight fetches (Layout.split_fetch; off unless asked for). Raises
-    ConfigError when no ring size fits, naming every refusal."""
+    their weight fetches (Layout.split_fetch; off unless asked for). vocab_parallel_head: rings
+    of two or more are weighed with their head split over the vocabulary too (the option's
+    constraints then carry vocab_parallel). Raises ConfigError when no ring size fits, naming
+    every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
     if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
@@ -349,12 +356,19 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                                f"{tokens_per_step:,} tokens a step is under one sequence each")
                 continue
             constraints["tokens_per_step"] = seqs * seqlen
-        try:
-            candidates = _candidates(cfg, seqlen, budget,
-                                     ring_profile(profile, gpus, transport, replicas), n,
-                                     constraints, placements, memo=memo, quick=quick)
-        except ConfigError as exc:  # InfeasibleBudget included
-            refused.append(f"{replicas} replicas of a ring of {n}: {str(exc).split(';')[0][:160]}")
+        variants = [constraints] + ([dict(constraints, vocab_parallel=True)]
+                                    if vocab_parallel_head and n > 1 else [])
+        candidates, errors = [], []
+        for asked in variants:
+            try:
+                candidates += _candidates(cfg, seqlen, budget,
+                                          ring_profile(profile, gpus, transport, replicas), n,
+                                          asked, placements, memo=memo, quick=quick)
+            except ConfigError as exc:  # InfeasibleBudget included
+                errors.append(exc)
+        if not candidates:
+            refused.append(f"{replicas} replicas of a ring of {n}: "
+                           f"{str(errors[0]).split(';')[0][:160]}")
             continue
         for used, rps in candidates:
             opt = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch)
@@ -411,9 +425,11 @@ def layout_text(choice: LayoutChoice) -> str:
     shape = (f"{c.replicas} replicas of a ring of {c.ring_size}" if c.replicas > 1 and c.ring_size > 1
              else f"{c.replicas} data-parallel replicas (rings of 1)" if c.ring_size == 1
              else f"one ring of {c.ring_size}")
-    lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers, "
+    head = ", vocabulary-parallel head" if c.vocab_parallel_head else ""
+    lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers{head}, "
              f"{c.tokens_per_step:,} tokens a step (one device at these budgets: {alone})",
              f"  {'ring':>4} {'replicas':>8} {'chunk':>6} {'C x rounds':>11} {'tokens/step':>12} "
+             f"{'head':>5} "
              f"{'tok/s':>10} "
              f"{'speedup':>8} {'bubble':>7} {'all-reduce s':>12} {'dev GiB':>8} {'host GiB':>9}"]
     for o in choice.options:
@@ -422,7 +438,9 @@ def layout_text(choice: LayoutChoice) -> str:
         speed = "n/a" if p.speedup is None else f"{p.speedup:.2f}x"
         lines.append(f" {mark}{o.layout.ring_size:>4} {o.layout.replicas:>8} "
                      f"{o.chunk_tokens:>6} {o.chunks_per_round:>4} x {o.rounds_per_step:<4} "
-                     f"{o.layout.tokens_per_step:>12,} {p.tok_per_s:>10,.0f} {speed:>8} "
+                     f"{o.layout.tokens_per_step:>12,} "
+                     f"{'vocab' if o.layout.vocab_parallel_head else 'one':>5} "
+                     f"{p.tok_per_s:>10,.0f} {speed:>8} "
                      f"{p.bubble_frac:>6.1%} {p.allreduce_s:>12.3f} "
                      f"{o.device_bytes / 2**30:>8.2f} {o.host_bytes / 2**30:>9.2f}")
     for r in choice.refused:

@@ -24,6 +24,7 @@ from dataflow.memplan.plan.ranks import (
     owned_layers,
     parse_placement,
     rank_model,
+    refuse_vocab_parallel,
 )
 from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
 from dataflow.memplan.search.search import make_plan
@@ -155,34 +156,41 @@ def make_rank_plans(cfg: ModelConfig, seqlen: int, budget: Budget,
                     profile: HardwareProfile | None = None, n_ranks: int = 2, *,
                     grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
                     placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
-                    **constraints) -> tuple[RankPlan, ...]:
+                    vocab_parallel: bool = False, **constraints) -> tuple[RankPlan, ...]:
     """One plan per rank under the per-device `budget`. Rank 0 (the most layers and the
     embedding) is planned first; its chunking (chunk_tokens, chunks_per_round, rounds_per_step)
     is then imposed on the others, because every rank must process the same chunks in the same
     rounds. `replicas` R: the plans are those of one ring; each replica trains R-th of the
     global batch (seqs_per_step rows each). `placement` (PLACEMENTS): how the layers are dealt
     (_placed). `split_fetch` (with replicas > 1; ignored with one): RankPlan.split_fetch.
+    `vocab_parallel`: every rank holds a shard of the head (RankPlan.vocab_parallel; a ring of
+    one rank holds the whole head, as without it).
     Raises InfeasibleBudget (from make_plan) naming the rank's smallest budgets."""
     check_ring(cfg.n_layers, n_ranks, replicas=replicas)
     placement = parse_placement(placement)
+    vp = bool(vocab_parallel) and n_ranks > 1  # a ring of 1 holds the whole head anyway
+    if vp:
+        refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-                            placement)
+                            placement, vp)
     # Ranks with the same number of layers and the same embedding / head plan alike (a ring of
     # 64 has at most four kinds): plan each kind once and give the others its plan.
     kinds: dict[tuple, RankPlan] = {}
     out = []
     for r in range(n_ranks):
         layers = owned_layers(cfg.n_layers, n_ranks, r, owners)
-        key = (len(layers), *sorted(_holds(cfg, n_ranks, r, owners).items()))
+        model = rank_model(cfg, n_ranks, r, owners, vp)
+        key = (len(layers), model.head_rows, r == head_rank(cfg.n_layers, n_ranks, owners),
+               *sorted(_holds(cfg, n_ranks, r, owners, vp).items()))
         if r == 0 or key not in kinds:
             rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum,
-                            constraints, replicas, placement, owners)
+                            constraints, replicas, placement, owners, vp)
             kinds.setdefault(key, rp)
         else:
             like = kinds[key]
             rp = dataclasses.replace(
                 like, rank=r, layers=layers,
-                plan=dataclasses.replace(like.plan, model=rank_model(cfg, n_ranks, r, owners)))
+                plan=dataclasses.replace(like.plan, model=model))
         out.append(dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1))
     return tuple(out)
 
@@ -191,21 +199,24 @@ def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    profile: HardwareProfile | None, n_ranks: int, rank: int, *,
                    grad_accum: GradAccum = GradAccum.BF16, replicas: int = 1,
                    placement: Placement | str = Placement.CYCLIC, split_fetch: bool = False,
-                   **constraints) -> RankPlan:
+                   vocab_parallel: bool = False, **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
     every rank agrees without talking."""
     check_ring(cfg.n_layers, n_ranks, rank, replicas)
     placement = parse_placement(placement)
+    vp = bool(vocab_parallel) and n_ranks > 1
+    if vp:
+        refuse_vocab_parallel(cfg, n_ranks)
     owners, first = _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-                            placement)
+                            placement, vp)
     rp = _rank_plan(cfg, seqlen, budget, profile, n_ranks, rank, first, grad_accum, constraints,
-                    replicas, placement, owners)
+                    replicas, placement, owners, vp)
     return dataclasses.replace(rp, split_fetch=bool(split_fetch) and replicas > 1)
 
 
 def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
-            placement) -> tuple[tuple[int, ...], Plan]:
+            placement, vp: bool = False) -> tuple[tuple[int, ...], Plan]:
     """(the owners of the placement, empty for cyclic; rank 0's plan). Not cyclic: rank 0 of
     the cyclic ring is planned first for its chunking, the head's cost in layers at that
     chunking (head_layer_units) deals the layers, and rank 0 is planned again with its own
@@ -216,8 +227,8 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                           "layer's rank; train it on one GPU or as data-parallel replicas "
                           "(rings of 1)")
     constraints = _no_segments(constraints, n_ranks)
-    first = make_plan(rank_model(cfg, n_ranks, 0), seqlen, budget, profile,
-                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0))
+    first = make_plan(rank_model(cfg, n_ranks, 0, None, vp), seqlen, budget, profile,
+                      grad_accum=grad_accum, **constraints, **_holds(cfg, n_ranks, 0, (), vp))
     if placement is Placement.CYCLIC or n_ranks == 1:
         return (), first
     ch = first.chunking
@@ -227,8 +238,8 @@ def _placed(cfg, seqlen, budget, profile, n_ranks, grad_accum, constraints,
                   rounds_per_step=ch.rounds_per_step)
     if cfg.moe is not None:
         moe_routing_chain(cfg.name, cfg.n_layers, n_ranks, owners, placement)
-    first = make_plan(rank_model(cfg, n_ranks, 0, owners), seqlen, budget, profile,
-                      grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners))
+    first = make_plan(rank_model(cfg, n_ranks, 0, owners, vp), seqlen, budget, profile,
+                      grad_accum=grad_accum, **shared, **_holds(cfg, n_ranks, 0, owners, vp))
     return owners, first
 
 
@@ -239,23 +250,25 @@ def _no_segments(constraints: dict, n_ranks: int) -> dict:
     return dict(constraints, segments=False) if n_ranks > 1 else dict(constraints)
 
 
-def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = ()) -> dict:
+def _holds(cfg: ModelConfig, n_ranks: int, r: int, owners: tuple[int, ...] = (),
+           vp: bool = False) -> dict:
     """make_plan's holds_embed / holds_head for rank r: it plans and allocates only the
-    embedding and head it owns (Plan.holds_embed)."""
+    embedding and head it owns (Plan.holds_embed); with a vocabulary-parallel head every rank
+    holds its shard of the head."""
     if n_ranks == 1:
         return {}
     return {"holds_embed": r == embed_rank(cfg.n_layers, n_ranks),
-            "holds_head": r == head_rank(cfg.n_layers, n_ranks, owners)}
+            "holds_head": vp or r == head_rank(cfg.n_layers, n_ranks, owners)}
 
 
 def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, constraints,
-               replicas=1, placement=Placement.CYCLIC, owners=()):
+               replicas=1, placement=Placement.CYCLIC, owners=(), vp=False):
     ch = first.chunking
     shared = dict(_no_segments(constraints, n_ranks), chunk_tokens=ch.chunk_tokens,
                   chunks_per_round=ch.chunks_per_round, rounds_per_step=ch.rounds_per_step)
-    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners), seqlen, budget,
-                                          profile, grad_accum=grad_accum, **shared,
-                                          **_holds(cfg, n_ranks, r, owners))
+    plan = first if r == 0 else make_plan(rank_model(cfg, n_ranks, r, owners, vp), seqlen,
+                                          budget, profile, grad_accum=grad_accum, **shared,
+                                          **_holds(cfg, n_ranks, r, owners, vp))
     if n_ranks > 1 and getattr(plan, "segment_layers", 1) > 1:
         # A segment re-runs the forward of consecutive local layers from the first one's input,
         # but a rank's consecutive local layers are not consecutive layers of the model (the
@@ -268,7 +281,8 @@ def _rank_plan(cfg, seqlen, budget, profile, n_ranks, r, first, grad_accum, cons
                     has_embed=r == embed_rank(cfg.n_layers, n_ranks),
                     has_head=r == head_rank(cfg.n_layers, n_ranks, owners),
                     n_layers=cfg.n_layers, plan=plan, replicas=replicas,
-                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners)
+                    placement=placement if n_ranks > 1 else Placement.CYCLIC, owners=owners,
+                    vocab_parallel=vp)
 
 
 # -- the scaling model --------------------------------------------------------------------------
@@ -349,8 +363,32 @@ def _chunk_seconds(rp: RankPlan) -> tuple[list[float], list[list[float]], float,
         row = [c.bwd_s + c.rec_s[LEVEL_INDEX[a.level]] for c, a in zip(costs, d.activations[j])]
         rest = (w.bwd_s[j] - sum(row)) / len(costs)  # KV rebuilds: spread over the chunks
         bwd.append([x + rest for x in row])
-    head_s = w.head_s if rp.has_head else 0.0
+    head_s = w.head_s if rp.holds_head_block else 0.0
+    if rp.vocab_parallel:  # a shard forms its logits twice: for the statistics, then the grads
+        head_s *= VOCAB_HEAD_GEMMS / 3
     return [c.fwd_s for c in costs], bwd, head_s, len(rp.layers) * w.fwd_s + sum(w.bwd_s) + head_s
+
+
+VOCAB_HEAD_GEMMS = 4
+"""GEMMs of a vocabulary-parallel shard's head per chunk (logits for the statistics, logits
+again, dx, dW) against one device's 3 (dataflow.memplan.step.ring_vocab keeps no logits)."""
+
+
+def vocab_hop_s(rp: RankPlan, link: Link) -> float:
+    """A vocabulary-parallel head's four messages of one chunk over one hop of the ring's
+    chain: the normed hidden state (T x D bf16), the statistics back and the merged ones round
+    (T x 3 fp32 each), the partial dx back (T x D fp32)."""
+    t, d = rp.plan.chunking.chunk_tokens, rp.plan.model.model_dim
+    nbytes = t * d * 2 + 2 * t * 3 * 4 + t * d * 4
+    return nbytes / link.bytes_per_s + 4 * link.latency_s
+
+
+def vocab_exchange_s(rp: RankPlan, link: Link) -> float:
+    """A vocabulary-parallel head's messages on a round's critical path: four passes of the
+    round's C chunks along the chain of N - 1 hops, each chunk sent on as soon as it is there
+    (dataflow.memplan.step.ring_vocab), a pipeline of N - 2 + C chunk-hops."""
+    n, c = rp.n_ranks, rp.plan.chunking.chunks_per_round
+    return max(0, n - 2 + c) * vocab_hop_s(rp, link)
 
 
 def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict,
@@ -381,29 +419,40 @@ def _pipeline_pass(visits, seconds, order: list[int], hop_s: float, free_s: dict
     return done
 
 
-def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float) -> tuple[float, dict]:
+def ring_round_s(rank_plans: tuple[RankPlan, ...], hop_s: float,
+                 vocab_round_s: float = 0.0) -> tuple[float, dict]:
     """(the critical path of one round through the ring, rank -> its own layer and head work a
     round): the forward's walk from rank 0 to the head's rank, the head there, and the
     backward's walk back (_pipeline_pass), at the cost model's seconds of every layer and chunk
     on its rank (_chunk_seconds). The pipeline's fill and drain, an under-full ring's idle
     (C < N), a hop at every layer when C = N leaves no slack, and chunks of unequal cost
-    (recompute, a long sequence's later chunks) are all this path's length less a rank's work."""
+    (recompute, a long sequence's later chunks) are all this path's length less a rank's work.
+    A vocabulary-parallel head (RankPlan.vocab_parallel) runs on every rank between the walks:
+    the slowest shard's head plus vocab_round_s of messages (vocab_exchange_s), every rank busy
+    with it until the backward starts."""
     visits = _visits(_owners(rank_plans))
     fwd_c, bwd_c, work, head_s, head = {}, {}, {}, 0.0, rank_plans[-1].rank
     kinds: dict[tuple, tuple] = {}  # ranks planned alike (make_rank_plans) share their costs
     for rp in rank_plans:
-        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head)
+        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head,
+               rp.holds_head_block)
         if key not in kinds:
             kinds[key] = _chunk_seconds(rp)
         fwd_c[rp.rank], bwd, h, work[rp.rank] = kinds[key]
         bwd_c.update(zip(rp.layers, bwd))
         if rp.has_head:
-            head_s, head = h, rp.rank
+            head = rp.rank
+        head_s = max(head_s, h)
     order = list(range(rank_plans[0].plan.chunking.chunks_per_round))
     fwd = _pipeline_pass(visits, lambda r, g, c: fwd_c[r][c], order, hop_s, {}, 0.0)
-    turn = fwd[head] + head_s
+    if rank_plans[0].vocab_parallel:  # every rank takes part; the head's rank starts it
+        turn = max(fwd.values()) + head_s + vocab_round_s
+        free = {rp.rank: turn for rp in rank_plans}
+    else:
+        turn = fwd[head] + head_s
+        free = {**fwd, head: turn}
     bwd = _pipeline_pass(visits[::-1], lambda r, g, c: bwd_c[g][c], order[::-1], hop_s,
-                         {**fwd, head: turn}, turn)
+                         free, turn)
     return max(bwd.values()), work
 
 
@@ -434,12 +483,14 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     rank_s = slow.plan.prediction.step_time_s
     step_s, fill_s, link_s = rank_s, 0.0, 0.0
     if n > 1:
-        round_s, work = ring_round_s(rank_plans, hop_s)
+        vp = rank_plans[0].vocab_parallel
+        round_s, work = ring_round_s(rank_plans, hop_s,
+                                     vocab_exchange_s(rank_plans[0], link) if vp else 0.0)
         extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
                       for rp in rank_plans)
         owners = _owners(rank_plans)
         link_s = max(_sends_per_chunk(owners, rp.rank) for rp in rank_plans) * chunks * \
-            rounds * hop_s
+            rounds * hop_s + (chunks * rounds * vocab_hop_s(rank_plans[0], link) if vp else 0.0)
         step_s = max(rounds * round_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
         step_s /= ring_efficiency(n, chunks)

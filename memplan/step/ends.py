@@ -132,6 +132,20 @@ class ModelEnds:
         self.buf_free[rnd % 2].append(ev)  # the scatter read this round's ids
         self.rows_free[rnd % self.row_parts].append(ev)  # and the gradient rows in its part
 
+    def head_eval(self, rnd: int, final: str, other: str) -> None:
+        """An evaluation round's head: the loss of every chunk, forward only (a hook: a
+        vocabulary-parallel ring rank runs its part instead)."""
+        em = self.em
+        w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
+        em.wait(COMPUTE, self.targets_ready)
+        # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
+        # into the device head.grads region (a slot or the resident sum, idle between steps).
+        g = None if self.d.frozen.head else self.ref("head.grads", 0, self.numel["head"] * (
+            2 if self.gdt == "bf16" else 4))  # a frozen head has no gradient region
+        em.add(Compute("head", "head_loss", rnd, weights=w, grads=g, x=final, y=other))
+        if self.hw_ring is not None:
+            self.hw_ring.release(0)
+
     def head(self, rnd: int, final: str, dfinal: str) -> None:
         w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
         g = self.hg_ring.acquire(0) if self.hg_ring else self.block(HEAD, "grads", False)

@@ -32,9 +32,23 @@ class ComputeOp(str, enum.Enum):
     EMBED_BWD = "embed_bwd"
     GRAD_SUMSQ = "grad_sumsq"
     CLIP_SCALE = "clip_scale"
+    VOCAB_NORM = "vocab_norm"
+    VOCAB_STATS = "vocab_stats"
+    VOCAB_MERGE = "vocab_merge"
+    VOCAB_LOSS = "vocab_loss"
+    VOCAB_GRAD = "vocab_grad"
+    VOCAB_DX_ADD = "vocab_dx_add"
+    VOCAB_NORM_BWD = "vocab_norm_bwd"
 
     def __str__(self) -> str:
         return self.value  # f-strings and str() give the JSON string on every Python
+
+
+VOCAB_HEAD_OPS = frozenset({ComputeOp.VOCAB_NORM, ComputeOp.VOCAB_STATS, ComputeOp.VOCAB_MERGE,
+                            ComputeOp.VOCAB_LOSS, ComputeOp.VOCAB_GRAD, ComputeOp.VOCAB_DX_ADD,
+                            ComputeOp.VOCAB_NORM_BWD})
+"""The vocabulary-parallel head's ops: only a ring rank's schedule holds them
+(dataflow.memplan.step.ring_vocab), and only dataflow.ring.executor.RingExecutor handles them."""
 
 
 class HostOp(str, enum.Enum):
@@ -146,7 +160,8 @@ class Compute:
     forward and backward), 'head_loss' (the same forward only: evaluation), 'ctx_cast' (copy a
     chunk's saved K/V into the sequence context), 'kv_rebuild' (re-form a chunk's K/V in the
     sequence context from the x at the start of `save` with the layer's `weights`:
-    Plan.kv_rebuild). x and y name the transition buffers read and written."""
+    Plan.kv_rebuild), 'vocab_*' (a ring rank's part of a vocabulary-parallel head on one chunk:
+    dataflow.memplan.step.ring_vocab). x and y name the transition buffers read and written."""
 
     name: str
     op: ComputeOp

@@ -27,6 +27,7 @@ from dataflow.memplan.step.compile import (
     StepCompiler,
 )
 from dataflow.memplan.step.events import Compute
+from dataflow.memplan.step.ring_vocab import VocabHead
 from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 from dataflow.models.errors import ConfigError
 
@@ -159,7 +160,7 @@ class ReplicaCompiler(StepCompiler):
         events.extend(tail)
 
 
-class RingCompiler(ReplicaCompiler):
+class RingCompiler(VocabHead, ReplicaCompiler):
     """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
     (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
     hooks below receive each layer's input from the previous rank and send its output on.
@@ -177,7 +178,10 @@ class RingCompiler(ReplicaCompiler):
         for j, g in enumerate(rp.layers):
             self.run_pos.append(self.run_pos[-1] + 1 if j and rp.layers[j - 1] == g - 1 else 0)
         super().__init__(rp, replica)
-        self.has_embed, self.has_head = rp.has_embed, rp.has_head
+        # With a vocabulary-parallel head every rank runs the round's head (its shard).
+        self.has_embed, self.has_head = rp.has_embed, rp.holds_head_block
+        if rp.vocab_parallel:
+            self._vocab_setup()
         self.prev = (rp.rank - 1) % rp.n_ranks
         self.next = (rp.rank + 1) % rp.n_ranks
         self.sent: dict[tuple[str, int], int] = {}
@@ -335,10 +339,26 @@ class RingCompiler(ReplicaCompiler):
         """AdamW over the blocks this rank owns (the unused embedding / head of other ranks are
         never updated)."""
         keys = [BlockKey.of_layer(j) for j in range(len(self.rp.layers))]
-        return keys + [EMBED] * self.rp.has_embed + [HEAD] * self.rp.has_head
+        return keys + [EMBED] * self.rp.has_embed + [HEAD] * self.rp.holds_head_block
+
+    def head(self, rnd: int, final: str, dfinal: str) -> None:
+        """The round's head: the single-device one on the head's rank, or this rank's part of
+        a vocabulary-parallel head (dataflow.memplan.step.ring_vocab)."""
+        if self.rp.vocab_parallel:
+            self.vocab_head(rnd, final, dfinal)
+        else:
+            super().head(rnd, final, dfinal)
 
     def compile(self, rounds: int | None = None, update: str = "end") -> Schedule:
         return self._sends_done(super().compile(rounds, update))
+
+    def head_eval(self, rnd: int, final: str, other: str) -> None:
+        """An evaluation round's head: the single-device one, or this rank's part of a
+        vocabulary-parallel head's forward (dataflow.memplan.step.ring_vocab)."""
+        if self.rp.vocab_parallel:
+            self.vocab_head_eval(rnd, final)
+        else:
+            super().head_eval(rnd, final, other)
 
     def compile_eval(self, rounds: int) -> Schedule:
         return self._sends_done(super().compile_eval(rounds))
@@ -349,6 +369,8 @@ class RingCompiler(ReplicaCompiler):
         for ev in self.sent.values():
             self.em.wait(COMPUTE, ev)
         self.sent.clear()
+        if self.rp.vocab_parallel:
+            self.vocab_sends_done()
         return dataclasses.replace(sched, events=tuple(self.em.events), n_ids=self.em.n_ids)
 
 

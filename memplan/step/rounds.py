@@ -117,15 +117,7 @@ class Rounds:
             other, final = self.resid(L - 1)
             for c in range(self.C):
                 self.before_write(other, c)
-            w = self.hw_ring.acquire(0) if self.hw_ring else self.block(HEAD, "weights", False)
-            em.wait(COMPUTE, self.targets_ready)
-            # The loss kernel also forms lm_head's gradient; at grad_scale 0 it adds exact zeros
-            # into the device head.grads region (a slot or the resident sum, idle between steps).
-            g = None if self.d.frozen.head else self.ref("head.grads", 0, self.numel["head"] * (
-                2 if self.gdt == "bf16" else 4))  # a frozen head has no gradient region
-            em.add(Compute("head", "head_loss", rnd, weights=w, grads=g, x=final, y=other))
-            if self.hw_ring is not None:
-                self.hw_ring.release(0)
+            self.head_eval(rnd, final, other)
         end = len(em.events)
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), end, em.n_ids)
 
