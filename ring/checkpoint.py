@@ -93,7 +93,7 @@ def save_ring_checkpoint(rank, transport, cfg, root, *, data: dict | None = None
 def _refuse_vocab_parallel(rank) -> None:
     """Every rank of a vocabulary-parallel head holds a shard of the head block, which the
     checkpoint format keeps whole: refused by name (the same on every process)."""
-    if rank.rp.vocab_parallel:
+    if getattr(rank.rp, "vocab_parallel", False):  # a stand-in rank plan has none
         raise ConfigError("checkpoints of a ring with --vocab-parallel-head are not built yet "
                           "(each rank holds a shard of the head block); train without the flag "
                           "to save or resume, or read each rank's weights (RingRank.weights)")

@@ -396,7 +396,9 @@ def test_cuda_op_table_defines_every_op_of_the_numpy_table():
             elif isinstance(node, ast.Assign):
                 for target in node.targets:
                     defined[getattr(target, "id", "")] = None  # a kernel bound as staticmethod
-    missing = sorted(set(ops_numpy.WRITES) - set(defined))
+    # the vocabulary-parallel head's ops exist on NumPy only (refused by name elsewhere)
+    missing = sorted(set(ops_numpy.WRITES) - set(defined)
+                     - {"vocab_grad", "vocab_loss", "vocab_merge", "vocab_stats"})
     assert not missing, f"CudaOps lacks {missing}"
     for name in ops_numpy.WRITES:
         if name.startswith("moe_") and defined[name] is not None:
