@@ -131,10 +131,14 @@ def model_weights_dir(model) -> Path | None:
     """The directory whose weights a ring on `model` starts from (a Hugging Face directory or
     a saved dataflow model, as the Engine loads them), else None (a zoo name or a config file:
     the seeded initialisation)."""
-    if not isinstance(model, (str, Path)):
-        return None
+    if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{"):
+        return None  # an inline JSON config (RingJob.model as ring workers get it) names no path
     path = Path(model)
-    return path if path.is_dir() and (is_hf_dir(path) or is_model_dir(path)) else None
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name no file system takes (too long); not a directory
+        return None
+    return path if is_dir and (is_hf_dir(path) or is_model_dir(path)) else None
 
 
 def batches(job: RingJob, cfg, seqs_per_step: int, start: int = 0):

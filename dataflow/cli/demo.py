@@ -482,7 +482,12 @@ def _nonfinite(value: float) -> str:
 
 def _is_zoo(name: str) -> bool:
     """A zoo name or a model config JSON file: a shape to initialise, no weights to read."""
-    return name in zoo_names() or Path(name).is_file()
+    if name in zoo_names():
+        return True
+    try:
+        return Path(name).is_file()
+    except OSError:  # a name too long for a path is no file (the model check then names it)
+        return False
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from dataflow.memplan import get_profile, make_plan
 from dataflow.memplan.plan.plan import Budget
 from dataflow.models.config import load_config
 from dataflow.models.init import init_model
+from dataflow.models.serial import to_json
 from dataflow.models.storage import save_model
 from dataflow.ring.job import RingJob, batches, model_config, model_weights_dir
 from dataflow.ring.launch import launch
@@ -22,6 +23,10 @@ def test_a_ring_on_a_saved_model_starts_from_its_weights(tmp_path, rng):
     cfg = load_config("tiny")
     model = save_model(init_model(cfg, int(rng.integers(0, 2**31))), tmp_path / "model")
     assert model_weights_dir(str(model)) == model and model_weights_dir("tiny") is None
+    # A worker gets an inline JSON config longer than a file name may be (the GPU MoE ring test
+    # found ENAMETOOLONG raised from Path.is_dir); it names no directory.
+    assert model_weights_dir(to_json(load_config("olmoe-1b-7b")) + " " * 300) is None
+    assert model_weights_dir("x" * 5000) is None
     seed = int(rng.integers(0, 2**31))
     job = RingJob(gpus=2, model=str(model), seqlen=64, host_gb=0.5, dev_gb=0.25, steps=2,
                   seed=seed, data=f"random:{seed}", lr=1e-2, max_grad_norm=None,
