@@ -8,6 +8,7 @@ measures, and it never trains in its own process.
     python -m dataflow.bench.budget_truth --out bench/records/budget-truth-h100            # issue 13's cells
     python -m dataflow.bench.budget_truth --out runs/bt --backend numpy --steps 2 tiny:256:2:0.25
     python -m dataflow.bench.budget_truth --out runs/bt --fast-attention --steps 3 8b:8192:80:24
+    python -m dataflow.bench.budget_truth --out runs/bt --precision fp8 --rounds 4 8b:65536:100:24
 
 A peak is the largest 0.2 s sample, so a spike shorter than that can be missed; the device
 overshoot subtracts the CUDA context the demo itself reports, so a cell that dies before its
@@ -36,6 +37,7 @@ from dataflow.bench.sweep.record import Status
 from dataflow.bench.sweep.runner import measured_fields
 from dataflow.bench.sweep.sweep import git_commit
 from dataflow.memplan import InfeasibleBudget, make_plan
+from dataflow.precision import PRECISIONS
 from dataflow.memplan.search.predict import predict_schedule
 from dataflow.memplan.plan.plan import Budget
 from dataflow.models.errors import ConfigError
@@ -70,6 +72,9 @@ class BudgetRecord:
     dataflow-demo --fast-attention), else 'deterministic'."""
     rounds_per_step: int | None = None
     """--rounds: the rounds per step every cell was planned at; None: the planner's own."""
+    precision: str = "bf16"
+    """--precision: the block projections' GEMM precision every cell was planned (and so run) in
+    (docs/fp8.md)."""
     status: str
     """A dataflow.bench.sweep.record.Status value: ok, infeasible (the planner refused: no process),
     device_oom, host_oom, timeout or crash."""
@@ -189,20 +194,21 @@ def _minus(a: int | None, *others: int | None) -> int | None:
 
 def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeout_s: float,
              commit: str | None = None, attention_bwd: str = "deterministic",
-             rounds: int | None = None) -> BudgetRecord:
+             rounds: int | None = None, precision: str = "bf16") -> BudgetRecord:
     """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json.
-    The plan file carries `attention_bwd` and, when given, `rounds` per step to the demo."""
+    The plan file carries `attention_bwd`, `precision` and, when given, `rounds` per step to
+    the demo."""
     budget = Budget.from_gib(cell.host_gib, cell.dev_gib)
     base = {"model": cell.model, "seqlen": cell.seqlen, "host_gib": cell.host_gib,
             "dev_gib": cell.dev_gib, "host_budget_bytes": budget.host_bytes,
             "device_budget_bytes": budget.device_bytes, "steps": steps, "backend": backend,
             "profile": profile.name, "attention_bwd": attention_bwd, "commit": commit,
-            "rounds_per_step": rounds,
+            "rounds_per_step": rounds, "precision": precision,
             "hostname": socket.gethostname(), "started_at": now_iso()}
     slug = cell.slug
     try:
         plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile,
-                         attention_bwd=attention_bwd,
+                         attention_bwd=attention_bwd, precision=precision,
                          **({"rounds_per_step": rounds} if rounds else {}))
     except InfeasibleBudget as exc:
         record = BudgetRecord(status=Status.INFEASIBLE.value,
@@ -314,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan every cell with cuDNN's atomic-dQ attention backward, as "
                         "dataflow-demo --fast-attention does (faster; dQ may differ in the last "
                         "bits between runs; split sequences use it either way)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="plan (and so run) every cell with the block projections in this "
+                        "precision (docs/fp8.md; fp8 needs an sm_89+ GPU; default bf16)")
     return p
 
 
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run_cell(cell, out=out, steps=args.steps, backend=backend, profile=profile,
                           timeout_s=args.timeout, commit=commit,
                           attention_bwd="fast" if args.fast_attention else "deterministic",
-                          rounds=args.rounds)
+                          rounds=args.rounds, precision=args.precision)
         log.info("%s", summary_line(record))
     return 0
 

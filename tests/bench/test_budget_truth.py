@@ -158,3 +158,16 @@ def test_sampler_gives_none_when_nvml_cannot_say():
     assert nv.clocks() is None
     fake.nvmlDeviceGetPowerUsage = lambda handle: 690_000
     assert nv.clocks() is None  # asked once, then not again: the memory samples go on
+
+
+def test_precision_fp8_plans_and_runs_the_cell_in_fp8(tmp_path):
+    """--precision reaches the demo through the plan file (the NumPy backend runs the FP8
+    recipe's reference) and the record says it."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "1",
+                 "--precision", "fp8", "tiny:256:1:0.25"]) == 0
+    r = _record(tmp_path, "tiny-s256-h1-d0.25")
+    assert r.status == "ok" and r.precision == "fp8", r
+    assert json.loads((tmp_path / "tiny-s256-h1-d0.25.plan.json").read_text())["precision"] \
+        == "fp8"
+    assert json.loads((tmp_path / "tiny-s256-h1-d0.25.demo.json").read_text())["precision"] \
+        == "fp8"
