@@ -23,7 +23,8 @@ import numpy as np
 from dataflow.backend import Place, Stream
 from dataflow.backends.cupy_backend import CupyBackend
 from dataflow.kernels.cuda import (CudaContext, attention, attention_bwd, attention_fwd, cast,
-                                   linear_bwd_w, linear_bwd_x, linear_fwd)
+                                   fp8_gemm, fp8_quantise, linear_bwd_w, linear_bwd_x,
+                                   linear_fwd)
 from dataflow.kernels.host import adamw as host_adamw
 from dataflow.kernels.host.memory import copy_into
 from dataflow.probe.profile import Measurements, attn_flops, gemm_flops
@@ -213,20 +214,25 @@ def measure_host(s: Settings) -> dict[str, float]:
             "adamw": n * (ADAMW_STATE_BYTES_PER_ELEM + GRAD_BYTES) / adamw_s}
 
 
+def _layer_operands(cfg: ModelConfig, s: Settings, ctx) -> list:
+    """(input, weight (out, in), output, dw, dx) per projection of one layer at chunk_tokens:
+    q, k, v, gate and up read x; o reads the attention output; down the SwiGLU output."""
+    t, d, q, kv, f = s.chunk_tokens, cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
+    x, xo, act = _randn_bf16(ctx, (t, d)), _randn_bf16(ctx, (t, q)), _randn_bf16(ctx, (t, f))
+    layer = []
+    for inp, out_dim in ((x, q), (x, kv), (x, kv), (xo, d), (x, f), (x, f), (act, d)):
+        w = _randn_bf16(ctx, (out_dim, inp.shape[1]), 0.02)
+        layer.append((inp, w, cp.empty((t, out_dim), dtype=BF16), cp.zeros_like(w),
+                      cp.empty_like(inp)))
+    return layer
+
+
 def measure_gemm(cfg: ModelConfig, s: Settings, stream, ctx) -> tuple[float, float]:
     """(first window, sustained) FLOP/s of one layer's forward and backward GEMMs at
     chunk_tokens, shaped and accumulated as dataflow.layer_ops calls them (ctx: the kernels'
     CudaContext)."""
-    t, d, q, kv, f = s.chunk_tokens, cfg.model_dim, cfg.q_dim, cfg.kv_dim, cfg.ffn_dim
-    x, xo, act = _randn_bf16(ctx, (t, d)), _randn_bf16(ctx, (t, q)), _randn_bf16(ctx, (t, f))
-    # (input, weight (out, in), output, dx): q, k, v, gate and up read x; o reads the attention
-    # output; down reads the SwiGLU output.
-    shapes = ((x, q), (x, kv), (x, kv), (xo, d), (x, f), (x, f), (act, d))
-    layer = []
-    for inp, out_dim in shapes:
-        w = _randn_bf16(ctx, (out_dim, inp.shape[1]), 0.02)
-        layer.append((inp, w, cp.empty((t, out_dim), dtype=BF16), cp.zeros_like(w),
-                      cp.empty_like(inp)))
+    t = s.chunk_tokens
+    layer = _layer_operands(cfg, s, ctx)
 
     def fwd_bwd():
         for inp, w, y, dw, dx in layer:
@@ -238,6 +244,39 @@ def measure_gemm(cfg: ModelConfig, s: Settings, stream, ctx) -> tuple[float, flo
     first, sustained = _sustained(fwd_bwd, stream, s.gemm_s)
     flops = gemm_flops(cfg, t)
     return flops / first, flops / sustained
+
+
+def measure_fp8_gemm(cfg: ModelConfig, s: Settings, stream, ctx) -> float | None:
+    """Sustained FLOP/s of the same layer GEMMs in FP8 as dataflow.ops_cuda_fp8 runs them (E4M3
+    x and w, E5M2 dy, K-contiguous operands, fp32 accumulation), the operands quantised once
+    before the timing: the cost model counts the quantise passes on their own. None on a GPU
+    before sm_89 (no FP8 tensor cores)."""
+    if int(cp.cuda.Device().compute_capability) < 89:
+        return None
+    u8 = np.uint8
+    layer = []
+    for inp, w, y, dw, dx in _layer_operands(cfg, s, ctx):
+        (t, i), o = inp.shape, w.shape[0]
+        q = {name: (cp.empty(shape, u8), cp.empty(shape[::-1], u8), cp.ones(3, cp.float32))
+             for name, shape in (("x", (t, i)), ("w", (o, i)), ("dy", (t, o)))}
+        for name, src, fmt in (("x", inp, "e4m3"), ("w", w, "e4m3"), ("dy", y, "e5m2")):
+            if name == "dy":  # random, never the empty buffer's leftovers (maybe NaN)
+                src = _randn_bf16(ctx, y.shape)
+            a, a_t, sc = q[name]
+            fp8_quantise(ctx, src, fmt, sc, a, a_t)
+        layer.append((q, y, dw, dx))
+
+    def fwd_bwd():
+        for q, y, dw, dx in layer:
+            fp8_gemm(ctx, q["x"][0], "e4m3", q["x"][2], q["w"][0], "e4m3", q["w"][2], y)
+        for q, y, dw, dx in layer:
+            fp8_gemm(ctx, q["dy"][1], "e5m2", q["dy"][2], q["x"][1], "e4m3", q["x"][2], dw,
+                     accumulate=True)
+            fp8_gemm(ctx, q["dy"][0], "e5m2", q["dy"][2], q["w"][1], "e4m3", q["w"][2], dx)
+
+    # Half the bf16 window: the GPU is at its power-capped clocks already, just after those.
+    _, sustained = _sustained(fwd_bwd, stream, s.gemm_s / 2)
+    return gemm_flops(cfg, s.chunk_tokens) / sustained
 
 
 def measure_attention(cfg: ModelConfig, s: Settings, stream, ctx, context: int,
@@ -294,6 +333,10 @@ def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
     gemm_first, gemm = measure_gemm(cfg, s, stream, ctx)
     cp.get_default_memory_pool().free_all_blocks()
     log.info("GEMM %.0f TFLOP/s sustained (first window %.0f)", gemm / 1e12, gemm_first / 1e12)
+    fp8 = measure_fp8_gemm(cfg, s, stream, ctx)
+    cp.get_default_memory_pool().free_all_blocks()
+    log.info("FP8 GEMM %s", "not measured: no FP8 tensor cores (before sm_89)" if fp8 is None
+             else f"{fp8 / 1e12:.0f} TFLOP/s sustained ({fp8 / gemm:.2f}x bf16)")
     # The engine's choice (dataflow.ops_cuda): deterministic backward for a chunk that attends
     # to itself, cuDNN's atomic-dQ backward for the later chunks of a split sequence.
     attn = measure_attention(cfg, s, stream, ctx, 0, deterministic=True)
@@ -314,4 +357,4 @@ def measure_all(cfg: ModelConfig, s: Settings) -> Measurements:
         gemm_flop_per_s=gemm, attn_fwd_flop_per_s=attn[0], attn_bwd_flop_per_s=attn[1],
         split_attn_fwd_flop_per_s=split[0], split_attn_bwd_flop_per_s=split[1],
         attn_path="cudnn" if not refused else f"cuDNN refused: {refused}",
-        wall_s=time.perf_counter() - t0)
+        fp8_gemm_flop_per_s=fp8, wall_s=time.perf_counter() - t0)

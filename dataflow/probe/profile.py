@@ -61,6 +61,10 @@ class Measurements:
     attn_path: str
     """'cudnn', or the reason the simple kernels ran instead."""
     wall_s: float
+    fp8_gemm_flop_per_s: float | None = None
+    """The same layer GEMMs in FP8 (dataflow.kernels.cuda.fp8_gemm on operands quantised
+    beforehand: the cost model counts the quantise passes apart), sustained; None on a GPU
+    without FP8 tensor cores (before sm_89)."""
 
 
 def gemm_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -105,9 +109,16 @@ def build_profile(base: HardwareProfile, m: Measurements, cfg: ModelConfig,
         base, peak_bf16_flop_per_s=peak_flop_per_s)
     unit = dataclasses.replace(p, gemm_efficiency=1.0)
     t = m.chunk_tokens
+    gemm_eff = _efficiency(m.gemm_flop_per_s, gemm_flop_per_s(cfg, unit, t))
+    fp8 = p.fp8_gemm_flop_per_s
+    if m.fp8_gemm_flop_per_s is not None:
+        # The profile holds the large-size rate, scaled by size as the bf16 rate is
+        # (cost.fp8_gemm_flop_per_s), so the cost model gives back the rate measured at t.
+        at_t = gemm_flop_per_s(cfg, dataclasses.replace(p, gemm_efficiency=gemm_eff), t)
+        fp8 = m.fp8_gemm_flop_per_s * p.peak_bf16_flop_per_s * gemm_eff / at_t
     return dataclasses.replace(
         p,
-        gemm_efficiency=_efficiency(m.gemm_flop_per_s, gemm_flop_per_s(cfg, unit, t)),
+        gemm_efficiency=gemm_eff, fp8_gemm_flop_per_s=fp8,
         attn_fwd_efficiency=_efficiency(m.attn_fwd_flop_per_s, attn_flop_per_s(cfg, p, 1.0, t)),
         attn_bwd_efficiency=_efficiency(m.attn_bwd_flop_per_s, attn_flop_per_s(cfg, p, 1.0, t)),
         h2d_bytes_per_s=m.h2d_bytes_per_s, d2h_bytes_per_s=m.d2h_bytes_per_s,
@@ -119,10 +130,12 @@ def build_profile(base: HardwareProfile, m: Measurements, cfg: ModelConfig,
         device_mem_bytes=m.device_mem_bytes)
 
 
-def _row(what: str, unit: str, scale: float, old: float | None, new: float, note: str = ""):
+def _row(what: str, unit: str, scale: float, old: float | None, new: float | None,
+         note: str = ""):
     o = "-" if old is None else f"{old / scale:,.1f}"
-    ratio = "" if not old else f"{new / old:.0%}"
-    return f"{what:<34}{unit:>8}{o:>10}{new / scale:>10,.1f}{ratio:>7}  {note}".rstrip()
+    n = "-" if new is None else f"{new / scale:,.1f}"
+    ratio = "" if not old or new is None else f"{new / old:.0%}"
+    return f"{what:<34}{unit:>8}{o:>10}{n:>10}{ratio:>7}  {note}".rstrip()
 
 
 def format_table(base: HardwareProfile, prof: HardwareProfile, m: Measurements,
@@ -153,6 +166,11 @@ def format_table(base: HardwareProfile, prof: HardwareProfile, m: Measurements,
         _row("GEMM efficiency", "%", pct, base.gemm_efficiency, prof.gemm_efficiency,
              f"sustained {m.gemm_flop_per_s / 1e12:.0f} TFLOP/s "
              f"(first window {m.gemm_burst_flop_per_s / 1e12:.0f})"),
+        _row("FP8 GEMM (large sizes)", "TFLOP/s", 1e12, base.fp8_gemm_flop_per_s,
+             prof.fp8_gemm_flop_per_s,
+             "not measured: no FP8 tensor cores" if m.fp8_gemm_flop_per_s is None else
+             f"{m.fp8_gemm_flop_per_s / 1e12:.0f} TFLOP/s at the layer's shapes, "
+             f"{m.fp8_gemm_flop_per_s / m.gemm_flop_per_s:.2f}x bf16"),
         _row("attention fwd efficiency", "%", pct, base.attn_fwd_efficiency,
              prof.attn_fwd_efficiency, f"{m.attn_fwd_flop_per_s / 1e12:.0f} TFLOP/s"),
         _row("attention bwd efficiency", "%", pct, base.attn_bwd_efficiency,

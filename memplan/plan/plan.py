@@ -115,7 +115,7 @@ class HardwareProfile:
     fp8_gemm_flop_per_s: float | None = dataclasses.field(default=None,
                                                           metadata={"omit_if_default": True})
     """Measured FP8 GEMM rate at large sizes (Plan.precision FP8): the built-in H200 profile's
-    (memplan/plan/profiles.py); None elsewhere (dataflow-probe does not measure it yet), and an
+    (memplan/plan/profiles.py) or one dataflow-probe measured; None elsewhere, and an
     FP8 plan's GEMMs are then predicted at the bf16 rate (no speedup claimed), the quantise
     passes counted all the same. Left out of the JSON while None."""
 

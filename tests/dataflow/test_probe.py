@@ -14,7 +14,7 @@ import pytest
 
 from dataflow.cli import probe as cli
 from dataflow.probe.profile import Measurements, build_profile, builtin_profile, format_table
-from dataflow.memplan.search.cost import attn_flop_per_s, gemm_flop_per_s
+from dataflow.memplan.search.cost import attn_flop_per_s, fp8_gemm_flop_per_s, gemm_flop_per_s
 from dataflow.memplan.plan.profiles import BUILTIN_PROFILES, default_cache_path, get_profile, load_profile
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
@@ -106,6 +106,28 @@ def test_built_profile_makes_the_cost_model_reproduce_the_measured_rates(model, 
     assert (prof.name, prof.peak_bf16_flop_per_s) == (base.name, base.peak_bf16_flop_per_s)
 
 
+@pytest.mark.parametrize("model", ["8b", "1b"])
+def test_a_measured_fp8_rate_is_what_the_cost_model_gives_back(model, rng):
+    """The FP8 GEMM rate measured at the layer's shapes is the cost model's FP8 rate there (the
+    profile keeps the large-size rate, scaled by size as bf16's); a GPU that measured none
+    keeps the base profile's (None on an H100 profile: no FP8 speedup claimed)."""
+    cfg, base = load_config(model), BUILTIN_PROFILES["h100"]
+    m = fake_measurements(rng)
+    m = dataclasses.replace(m, fp8_gemm_flop_per_s=m.gemm_flop_per_s * rng.uniform(1.5, 1.9))
+    prof = build_profile(base, m, cfg)
+    assert fp8_gemm_flop_per_s(cfg, prof, m.chunk_tokens) == pytest.approx(
+        m.fp8_gemm_flop_per_s, rel=1e-12)
+    assert "FP8 GEMM" in format_table(base, prof, m, cfg)
+    unmeasured = build_profile(BUILTIN_PROFILES["h200"], dataclasses.replace(
+        m, fp8_gemm_flop_per_s=None), cfg)
+    assert unmeasured.fp8_gemm_flop_per_s == BUILTIN_PROFILES["h200"].fp8_gemm_flop_per_s
+    assert build_profile(base, dataclasses.replace(m, fp8_gemm_flop_per_s=None),
+                         cfg).fp8_gemm_flop_per_s is None
+    assert "not measured" in format_table(base, build_profile(base, dataclasses.replace(
+        m, fp8_gemm_flop_per_s=None), cfg), dataclasses.replace(m, fp8_gemm_flop_per_s=None),
+        cfg)
+
+
 def test_unmeasured_fields_carry_over_from_the_base_profile(rng):
     """Every field the probe does not measure is the base profile's (so fields added to
     HardwareProfile later survive a probe run); --peak-tflops replaces only the peak."""
@@ -115,7 +137,7 @@ def test_unmeasured_fields_carry_over_from_the_base_profile(rng):
     measured = {"gemm_efficiency", "attn_fwd_efficiency", "attn_bwd_efficiency",
                 "h2d_bytes_per_s", "d2h_bytes_per_s", "h2d_duplex_bytes_per_s",
                 "d2h_duplex_bytes_per_s", "host_mem_bytes_per_s", "device_mem_bytes_per_s",
-                "device_mem_bytes", "peak_bf16_flop_per_s"}
+                "device_mem_bytes", "peak_bf16_flop_per_s", "fp8_gemm_flop_per_s"}
     for f in dataclasses.fields(base):
         if f.name not in measured:
             assert getattr(prof, f.name) == getattr(base, f.name), f.name
@@ -209,3 +231,7 @@ def test_probe_quick_measures_this_gpu_within_a_minute(tmp_path, capsys):
     assert 0.2 < prof.gemm_efficiency <= 1 and 0.1 < prof.attn_fwd_efficiency <= 1
     assert 0.1 < prof.attn_bwd_efficiency <= 1
     assert wall < 60, f"--quick took {wall:.0f} s"
+    import cupy as cp  # on the GPU only
+
+    if int(cp.cuda.Device().compute_capability) >= 89:  # FP8 measured, at least bf16's rate
+        assert prof.fp8_gemm_flop_per_s > prof.peak_bf16_flop_per_s * prof.gemm_efficiency
