@@ -1,0 +1,127 @@
+"""Overlapped rounds on paper (issue 56: the next round's first layers start while this round
+drains): how deep a ring may overlap its rounds within each rank's device budget, the step the
+planner's model predicts for it, and the op-by-op simulation it is checked against
+(dataflow.memplan.step.ring_overlap). Pure Python: never imports array libraries, never touches
+a device; the predictions are a model, not measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.step.ring_overlap import RingCosts, time_overlapped
+
+
+def overlap_bytes_per_layer(rp: RankPlan) -> int:
+    """Device bytes one local layer's forward of the next round adds while this round's
+    saved activations still live on the rank: its chunks' device-resident saved activations
+    (a round's device activations over the rank's layers) plus the round's two residual rows of
+    transition (the residual and its gradient stay per round)."""
+    plan = rp.plan
+    mem = dict(plan.memory.device)
+    acts = sum(v for k, v in mem.items() if "activation" in k)
+    per_layer = acts // max(1, len(rp.layers))
+    ch = plan.chunking
+    transition = 2 * ch.chunk_tokens * ch.chunks_per_round * plan.model.model_dim * 2
+    return per_layer + transition // max(1, len(rp.layers))
+
+
+def overlap_depth(rp: RankPlan) -> int:
+    """Local layers of the next round whose forward rank rp can run ahead of this round's
+    backward: as many as its device budget holds beside the rank's plan and the libraries'
+    reserve (at most all of them)."""
+    plan = rp.plan
+    free = plan.budget.device_bytes - plan.profile.library_reserve_bytes - plan.memory.device_bytes
+    per = overlap_bytes_per_layer(rp)
+    if free <= 0:
+        return 0
+    return min(len(rp.layers), free // per if per else len(rp.layers))
+
+
+def ring_depth(rank_plans: tuple[RankPlan, ...]) -> int:
+    """The ring's overlap depth: the smallest any rank's budget allows (every rank runs the same
+    depth so the schedule's messages match); 0 for a ring of one rank or one round a step."""
+    if len(rank_plans) < 2 or rank_plans[0].plan.chunking.rounds_per_step < 2:
+        return 0
+    return min(overlap_depth(rp) for rp in rank_plans)
+
+
+def ring_costs(rank_plans: tuple[RankPlan, ...], hop_s: float, vocab_s: float = 0.0,
+               rounds: int | None = None) -> RingCosts:
+    """The seconds of every op of the ring (the cost model's, as ring_round_s times them)."""
+    # ring_plan imports this module (predict_ring's overlap): imported here to avoid the cycle
+    from dataflow.memplan.search.ring_plan import _chunk_seconds, _owners
+
+    owners = _owners(rank_plans)
+    fwd = [()] * len(owners)
+    bwd = [()] * len(owners)
+    head = [0.0] * len(rank_plans)
+    head_rank = rank_plans[-1].rank
+    kinds: dict[tuple, tuple] = {}
+    for rp in rank_plans:
+        key = (id(rp.plan.activations), len(rp.layers), rp.has_embed, rp.has_head,
+               rp.holds_head_block)
+        if key not in kinds:
+            kinds[key] = _chunk_seconds(rp)
+        f, b, h, _ = kinds[key]
+        for j, g in enumerate(rp.layers):
+            fwd[g], bwd[g] = tuple(f), tuple(b[j])
+        head[rp.rank] = h
+        if rp.has_head:
+            head_rank = rp.rank
+    ch = rank_plans[0].plan.chunking
+    return RingCosts(owners=owners, chunks=ch.chunks_per_round,
+                     rounds=ch.rounds_per_step if rounds is None else rounds,
+                     fwd_s=tuple(fwd), bwd_s=tuple(bwd), head_s=tuple(head),
+                     head_rank=head_rank, vocab=rank_plans[0].vocab_parallel, vocab_s=vocab_s,
+                     hop_s=hop_s)
+
+
+MODEL_ROUNDS = 3
+"""Rounds the model times op by op before it extrapolates: the first pays the ring's fill,
+the later ones its steady period with the overlap."""
+
+
+def overlapped_rounds_s(rank_plans: tuple[RankPlan, ...], hop_s: float, depth: int,
+                        vocab_s: float = 0.0) -> float:
+    """The model of a step's rounds (compute and messages) with the next round's forward of
+    each rank's first `depth` local layers run where the rank waits for this round's backward:
+    the first MODEL_ROUNDS rounds timed op by op (simulate_overlap), the rest at the steady
+    period of its later rounds, (T(m) - T(1)) / (m - 1). A step of at most MODEL_ROUNDS rounds
+    is timed whole. What the record (bench/records/s27-ring-overlap/) checks: that the period
+    holds over a step's every round, against the whole step timed op by op."""
+    rounds = rank_plans[0].plan.chunking.rounds_per_step
+    m = min(rounds, MODEL_ROUNDS)
+    t_m = simulate_overlap(rank_plans, hop_s, depth, vocab_s, m).step_s
+    if m == rounds:
+        return t_m
+    t_1 = simulate_overlap(rank_plans, hop_s, 0, vocab_s, 1).step_s
+    return t_m + (rounds - m) * (t_m - t_1) / (m - 1)
+
+
+def simulate_overlap(rank_plans: tuple[RankPlan, ...], hop_s: float, depth: int,
+                     vocab_s: float = 0.0, rounds: int | None = None):
+    """The op-by-op timing (dataflow.memplan.step.ring_overlap.time_overlapped) of the ring's
+    rounds at `depth` (0: the plain ring): what the model is checked against."""
+    return time_overlapped(ring_costs(rank_plans, hop_s, vocab_s, rounds), depth)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OverlapCheck:
+    """One ring of the record: the model's and the simulation's rounds, in seconds."""
+
+    name: str
+    n_ranks: int
+    vocab_parallel: bool
+    chunks_per_round: int
+    rounds: int
+    depth: int
+    model_s: float
+    sim_s: float
+    plain_model_s: float
+    plain_sim_s: float
+
+    @property
+    def error(self) -> float:
+        return self.model_s / self.sim_s - 1.0
+
