@@ -39,11 +39,13 @@ def overlap_depth(rp: RankPlan) -> int:
 
 
 def ring_depth(rank_plans: tuple[RankPlan, ...]) -> int:
-    """The ring's overlap depth: the smallest any rank's budget allows (every rank runs the same
-    depth so the schedule's messages match); 0 for a ring of one rank or one round a step."""
+    """The ring's overlap depth: the room each rank was planned to leave for it
+    (RankPlan.round_overlap) plus what its budget holds beside the plan, the smallest over the
+    ranks (every rank runs the same depth so the schedule's messages match); 0 for a ring of
+    one rank or one round a step."""
     if len(rank_plans) < 2 or rank_plans[0].plan.chunking.rounds_per_step < 2:
         return 0
-    return min(overlap_depth(rp) for rp in rank_plans)
+    return min(min(len(rp.layers), rp.round_overlap + overlap_depth(rp)) for rp in rank_plans)
 
 
 def ring_costs(rank_plans: tuple[RankPlan, ...], hop_s: float, vocab_s: float = 0.0,
@@ -125,3 +127,34 @@ class OverlapCheck:
     def error(self) -> float:
         return self.model_s / self.sim_s - 1.0
 
+
+
+OVERLAP_DEPTHS = (1, 2, 4)
+"""Overlap depths (local layers) the layout search weighs for a ring, each planned under the
+device budget less what the overlapped layers' activations hold."""
+
+
+def overlap_rank_plans(cfg, seqlen: int, budget, profile, n_ranks: int, depth: int,
+                       **constraints) -> tuple[RankPlan, ...]:
+    """The ring's rank plans with room for `depth` local layers of overlap: planned once as
+    make_rank_plans plans them, the bytes one overlapped layer holds taken from that (the
+    largest rank's, overlap_bytes_per_layer), and planned again under the device budget less
+    `depth` of them; every rank's RankPlan.round_overlap is `depth` (at most its layers).
+    Raises what make_rank_plans raises (InfeasibleBudget where the smaller budget fits none)."""
+    # ring_plan imports this module (predict_ring's overlap): imported here to avoid the cycle
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.ring_plan import make_rank_plans
+
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"round overlap depth {depth!r}: use a whole number of local layers "
+                         ">= 1 (0 is make_rank_plans' plain ring)")
+    plain = make_rank_plans(cfg, seqlen, budget, profile, n_ranks, **constraints)
+    depth = min(depth, min(len(rp.layers) for rp in plain))
+    per = max(overlap_bytes_per_layer(rp) for rp in plain)
+    room = budget.device_bytes - depth * per
+    if room <= 0:
+        raise ValueError(f"round overlap of {depth} layer(s) needs {depth * per / 2**30:.2f} GiB "
+                         f"of the {budget.device_bytes / 2**30:.2f} GiB device budget")
+    smaller = Budget(host_bytes=budget.host_bytes, device_bytes=room)
+    plans = make_rank_plans(cfg, seqlen, smaller, profile, n_ranks, **constraints)
+    return tuple(dataclasses.replace(rp, round_overlap=depth) for rp in plans)
