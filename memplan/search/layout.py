@@ -125,7 +125,10 @@ class LayoutChoice:
         def one(o: LayoutOption) -> dict:
             return json.loads(to_json(o))
 
-        return {"layout": dataclasses.asdict(self.chosen.layout), "link": self.link,
+        layout = dataclasses.asdict(self.chosen.layout)
+        if not layout["round_overlap"]:  # as before overlapped rounds: no key while off
+            del layout["round_overlap"]
+        return {"layout": layout, "link": self.link,
                 "single_tok_per_s": self.single_tok_per_s,
                 "links": [dataclasses.asdict(p) for p in self.chosen.predictions],
                 "chosen": one(self.chosen), "options": [one(o) for o in self.options],
