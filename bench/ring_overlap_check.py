@@ -1,6 +1,7 @@
 """Overlapped rounds checked (issue 56): the planner's model of a ring's rounds with the next
 round's first layers run during each round's drain (`memplan.search.ring_overlap.
-overlapped_rounds_s`: three rounds timed op by op, the rest extrapolated at their period)
+overlap_policy`: three rounds timed op by op at each ordering policy, the rest extrapolated
+at their period, the fastest policy kept)
 against the whole step timed op by op (`simulate_overlap`, every round), for 20 rings, dense and
 vocabulary-parallel, N = 2..8, several chunkings and overlap depths, on the H100 profile over
 NVLink. Pure planner: no GPU, no arrays; prints a table and writes a JSON record.
@@ -21,7 +22,7 @@ import time
 
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.profiles import get_profile
-from dataflow.memplan.search.ring_overlap import overlapped_rounds_s, simulate_overlap
+from dataflow.memplan.search.ring_overlap import overlap_policy, simulate_overlap
 from dataflow.memplan.search.ring_plan import (LINKS, make_rank_plans, ring_profile,
                                                ring_round_s, vocab_exchange_s)
 from dataflow.models.hf_config import model_config
@@ -85,12 +86,13 @@ def check(ring: OverlapRing) -> dict:
     hop = ch.chunk_tokens * cfg.model_dim * 2 / link.bytes_per_s + link.latency_s
     vocab_s = vocab_exchange_s(rps[0], link) if ring.vocab else 0.0
     round_s, _ = ring_round_s(rps, hop, vocab_s)
-    model = overlapped_rounds_s(rps, hop, ring.depth, vocab_s)
-    sim = simulate_overlap(rps, hop, ring.depth, vocab_s)
+    policy, model = overlap_policy(rps, hop, ring.depth, vocab_s)
+    sim = simulate_overlap(rps, hop, ring.depth, vocab_s, policy=policy)
     plain = simulate_overlap(rps, hop, 0, vocab_s).step_s
     return {"ring": ring.name, **dataclasses.asdict(ring), "model_s": model, "sim_s": sim.step_s,
             "error": model / sim.step_s - 1.0, "plain_model_s": ring.rounds * round_s,
-            "plain_sim_s": plain, "gain": plain / sim.step_s - 1.0, "hoisted": sim.hoisted}
+            "plain_sim_s": plain, "gain": plain / sim.step_s - 1.0, "hoisted": sim.hoisted,
+            "policy": policy}
 
 
 def main(argv=None) -> int:
@@ -99,12 +101,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the JSON record here")
     args = ap.parse_args(argv)
     rows, t0 = [], time.time()
-    print(f"{'ring':<46} {'model s':>9} {'sim s':>9} {'error':>7} {'in turn s':>9} {'gain':>6}")
+    print(f"{'ring':<46} {'model s':>9} {'sim s':>9} {'error':>7} {'in turn s':>9} {'gain':>6} "
+          "policy")
     for ring in RINGS:
         row = check(ring)
         rows.append(row)
         print(f"{row['ring']:<46} {row['model_s']:>9.3f} {row['sim_s']:>9.3f} "
-              f"{row['error']:>+7.1%} {row['plain_sim_s']:>9.3f} {row['gain']:>+6.1%}")
+              f"{row['error']:>+7.1%} {row['plain_sim_s']:>9.3f} {row['gain']:>+6.1%} "
+              f"{row['policy']}")
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst |error| {worst:.2%} (tolerance {TOLERANCE:.0%}); {time.time() - t0:.0f} s")
     if args.out:

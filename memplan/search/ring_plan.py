@@ -493,8 +493,10 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
         vocab_s = vocab_exchange_s(rank_plans[0], link) if vp else 0.0
         round_s, work = ring_round_s(rank_plans, hop_s, vocab_s)
         depth = ring_depth(rank_plans) if overlap else 0
-        rounds_s = (overlapped_rounds_s(rank_plans, hop_s, depth, vocab_s) if depth
-                    else rounds * round_s)
+        rounds_s = rounds * round_s
+        if depth:  # an ordering that loses to rounds in turn is not run
+            over_s = overlapped_rounds_s(rank_plans, hop_s, depth, vocab_s)
+            rounds_s, depth = (over_s, depth) if over_s < rounds_s else (rounds_s, 0)
         extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
                       for rp in rank_plans)
         owners = _owners(rank_plans)

@@ -15,6 +15,15 @@ import dataclasses
 
 FWD, HEAD, BWD = "f", "h", "b"
 
+POLICIES = ("wait", "tail", "eager")
+"""When a rank runs a hoisted forward (of the next round, one of its first `depth` local layers)
+instead of its plain next op: 'wait' only where it starts strictly before the plain op could
+(the rank would otherwise wait); 'tail' also at the same time as the plain op once the plain op
+is a backward of the rank's first local layer (its drain's tail, off the round's critical
+path); 'eager' whenever it can start no later than the plain op. Which is fastest depends on the
+ring (none is for every ring): the planner times each and keeps the fastest
+(dataflow.memplan.search.ring_overlap), a choice every rank derives alike from the same plans."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RingCosts:
@@ -53,6 +62,7 @@ class OverlapTiming:
     """Per rank, its ops in the order it ran them: (kind, round, global layer, chunk)."""
     hoisted: int
     """Forward ops run ahead of the previous round's backward on their rank."""
+    policy: str = "wait"
 
 
 def rank_sequence(c: RingCosts, rank: int, rnd: int) -> list[tuple]:
@@ -81,8 +91,8 @@ class _Ring:
     candidates of the next round, when it is free, when its send stream is free; per op when it
     ended; per message when it arrived."""
 
-    def __init__(self, c: RingCosts, depth: int):
-        self.c, self.depth, n = c, depth, c.n_ranks
+    def __init__(self, c: RingCosts, depth: int, policy: str):
+        self.c, self.depth, self.policy, n = c, depth, policy, c.n_ranks
         self.seq = [[op for rnd in range(c.rounds) for op in rank_sequence(c, r, rnd)]
                     for r in range(n)]
         self.pos = [0] * n
@@ -138,7 +148,7 @@ class _Ring:
 
 def _candidate(ring: _Ring, r: int) -> tuple[float, tuple, bool] | None:
     """(start, op, hoisted) of the op rank r would run next if no input came sooner: its plain
-    next op when that is at least as early as a hoisted one."""
+    next op, or a hoisted one where the policy (POLICIES) prefers it."""
     ring.skip_done(r)
     if ring.pos[r] >= len(ring.seq[r]) or ring.free[r] == float("inf"):
         return None  # done, or waiting in a vocabulary-parallel head's collective
@@ -150,8 +160,11 @@ def _candidate(ring: _Ring, r: int) -> tuple[float, tuple, bool] | None:
     h = ring.hoist(r)
     if h is not None:
         th = ring.ready(r, h)
-        if th is not None and (best is None or max(th, ring.free[r]) < best[0]):
-            best = (max(th, ring.free[r]), h, True)
+        th = None if th is None else max(th, ring.free[r])
+        eager = ring.policy == "eager" or (ring.policy == "tail" and plain[0] == BWD
+                                           and plain[2] == ring.mine[r][0])
+        if th is not None and (best is None or th < best[0] or (eager and th <= best[0])):
+            best = (th, h, True)
     return best
 
 
@@ -195,16 +208,17 @@ def _commit(ring: _Ring, r: int, start: float, op: tuple, hoisted: bool) -> None
         ring.arrive[op] = s
 
 
-def time_overlapped(c: RingCosts, depth: int) -> OverlapTiming:
+def time_overlapped(c: RingCosts, depth: int, policy: str = "wait") -> OverlapTiming:
     """The step of the ring over its rounds with the next round's forward of each rank's first
     `depth` local layers allowed ahead of this round's backward (0: the plain ring), op by op:
-    each rank runs one op at a time, its plain sequence in order, taking a hoisted op only where
-    it starts strictly before the plain next one could (where the rank would otherwise wait);
-    the op that starts earliest over the ring is committed first, so no later message could have
+    each rank runs one op at a time, its plain sequence in order, taking a hoisted op where
+    `policy` (POLICIES) says; the op that starts earliest over the ring is committed first, so no later message could have
     made another choice start sooner. A send occupies the sender's send stream for one hop."""
     if depth < 0:
         raise ValueError(f"overlap depth {depth}: use 0 (off) or a number of local layers")
-    ring = _Ring(c, depth)
+    if policy not in POLICIES:
+        raise ValueError(f"overlap policy {policy!r}: use one of {', '.join(POLICIES)}")
+    ring = _Ring(c, depth, policy)
     n = c.n_ranks
     cand = [_candidate(ring, r) for r in range(n)]
     while True:
@@ -234,7 +248,7 @@ def time_overlapped(c: RingCosts, depth: int) -> OverlapTiming:
     check_gradient_order(orders)
     step = max(ring.end[op] for op in ring.end)
     return OverlapTiming(step_s=step, busy_s=tuple(ring.busy), orders=orders,
-                         hoisted=ring.hoisted)
+                         hoisted=ring.hoisted, policy=policy)
 
 
 def check_gradient_order(orders) -> None:

@@ -21,7 +21,7 @@ from dataflow.memplan.search.ring_overlap import (overlap_rank_plans, overlapped
 from dataflow.memplan.search.ring_plan import (LINKS, make_rank_plans, predict_ring,
                                                ring_profile, ring_round_s)
 from dataflow.memplan.step.ring_compile import compile_ring_schedule
-from dataflow.memplan.step.ring_overlap import (BWD, FWD, HEAD, RingCosts,
+from dataflow.memplan.step.ring_overlap import (BWD, FWD, HEAD, POLICIES, RingCosts,
                                                 check_gradient_order, time_overlapped)
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
@@ -44,7 +44,7 @@ def test_overlapped_orders_run_every_op_once_keep_gradient_order_and_never_lose_
     """Random rings (N = 2..5, random op seconds and hops): every rank runs each of its ops
     exactly once, backward ops of a layer in round order (check_gradient_order inside
     time_overlapped, and again here), hoisted forwards only of its first `depth` local layers
-    and only of the next round, and the step is never longer than the plain ring's (depth 0)."""
+    and only of the next round, at any policy; the compute is the plain ring's."""
     for _ in range(6):
         n = prng.randint(2, 5)
         layers = n * prng.randint(1, 3)
@@ -52,7 +52,8 @@ def test_overlapped_orders_run_every_op_once_keep_gradient_order_and_never_lose_
         plain = time_overlapped(c, 0)
         assert plain.hoisted == 0
         depth = prng.randint(1, layers // n)
-        t = time_overlapped(c, depth)
+        policy = prng.choice(POLICIES)
+        t = time_overlapped(c, depth, policy)
         check_gradient_order(t.orders)
         for r, order in enumerate(t.orders):
             mine = [g for g, o in enumerate(c.owners) if o == r]
@@ -68,7 +69,6 @@ def test_overlapped_orders_run_every_op_once_keep_gradient_order_and_never_lose_
                 elif op[0] == FWD and op[1] > 0 and \
                         bwd_done[op[1] - 1] < len(mine) * c.chunks:
                     assert op[2] in mine[:depth], (r, op)
-        assert t.step_s <= plain.step_s * (1 + 1e-9)
         assert abs(sum(t.busy_s) - sum(plain.busy_s)) < 1e-6 * sum(plain.busy_s)
 
 
@@ -101,7 +101,8 @@ def test_the_record_holds_and_the_model_agrees_with_the_op_timing_on_its_rings()
     assert {r["n_ranks"] for r in rows} >= {2, 3, 4, 8}
     assert any(r["vocab"] for r in rows) and not all(r["vocab"] for r in rows)
     assert all(abs(r["error"]) <= TOLERANCE for r in rows)
-    for i in (0, 9, 12, 18):
+    assert all(r["gain"] > 0 for r in rows)  # every ring's overlap is faster than in turn
+    for i in (0, 9, 12, 17):
         again = check(RINGS[i])
         assert abs(again["error"]) <= TOLERANCE, again
         assert again["sim_s"] == pytest.approx(rows[i]["sim_s"], rel=1e-6), RINGS[i].name
