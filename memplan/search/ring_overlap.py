@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_overlap import POLICIES, RingCosts, time_overlapped
 
@@ -132,7 +133,6 @@ def overlap_rank_plans(cfg, seqlen: int, budget, profile, n_ranks: int, depth: i
     `depth` of them; every rank's RankPlan.round_overlap is `depth` (at most its layers).
     Raises what make_rank_plans raises (InfeasibleBudget where the smaller budget fits none)."""
     # ring_plan imports this module (predict_ring's overlap): imported here to avoid the cycle
-    from dataflow.memplan.plan.plan import Budget
     from dataflow.memplan.search.ring_plan import make_rank_plans
 
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
