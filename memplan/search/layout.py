@@ -17,7 +17,8 @@ from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.search.predict import replica_prediction
-from dataflow.memplan.search.ring_overlap import OVERLAP_DEPTHS, overlap_rank_plans
+from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
+                                                  overlap_rank_plans)
 from dataflow.memplan.search.ring_plan import (
     LINKS,
     Link,
@@ -249,7 +250,7 @@ def _plans(cfg, seqlen, budget, profile, n: int, constraints: dict) -> tuple[Ran
 def _overlap_candidates(cfg, seqlen, budget, profile, n: int, candidates: list, link: Link,
                         memo: dict | None, quick: bool) -> list:
     """Beside a ring's candidates, the fastest of them (over `link`) planned again with room for
-    OVERLAP_DEPTHS local layers of round overlap (just the first depth when `quick`), where the
+    OVERLAP_DEPTHS local layers of round overlap (QUICK_OVERLAP_DEPTHS when `quick`), where the
     ring has more than one round a step and the smaller device budget fits."""
     if n < 2 or not candidates:
         return []
@@ -257,7 +258,7 @@ def _overlap_candidates(cfg, seqlen, budget, profile, n: int, candidates: list, 
     if rps[0].plan.chunking.rounds_per_step < 2:
         return []
     out = []
-    for depth in OVERLAP_DEPTHS[:1] if quick else OVERLAP_DEPTHS:
+    for depth in QUICK_OVERLAP_DEPTHS if quick else OVERLAP_DEPTHS:
         if depth > min(len(rp.layers) for rp in rps):
             break
         asked = dict(used, round_overlap=depth)

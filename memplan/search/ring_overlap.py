@@ -120,9 +120,12 @@ def simulate_overlap(rank_plans: tuple[RankPlan, ...], hop_s: float, depth: int,
     return time_overlapped(ring_costs(rank_plans, hop_s, vocab_s, rounds), depth, policy)
 
 
-OVERLAP_DEPTHS = (1, 2, 4)
+OVERLAP_DEPTHS = (1, 2, 4, 8)
 """Overlap depths (local layers) the layout search weighs for a ring, each planned under the
-device budget less what the overlapped layers' activations hold."""
+device budget less what the overlapped layers' activations hold (a depth past the ranks'
+layers is left out)."""
+QUICK_OVERLAP_DEPTHS = (1, 4)
+"""The same for a quick layout search (dataflow-plan's table over 2..64 GPUs)."""
 
 
 def overlap_rank_plans(cfg, seqlen: int, budget, profile, n_ranks: int, depth: int,

@@ -146,3 +146,20 @@ def test_choose_layout_weighs_overlap_and_off_means_off(h100):
     assert "round_overlap" not in json.dumps(off.to_json_dict())
     assert on.chosen.on("nvlink").tok_per_s > off.chosen.on("nvlink").tok_per_s
     assert on.chosen.on("nvlink").bubble_frac < off.chosen.on("nvlink").bubble_frac
+
+
+def test_the_command_lines_turn_it_off_and_dataflow_ring_refuses_it(capsys):
+    """dataflow-plan takes --no-round-overlap; dataflow-ring takes --no-round-overlap (what it
+    runs) and refuses --round-overlap with exit 2 and a message naming the flag, before any
+    process starts."""
+    from dataflow.cli import plan as plan_cli  # the console scripts sit above every package
+    from dataflow.cli import ring as ring_cli  # the console scripts sit above every package
+
+    args = plan_cli.build_parser().parse_args(["80", "24", "8192", "8b", "--gpus", "4",
+                                               "--no-round-overlap"])
+    assert args.no_round_overlap
+    assert not plan_cli.build_parser().parse_args(["80", "24", "8192", "8b"]).no_round_overlap
+    assert ring_cli.build_parser().parse_args(["8", "1", "64", "tiny",
+                                               "--no-round-overlap"]).no_round_overlap
+    assert ring_cli.main(["8", "1", "64", "tiny", "--gpus", "2", "--round-overlap"]) == 2
+    assert "--round-overlap" in capsys.readouterr().err
