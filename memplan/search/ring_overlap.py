@@ -1,5 +1,5 @@
 """Overlapped rounds on paper (issue 56: the next round's first layers start while this round
-drains): how deep a ring may overlap its rounds within each rank's device budget, the step the
+drains): how deep a ring may overlap its rounds within each rank's budgets, the step the
 planner's model predicts for it, and the op-by-op simulation it is checked against
 (dataflow.memplan.step.ring_overlap). Pure Python: never imports array libraries, never touches
 a device; the predictions are a model, not measurements."""
@@ -13,30 +13,42 @@ from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_overlap import POLICIES, RingCosts, time_overlapped
 
 
-def overlap_bytes_per_layer(rp: RankPlan) -> int:
-    """Device bytes one local layer's forward of the next round adds while this round's
-    saved activations still live on the rank: its chunks' device-resident saved activations
-    (a round's device activations over the rank's layers) plus the round's two residual rows of
-    transition (the residual and its gradient stay per round)."""
-    plan = rp.plan
-    mem = dict(plan.memory.device)
-    acts = sum(v for k, v in mem.items() if "activation" in k)
-    per_layer = acts // max(1, len(rp.layers))
-    ch = plan.chunking
-    transition = 2 * ch.chunk_tokens * ch.chunks_per_round * plan.model.model_dim * 2
-    return per_layer + transition // max(1, len(rp.layers))
+def _acts_per_layer(rp: RankPlan, side: str) -> int:
+    """A round's saved-activation bytes on `side` ('device' or 'host': those sent home) over the
+    rank's layers: what one local layer's forward of the next round adds there."""
+    acts = dict(getattr(rp.plan.memory, side)).get("saved_activations", 0)
+    return acts // max(1, len(rp.layers))
+
+
+def overlap_bytes(rp: RankPlan, depth: int) -> tuple[int, int]:
+    """(device, host) bytes rank rp holds beyond its plan while `depth` local layers of the
+    next round have run ahead of this round's backward: their chunks' saved activations where
+    the plan keeps a round's (per layer, a round's over the rank's layers), and on the device a
+    second pair of residual rows (the next round's residual and its gradient beside this
+    round's) as soon as any layer overlaps."""
+    if depth <= 0:
+        return 0, 0
+    ch = rp.plan.chunking
+    transition = 2 * ch.chunk_tokens * ch.chunks_per_round * rp.plan.model.model_dim * 2
+    return (depth * _acts_per_layer(rp, "device") + transition,
+            depth * _acts_per_layer(rp, "host"))
 
 
 def overlap_depth(rp: RankPlan) -> int:
-    """Local layers of the next round whose forward rank rp can run ahead of this round's
-    backward: as many as its device budget holds beside the rank's plan and the libraries'
-    reserve (at most all of them)."""
-    plan = rp.plan
-    free = plan.budget.device_bytes - plan.profile.library_reserve_bytes - plan.memory.device_bytes
-    per = overlap_bytes_per_layer(rp)
-    if free <= 0:
-        return 0
-    return min(len(rp.layers), free // per if per else len(rp.layers))
+    """Local layers of the next round rank rp can run ahead of this round's backward beyond the
+    RankPlan.round_overlap its plan left room for: as many as its budgets hold beside the
+    rank's plan and the libraries' reserve (at most all of them)."""
+    plan, base = rp.plan, rp.round_overlap
+    free_d = plan.budget.device_bytes - plan.profile.library_reserve_bytes - plan.memory.device_bytes
+    free_h = plan.budget.host_bytes - plan.memory.host_bytes
+    more = 0
+    while base + more < len(rp.layers):
+        dev, host = (a - b for a, b in zip(overlap_bytes(rp, base + more + 1),
+                                           overlap_bytes(rp, base)))
+        if dev > free_d or host > free_h:
+            break
+        more += 1
+    return more
 
 
 def ring_depth(rank_plans: tuple[RankPlan, ...]) -> int:
@@ -46,7 +58,7 @@ def ring_depth(rank_plans: tuple[RankPlan, ...]) -> int:
     one rank or one round a step."""
     if len(rank_plans) < 2 or rank_plans[0].plan.chunking.rounds_per_step < 2:
         return 0
-    return min(min(len(rp.layers), rp.round_overlap + overlap_depth(rp)) for rp in rank_plans)
+    return min(min(len(rp.layers), rp.round_overlap) + overlap_depth(rp) for rp in rank_plans)
 
 
 def ring_costs(rank_plans: tuple[RankPlan, ...], hop_s: float, vocab_s: float = 0.0,
@@ -131,9 +143,9 @@ QUICK_OVERLAP_DEPTHS = (1, 4)
 def overlap_rank_plans(cfg, seqlen: int, budget, profile, n_ranks: int, depth: int,
                        **constraints) -> tuple[RankPlan, ...]:
     """The ring's rank plans with room for `depth` local layers of overlap: planned once as
-    make_rank_plans plans them, the bytes one overlapped layer holds taken from that (the
-    largest rank's, overlap_bytes_per_layer), and planned again under the device budget less
-    `depth` of them; every rank's RankPlan.round_overlap is `depth` (at most its layers).
+    make_rank_plans plans them, the bytes the overlap holds taken from that (the largest
+    rank's, overlap_bytes), and planned again under the budgets less those; every rank's
+    RankPlan.round_overlap is `depth` (at most its layers).
     Raises what make_rank_plans raises (InfeasibleBudget where the smaller budget fits none)."""
     # ring_plan imports this module (predict_ring's overlap): imported here to avoid the cycle
     from dataflow.memplan.search.ring_plan import make_rank_plans
@@ -143,11 +155,11 @@ def overlap_rank_plans(cfg, seqlen: int, budget, profile, n_ranks: int, depth: i
                          ">= 1 (0 is make_rank_plans' plain ring)")
     plain = make_rank_plans(cfg, seqlen, budget, profile, n_ranks, **constraints)
     depth = min(depth, min(len(rp.layers) for rp in plain))
-    per = max(overlap_bytes_per_layer(rp) for rp in plain)
-    room = budget.device_bytes - depth * per
-    if room <= 0:
-        raise ValueError(f"round overlap of {depth} layer(s) needs {depth * per / 2**30:.2f} GiB "
-                         f"of the {budget.device_bytes / 2**30:.2f} GiB device budget")
-    smaller = Budget(host_bytes=budget.host_bytes, device_bytes=room)
+    dev, host = (max(x) for x in zip(*(overlap_bytes(rp, depth) for rp in plain)))
+    if dev >= budget.device_bytes or host >= budget.host_bytes:
+        raise ValueError(f"round overlap of {depth} layer(s) needs {dev / 2**30:.2f} GiB device "
+                         f"and {host / 2**30:.2f} GiB host of the {budget.device_bytes / 2**30:.2f}"
+                         f" / {budget.host_bytes / 2**30:.2f} GiB budgets; try a smaller depth")
+    smaller = Budget(host_bytes=budget.host_bytes - host, device_bytes=budget.device_bytes - dev)
     plans = make_rank_plans(cfg, seqlen, smaller, profile, n_ranks, **constraints)
     return tuple(dataclasses.replace(rp, round_overlap=depth) for rp in plans)
