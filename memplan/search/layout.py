@@ -18,7 +18,7 @@ from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.search.predict import replica_prediction
 from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
-                                                  overlap_rank_plans)
+                                                  overlap_bytes, overlap_rank_plans)
 from dataflow.memplan.search.ring_plan import (
     LINKS,
     Link,
@@ -214,8 +214,9 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
                       vocab_parallel_head=rps[0].vocab_parallel, round_overlap=depth),
         chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
         rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
-        device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
-        host_bytes=max(rp.plan.memory.host_bytes for rp in rps),
+        # with overlapped rounds the memory the overlap holds beside each rank's plan counts too
+        device_bytes=max(rp.plan.memory.device_bytes + overlap_bytes(rp, depth)[0] for rp in rps),
+        host_bytes=max(rp.plan.memory.host_bytes + overlap_bytes(rp, depth)[1] for rp in rps),
         constraints=tuple(sorted(constraints.items())))
 
 

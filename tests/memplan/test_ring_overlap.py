@@ -163,3 +163,20 @@ def test_the_command_lines_turn_it_off_and_dataflow_ring_refuses_it(capsys):
                                                "--no-round-overlap"]).no_round_overlap
     assert ring_cli.main(["8", "1", "64", "tiny", "--gpus", "2", "--round-overlap"]) == 2
     assert "--round-overlap" in capsys.readouterr().err
+
+
+def test_an_overlapped_layout_counts_the_overlaps_memory_within_the_budgets(h100):
+    """The chosen overlapped ring's per-device bytes include what the overlap holds (its
+    activations and second residual rows) and still fit the device budget less the libraries'
+    reserve, and the host budget."""
+    cfg = load_config("8b")
+    budget = Budget.from_gib(30, 24)
+    on = choose_layout(cfg, 8192, budget, h100, 4, ring_size=4, single_tok_per_s=None,
+                       quick=True)
+    depth = on.chosen.layout.round_overlap
+    assert depth >= 1
+    plain_dev = max(rp.plan.memory.device_bytes for rp in on.rank_plans)
+    assert on.chosen.device_bytes > plain_dev
+    reserve = on.rank_plans[0].plan.profile.library_reserve_bytes
+    assert on.chosen.device_bytes <= budget.device_bytes - reserve
+    assert on.chosen.host_bytes <= budget.host_bytes
