@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ring's ranks trace their streams (dataflow-ring --trace): each "
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
                         "ring/rank<r>.json")
+    p.add_argument("--round-overlap", action="store_true",
+                   help="refused for now: overlapped rounds are planned, not run (the record's "
+                        "prediction shows them beside what ran: predicted.overlapped)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
                    default="cyclic", help="dataflow-ring --placement: how the ring deals layers")
@@ -340,10 +343,20 @@ def _earlier_ring(args) -> dict:
     return earlier
 
 
+def _enough_gpus(args, devices: list[str]) -> None:
+    """Refuse before anything runs where this machine shows fewer GPUs than the ring needs."""
+    if args.backend == "cupy" and len(devices) < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this machine shows {len(devices)} GPU(s) "
+                         f"({', '.join(devices) or 'none through NVML'}); run on a machine "
+                         f"with {args.gpus}, or give --gpus {max(1, len(devices))} (or "
+                         "--backend numpy for the CPU ring)")
+
+
 def collect(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     probe = ProcessPeaks()
+    _enough_gpus(args, probe.device_names())
     record = {"kind": "ring_gpu", "commit": git_commit(REPO_ROOT), "devices": probe.device_names(),
               "config": {"model": args.model, "seqlen": args.seqlen, "gpus": args.gpus,
                          "ring_budget_gib": list(args.ring_budget),
@@ -432,7 +445,13 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
                          **({"placement": rank0["placement"]}
                             if rank0.get("placement", "cyclic") != "cyclic" else {}))
     on = opt.on(link.name)
-    out = {"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
+    over = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
+                          args.gpus // replicas, links=(link,), round_overlap=True,
+                          split_fetch=bool(rank0.get("split_fetch", False)),
+                          chunk_tokens=ch["chunk_tokens"], chunks_per_round=ch["chunks_per_round"],
+                          rounds_per_step=ch["rounds_per_step"])
+    out = {"overlapped": {"tok_per_s": over.on(link.name).tok_per_s,
+                          "round_overlap": over.layout.round_overlap},"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
            "link_bytes_per_s": link.bytes_per_s,
            "replicas": opt.layout.replicas, "split_fetch": opt.layout.split_fetch,
            "tok_per_s": on.tok_per_s,
@@ -544,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
                      "--launcher dataflow-ring")
     if args.ring_from and args.no_single:
         parser.error("--ring-from runs only the one-GPU baseline; drop --no-single")
+    if args.round_overlap:
+        parser.error("--round-overlap: the ring's executor runs a step's rounds in turn so far "
+                     "(dataflow-ring refuses it too); drop the flag: the record's "
+                     "predicted.overlapped gives the planner's overlapped prediction")
     if args.gpus < 1 or args.steps < 1:
         parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)

@@ -73,7 +73,8 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
         return choose_layout(cfg, seqlen, budget, profile, gpus, tokens_per_step=tokens_per_step,
                              transport=transport.value, ring_size=ring_size,
                              single_tok_per_s=single_tok_per_s, constraints=constraints or None,
-                             placements=WEIGHED_PLACEMENTS, split_fetch=split_fetch)
+                             placements=WEIGHED_PLACEMENTS, split_fetch=split_fetch,
+                             round_overlap=False)  # the executor runs rounds in turn
     best = None
     sizes = [ring_size] if ring_size is not None else range(1, min(gpus, cfg.n_layers) + 1)
     for size in sizes:
@@ -85,7 +86,7 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
             c = choose_layout(cfg, seqlen, budget, profile, gpus, transport=transport.value,
                               ring_size=size, constraints=share,
                               single_tok_per_s=single_tok_per_s, placements=WEIGHED_PLACEMENTS,
-                              split_fetch=split_fetch)
+                              split_fetch=split_fetch, round_overlap=False)
         except ConfigError:  # this split does not fit (InfeasibleBudget included)
             continue
         if best is None or c.chosen.on(c.link).tok_per_s > best.chosen.on(best.link).tok_per_s:

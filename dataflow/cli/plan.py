@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile's measured FP8 rate, or at the bf16 rate (no speedup claimed) "
                         "where none is measured; with --gpus, every rank and the one device "
                         "it is compared with")
+    p.add_argument("--no-round-overlap", action="store_true",
+                   help="with --gpus: predict rings whose rounds run in turn (default: the next "
+                        "round's first layers start during a round's drain, as deep as each "
+                        "device's budget allows; planned and simulated, not run by dataflow-ring "
+                        "yet; docs/ring.md)")
     add_freeze_flag(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -217,8 +222,10 @@ def ring_report(cfg, args, budget, profile) -> str:
     memo: dict = {}  # the rings planned, shared by the choices for 2..64 GPUs below
     fixed = {"precision": args.precision} if args.precision != "bf16" else None
     vocab = bool(getattr(args, "vocab_parallel_head", False))
+    overlap = not getattr(args, "no_round_overlap", False)
     choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
-                           memo=memo, constraints=fixed, vocab_parallel_head=vocab)
+                           memo=memo, constraints=fixed, vocab_parallel_head=vocab,
+                           round_overlap=overlap)
     single = choice.single_tok_per_s
     by_gpus = []
     for g in GPU_COUNTS:
@@ -226,7 +233,7 @@ def ring_report(cfg, args, budget, profile) -> str:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
                 single_tok_per_s=single, memo=memo, quick=True, constraints=fixed,
-                vocab_parallel_head=vocab)
+                vocab_parallel_head=vocab, round_overlap=overlap)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))

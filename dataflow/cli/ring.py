@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the vocabulary, instead of the last layer's rank carrying the whole "
                         "head (NumPy backend, untied dense models; no checkpoints yet; "
                         "docs/ring.md)")
+    ovl = p.add_mutually_exclusive_group()
+    ovl.add_argument("--no-round-overlap", action="store_true",
+                     help="run a step's rounds in turn (what the executor runs, and its "
+                          "default: dataflow-plan predicts overlapped rounds, this executor "
+                          "does not run them yet)")
+    ovl.add_argument("--round-overlap", action="store_true",
+                     help="refused for now: the next round's first layers during a round's "
+                          "drain are planned and simulated (dataflow-plan --gpus), not run")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -146,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
+        if args.round_overlap:
+            raise ConfigError("--round-overlap: overlapped rounds are planned and simulated "
+                              "(dataflow-plan --gpus N predicts them; dataflow.memplan.step."
+                              "ring_overlap orders and times them) but the ring's executor "
+                              "runs a step's rounds in turn so far; drop the flag (or give "
+                              "--no-round-overlap, the same as leaving it out)")
         if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
             raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
                               "--checkpoint-dir so far; drop those or the flag")

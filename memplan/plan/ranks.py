@@ -213,6 +213,11 @@ class RankPlan:
     normed hidden state round the ring, the ranks merge their per-token max and sum-exp and sum
     their partial input gradients along it in a fixed order (dataflow.memplan.step.ring_vocab,
     docs/ring.md "The vocabulary-parallel head")."""
+    round_overlap: int = dataclasses.field(default=0, metadata={"omit_if_default": True})
+    """Local layers of the next round this rank runs during a round's drain (issue 56), their
+    saved activations beside the round's: the plan was made under the device budget less what
+    they hold (dataflow.memplan.search.ring_overlap.overlap_rank_plans). Planned and predicted;
+    the ring's executor refuses it so far."""
 
     @property
     def ring_owners(self) -> tuple[int, ...]:

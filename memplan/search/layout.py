@@ -17,6 +17,8 @@ from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.search.predict import replica_prediction
+from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
+                                                  overlap_bytes, overlap_rank_plans)
 from dataflow.memplan.search.ring_plan import (
     LINKS,
     Link,
@@ -69,6 +71,10 @@ class Layout:
                                                   metadata={"omit_if_default": True})
     """Every rank of the ring holds a shard of the head's vocabulary (RankPlan.vocab_parallel;
     dataflow-ring --vocab-parallel-head)."""
+    round_overlap: int = dataclasses.field(default=0, metadata={"omit_if_default": True})
+    """Local layers of the next round each rank runs during this round's drain, as deep as the
+    ranks' device budgets allow (dataflow.memplan.search.ring_overlap; 0: rounds in turn, as
+    with dataflow-plan --no-round-overlap). Predicted over the choosing link."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,7 +126,10 @@ class LayoutChoice:
         def one(o: LayoutOption) -> dict:
             return json.loads(to_json(o))
 
-        return {"layout": dataclasses.asdict(self.chosen.layout), "link": self.link,
+        layout = dataclasses.asdict(self.chosen.layout)
+        if not layout["round_overlap"]:  # as before overlapped rounds: no key while off
+            del layout["round_overlap"]
+        return {"layout": layout, "link": self.link,
                 "single_tok_per_s": self.single_tok_per_s,
                 "links": [dataclasses.asdict(p) for p in self.chosen.predictions],
                 "chosen": one(self.chosen), "options": [one(o) for o in self.options],
@@ -178,17 +187,19 @@ def _streams_weights(rps: tuple[RankPlan, ...]) -> bool:
 
 
 def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Link, ...],
-            single: float | None, constraints: dict, split_fetch: bool = False) -> LayoutOption:
+            single: float | None, constraints: dict, split_fetch: bool = False,
+            overlap: bool = False) -> LayoutOption:
     """The layout's prediction over every link. split_fetch: replicas that stream weights
     split their fetches, the gathers crossing each link (over a slow link that costs more than
-    it saves)."""
+    it saves). overlap: the ring's rounds overlap where its budgets allow (predict_ring)."""
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
     split = split_fetch and replicas > 1 and _streams_weights(rps)
-    preds, memo = [], {}
+    preds, memo, depth = [], {}, 0
     for link in links:
         ring_rps = split_plans(rps, replicas, link, memo) if split else rps
-        ring = predict_ring(ring_rps, link)
+        ring = predict_ring(ring_rps, link, overlap=overlap)
+        depth = max(depth, ring.overlap_depth)
         reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
         step = ring.step_time_s + reduce_s
         tok = tokens / step
@@ -200,11 +211,12 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
         layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
                       placement=rps[0].placement,
                       tokens_per_step=tokens, split_fetch=split,
-                      vocab_parallel_head=rps[0].vocab_parallel),
+                      vocab_parallel_head=rps[0].vocab_parallel, round_overlap=depth),
         chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
         rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
-        device_bytes=max(rp.plan.memory.device_bytes for rp in rps),
-        host_bytes=max(rp.plan.memory.host_bytes for rp in rps),
+        # with overlapped rounds the memory the overlap holds beside each rank's plan counts too
+        device_bytes=max(rp.plan.memory.device_bytes + overlap_bytes(rp, depth)[0] for rp in rps),
+        host_bytes=max(rp.plan.memory.host_bytes + overlap_bytes(rp, depth)[1] for rp in rps),
         constraints=tuple(sorted(constraints.items())))
 
 
@@ -213,17 +225,52 @@ def _ring(memo: dict | None, cfg, seqlen, budget, profile, n: int, constraints: 
     table for 2..64 GPUs plans the same rings again (every world of 4 or more processes
     reserves the same memory)."""
     if memo is None:
-        return make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+        return _plans(cfg, seqlen, budget, profile, n, constraints)
     key = (cfg, seqlen, budget, profile, n, tuple(sorted(constraints.items())))
     if key not in memo:
         try:
-            memo[key] = make_rank_plans(cfg, seqlen, budget, profile, n, **constraints)
+            memo[key] = _plans(cfg, seqlen, budget, profile, n, constraints)
         except (ConfigError, ValueError) as exc:
             memo[key] = exc
     got = memo[key]
     if isinstance(got, Exception):
         raise got
     return got
+
+
+def _plans(cfg, seqlen, budget, profile, n: int, constraints: dict) -> tuple[RankPlan, ...]:
+    """make_rank_plans, or with a 'round_overlap' depth among the constraints the plans that
+    leave room for it (ring_overlap.overlap_rank_plans)."""
+    rest = {k: v for k, v in constraints.items() if k != "round_overlap"}
+    if constraints.get("round_overlap"):
+        return overlap_rank_plans(cfg, seqlen, budget, profile, n, constraints["round_overlap"],
+                                  **rest)
+    return make_rank_plans(cfg, seqlen, budget, profile, n, **rest)
+
+
+def _overlap_candidates(cfg, seqlen, budget, profile, n: int, candidates: list, link: Link,
+                        memo: dict | None, quick: bool) -> list:
+    """Beside a ring's candidates, the fastest of them (over `link`) planned again with room for
+    OVERLAP_DEPTHS local layers of round overlap (QUICK_OVERLAP_DEPTHS when `quick`), where the
+    ring has more than one round a step and the smaller device budget fits."""
+    if n < 2 or not candidates:
+        return []
+    used, rps = max(candidates, key=lambda c: predict_ring(c[1], link, overlap=True).tok_per_s)
+    if rps[0].plan.chunking.rounds_per_step < 2:
+        return []
+    out = []
+    for depth in QUICK_OVERLAP_DEPTHS if quick else OVERLAP_DEPTHS:
+        if depth > min(len(rp.layers) for rp in rps):
+            break
+        asked = dict(used, round_overlap=depth)
+        if "chunks_per_round" not in asked:  # keep the chunking the room is made for
+            ch = rps[0].plan.chunking
+            asked.update(chunks_per_round=ch.chunks_per_round, chunk_tokens=ch.chunk_tokens)
+        try:
+            out.append((asked, _ring(memo, cfg, seqlen, budget, profile, n, asked)))
+        except (ConfigError, ValueError):  # InfeasibleBudget included: no room for it
+            break
+    return out
 
 
 def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
@@ -307,7 +354,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   constraints: dict | None = None,
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
                   memo: dict | None = None, quick: bool = False,
-                  split_fetch: bool = False, vocab_parallel_head: bool = False) -> LayoutChoice:
+                  split_fetch: bool = False, vocab_parallel_head: bool = False,
+                  round_overlap: bool = True) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -318,8 +366,9 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     for overviews such as dataflow-plan's table over 2..64 GPUs). split_fetch: replicas split
     their weight fetches (Layout.split_fetch; off unless asked for). vocab_parallel_head: rings
     of two or more are weighed with their head split over the vocabulary too (the option's
-    constraints then carry vocab_parallel). Raises ConfigError when no ring size fits, naming
-    every refusal."""
+    constraints then carry vocab_parallel). round_overlap: rings overlap their rounds' drain
+    with the next round's fill where the budgets allow (Layout.round_overlap; False: rounds in
+    turn). Raises ConfigError when no ring size fits, naming every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
     if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
@@ -366,12 +415,17 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                                           asked, placements, memo=memo, quick=quick)
             except ConfigError as exc:  # InfeasibleBudget included
                 errors.append(exc)
+        if round_overlap and candidates:
+            candidates += _overlap_candidates(cfg, seqlen, budget,
+                                              ring_profile(profile, gpus, transport, replicas),
+                                              n, candidates, link, memo, quick)
         if not candidates:
             refused.append(f"{replicas} replicas of a ring of {n}: "
                            f"{str(errors[0]).split(';')[0][:160]}")
             continue
         for used, rps in candidates:
-            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch)
+            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch,
+                          round_overlap)
             options.append(opt)
             plans[id(opt)] = rps
     if not options:
@@ -400,7 +454,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
 def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                    gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
                    transport: str = "nccl", split_fetch: bool = False,
-                   **constraints) -> LayoutOption:
+                   round_overlap: bool = False, **constraints) -> LayoutOption:
     """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
     its ranks planned under `constraints` (a run's chunking, say): what a benchmark compares
     its measurement with."""
@@ -414,7 +468,8 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
         single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
     except InfeasibleBudget:
         single = None
-    return _option(rps, gpus, gpus // ring_size, links, single, constraints, split_fetch)
+    return _option(rps, gpus, gpus // ring_size, links, single, constraints, split_fetch,
+                   round_overlap)
 
 
 def layout_text(choice: LayoutChoice) -> str:
@@ -429,7 +484,7 @@ def layout_text(choice: LayoutChoice) -> str:
     lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers{head}, "
              f"{c.tokens_per_step:,} tokens a step (one device at these budgets: {alone})",
              f"  {'ring':>4} {'replicas':>8} {'chunk':>6} {'C x rounds':>11} {'tokens/step':>12} "
-             f"{'head':>5} "
+             f"{'head':>5} {'ovl':>3} "
              f"{'tok/s':>10} "
              f"{'speedup':>8} {'bubble':>7} {'all-reduce s':>12} {'dev GiB':>8} {'host GiB':>9}"]
     for o in choice.options:
@@ -440,6 +495,7 @@ def layout_text(choice: LayoutChoice) -> str:
                      f"{o.chunk_tokens:>6} {o.chunks_per_round:>4} x {o.rounds_per_step:<4} "
                      f"{o.layout.tokens_per_step:>12,} "
                      f"{'vocab' if o.layout.vocab_parallel_head else 'one':>5} "
+                     f"{o.layout.round_overlap:>3} "
                      f"{p.tok_per_s:>10,.0f} {speed:>8} "
                      f"{p.bubble_frac:>6.1%} {p.allreduce_s:>12.3f} "
                      f"{o.device_bytes / 2**30:>8.2f} {o.host_bytes / 2**30:>9.2f}")

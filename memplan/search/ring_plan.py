@@ -27,6 +27,7 @@ from dataflow.memplan.plan.ranks import (
     refuse_vocab_parallel,
 )
 from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
+from dataflow.memplan.search.ring_overlap import overlapped_rounds_s, ring_depth
 from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
@@ -327,6 +328,9 @@ class RingPrediction:
     device_bytes: int
     """Per device (the largest rank's plan)."""
     host_bytes: int
+    overlap_depth: int = dataclasses.field(default=0, metadata={"omit_if_default": True})
+    """Local layers of the next round each rank runs during this round's drain (0: rounds in
+    turn; dataflow.memplan.search.ring_overlap)."""
 
 
 def _owners(rank_plans: tuple[RankPlan, ...]) -> tuple[int, ...]:
@@ -465,14 +469,16 @@ def _sends_per_chunk(owners: tuple[int, ...], rank: int) -> int:
 
 
 def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
-                 single_tok_per_s: float | None = None) -> RingPrediction:
+                 single_tok_per_s: float | None = None, overlap: bool = False) -> RingPrediction:
     """Ring step time from the ranks' own predictions and the round's critical path. Each round
     takes the critical path of ring_round_s (the forward's walk, the head, the backward's walk,
     each hop a chunk's residual or gradient, T*D*2 bytes, over the link); the step adds the
     largest of the ranks' own extras (a rank's predicted step less its layer and head work:
     exposed copies, the optimizer). It is bounded below by the busiest rank's sends, and scaled
     by the measured ring_efficiency for N >= 2 (lower with more chunks a round than ranks). A model, not a measurement: docs/ring.md
-    compares it with simulate_ring (every rank's compiled schedule timed together)."""
+    compares it with simulate_ring (every rank's compiled schedule timed together). `overlap`:
+    the next round's first layers run during this round's drain, as deep as every rank's
+    device budget allows (ring_overlap.ring_depth; its rounds by ring_overlap's model)."""
     n = len(rank_plans)
     slow = max(rank_plans, key=lambda rp: rp.plan.prediction.step_time_s)
     p0 = rank_plans[0].plan
@@ -481,17 +487,22 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
     hop_s = ch.chunk_tokens * cfg.model_dim * 2 / link.bytes_per_s + link.latency_s
     bubble = 1.0 - min(1.0, chunks / n) if n > 1 else 0.0
     rank_s = slow.plan.prediction.step_time_s
-    step_s, fill_s, link_s = rank_s, 0.0, 0.0
+    step_s, fill_s, link_s, depth = rank_s, 0.0, 0.0, 0
     if n > 1:
         vp = rank_plans[0].vocab_parallel
-        round_s, work = ring_round_s(rank_plans, hop_s,
-                                     vocab_exchange_s(rank_plans[0], link) if vp else 0.0)
+        vocab_s = vocab_exchange_s(rank_plans[0], link) if vp else 0.0
+        round_s, work = ring_round_s(rank_plans, hop_s, vocab_s)
+        depth = ring_depth(rank_plans) if overlap else 0
+        rounds_s = rounds * round_s
+        if depth:  # an ordering that loses to rounds in turn is not run
+            over_s = overlapped_rounds_s(rank_plans, hop_s, depth, vocab_s)
+            rounds_s, depth = (over_s, depth) if over_s < rounds_s else (rounds_s, 0)
         extra_s = max(max(0.0, rp.plan.prediction.step_time_s - rounds * work[rp.rank])
                       for rp in rank_plans)
         owners = _owners(rank_plans)
         link_s = max(_sends_per_chunk(owners, rp.rank) for rp in rank_plans) * chunks * \
             rounds * hop_s + (chunks * rounds * vocab_hop_s(rank_plans[0], link) if vp else 0.0)
-        step_s = max(rounds * round_s + extra_s, link_s, rank_s)
+        step_s = max(rounds_s + extra_s, link_s, rank_s)
         fill_s = step_s - rank_s
         step_s /= ring_efficiency(n, chunks)
     tok_s = ch.tokens_per_step / step_s
@@ -500,7 +511,7 @@ def predict_ring(rank_plans: tuple[RankPlan, ...], link: Link,
         bubble_frac=bubble, fill_s=fill_s, link_s=link_s, step_time_s=step_s, tok_per_s=tok_s,
         speedup=tok_s / single_tok_per_s if single_tok_per_s else math.nan,
         device_bytes=max(rp.plan.memory.device_bytes for rp in rank_plans),
-        host_bytes=max(rp.plan.memory.host_bytes for rp in rank_plans))
+        host_bytes=max(rp.plan.memory.host_bytes for rp in rank_plans), overlap_depth=depth)
 
 
 def rank_plan_options(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,

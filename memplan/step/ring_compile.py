@@ -389,7 +389,19 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
     if update == "backward":
         raise ValueError("a ring rank updates after its replicas' gradients are summed and its "
                          "clip scale is global; update='backward' is for one device")
+    refuse_round_overlap(rp)
     return _compiler(rp, replica).compile(rounds, update)
+
+
+def refuse_round_overlap(rp: RankPlan) -> None:
+    """A rank plan with overlapped rounds (RankPlan.round_overlap) is planned, ordered and timed
+    (dataflow.memplan.step.ring_overlap) but not compiled into events yet: say so by name."""
+    if rp.round_overlap:
+        raise ConfigError(f"rank {rp.rank}'s plan overlaps {rp.round_overlap} local layer(s) of "
+                          "the next round with each round's drain (round_overlap), which the "
+                          "compiled ring step does not build yet (dataflow.memplan.step."
+                          "ring_overlap orders and times it on paper); plan the ring with "
+                          "round_overlap=0 (dataflow-plan --no-round-overlap)")
 
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:

@@ -77,3 +77,17 @@ def test_the_single_run_takes_the_ring_head_ranks_head_sub_chunk():
     assert _single_plan(cfg, spec, be).slots.head_sub_tokens == 2048
     plan = _single_plan(cfg, {**spec, "head_sub_tokens": 1024}, be)
     assert plan.slots.head_sub_tokens == 1024 and plan.chunking.rounds_per_step == 24
+
+
+def test_ring_gpu_refuses_without_enough_gpus_and_refuses_round_overlap(tmp_path, monkeypatch):
+    """The CuPy ring needs one GPU a rank: with fewer visible it stops before running anything,
+    naming how many it sees and what would work; --round-overlap is refused by name (planned,
+    not run by the executor yet)."""
+    import pytest
+
+    monkeypatch.setattr(ring_gpu.ProcessPeaks, "device_names", lambda self: ["GPU-A"])
+    with pytest.raises(SystemExit, match=r"--gpus 3: this machine shows 1 GPU"):
+        ring_gpu.main(["tiny", "64", "--out", str(tmp_path / "a"), "--gpus", "3"])
+    assert not (tmp_path / "a" / "ring_gpu.json").exists()
+    with pytest.raises(SystemExit):
+        ring_gpu.main(["tiny", "64", "--out", str(tmp_path / "b"), "--round-overlap"])
