@@ -22,6 +22,8 @@ from dataflow.cli.args import (
     OneLineParser,
     Outcome,
     add_freeze_flag,
+    add_lora_flags,
+    lora_of,
     add_version_flag,
     run_command,
     seqlen_tokens,
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "where none is measured; with --gpus, every rank and the one device "
                         "it is compared with")
     add_freeze_flag(p)
+    add_lora_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version_flag(p)
@@ -126,7 +129,11 @@ def _run(args) -> str:
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
     cfg = model_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
+    lora = lora_of(args)
     if args.gpus > 1:
+        if lora is not None:
+            raise ConfigError("--lora-rank is planned for one device so far; drop --gpus or "
+                              "--lora-rank")
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans the "
                               "deterministic backward); drop one of them")
@@ -145,6 +152,8 @@ def _run(args) -> str:
         batch["precision"] = args.precision
     if args.freeze:
         batch["freeze"] = args.freeze
+    if lora is not None:
+        batch["lora"] = lora
     try:
         plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
     except InfeasibleBudget as exc:

@@ -64,7 +64,7 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
                 planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
                 precision=d.precision,
                 holds_embed=d.holds_embed, holds_head=d.holds_head, segment_layers=d.segment_layers,
-                kv_rebuild=d.kv_rebuild, frozen=d.frozen)
+                kv_rebuild=d.kv_rebuild, frozen=d.frozen, lora=d.lora)
 
 
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,
