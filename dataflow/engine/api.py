@@ -73,6 +73,9 @@ class Engine:
             if kwargs.get("freeze") or getattr(options, "freeze", None):
                 raise ConfigError("freeze= is built for one device so far (docs/freeze.md), not "
                                   "for a ring; drop ring= or freeze=")
+            if kwargs.get("lora") is not None or getattr(options, "lora", None) is not None:
+                raise ConfigError("lora= is built for one device so far (docs/lora.md), not "
+                                  "for a ring; drop ring= or lora=")
             if options is not None:  # the same engine as its fields passed as keywords
                 return ring.engine(*args[:1], **options.keywords())
             return ring.engine(*args, **kwargs)
@@ -84,7 +87,7 @@ class Engine:
                  host_gb: float | None = None, dev_gb: float | None = None,
                  seqlen: int | None = None, seqs_per_step: int | None = None,
                  tokens_per_step: int | None = None, precision: str = "bf16", freeze=None,
-                 backend: str | Backend = "auto",
+                 lora=None, backend: str | Backend = "auto",
                  seed: int = 0, weights=None, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
@@ -116,6 +119,10 @@ class Engine:
         freeze: blocks that train no further, e.g. 'embed,head,layers:0-29' (docs/freeze.md;
             Plan.frozen): their weights stay as loaded, with no gradient, AdamW state, gradient
             copy or weight-gradient GEMM; the planner counts only what trains.
+        lora: LoRA adapters (docs/lora.md): a dataflow.memplan.plan.lora.Lora, a rank, or
+            dict(rank=, alpha=, targets=) (alpha defaults to the rank, targets to all seven);
+            the base is frozen whole, the adapters start as PEFT's (seeded by `seed`) and
+            train in fp32 on the device. Read them with lora_state().
         backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
         seed: the initialisation's seed (unused when weights are loaded).
         weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.
@@ -154,7 +161,7 @@ class Engine:
             options = EngineOptions(
                 host_gb=host_gb, dev_gb=dev_gb, seqlen=seqlen, seqs_per_step=seqs_per_step,
                 tokens_per_step=tokens_per_step, profile=profile, plan_options=plan_options,
-                precision=precision, freeze=freeze,
+                precision=precision, freeze=freeze, lora=lora,
                 run=RunOptions(backend=backend, seed=seed, weights=weights, lr=lr, betas=betas,
                                eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                optimizer=optimizer, lr_schedule=lr_schedule, sanitize=sanitize,
@@ -221,6 +228,29 @@ class Engine:
     def weights(self):
         """The current parameters as a dataflow.models.init.ModelWeights (host copies)."""
         return self._state.weights()
+
+    @_serialised
+    def lora_state(self) -> dict[str, np.ndarray]:
+        """The LoRA adapters (fp32): 'layers.{i}.{target}.a' (r, in) and '.b' (out, r), their
+        AdamW state '.m' / '.v' and gradient '.grad' (zero between steps); a pending deferred
+        update runs first. Refused without lora=."""
+        lora = self._adapters("lora_state")
+        self.ex.flush()
+        return lora.state(self.ex.download)
+
+    @_serialised
+    def load_lora_state(self, tensors: dict[str, np.ndarray]) -> None:
+        """Replace the adapters (and the AdamW m / v given; missing ones start at zero) with
+        `tensors` keyed as lora_state() names them."""
+        lora = self._adapters("load_lora_state")
+        self.ex.flush()
+        lora.load(tensors, self.ex.upload)
+
+    def _adapters(self, call: str):
+        if self.ex.lora is None:
+            raise ConfigError(f"{call}(): this engine has no LoRA adapters; build it with "
+                              "lora=R (docs/lora.md)")
+        return self.ex.lora
 
     @_serialised
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+from dataflow.lora_adapters import peft_init
 from dataflow.backend import Backend
 from dataflow.backends import make_backend
 from dataflow.block_io import init_weights as init_block_weights
@@ -149,6 +150,8 @@ def _start_parts(plan: Plan, be, options: RunOptions, background) -> Started:
             weights = open_weights(weights)  # a model directory or a Hugging Face one
         load_weights(state, weights, progress)
         clock.lap("load_weights")
+    if ex.lora is not None:  # fresh adapters as PEFT makes them (a checkpoint's replace them)
+        ex.lora.load(peft_init(plan.model, plan.lora, options.seed), ex.upload)
     be.synchronize()
     clock.lap("synchronize")
     be.seal()  # from here on every device byte comes from the arenas

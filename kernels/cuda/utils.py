@@ -65,6 +65,18 @@ def cast(ctx, src, dst) -> None:
                                                (_THREADS,), (src, dst, np.int64(n)))
 
 
+_SCALE = cupy.ElementwiseKernel("float32 s", "T x", "x = (T)((float)x * s);", "dataflow_scale_")
+"""x *= s in place for bf16 or fp32 x: fp32 product, one rounding (kernels.reference.lora.scale)."""
+
+
+def scale_(ctx, x, s: float) -> None:
+    """x *= s in place (the LoRA adapters' (T, r) intermediates), on the current stream; no
+    temporary. ctx is unused (kept for the op table's calling convention)."""
+    _build.check("x", x)
+    if x.size:
+        _SCALE(np.float32(s), x)
+
+
 def fill_(ctx, x, value: float) -> None:
     """x[...] = value (rounded to x's dtype)."""
     _build.check("x", x)
