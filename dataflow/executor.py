@@ -267,6 +267,8 @@ class Executor(OpHandlers):
             raise BackendError(f"a step takes {ch.seqs_per_step} rows, the batch has "
                                f"{batch.rows}")
         self._begin(batch, sch, ch.rounds_per_step)
+        if self.lora is not None:
+            self.lora.zero_grads()
         self.grad_scale = 1.0 / max(1, batch.counted)
         self.hyper, self.pending_hyper = self.pending_hyper, None  # the last step's, if deferred
         if in_backward:  # this step's own AdamW runs inside its last round

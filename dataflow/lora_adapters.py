@@ -86,12 +86,16 @@ class DeviceAdapters:
     def update(self, hyper: tuple, clip_scale) -> None:
         """AdamW over every adapter (fp32 master, gradient, m, v) with the step's (step, lr,
         beta1, beta2, eps, weight_decay) and the device clip scale, then the bf16 working copy
-        refreshed from the masters and the gradients zeroed for the next step."""
+        refreshed from the masters. The gradients stay (state() reads them) until zero_grads
+        at the start of the next step."""
         f, be = self.flat, self.be
         be.launch(Stream.COMPUTE, "adamw_step", f["weights"], f["grads"], f["m"], f["v"], *hyper,
                   clip_scale, name="lora.adamw")
         self.refresh()
-        be.launch(Stream.COMPUTE, "fill_", f["grads"], 0.0, name="lora.zero_grads")
+
+    def zero_grads(self) -> None:
+        """Zero the gradients before a step's first backward (compute stream order)."""
+        self.be.launch(Stream.COMPUTE, "fill_", self.flat["grads"], 0.0, name="lora.zero_grads")
 
     def refresh(self) -> None:
         """The bf16 working copy from the fp32 masters."""
