@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from dataflow import checkpoint
+from dataflow import checkpoint, lora_checkpoint
 from dataflow.backend import Backend, Place
 from dataflow.engine.setup import Started, backend_for, plan_engine, start
 from dataflow.engine.state_io import BlockRef
@@ -304,6 +304,10 @@ class Engine:
         may be half-updated (StepFailedError) unless allow_failed_step=True, which marks the
         checkpoint (checkpoint.json's failed_step; loading it warns)."""
         failed = self._steps.check_savable("save_checkpoint", allow_failed_step)
+        if self.ex.lora is not None:  # the adapters alone, and the base's identity
+            return lora_checkpoint.save_lora_checkpoint(self, path, data=data, rng=rng,
+                                                        extra=extra, keep=keep,
+                                                        force_dir=force_dir)
         return checkpoint.save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep,
                                           force_dir=force_dir, failed_step=failed)
 
@@ -314,6 +318,10 @@ class Engine:
         After a failed step it is a way back, as load_state_dict is: once the checkpoint is
         checked, the half-accumulated gradients and AdamW state are zeroed before its blocks
         are written, and the engine trains again."""
+        if self.ex.lora is not None:  # a LoRA checkpoint: adapters, AdamW state, step
+            meta = lora_checkpoint.load_lora_checkpoint(self, path)
+            self._steps.failed_step = None
+            return meta
         failed = self._steps.failed_step is not None
         info = checkpoint.load_checkpoint(
             self, path, verify=verify, allow_changes=allow_changes,
@@ -334,6 +342,22 @@ class Engine:
                           "half-updated", UserWarning, stacklevel=3)
         return hf.save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
                                overwrite=overwrite, source=self.model_source)
+
+    @_serialised
+    def export_peft(self, path, *, base_model: str | None = None, overwrite: bool = False):
+        """Write the LoRA adapters as a PEFT adapter directory (adapter_config.json,
+        adapter_model.safetensors; docs/lora.md), atomically. Returns the path."""
+        return lora_checkpoint.export_peft(self, path, base_model=base_model, overwrite=overwrite)
+
+    @_serialised
+    def save_merged(self, path, *, overwrite: bool = False):
+        """Write base + alpha/r B A as a Hugging Face directory in bf16 (as save_pretrained)."""
+        lora = self._adapters("save_merged")
+        blocks = lora_checkpoint.merged_blocks(self.plan.model, self.plan.lora,
+                                               self._state.pretrained_blocks(),
+                                               lora.state(self.ex.download))
+        return hf.save_pretrained(self.plan.model, blocks, path, overwrite=overwrite,
+                                  source=self.model_source)
 
     # -- training (dataflow.engine.steps) -----------------------------------------------------
     @property
