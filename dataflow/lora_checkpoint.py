@@ -8,6 +8,7 @@ Never decides placement and never touches a device (the Engine reads and writes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -73,11 +74,26 @@ def is_lora_checkpoint(path) -> bool:
     return (Path(path) / META).is_file()
 
 
-def load_lora_checkpoint(eng, path) -> dict:
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoraCheckpointInfo:
+    """What load_lora_checkpoint restored (the fields dataflow.checkpoint.CheckpointInfo's
+    readers use)."""
+
+    path: str
+    step: int
+    plan_hash: str
+    base: dict
+    """The base model's identity (base_identity) the adapters were trained on."""
+    data: object = None
+    rng: object = None
+    extra: object = None
+
+
+def load_lora_checkpoint(eng, path) -> LoraCheckpointInfo:
     """Restore adapters, their AdamW m and v, the step count and the schedule from a
     checkpoint written by save_lora_checkpoint (a step directory, or the newest under a root).
     Refused by name, with nothing written: another base model (config hash), another Lora, a
-    damaged state file. Returns the checkpoint's metadata."""
+    damaged state file."""
     path = ckpt.resolve_checkpoint(path) if not is_lora_checkpoint(path) else Path(path)
     meta_file = path / META
     if not meta_file.is_file():
@@ -107,7 +123,10 @@ def load_lora_checkpoint(eng, path) -> dict:
     eng.optimizer.step_count = int(meta["step"])
     if meta.get("schedule") is not None and eng.optimizer.schedule is None:
         eng.optimizer.schedule = schedule_from_dict(meta["schedule"])
-    return meta
+    return LoraCheckpointInfo(path=str(path), step=int(meta["step"]),
+                              plan_hash=meta["plan_hash"], base=meta["base"],
+                              data=meta.get("data"), rng=meta.get("rng"),
+                              extra=meta.get("extra"))
 
 
 # -- PEFT export --------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
     p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
     p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
-    p.add_argument("model", help=f"{MODEL_FORMS} (zoo: tiny, small, 1b, 8b, 15b, 32b, "
+    p.add_argument("model", help=f"{MODEL_FORMS} (zoo: tiny, small, 1b, 8b, 15b, 32b, 70b, "
                                  "llama3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, ...)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpu", metavar="NAME", default=None,

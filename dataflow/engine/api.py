@@ -319,9 +319,9 @@ class Engine:
         checked, the half-accumulated gradients and AdamW state are zeroed before its blocks
         are written, and the engine trains again."""
         if self.ex.lora is not None:  # a LoRA checkpoint: adapters, AdamW state, step
-            meta = lora_checkpoint.load_lora_checkpoint(self, path)
+            info = lora_checkpoint.load_lora_checkpoint(self, path)
             self._steps.failed_step = None
-            return meta
+            return info
         failed = self._steps.failed_step is not None
         info = checkpoint.load_checkpoint(
             self, path, verify=verify, allow_changes=allow_changes,
