@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dataflow.lora_adapters import peft_init
+from dataflow.lora_checkpoint import is_lora_checkpoint
 from dataflow.backend import Backend
 from dataflow.backends import make_backend
 from dataflow.block_io import init_weights as init_block_weights
@@ -81,6 +82,10 @@ def plan_engine(model, options: EngineOptions) -> Planned:
     the options, make the backend and plan the model under the budgets."""
     run = options.run
     resume = checkpoint_dir(model)
+    if resume is not None and is_lora_checkpoint(resume):
+        raise ConfigError(f"{resume} is a LoRA checkpoint (adapters alone, docs/lora.md): build "
+                          "the Engine from its base model with the same lora=, then call "
+                          "load_checkpoint on it")
     if resume is not None:
         cfg, run = checkpoint_options(resume, run)
     else:
