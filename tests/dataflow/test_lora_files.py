@@ -114,3 +114,23 @@ def test_peft_export_round_trip_and_merged_weights(tmp_path):
         key = f"model.layers.{i}.self_attn.k_proj.weight"  # not a target: the base's bits
         assert np.array_equal(m[key], base[key])
     eng.close()
+
+
+def test_demo_trains_lora_resumes_it_and_refuses_bad_flags(tmp_path, capsys):
+    """dataflow-demo --lora-rank trains, saves and resumes adapters; a bad target, a rank of 0
+    and --lora-rank with --gpus exit 2 naming the problem."""
+    from dataflow.cli.demo import main as demo_main
+
+    argv = ["1", "0.5", "64", "tiny", "--backend", "numpy", "--lora-rank", "4",
+            "--lora-targets", "q,v,down", "--checkpoint-dir", str(tmp_path / "run"),
+            "--save-every", "1"]
+    assert demo_main(argv + ["--steps", "1"]) == 0
+    assert demo_main(argv + ["--steps", "2", "--resume"]) == 0
+    assert (tmp_path / "run" / "step_00000002" / "lora_checkpoint.json").is_file()
+    capsys.readouterr()
+    assert demo_main(["1", "0.5", "64", "tiny", "--backend", "numpy", "--lora-rank", "4",
+                      "--lora-targets", "q,qq"]) == 2
+    assert "'qq'" in capsys.readouterr().err
+    assert demo_main(["1", "0.5", "64", "tiny", "--backend", "numpy", "--lora-rank", "0"]) == 2
+    assert demo_main(["1", "0.5", "64", "tiny", "--gpus", "2", "--lora-rank", "4"]) == 2
+    assert "--lora-rank" in capsys.readouterr().err
