@@ -12,7 +12,8 @@ import pytest
 from dataflow import Engine
 from dataflow.lora_reference import LoraReferenceTrainer, loss_and_grads
 from dataflow.memplan.plan.lora import Lora
-from dataflow.memplan.plan.plan import OptimizerWhere, Where
+from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Where
+from dataflow.memplan.search.build import with_segments
 from dataflow.models.flops import SavedLevel
 from tests.dataflow.plans import forced_plan, streamed
 from dataflow.models.config import load_config
@@ -106,6 +107,14 @@ def _forced(name: str, cfg):
         return forced_plan(cfg, 64, layers=(strm,) * n, weight_slots=2, grad_slots=0,
                            levels=[[lv.INP_ONLY, lv.INP_ATTN]] * n, chunk_tokens=64,
                            chunks_per_round=2, rounds=2, lora=LORA)
+    if name == "segments":  # one segment of both layers: the backward re-runs its forward
+        plan = forced_plan(cfg, 64, layers=(strm,) * n, weight_slots=2, grad_slots=0,
+                           homes=[[Where.HOME, Where.DEVICE]] * n, chunk_tokens=64,
+                           chunks_per_round=2, rounds=1, lora=LORA)
+        big = with_segments(plan, n, Budget(host_bytes=1 << 32, device_bytes=1 << 32))
+        return with_segments(big, n, Budget(
+            host_bytes=big.memory.host_bytes,
+            device_bytes=big.memory.device_bytes + big.profile.library_reserve_bytes))
     return forced_plan(cfg, 128, layers=(strm,) * n, weight_slots=2, grad_slots=0,
                        levels=[[lv.INP_ONLY, lv.INP_ATTN, lv.FULL, lv.INP_ONLY]] * n,
                        homes=[[Where.HOME, Where.DEVICE, Where.HOME, Where.HOME]] * n,
@@ -113,14 +122,15 @@ def _forced(name: str, cfg):
                        lora=LORA)
 
 
-@pytest.mark.parametrize("name", ["streamed", "split"])
+@pytest.mark.parametrize("name", ["streamed", "split", "segments"])
 def test_lora_on_streamed_and_recompute_plans(name):
-    """The same on plans that stream every layer and recompute (INP_ONLY / INP_ATTN), and on
-    split sequences whose chunks attend to earlier chunks' K/V."""
+    """The same on plans that stream every layer and recompute (INP_ONLY / INP_ATTN), on split
+    sequences whose chunks attend to earlier chunks' K/V, and with a layer segment re-run."""
     plan = _forced(name, load_config("tiny"))
     assert plan.lora == LORA and plan.frozen.anything
+    assert name != "segments" or plan.segment_layers == 2
     eng = Engine.from_plan(plan, backend="numpy", sanitize=True, lr=LR, max_grad_norm=None)
-    _check(eng, 13 if name == "streamed" else 15)
+    _check(eng, {"streamed": 13, "split": 15, "segments": 16}[name])
     eng.close()
 
 
