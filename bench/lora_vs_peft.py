@@ -58,6 +58,7 @@ def run_family(family: str, args, torch) -> dict:
     import peft
     import transformers
 
+    # the engine loads numba and ml_dtypes (about 2 s): imported once the arguments are parsed
     from dataflow.engine import Engine
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
