@@ -52,7 +52,8 @@ class Engine:
 
     Thread model: an Engine may be shared by threads. Its public calls (train_step, eval_step,
     state_dict, load_state_dict, weights, read_block, write_block, save_checkpoint,
-    load_checkpoint, save_pretrained, set_lr, memory_used_bytes, close) are serialised by one
+    load_checkpoint, save_pretrained, lora_state, load_lora_state, export_peft, save_merged,
+    set_lr, memory_used_bytes, close) are serialised by one
     lock: a call made while another thread's call runs waits for it, so an eval_step from a
     background thread runs between two train_steps, never inside one. The order in which
     waiting threads get the lock is not defined; a trainer that needs an order (step 2 after
