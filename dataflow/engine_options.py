@@ -127,7 +127,7 @@ class RunOptions:
 
 
 PLAN_FIELDS = ("host_gb", "dev_gb", "seqlen", "seqs_per_step", "tokens_per_step", "profile",
-               "plan_options", "precision", "freeze")
+               "plan_options", "precision", "freeze", "lora")
 """The keywords of Engine() that the planner takes (EngineOptions' own fields)."""
 
 
@@ -149,6 +149,9 @@ class EngineOptions:
     freeze: Any = None
     """Blocks that train no further: a spec such as 'embed,head,layers:0-29' or a Frozen
     (dataflow.memplan.plan.frozen; Plan.frozen); None or '' freezes nothing."""
+    lora: Any = None
+    """LoRA adapters (docs/lora.md; Plan.lora): a Lora, a rank, or dict(rank=, alpha=,
+    targets=); the base model is then frozen whole. None: no adapters."""
     run: RunOptions = dataclasses.field(default_factory=RunOptions)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,8 @@ class EngineOptions:
             out["precision"] = self.precision
         if self.freeze:
             out["freeze"] = self.freeze
+        if self.lora is not None:
+            out["lora"] = self.lora
         return out
 
     def keywords(self) -> dict:

@@ -21,6 +21,7 @@ from dataflow.backend import Backend, BackendError, Place, Stream
 from dataflow.batch import Batch, default_chunks, make_batch, round_chunks
 from dataflow.blocks import Block, bind_blocks
 from dataflow.layer_ops import LayerCompute
+from dataflow.lora_adapters import DeviceAdapters
 from dataflow.moe_ffn import RoundRouting, stacked_experts
 from dataflow.executor_ops import OpHandlers
 from dataflow.kernels.host import adamw as host_adamw
@@ -144,6 +145,9 @@ class Executor(OpHandlers):
         self.hb = self.dev.tensors("head_buffers", buffers.head_specs(
             cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
         self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
+        self.lora = None if plan.lora is None else DeviceAdapters(be, self.dev, cfg, plan.lora,
+                                                                  self.T)
+        """A LoRA plan's adapters (dataflow.lora_adapters): set up by the Engine."""
         self._routing: RoundRouting | None = None
         """An MoE model's round totals and the auxiliary losses' scale for the step in flight."""
         self._moe_round: int | None = None
@@ -263,6 +267,8 @@ class Executor(OpHandlers):
             raise BackendError(f"a step takes {ch.seqs_per_step} rows, the batch has "
                                f"{batch.rows}")
         self._begin(batch, sch, ch.rounds_per_step)
+        if self.lora is not None:
+            self.lora.zero_grads()
         self.grad_scale = 1.0 / max(1, batch.counted)
         self.hyper, self.pending_hyper = self.pending_hyper, None  # the last step's, if deferred
         if in_backward:  # this step's own AdamW runs inside its last round
@@ -272,6 +278,8 @@ class Executor(OpHandlers):
             self.hyper = optimizer.begin_step()
             self.max_norm = optimizer.config.max_grad_norm
         self._run(sch.events[sch.optimizer_start:])                # norm (and AdamW unless deferred)
+        if self.lora is not None:  # the adapters' AdamW, this step's, behind the clip scale
+            self.lora.update(self.hyper, self.tr["scalars"][1:2])
         if self.deferred and not in_backward:
             self.pending_hyper = self.hyper
         self.step_index += 1

@@ -27,6 +27,7 @@ class OpHandlers:
         save = None if ev.save is None else self._save_views(ev.save, ev.layer, ev.chunk)
         if self._routing is not None and ev.round != self._moe_round:
             self._clear_routing(ev.round)
+        self.compute.adapt(self._adapters(ev.layer))
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay),
                              tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
                              tr["positions"][chunk.rows], chunk, save,
@@ -41,11 +42,16 @@ class OpHandlers:
         # the totals are this round's: every forward of a round runs before its backwards
         assert self._routing is None or self._moe_round == ev.round, (ev.name, self._moe_round)
         grads = None if ev.grads is None else self._block_views(ev.grads, self.lay, self.gdt)
+        self.compute.adapt(self._adapters(ev.layer))
         self.compute.backward(ev.name, self._block_views(ev.weights, self.lay), grads,
                               self._save_views(ev.save, ev.layer, ev.chunk),
                               self.plan.activations[ev.layer][ev.chunk].level,
                               tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
                               tr["positions"][chunk.rows], chunk, routing=self._routing)
+
+    def _adapters(self, layer: int):
+        """Layer `layer`'s LoRA adapters (Plan.lora), or None."""
+        return None if self.lora is None else self.lora.layer(layer)
 
     def _clear_routing(self, rnd: int) -> None:
         """Zero the routing totals before round `rnd`'s first forward, on the compute stream
@@ -72,6 +78,7 @@ class OpHandlers:
             self.be.launch(Stream.COMPUTE, "cast", tr[ev.x][rows], save["x"],
                            name=f"{ev.name}.keep_x")
             x = save["x"]
+        self.compute.adapt(self._adapters(ev.layer))
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
                              tr["positions"][rows], chunk, save,
                              self.plan.activations[ev.layer][ev.chunk].level, input_saved=True,
@@ -127,6 +134,7 @@ class OpHandlers:
         chunk = self._round_chunks[ev.round][ev.chunk]
         at = chunk.context
         rows = slice(at, at + self.T)
+        self.compute.adapt(self._adapters(ev.layer))
         self.compute.rebuild_kv(ev.name, self._block_views(ev.weights, self.lay),
                                 self._view(ev.save, (self.T, self.cfg.model_dim), "bf16"),
                                 self.ctx["k_ctx"][rows], self.ctx["v_ctx"][rows],
@@ -158,6 +166,8 @@ class OpHandlers:
     def _clip_scale(self, ev: Compute) -> None:
         """The global norm (the host's part added) and the clip scale AdamW reads."""
         sc = self.tr["scalars"]
+        if self.lora is not None:  # the adapters train too: their share of the norm
+            self.lora.add_sumsq(sc[0:1])
         self.be.launch(Stream.COMPUTE, "add_", sc[0:1], sc[2:3], name="gnorm.add_host")
         max_norm = float("inf") if self.max_norm is None else self.max_norm
         self.be.launch(Stream.COMPUTE, "clip_scale", sc[0:1], max_norm, sc[1:2], name=ev.name)

@@ -25,6 +25,10 @@ def blocks_of(source: str | Path, *, verify: bool = True):
         ckpt = resolve_checkpoint(source)
     except ConfigError:
         ckpt = None
+    if ckpt is not None and (ckpt / "lora_checkpoint.json").is_file():
+        raise ConfigError(f"{ckpt} is a LoRA checkpoint (adapters alone, docs/lora.md): export "
+                          "it from an Engine built on its base with lora= and load_checkpoint: "
+                          "Engine.export_peft(dir) or Engine.save_merged(dir)")
     if ckpt is not None:
         return (checkpoint_model(ckpt), iter_weight_blocks(ckpt, verify=verify),
                 checkpoint_source(ckpt))

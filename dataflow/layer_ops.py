@@ -22,6 +22,7 @@ import types
 from dataflow.backend import Backend, Stream
 from dataflow.moe_ffn import MoeFfn, RoundRouting
 from dataflow.rope import rope_table
+from dataflow.memplan.plan.lora import HF_NAMES
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
 
@@ -52,6 +53,9 @@ def lse_rows(lse, a: int, b: int):
     return lse.reshape(-1)[a * h:b * h].reshape(h, b - a)
 
 
+LORA_TARGET_OF = types.MappingProxyType({v: k for k, v in HF_NAMES.items()})
+"""Layer-block tensor name -> LoRA target ('self_attn.q_proj' -> 'q')."""
+
 WEIGHT_GRAD_OPS = types.MappingProxyType({"linear_bwd_w": 2, "bias_bwd": 1})
 """Ops that form only a weight gradient, by the position of that gradient among their
 arguments: skipped when it is None (a frozen layer). rms_norm_bwd takes a None weight
@@ -70,6 +74,51 @@ class LayerCompute:
     def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
         self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
+        self.adapters = None
+
+    def adapt(self, adapters) -> None:
+        """The LoRA adapters (dataflow.lora_adapters.LayerAdapters) of the layer the next call
+        runs, or None: the executor sets them per event, as it hands in the weights."""
+        self.adapters = adapters
+
+    def _lin(self, name: str, x, w, out, accumulate: bool = False) -> None:
+        """out (=|+=) x @ w[name].T, plus its LoRA adapter's s (x a^T) b^T when adapted."""
+        self._op("linear_fwd", x, w[name], out, accumulate)
+        ad = self._adapter(name)
+        if ad is not None:
+            t, u = x.shape[0], self.adapters.u[:x.shape[0]]
+            self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
+            self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+            self._op("linear_fwd", u, ad.b, out.reshape(t, -1), True, tag=".lora_b")
+
+    def _adapter(self, name: str):
+        if self.adapters is None:
+            return None
+        return self.adapters.by_target.get(LORA_TARGET_OF[name])
+
+    def _lin_bwd_x(self, name: str, dy, w, dx, accumulate: bool = False) -> None:
+        """dx (=|+=) dy @ w[name], plus the adapter's s (dy b) a; leaves s (dy b) in u for
+        _lin_bwd_w."""
+        self._op("linear_bwd_x", dy, w[name], dx, accumulate)
+        ad = self._adapter(name)
+        if ad is not None:
+            u = self.adapters.u[:dy.shape[0]]
+            self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
+            self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+            self._op("linear_bwd_x", u, ad.a, dx, True, tag=".lora_dx")
+
+    def _lin_bwd_w(self, name: str, dy, x, g) -> None:
+        """The base weight's gradient (none when frozen) and the adapter's: da += u^T x with
+        the u _lin_bwd_x left, db += dy^T s (x a^T)."""
+        self._op("linear_bwd_w", dy, x, g[name], True)
+        ad = self._adapter(name)
+        if ad is not None:
+            t = dy.shape[0]
+            u, xa = self.adapters.u[:t], self.adapters.xa[:t]
+            self._op("linear_bwd_w", u, x, ad.da, True, tag=".lora_da")
+            self._op("linear_fwd", x, ad.a, xa, tag=".lora_xa")
+            self._op("scale_", xa, self.adapters.scale, tag=".lora_s")
+            self._op("linear_bwd_w", dy, xa, ad.db, True, tag=".lora_db")
 
     def _op(self, op: str, *args, tag: str = "") -> None:
         if op in WEIGHT_GRAD_OPS and args[WEIGHT_GRAD_OPS[op]] is None:
@@ -123,7 +172,7 @@ class LayerCompute:
                 op("rope_fwd", k, pos, rope_table(cfg), k)
             else:
                 op("cast", x, hres)
-            op("linear_fwd", attn_out.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+            self._lin("self_attn.o_proj", attn_out.reshape(t, h * e), w, hres, True)
             self._ffn_out(w, hres, out, None, routing)
             return
         # Tensors the level keeps are formed in the saved region itself, not copied there after:
@@ -137,7 +186,7 @@ class LayerCompute:
         self._qkv(w, x, self.ws["xn"][:t], ws["rstd"], q, k, v, pos, copy=hres)
         for a, b, kk, vv, off in self._attn_inputs(chunk, k, v):
             op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b))
-        op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+        self._lin("self_attn.o_proj", o.reshape(t, h * e), w, hres, True)
         self._ffn_out(w, hres, out, save, routing, ws)
         if save is None:
             return
@@ -194,8 +243,7 @@ class LayerCompute:
         dst = self.ws[f"{name}pre"][:t] if normed else out
         if cfg.attention_bias:
             op("bias_fill", w[f"self_attn.{name}_proj.bias"], dst.reshape(t, -1))
-        op("linear_fwd", xn, w[f"self_attn.{name}_proj"], dst.reshape(t, -1),
-           cfg.attention_bias)
+        self._lin(f"self_attn.{name}_proj", xn, w, dst.reshape(t, -1), cfg.attention_bias)
         if normed:
             e, rstd = self._qk_rows(name, t)
             op("rms_norm_fwd", dst.reshape(-1, e), w[f"self_attn.{name}_norm"], cfg.norm_eps,
@@ -232,7 +280,7 @@ class LayerCompute:
         t = hres.shape[0]
         if self.moe is None:
             self._ffn_fwd(w, hres, tag="", ws=ws, copy=out)
-            self._op("linear_fwd", self.ws["act"][:t], w["mlp.down_proj"], out, True)
+            self._lin("mlp.down_proj", self.ws["act"][:t], w, out, True)
             return
         xn2 = self._ffn_norm(w, hres, (ws or {}).get("rstd2", self.ws["rstd2"][:t]), out)
         self.moe.forward(self._op, w, xn2, self.moe.tensors(save, t), out, routing)
@@ -256,8 +304,8 @@ class LayerCompute:
         ws = ws or {n: self.ws[n][:t] for n in ("rstd2", "gate", "up")}
         op("rms_norm_fwd", hres, w["post_attention_layernorm"], cfg.norm_eps, xn2[:t],
            ws["rstd2"], copy)
-        op("linear_fwd", xn2[:t], w["mlp.gate_proj"], ws["gate"])
-        op("linear_fwd", xn2[:t], w["mlp.up_proj"], ws["up"])
+        self._lin("mlp.gate_proj", xn2[:t], w, ws["gate"])
+        self._lin("mlp.up_proj", xn2[:t], w, ws["up"])
         if act:
             op("swiglu_fwd", ws["gate"], ws["up"], self.ws["act"][:t])
 
@@ -303,7 +351,7 @@ class LayerCompute:
                     op("attention_fwd", q[a:b], kk, vv, off, o[a:b], lse_rows(lse, a, b),
                        tag=".re")
             hres = ws["h"][:t]
-            op("linear_fwd", o.reshape(t, h * e), w["self_attn.o_proj"], hres, True)
+            self._lin("self_attn.o_proj", o.reshape(t, h * e), w, hres, True)
             if self.moe is None:
                 self._ffn_fwd(w, hres, tag=".re", act=False)
             else:  # router and experts again: the same ops on the same input, the same bits
@@ -320,8 +368,11 @@ class LayerCompute:
            g["post_attention_layernorm"], dy)  # + dy: the residual branch
         # attention
         do, dq = ws["do"][:t], ws["dq"][:t]
-        op("linear_bwd_w", dh, o.reshape(t, h * e), g["self_attn.o_proj"], True)
-        op("linear_bwd_x", dh, w["self_attn.o_proj"], do.reshape(t, h * e), False)
+        if self.adapters is None:  # the base's own order without LoRA
+            op("linear_bwd_w", dh, o.reshape(t, h * e), g["self_attn.o_proj"], True)
+        self._lin_bwd_x("self_attn.o_proj", dh, w, do.reshape(t, h * e))
+        if self.adapters is not None:
+            self._lin_bwd_w("self_attn.o_proj", dh, o.reshape(t, h * e), g)
         dk, dv = ws["dk"][:t], ws["dv"][:t]
         if chunk.split:
             dk_all, dv_all = ctx["dk_ctx"], ctx["dv_ctx"]
@@ -346,12 +397,13 @@ class LayerCompute:
         op("rope_bwd", dk, pos, rope_table(cfg), dk)
         for name, d in (("q", dq), ("k", dk), ("v", dv)):
             self._proj_bwd(w, g, name, d)
-        op("linear_bwd_w", dq.reshape(t, -1), xn, g["self_attn.q_proj"], True)
-        op("linear_bwd_w", dk.reshape(t, -1), xn, g["self_attn.k_proj"], True)
-        op("linear_bwd_w", dv.reshape(t, -1), xn, g["self_attn.v_proj"], True)
-        op("linear_bwd_x", dq.reshape(t, -1), w["self_attn.q_proj"], dxn, False)
-        op("linear_bwd_x", dk.reshape(t, -1), w["self_attn.k_proj"], dxn, True)
-        op("linear_bwd_x", dv.reshape(t, -1), w["self_attn.v_proj"], dxn, True)
+        if self.adapters is None:  # the base's own order (and so its bits) without LoRA
+            for name, d in (("q", dq), ("k", dk), ("v", dv)):
+                op("linear_bwd_w", d.reshape(t, -1), xn, g[f"self_attn.{name}_proj"], True)
+        for i, (name, d) in enumerate((("q", dq), ("k", dk), ("v", dv))):
+            self._lin_bwd_x(f"self_attn.{name}_proj", d.reshape(t, -1), w, dxn, i > 0)
+            if self.adapters is not None:
+                self._lin_bwd_w(f"self_attn.{name}_proj", d.reshape(t, -1), xn, g)
         op("rms_norm_bwd", x, w["input_layernorm"], ws["rstd"][:t], dxn, dx,
            g["input_layernorm"], dh)
 
@@ -362,10 +414,13 @@ class LayerCompute:
         dact, dgate, dup, act = ws["dact"][:t], ws["dgate"][:t], ws["dup"][:t], ws["act"][:t]
         # SwiGLU's output for the down projection's weight gradient comes out of its backward
         # (one pass over gate and up instead of two).
-        op("linear_bwd_x", dy, w["mlp.down_proj"], dact, False)
+        self._lin_bwd_x("mlp.down_proj", dy, w, dact)
         op("swiglu_bwd", gate, up, dact, dgate, dup, act)
-        op("linear_bwd_w", dy, act, g["mlp.down_proj"], True)
-        op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
-        op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
-        op("linear_bwd_x", dgate, w["mlp.gate_proj"], dxn, False)
-        op("linear_bwd_x", dup, w["mlp.up_proj"], dxn, True)
+        self._lin_bwd_w("mlp.down_proj", dy, act, g)  # act: formed by swiglu_bwd just now
+        if self.adapters is None:  # the base's own order (and so its bits) without LoRA
+            op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
+            op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
+        for i, (name, d) in enumerate((("mlp.gate_proj", dgate), ("mlp.up_proj", dup))):
+            self._lin_bwd_x(name, d, w, dxn, i > 0)
+            if self.adapters is not None:
+                self._lin_bwd_w(name, d, xn2, g)

@@ -11,6 +11,7 @@ import dataflow.kernels.reference as ref
 from dataflow.kernels.reference import moe_experts as ref_experts
 from dataflow.kernels.reference import moe_router as ref_router
 from dataflow.kernels.reference import head_vocab as ref_vocab
+from dataflow.kernels.reference import lora as ref_lora
 
 F32 = np.float32
 
@@ -177,6 +178,11 @@ def cast(src, dst):
     dst[...] = src.astype(dst.dtype)
 
 
+def scale_(x, s):
+    """x *= s in place (fp32 product, one rounding): kernels.reference.lora.scale."""
+    x[...] = ref_lora.scale(x, s)
+
+
 def zero_rows_where_(ids, x, value):
     """Zero the rows of x (T, D) whose token id is `value` (the others untouched): an
     embedding's padding row gets no gradient from its lookup."""
@@ -308,7 +314,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
-    "zero_rows_where_": (1,),
+    "zero_rows_where_": (1,), "scale_": (0,),
     "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
     "moe_totals_add": (0, 1),

@@ -98,6 +98,51 @@ def add_freeze_flag(parser: argparse.ArgumentParser) -> None:
              "plan counts only what trains (docs/freeze.md; one device only)")
 
 
+def _lora_rank(text: str) -> int:
+    try:
+        r = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"LoRA rank must be a positive integer, got "
+                                         f"{text!r} (e.g. 8)") from None
+    if r < 1:
+        raise argparse.ArgumentTypeError(f"LoRA rank must be a positive integer, got {r} (e.g. 8)")
+    return r
+
+
+def _lora_alpha(text: str) -> float:
+    try:
+        a = float(text)
+    except ValueError:
+        a = float("nan")
+    if not a > 0 or a == float("inf"):
+        raise argparse.ArgumentTypeError(f"LoRA alpha must be a positive number, got {text!r} "
+                                         "(e.g. 16)")
+    return a
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """Add --lora-rank / --lora-alpha / --lora-targets (Plan.lora; docs/lora.md), one help text
+    for every command; lora_of(args) turns them into a Lora."""
+    g = parser.add_argument_group("LoRA adapters (docs/lora.md; one device, dense models)")
+    g.add_argument("--lora-rank", type=_lora_rank, default=None, metavar="R",
+                   help="train LoRA adapters of rank R; the base model (every layer, the "
+                        "embedding and the head) is frozen")
+    g.add_argument("--lora-alpha", type=_lora_alpha, default=None, metavar="A",
+                   help="LoRA alpha: the adapters' output is scaled by A / R (default: A = R, "
+                        "scale 1)")
+    g.add_argument("--lora-targets", default=None, metavar="LIST",
+                   help="adapted linears, comma-separated from q,k,v,o,gate,up,down (default: "
+                        "all seven)")
+
+
+def lora_of(args):
+    """The Lora of parsed --lora-* flags, or None; ConfigError (exit 2) naming a bad value."""
+    # imported here: the CLI helpers load no planner module until a command asks for LoRA
+    from dataflow.memplan.plan.lora import parse_lora
+    return parse_lora(getattr(args, "lora_rank", None), getattr(args, "lora_alpha", None),
+                      getattr(args, "lora_targets", None))
+
+
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
     """Add --version: prints `PROG VERSION` and exits 0. VERSION is the installed distribution's,
     read the way dataflow.__version__ reads it (from the metadata, so that this module needs

@@ -17,7 +17,8 @@ import psutil
 from dataflow.backend import BackendError
 from dataflow.backends import make_backend
 from dataflow.cli import demo_checks as checks
-from dataflow.cli.args import (OneLineParser, Outcome, add_freeze_flag, add_version_flag,
+from dataflow.cli.args import (OneLineParser, Outcome, add_freeze_flag, add_lora_flags,
+                               add_version_flag, lora_of,
                                run_command, seqlen_tokens)
 from dataflow.cli.demo_ring import run_ring
 from dataflow.cli.demo_training import Training, add_flags, default_lr
@@ -64,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host (pinned) memory budget, GiB")
     p.add_argument("dev_gb", type=checks.positive_float, help="device memory budget, GiB")
     p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
-    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b, llama3.2-1b, mistral-7b, "
-                        "qwen2.5-7b, qwen3-8b, ...), a saved model or a Hugging Face directory")
+    p.add_argument("model", help="zoo name (tiny, small, 1b, 8b, 15b, 32b, 70b, llama3.2-1b, "
+                        "mistral-7b, qwen2.5-7b, qwen3-8b, ...), a saved model or a Hugging "
+                        "Face directory")
     p.add_argument("--steps", type=checks.positive_int, default=5,
                    help="optimizer steps (default 5)")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "numpy backend; it pays at 8b-sized layers (1.22x on an H200), not "
                         "at small widths (docs/fp8.md)")
     add_freeze_flag(p)
+    add_lora_flags(p)
     p.add_argument("--rounds", type=checks.positive_int, default=None,
                    help="rounds per step (default: the planner's, which keeps the optimizer "
                         "under 2%% of the step)")
@@ -166,8 +169,10 @@ def _run(args, stop: checks.StopSignals) -> int:
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans "
                               "the deterministic backward); drop one of them")
-        if args.backward_update or args.freeze:
-            raise ConfigError(f"{'--backward-update' if args.backward_update else '--freeze'} "
+        if args.backward_update or args.freeze or args.lora_rank:
+            flag = ("--backward-update" if args.backward_update else
+                    "--freeze" if args.freeze else "--lora-rank")
+            raise ConfigError(f"{flag} "
                               "is for one device so far (a ring rank updates after its "
                               "gradients are summed); drop it or --gpus")
 
@@ -176,6 +181,7 @@ def _run(args, stop: checks.StopSignals) -> int:
         raise ConfigError(f"--backward-update runs the update in the step's last round, so it "
                           f"takes no --eager-update and no clipping (--max-grad-norm "
                           f"{args.max_grad_norm:g}); add --max-grad-norm 0")
+    lora = lora_of(args)  # a bad --lora-* is refused here (exit 2), before any work
     training = Training(args, cfg, lr)  # schedule, clipping, data, checkpoints
     training.open_data(args.seqlen)  # a bad --data is refused here, before any work or output
     plan = checks.load_plan(args.plan) if args.plan else None
@@ -191,6 +197,10 @@ def _run(args, stop: checks.StopSignals) -> int:
         if args.freeze is not None and parse_freeze(args.freeze, cfg.n_layers) != plan.frozen:
             raise ConfigError(f"--freeze {args.freeze} differs from the --plan file's "
                               f"'{plan.frozen.spec()}'; plan again with --freeze, or drop it")
+        if lora is not None and lora != plan.lora:
+            raise ConfigError(f"--lora-rank/--lora-alpha/--lora-targets ({lora}) differ from "
+                              f"the --plan file's ({plan.lora}); plan again with them, or drop "
+                              "them")
     precision = plan.precision.value if plan is not None else args.precision or "bf16"
     try:
         be_probe = make_backend(args.backend)
@@ -211,6 +221,8 @@ def _run(args, stop: checks.StopSignals) -> int:
             extra["attention_bwd"] = "fast"
         if args.freeze:
             extra["freeze"] = args.freeze
+        if lora is not None:
+            extra["lora"] = lora
         if args.seqs_per_step or args.tokens_per_step:
             extra.update(seqs_per_step=args.seqs_per_step, tokens_per_step=args.tokens_per_step)
         # the first signal stops a search at once (no step to finish); one that runs long says so

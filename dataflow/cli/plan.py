@@ -22,6 +22,8 @@ from dataflow.cli.args import (
     OneLineParser,
     Outcome,
     add_freeze_flag,
+    add_lora_flags,
+    lora_of,
     add_version_flag,
     run_command,
     seqlen_tokens,
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("host_gb", type=_budget_gib, help="pinned host memory budget in GiB (2^30 B)")
     p.add_argument("dev_gb", type=_budget_gib, help="device memory budget in GiB (2^30 B)")
     p.add_argument("seqlen", type=seqlen_tokens, help="tokens per sequence (at most 16,777,216)")
-    p.add_argument("model", help=f"{MODEL_FORMS} (zoo: tiny, small, 1b, 8b, 15b, 32b, "
+    p.add_argument("model", help=f"{MODEL_FORMS} (zoo: tiny, small, 1b, 8b, 15b, 32b, 70b, "
                                  "llama3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, ...)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpu", metavar="NAME", default=None,
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "device's budget allows; planned and simulated, not run by dataflow-ring "
                         "yet; docs/ring.md)")
     add_freeze_flag(p)
+    add_lora_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version_flag(p)
@@ -131,7 +134,11 @@ def _run(args) -> str:
     profile = load_profile(args.profile) if args.profile else get_profile(args.gpu or "h100")
     cfg = model_config(args.model)
     budget = Budget.from_gib(args.host_gb, args.dev_gb)
+    lora = lora_of(args)
     if args.gpus > 1:
+        if lora is not None:
+            raise ConfigError("--lora-rank is planned for one device so far; drop --gpus or "
+                              "--lora-rank")
         if args.fast_attention:
             raise ConfigError("--fast-attention is not built for --gpus yet (a ring plans the "
                               "deterministic backward); drop one of them")
@@ -150,6 +157,8 @@ def _run(args) -> str:
         batch["precision"] = args.precision
     if args.freeze:
         batch["freeze"] = args.freeze
+    if lora is not None:
+        batch["lora"] = lora
     try:
         plan = make_plan(cfg, args.seqlen, budget, profile, **batch)
     except InfeasibleBudget as exc:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from dataflow import checkpoint
+from dataflow import checkpoint, lora_checkpoint
 from dataflow.backend import Backend, Place
 from dataflow.engine.setup import Started, backend_for, plan_engine, start
 from dataflow.engine.state_io import BlockRef
@@ -52,7 +52,8 @@ class Engine:
 
     Thread model: an Engine may be shared by threads. Its public calls (train_step, eval_step,
     state_dict, load_state_dict, weights, read_block, write_block, save_checkpoint,
-    load_checkpoint, save_pretrained, set_lr, memory_used_bytes, close) are serialised by one
+    load_checkpoint, save_pretrained, lora_state, load_lora_state, export_peft, save_merged,
+    set_lr, memory_used_bytes, close) are serialised by one
     lock: a call made while another thread's call runs waits for it, so an eval_step from a
     background thread runs between two train_steps, never inside one. The order in which
     waiting threads get the lock is not defined; a trainer that needs an order (step 2 after
@@ -73,6 +74,9 @@ class Engine:
             if kwargs.get("freeze") or getattr(options, "freeze", None):
                 raise ConfigError("freeze= is built for one device so far (docs/freeze.md), not "
                                   "for a ring; drop ring= or freeze=")
+            if kwargs.get("lora") is not None or getattr(options, "lora", None) is not None:
+                raise ConfigError("lora= is built for one device so far (docs/lora.md), not "
+                                  "for a ring; drop ring= or lora=")
             if options is not None:  # the same engine as its fields passed as keywords
                 return ring.engine(*args[:1], **options.keywords())
             return ring.engine(*args, **kwargs)
@@ -84,7 +88,7 @@ class Engine:
                  host_gb: float | None = None, dev_gb: float | None = None,
                  seqlen: int | None = None, seqs_per_step: int | None = None,
                  tokens_per_step: int | None = None, precision: str = "bf16", freeze=None,
-                 backend: str | Backend = "auto",
+                 lora=None, backend: str | Backend = "auto",
                  seed: int = 0, weights=None, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
@@ -116,6 +120,10 @@ class Engine:
         freeze: blocks that train no further, e.g. 'embed,head,layers:0-29' (docs/freeze.md;
             Plan.frozen): their weights stay as loaded, with no gradient, AdamW state, gradient
             copy or weight-gradient GEMM; the planner counts only what trains.
+        lora: LoRA adapters (docs/lora.md): a dataflow.memplan.plan.lora.Lora, a rank, or
+            dict(rank=, alpha=, targets=) (alpha defaults to the rank, targets to all seven);
+            the base is frozen whole, the adapters start as PEFT's (seeded by `seed`) and
+            train in fp32 on the device. Read them with lora_state().
         backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
         seed: the initialisation's seed (unused when weights are loaded).
         weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.
@@ -154,7 +162,7 @@ class Engine:
             options = EngineOptions(
                 host_gb=host_gb, dev_gb=dev_gb, seqlen=seqlen, seqs_per_step=seqs_per_step,
                 tokens_per_step=tokens_per_step, profile=profile, plan_options=plan_options,
-                precision=precision, freeze=freeze,
+                precision=precision, freeze=freeze, lora=lora,
                 run=RunOptions(backend=backend, seed=seed, weights=weights, lr=lr, betas=betas,
                                eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                optimizer=optimizer, lr_schedule=lr_schedule, sanitize=sanitize,
@@ -223,6 +231,29 @@ class Engine:
         return self._state.weights()
 
     @_serialised
+    def lora_state(self) -> dict[str, np.ndarray]:
+        """The LoRA adapters (fp32): 'layers.{i}.{target}.a' (r, in) and '.b' (out, r), their
+        AdamW state '.m' / '.v' and gradient '.grad' (zero between steps); a pending deferred
+        update runs first. Refused without lora=."""
+        lora = self._adapters("lora_state")
+        self.ex.flush()
+        return lora.state(self.ex.download)
+
+    @_serialised
+    def load_lora_state(self, tensors: dict[str, np.ndarray]) -> None:
+        """Replace the adapters (and the AdamW m / v given; missing ones start at zero) with
+        `tensors` keyed as lora_state() names them."""
+        lora = self._adapters("load_lora_state")
+        self.ex.flush()
+        lora.load(tensors, self.ex.upload)
+
+    def _adapters(self, call: str):
+        if self.ex.lora is None:
+            raise ConfigError(f"{call}(): this engine has no LoRA adapters; build it with "
+                              "lora=R (docs/lora.md)")
+        return self.ex.lora
+
+    @_serialised
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters under transformers' names and shapes, plus AdamW state as
         'optimizer.<name>.exp_avg' / '.exp_avg_sq' and 'optimizer.step'."""
@@ -274,6 +305,10 @@ class Engine:
         may be half-updated (StepFailedError) unless allow_failed_step=True, which marks the
         checkpoint (checkpoint.json's failed_step; loading it warns)."""
         failed = self._steps.check_savable("save_checkpoint", allow_failed_step)
+        if self.ex.lora is not None:  # the adapters alone, and the base's identity
+            return lora_checkpoint.save_lora_checkpoint(self, path, data=data, rng=rng,
+                                                        extra=extra, keep=keep,
+                                                        force_dir=force_dir)
         return checkpoint.save_checkpoint(self, path, data=data, rng=rng, extra=extra, keep=keep,
                                           force_dir=force_dir, failed_step=failed)
 
@@ -284,6 +319,10 @@ class Engine:
         After a failed step it is a way back, as load_state_dict is: once the checkpoint is
         checked, the half-accumulated gradients and AdamW state are zeroed before its blocks
         are written, and the engine trains again."""
+        if self.ex.lora is not None:  # a LoRA checkpoint: adapters, AdamW state, step
+            info = lora_checkpoint.load_lora_checkpoint(self, path)
+            self._steps.failed_step = None
+            return info
         failed = self._steps.failed_step is not None
         info = checkpoint.load_checkpoint(
             self, path, verify=verify, allow_changes=allow_changes,
@@ -304,6 +343,22 @@ class Engine:
                           "half-updated", UserWarning, stacklevel=3)
         return hf.save_pretrained(self.plan.model, self._state.pretrained_blocks(), path,
                                overwrite=overwrite, source=self.model_source)
+
+    @_serialised
+    def export_peft(self, path, *, base_model: str | None = None, overwrite: bool = False):
+        """Write the LoRA adapters as a PEFT adapter directory (adapter_config.json,
+        adapter_model.safetensors; docs/lora.md), atomically. Returns the path."""
+        return lora_checkpoint.export_peft(self, path, base_model=base_model, overwrite=overwrite)
+
+    @_serialised
+    def save_merged(self, path, *, overwrite: bool = False):
+        """Write base + alpha/r B A as a Hugging Face directory in bf16 (as save_pretrained)."""
+        lora = self._adapters("save_merged")
+        blocks = lora_checkpoint.merged_blocks(self.plan.model, self.plan.lora,
+                                               self._state.pretrained_blocks(),
+                                               lora.state(self.ex.download))
+        return hf.save_pretrained(self.plan.model, blocks, path, overwrite=overwrite,
+                                  source=self.model_source)
 
     # -- training (dataflow.engine.steps) -----------------------------------------------------
     @property

@@ -12,6 +12,8 @@ import re
 import time
 from pathlib import Path
 
+from dataflow.lora_adapters import peft_init
+from dataflow.lora_checkpoint import is_lora_checkpoint
 from dataflow.backend import Backend
 from dataflow.backends import make_backend
 from dataflow.block_io import init_weights as init_block_weights
@@ -80,6 +82,10 @@ def plan_engine(model, options: EngineOptions) -> Planned:
     the options, make the backend and plan the model under the budgets."""
     run = options.run
     resume = checkpoint_dir(model)
+    if resume is not None and is_lora_checkpoint(resume):
+        raise ConfigError(f"{resume} is a LoRA checkpoint (adapters alone, docs/lora.md): build "
+                          "the Engine from its base model with the same lora=, then call "
+                          "load_checkpoint on it")
     if resume is not None:
         cfg, run = checkpoint_options(resume, run)
     else:
@@ -149,6 +155,8 @@ def _start_parts(plan: Plan, be, options: RunOptions, background) -> Started:
             weights = open_weights(weights)  # a model directory or a Hugging Face one
         load_weights(state, weights, progress)
         clock.lap("load_weights")
+    if ex.lora is not None:  # fresh adapters as PEFT makes them (a checkpoint's replace them)
+        ex.lora.load(peft_init(plan.model, plan.lora, options.seed), ex.upload)
     be.synchronize()
     clock.lap("synchronize")
     be.seal()  # from here on every device byte comes from the arenas

@@ -41,13 +41,14 @@ from dataflow.kernels.cuda.moe_router import (load_balancing_loss, load_balancin
 from dataflow.kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_shape, rms_norm_fwd
 from dataflow.kernels.cuda.rope import rope_bwd, rope_fwd
 from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
-from dataflow.kernels.cuda.utils import add_, bias_bwd, bias_fill, cast, clip_scale, fill_, sumsq
+from dataflow.kernels.cuda.utils import (add_, bias_bwd, bias_fill, cast, clip_scale, fill_, scale_,
+                                         sumsq)
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
     "bias_bwd", "bias_fill", "cast", "cublas_workspace", "CudaContext",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
-    "experts_bwd_acc_elems", "experts_fwd", "fill_", "fp8_amax_scale", "fp8_cast", "fp8_gemm",
+    "experts_bwd_acc_elems", "experts_fwd", "fill_", "scale_", "fp8_amax_scale", "fp8_cast", "fp8_gemm",
     "fp8_quantise", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",

@@ -6,6 +6,8 @@
 // add_kernel<D, S, V>:   dst = D(float(dst) + float(src))        flat, packs of V (8 or 1)
 // cast_kernel<S, D, V>:  dst = D(float(src))
 // fill_kernel<D, V>:     x = D(value)
+// scale_kernel<D, V>:    x = D(float(x) * s)   (LoRA's (T, r) intermediates times alpha / r;
+//   truth dataflow.kernels.reference.lora.scale)
 //   grid-stride loops over packs, then the n % V tail; 64-bit indices; D, S = bf16 or float.
 // sumsq_partial<S, V>:   block b of a fixed grid of P blocks (P depends on n only) sums x^2 of
 //   its grid-stride share in fp32 into part[b];
@@ -64,6 +66,22 @@ __global__ void __launch_bounds__(256) fill_kernel(D* x, float value, i64 n) {
         float one[1] = {value};
         vstore(x + npacks * V + tid, one);
     }
+}
+
+template <typename D, int W>
+__device__ __forceinline__ void scale_at(D* x, float s, i64 off) {
+    float a[W];
+    vload(x + off, a);
+#pragma unroll
+    for (int k = 0; k < W; k++) a[k] *= s;
+    vstore(x + off, a);
+}
+
+template <typename D, int V>
+__global__ void __launch_bounds__(256) scale_kernel(D* x, float s, i64 n) {
+    const i64 npacks = n / V, tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 p = tid; p < npacks; p += (i64)gridDim.x * blockDim.x) scale_at<D, V>(x, s, p * V);
+    if (V > 1 && npacks * V + tid < n) scale_at<D, 1>(x, s, npacks * V + tid);
 }
 
 template <typename S, int V>

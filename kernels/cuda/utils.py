@@ -19,6 +19,7 @@ _NAMES = tuple(
     [f"add_kernel<{d}, {s}, {v}>" for d in _TYPES for s in _TYPES for v in (1, 8)]
     + [f"cast_kernel<{s}, {d}, {v}>" for d in _TYPES for s in _TYPES for v in (1, 8)]
     + [f"fill_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
+    + [f"scale_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
     + [f"sumsq_partial<{s}, {v}>" for s in _TYPES for v in (1, 8)]
     + ["sumsq_finish", "clip_scale_kernel"]
     + [f"bias_fill_kernel<{t}>" for t in _TYPES]
@@ -63,6 +64,18 @@ def cast(ctx, src, dst) -> None:
     if n:
         _build.kernel(ctx, _SRC, _NAMES, name)((_build.flat_grid(ctx, -(-n // v), _THREADS),),
                                                (_THREADS,), (src, dst, np.int64(n)))
+
+
+def scale_(ctx, x, s: float) -> None:
+    """x *= s in place for bf16|f32 x (the LoRA adapters' (T, r) intermediates): fp32 product,
+    one rounding to x's dtype (dataflow.kernels.reference.lora.scale); no temporary."""
+    _build.check("x", x)
+    v = _vec(x)
+    n = x.size
+    if n:
+        _build.kernel(ctx, _SRC, _NAMES, f"scale_kernel<{_build.ctype(x.dtype, 'x')}, {v}>")(
+            (_build.flat_grid(ctx, -(-n // v), _THREADS),), (_THREADS,),
+            (x, np.float32(s), np.int64(n)))
 
 
 def fill_(ctx, x, value: float) -> None:

@@ -30,6 +30,12 @@ def lora_scale(alpha: float, rank: int) -> float:
     return alpha / rank
 
 
+def scale(x: np.ndarray, s: float) -> np.ndarray:
+    """x * s in fp32, rounded once to x's dtype: the adapters' (T, r) intermediates scaled by
+    alpha / r in place (the engine's scale_ op)."""
+    return (x.astype(np.float32) * np.float32(s)).astype(x.dtype)
+
+
 def lora_linear_fwd(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray,
                     scale: float) -> np.ndarray:
     """x (T, I) -> y (T, O) in x's dtype, rounded once."""

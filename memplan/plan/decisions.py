@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
+from dataflow.memplan.plan.lora import Lora
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
     Chunking,
@@ -61,6 +62,8 @@ class Decisions:
     """See Plan.precision."""
     frozen: Frozen = NOTHING_FROZEN
     """See Plan.frozen."""
+    lora: Lora | None = None
+    """See Plan.lora."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -72,7 +75,7 @@ def decisions_of(obj) -> Decisions:
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
                      attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
                      holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild,
-                     precision=obj.precision, frozen=obj.frozen)
+                     precision=obj.precision, frozen=obj.frozen, lora=obj.lora)
 
 
 def _positive(where: str, value) -> None:
@@ -181,7 +184,7 @@ def _check_frozen(d: Decisions) -> None:
     if f.layers and cfg.moe is not None:
         raise ConfigError(f"model '{cfg.name}' is a mixture of experts, whose layers cannot be "
                           f"frozen yet (layers {f.spec()}); freeze only embed and head")
-    if f.embed and f.head and len(f.layers) == cfg.n_layers:
+    if f.embed and f.head and len(f.layers) == cfg.n_layers and d.lora is None:
         raise ConfigError(f"freeze '{f.spec()}' freezes every block of model '{cfg.name}', so "
                           "nothing would train; leave at least one block out (e.g. "
                           f"layers:0-{cfg.n_layers - 2} keeps the last layer training)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.decisions import any_streamed_optimizer, decisions_of, home_layer_grads
 from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, MemoryMap, OptimizerWhere, Where
+from dataflow.memplan.plan.lora import region_sizes
 from dataflow.memplan.plan.segments import (
     KV_REGION,
     inner_regions,
@@ -28,6 +29,7 @@ _FIXED_CATEGORY = {
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
     buffers.MOE_HOST_REGION: "buffers",
     "home.ctx_kv": "saved_activations",
+    "lora.work": "weights",
 }
 TOKEN_ID_BYTES = 4
 TOKEN_STAGING_ROWS = 6
@@ -110,7 +112,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     (saved activations kept on the device; with segments, the boundary layers' only, then
     act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, attn_workspace,
     library_scratch, kv_rebuild (a kv_rebuild plan's), context, transitions, head_buffers,
-    opt_stage."""
+    lora.weights/.grads/.m/.v (a LoRA plan's), opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
     elems = buffers.block_elems(cfg)
@@ -160,6 +162,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     if d.holds_head:
         out.append(("head_buffers", buffers.packed_bytes(buffers.head_specs(
             cfg, t, s.head_sub_tokens))))
+    # fp32 adapters, their gradients and AdamW state, their bf16 working copy (Plan.lora)
+    out += list(region_sizes(cfg, d.lora, t).items())
     if any_streamed_optimizer(d):
         gdt = "bf16" if d.grad_accum is GradAccum.BF16 else "f32"
         out.append(("opt_stage", buffers.packed_bytes(buffers.opt_stage_specs(

@@ -10,6 +10,7 @@ import enum
 import math
 
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
+from dataflow.memplan.plan.lora import Lora
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
@@ -271,6 +272,10 @@ class Plan:
     """Blocks that train no further (dataflow.memplan.plan.frozen): no gradient or AdamW region,
     no gradient copy, no weight-gradient GEMM. Left out of the JSON (and hash) while nothing is
     frozen."""
+    lora: Lora | None = dataclasses.field(default=None, metadata={"omit_if_default": True})
+    """LoRA adapters (dataflow.memplan.plan.lora): the base is frozen whole (`frozen`), the
+    adapters and their fp32 gradients and AdamW state are the device regions lora.weights /
+    .grads / .m / .v. Left out of the JSON (and hash) without LoRA."""
 
     def to_json(self) -> str:
         return to_json(self)

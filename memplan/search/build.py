@@ -9,6 +9,7 @@ import dataclasses
 from dataflow.memplan.plan.decisions import Decisions, decisions_of, validate_decisions
 from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_text
 from dataflow.memplan.plan.frozen import as_frozen
+from dataflow.memplan.plan.lora import as_lora, base_frozen, refuse_unsupported
 from dataflow.memplan.plan.memory import memory_map
 from dataflow.memplan.plan.plan import (
     Budget,
@@ -64,18 +65,19 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
                 planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
                 precision=d.precision,
                 holds_embed=d.holds_embed, holds_head=d.holds_head, segment_layers=d.segment_layers,
-                kv_rebuild=d.kv_rebuild, frozen=d.frozen)
+                kv_rebuild=d.kv_rebuild, frozen=d.frozen, lora=d.lora)
 
 
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,
                chunking: Chunking, slots: Slots, layers: tuple[LayerPlacement, ...] | list,
                activations, embed: LayerPlacement, head: LayerPlacement,
                grad_accum: GradAccum = GradAccum.BF16, kv_rebuild: bool = False,
-               precision: Precision = Precision.BF16, frozen=None) -> Plan:
+               precision: Precision = Precision.BF16, frozen=None, lora=None) -> Plan:
     """A Plan from explicit decisions (no search): validates them (placement triples, slot
     counts, chunking shape), computes the memory map and prediction, and raises InfeasibleBudget
     when they do not fit `budget`. `activations[layer][chunk]` is a SavedActivation; `frozen` a
-    Frozen or a spec (dataflow.memplan.plan.frozen.parse_freeze)."""
+    Frozen or a spec (dataflow.memplan.plan.frozen.parse_freeze); `lora` a Lora (the base is
+    then frozen whole: dataflow.memplan.plan.lora)."""
     if chunking.seqlen != seqlen:
         raise ConfigError(f"chunking.seqlen {chunking.seqlen} differs from seqlen {seqlen}")
     acts = tuple(tuple(row) for row in activations)
@@ -86,7 +88,10 @@ def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareP
     d = Decisions(model=cfg, chunking=chunking, slots=slots, layers=tuple(layers),
                   activations=acts, embed=embed, head=head, grad_accum=grad_accum,
                   kv_rebuild=kv_rebuild, precision=Precision(precision),
-                  frozen=as_frozen(frozen, cfg.n_layers))
+                  frozen=as_frozen(frozen, cfg.n_layers), lora=as_lora(lora))
+    if d.lora is not None:
+        refuse_unsupported(cfg, d.lora, precision=d.precision)
+        d = dataclasses.replace(d, frozen=base_frozen(cfg))
     return finish_plan(d, budget, profile)
 
 

@@ -169,7 +169,8 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
         for rebuild in kv_rebuild_choices(ch, opts.get("kv_rebuild")):
             sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
                        holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild,
-                       precision=opts["precision"], frozen=opts["freeze"])
+                       precision=opts["precision"], frozen=opts["freeze"],
+                       lora=opts["lora"])
             states, chain = _space_states(sp, opts)
             cands += _candidates(sp, opts, len(spaces), states)
             spaces.append(sp)
@@ -203,7 +204,8 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
         for k in segment_lengths(cfg.n_layers):
             for inner in SEGMENT_INNER_CLASSES:
                 sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,
-                           holds=base.holds, precision=base.precision, frozen=base.frozen)
+                           holds=base.holds, precision=base.precision, frozen=base.frozen,
+                           lora=base.lora)
                 states = {_carried(s, base.N, sp) for s in chain}
                 cands += _candidates(sp, plain.opts, len(spaces), states)
                 spaces.append(sp)

@@ -17,6 +17,7 @@ from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.memory import grad_bpe
+from dataflow.memplan.plan.lora import adapter_flops_per_token, target_shape
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
     Chunking,
@@ -267,13 +268,34 @@ def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_byte
 
 
 @functools.lru_cache(maxsize=256)
+def lora_seconds(cfg: ModelConfig, p: HardwareProfile, t: int, lora) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's LoRA adapters on a chunk of t tokens: rank-r
+    GEMMs are bound by memory, not FLOPs (x a^T reads all of x for 2 r FLOPs per element), so
+    each is the longer of its FLOPs at the GEMM rate and its bytes at HBM rate: the forward
+    reads x and reads and writes the output it adds into (2 t (in + 2 out) bytes in bf16), the
+    backward reads dy twice, x twice and reads and writes dx (2 t (4 in + 2 out))."""
+    if lora is None:
+        return 0.0, 0.0
+    fwd_f, bwd_f = adapter_flops_per_token(cfg, lora)
+    fwd_b = bwd_b = 0
+    for target in lora.targets:
+        n_in, n_out = target_shape(cfg, target)
+        fwd_b += 2 * t * (n_in + 2 * n_out)
+        bwd_b += 2 * t * (4 * n_in + 2 * n_out)
+    gemm, hbm = gemm_flop_per_s(cfg, p, t), p.device_mem_bytes_per_s
+    over = 1.0 + LAUNCH_OVERHEAD_FRAC
+    return (max(fwd_f * t / gemm, fwd_b / hbm) * over,
+            max(bwd_f * t / gemm, bwd_b / hbm) * over)
+
+
 def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
                 deterministic: bool = True,
-                precision: Precision = Precision.BF16) -> tuple[ChunkCosts, ...]:
+                precision: Precision = Precision.BF16, lora=None) -> tuple[ChunkCosts, ...]:
     """Per chunk of a round (chunks differ by their context offset when a sequence is split).
     deterministic: packed chunks take cuDNN's deterministic attention backward (else, as split
     sequences always do, the atomic-dQ one: ATTN_ATOMIC_BWD_SPEEDUP). precision FP8: the
-    projections as fp8_extra_seconds says."""
+    projections as fp8_extra_seconds says. lora (Plan.lora): each layer's adapters as
+    lora_seconds says, on the forward, every recompute and the backward."""
     t = ch.chunk_tokens
     piece = t // ch.seqs_per_chunk  # one sequence's tokens in this chunk
     over = 1.0 + LAUNCH_OVERHEAD_FRAC
@@ -287,6 +309,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
     exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
     f8_fwd_s, f8_bwd_s = fp8_extra_seconds(cfg, p, t) if precision is Precision.FP8 else (0, 0)
+    lo_fwd_s, lo_bwd_s = lora_seconds(cfg, p, t, lora)
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -300,20 +323,21 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         if ch.chunks_per_seq > 1 or not deterministic:
             bwd_eff *= ATTN_ATOMIC_BWD_SPEEDUP
         a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, bwd_eff, keys)
-        fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s
+        fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s + lo_fwd_s
         bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s) * over + a_bwd_s \
             + exp_bwd_s
         bwd_frozen_s = (mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s / 2) * over \
-            + a_bwd_s + exp_bwd_s
+            + a_bwd_s + exp_bwd_s + lo_bwd_s
         # A recompute re-runs its projections in FP8 too: the forward's difference in their share.
-        rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s
+        rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s \
+            + lo_fwd_s
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
                               rec_flops=(rec_full, rec_attn, rec_attn + a_fwd),
                               flash_flops=flash,
                               fwd_flops=mm + a_fwd,
                               refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
-                              * over + exp_fwd_s,
+                              * over + exp_fwd_s + lo_fwd_s,
                               refwd_kept_flops=mm_kept, bwd_frozen_s=bwd_frozen_s))
     return tuple(out)
 
@@ -354,7 +378,8 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     """The per-round work of a Plan or Decisions, in the form the simulation reads."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision,
+                        d.lora)
     elems = buffers.block_elems(cfg)
     gbpe = grad_bpe(d.grad_accum)
     act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
@@ -516,7 +541,8 @@ def event_seconds(plan, p: HardwareProfile):
     rate in the simulation): compute from chunk_costs, host work and fills from memory rates."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision)
+    costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision,
+                        d.lora)
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2

@@ -9,6 +9,7 @@ import dataclasses
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import chunk_target_tokens
 from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.lora import adapter_bytes, adapter_params
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN
 from dataflow.memplan.plan.memory import CATEGORIES, memory_map
 from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
@@ -259,6 +260,18 @@ def _frozen_lines(plan: Plan) -> list[str]:
             "model's FLOPs (the MFU below counts only what runs)"]
 
 
+def _lora_lines(plan: Plan) -> list[str]:
+    """The adapters of a LoRA plan (nothing without LoRA)."""
+    lo = plan.lora
+    if lo is None:
+        return []
+    n = adapter_params(plan.model, lo)
+    return [f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scale:g}) on {lo.spec()} of "
+            f"every layer (docs/lora.md): {n:,} adapter parameters, resident on the device in "
+            f"fp32 with their gradients, AdamW state and a bf16 working copy ({_size(adapter_bytes(plan.model, lo, plan.chunking.chunk_tokens))}); "
+            "the base model is frozen whole"]
+
+
 def explain(plan: Plan, update: str = "deferred") -> str:
     """A terminal overview of `plan` and the reason for each decision, the prediction for the
     update mode the run uses (UPDATE_WHERE; the Engine's default, 'deferred', unless told)."""
@@ -271,7 +284,7 @@ def explain(plan: Plan, update: str = "deferred") -> str:
             f"attention backward {plan.attention_bwd.value}, precision {plan.precision.value}]")
     s = plan.slots
     pr = predict_schedule(plan, plan.profile, update=update)
-    lines = [head, *_chunking_lines(plan), *_precision_lines(plan), *_frozen_lines(plan),
+    lines = [head, *_chunking_lines(plan), *_precision_lines(plan), *_frozen_lines(plan), *_lora_lines(plan),
              (f"Slots: weight {s.weight_slots}, grad {s.grad_slots}, activation {s.act_slots}; "
              f"head sub-chunk {s.head_sub_tokens:,} tokens; optimizer stage "
              f"{s.opt_stage_elems:,} elements"),

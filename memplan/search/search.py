@@ -23,6 +23,7 @@ from dataflow.memplan.plan.chunking import (
 from dataflow.memplan.plan.decisions import refuse_moe
 from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, gib_up, size_text
 from dataflow.memplan.plan.frozen import as_frozen
+from dataflow.memplan.plan.lora import as_lora, base_frozen, refuse_unsupported
 from dataflow.memplan.plan.memory import memory_map
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
@@ -56,7 +57,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head", "kv_rebuild", "segments", "precision", "freeze")
+               "holds_head", "kv_rebuild", "segments", "precision", "freeze", "lora")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -130,6 +131,13 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
         raise ConfigError(f"precision must be one of {[x.value for x in Precision]}, got "
                           f"{precision!r}") from None
     opts["freeze"] = as_frozen(opts.get("freeze"), cfg.n_layers)  # Plan.frozen
+    opts["lora"] = as_lora(opts.get("lora"))  # Plan.lora: the base frozen whole
+    if opts["lora"] is not None:
+        refuse_unsupported(cfg, opts["lora"], precision=opts["precision"])
+        if opts["freeze"] and opts["freeze"] != base_frozen(cfg):
+            raise ConfigError(f"LoRA freezes the whole base model; freeze "
+                              f"'{opts['freeze'].spec()}' asks for part of it; drop --freeze")
+        opts["freeze"] = base_frozen(cfg)
     attn = opts.get("attention_bwd", AttentionBwd.DETERMINISTIC)
     try:
         opts["attention_bwd"] = AttentionBwd(attn)
@@ -206,7 +214,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
     shaping = {k: v for k, v in constraints.items()
-               if k not in ("attention_bwd", "segments", "precision", "freeze")}
+               if k not in ("attention_bwd", "segments", "precision", "freeze", "lora")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan

@@ -13,6 +13,7 @@ from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
 from dataflow.memplan.plan.decisions import HOME_HOST, HOME_STREAMED, RESIDENT, Decisions
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN, Frozen
+from dataflow.memplan.plan.lora import region_sizes
 from dataflow.memplan.plan.memory import (
     NORM_HOST_BYTES,
     TOKEN_ID_BYTES,
@@ -110,12 +111,15 @@ class Space:
                  segment_layers: int = 1, inner_class: int = 5,
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
                  holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
-                 precision: Precision = Precision.BF16, frozen: Frozen = NOTHING_FROZEN):
+                 precision: Precision = Precision.BF16, frozen: Frozen = NOTHING_FROZEN,
+                 lora=None):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.precision = precision
         self.frozen = frozen
         """Plan.frozen: blocks with weights only (no gradients, AdamW state or their work)."""
+        self.lora = lora
+        """Plan.lora: the adapters' device regions and work (dataflow.memplan.plan.lora)."""
         self.kv_rebuild = kv_rebuild
         """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
@@ -162,7 +166,7 @@ class Space:
         gdt = "bf16" if grad_accum is GradAccum.BF16 else "f32"
         self.opt_stage_b = buffers.packed_bytes(buffers.opt_stage_specs(self.opt_stage_elems, gdt))
         self.costs = chunk_costs(cfg, ch, p, attention_bwd is AttentionBwd.DETERMINISTIC,
-                                 precision)
+                                 precision, lora)
         kv_s, kv_f = kv_rebuild_cost(cfg, t, p) if kv_rebuild else (0.0, 0.0)
         rebuilt = [LEVEL_INDEX[lv] for lv in REBUILT_KV_LEVELS] if kv_rebuild else []
         rec_s = [tuple(r + kv_s * (i in rebuilt) for i, r in enumerate(c.rec_s))
@@ -251,6 +255,8 @@ class Space:
         fixed += buffers.align(buffers.attention_workspace_bytes(
             cfg, t, ch.seqlen, deterministic=self.attention_bwd is AttentionBwd.DETERMINISTIC))
         fixed += self.p.library_reserve_bytes  # outside the arena, inside the budget
+        # the LoRA adapter regions (memory.device_regions)
+        fixed += sum(buffers.align(n) for n in region_sizes(cfg, self.lora, t).values())
         if self.kv_rebuild:
             fixed += buffers.align(buffers.packed_bytes(buffers.kv_rebuild_specs(cfg, t)))
         return fixed
@@ -437,7 +443,7 @@ class Space:
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
                          holds_embed=self.holds_embed, holds_head=self.holds_head,
                          kv_rebuild=self.kv_rebuild, precision=self.precision,
-                         frozen=self.frozen)
+                         frozen=self.frozen, lora=self.lora)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

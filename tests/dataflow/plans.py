@@ -22,7 +22,7 @@ def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1
                 chunks_per_round=1, rounds=1, layers=None, levels=None, homes=None,
                 weight_slots=2, grad_slots=1, act_slots=2, embed=RESIDENT, head=RESIDENT,
                 grad_accum=GradAccum.BF16, head_sub_tokens=None, opt_stage_elems=None,
-                kv_rebuild=False, frozen=None):
+                kv_rebuild=False, frozen=None, lora=None):
     """A plan with exactly these decisions and budgets equal to what it needs."""
     n = cfg.n_layers
     layers = layers or (RESIDENT,) * n
@@ -41,7 +41,8 @@ def forced_plan(cfg, seqlen, *, chunk_tokens, seqs_per_chunk=1, chunks_per_seq=1
                   head_sub_tokens=head_sub_tokens or min(chunk_tokens, 32),
                   opt_stage_elems=stage)
     kw = dict(chunking=ch, slots=slots, layers=tuple(layers), activations=acts, embed=embed,
-              head=head, grad_accum=grad_accum, kv_rebuild=kv_rebuild, frozen=frozen)
+              head=head, grad_accum=grad_accum, kv_rebuild=kv_rebuild, frozen=frozen,
+              lora=lora)
     big = build_plan(cfg, seqlen, Budget(host_bytes=1 << 32, device_bytes=1 << 32), PROFILE, **kw)
     exact = Budget(host_bytes=big.memory.host_bytes,
                    device_bytes=big.memory.device_bytes + PROFILE.library_reserve_bytes)

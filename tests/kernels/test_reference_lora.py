@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dataflow.kernels.reference import adamw_step
-from dataflow.kernels.reference.lora import (lora_init, lora_linear_bwd, lora_linear_fwd,
+from dataflow.kernels.reference.lora import (lora_init, scale, lora_linear_bwd, lora_linear_fwd,
                                              lora_scale, merged_weight)
 
 
@@ -98,3 +98,17 @@ def test_adamw_on_the_adapters_moves_the_loss_and_never_the_frozen_weight(rng):
             adamw_step(p, g, *state[name], step=step, lr=1e-2)
     assert losses[-1] < losses[0]
     assert np.array_equal(w.view(np.uint32), frozen.view(np.uint32))
+
+
+def test_scale_rounds_the_fp32_product_once_in_the_inputs_dtype(rng):
+    """scale (the engine's scale_ op): x * s in fp32, one rounding to x's dtype (bf16 here),
+    so a power-of-two scale is exact and any scale is within one bf16 ulp of float64."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((16, 8)).astype(np.float32).astype(bf16)
+    out = scale(x, 0.37)
+    assert out.dtype == bf16
+    exact = x.astype(np.float64) * 0.37
+    assert np.all(np.abs(out.astype(np.float64) - exact) <= np.abs(exact) * 2.0 ** -8 + 1e-30)
+    assert np.array_equal(scale(x, 4.0).astype(np.float64), x.astype(np.float64) * 4.0)

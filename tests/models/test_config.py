@@ -42,9 +42,9 @@ def test_test_models_are_small_gqa_llamas(name):
 def test_zoo_names_list_test_models_first_then_by_size():
     """zoo_names() is tiny, small, then by the size the name ends with (a family's prefix
     aside; one size's names alphabetically; an MoE by its total): 1b, llama3.2-1b, mistral-7b,
-    olmoe-1b-7b, qwen2.5-7b, 8b, qwen3-8b, 15b, qwen3-30b-a3b, 32b."""
+    olmoe-1b-7b, qwen2.5-7b, 8b, qwen3-8b, 15b, qwen3-30b-a3b, 32b, 70b."""
     assert zoo_names() == ["tiny", "small", "1b", "llama3.2-1b", "mistral-7b", "olmoe-1b-7b",
-                           "qwen2.5-7b", "8b", "qwen3-8b", "15b", "qwen3-30b-a3b", "32b"]
+                           "qwen2.5-7b", "8b", "qwen3-8b", "15b", "qwen3-30b-a3b", "32b", "70b"]
 
 
 def test_load_config_refuses_an_unknown_name_and_lists_the_known_ones():

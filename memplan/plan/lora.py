@@ -1,0 +1,171 @@
+"""LoRA adapters (issue 54): which linears of every transformer layer carry a low-rank adapter
+y = x w^T + (alpha / rank) (x a^T) b^T, its rank and alpha, and what the adapters cost in bytes
+and FLOPs. With LoRA the base model is frozen whole (Plan.frozen: every layer, the embedding and
+the head); the adapters live on the device in fp32 (weights, gradients, AdamW m and v: 16 bytes
+per adapter parameter), outside the layer blocks. Parsed once at the CLI / Engine edge. Never
+imports array libraries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dataflow.memplan.plan.frozen import Frozen
+from dataflow.models.errors import ConfigError
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The adapted linears, in the order adapters are laid out in the adapter region."""
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+            "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+            "down": "mlp.down_proj"}
+"""Each target's module under model.layers.{i} (transformers' names; PEFT's target_modules are
+the last part: q_proj, ...)."""
+SPELLING = "q, k, v, o, gate, up, down (comma-separated, e.g. q,k,v,o)"
+ADAPTER_BPE = 18
+"""Bytes per adapter parameter on the device: the fp32 master weight, its fp32 gradient, AdamW m
+and v in fp32, and the bf16 working copy the GEMMs read (cuBLAS takes both operands of a GEMM in
+one dtype, and the activations are bf16)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Lora:
+    rank: int
+    """r: the adapters' inner dimension."""
+    alpha: float
+    """The scale is alpha / rank (PEFT's LoraLayer scaling; not rsLoRA's)."""
+    targets: tuple[str, ...]
+    """Adapted linears of every layer, a subset of TARGETS in TARGETS' order."""
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}; "
+                              "try --lora-rank 8")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not self.alpha > 0:
+            raise ConfigError(f"LoRA alpha must be a positive number, got {self.alpha!r}; "
+                              "try --lora-alpha 16")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"LoRA targets {list(self.targets)!r}: "
+                              f"{'unknown ' + repr(bad) if bad else 'empty or repeated'}; "
+                              f"spell {SPELLING}")
+        if list(self.targets) != [t for t in TARGETS if t in self.targets]:
+            raise ConfigError(f"LoRA targets {self.targets!r} must be in the order {TARGETS}; "
+                              "build them with parse_lora")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def spec(self) -> str:
+        return ",".join(self.targets)
+
+
+def target_shape(cfg, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of target `target` of a layer of `cfg`."""
+    d, f = cfg.model_dim, cfg.ffn_dim
+    return {"q": (d, cfg.q_dim), "k": (d, cfg.kv_dim), "v": (d, cfg.kv_dim),
+            "o": (cfg.q_dim, d), "gate": (d, f), "up": (d, f), "down": (f, d)}[target]
+
+
+def adapter_specs(cfg, lora: Lora) -> tuple[tuple[int, str, str, tuple[int, int]], ...]:
+    """(layer, target, 'a' or 'b', shape) of every adapter matrix, in region order: layer-major,
+    targets in TARGETS' order, a (r, in) then b (out, r)."""
+    out = []
+    for layer in range(cfg.n_layers):
+        for t in lora.targets:
+            n_in, n_out = target_shape(cfg, t)
+            out += [(layer, t, "a", (lora.rank, n_in)), (layer, t, "b", (n_out, lora.rank))]
+    return tuple(out)
+
+
+def adapter_params(cfg, lora: Lora | None) -> int:
+    """Adapter parameters of the whole model (0 without LoRA)."""
+    if lora is None:
+        return 0
+    per_layer = sum(sum(target_shape(cfg, t)) for t in lora.targets) * lora.rank
+    return per_layer * cfg.n_layers
+
+
+def adapter_bytes(cfg, lora: Lora | None, chunk_tokens: int = 0) -> int:
+    """Device bytes of the adapters' weights, gradients, AdamW state and working copy, and
+    (chunk_tokens given) their two (T, r) bf16 intermediates (region_sizes' sum, unaligned)."""
+    return sum(region_sizes(cfg, lora, chunk_tokens).values())
+
+
+def region_sizes(cfg, lora: Lora | None, chunk_tokens: int) -> dict[str, int]:
+    """Bytes of each LoRA device region: lora.weights, .grads, .m, .v (fp32, region order
+    adapter_specs), lora.work (the bf16 working copy, then two (T, r) bf16 intermediates);
+    empty without LoRA."""
+    if lora is None:
+        return {}
+    n = adapter_params(cfg, lora)
+    return {"lora.weights": 4 * n, "lora.grads": 4 * n, "lora.m": 4 * n, "lora.v": 4 * n,
+            "lora.work": 2 * n + 2 * 2 * chunk_tokens * lora.rank}
+
+
+def adapter_flops_per_token(cfg, lora: Lora | None) -> tuple[int, int]:
+    """(forward, backward) FLOPs per token of one layer's adapters: forward x a^T, then . b^T
+    (2 r (in + out)); backward dy b and its dx contribution, da and the re-formed x a^T with db
+    (2 r (in + out) twice, and the x a^T again: 2 r in)."""
+    if lora is None:
+        return 0, 0
+    fwd = bwd = 0
+    for t in lora.targets:
+        n_in, n_out = target_shape(cfg, t)
+        fwd += 2 * lora.rank * (n_in + n_out)
+        bwd += 4 * lora.rank * (n_in + n_out) + 2 * lora.rank * n_in
+    return fwd, bwd
+
+
+def base_frozen(cfg) -> Frozen:
+    """What LoRA freezes: everything of the base (every layer, the embedding and the head)."""
+    return Frozen(embed=True, head=True, layers=tuple(range(cfg.n_layers)))
+
+
+def refuse_unsupported(cfg, lora: Lora | None, *, precision=None, where: str = "LoRA") -> None:
+    """Refuse, by name, what the LoRA path does not support."""
+    if lora is None:
+        return
+    if cfg.moe is not None:
+        raise ConfigError(f"{where}: {cfg.name} is a mixture-of-experts model; LoRA adapters "
+                          "on experts (or on MoE layers at all) are not supported yet; use a "
+                          "dense model or train without --lora-rank")
+    if precision is not None and getattr(precision, "value", precision) != "bf16":
+        raise ConfigError(f"{where}: an FP8 base ({precision}) is not supported with LoRA yet; "
+                          "use --precision bf16")
+
+
+def parse_lora(rank, alpha=None, targets: str | None = None) -> Lora | None:
+    """Lora from the CLI's --lora-rank / --lora-alpha / --lora-targets (rank None: no LoRA).
+    alpha defaults to the rank (scale 1); targets to all seven. Raises ConfigError naming the
+    bad value and the spelling."""
+    if rank is None:
+        if alpha is not None or targets:
+            raise ConfigError("--lora-alpha / --lora-targets need --lora-rank R (e.g. "
+                              "--lora-rank 8)")
+        return None
+    names = TARGETS if not targets else tuple(t.strip() for t in targets.split(","))
+    bad = [t for t in names if t not in TARGETS]
+    if bad:
+        raise ConfigError(f"--lora-targets item {bad[0]!r} is not a target; spell {SPELLING}")
+    return Lora(rank=rank, alpha=float(rank if alpha is None else alpha),
+                targets=tuple(t for t in TARGETS if t in names))
+
+
+def as_lora(value) -> Lora | None:
+    """A Lora from a Lora, None, a rank (int) or a dict of rank/alpha/targets (the Engine's and
+    make_plan's argument)."""
+    if value is None or isinstance(value, Lora):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return parse_lora(value)
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"rank", "alpha", "targets"})
+        if unknown:
+            raise ConfigError(f"lora keys {unknown} are not understood; known: rank, alpha, "
+                              "targets")
+        t = value.get("targets")
+        return parse_lora(value.get("rank"), value.get("alpha"),
+                          ",".join(t) if isinstance(t, (list, tuple)) else t)
+    raise ConfigError(f"lora must be a Lora, a rank or a dict(rank=, alpha=, targets=), got "
+                      f"{type(value).__name__}")
