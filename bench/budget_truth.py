@@ -9,6 +9,7 @@ measures, and it never trains in its own process.
     python -m dataflow.bench.budget_truth --out runs/bt --backend numpy --steps 2 tiny:256:2:0.25
     python -m dataflow.bench.budget_truth --out runs/bt --fast-attention --steps 3 8b:8192:80:24
     python -m dataflow.bench.budget_truth --out runs/bt --precision fp8 --rounds 4 8b:65536:100:24
+    python -m dataflow.bench.budget_truth --out runs/bt --lora-rank 16 8b:8192:24:24
 
 A peak is the largest 0.2 s sample, so a spike shorter than that can be missed; the device
 overshoot subtracts the CUDA context the demo itself reports, so a cell that dies before its
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 from dataflow.bench.sweep.classify import classify
+from dataflow.cli.args import add_lora_flags, lora_of
 from dataflow.bench.sweep.grid import Cell, format_number
 from dataflow.bench.sweep.monitor import INTERVAL_S, PeakSampler, open_nvml
 from dataflow.bench.sweep.planning import now_iso, resolve_backend, resolve_profile
@@ -72,6 +74,9 @@ class BudgetRecord:
     dataflow-demo --fast-attention), else 'deterministic'."""
     rounds_per_step: int | None = None
     """--rounds: the rounds per step every cell was planned at; None: the planner's own."""
+    lora: str | None = None
+    """--lora-*: the LoRA adapters every cell was planned (and so trained) with (docs/lora.md),
+    as Lora's own spelling; None: full fine-tuning."""
     precision: str = "bf16"
     """--precision: the block projections' GEMM precision every cell was planned (and so run) in
     (docs/fp8.md)."""
@@ -194,7 +199,7 @@ def _minus(a: int | None, *others: int | None) -> int | None:
 
 def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeout_s: float,
              commit: str | None = None, attention_bwd: str = "deterministic",
-             rounds: int | None = None, precision: str = "bf16") -> BudgetRecord:
+             rounds: int | None = None, precision: str = "bf16", lora=None) -> BudgetRecord:
     """Plan the cell, run the demo on that plan in a fresh process, write OUT/<slug>.json.
     The plan file carries `attention_bwd`, `precision` and, when given, `rounds` per step to
     the demo."""
@@ -204,11 +209,12 @@ def run_cell(cell: Cell, *, out: Path, steps: int, backend: str, profile, timeou
             "device_budget_bytes": budget.device_bytes, "steps": steps, "backend": backend,
             "profile": profile.name, "attention_bwd": attention_bwd, "commit": commit,
             "rounds_per_step": rounds, "precision": precision,
+            "lora": None if lora is None else str(lora),
             "hostname": socket.gethostname(), "started_at": now_iso()}
     slug = cell.slug
     try:
         plan = make_plan(model_config(cell.model), cell.seqlen, budget, profile,
-                         attention_bwd=attention_bwd, precision=precision,
+                         attention_bwd=attention_bwd, precision=precision, lora=lora,
                          **({"rounds_per_step": rounds} if rounds else {}))
     except InfeasibleBudget as exc:
         record = BudgetRecord(status=Status.INFEASIBLE.value,
@@ -323,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="plan (and so run) every cell with the block projections in this "
                         "precision (docs/fp8.md; fp8 needs an sm_89+ GPU; default bf16)")
+    add_lora_flags(p)
     return p
 
 
@@ -338,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                               "positive; try --steps 2 --timeout 600")
         for cell in cells:
             model_config(cell.model)  # an unknown model is refused before any cell runs
+        lora = lora_of(args)
         backend = resolve_backend(args.backend)
         profile = resolve_profile(backend, gpu=args.gpu)
         out = Path(args.out)
@@ -351,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run_cell(cell, out=out, steps=args.steps, backend=backend, profile=profile,
                           timeout_s=args.timeout, commit=commit,
                           attention_bwd="fast" if args.fast_attention else "deterministic",
-                          rounds=args.rounds, precision=args.precision)
+                          rounds=args.rounds, precision=args.precision, lora=lora)
         log.info("%s", summary_line(record))
     return 0
 

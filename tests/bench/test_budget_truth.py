@@ -171,3 +171,16 @@ def test_precision_fp8_plans_and_runs_the_cell_in_fp8(tmp_path):
         == "fp8"
     assert json.loads((tmp_path / "tiny-s256-h1-d0.25.demo.json").read_text())["precision"] \
         == "fp8"
+
+
+def test_lora_flags_plan_and_train_the_cell_with_adapters(tmp_path):
+    """--lora-rank reaches the demo through the plan file and the record says it."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "1",
+                 "--lora-rank", "4", "--lora-targets", "q,v", "tiny:256:1:0.25"]) == 0
+    r = _record(tmp_path, "tiny-s256-h1-d0.25")
+    assert r.status == "ok" and r.lora is not None and "4" in r.lora, r
+    assert json.loads((tmp_path / "tiny-s256-h1-d0.25.plan.json").read_text())["lora"]["rank"] \
+        == 4
+    with pytest.raises(SystemExit) as bad:  # argparse refuses a bad rank, naming it
+        main(["--out", str(tmp_path), "--lora-rank", "0", "tiny:256:1:0.25"])
+    assert bad.value.code == 2
