@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from dataflow.bench.family_check import DEV_GB, FAMILIES, MOE_FAMILIES, SHAPE, _hf_model
+from dataflow.models.init import ModelWeights
+from dataflow.reference_trainer import ReferenceTrainer
 
 BETA1 = 0.9
 """The engine's AdamW beta1 (dataflow.optimizer.AdamW's default): m after step 1 is
@@ -79,10 +81,6 @@ def _ours_named(eng) -> dict:
 def _reference_named(eng, batch) -> dict:
     """{checkpoint name: gradient} of the engine's NumPy reference trainer (fp32 math, bf16
     storage points, float64 sums) on the engine's weights before the step: a third opinion."""
-    # the reference trainer is numba-free NumPy; imported only when the check runs
-    from dataflow.models.init import ModelWeights
-    from dataflow.reference_trainer import ReferenceTrainer
-
     refs = eng.block_refs()
     blocks = [eng.read_block(r, "weights") for r in refs]
     cfg = eng.plan.model
