@@ -1,10 +1,12 @@
 """FP8 against bf16 over a whole training run (issue 53's convergence check): reads the
 `dataflow-demo --json` outputs of two runs that differ only in `--precision` (same model, data,
 seed and steps), prints a table of their losses at a few steps and the largest relative gap after
-step 50, writes a JSON record (device, commit, both curves, the gaps) and, with matplotlib
+step 50, in the training loss and, where the runs validated (`--eval-every`), in the held-out
+loss; writes a JSON record (device, commit, both curves, the gaps) and, with matplotlib
 installed (the `plot` extra), a PNG of both curves. Never runs a model itself.
 
     python -m dataflow.bench.fp8_convergence BF16.json FP8.json --out DIR [--after 50]
+        [--name NAME]   (the record is NAME.json, the plot NAME.png; default fp8_convergence)
 """
 
 from __future__ import annotations
@@ -23,6 +25,22 @@ def _losses(path: str) -> tuple[list[float], dict]:
     return [s["loss"] for s in d["steps"]], d
 
 
+def _validation(d: dict) -> dict[int, float]:
+    return {v["step"]: v["loss"] for v in d.get("validation", [])}
+
+
+def compare_validation(bf16: dict[int, float], fp8: dict[int, float], after: int) -> dict:
+    """The held-out losses' gaps at the steps both runs validated, the largest after `after`."""
+    steps = sorted(set(bf16) & set(fp8))
+    gaps = {st: (fp8[st] - bf16[st]) / bf16[st] for st in steps}
+    later = [abs(g) for st, g in gaps.items() if st > after]
+    return {"validation_steps": steps,
+            "validation_bf16": [bf16[st] for st in steps],
+            "validation_fp8": [fp8[st] for st in steps],
+            "validation_max_rel_gap_after": max(later) if later else None,
+            "validation_mean_rel_gap_after": sum(later) / len(later) if later else None}
+
+
 def compare(bf16: list[float], fp8: list[float], after: int) -> dict:
     """The gaps (fp8 - bf16) / bf16 per step, the largest after step `after` (1-based) and
     whether either run went non-finite."""
@@ -34,7 +52,7 @@ def compare(bf16: list[float], fp8: list[float], after: int) -> dict:
             "finite": all(math.isfinite(x) for x in bf16[:n] + fp8[:n]), "gaps": gaps}
 
 
-def _plot(bf16, fp8, path: pathlib.Path, title: str) -> bool:
+def _plot(bf16, fp8, val: dict, path: pathlib.Path, title: str) -> bool:
     try:
         import matplotlib
     except ImportError:  # the plot extra is optional: the record holds the curves
@@ -45,6 +63,11 @@ def _plot(bf16, fp8, path: pathlib.Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(1, len(bf16) + 1), bf16, label="bf16", lw=1)
     ax.plot(range(1, len(fp8) + 1), fp8, label="fp8", lw=1, alpha=0.8)
+    if val.get("validation_steps"):
+        ax.plot(val["validation_steps"], val["validation_bf16"], "k-", lw=1.5,
+                label="bf16 held-out")
+        ax.plot(val["validation_steps"], val["validation_fp8"], "r--", lw=1.5,
+                label="fp8 held-out")
     ax.set_xlabel("step"), ax.set_ylabel("training loss"), ax.set_title(title)
     ax.legend()
     fig.tight_layout()
@@ -57,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("bf16"), ap.add_argument("fp8")
     ap.add_argument("--out", required=True, help="directory for the record and the plot")
     ap.add_argument("--after", type=int, default=50, help="compare from this step on")
+    ap.add_argument("--name", default="fp8_convergence",
+                    help="the record's and plot's file name, without suffix")
     args = ap.parse_args(argv)
     bf16, meta = _losses(args.bf16)
-    fp8, _ = _losses(args.fp8)
+    fp8, meta8 = _losses(args.fp8)
     res = compare(bf16, fp8, args.after)
+    val = compare_validation(_validation(meta), _validation(meta8), args.after)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = meta.get("plan", {}).get("model", {}).get("name", "?")
@@ -70,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model}: {res['steps']} steps; largest |gap| after step {args.after}: "
           f"{res['max_rel_gap_after']:.2%} (mean {res['mean_rel_gap_after']:.2%}); "
           f"finite: {res['finite']}")
-    plotted = _plot(bf16, fp8, out / "fp8_convergence.png",
+    if val["validation_steps"]:
+        print(f"held-out loss at {len(val['validation_steps'])} steps: largest |gap| after step "
+              f"{args.after}: {val['validation_max_rel_gap_after']:.2%} (mean "
+              f"{val['validation_mean_rel_gap_after']:.2%}); last: bf16 "
+              f"{val['validation_bf16'][-1]:.4f}, fp8 {val['validation_fp8'][-1]:.4f}")
+    plotted = _plot(bf16, fp8, val, out / f"{args.name}.png",
                     f"{model}: bf16 and fp8 from one initialisation")
     record = {"bench": "fp8_convergence", "device": meta.get("device"), "commit": _commit(),
               "model": model, "bf16_losses": bf16, "fp8_losses": fp8, "plot": plotted,
-              **{k: v for k, v in res.items() if k != "gaps"}}
-    (out / "fp8_convergence.json").write_text(json.dumps(record, indent=1))
+              **{k: v for k, v in res.items() if k != "gaps"}, **val}
+    (out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -75,11 +75,32 @@ def test_demo_trains_on_user_data_with_validation(tmp_path, capsys, caplog, rng)
     assert code == 0, err
     assert caplog.text.count("validation loss") == 2 and len(res["steps"]) == 2
     assert all(s["grad_norm"] > 0 for s in res["steps"])
+    assert [v["step"] for v in res["validation"]] == [1, 2]
+    assert "4 held-out sequences" in caplog.text
+
+
+def test_demo_eval_seqs_sets_the_held_out_rows(tmp_path, capsys, caplog, rng):
+    """--eval-seqs N validates on N held-out rows: the --json document lists each validation's
+    step and loss, and a different N gives a different held-out set (so another loss)."""
+    caplog.set_level(logging.INFO, logger="dataflow.demo")
+    path = tmp_path / "tokens.bin"
+    rng.integers(0, 512, 20_000).astype(np.uint16).tofile(path)
+    common = ["--steps", "2", "--data", str(path), "--eval-every", "2"]
+    code, two, err = _run(capsys, *common, "--eval-seqs", "2")
+    assert code == 0, err
+    assert "2 held-out sequences" in caplog.text
+    code, eight, err = _run(capsys, *common, "--eval-seqs", "8")
+    assert code == 0, err
+    assert "8 held-out sequences" in caplog.text
+    assert [v["step"] for v in two["validation"]] == [2] == [v["step"] for v in eight["validation"]]
+    assert two["validation"][0]["loss"] != eight["validation"][0]["loss"]
+    assert np.isfinite(eight["validation"][0]["loss"])
 
 
 @pytest.mark.parametrize("extra", [["--save-every", "2"], ["--resume"],
                                    ["--data", "/nonexistent/tokens.bin"],
-                                   ["--max-grad-norm", "-1"], ["--min-lr", "1.0"]])
+                                   ["--max-grad-norm", "-1"], ["--min-lr", "1.0"],
+                                   ["--eval-every", "1", "--eval-seqs", "0"]])
 def test_demo_training_flag_mistakes_exit_2(extra, capsys):
     """Missing --checkpoint-dir, a missing --data file, a negative clip or min-lr above lr exit
     2 with one line and no traceback."""

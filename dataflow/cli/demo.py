@@ -464,7 +464,10 @@ class _Run:
                        "memory": mem, "setup": self.setup,
                        "device": getattr(self.be_probe, "device_name", self.backend),
                        "plan": json.loads(self.plan.to_json()),
-                       "steps": [to_dict(r) for r in self.results]}, sys.stdout, indent=2)
+                       "steps": [to_dict(r) for r in self.results],
+                       "validation": [{"step": st, "loss": lo}
+                                      for st, lo in self.training.eval_losses]},
+                      sys.stdout, indent=2)
             print()
             sys.stdout.flush()
 

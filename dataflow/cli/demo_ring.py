@@ -20,7 +20,8 @@ from dataflow.ring.run import ring_processes, run_job
 
 NOT_FOR_A_RING = {"plan": "--plan", "trace": "--trace", "metrics": "--metrics",
                   "seqs_per_step": "--seqs-per-step", "warmup": "--warmup",
-                  "min_lr": "--min-lr", "data": "--data", "eval_every": "--eval-every"}
+                  "min_lr": "--min-lr", "data": "--data", "eval_every": "--eval-every",
+                  "eval_seqs": "--eval-seqs"}
 """Demo options a ring does not take yet (dest -> flag)."""
 
 

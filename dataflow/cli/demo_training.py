@@ -19,8 +19,9 @@ from dataflow.optimizer import AdamWConfig
 log = logging.getLogger("dataflow.demo")
 
 EVAL_SEQS = 4
-"""Held-out sequences per validation (fixed, so the held-out split never depends on the plan and
-a run resumes under any plan)."""
+"""Held-out sequences per validation unless --eval-seqs says otherwise (a number, not a share of
+the plan's batch, so the held-out split never depends on the plan and a run resumes under any
+plan)."""
 DEFAULT_WARMUP = 10
 """Warmup steps unless --warmup says otherwise (see default_warmup)."""
 WIDTH_LR_DIM = 2048
@@ -69,6 +70,16 @@ def _interval(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -101,10 +112,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "nanoGPT writes, *.u32.bin raw uint32, or llm.c's header format), "
                         "Parquet with a 'tokens' column")
     g.add_argument("--eval-every", type=_interval, default=None, metavar="N",
-                   help=f"every N >= 1 steps, the validation loss on {EVAL_SEQS} held-out "
+                   help="every N >= 1 steps, the validation loss on --eval-seqs held-out "
                         "sequences (the end of the data, never trained on; the last file for "
                         "Parquet), forward only on the engine (Engine.eval_step); default: no "
                         "validation")
+    g.add_argument("--eval-seqs", type=_positive, default=EVAL_SEQS, metavar="N",
+                   help=f"held-out sequences per validation (default {EVAL_SEQS}; more gives "
+                        "a steadier loss; a resumed run must pass the number it started with)")
     g.add_argument("--checkpoint-dir", metavar="D",
                    help="directory of checkpoints (step_NNNNNNNN/ subdirectories); one that "
                         "holds anything else (a model, other files) is refused")
@@ -154,7 +168,7 @@ class Training:
 
         self.source = open_data(self.args.data, seqlen, self.cfg.vocab_size,
                                 model=self.args.model, options=DataOptions.from_args(self.args),
-                                eval_seqs=EVAL_SEQS if self.args.eval_every else 0)
+                                eval_seqs=self.args.eval_seqs if self.args.eval_every else 0)
 
     def start(self, eng) -> None:
         """Open the data (unless open_data did), then resume weights, state and data position
@@ -200,11 +214,11 @@ class Training:
         """Validation and checkpoint after step `result.step`, when their interval says so."""
         args, step = self.args, result.step
         if args.eval_every and step % args.eval_every == 0:
-            held, kwargs = step_args(self.source.eval_batch(EVAL_SEQS))
+            held, kwargs = step_args(self.source.eval_batch(args.eval_seqs))
             loss = eng.eval_step(*held, **kwargs)
             self.eval_losses.append((step, loss))
             log.info("step %d: validation loss %.4f (%d held-out sequences)", step, loss,
-                     EVAL_SEQS)
+                     args.eval_seqs)
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             t0 = time.perf_counter()
             path = eng.save_checkpoint(args.checkpoint_dir, data=self.source.state(),
