@@ -82,14 +82,20 @@ class LayerCompute:
         self.adapters = adapters
 
     def _lin(self, name: str, x, w, out, accumulate: bool = False) -> None:
-        """out (=|+=) x @ w[name].T, plus its LoRA adapter's s (x a^T) b^T when adapted."""
-        self._op("linear_fwd", x, w[name], out, accumulate)
+        """out (=|+=) x @ w[name].T, plus its LoRA adapter's s (x a^T) b^T when adapted.
+
+        The adapter's rank-r product goes into `out` first and the base GEMM adds onto it: the
+        rank-r GEMM is memory-bound (a read of `out` would cost as much as its write), while
+        the base GEMM is compute-bound and reads `out` in its epilogue for nothing measurable."""
         ad = self._adapter(name)
-        if ad is not None:
-            t, u = x.shape[0], self.adapters.u[:x.shape[0]]
-            self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
-            self._op("scale_", u, self.adapters.scale, tag=".lora_s")
-            self._op("linear_fwd", u, ad.b, out.reshape(t, -1), True, tag=".lora_b")
+        if ad is None:
+            self._op("linear_fwd", x, w[name], out, accumulate)
+            return
+        t, u = x.shape[0], self.adapters.u[:x.shape[0]]
+        self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
+        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        self._op("linear_fwd", u, ad.b, out.reshape(t, -1), accumulate, tag=".lora_b")
+        self._op("linear_fwd", x, w[name], out, True)
 
     def _adapter(self, name: str):
         if self.adapters is None:
@@ -97,15 +103,17 @@ class LayerCompute:
         return self.adapters.by_target.get(LORA_TARGET_OF[name])
 
     def _lin_bwd_x(self, name: str, dy, w, dx, accumulate: bool = False) -> None:
-        """dx (=|+=) dy @ w[name], plus the adapter's s (dy b) a; leaves s (dy b) in u for
-        _lin_bwd_w."""
-        self._op("linear_bwd_x", dy, w[name], dx, accumulate)
+        """dx (=|+=) dy @ w[name], plus the adapter's s (dy b) a (first, as in _lin); leaves
+        s (dy b) in u for _lin_bwd_w."""
         ad = self._adapter(name)
-        if ad is not None:
-            u = self.adapters.u[:dy.shape[0]]
-            self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
-            self._op("scale_", u, self.adapters.scale, tag=".lora_s")
-            self._op("linear_bwd_x", u, ad.a, dx, True, tag=".lora_dx")
+        if ad is None:
+            self._op("linear_bwd_x", dy, w[name], dx, accumulate)
+            return
+        u = self.adapters.u[:dy.shape[0]]
+        self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
+        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        self._op("linear_bwd_x", u, ad.a, dx, accumulate, tag=".lora_dx")
+        self._op("linear_bwd_x", dy, w[name], dx, True)
 
     def _lin_bwd_w(self, name: str, dy, x, g) -> None:
         """The base weight's gradient (none when frozen) and the adapter's: da += u^T x with
