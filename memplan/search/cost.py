@@ -544,6 +544,7 @@ def event_seconds(plan, p: HardwareProfile):
     costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision,
                         d.lora)
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
+    copy = p.host_copy_bytes_per_s or host
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2
     head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
@@ -581,10 +582,10 @@ def event_seconds(plan, p: HardwareProfile):
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)
         if kind == "Fill":
             return ev.dst.nbytes / (host if ev.stream == "host" else hbm)
-        if kind == "HostTask":
+        if kind == "HostTask":  # copies at the host's copy rate; a scatter adds (host rate)
             if ev.op == "tokens_stage":
-                return 3 * ch.tokens_per_round * 4 / host
-            return 2 * rows / host
+                return 3 * ch.tokens_per_round * 4 / copy
+            return 2 * rows / (copy if ev.op == "embed_gather" else host)
         return 0.0
 
     return seconds
