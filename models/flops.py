@@ -21,9 +21,16 @@ replaced by its active part (router + top_k routed + shared experts, ml_dataflow
 needs every row's expert output for the combine weights' gradient); model FLOPs unchanged."""
 
 
-def flop_model_version(cfg: ModelConfig) -> str:
-    """FLOP_MODEL_VERSION for a dense config, MOE_FLOP_MODEL_VERSION with cfg.moe."""
-    return FLOP_MODEL_VERSION if cfg.moe is None else MOE_FLOP_MODEL_VERSION
+LORA_FLOP_MODEL_SUFFIX = "+lora-1"
+"""Appended to the version of a count with LoRA adapters (docs/flops.md, "LoRA adapters"): the
+base's weight-gradient GEMMs left out (frozen), the adapters' GEMMs in."""
+
+
+def flop_model_version(cfg: ModelConfig, lora: bool = False) -> str:
+    """FLOP_MODEL_VERSION for a dense config, MOE_FLOP_MODEL_VERSION with cfg.moe; with LoRA
+    adapters (lora=True) LORA_FLOP_MODEL_SUFFIX after it."""
+    base = FLOP_MODEL_VERSION if cfg.moe is None else MOE_FLOP_MODEL_VERSION
+    return base + LORA_FLOP_MODEL_SUFFIX if lora else base
 
 
 def ffn_matmul_width(cfg: ModelConfig) -> int:

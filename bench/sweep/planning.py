@@ -15,6 +15,7 @@ from dataflow.bench.sweep.grid import Cell
 from dataflow.bench.sweep.record import CellRecord, Status
 from dataflow.memplan import InfeasibleBudget, make_plan
 from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.plan.lora import Lora
 from dataflow.memplan.plan.plan import Budget, HardwareProfile, OptimizerWhere, Plan, Where
 from dataflow.memplan.plan.profiles import get_profile, known_profiles, load_profile
 from dataflow.models.flops import SavedLevel
@@ -112,21 +113,31 @@ def base_record(cell: Cell, *, status: Status, backend: str, profile: HardwarePr
         started_at=fields.pop("started_at", now_iso()), steps=steps, **fields)
 
 
+def lora_flags(lora: Lora | None) -> str | None:
+    """The --lora-* flags that give `lora` (the record's lora column), None without LoRA."""
+    if lora is None:
+        return None
+    return (f"--lora-rank {lora.rank} --lora-alpha {lora.alpha:g} "
+            f"--lora-targets {lora.spec()}")
+
+
 def plan_cell(cell: Cell, profile: HardwareProfile, *, attention_bwd: str = "deterministic",
-              precision: str = "bf16", **common) -> tuple[Plan | None, CellRecord]:
+              precision: str = "bf16", lora: Lora | None = None,
+              **common) -> tuple[Plan | None, CellRecord]:
     """(plan, PREDICTED record) when the budgets fit, (None, INFEASIBLE record) when the planner
-    refuses them. Other planner errors (unknown model, bad seqlen) propagate: they are the
-    user's to fix, not a cell's result. The demo runs the plan's JSON, which carries its
-    attention backward and precision."""
+    refuses them. Other planner errors (unknown model, bad seqlen, LoRA on an MoE model)
+    propagate: they are the user's to fix, not a cell's result. The demo runs the plan's JSON,
+    which carries its attention backward, precision and LoRA adapters."""
     cfg = model_config(cell.model)
     try:
         plan = make_plan(cfg, cell.seqlen, Budget.from_gib(cell.host_gib, cell.dev_gib), profile,
-                         attention_bwd=attention_bwd, precision=precision)
+                         attention_bwd=attention_bwd, precision=precision, lora=lora)
     except InfeasibleBudget as exc:
         return None, base_record(cell, status=Status.INFEASIBLE, profile=profile,
                                  attention_bwd=attention_bwd, precision=precision,
+                                 lora=lora_flags(lora),
                                  error=str(exc).strip().splitlines()[-1],
                                  min_device_bytes=exc.min_device_bytes,
                                  min_host_bytes=exc.min_host_bytes, **common)
     return plan, base_record(cell, status=Status.PREDICTED, profile=profile,
-                             **plan_columns(plan), **common)
+                             lora=lora_flags(plan.lora), **plan_columns(plan), **common)

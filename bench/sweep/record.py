@@ -87,6 +87,10 @@ class CellRecord:
     precision: str | None = None
     """The plan's precision, 'bf16' or 'fp8' (--precision); tables written before this column
     read back as None, which was always 'bf16'."""
+    lora: str | None = None
+    """The plan's LoRA adapters as the flags that give them ('--lora-rank 16 --lora-alpha 16
+    --lora-targets q,k,v,o,gate,up,down'; docs/lora.md), None without (tables written before
+    this column read back as None, which was always none)."""
     chunk_tokens: int | None = None
     chunks_per_round: int | None = None
     rounds_per_step: int | None = None

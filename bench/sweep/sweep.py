@@ -14,10 +14,17 @@ from pathlib import Path
 
 from dataflow.bench.sweep.executors import Executor, LocalExecutor
 from dataflow.bench.sweep.grid import Cell
-from dataflow.bench.sweep.planning import gpu_names, plan_cell, resolve_backend, resolve_profile
+from dataflow.bench.sweep.planning import (
+    gpu_names,
+    lora_flags,
+    plan_cell,
+    resolve_backend,
+    resolve_profile,
+)
 from dataflow.bench.sweep.record import CellRecord, Status
 from dataflow.bench.sweep.runner import REPO_ROOT, CellJob
 from dataflow.bench.sweep.table import CSV, PARQUET, SweepStore
+from dataflow.memplan.plan.lora import Lora
 from dataflow.models.errors import ConfigError
 
 log = logging.getLogger("dataflow.sweep")
@@ -44,6 +51,9 @@ class SweepConfig:
     """'fast' (--fast-attention): plan every cell with cuDNN's atomic-dQ attention backward."""
     precision: str = "bf16"
     """'fp8' (--precision fp8): plan and run every cell's linear layers in FP8 (docs/fp8.md)."""
+    lora: Lora | None = None
+    """--lora-rank / --lora-alpha / --lora-targets: plan (and so train) every cell with these
+    LoRA adapters on a frozen base (docs/lora.md)."""
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
@@ -158,7 +168,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     jobs, progress = [], _Progress(len(todo), 0)
     for cell in todo:
         plan, record = plan_cell(cell, profile, attention_bwd=config.attention_bwd,
-                                 precision=config.precision, **common)
+                                 precision=config.precision, lora=config.lora, **common)
         if plan is None or config.predict_only:
             _keep(store, records, record)
             progress.cell(record)
@@ -188,9 +198,16 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
 
 
 def _refuse_mixed_settings(config: SweepConfig, records) -> None:
-    """One table, one attention backward and one precision: cells are keyed by model, seqlen
-    and budgets, so a resumed sweep with the other setting would skip cells measured with the
-    first one."""
+    """One table, one attention backward, one precision and one LoRA: cells are keyed by model,
+    seqlen and budgets, so a resumed sweep with the other setting would skip cells measured
+    with the first one."""
+    mine = lora_flags(config.lora)
+    other = sorted({r.lora or "" for r in records} - {mine or ""})
+    if other:
+        held = f"with LoRA ({other[0]})" if other[0] else "without LoRA"
+        how = f"run with {other[0]}" if other[0] else "run without --lora-rank"
+        raise ConfigError(f"{config.out} holds cells planned {held}; {how} to resume it, or "
+                          "give another --out")
     other = sorted({r.precision or "bf16" for r in records} - {config.precision})
     if other:
         raise ConfigError(f"{config.out} holds cells planned in {other[0]}; run with "

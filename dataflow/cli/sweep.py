@@ -20,11 +20,14 @@ from dataflow.cli.args import (
     OneLineParser,
     Outcome,
     UsageError,
+    add_lora_flags,
     add_version_flag,
+    lora_of,
     positive,
     run_command,
 )
 from dataflow.memplan.plan.chunking import MAX_SEQLEN
+from dataflow.memplan.plan.lora import refuse_unsupported
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS, model_config
 from dataflow.precision import PRECISIONS
@@ -39,6 +42,8 @@ examples:
       --steps 3 --backend cupy --out runs/8b-8k
   dataflow-sweep run --predict-only --gpu h100 --model 1b,8b --seqlen 8192 \\
       --host 20:120:20 --dev 8:80:8 --out runs/predicted
+  dataflow-sweep run --predict-only --gpu h200 --model 8b,32b --seqlen 8192 \\
+      --host 24:80:8 --dev 24 --lora-rank 16 --out runs/lora
   dataflow-sweep plot runs/8b-8k
 
 GB means GiB (2^30 bytes). A range start:stop:step includes stop when the steps land on it.
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", choices=PRECISIONS, default="bf16",
                      help="plan and run every cell's linear layers in this precision (fp8: "
                           "docs/fp8.md; not yet a grid axis: a sweep directory holds one)")
+    add_lora_flags(run)
     prof = run.add_mutually_exclusive_group()
     prof.add_argument("--gpu", metavar="NAME",
                       help="plan for this built-in profile (default: the local GPU's; h100 "
@@ -110,15 +116,18 @@ def _config(args) -> SweepConfig:
         raise ConfigError(f"--seqlen {max(seqlens):,} is too large: the planner handles at most "
                           f"{MAX_SEQLEN:,} tokens per sequence")
     models = parse_names(args.model, "--model")
-    for model in models:  # a bad model is refused before the sweep directory is made
-        model_config(model)
+    lora = lora_of(args)  # a bad --lora-* is refused before the sweep directory is made
+    for model in models:  # so is a bad model, or LoRA on a model it is not built for
+        cfg = model_config(model)
+        refuse_unsupported(cfg, lora, precision=args.precision,
+                           where="dataflow-sweep --lora-rank")
     cells = expand(models, seqlens,
                    parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,
                        gpu=args.gpu, profile_file=args.profile,
                        attention_bwd="fast" if args.fast_attention else "deterministic",
-                       precision=args.precision)
+                       precision=args.precision, lora=lora)
 
 
 def _run(args) -> int:

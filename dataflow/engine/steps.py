@@ -13,6 +13,7 @@ import numpy as np
 from dataflow.batch import make_batch
 from dataflow.engine_options import join_pieces
 from dataflow.instrument import StepBreakdown, TracingBackend
+from dataflow.memplan.plan.lora import adapter_model_flops_per_seq
 from dataflow.models.errors import ConfigError, NonFiniteError, StepFailedError
 from dataflow.models.flops import flop_model_version, model_flops_per_seq
 
@@ -209,8 +210,10 @@ class StepRunner:
         """The StepResult of the executor's `stats` at `lr`."""
         plan, cfg, ch = self.plan, self.plan.model, self.plan.chunking
         fz = plan.frozen  # frozen blocks run no weight-gradient GEMM: not counted
-        model_flops = model_flops_per_seq(cfg, ch.seqlen, frozen_layers=len(fz.layers),
-                                          frozen_head=fz.head) * ch.seqs_per_step
+        model_flops = (model_flops_per_seq(cfg, ch.seqlen, frozen_layers=len(fz.layers),
+                                           frozen_head=fz.head)
+                       + adapter_model_flops_per_seq(cfg, plan.lora, ch.seqlen)) \
+            * ch.seqs_per_step  # LoRA's adapters run: counted (docs/flops.md)
         hw_flops = model_flops + self.round_extra_flops * ch.rounds_per_step
         t = max(stats.step_time_s, 1e-12)
         peak = plan.profile.peak_bf16_flop_per_s
@@ -219,7 +222,7 @@ class StepRunner:
             round_losses=tuple(r.loss_sum / max(r.tokens, 1) for r in stats.rounds),
             tokens=stats.tokens, step_time_s=stats.step_time_s, tok_per_s=stats.tokens / t,
             model_tflop_per_s=model_flops / t / 1e12, mfu=model_flops / t / peak,
-            hfu=hw_flops / t / peak, flop_model_version=flop_model_version(cfg),
+            hfu=hw_flops / t / peak, flop_model_version=flop_model_version(cfg, plan.lora is not None),
             h2d_bytes=stats.h2d_bytes, d2h_bytes=stats.d2h_bytes, lr=lr,
             grad_norm=self.optimizer.last_grad_norm,
             breakdown=self.last_trace.breakdown() if self.last_trace is not None else None,

@@ -117,6 +117,62 @@ def adapter_flops_per_token(cfg, lora: Lora | None) -> tuple[int, int]:
     return fwd, bwd
 
 
+def lora_seconds(cfg, t: int, lora: Lora | None, gemm_flop_per_s: float,
+                 hbm_bytes_per_s: float, overhead: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's LoRA adapters on a chunk of t tokens, for the
+    cost model (dataflow.memplan.search.cost.chunk_costs gives the chunk's GEMM rate, the HBM
+    rate and its launch overhead factor): rank-r GEMMs are bound by memory, not FLOPs (x a^T
+    reads all of x for 2 r FLOPs per element), so each is the longer of its FLOPs at the GEMM
+    rate and its bytes at HBM rate: the forward reads x and reads and writes the output it adds
+    into (2 t (in + 2 out) bytes in bf16), the backward reads dy twice, x twice and reads and
+    writes dx (2 t (4 in + 2 out))."""
+    if lora is None:
+        return 0.0, 0.0
+    fwd_f, bwd_f = adapter_flops_per_token(cfg, lora)
+    fwd_b = bwd_b = 0
+    for target in lora.targets:
+        n_in, n_out = target_shape(cfg, target)
+        fwd_b += 2 * t * (n_in + 2 * n_out)
+        bwd_b += 2 * t * (4 * n_in + 2 * n_out)
+    return (max(fwd_f * t / gemm_flop_per_s, fwd_b / hbm_bytes_per_s) * overhead,
+            max(bwd_f * t / gemm_flop_per_s, bwd_b / hbm_bytes_per_s) * overhead)
+
+
+RECOMPUTED_TARGETS = ("q", "o", "gate", "up")
+"""The adapted linears a recompute below FULL re-runs: the projections level_recompute_flops
+counts (Q and O, gate and up; dataflow.models.flops). K and V are saved at every level."""
+
+
+KEPT_TARGETS = {True: ("o", "gate", "up", "down"), False: ("k", "v", "o", "gate", "up", "down")}
+"""By whether a sequence is one chunk: the adapted linears a segment boundary's re-run from its
+kept attention output re-forms (the O projection and the FFN, K and V too for a split
+sequence: dataflow.memplan.search.cost.ChunkCosts.refwd_kept_flops)."""
+
+
+def adapter_fwd_flops_per_token(cfg, lora: Lora | None, targets=None) -> int:
+    """Forward FLOPs per token of one layer's adapters on `targets` (default all of lora's):
+    x a^T then . b^T, 2 r (in + out) each."""
+    if lora is None:
+        return 0
+    return sum(2 * lora.rank * sum(target_shape(cfg, t)) for t in lora.targets
+               if targets is None or t in targets)
+
+
+def adapter_model_flops_per_seq(cfg, lora: Lora | None, seqlen: int) -> float:
+    """Model FLOPs of the adapters of every layer for one sequence (docs/flops.md): forward,
+    backward-x (dy b, then . a), backward-a and backward-b: 3 x the forward, as the base's 3 x
+    layer matmul. The x a^T the backward re-forms for db is recompute (hardware FLOPs only)."""
+    return 3 * cfg.n_layers * seqlen * adapter_fwd_flops_per_token(cfg, lora)
+
+
+def adapter_rebuild_flops_per_token(cfg, lora: Lora | None) -> int:
+    """Hardware FLOPs per token of one layer's backward beyond the model's: the x a^T it
+    re-forms for db (2 r in per adapted linear)."""
+    if lora is None:
+        return 0
+    return sum(2 * lora.rank * target_shape(cfg, t)[0] for t in lora.targets)
+
+
 def base_frozen(cfg) -> Frozen:
     """What LoRA freezes: everything of the base (every layer, the embedding and the head)."""
     return Frozen(embed=True, head=True, layers=tuple(range(cfg.n_layers)))

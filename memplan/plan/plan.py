@@ -119,6 +119,13 @@ class HardwareProfile:
     (memplan/plan/profiles.py) or one dataflow-probe measured; None elsewhere, and an
     FP8 plan's GEMMs are then predicted at the bf16 rate (no speedup claimed), the quantise
     passes counted all the same. Left out of the JSON while None."""
+    host_copy_bytes_per_s: float | None = dataclasses.field(default=None,
+                                                            metadata={"omit_if_default": True})
+    """Host memory copy rate (read + write counted) of the host's row gathers: a HOME embedding
+    table's rows of a round into pinned memory (np.take) and the round's token ids. A copy, not
+    AdamW's arithmetic, so it runs far above host_mem_bytes_per_s: the built-in H200 profile's
+    is measured (memplan/plan/profiles.py HOST_GATHER_BYTES_PER_S). None: host_mem_bytes_per_s
+    (the old, pessimistic charge). Left out of the JSON while None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

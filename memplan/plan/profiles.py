@@ -22,7 +22,8 @@ DEFAULT_PROFILE_NAME = "h100"
 
 def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_alone: float,
        pcie_duplex: float, host_mem: float, dev_mem: float, gen: int,
-       dev_gib: int, fp8_gemm: float | None = None) -> HardwareProfile:
+       dev_gib: int, fp8_gemm: float | None = None,
+       host_copy: float | None = None) -> HardwareProfile:
     return HardwareProfile(
         name=name, peak_bf16_flop_per_s=peak, gemm_efficiency=gemm, attn_fwd_efficiency=attn_f,
         attn_bwd_efficiency=attn_b, h2d_bytes_per_s=pcie_alone, d2h_bytes_per_s=pcie_alone,
@@ -30,7 +31,8 @@ def _p(name: str, peak: float, gemm: float, attn_f: float, attn_b: float, pcie_a
         host_mem_bytes_per_s=host_mem, device_mem_bytes_per_s=dev_mem, pcie_gen=gen,
         device_mem_bytes=dev_gib * GIB,
         library_reserve_bytes=0 if name == "cpu" else LIBRARY_RESERVE_BYTES,
-        host_overhead_bytes=HOST_OVERHEAD_BYTES, fp8_gemm_flop_per_s=fp8_gemm)
+        host_overhead_bytes=HOST_OVERHEAD_BYTES, fp8_gemm_flop_per_s=fp8_gemm,
+        host_copy_bytes_per_s=host_copy)
 
 
 LIBRARY_RESERVE_BYTES = 3 * GIB // 4
@@ -66,6 +68,15 @@ tokens on the lent H200 (bench.fp8_gemm: 15.03 ms bf16, 8.14 ms FP8 for the thre
 projection, bench/records/s26-fp8/call1/fp8_gemm.json): ~1,256 TFLOP/s sustained. The H100 (the
 same die) is not yet measured, so its plans claim no FP8 speedup."""
 
+HOST_GATHER_BYTES_PER_S = 11e9
+"""The embedding-row gather as the executor runs it (np.take(table, ids, axis=0, out=rows,
+mode="clip") into pinned memory, bf16 rows), read + write counted, on the lent H200's host
+(16 cores, one thread gathers): 12.3 GB/s for 8b's 8,192 rows, 10.3 for 16,384, 11.2 for 32b's
+16,384 (median of 9, bench/records/s28-host-gather/host-gather-h200.json). The H200 profile
+charged these gathers at HOST_ADAMW_BYTES_PER_S before, 2.7x too slow: 8b LoRA at one round a
+step waited 32 ms a step on a gather that takes 11. Not measured on the H100's host, so its
+profile keeps the AdamW rate."""
+
 _BUILTIN = (
     # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
     # 620 fwd / 444 bwd (deterministic; the atomic-dQ backward 520, cost.ATTN_ATOMIC_BWD_SPEEDUP)
@@ -79,7 +90,7 @@ _BUILTIN = (
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
        444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 4.3e12, 5,
-       141, fp8_gemm=H200_FP8_GEMM_FLOP_PER_S),
+       141, fp8_gemm=H200_FP8_GEMM_FLOP_PER_S, host_copy=HOST_GATHER_BYTES_PER_S),
     # A100 80GB SXM: 312 TFLOP/s datasheet; typical cuBLAS ~250, FlashAttention-2 ~60%/50%;
     # PCIe 4 x16 ~25 GB/s alone, ~21 together; HBM2e 2.0 TB/s datasheet.
     _p("a100", 312e12, 0.80, 0.60, 0.50, 25 * GB, 21 * GB, 100 * GB, 1.8e12, 4, 80),
@@ -185,6 +196,9 @@ def validate_profile(p: HardwareProfile) -> None:
         if not getattr(p, field) > 0:
             raise ConfigError(f"profile '{p.name}': {field} must be positive, got "
                               f"{getattr(p, field)!r}")
+    if p.host_copy_bytes_per_s is not None and not p.host_copy_bytes_per_s > 0:
+        raise ConfigError(f"profile '{p.name}': host_copy_bytes_per_s must be positive or "
+                          f"absent, got {p.host_copy_bytes_per_s!r}")
     for field in ("gemm_efficiency", "attn_fwd_efficiency", "attn_bwd_efficiency"):
         value = getattr(p, field)
         if not 0 < value <= 1:

@@ -17,7 +17,14 @@ from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.memory import grad_bpe
-from dataflow.memplan.plan.lora import adapter_flops_per_token, target_shape
+from dataflow.memplan.plan.lora import (
+    KEPT_TARGETS as KEPT,
+    RECOMPUTED_TARGETS as RECOMPUTED,
+    adapter_fwd_flops_per_token,
+    adapter_model_flops_per_seq,
+    adapter_rebuild_flops_per_token,
+    lora_seconds,
+)
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
     Chunking,
@@ -226,9 +233,11 @@ class ChunkCosts:
     rec_s: tuple[float, float, float]
     """Extra seconds by level: (FULL, INP_ATTN, INP_ONLY)."""
     rec_flops: tuple[float, float, float]
+    """Extra hardware FLOPs by level; with LoRA the adapters' re-runs and the x a^T re-formed
+    for db (adapter_rebuild_flops_per_token) at every level."""
     flash_flops: float
     fwd_flops: float = 0.0
-    """Forward FLOPs (GEMMs and attention): what a segment recompute repeats per layer."""
+    """Forward FLOPs (GEMMs, adapters, attention): what a segment recompute repeats per layer."""
     refwd_kept_s: float = 0.0
     refwd_kept_flops: float = 0.0
     """A segment boundary's re-run from the attention output it kept (KEEPS_ATTN_OUT): the
@@ -268,26 +277,6 @@ def head_seconds(cfg: ModelConfig, chunk_tokens: int, sub_tokens: int, grad_byte
 
 
 @functools.lru_cache(maxsize=256)
-def lora_seconds(cfg: ModelConfig, p: HardwareProfile, t: int, lora) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's LoRA adapters on a chunk of t tokens: rank-r
-    GEMMs are bound by memory, not FLOPs (x a^T reads all of x for 2 r FLOPs per element), so
-    each is the longer of its FLOPs at the GEMM rate and its bytes at HBM rate: the forward
-    reads x and reads and writes the output it adds into (2 t (in + 2 out) bytes in bf16), the
-    backward reads dy twice, x twice and reads and writes dx (2 t (4 in + 2 out))."""
-    if lora is None:
-        return 0.0, 0.0
-    fwd_f, bwd_f = adapter_flops_per_token(cfg, lora)
-    fwd_b = bwd_b = 0
-    for target in lora.targets:
-        n_in, n_out = target_shape(cfg, target)
-        fwd_b += 2 * t * (n_in + 2 * n_out)
-        bwd_b += 2 * t * (4 * n_in + 2 * n_out)
-    gemm, hbm = gemm_flop_per_s(cfg, p, t), p.device_mem_bytes_per_s
-    over = 1.0 + LAUNCH_OVERHEAD_FRAC
-    return (max(fwd_f * t / gemm, fwd_b / hbm) * over,
-            max(bwd_f * t / gemm, bwd_b / hbm) * over)
-
-
 def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
                 deterministic: bool = True,
                 precision: Precision = Precision.BF16, lora=None) -> tuple[ChunkCosts, ...]:
@@ -309,7 +298,10 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
     exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
     f8_fwd_s, f8_bwd_s = fp8_extra_seconds(cfg, p, t) if precision is Precision.FP8 else (0, 0)
-    lo_fwd_s, lo_bwd_s = lora_seconds(cfg, p, t, lora)
+    lo_fwd_s, lo_bwd_s = lora_seconds(cfg, t, lora, gemm, hbm, over)
+    lo_f, lo_rec = (t * adapter_fwd_flops_per_token(cfg, lora, ts) for ts in (None, RECOMPUTED))
+    lo_kept = t * adapter_fwd_flops_per_token(cfg, lora, KEPT[ch.chunks_per_seq == 1])
+    rebuild = t * adapter_rebuild_flops_per_token(cfg, lora)
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -333,12 +325,12 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
             + lo_fwd_s
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
-                              rec_flops=(rec_full, rec_attn, rec_attn + a_fwd),
-                              flash_flops=flash,
-                              fwd_flops=mm + a_fwd,
+                              rec_flops=(rec_full + rebuild, rec_attn + lo_rec + rebuild,
+                                         rec_attn + lo_rec + rebuild + a_fwd),
+                              flash_flops=flash, fwd_flops=mm + a_fwd + lo_f,
                               refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
                               * over + exp_fwd_s + lo_fwd_s,
-                              refwd_kept_flops=mm_kept, bwd_frozen_s=bwd_frozen_s))
+                              refwd_kept_flops=mm_kept + lo_kept, bwd_frozen_s=bwd_frozen_s))
     return tuple(out)
 
 
@@ -448,7 +440,8 @@ def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops,
         opt_device_elems=opt[OptimizerWhere.DEVICE],
         opt_streamed_elems=opt[OptimizerWhere.STREAMED], opt_host_elems=opt[OptimizerWhere.HOST],
         gbpe=gbpe, frozen_flops_per_seq=frozen_flops_per_seq(
-            cfg, ch.seqlen, len(fz.layers), fz.head and head))
+            cfg, ch.seqlen, len(fz.layers), fz.head and head),
+        adapter_flops_per_seq=adapter_model_flops_per_seq(cfg, d.lora, ch.seqlen))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -518,8 +511,8 @@ def compose(cfg: ModelConfig, ch: Chunking, p: HardwareProfile, w: Workload,
     step = first.time_s + (R - 1) * later.time_s + opt.time_s
     exp_h = first.exposed_h2d_s + (R - 1) * later.exposed_h2d_s
     exp_d = first.exposed_d2h_s + (R - 1) * later.exposed_d2h_s
-    model_flops = (model_flops_per_seq(cfg, ch.seqlen) - w.frozen_flops_per_seq) \
-        * ch.seqs_per_step
+    model_flops = (model_flops_per_seq(cfg, ch.seqlen) - w.frozen_flops_per_seq
+                   + w.adapter_flops_per_seq) * ch.seqs_per_step
     hw_flops = model_flops + R * w.extra_flops
     compute, recompute = R * w.compute_s, R * w.recompute_s
     opt_name = "host memory" if opt.host_bound else "optimizer"
@@ -544,6 +537,7 @@ def event_seconds(plan, p: HardwareProfile):
     costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision,
                         d.lora)
     hbm, host = p.device_mem_bytes_per_s, p.host_mem_bytes_per_s
+    copy = p.host_copy_bytes_per_s or host
     per_elem = ADAMW_STATE_BYTES_PER_ELEM + grad_bpe(d.grad_accum)
     rows = ch.tokens_per_round * cfg.model_dim * 2
     head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
@@ -581,10 +575,10 @@ def event_seconds(plan, p: HardwareProfile):
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)
         if kind == "Fill":
             return ev.dst.nbytes / (host if ev.stream == "host" else hbm)
-        if kind == "HostTask":
+        if kind == "HostTask":  # copies at the host's copy rate; a scatter adds (host rate)
             if ev.op == "tokens_stage":
-                return 3 * ch.tokens_per_round * 4 / host
-            return 2 * rows / host
+                return 3 * ch.tokens_per_round * 4 / copy
+            return 2 * rows / (copy if ev.op == "embed_gather" else host)
         return 0.0
 
     return seconds

@@ -104,6 +104,7 @@ def _memory_lines(plan: Plan) -> list[str]:
 
 def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
     est = plan.prediction.tok_per_s
+    version = flop_model_version(plan.model, plan.lora is not None)
     mode = "" if update == "deferred" else f", the update {UPDATE_WHERE[update]}"
     return [
         (f"Prediction on {plan.profile.name} (its compiled schedule{mode}, simulated): step "
@@ -112,7 +113,7 @@ def _prediction_lines(plan: Plan, pr, update: str) -> list[str]:
         f"{_t(pr.exposed_h2d_s)} + exposed d2h {_t(pr.exposed_d2h_s)} + optimizer "
         f"{_t(pr.optimizer_s)}"),
         (f"  {pr.tok_per_s:,.0f} tok/s, model {pr.model_tflop_per_s:.0f} TFLOP/s, MFU "
-        f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {flop_model_version(plan.model)}); bottleneck: "
+        f"{pr.mfu:.1%}, HFU {pr.hfu:.1%} (FLOP model {version}); bottleneck: "
         f"{pr.bottleneck}"),
         f"  PCIe per step: h2d {_size(pr.h2d_bytes)}, d2h {_size(pr.d2h_bytes)}",
         f"  (the search ranked candidates with its faster per-round estimate: {est:,.0f} tok/s)",

@@ -66,8 +66,8 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, comp
         mid_end = sch.round_starts[2] if n > 2 else sch.optimizer_start
         later_h2d, later_d2h = sch.bytes_moved(sch.round_starts[1], mid_end, state_only=True)
         h2d, d2h = h2d + (R - n) * later_h2d, d2h + (R - n) * later_d2h
-    model_flops = (model_flops_per_seq(cfg, ch.seqlen) - w.frozen_flops_per_seq) \
-        * ch.seqs_per_step
+    model_flops = (model_flops_per_seq(cfg, ch.seqlen) - w.frozen_flops_per_seq
+                   + w.adapter_flops_per_seq) * ch.seqs_per_step
     hw_flops = model_flops + R * w.extra_flops
     opt = optimizer_cost(w, p)
     opt_name = "host memory" if opt.host_bound else "optimizer"

@@ -52,6 +52,9 @@ class Workload:
     frozen_flops_per_seq: float = 0.0
     """Model FLOPs per sequence the frozen blocks' skipped weight-gradient GEMMs take off
     (dataflow.models.flops.frozen_flops_per_seq): MFU counts the work that runs."""
+    adapter_flops_per_seq: float = 0.0
+    """Model FLOPs per sequence of the LoRA adapters (dataflow.memplan.plan.lora.
+    adapter_model_flops_per_seq): they run, so MFU counts them."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,10 +11,10 @@ import pytest
 
 from dataflow import Engine
 from dataflow.lora_reference import LoraReferenceTrainer, loss_and_grads
-from dataflow.memplan.plan.lora import Lora
+from dataflow.memplan.plan.lora import Lora, adapter_model_flops_per_seq
 from dataflow.memplan.plan.plan import Budget, OptimizerWhere, Where
 from dataflow.memplan.search.build import with_segments
-from dataflow.models.flops import SavedLevel
+from dataflow.models.flops import SavedLevel, frozen_flops_per_seq, model_flops_per_seq
 from tests.dataflow.plans import forced_plan, streamed
 from dataflow.models.config import load_config
 
@@ -141,3 +141,24 @@ def test_lora_on_a_qk_norm_model():
     eng = _engine(cfg)
     _check(eng, 14)
     eng.close()
+
+
+def test_a_measured_lora_step_counts_the_adapters_and_not_the_frozen_dw():
+    """A LoRA engine's StepResult (NumPy backend, tiny model) counts the model FLOPs the plan's
+    prediction counts (the whole model's less the frozen base's weight-gradient GEMMs, plus the
+    adapters'), and says its FLOP model is mldf-1+lora-1."""
+    lora = Lora(rank=4, alpha=8.0, targets=("q", "v", "down"))
+    rng = np.random.default_rng(7)
+    eng = Engine("tiny", seqlen=32, backend="numpy", host_gb=1, dev_gb=0.5, lr=1e-3, seed=0,
+                 lora=lora)
+    try:
+        ch, cfg = eng.plan.chunking, eng.plan.model
+        r = eng.train_step(rng.integers(0, cfg.vocab_size, (ch.seqs_per_step, ch.seqlen + 1)))
+    finally:
+        eng.close()
+    expected = (model_flops_per_seq(cfg, ch.seqlen)
+                - frozen_flops_per_seq(cfg, ch.seqlen, cfg.n_layers, True)
+                + adapter_model_flops_per_seq(cfg, lora, ch.seqlen)) * ch.seqs_per_step
+    assert r.model_tflop_per_s * 1e12 * r.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert r.flop_model_version == "mldf-1+lora-1"
+    assert r.hfu > r.mfu
