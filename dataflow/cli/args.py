@@ -98,15 +98,25 @@ def add_freeze_flag(parser: argparse.ArgumentParser) -> None:
              "plan counts only what trains (docs/freeze.md; one device only)")
 
 
-def _lora_rank(text: str) -> int:
-    try:
-        r = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"LoRA rank must be a positive integer, got "
-                                         f"{text!r} (e.g. 8)") from None
-    if r < 1:
-        raise argparse.ArgumentTypeError(f"LoRA rank must be a positive integer, got {r} (e.g. 8)")
-    return r
+def int_at_least(low: int, *, not_int: str = "'{text}' is not a whole number",
+                 too_small: str = "{text} must be at least {low}") -> Callable[[str], int]:
+    """An argparse type: a whole number >= low; otherwise ArgumentTypeError with `not_int` or
+    `too_small` (format fields: text, low), so each flag words its own hint."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(not_int.format(text=text, low=low)) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(too_small.format(text=text, low=low))
+        return value
+
+    return parse
+
+
+_LORA_RANK_ERROR = "LoRA rank must be a positive integer, got {text!r} (e.g. 8)"
+_lora_rank = int_at_least(1, not_int=_LORA_RANK_ERROR, too_small=_LORA_RANK_ERROR)
 
 
 def _lora_alpha(text: str) -> float:

@@ -10,7 +10,7 @@ import argparse
 import logging
 import time
 
-from dataflow.cli.args import check_checkpoint_flags
+from dataflow.cli.args import check_checkpoint_flags, int_at_least
 from dataflow.cli.data import add_tokenise_flags
 from dataflow.lr_schedule import WarmupCosine
 from dataflow.models.errors import ConfigError
@@ -48,36 +48,12 @@ def default_lr(model_dim: int) -> float:
     return 3e-4 * min(1.0, WIDTH_LR_DIM / model_dim)
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
-    return value
-
-
-def _interval(text: str) -> int:
-    """Every N steps, N >= 1: 0 would mean never, which leaving the flag out already says."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of steps") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1 (every N steps); leave "
-                                         "--eval-every out to run no validation")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
+_count = int_at_least(0, not_int="'{text}' is not an integer", too_small="{text} must be >= 0")
+_interval = int_at_least(1, not_int="'{text}' is not a whole number of steps",
+                         too_small="{text} must be at least 1 (every N steps); leave "
+                                   "--eval-every out to run no validation")
+"""Every N steps, N >= 1: 0 would mean never, which leaving the flag out already says."""
+_positive = int_at_least(1)
 
 
 def _nonneg_float(text: str) -> float:

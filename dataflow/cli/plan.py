@@ -23,6 +23,7 @@ from dataflow.cli.args import (
     Outcome,
     add_freeze_flag,
     add_lora_flags,
+    int_at_least,
     lora_of,
     add_version_flag,
     run_command,
@@ -55,14 +56,8 @@ def _budget_gib(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
+_count = int_at_least(1, not_int="{text!r} is not a whole number",
+                      too_small="{text!r} must be a positive whole number")
 
 
 def _ranks(text: str) -> int:
