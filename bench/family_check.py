@@ -14,7 +14,7 @@ must load here tied (one parameter), train as transformers trains its shared Par
 export tied (no lm_head.weight), reloading as a tied model.
 
 transformers initialises biases to zero and norm weights to one; Qwen2's q/k/v biases and
-Qwen3's q_norm/k_norm weights are redrawn at random here (_randomise_family_params), so their
+Qwen3's q_norm/k_norm weights are redrawn at random here (randomise_family_params), so their
 gradients and updates are checked for real.
 
 olmoe and qwen3_moe (issue 41) build OlmoeForCausalLM / Qwen3MoeForCausalLM with 4 experts, top
@@ -50,7 +50,9 @@ DEV_GB = (2.0, 0.5)
 (memplan.profiles.LIBRARY_RESERVE_BYTES), which 0.5 GiB cannot hold."""
 
 
-def _hf_model(family: str, torch, tied: bool = False):
+def hf_model(family: str, torch, tied: bool = False):
+    """A transformers model of `family` at SHAPE (randomly initialised by transformers; seed
+    torch first): the reference the family, MoE-gradient and peft checks compare against."""
     import transformers
 
     shape = dict(SHAPE, tie_word_embeddings=tied)
@@ -86,7 +88,7 @@ MOE_FAMILIES = ("olmoe", "qwen3_moe")
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2)
 
 
-def _randomise_family_params(model, torch) -> None:
+def randomise_family_params(model, torch) -> None:
     """Qwen2's q/k/v biases ~ normal(0, 0.1) and Qwen3's q_norm/k_norm weights ~ 1 +
     normal(0, 0.1), where transformers starts them at zero and one (seeded by the caller)."""
     with torch.no_grad():
@@ -119,8 +121,8 @@ def main(argv=None) -> int:
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
-    ref = _hf_model(args.family, torch, args.tied)
-    _randomise_family_params(ref, torch)
+    ref = hf_model(args.family, torch, args.tied)
+    randomise_family_params(ref, torch)
     # bf16 weights on both sides: ours store bf16, so the reference starts from the same bits
     with torch.no_grad():
         for prm in ref.parameters():

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.bench.family_check import DEV_GB, SHAPE, _hf_model, _randomise_family_params
+from dataflow.bench.family_check import DEV_GB, SHAPE, hf_model, randomise_family_params
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -63,8 +63,8 @@ def run_family(family: str, args, torch) -> dict:
 
     dev = "cuda" if torch.cuda.is_available() and args.backend != "numpy" else "cpu"
     torch.manual_seed(0)
-    base = _hf_model(family, torch)
-    _randomise_family_params(base, torch)
+    base = hf_model(family, torch)
+    randomise_family_params(base, torch)
     with torch.no_grad():  # bf16 weights on both sides: ours store bf16
         for prm in base.parameters():
             prm.copy_(prm.to(torch.bfloat16).to(torch.float32))

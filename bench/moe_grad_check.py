@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataflow.bench.family_check import DEV_GB, FAMILIES, MOE_FAMILIES, SHAPE, _hf_model
+from dataflow.bench.family_check import DEV_GB, FAMILIES, MOE_FAMILIES, SHAPE, hf_model
 from dataflow.models.init import ModelWeights
 from dataflow.reference_trainer import ReferenceTrainer
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     from dataflow.engine import Engine
 
     torch.manual_seed(0)
-    ref = _hf_model(args.family, torch)
+    ref = hf_model(args.family, torch)
     with torch.no_grad():
         for name, prm in ref.named_parameters():
             if name.endswith("mlp.gate.weight"):
