@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.buffers import align
+from dataflow.memplan.plan.memory import overlap_regions
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_overlap import POLICIES, RingCosts, time_overlapped
@@ -22,16 +24,15 @@ def _acts_per_layer(rp: RankPlan, side: str) -> int:
 
 def overlap_bytes(rp: RankPlan, depth: int) -> tuple[int, int]:
     """(device, host) bytes rank rp holds beyond its plan while `depth` local layers of the
-    next round have run ahead of this round's backward: their chunks' saved activations where
-    the plan keeps a round's (per layer, a round's over the rank's layers), and on the device a
-    second pair of residual rows (the next round's residual and its gradient beside this
-    round's) as soon as any layer overlaps."""
+    next round have run ahead of this round's backward: on the device the regions the executor
+    allocates for it (dataflow.memplan.plan.memory.overlap_regions: a second set of a round's
+    rows, the residual pair and tokens, as soon as any layer overlaps, and a second copy of each
+    of the first `depth` layers' device-resident saved activations), on the host `depth` times
+    one layer's share of the activations the plan sends home (a round's over the rank's layers)."""
     if depth <= 0:
         return 0, 0
-    ch = rp.plan.chunking
-    transition = 2 * ch.chunk_tokens * ch.chunks_per_round * rp.plan.model.model_dim * 2
-    return (depth * _acts_per_layer(rp, "device") + transition,
-            depth * _acts_per_layer(rp, "host"))
+    dev = sum(align(nb) for _, nb in overlap_regions(rp.plan, depth))
+    return dev, depth * _acts_per_layer(rp, "host")
 
 
 def overlap_depth(rp: RankPlan) -> int:

@@ -1,0 +1,119 @@
+"""Overlapped rounds run (issue 56): a ring whose rank plans carry round_overlap runs round k+1's
+forward of each rank's first local layers during round k's backward (the compiled order of
+dataflow.memplan.step.ring_rounds), on the NumPy backend over the shared-memory transport in
+threads. Every layer's gradient still sums its rounds in order, so the losses and final weights
+are the plain ring's and one device's, bit for bit; the executor's device arena is the plan's
+budget plus exactly the overlap's regions the planner took out of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dataflow.engine import Engine
+from dataflow.memplan.plan.memory import overlap_regions
+from dataflow.memplan.search.ring_overlap import overlap_bytes, overlap_rank_plans
+from dataflow.memplan.search.ring_plan import make_rank_plans
+from dataflow.memplan.step.events import Compute
+from dataflow.memplan.step.ring_compile import compile_ring_schedule
+from dataflow.models.errors import ConfigError
+from tests.ring.small_rings import BUDGET, CPU, tiny_with
+from tests.ring.threads import in_threads
+
+CHUNKING = dict(chunk_tokens=128, chunks_per_round=2, rounds_per_step=3)
+"""Two chunks of two 64-token sequences a round, three rounds a step (two round boundaries to
+overlap, odd and even rounds both ahead of the one before)."""
+
+
+def _hoisted(sched) -> int:
+    """Forward computes of round k+1 that run before some backward of round k."""
+    ops = [(e.op, e.round) for e in sched.events if type(e) is Compute
+           and e.op in ("layer_fwd", "layer_bwd")]
+    return sum(1 for i, (op, r) in enumerate(ops) if op == "layer_fwd"
+               and any(o == "layer_bwd" and q == r - 1 for o, q in ops[i + 1:]))
+
+
+def _run_ring(plans, data, seed, lr, clip):
+    """Every rank of `plans` as a RingRank in a thread: its losses and owned weights."""
+    from dataflow.backends import make_backend
+    from dataflow.optimizer import AdamWConfig
+    from dataflow.ring.rank import RingRank
+    from dataflow.ring.shm import SharedMemoryTransport
+
+    def rank(r, run_id):
+        tr = SharedMemoryTransport(r, len(plans), run_id, timeout_s=30)
+        rk = RingRank(plans[r], make_backend("numpy"), tr, seed=seed,
+                      optimizer=AdamWConfig(lr=lr, max_grad_norm=clip))
+        try:
+            losses = [rk.train_step(b).loss for b in data]
+            dev = rk.ex.dev
+            return losses, rk.weights(), (dev.used_bytes, dev.slab.nbytes)
+        finally:
+            rk.close()
+
+    return in_threads(rank, len(plans))
+
+
+@pytest.mark.parametrize("n_ranks,n_layers,depth", [(2, 4, 1), (3, 6, 2), (4, 4, 1)])
+def test_overlapped_rounds_reproduce_the_plain_ring_and_one_device_bit_for_bit(
+        rng, n_ranks, n_layers, depth):
+    """Rings of 2, 3 and 4 with overlapped rounds (depth 1 or 2 local layers, three rounds a
+    step, gradient clipping on, two steps with the AdamW deferred into the next step's first
+    round) give the plain ring's and one device's losses and every block's final weights bit
+    for bit; their schedules do run forwards of the next round ahead of this round's backward,
+    and each rank's device arena holds its plan's regions plus exactly the overlap's."""
+    cfg = tiny_with(n_layers)
+    seed, lr, clip = int(rng.integers(0, 2**31)), 1e-2, 1.0
+    over = overlap_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, depth, **CHUNKING)
+    plain = make_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, **CHUNKING)
+    assert [rp.round_overlap for rp in over] == [depth] * n_ranks
+    assert sum(_hoisted(compile_ring_schedule(rp)) for rp in over) > 0
+    with Engine(cfg, host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
+                max_grad_norm=clip, plan_options=dict(CHUNKING)) as eng:
+        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
+                for _ in range(2)]
+        want_losses = [eng.train_step(b).loss for b in data]
+        w = eng.weights()
+    want = {"embed": w.embed, "head": w.head, **{f"layer{i}": b for i, b in enumerate(w.layers)}}
+    for plans in (plain, over):
+        got = {}
+        for r, (losses, blocks, (used, slab)) in enumerate(_run_ring(plans, data, seed, lr,
+                                                                      clip)):
+            assert losses == want_losses, (r, losses, want_losses)
+            got.update(blocks)
+            if plans is over:  # the overlap's regions, and only those, beside the plan's
+                rp = over[r]
+                base = compile_ring_schedule(dataclasses.replace(rp, round_overlap=0)).regions
+                table = compile_ring_schedule(rp).regions
+                extra = table.device[len(base.device):]
+                assert table.device[:len(base.device)] == base.device
+                assert [(x.name, x.nbytes) for x in extra] == list(overlap_regions(rp.plan,
+                                                                                  depth))
+                assert used - _arena_bytes(base) == overlap_bytes(rp, depth)[0]
+                assert slab == (rp.plan.budget.device_bytes + overlap_bytes(rp, depth)[0]
+                                - rp.plan.profile.library_reserve_bytes)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+    assert want_losses[1] != want_losses[0]  # the weights moved between the two steps
+
+
+def _arena_bytes(table) -> int:
+    from dataflow.memplan.plan.buffers import align
+
+    return sum(align(r.nbytes) for r in table.device)
+
+
+def test_overlapped_rounds_refuse_what_they_do_not_run_by_name():
+    """A rank plan with round_overlap whose layers stream through slot rings (8b at 8k on the
+    H100 profile) is refused by the compiler with a ConfigError naming round_overlap and why."""
+    from dataflow.memplan import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.models.config import load_config
+
+    rps = overlap_rank_plans(load_config("8b"), 8192, Budget.from_gib(30, 24),
+                             get_profile("h100"), 4, 2, chunks_per_round=4)
+    with pytest.raises(ConfigError, match="round_overlap.*slot rings"):
+        compile_ring_schedule(rps[1])
