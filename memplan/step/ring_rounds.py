@@ -75,8 +75,9 @@ class OverlapRounds:
     def _refuse_unsupported(self) -> None:
         """What the overlapped step does not build yet, refused by name: slot rings of a rank's
         layers (their uses are one round's, in turn), a HOME embedding table's row parts,
-        split sequences, shared or rebuilt K/V, MoE routing totals, a vocabulary-parallel head,
-        replicas."""
+        split sequences, shared or rebuilt K/V, MoE routing totals, a vocabulary-parallel head.
+        (Replicas run: a block's all-reduce is in the last round's backward, which no round
+        overlaps.)"""
         rp, d = self.rp, self.d
         why = [what for what, bad in (
             ("streamed layer weights, gradients or saved activations (slot rings)",
@@ -85,8 +86,7 @@ class OverlapRounds:
             ("sequences split over chunks", self.ch.chunks_per_seq > 1),
             ("shared or rebuilt K/V", bool(self.kv_sharers or self.kv_rebuilt)),
             ("an MoE model", d.model.moe is not None),
-            ("a vocabulary-parallel head", rp.vocab_parallel),
-            ("data-parallel replicas", rp.replicas > 1)) if bad]
+            ("a vocabulary-parallel head", rp.vocab_parallel)) if bad]
         if why:
             raise ConfigError(f"rank {rp.rank}'s plan overlaps {rp.round_overlap} local layer(s) "
                               f"of the next round (round_overlap), which the compiled ring step "
