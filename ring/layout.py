@@ -11,6 +11,7 @@ import sys
 from dataflow.memplan.search.layout import WEIGHED_PLACEMENTS, LayoutChoice, choose_layout, layout_text
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.profiles import get_profile, profile_for_device
+from dataflow.memplan.step.ring_rounds import overlap_unsupported
 from dataflow.models.errors import ConfigError
 from dataflow.ring.job import model_config
 from dataflow.ring.kinds import PlacementChoice, TransportKind
@@ -119,24 +120,42 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus:
     transport: NCCL or SHM. vocab_parallel: rings of 2+ split their head's vocabulary (the
     constraints then carry it). round_overlap: None, rounds in turn; a depth D >= 1, every
     rank planned with room for D local layers of overlapped rounds (the constraints carry it);
-    AUTO_OVERLAP, the depth the planner predicts fastest, perhaps none. Raises ConfigError
-    naming what does not fit."""
+    AUTO_OVERLAP, the depth the planner predicts fastest, perhaps none (rounds in turn, said
+    on stderr, where its overlapped ranks are ones the ring does not run overlapped yet:
+    overlap_unsupported). Raises ConfigError naming what does not fit."""
     if rounds and tokens_per_step:
         raise ConfigError("give --rounds or --tokens-per-step, not both (the global batch is "
                           "rounds x chunks per round x replicas)")
-    choice = choose_ring_layout(
-        model_config(model), seqlen, host_gb, dev_gb, launch_profile(backend), gpus,
-        transport=transport, ring_size=None if replicas is None else gpus // replicas,
-        tokens_per_step=tokens_per_step, split_fetch=split_fetch,
-        constraints={**({"rounds_per_step": rounds} if rounds else {}),
-                     **({} if placement == "auto" else {"placement": placement}),
-                     **({"vocab_parallel": True} if vocab_parallel else {}),
-                     **({"round_overlap": round_overlap} if (round_overlap or 0) > 0 else {})},
-        round_overlap=round_overlap == AUTO_OVERLAP)
+    def choose(overlap: bool) -> LayoutChoice:
+        return choose_ring_layout(
+            model_config(model), seqlen, host_gb, dev_gb, launch_profile(backend), gpus,
+            transport=transport, ring_size=None if replicas is None else gpus // replicas,
+            tokens_per_step=tokens_per_step, split_fetch=split_fetch,
+            constraints={**({"rounds_per_step": rounds} if rounds else {}),
+                         **({} if placement == "auto" else {"placement": placement}),
+                         **({"vocab_parallel": True} if vocab_parallel else {}),
+                         **({"round_overlap": round_overlap} if (round_overlap or 0) > 0
+                            else {})},
+            round_overlap=overlap)
+
+    choice = choose(round_overlap == AUTO_OVERLAP)
+    why = choice.chosen.layout.round_overlap and sorted(
+        {w for rp in choice.rank_plans for w in overlap_unsupported(rp)})
+    if why:  # the planner's overlapped layout is not one the ring runs yet: rounds in turn
+        choice = choose(False)
+        if not quiet:
+            print(f"round overlap: the planner's overlapped layout has {'; '.join(why)}, which "
+                  "overlapped rounds do not run with yet: rounds in turn", file=sys.stderr,
+                  flush=True)
     if not quiet:
         print(layout_text(choice), file=sys.stderr, flush=True)
         if (round_overlap or 0) > 0:  # the table predicts the plans as rounds in turn
             print(f"round overlap: {round_overlap} local layer(s) a rank, as asked (the table's "
                   "prediction is of its rounds in turn)", file=sys.stderr, flush=True)
     opt = choice.chosen
-    return opt.layout.replicas, tuple(opt.constraints)
+    constraints = dict(opt.constraints)
+    if round_overlap == AUTO_OVERLAP and opt.layout.round_overlap:
+        # the depth the layout was predicted with (planned room, or room its budgets leave):
+        # every rank plans with room for it (make_rank_plan's 'round_overlap')
+        constraints.setdefault("round_overlap", opt.layout.round_overlap)
+    return opt.layout.replicas, tuple(constraints.items())

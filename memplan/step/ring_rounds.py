@@ -14,8 +14,11 @@ libraries, never touches a device, never talks to another rank."""
 from __future__ import annotations
 
 from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.memory import (OVERLAP_ROWS_REGION, overlap_regions, overlap_row_specs,
                                           round_row_name)
+from dataflow.memplan.plan.plan import Where
+from dataflow.memplan.plan.segments import boundary_kv_sharers, kv_rebuilt
 from dataflow.memplan.step.events import Ref, Region, RegionTable
 from dataflow.memplan.step.ring_overlap import BWD, FWD, RingCosts, time_overlapped
 from dataflow.models.errors import ConfigError
@@ -40,6 +43,26 @@ def overlap_orders(owners: tuple[int, ...], chunks: int, rounds: int, depth: int
                                    for r in range(n)),
                       head_rank=head_rank, vocab=False, vocab_s=0.0, hop_s=k["hop_s"])
     return time_overlapped(costs, depth, "wait").orders
+
+
+def overlap_unsupported(rp) -> tuple[str, ...]:
+    """Why rank plan `rp`'s overlapped rounds do not compile yet (empty: they do): slot rings
+    of its layers (streamed weights, gradients or saved activations: their uses are one round's,
+    in turn), a HOME embedding table (its row parts), split sequences, shared or rebuilt K/V,
+    MoE routing totals, a vocabulary-parallel head. (Replicas run: a block's all-reduce is in
+    the last round's backward, which no round overlaps.)"""
+    d = decisions_of(rp.plan)
+    streamed = any(lay.weights is Where.HOME or (lay.grads is Where.HOME
+                                                  and not d.frozen.layer(i))
+                   for i, lay in enumerate(d.layers)) or any(
+        a.home is Where.HOME for row in d.activations for a in row)
+    return tuple(what for what, bad in (
+        ("streamed layer weights, gradients or saved activations (slot rings)", streamed),
+        ("a HOME embedding table", d.holds_embed and d.embed.weights is Where.HOME),
+        ("sequences split over chunks", d.chunking.chunks_per_seq > 1),
+        ("shared or rebuilt K/V", bool(boundary_kv_sharers(d) or kv_rebuilt(d))),
+        ("an MoE model", d.model.moe is not None),
+        ("a vocabulary-parallel head", rp.vocab_parallel)) if bad)
 
 
 class OverlapRounds:
@@ -73,20 +96,9 @@ class OverlapRounds:
         self._odd_specs = {s.name: s for s in specs}
 
     def _refuse_unsupported(self) -> None:
-        """What the overlapped step does not build yet, refused by name: slot rings of a rank's
-        layers (their uses are one round's, in turn), a HOME embedding table's row parts,
-        split sequences, shared or rebuilt K/V, MoE routing totals, a vocabulary-parallel head.
-        (Replicas run: a block's all-reduce is in the last round's backward, which no round
-        overlaps.)"""
-        rp, d = self.rp, self.d
-        why = [what for what, bad in (
-            ("streamed layer weights, gradients or saved activations (slot rings)",
-             any(r is not None for r in (self.wring, self.gring, self.aring))),
-            ("a HOME embedding table", self.has_embed and self.gathers_rows()),
-            ("sequences split over chunks", self.ch.chunks_per_seq > 1),
-            ("shared or rebuilt K/V", bool(self.kv_sharers or self.kv_rebuilt)),
-            ("an MoE model", d.model.moe is not None),
-            ("a vocabulary-parallel head", rp.vocab_parallel)) if bad]
+        """What the overlapped step does not build yet (overlap_unsupported), refused by name."""
+        rp = self.rp
+        why = overlap_unsupported(rp)
         if why:
             raise ConfigError(f"rank {rp.rank}'s plan overlaps {rp.round_overlap} local layer(s) "
                               f"of the next round (round_overlap), which the compiled ring step "

@@ -113,10 +113,37 @@ def test_overlapped_rounds_refuse_what_they_do_not_run_by_name():
     from dataflow.memplan.plan.plan import Budget
     from dataflow.models.config import load_config
 
+    from dataflow.memplan.step.ring_rounds import overlap_unsupported
+
     rps = overlap_rank_plans(load_config("8b"), 8192, Budget.from_gib(30, 24),
                              get_profile("h100"), 4, 2, chunks_per_round=4)
+    assert any("slot rings" in why for why in overlap_unsupported(rps[1]))
     with pytest.raises(ConfigError, match="round_overlap.*slot rings"):
         compile_ring_schedule(rps[1])
+    tiny = overlap_rank_plans(tiny_with(4), 64, BUDGET, CPU, 2, 1, **CHUNKING)
+    assert [overlap_unsupported(rp) for rp in tiny] == [(), ()]
+
+
+def test_the_planners_overlap_falls_back_to_rounds_in_turn_where_it_would_not_run(
+        capsys, monkeypatch):
+    """dataflow-ring --round-overlap (the planner's depth): tiny's ring of 2 gets an overlapped
+    layout (a depth among every rank's constraints); where the chosen ranks are ones the
+    overlapped step does not run (overlap_unsupported, forced here), the layout falls back to
+    rounds in turn and says why on stderr, rather than starting ranks that would refuse."""
+    from dataflow.ring import layout
+    from dataflow.ring.kinds import TransportKind
+
+    def resolve():
+        return layout.resolve_layout("tiny", 64, 0.25, 0.25, 2, backend="numpy",
+                                     transport=TransportKind.SHM, replicas=1,
+                                     tokens_per_step=None, rounds=3,
+                                     round_overlap=layout.AUTO_OVERLAP)
+
+    assert dict(resolve()[1]).get("round_overlap", 0) >= 1
+    monkeypatch.setattr(layout, "overlap_unsupported", lambda rp: ("a thing it lacks",))
+    capsys.readouterr()
+    assert "round_overlap" not in dict(resolve()[1])
+    assert "a thing it lacks" in capsys.readouterr().err
 
 
 def test_dataflow_ring_round_overlap_trains_as_rounds_in_turn(tmp_path):
