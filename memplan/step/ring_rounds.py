@@ -69,13 +69,18 @@ class OverlapRounds:
     """The overlapped step of a ring rank (RingCompiler's part): off (the plain rounds in turn)
     unless the rank plan has round_overlap."""
 
+    depth = 0
+    """Local layers of the next round run during a round's backward (0: rounds in turn)."""
+    _cur = 0
+    """The round whose piece is being emitted (it picks the rows and saved activations). An
+    evaluation's rounds keep 0: its residuals are the plain set's, its token rows follow
+    round_rows' parity rule, as the executor reads them."""
+
     def _overlap_setup(self) -> None:
         """Called by RingCompiler once its state is built: the depth, the refusals by name,
         and the region table with the overlap's regions after the plan's."""
         rp = self.rp
         self.depth = min(rp.round_overlap, len(rp.layers)) if rp.n_ranks > 1 else 0
-        self._cur = 0
-        """The round whose piece is being emitted (it picks the rows and saved activations)."""
         if not self.depth:
             return
         self._refuse_unsupported()

@@ -251,3 +251,34 @@ def test_replicas_of_an_overlapped_ring_give_the_plain_replicas_bits():
         assert gl == wl and sorted(gb) == sorted(wb)
         for key in wb:
             assert np.array_equal(gb[key].view(np.uint16), wb[key].view(np.uint16)), key
+
+
+def test_an_overlapped_ring_evaluates_as_the_plain_ring():
+    """An evaluation (forward only, three rounds: an odd one among them) on the ranks of an
+    overlapped ring of 2, after two training steps, gives the plain ring's loss bit for bit: its
+    rounds run in turn, on the rows its compiler and the executor name alike."""
+    from dataflow.backends import make_backend
+    from dataflow.batch import make_batch
+    from dataflow.optimizer import AdamWConfig
+    from dataflow.ring.rank import RingRank
+    from dataflow.ring.shm import SharedMemoryTransport
+
+    cfg, rng = tiny_with(4), np.random.default_rng(3)
+    rows = 2 * CHUNKING["chunks_per_round"] * CHUNKING["rounds_per_step"]
+    data = [rng.integers(0, cfg.vocab_size, (rows, 65), dtype=np.int32) for _ in range(2)]
+    held_out = make_batch(rng.integers(0, cfg.vocab_size, (rows, 65), dtype=np.int32),
+                          vocab_size=cfg.vocab_size, rows=rows, seqlen=64)
+
+    def run(plans):
+        def rank(r, run_id):
+            tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
+            rk = RingRank(plans[r], make_backend("numpy"), tr, seed=5,
+                          optimizer=AdamWConfig(lr=1e-2))
+            try:
+                return [rk.train_step(b).loss for b in data], rk.evaluate(held_out).loss
+            finally:
+                rk.close()
+        return in_threads(rank, 2)
+
+    want = run(make_rank_plans(cfg, 64, BUDGET, CPU, 2, **CHUNKING))
+    assert run(overlap_rank_plans(cfg, 64, BUDGET, CPU, 2, 1, **CHUNKING)) == want
