@@ -24,15 +24,21 @@ def _acts_per_layer(rp: RankPlan, side: str) -> int:
 
 def overlap_bytes(rp: RankPlan, depth: int) -> tuple[int, int]:
     """(device, host) bytes rank rp holds beyond its plan while `depth` local layers of the
-    next round have run ahead of this round's backward: on the device the regions the executor
+    next round have run ahead of this round's backward. Device: the regions the executor
     allocates for it (dataflow.memplan.plan.memory.overlap_regions: a second set of a round's
-    rows, the residual pair and tokens, as soon as any layer overlaps, and a second copy of each
-    of the first `depth` layers' device-resident saved activations), on the host `depth` times
-    one layer's share of the activations the plan sends home (a round's over the rank's layers)."""
+    rows, the residual pair and tokens, and a second copy of each of the first `depth` layers'
+    device-resident saved activations), or the estimate made before the overlap ran, if larger:
+    `depth` times one layer's share of the round's device-resident saved activations (the mean
+    over the rank's layers) plus the residual pair, which stands for what a plan whose layers
+    stream (their saved activations through slots: not run overlapped yet) would need. Host:
+    `depth` times one layer's share of the activations the plan sends home."""
     if depth <= 0:
         return 0, 0
-    dev = sum(align(nb) for _, nb in overlap_regions(rp.plan, depth))
-    return dev, depth * _acts_per_layer(rp, "host")
+    regions = sum(align(nb) for _, nb in overlap_regions(rp.plan, depth))
+    ch = rp.plan.chunking
+    pair = 2 * ch.chunk_tokens * ch.chunks_per_round * rp.plan.model.model_dim * 2
+    estimate = depth * _acts_per_layer(rp, "device") + pair
+    return max(regions, estimate), depth * _acts_per_layer(rp, "host")
 
 
 def overlap_depth(rp: RankPlan) -> int:
