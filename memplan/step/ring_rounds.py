@@ -31,17 +31,21 @@ the order changes when ops run, never the step's bits."""
 
 
 def overlap_orders(owners: tuple[int, ...], chunks: int, rounds: int, depth: int,
-                   head_rank: int) -> tuple[tuple[tuple, ...], ...]:
+                   head_rank: int, vocab: bool = False) -> tuple[tuple[tuple, ...], ...]:
     """Every rank's ops (kind, round, global layer, chunk) in the overlapped order its compiled
     step runs them: dataflow.memplan.step.ring_overlap.time_overlapped at ORDER_COSTS, the
-    'wait' policy (a hoisted forward only where the rank would otherwise wait)."""
+    'wait' policy (a hoisted forward only where the rank would otherwise wait). `vocab`: a
+    vocabulary-parallel head, every rank's part of it a collective (its share of the head's
+    seconds on each rank)."""
     n, k = max(owners) + 1, ORDER_COSTS
+    head = k["head_s"] * chunks
     costs = RingCosts(owners=tuple(owners), chunks=chunks, rounds=rounds,
                       fwd_s=((k["fwd_s"],) * chunks,) * len(owners),
                       bwd_s=((k["bwd_s"],) * chunks,) * len(owners),
-                      head_s=tuple(k["head_s"] * chunks if r == head_rank else 0.0
+                      head_s=tuple(head / n if vocab else head if r == head_rank else 0.0
                                    for r in range(n)),
-                      head_rank=head_rank, vocab=False, vocab_s=0.0, hop_s=k["hop_s"])
+                      head_rank=head_rank, vocab=vocab, vocab_s=k["hop_s"] if vocab else 0.0,
+                      hop_s=k["hop_s"])
     return time_overlapped(costs, depth, "wait").orders
 
 
@@ -49,8 +53,9 @@ def overlap_unsupported(rp) -> tuple[str, ...]:
     """Why rank plan `rp`'s overlapped rounds do not compile yet (empty: they do): slot rings
     of its layers (streamed weights, gradients or saved activations: their uses are one round's,
     in turn), a HOME embedding table (its row parts), split sequences, shared or rebuilt K/V,
-    MoE routing totals, a vocabulary-parallel head. (Replicas run: a block's all-reduce is in
-    the last round's backward, which no round overlaps.)"""
+    MoE routing totals. (Replicas run: a block's all-reduce is in the last round's backward,
+    which no round overlaps; so does a vocabulary-parallel head: every rank's part of round k's
+    head comes before its backward, so before any of round k+1's forwards.)"""
     d = decisions_of(rp.plan)
     streamed = any(lay.weights is Where.HOME or (lay.grads is Where.HOME
                                                   and not d.frozen.layer(i))
@@ -61,8 +66,7 @@ def overlap_unsupported(rp) -> tuple[str, ...]:
         ("a HOME embedding table", d.holds_embed and d.embed.weights is Where.HOME),
         ("sequences split over chunks", d.chunking.chunks_per_seq > 1),
         ("shared or rebuilt K/V", bool(boundary_kv_sharers(d) or kv_rebuilt(d))),
-        ("an MoE model", d.model.moe is not None),
-        ("a vocabulary-parallel head", rp.vocab_parallel)) if bad)
+        ("an MoE model", d.model.moe is not None)) if bad)
 
 
 class OverlapRounds:
@@ -142,8 +146,8 @@ class OverlapRounds:
         if not self.depth:
             return super().run_rounds(rounds)
         rp = self.rp
-        order = overlap_orders(rp.ring_owners, self.C, rounds, self.depth,
-                               rp.head_owner)[rp.rank]
+        order = overlap_orders(rp.ring_owners, self.C, rounds, self.depth, rp.head_owner,
+                               rp.vocab_parallel)[rp.rank]
         local = {g: j for j, g in enumerate(rp.layers)}
         starts: dict[int, int] = {}
         held: dict[tuple, tuple] = {}

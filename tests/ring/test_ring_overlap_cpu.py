@@ -282,3 +282,25 @@ def test_an_overlapped_ring_evaluates_as_the_plain_ring():
 
     want = run(make_rank_plans(cfg, 64, BUDGET, CPU, 2, **CHUNKING))
     assert run(overlap_rank_plans(cfg, 64, BUDGET, CPU, 2, 1, **CHUNKING)) == want
+
+
+@pytest.mark.parametrize("n_ranks,n_layers", [(2, 4), (3, 6)])
+def test_an_overlapped_vocabulary_parallel_ring_gives_the_plain_ones_bits(n_ranks, n_layers):
+    """A vocabulary-parallel head (every rank's part of round k's head comes before its
+    backward, so before any of round k+1's forwards): rings of 2 and 3, overlapped at depth 1,
+    give the plain vocabulary-parallel ring's losses and weights bit for bit (which match one
+    device up to fp32 rounding: tests/ring/test_ring_vocab_head.py)."""
+    cfg, seed, lr = tiny_with(n_layers), 13, 1e-2
+    rng = np.random.default_rng(seed)
+    rows = 2 * CHUNKING["chunks_per_round"] * CHUNKING["rounds_per_step"]
+    data = [rng.integers(0, cfg.vocab_size, (rows, 65), dtype=np.int32) for _ in range(2)]
+    plain = make_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, vocab_parallel=True, **CHUNKING)
+    over = overlap_rank_plans(cfg, 64, BUDGET, CPU, n_ranks, 1, vocab_parallel=True,
+                              **CHUNKING)
+    assert over[0].vocab_parallel and sum(_hoisted(compile_ring_schedule(rp)) for rp in over)
+    want = _run_ring(plain, data, seed, lr, None)
+    got = _run_ring(over, data, seed, lr, None)
+    for (wl, wb, _), (gl, gb, _) in zip(want, got):
+        assert gl == wl and sorted(gb) == sorted(wb)
+        for key in wb:
+            assert np.array_equal(gb[key].view(np.uint16), wb[key].view(np.uint16)), key
