@@ -48,7 +48,8 @@ class VocabHeadOps:
         hb = self.hb
         w = self._block_views(ev.weights, self.head_lay)
         self.be.launch(Stream.COMPUTE, "vocab_stats", self._vocab_round("vocab_xn", ev),
-                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)], self._vocab_row0,
+                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)],
+                       self._vocab_row0,
                        hb["logits"], self._vocab_round("vocab_stats", ev), name=ev.name)
 
     def _vocab_merge(self, ev: Compute) -> None:
@@ -66,7 +67,8 @@ class VocabHeadOps:
         w = self._block_views(ev.weights, self.head_lay)
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
         self.be.launch(Stream.COMPUTE, "vocab_grad", self._vocab_round("vocab_xn", ev),
-                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)], self._vocab_row0,
+                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)],
+                       self._vocab_row0,
                        self._vocab_round("vocab_stats", ev), hb["logits"], self.grad_scale,
                        hb["vdx"], g["lm_head"], name=ev.name)
 

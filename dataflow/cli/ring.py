@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "same losses and weights bit for bit. D given: that depth; no D: the "
                           "planner weighs depths 1, 2, 4, 8 and keeps the fastest predicted "
                           "(perhaps none; rounds in turn where its ranks are ones this does "
-                          "not run, said on stderr). NumPy backend (shared memory), ranks whose layers "
-                          "stay on the device, dense models (docs/ring.md)")
+                          "not run, said on stderr). NumPy backend (shared memory), ranks whose "
+                          "layers stay on the device, dense models (docs/ring.md)")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)

@@ -324,7 +324,8 @@ def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
 
 ROUND_ROWS = ("resid_a", "resid_b", "ids", "targets", "positions")
 """The transitions that hold one round's rows (its residual pair and tokens): an overlapped ring
-rank keeps a second set of them for its odd rounds (dataflow.memplan.plan.memory.overlap_regions)."""
+rank keeps a second set of them for its odd rounds
+(dataflow.memplan.plan.memory.overlap_regions)."""
 
 
 def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, ...]:
