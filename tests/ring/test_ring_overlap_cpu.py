@@ -304,3 +304,36 @@ def test_an_overlapped_vocabulary_parallel_ring_gives_the_plain_ones_bits(n_rank
         assert gl == wl and sorted(gb) == sorted(wb)
         for key in wb:
             assert np.array_equal(gb[key].view(np.uint16), wb[key].view(np.uint16)), key
+
+
+def test_the_ring_engine_runs_overlapped_rounds_from_its_plan_options(rng):
+    """Engine(..., ring=Ring(...), plan_options={..., 'round_overlap': 1}) in 2 threads: every
+    rank's plan carries the depth and the ranks give one device's losses and weights bit for
+    bit (the library path: each rank plans the whole ring alike, make_rank_plan)."""
+    from dataflow.ring.engine import Ring, RingEngine
+    from dataflow.ring.env import RankEnv
+
+    cfg, seed, lr = tiny_with(4), int(rng.integers(0, 2**31)), 1e-2
+    common = dict(host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr)
+    with Engine(cfg, plan_options=dict(CHUNKING), **common) as eng:
+        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
+                for _ in range(2)]
+        want_losses = [eng.train_step(b).loss for b in data]
+        w = eng.weights()
+    want = {"embed": w.embed, "head": w.head, **{f"layer{i}": b for i, b in enumerate(w.layers)}}
+
+    def rank(r, run_id):
+        env = RankEnv(rank=r, gpus=2, local_rank=r, master_addr="127.0.0.1", master_port=0,
+                      run_id=run_id)
+        with Engine(cfg, ring=Ring(env=env, replicas=1, timeout_s=30),
+                    plan_options=dict(CHUNKING, round_overlap=1), **common) as eng:
+            assert isinstance(eng, RingEngine) and eng.rank_plan.round_overlap == 1
+            return [eng.train_step(b).loss for b in data], eng.weights()
+
+    got = {}
+    for losses, blocks in in_threads(rank, 2):
+        assert losses == want_losses
+        got.update(blocks)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
