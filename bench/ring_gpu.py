@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
                         "ring/rank<r>.json")
     p.add_argument("--round-overlap", action="store_true",
-                   help="refused for now: overlapped rounds are planned, not run (the record's "
+                   help="refused for now: overlapped rounds run on the NumPy backend only "
+                        "(dataflow-ring --round-overlap), not over NCCL (the record's "
                         "prediction shows them beside what ran: predicted.overlapped)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
@@ -564,9 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ring_from and args.no_single:
         parser.error("--ring-from runs only the one-GPU baseline; drop --no-single")
     if args.round_overlap:
-        parser.error("--round-overlap: the ring's executor runs a step's rounds in turn so far "
-                     "(dataflow-ring refuses it too); drop the flag: the record's "
-                     "predicted.overlapped gives the planner's overlapped prediction")
+        parser.error("--round-overlap: overlapped rounds run on the NumPy backend so far (the "
+                     "NCCL transport takes a link's messages in the order sent); drop the flag: "
+                     "the record's predicted.overlapped gives the planner's overlapped "
+                     "prediction")
     if args.gpus < 1 or args.steps < 1:
         parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)

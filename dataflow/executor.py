@@ -28,6 +28,8 @@ from dataflow.kernels.host import adamw as host_adamw
 from dataflow.kernels.host.memory import zero_fill
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.step.events import ComputeOp, HostOp
+from dataflow.memplan.plan.memory import (ODD_ROWS, OVERLAP_ROWS_REGION, overlap_row_specs,
+                                          round_row_name)
 from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, Plan
 from dataflow.memplan.plan.segments import kv_less
 from dataflow.memplan.step.compile import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
@@ -121,9 +123,9 @@ class Executor(OpHandlers):
         else:
             self.schedule = schedule or step("end")
         table = self.schedule.regions
-        # the libraries' own state lives beside the arena, inside the budget
-        self.dev = Arena(be, Place.DEVICE,
-                         plan.budget.device_bytes - plan.profile.library_reserve_bytes,
+        # the libraries' own state beside the arena, inside the budget (plus an overlap's regions)
+        self.dev = Arena(be, Place.DEVICE, max(plan.budget.device_bytes, table.device_budget)
+                         - plan.profile.library_reserve_bytes,
                          [(r.name, r.nbytes) for r in table.device])
         self.host = Arena(be, Place.HOST, plan.budget.host_bytes,
                           [(r.name, r.nbytes) for r in table.host], whole_budget=False)
@@ -141,7 +143,7 @@ class Executor(OpHandlers):
                                                                               plan.precision))
         self.ctx = self.dev.tensors("context", buffers.context_specs(
             cfg, ch.seqlen, self.T, ch.chunks_per_seq))
-        self.tr = self.dev.tensors("transitions", buffers.transition_specs(cfg, ch.tokens_per_round))
+        self.tr, self._odd_rows = self._bind_rows()
         self.hb = self.dev.tensors("head_buffers", buffers.head_specs(
             cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
         self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
@@ -390,6 +392,23 @@ class Executor(OpHandlers):
             v = self._views[key] = self._arena[ref.region].view(ref.region, shape, dtype,
                                                                 ref.offset + at)
         return v
+
+    def _bind_rows(self) -> tuple[dict, bool]:
+        """(the transitions' views by name, whether the odd rounds have rows of their own): an
+        overlapped ring rank's table has the regions of
+        dataflow.memplan.plan.memory.overlap_regions, whose rows (residuals, tokens) its odd
+        rounds use, viewed here under their names with ODD_ROWS."""
+        n = self.plan.chunking.tokens_per_round
+        tr = self.dev.tensors("transitions", buffers.transition_specs(self.cfg, n))
+        if not self.dev.has(OVERLAP_ROWS_REGION):
+            return tr, False
+        odd = self.dev.tensors(OVERLAP_ROWS_REGION, overlap_row_specs(self.cfg, n))
+        return {**tr, **{name + ODD_ROWS: v for name, v in odd.items()}}, True
+
+    def _row(self, name: str, rnd: int):
+        """Round `rnd`'s rows of `name` (ids, positions, targets): an overlapped ring rank's odd
+        rounds read their own set (round_row_name, the compiler's rule)."""
+        return self.tr[round_row_name(name, rnd, self._odd_rows)]
 
     def _block_views(self, ref: Ref, layout, dtype: str = "bf16") -> dict:
         """The block's tensors by name; an MoE layer's also its experts stacked

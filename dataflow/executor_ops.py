@@ -30,7 +30,7 @@ class OpHandlers:
         self.compute.adapt(self._adapters(ev.layer))
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay),
                              tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                             tr["positions"][chunk.rows], chunk, save,
+                             self._row("positions", ev.round)[chunk.rows], chunk, save,
                              self.plan.activations[ev.layer][ev.chunk].level,
                              routing=self._routing)
 
@@ -47,7 +47,8 @@ class OpHandlers:
                               self._save_views(ev.save, ev.layer, ev.chunk),
                               self.plan.activations[ev.layer][ev.chunk].level,
                               tr[ev.x][chunk.rows], tr[ev.y][chunk.rows],
-                              tr["positions"][chunk.rows], chunk, routing=self._routing)
+                              self._row("positions", ev.round)[chunk.rows], chunk,
+                              routing=self._routing)
 
     def _adapters(self, layer: int):
         """Layer `layer`'s LoRA adapters (Plan.lora), or None."""
@@ -80,7 +81,7 @@ class OpHandlers:
             x = save["x"]
         self.compute.adapt(self._adapters(ev.layer))
         self.compute.forward(ev.name, self._block_views(ev.weights, self.lay), x, tr[ev.y][rows],
-                             tr["positions"][rows], chunk, save,
+                             self._row("positions", ev.round)[rows], chunk, save,
                              self.plan.activations[ev.layer][ev.chunk].level, input_saved=True,
                              attn_out=attn_out)
 
@@ -108,8 +109,8 @@ class OpHandlers:
             be.launch(Stream.COMPUTE, "rms_norm_fwd", x, w["norm"], cfg.norm_eps, hb["xn"],
                       hb["rstd"], name=f"{tag}.norm")
             be.launch(Stream.COMPUTE, "head_loss_fwd_bwd", hb["xn"], lm_w,
-                      tr["targets"][chunk.rows], hb["logits"], self.grad_scale, hb["dxn"],
-                      lm_g, loss_acc, name=f"{tag}.loss")
+                      self._row("targets", ev.round)[chunk.rows], hb["logits"],
+                      self.grad_scale, hb["dxn"], lm_g, loss_acc, name=f"{tag}.loss")
             if backward:
                 be.launch(Stream.COMPUTE, "rms_norm_bwd", x, w["norm"], hb["rstd"],
                           hb["dxn"], dfinal[chunk.rows], g["norm"], name=f"{tag}.norm_bwd")
@@ -138,14 +139,14 @@ class OpHandlers:
         self.compute.rebuild_kv(ev.name, self._block_views(ev.weights, self.lay),
                                 self._view(ev.save, (self.T, self.cfg.model_dim), "bf16"),
                                 self.ctx["k_ctx"][rows], self.ctx["v_ctx"][rows],
-                                self.tr["positions"][chunk.rows])
+                                self._row("positions", ev.round)[chunk.rows])
 
     def _embed_fwd(self, ev: Compute) -> None:
         """The round's embedding lookup from the device table."""
         tr = self.tr
         table = self.emb_lay.view(self._view(ev.weights, dtype="bf16"), "embed_tokens")
-        self.be.launch(Stream.COMPUTE, "embedding_fwd", tr["ids"], table, tr[ev.y],
-                       name=ev.name)
+        self.be.launch(Stream.COMPUTE, "embedding_fwd", self._row("ids", ev.round), table,
+                       tr[ev.y], name=ev.name)
 
     def _embed_bwd(self, ev: Compute) -> None:
         """The lookup's scatter-add into the device table's gradient."""
@@ -153,10 +154,10 @@ class OpHandlers:
         table = self.emb_lay.view(self._view(ev.grads, dtype=self.gdt), "embed_tokens")
         pad = self.cfg.pad_token_id
         if pad is not None:  # nn.Embedding(padding_idx): that row's lookup adds nothing
-            self.be.launch(Stream.COMPUTE, "zero_rows_where_", tr["ids"], tr[ev.x], pad,
-                           name=f"{ev.name}.pad")
-        self.be.launch(Stream.COMPUTE, "embedding_bwd", tr["ids"], tr[ev.x], table,
-                       name=ev.name)
+            self.be.launch(Stream.COMPUTE, "zero_rows_where_", self._row("ids", ev.round),
+                           tr[ev.x], pad, name=f"{ev.name}.pad")
+        self.be.launch(Stream.COMPUTE, "embedding_bwd", self._row("ids", ev.round), tr[ev.x],
+                       table, name=ev.name)
 
     def _grad_sumsq(self, ev: Compute) -> None:
         """Add a device gradient's squared norm into scalar 0."""

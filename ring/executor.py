@@ -69,8 +69,12 @@ class RingExecutor(VocabHeadOps, Executor):
         # mailboxes' sizes must agree).
         vocab = 4 * ch.chunks_per_round if rp.vocab_parallel else 0
         message = ch.chunk_tokens * cfg.model_dim * (4 if rp.vocab_parallel else 2)
-        transport.bind(be, message, 2 * ch.chunks_per_round + totals + vocab,
-                       max(reduced, default=0), max(gathered, default=0))
+        # Overlapped rounds (RankPlan.round_overlap): two rounds' chunks may travel at once, and
+        # a link's messages are taken in the order the receiver runs, not the sender's.
+        overlap = bool(rp.round_overlap) and rp.n_ranks > 1
+        transport.bind(be, message,
+                       (4 if overlap else 2) * ch.chunks_per_round + totals + vocab,
+                       max(reduced, default=0), max(gathered, default=0), out_of_order=overlap)
 
     # -- dispatch -------------------------------------------------------------------------------
     def _send(self, ev: Send) -> None:

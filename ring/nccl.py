@@ -134,7 +134,12 @@ class NcclTransport(Transport):
         return self.nccl.NcclCommunicator(1, self.nccl.get_unique_id(), 0)
 
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
-             max_gather_bytes: int = 0) -> None:
+             max_gather_bytes: int = 0, out_of_order: bool = False) -> None:
+        if out_of_order:
+            raise RingError(f"rank {self.rank}: overlapped rounds (round_overlap) take a link's "
+                            "messages out of the order they were sent, which the NCCL "
+                            "transport does not do yet; use --transport shm or "
+                            "--no-round-overlap", rank=self.rank)
         if be.device_is_host_memory:
             raise RingError(f"rank {self.rank}: the NCCL transport needs the CuPy backend; use "
                             "the shared-memory transport with the NumPy backend", rank=self.rank)

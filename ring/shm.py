@@ -127,6 +127,8 @@ class SharedMemoryTransport(Transport):
         self._gen = 0
         self._out: dict[int, tuple] = {}
         self._in: dict[int, tuple] = {}
+        self._early: dict | None = None
+        """Bound out of order: (peer, tag) -> a message that came before its receive."""
         self._reduce = None
         """(arrived, done, slots) of this rank's all-reduce segment, with replicas."""
         self._reduce_gen = 0
@@ -181,9 +183,10 @@ class SharedMemoryTransport(Transport):
 
     # -- mailboxes -------------------------------------------------------------------------------
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
-             max_gather_bytes: int = 0) -> None:
+             max_gather_bytes: int = 0, out_of_order: bool = False) -> None:
         max_reduce_bytes = max(max_reduce_bytes, max_gather_bytes)  # one segment serves both
         self.be = be
+        self._early = {} if out_of_order else None
         slot = SLOT_HEADER + -(-max_message_bytes // 64) * 64
         nbytes = HEADER + depth * slot
         peers = sorted({(self.rank + 1) % self.ring_size, (self.rank - 1) % self.ring_size}
@@ -245,6 +248,9 @@ class SharedMemoryTransport(Transport):
         counts[0] = written + 1  # publish after the payload (x86 keeps store order)
 
     def _recv_now(self, out: np.ndarray, peer: int, tag: int) -> None:
+        if self._early is not None:  # bound out of order: the message of this tag, wherever
+            self._recv_tagged(out, peer, tag)
+            return
         counts, slots, depth = self._in[peer]
         read = int(counts[8])
         self._wait_until(lambda: int(counts[0]) > read,
@@ -258,6 +264,43 @@ class SharedMemoryTransport(Transport):
                             rank=self.rank, peer=peer)
         out[...] = s[SLOT_HEADER:SLOT_HEADER + n]
         counts[8] = read + 1
+
+    def _recv_tagged(self, out: np.ndarray, peer: int, tag: int) -> None:
+        """The message `tag` from `peer` into `out`: one that came ahead of an earlier receive's
+        (kept aside then), else the mailbox's next ones, each other tag kept aside in a host
+        copy until its receive comes (at most the messages one link carries ahead of their
+        turn: an overlapped ring's of a round, a few chunks' rows; outside the plan's bytes,
+        as the mailboxes are)."""
+        early = self._early.pop((peer, tag), None)
+        if early is None:
+            counts, slots, depth = self._in[peer]
+            while True:
+                read = int(counts[8])
+                self._wait_until(lambda: int(counts[0]) > read,
+                                 f"waiting for message {tag} from rank {peer}", peer)
+                s = slots[read % depth]
+                got_tag, n = (int(v) for v in s[:SLOT_HEADER].view(np.int64))
+                payload = s[SLOT_HEADER:SLOT_HEADER + n]
+                if got_tag == tag:
+                    early = payload.copy() if n != out.size else None
+                    if early is None:
+                        out[...] = payload
+                    counts[8] = read + 1
+                    break
+                if (peer, got_tag) in self._early:
+                    raise RingError(f"rank {self.rank}: message {got_tag} from rank {peer} came "
+                                    "twice in one step: the ranks run different schedules",
+                                    rank=self.rank, peer=peer)
+                self._early[(peer, got_tag)] = payload.copy()
+                counts[8] = read + 1
+            if early is None:
+                return
+        if early.size != out.size:
+            raise RingError(f"rank {self.rank}: message {tag} from rank {peer} has {early.size} "
+                            f"bytes, the receive {out.size}: the ranks run different schedules "
+                            "(same plan files and ring size on every rank?)", rank=self.rank,
+                            peer=peer)
+        out[...] = early
 
     def _exchange_now(self, raw: np.ndarray, mine: slice, combine, what: str) -> None:
         """One exchange between the replicas through the all-reduce segment: publish raw[mine]

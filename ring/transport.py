@@ -30,11 +30,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
-             max_gather_bytes: int = 0) -> None:
+             max_gather_bytes: int = 0, out_of_order: bool = False) -> None:
         """Prepare for messages of at most `max_message_bytes`, up to `depth` in flight per
         neighbour, all-reduces of at most `max_reduce_bytes` and part gathers of at most
-        `max_gather_bytes`, between views of backend `be`. Called once by the executor, before
-        any step; collective (every process calls it)."""
+        `max_gather_bytes`, between views of backend `be`. out_of_order: a receive takes the
+        message of its tag even where the sender sent others first (an overlapped ring's
+        ranks send and take one link's messages in different orders); else each receive takes
+        the next message, which must carry its tag. Called once by the executor, before any
+        step; collective (every process calls it)."""
 
     @abc.abstractmethod
     def send(self, view, peer: int, tag: int) -> None:

@@ -48,7 +48,8 @@ class VocabHeadOps:
         hb = self.hb
         w = self._block_views(ev.weights, self.head_lay)
         self.be.launch(Stream.COMPUTE, "vocab_stats", self._vocab_round("vocab_xn", ev),
-                       w["lm_head"], self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0,
+                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)],
+                       self._vocab_row0,
                        hb["logits"], self._vocab_round("vocab_stats", ev), name=ev.name)
 
     def _vocab_merge(self, ev: Compute) -> None:
@@ -59,14 +60,15 @@ class VocabHeadOps:
         """The head's rank: the chunk's loss sum and valid count into the round's scalars."""
         loss_acc = self.tr["scalars"][8 + 2 * ev.round:10 + 2 * ev.round]
         self.be.launch(Stream.COMPUTE, "vocab_loss", self._vocab_round("vocab_stats", ev),
-                       self.tr["targets"][self._vocab_rows(ev)], loss_acc, name=ev.name)
+                       self._row("targets", ev.round)[self._vocab_rows(ev)], loss_acc, name=ev.name)
 
     def _vocab_grad(self, ev: Compute) -> None:
         hb = self.hb
         w = self._block_views(ev.weights, self.head_lay)
         g = self._block_views(ev.grads, self.head_lay, self.gdt)
         self.be.launch(Stream.COMPUTE, "vocab_grad", self._vocab_round("vocab_xn", ev),
-                       w["lm_head"], self.tr["targets"][self._vocab_rows(ev)], self._vocab_row0,
+                       w["lm_head"], self._row("targets", ev.round)[self._vocab_rows(ev)],
+                       self._vocab_row0,
                        self._vocab_round("vocab_stats", ev), hb["logits"], self.grad_scale,
                        hb["vdx"], g["lm_head"], name=ev.name)
 

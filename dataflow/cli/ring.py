@@ -25,7 +25,7 @@ from dataflow.models.hf_config import MODEL_FORMS
 from dataflow.precision import PRECISIONS
 from dataflow.ring.job import RingJob, model_config
 from dataflow.ring.kinds import PLACEMENT_CHOICES, TransportKind
-from dataflow.ring.layout import resolve_layout
+from dataflow.ring.layout import AUTO_OVERLAP, resolve_layout
 from dataflow.ring.run import ring_processes, run_job
 
 PROG = "dataflow-ring"
@@ -65,12 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/ring.md)")
     ovl = p.add_mutually_exclusive_group()
     ovl.add_argument("--no-round-overlap", action="store_true",
-                     help="run a step's rounds in turn (what the executor runs, and its "
-                          "default: dataflow-plan predicts overlapped rounds, this executor "
-                          "does not run them yet)")
-    ovl.add_argument("--round-overlap", action="store_true",
-                     help="refused for now: the next round's first layers during a round's "
-                          "drain are planned and simulated (dataflow-plan --gpus), not run")
+                     help="run a step's rounds in turn (the default, the same as leaving both "
+                          "flags out)")
+    ovl.add_argument("--round-overlap", type=positive(int), nargs="?", const=AUTO_OVERLAP,
+                     default=None, metavar="D",
+                     help="overlapped rounds (issue 56): each rank runs the next round's forward "
+                          "of its first D local layers where it would wait during a round's "
+                          "drain, its budget less the second round's rows and activations; the "
+                          "same losses and weights bit for bit. D given: that depth; no D: the "
+                          "planner weighs depths 1, 2, 4, 8 and keeps the fastest predicted "
+                          "(perhaps none; rounds in turn where its ranks are ones this does "
+                          "not run, said on stderr). NumPy backend (shared memory), ranks whose "
+                          "layers stay on the device, dense models (docs/ring.md)")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -154,12 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
-        if args.round_overlap:
-            raise ConfigError("--round-overlap: overlapped rounds are planned and simulated "
-                              "(dataflow-plan --gpus N predicts them; dataflow.memplan.step."
-                              "ring_overlap orders and times them) but the ring's executor "
-                              "runs a step's rounds in turn so far; drop the flag (or give "
-                              "--no-round-overlap, the same as leaving it out)")
+        if args.round_overlap is not None and args.backend != "numpy":
+            raise ConfigError("--round-overlap runs on the NumPy backend so far (the NCCL "
+                              "transport takes a link's messages in the order sent); drop the "
+                              "flag or use --backend numpy")
         if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
             raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
                               "--checkpoint-dir so far; drop those or the flag")
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
             rounds=args.rounds, quiet=env is not None and env.rank != 0,
             placement=args.placement, split_fetch=args.split_fetch,
-            vocab_parallel=args.vocab_parallel_head)
+            vocab_parallel=args.vocab_parallel_head, round_overlap=args.round_overlap)
         constraints = dict(constraints)
         placement = constraints.pop("placement", "cyclic")
         vocab_parallel = bool(constraints.pop("vocab_parallel", False))

@@ -322,6 +322,12 @@ def context_specs(cfg: ModelConfig, seqlen: int, chunk_tokens: int,
     return tuple(specs)
 
 
+ROUND_ROWS = ("resid_a", "resid_b", "ids", "targets", "positions")
+"""The transitions that hold one round's rows (its residual pair and tokens): an overlapped ring
+rank keeps a second set of them for its odd rounds
+(dataflow.memplan.plan.memory.overlap_regions)."""
+
+
 def transition_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, ...]:
     """Residual stream (forward) and its gradient (backward) for every chunk of a round,
     ping-ponged between layers; token ids, targets and RoPE positions for the round; a few fp32

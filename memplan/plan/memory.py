@@ -220,3 +220,45 @@ def by_category(regions) -> tuple[tuple[str, int], ...]:
 def memory_map(plan) -> MemoryMap:
     """Bytes per category on device and host (all six categories, fixed order)."""
     return MemoryMap(device=by_category(device_regions(plan)), host=by_category(host_regions(plan)))
+
+
+OVERLAP_ROWS_REGION = "overlap.rows"
+"""The second set of a round's rows (the residual pair, ids, targets, positions) an overlapped
+ring rank's odd rounds use (dataflow.memplan.step.ring_rounds)."""
+
+
+def overlap_row_specs(cfg, round_tokens: int) -> tuple:
+    """The round rows the odd rounds of an overlapped ring take from OVERLAP_ROWS_REGION: the
+    first five transition specs (resid_a, resid_b, ids, targets, positions), by the same names."""
+    specs = buffers.transition_specs(cfg, round_tokens)[:5]
+    assert [s.name for s in specs] == list(buffers.ROUND_ROWS)
+    return specs
+
+
+def overlap_regions(plan, depth: int) -> tuple[tuple[str, int], ...]:
+    """The device regions an overlapped ring rank holds beside its plan's (RankPlan.round_overlap
+    = `depth` local layers of the next round run during this round's drain): the odd rounds'
+    round rows and, for each of the first `depth` layers' chunks whose saved activation the plan
+    keeps on the device, a second act.{layer}.{chunk} of the same bytes ('overlap.act...'; the
+    odd rounds' of those layers). The planner takes their bytes out of the rank's device budget
+    (dataflow.memplan.search.ring_overlap.overlap_bytes) and the executor allocates exactly these:
+    one list for both. () for depth 0."""
+    if depth <= 0:
+        return ()
+    d = decisions_of(plan)
+    rows = buffers.packed_bytes(overlap_row_specs(d.model, d.chunking.tokens_per_round))
+    hoisted = {f"act.{layer}." for layer in range(min(depth, d.model.n_layers))}
+    acts = [(f"overlap.{name}", nb) for name, nb in device_regions(plan)
+            if name.startswith("act.") and name[:name.rindex(".") + 1] in hoisted]
+    return ((OVERLAP_ROWS_REGION, rows),) + tuple(acts)
+
+
+ODD_ROWS = "@1"
+"""The suffix of an overlapped ring rank's odd rounds' row names ('resid_a@1', 'ids@1')."""
+
+
+def round_row_name(name: str, rnd: int, odd_rows: bool) -> str:
+    """The name round `rnd` reads for the round row `name` (buffers.ROUND_ROWS): with a second
+    set (`odd_rows`, OVERLAP_ROWS_REGION) the odd rounds' own, else the one set's. The compiler
+    (dataflow.memplan.step.ring_rounds) and the executor name rows by this one rule."""
+    return name + ODD_ROWS if odd_rows and rnd % 2 and name in buffers.ROUND_ROWS else name

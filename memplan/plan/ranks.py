@@ -216,8 +216,8 @@ class RankPlan:
     round_overlap: int = dataclasses.field(default=0, metadata={"omit_if_default": True})
     """Local layers of the next round this rank runs during a round's drain (issue 56), their
     saved activations beside the round's: the plan was made under the device budget less what
-    they hold (dataflow.memplan.search.ring_overlap.overlap_rank_plans). Planned and predicted;
-    the ring's executor refuses it so far."""
+    they hold (dataflow.memplan.search.ring_overlap.overlap_rank_plans). Run by the compiled
+    ring step (dataflow.memplan.step.ring_rounds) where it is built; refused by name elsewhere."""
 
     @property
     def ring_owners(self) -> tuple[int, ...]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dataflow.memplan.plan.buffers import align
+from dataflow.memplan.plan.memory import overlap_regions
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.ranks import RankPlan
 from dataflow.memplan.step.ring_overlap import POLICIES, RingCosts, time_overlapped
@@ -22,16 +24,21 @@ def _acts_per_layer(rp: RankPlan, side: str) -> int:
 
 def overlap_bytes(rp: RankPlan, depth: int) -> tuple[int, int]:
     """(device, host) bytes rank rp holds beyond its plan while `depth` local layers of the
-    next round have run ahead of this round's backward: their chunks' saved activations where
-    the plan keeps a round's (per layer, a round's over the rank's layers), and on the device a
-    second pair of residual rows (the next round's residual and its gradient beside this
-    round's) as soon as any layer overlaps."""
+    next round have run ahead of this round's backward. Device: the regions the executor
+    allocates for it (dataflow.memplan.plan.memory.overlap_regions: a second set of a round's
+    rows, the residual pair and tokens, and a second copy of each of the first `depth` layers'
+    device-resident saved activations), or the estimate made before the overlap ran, if larger:
+    `depth` times one layer's share of the round's device-resident saved activations (the mean
+    over the rank's layers) plus the residual pair, which stands for what a plan whose layers
+    stream (their saved activations through slots: not run overlapped yet) would need. Host:
+    `depth` times one layer's share of the activations the plan sends home."""
     if depth <= 0:
         return 0, 0
+    regions = sum(align(nb) for _, nb in overlap_regions(rp.plan, depth))
     ch = rp.plan.chunking
-    transition = 2 * ch.chunk_tokens * ch.chunks_per_round * rp.plan.model.model_dim * 2
-    return (depth * _acts_per_layer(rp, "device") + transition,
-            depth * _acts_per_layer(rp, "host"))
+    pair = 2 * ch.chunk_tokens * ch.chunks_per_round * rp.plan.model.model_dim * 2
+    estimate = depth * _acts_per_layer(rp, "device") + pair
+    return max(regions, estimate), depth * _acts_per_layer(rp, "host")
 
 
 def overlap_depth(rp: RankPlan) -> int:

@@ -27,7 +27,8 @@ from dataflow.memplan.plan.ranks import (
     refuse_vocab_parallel,
 )
 from dataflow.memplan.search.cost import LEVEL_INDEX, chunk_costs, head_seconds, workload_of
-from dataflow.memplan.search.ring_overlap import overlapped_rounds_s, ring_depth
+from dataflow.memplan.search.ring_overlap import (overlap_rank_plans, overlapped_rounds_s,
+                                                  ring_depth)
 from dataflow.memplan.search.search import make_plan
 from dataflow.models.config import ModelConfig
 from dataflow.models.errors import ConfigError
@@ -203,7 +204,13 @@ def make_rank_plan(cfg: ModelConfig, seqlen: int, budget: Budget,
                    vocab_parallel: bool = False, **constraints) -> RankPlan:
     """The plan of one rank alone (what each ring process computes for itself): rank 0's plan
     fixes the chunking, and the placement's owners follow from it, as in make_rank_plans, so
-    every rank agrees without talking."""
+    every rank agrees without talking; a 'round_overlap' depth: overlap_rank_plans' own."""
+    depth = constraints.pop("round_overlap", 0)
+    if depth:  # every rank plans the whole ring alike and keeps its own plan
+        return overlap_rank_plans(cfg, seqlen, budget, profile, n_ranks, depth,
+                                  grad_accum=grad_accum, replicas=replicas, placement=placement,
+                                  split_fetch=split_fetch, vocab_parallel=vocab_parallel,
+                                  **constraints)[rank]
     check_ring(cfg.n_layers, n_ranks, rank, replicas)
     placement = parse_placement(placement)
     vp = bool(vocab_parallel) and n_ranks > 1

@@ -79,9 +79,7 @@ class ModelEnds:
         em.wait(H2D, self.staged[rnd])
         em.wait(H2D, em.record(COMPUTE))
         for row, name in enumerate(("ids", "positions", "targets")):
-            off, nb = self._transition(name)
-            em.add(Fetch(f"tokens.{name}", self.ref("transitions", off, nb),
-                         self._tokens(rnd, row)))
+            em.add(Fetch(f"tokens.{name}", self.round_rows(rnd, name), self._tokens(rnd, row)))
         ev = em.record(H2D)
         em.wait(COMPUTE, ev)
         em.wait(COMPUTE, self.dx_sent)  # this round overwrites the residual buffers

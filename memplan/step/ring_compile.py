@@ -27,6 +27,7 @@ from dataflow.memplan.step.compile import (
     StepCompiler,
 )
 from dataflow.memplan.step.events import Compute
+from dataflow.memplan.step.ring_rounds import OverlapRounds
 from dataflow.memplan.step.ring_vocab import VocabHead
 from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 from dataflow.models.errors import ConfigError
@@ -160,7 +161,7 @@ class ReplicaCompiler(StepCompiler):
         events.extend(tail)
 
 
-class RingCompiler(VocabHead, ReplicaCompiler):
+class RingCompiler(OverlapRounds, VocabHead, ReplicaCompiler):
     """Rank r of a ring of N > 1: the rank's plan is a single-device plan of its own layers
     (local layer j is global layer rp.layers[j]); the single-device round runs them, and the
     hooks below receive each layer's input from the previous rank and send its output on.
@@ -194,6 +195,7 @@ class RingCompiler(VocabHead, ReplicaCompiler):
             self.chain_pos = chain.index(rp.rank)
         self._totals_back: set[int] = set()
         """Rounds whose backward has its routing totals (passed back before its first layer)."""
+        self._overlap_setup()  # RankPlan.round_overlap: the overlapped order and its regions
 
     def rows(self, buffer: str, chunk: int) -> Ref:
         off, nbytes = self._transition(buffer)
@@ -385,23 +387,13 @@ def compile_ring_schedule(rp: RankPlan, *, rounds: int | None = None,
     which part each fetches).
     `update` as dataflow.memplan.step.compile.compile_schedule: 'deferred' runs the previous step's AdamW of
     this rank's own blocks inside its round 0 (no message is involved: the gradients were
-    all-reduced and the clip scale made global before the previous step ended)."""
+    all-reduced and the clip scale made global before the previous step ended).
+    A rank plan with round_overlap runs its rounds overlapped (dataflow.memplan.step.ring_rounds;
+    what that does not build yet is refused by name, a ConfigError)."""
     if update == "backward":
         raise ValueError("a ring rank updates after its replicas' gradients are summed and its "
                          "clip scale is global; update='backward' is for one device")
-    refuse_round_overlap(rp)
     return _compiler(rp, replica).compile(rounds, update)
-
-
-def refuse_round_overlap(rp: RankPlan) -> None:
-    """A rank plan with overlapped rounds (RankPlan.round_overlap) is planned, ordered and timed
-    (dataflow.memplan.step.ring_overlap) but not compiled into events yet: say so by name."""
-    if rp.round_overlap:
-        raise ConfigError(f"rank {rp.rank}'s plan overlaps {rp.round_overlap} local layer(s) of "
-                          "the next round with each round's drain (round_overlap), which the "
-                          "compiled ring step does not build yet (dataflow.memplan.step."
-                          "ring_overlap orders and times it on paper); plan the ring with "
-                          "round_overlap=0 (dataflow-plan --no-round-overlap)")
 
 
 def compile_ring_update_schedule(rp: RankPlan) -> Schedule:

@@ -15,6 +15,7 @@ from dataflow.memplan.step.events import (
     COMPUTE,
     Compute,
     Fill,
+    Ref,
     Schedule,
 )
 from dataflow.memplan.step.slot_ring import _Ring, _Use, for_round
@@ -56,10 +57,7 @@ class Rounds:
             # zero norm under an infinite max norm), not after the last round.
             em.add(Compute("unit_scale", "clip_scale", 0))
         self.backward_done = None
-        starts = []
-        for rnd in range(rounds):
-            starts.append(len(em.events))
-            self.round(rnd)
+        starts = self.run_rounds(rounds)
         if self.pending:
             raise RuntimeError("deferred updates never placed: "
                                f"{sorted(k.name for k in self.pending)}")
@@ -121,8 +119,38 @@ class Rounds:
         end = len(em.events)
         return Schedule(self.table, tuple(em.events), rounds, tuple(starts), end, em.n_ids)
 
+    def run_rounds(self, rounds: int) -> list[int]:
+        """The step's rounds one after another; the index of each round's first event."""
+        starts = []
+        for rnd in range(rounds):
+            starts.append(len(self.em.events))
+            self.round(rnd)
+        return starts
+
     def round(self, rnd: int) -> None:
-        em, L, first = self.em, self.L, rnd == 0
+        """Round `rnd` in the plain order: its forward layer-major, its head, its backward in
+        reverse (the pieces below; an overlapped ring rank calls the same pieces in its own
+        order: dataflow.memplan.step.ring_rounds)."""
+        L = self.L
+        self.round_begin(rnd)
+        for layer in range(L):                                          # forward, layer-major
+            w = self.fwd_begin(rnd, layer)
+            for c in range(self.C):
+                self.fwd_chunk(rnd, layer, c, w)
+            self.fwd_end(rnd, layer)
+        self.round_head(rnd)
+        prefilled: dict[tuple[int, int], int | None] = {}
+        """(layer, sequence) whose context rows were queued while the one before it ran: the
+        H2D record after the last of them that came over H2D (None if none did)."""
+        for layer in reversed(range(L)):                                # backward, reverse order
+            w, g = self.bwd_begin(rnd, layer)
+            for c in reversed(range(self.C)):
+                self.bwd_chunk(rnd, layer, c, w, g, prefilled)
+            self.bwd_end(rnd, layer, w, g)
+
+    def round_begin(self, rnd: int) -> None:
+        """The round's slot rings begun, its tokens loaded, its embedding (this plan's)."""
+        first = rnd == 0
         if self.wring is not None:
             self.wring.begin(self.w_uses, for_round(self.w_assigned, rnd))
         if self.aring is not None:
@@ -146,64 +174,74 @@ class Rounds:
         self.stage_next(rnd)
         if first and self.has_embed:
             self.zero_home_embed_grads()
-        for layer in range(L):                                          # forward, layer-major
-            x, y = self.resid(layer)
-            name = self.global_layer(layer)
-            w = self.weights("f", layer)
-            keep = not is_inner(layer, self.k)  # a segment's inner layers keep nothing
-            for c in range(self.C):
-                self.input_arrives(rnd, False, layer, x, c)
-                self.before_write(y, c)
-                save = self.act("f", layer, c) if keep else None
-                em.add(Compute(f"f.L{name}.c{c}", "layer_fwd", rnd, layer, c, weights=w,
-                               save=save, x=x, y=y))
-                if keep:
-                    self.release_act("f", layer, c)
-                self.output_leaves(rnd, False, layer, y, c)
-            self.release_weights("f", layer)
-            if first and HEAD in self.pending and layer == max(L - 2, 0):
-                self.deferred_update(HEAD)
-            if self.has_head and layer == L - 2 and self.hw_ring is not None:
-                self.hw_ring.prefetch(0)                              # head weights arrive early
+
+    def fwd_begin(self, rnd: int, layer: int) -> Ref:
+        """The weights layer `layer`'s forward reads (acquired once for all its chunks)."""
+        return self.weights("f", layer)
+
+    def fwd_chunk(self, rnd: int, layer: int, c: int, w: Ref) -> None:
+        em = self.em
+        x, y = self.resid(layer)
+        keep = not is_inner(layer, self.k)  # a segment's inner layers keep nothing
+        self.input_arrives(rnd, False, layer, x, c)
+        self.before_write(y, c)
+        save = self.act("f", layer, c) if keep else None
+        em.add(Compute(f"f.L{self.global_layer(layer)}.c{c}", "layer_fwd", rnd, layer, c,
+                       weights=w, save=save, x=x, y=y))
+        if keep:
+            self.release_act("f", layer, c)
+        self.output_leaves(rnd, False, layer, y, c)
+
+    def fwd_end(self, rnd: int, layer: int) -> None:
+        L = self.L
+        self.release_weights("f", layer)
+        if rnd == 0 and HEAD in self.pending and layer == max(L - 2, 0):
+            self.deferred_update(HEAD)
+        if self.has_head and layer == L - 2 and self.hw_ring is not None:
+            self.hw_ring.prefetch(0)                                  # head weights arrive early
+
+    def round_head(self, rnd: int) -> None:
         if self.has_head:
-            dfinal, final = self.resid(L - 1)  # the last output; its input's rows take dfinal
+            dfinal, final = self.resid(self.L - 1)  # the last output; its input's rows take dfinal
             for c in range(self.C):
                 self.before_write(dfinal, c)
             self.head(rnd, final, dfinal)
+
+    def bwd_begin(self, rnd: int, layer: int) -> tuple[Ref, Ref | None]:
+        """(weights, gradient) of layer `layer`'s backward, after its segment's recompute."""
+        if layer in self.recompute_top:
+            self.recompute(rnd, *self.recompute_top[layer], buf=self.resid(layer)[1])
+        return self.weights("b", layer), self.grads(layer)
+
+    def bwd_chunk(self, rnd: int, layer: int, c: int, w: Ref, g: Ref | None,
+                  prefilled: dict) -> None:
+        em = self.em
+        dy, dx = self.resid(layer)
         split, cps = self.ch.chunks_per_seq > 1, self.ch.chunks_per_seq
-        prefilled: dict[tuple[int, int], int | None] = {}
-        """(layer, sequence) whose context rows were queued while the one before it ran: the
-        H2D record after the last of them that came over H2D (None if none did)."""
-        for layer in reversed(range(L)):                                # backward, reverse order
-            dy, dx = self.resid(layer)
-            name = self.global_layer(layer)
-            if layer in self.recompute_top:
-                self.recompute(rnd, *self.recompute_top[layer], buf=dx)
-            w = self.weights("b", layer)
-            g = self.grads(layer)
-            for c in reversed(range(self.C)):
-                self.input_arrives(rnd, True, layer, dy, c)
-                seq, j = divmod(c, cps)
-                if split and j == cps - 1:
-                    if (layer, seq) not in prefilled:
-                        self.fill_context(rnd, layer, c, w)
-                    else:  # not a record taken now: the queue may hold later layers' fetches
-                        em.wait(COMPUTE, prefilled.pop((layer, seq)))
-                self.before_write(dx, c)
-                save = self.act("b", layer, c)
-                em.add(Compute(f"b.L{name}.c{c}", "layer_bwd", rnd, layer, c, weights=w,
-                               grads=g, save=save, x=dy, y=dx))
-                if split:
-                    self.prefill_context(rnd, layer, seq, j, prefilled, w)
-                self.release_act("b", layer, c)
-                self.output_leaves(rnd, True, layer, dx, c)
-            if layer == 0 and self.has_embed:
-                # First in the D2H queue: the next round's forward waits for the embedding's
-                # gradient rows to leave, not for layer 0's gradient write-back.
-                self.embed_bwd(rnd, dx)
-            self.sumsq(rnd, f"L{name}", g)
-            if rnd == self.last_round and BlockKey.of_layer(layer) in self.in_backward:
-                self.update_in_backward(layer, w, g)
-                continue
-            self.release_grads(layer)
-            self.release_weights("b", layer)
+        self.input_arrives(rnd, True, layer, dy, c)
+        seq, j = divmod(c, cps)
+        if split and j == cps - 1:
+            if (layer, seq) not in prefilled:
+                self.fill_context(rnd, layer, c, w)
+            else:  # not a record taken now: the queue may hold later layers' fetches
+                em.wait(COMPUTE, prefilled.pop((layer, seq)))
+        self.before_write(dx, c)
+        save = self.act("b", layer, c)
+        em.add(Compute(f"b.L{self.global_layer(layer)}.c{c}", "layer_bwd", rnd, layer, c,
+                       weights=w, grads=g, save=save, x=dy, y=dx))
+        if split:
+            self.prefill_context(rnd, layer, seq, j, prefilled, w)
+        self.release_act("b", layer, c)
+        self.output_leaves(rnd, True, layer, dx, c)
+
+    def bwd_end(self, rnd: int, layer: int, w: Ref, g: Ref | None) -> None:
+        if layer == 0 and self.has_embed:
+            # First in the D2H queue: the next round's forward waits for the embedding's
+            # gradient rows to leave, not for layer 0's gradient write-back.
+            self.embed_bwd(rnd, self.resid(layer)[1])
+        self.sumsq(rnd, f"L{self.global_layer(layer)}", g)
+        if rnd == self.last_round and BlockKey.of_layer(layer) in self.in_backward:
+            self.update_in_backward(layer, w, g)
+            return
+        self.release_grads(layer)
+        self.release_weights("b", layer)

@@ -300,6 +300,11 @@ class CompilerState:
     def _transition(self, name: str) -> tuple[int, int]:
         return self._tr_offsets[name], self._tr_specs[name].nbytes
 
+    def round_rows(self, rnd: int, name: str) -> Ref:
+        """Round `rnd`'s rows of the transition `name` (one set for every round; an overlapped
+        ring rank's odd rounds have their own: dataflow.memplan.step.ring_rounds)."""
+        return self.ref("transitions", *self._transition(name))
+
     # -- hooks: where a wrapping compiler (memplan/step/ring_compile.py) adds its events ---------
     has_embed = True
     """This compiler's rounds run the embedding (a ring rank: only the owner of layer 0)."""

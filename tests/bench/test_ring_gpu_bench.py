@@ -81,8 +81,8 @@ def test_the_single_run_takes_the_ring_head_ranks_head_sub_chunk():
 
 def test_ring_gpu_refuses_without_enough_gpus_and_refuses_round_overlap(tmp_path, monkeypatch):
     """The CuPy ring needs one GPU a rank: with fewer visible it stops before running anything,
-    naming how many it sees and what would work; --round-overlap is refused by name (planned,
-    not run by the executor yet)."""
+    naming how many it sees and what would work; --round-overlap is refused by name (it runs on
+    the NumPy backend, not over NCCL, yet)."""
     import pytest
 
     monkeypatch.setattr(ring_gpu.ProcessPeaks, "device_names", lambda self: ["GPU-A"])

@@ -148,20 +148,28 @@ def test_choose_layout_weighs_overlap_and_off_means_off(h100):
     assert on.chosen.on("nvlink").bubble_frac < off.chosen.on("nvlink").bubble_frac
 
 
-def test_the_command_lines_turn_it_off_and_dataflow_ring_refuses_it(capsys):
-    """dataflow-plan takes --no-round-overlap; dataflow-ring takes --no-round-overlap (what it
-    runs) and refuses --round-overlap with exit 2 and a message naming the flag, before any
-    process starts."""
+def test_the_command_lines_turn_it_off_and_dataflow_ring_takes_a_depth(capsys):
+    """dataflow-plan takes --no-round-overlap; dataflow-ring takes --no-round-overlap (its
+    default: rounds in turn) and --round-overlap with a depth or without one (the planner's),
+    and refuses with exit 2, naming the flag before any process starts, a depth of 0 and
+    --round-overlap on the CuPy backend (whose NCCL transport does not run it)."""
     from dataflow.cli import plan as plan_cli  # the console scripts sit above every package
     from dataflow.cli import ring as ring_cli  # the console scripts sit above every package
+    from dataflow.ring.layout import AUTO_OVERLAP
 
     args = plan_cli.build_parser().parse_args(["80", "24", "8192", "8b", "--gpus", "4",
                                                "--no-round-overlap"])
     assert args.no_round_overlap
     assert not plan_cli.build_parser().parse_args(["80", "24", "8192", "8b"]).no_round_overlap
-    assert ring_cli.build_parser().parse_args(["8", "1", "64", "tiny",
-                                               "--no-round-overlap"]).no_round_overlap
-    assert ring_cli.main(["8", "1", "64", "tiny", "--gpus", "2", "--round-overlap"]) == 2
+    parse = ring_cli.build_parser().parse_args
+    assert parse(["8", "1", "64", "tiny", "--no-round-overlap"]).no_round_overlap
+    assert parse(["8", "1", "64", "tiny"]).round_overlap is None
+    assert parse(["8", "1", "64", "tiny", "--round-overlap"]).round_overlap == AUTO_OVERLAP
+    assert parse(["8", "1", "64", "tiny", "--round-overlap", "2"]).round_overlap == 2
+    assert ring_cli.main(["8", "1", "64", "tiny", "--gpus", "2", "--round-overlap", "0"]) == 2
+    assert "--round-overlap" in capsys.readouterr().err
+    assert ring_cli.main(["8", "1", "64", "tiny", "--gpus", "2", "--backend", "cupy",
+                          "--round-overlap"]) == 2
     assert "--round-overlap" in capsys.readouterr().err
 
 
