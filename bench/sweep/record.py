@@ -145,7 +145,7 @@ class CellRecord:
     @property
     def cell(self) -> Cell:
         return Cell(model=self.model, seqlen=self.seqlen, host_gib=self.host_gib,
-                    dev_gib=self.dev_gib)
+                    dev_gib=self.dev_gib, precision=self.precision or "bf16")
 
     @property
     def state(self) -> Status:
