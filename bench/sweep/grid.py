@@ -107,8 +107,15 @@ class Cell:
     """'bf16' or 'fp8' (dataflow.precision): a sweep's cells and records are keyed by it too."""
 
     @property
-    def key(self) -> tuple[str, int, float, float, str]:
-        return (self.model, self.seqlen, self.host_gib, self.dev_gib, self.precision)
+    def key(self) -> tuple[str, int, float, float]:
+        """The grid point, whatever the precision (a precision grid has one cell per precision
+        at each; the Cell itself, precision included, keys records)."""
+        return (self.model, self.seqlen, self.host_gib, self.dev_gib)
+
+    @property
+    def sort_key(self) -> tuple[str, int, float, float, str]:
+        """The table's order: grid point, then precision."""
+        return (*self.key, self.precision)
 
     @property
     def label(self) -> str:

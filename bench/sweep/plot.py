@@ -211,7 +211,7 @@ def _require_matplotlib() -> None:
 def grids(records: list[CellRecord]) -> dict[tuple[str, int, str], list[CellRecord]]:
     """The records of each (model, seqlen, precision): one set of pictures each."""
     out: dict[tuple[str, int, str], list[CellRecord]] = {}
-    for r in sorted(records, key=lambda r: r.cell.key):
+    for r in sorted(records, key=lambda r: r.cell.sort_key):
         out.setdefault((r.model, r.seqlen, r.cell.precision), []).append(r)
     return out
 

@@ -109,7 +109,7 @@ class SweepStore:
     def write_table(self, records) -> None:
         """sweep.parquet and sweep.csv from exactly these records, in grid order (callers that
         share the directory use rebuild_table)."""
-        rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.key)]
+        rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.sort_key)]
         _atomic_write(self.root / PARQUET, lambda tmp: _write_parquet(tmp, rows))
         _atomic_write(self.root / CSV, lambda tmp: _write_csv(tmp, rows))
 

@@ -37,7 +37,8 @@ def test_grid_expands_each_budget_pair_in_every_precision_back_to_back():
     cells = expand(("tiny",), (128,), (1.0,), (0.25, 0.5), ("bf16", "fp8"))
     assert [(c.dev_gib, c.precision) for c in cells] == [
         (0.25, "bf16"), (0.25, "fp8"), (0.5, "bf16"), (0.5, "fp8")]
-    assert len(set(cells)) == 4 and len({c.key for c in cells}) == 4
+    assert len(set(cells)) == 4 and len({c.sort_key for c in cells}) == 4
+    assert cells[0].key == cells[1].key == ("tiny", 128, 1.0, 0.25)  # the grid point
     assert cells[0].slug == cells[1].slug  # the store, not the cell, names a grid's files
     assert expand(("tiny",), (128,), (1.0,), (0.25,)) == (
         Cell(model="tiny", seqlen=128, host_gib=1.0, dev_gib=0.25),)
