@@ -10,6 +10,8 @@ import logging
 import pytest
 
 from dataflow.bench.sweep.grid import Cell, expand, parse_precisions
+from dataflow.bench.sweep.plot import plot_sweep
+from dataflow.bench.sweep.sweep import SweepConfig, _refuse_other_precisions
 from dataflow.bench.sweep.table import SweepStore, read_table
 from dataflow.cli.sweep import main
 from dataflow.models.errors import ConfigError
@@ -124,11 +126,29 @@ def test_a_directory_refuses_a_resume_with_other_precisions_naming_what_to_pass(
     assert "4 finished already" in caplog.text
 
 
+def test_a_table_from_before_the_precision_column_resumes_as_bf16_alone(tmp_path, capsys,
+                                                                        caplog):
+    """Records whose precision is empty (written before the column) are bf16 cells of a
+    one-precision directory: a bf16 resume skips them, a list is refused naming bf16."""
+    caplog.set_level(logging.INFO, logger="dataflow.sweep")
+    out = tmp_path / "old"
+    assert main([*PREDICT, "--out", str(out)]) == 0
+    for path in (out / "cells").iterdir():
+        row = json.loads(path.read_text())
+        row["precision"] = None
+        path.write_text(json.dumps(row))
+    caplog.clear()
+    assert main([*PREDICT, "--out", str(out)]) == 0
+    assert "2 cell(s), 2 finished already" in caplog.text
+    capsys.readouterr()
+    assert main([*PREDICT, "--precision", "bf16,fp8", "--out", str(out)]) == 2
+    assert "one-precision sweep (cells in bf16); run with --precision bf16" in \
+        capsys.readouterr().err
+
+
 def test_a_grid_directory_with_a_precision_the_list_leaves_out_is_refused(tmp_path):
     """The records' precisions must all be in the list asked for; the error names the one left
     out and the list that resumes (a partial grid, e.g. killed after its bf16 cells, resumes)."""
-    from dataflow.bench.sweep.sweep import SweepConfig, _refuse_other_precisions
-
     config = SweepConfig(cells=(), out="DIR", precisions=("bf16", "xp"))
     _refuse_other_precisions(config, {"bf16"}, True)
     with pytest.raises(ConfigError, match=r"DIR holds cells planned in fp8, which --precision "
@@ -157,7 +177,6 @@ def test_a_precision_grid_plots_each_picture_once_per_precision(tmp_path):
     """A table of two precisions gets MODEL-SEQLEN-PRECISION-report.png for each; a table of
     one keeps MODEL-SEQLEN-report.png."""
     pytest.importorskip("matplotlib")
-    from dataflow.bench.sweep.plot import plot_sweep
 
     assert main([*PREDICT, "--precision", "bf16,fp8", "--out", str(tmp_path / "g")]) == 0
     assert main([*PREDICT, "--precision", "fp8", "--out", str(tmp_path / "f")]) == 0
