@@ -2,7 +2,8 @@
 device budget across, host budget down (largest at the top), annotated cells, a fixed colour
 range per metric, failed cells labelled by reason. Per (model, seqlen) grid: a 2x2 report (tok/s,
 model TFLOP/s, MFU, HFU), predicted / measured tok/s, and measured peak / budget for device and
-host. Needs matplotlib (the `plot` extra). Never runs or plans cells."""
+host; a table of several precisions gets them once per precision. Needs matplotlib (the `plot`
+extra). Never runs or plans cells."""
 
 from __future__ import annotations
 
@@ -207,27 +208,34 @@ def _require_matplotlib() -> None:
                           "'dataflow[plot]' (or pip install matplotlib)") from None
 
 
-def grids(records: list[CellRecord]) -> dict[tuple[str, int], list[CellRecord]]:
-    out: dict[tuple[str, int], list[CellRecord]] = {}
-    for r in sorted(records, key=lambda r: r.cell.key):
-        out.setdefault((r.model, r.seqlen), []).append(r)
+def grids(records: list[CellRecord]) -> dict[tuple[str, int, str], list[CellRecord]]:
+    """The records of each (model, seqlen, precision): one set of pictures each."""
+    out: dict[tuple[str, int, str], list[CellRecord]] = {}
+    for r in sorted(records, key=lambda r: r.cell.sort_key):
+        out.setdefault((r.model, r.seqlen, r.cell.precision), []).append(r)
     return out
 
 
 def plot_sweep(sweep_dir: str | os.PathLike, to: str | os.PathLike | None = None, *,
                util_range: tuple[float, float] = (0.35, 0.7)) -> list[Path]:
     """Write the PNGs of every grid in `sweep_dir`'s table into `to` (default `sweep_dir`):
-    MODEL-SEQLEN-report.png always; -predicted.png and -memory.png when cells were measured."""
+    MODEL-SEQLEN-report.png always; -predicted.png and -memory.png when cells were measured.
+    A table of several precisions (--precision bf16,fp8) gets each picture once per precision,
+    MODEL-SEQLEN-PRECISION-report.png and so on, the precision in every title."""
     records = read_table(sweep_dir)  # refuses a missing directory or table before any write
     _require_matplotlib()
     out_dir = Path(to or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for (model, seqlen), recs in grids(records).items():
+    several = len({r.cell.precision for r in records}) > 1
+    for (model, seqlen, precision), recs in grids(records).items():
         measured = any(r.state is not Status.PREDICTED and r.state is not Status.INFEASIBLE
                        for r in recs)
         device = next((r.device_name for r in recs if r.state is Status.OK), recs[0].device_name)
         name = Path(model.rstrip("/")).name
+        stem = f"{name}-{seqlen}-{precision}" if several else f"{name}-{seqlen}"
+        if several:  # the titles below name the grid as "NAME at seqlen S"
+            name = f"{name} in {precision}"
         what = "measured" if measured else "predicted by the planner"
         fig = _figure(REPORT_SIZE_IN, f"{name} at seqlen {seqlen} on {device} ({what}, mean "
                                       "of the steps after the first)" if measured else
@@ -237,17 +245,17 @@ def plot_sweep(sweep_dir: str | os.PathLike, to: str | os.PathLike | None = None
             _draw(fig.add_subplot(2, 2, k + 1), heatmap(recs, metric), metric,
                   ranges.get(metric.title))
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"{name}-{seqlen}-report.png"))
+        written.append(_save(fig, out_dir / f"{stem}-report.png"))
         if not measured:
             continue
         fig = _figure(RATIO_SIZE_IN, f"{name} at seqlen {seqlen} on {device}: planner vs run")
         _draw(fig.add_subplot(1, 1, 1), heatmap(recs, RATIO), RATIO, RATIO_RANGE)
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"{name}-{seqlen}-predicted.png"))
+        written.append(_save(fig, out_dir / f"{stem}-predicted.png"))
         fig = _figure(MEMORY_SIZE_IN, f"{name} at seqlen {seqlen} on {device}: measured peak / "
                                       "budget")
         for k, metric in enumerate((DEVICE_PEAK, HOST_PEAK)):
             _draw(fig.add_subplot(1, 2, k + 1), heatmap(recs, metric), metric, MEMORY_RANGE)
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"{name}-{seqlen}-memory.png"))
+        written.append(_save(fig, out_dir / f"{stem}-memory.png"))
     return written

@@ -85,8 +85,9 @@ class CellRecord:
     """The plan's attention backward, 'deterministic' or 'fast' (--fast-attention); tables
     written before this column read back as None, which was always 'deterministic'."""
     precision: str | None = None
-    """The plan's precision, 'bf16' or 'fp8' (--precision); tables written before this column
-    read back as None, which was always 'bf16'."""
+    """The plan's precision, 'bf16' or 'fp8' (--precision; with a list, a grid axis, so it is
+    part of the record's Cell); tables written before this column read back as None, which was
+    always 'bf16'."""
     lora: str | None = None
     """The plan's LoRA adapters as the flags that give them ('--lora-rank 16 --lora-alpha 16
     --lora-targets q,k,v,o,gate,up,down'; docs/lora.md), None without (tables written before
@@ -145,7 +146,7 @@ class CellRecord:
     @property
     def cell(self) -> Cell:
         return Cell(model=self.model, seqlen=self.seqlen, host_gib=self.host_gib,
-                    dev_gib=self.dev_gib)
+                    dev_gib=self.dev_gib, precision=self.precision or "bf16")
 
     @property
     def state(self) -> Status:

@@ -39,6 +39,8 @@ class CellJob:
     """The sweep directory (shared with the workers)."""
     timeout_s: float
     python: str = sys.executable
+    by_precision: bool = False
+    """The sweep is a precision grid: record and log names end in the precision (SweepStore)."""
 
 
 def demo_command(job: CellJob) -> list[str]:
@@ -85,8 +87,8 @@ def measured_fields(doc: dict) -> dict:
 
 def run_cell(job: CellJob) -> CellRecord:
     """Run the cell, save its record under the sweep directory and return it."""
-    store = SweepStore(job.out)
-    slug = job.planned.cell.slug
+    store = SweepStore(job.out, by_precision=job.by_precision)
+    slug = store.name(job.planned.cell)
     store.logs_dir.mkdir(parents=True, exist_ok=True)
     err_path, out_path = store.logs_dir / f"{slug}.log", store.logs_dir / f"{slug}.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",

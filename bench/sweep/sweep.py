@@ -26,6 +26,7 @@ from dataflow.bench.sweep.runner import REPO_ROOT, CellJob
 from dataflow.bench.sweep.table import CSV, PARQUET, SweepStore
 from dataflow.memplan.plan.lora import Lora
 from dataflow.models.errors import ConfigError
+from dataflow.precision import PRECISIONS
 
 log = logging.getLogger("dataflow.sweep")
 GIB = 1 << 30
@@ -49,8 +50,10 @@ class SweepConfig:
     profile_file: str | None = None
     attention_bwd: str = "deterministic"
     """'fast' (--fast-attention): plan every cell with cuDNN's atomic-dQ attention backward."""
-    precision: str = "bf16"
-    """'fp8' (--precision fp8): plan and run every cell's linear layers in FP8 (docs/fp8.md)."""
+    precisions: tuple[str, ...] = ("bf16",)
+    """--precision: the precisions the cells were expanded over ('fp8': the linear layers in
+    FP8, docs/fp8.md). Each cell plans in its own; one value is a one-precision sweep, several
+    a precision grid, whose directory names every record by its precision (SweepStore)."""
     lora: Lora | None = None
     """--lora-rank / --lora-alpha / --lora-targets: plan (and so train) every cell with these
     LoRA adapters on a frozen base (docs/lora.md)."""
@@ -146,9 +149,9 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     grid order. Each record is saved the moment its cell finishes."""
     t0 = time.monotonic()
     executor = executor or LocalExecutor()
-    store = SweepStore(config.out)
+    store = SweepStore(config.out, by_precision=len(config.precisions) > 1)
     records = store.load()
-    _refuse_mixed_settings(config, records.values())
+    _refuse_mixed_settings(config, records.values(), store.named_by_precision())
     backend = resolve_backend(config.backend)
     if backend == "cupy" and not config.predict_only and not gpu_names():
         raise ConfigError("--backend cupy but NVML sees no GPU here; use --backend numpy, or "
@@ -168,7 +171,7 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     jobs, progress = [], _Progress(len(todo), 0)
     for cell in todo:
         plan, record = plan_cell(cell, profile, attention_bwd=config.attention_bwd,
-                                 precision=config.precision, lora=config.lora, **common)
+                                 precision=cell.precision, lora=config.lora, **common)
         if plan is None or config.predict_only:
             _keep(store, records, record)
             progress.cell(record)
@@ -178,7 +181,8 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
             store.plans_dir.mkdir(parents=True, exist_ok=True)
             plan_path.write_text(plan.to_json())
         jobs.append(CellJob(planned=record, plan_path=str(plan_path.resolve()),
-                            out=str(store.root.resolve()), timeout_s=config.timeout_s))
+                            out=str(store.root.resolve()), timeout_s=config.timeout_s,
+                            by_precision=store.by_precision))
     progress.to_run = len(jobs)
     if jobs:
         log.info("running %d cell(s) through the %s executor, %d step(s) each, timeout %s",
@@ -197,10 +201,11 @@ def run_sweep(config: SweepConfig, executor: Executor | None = None) -> list[Cel
     return mine
 
 
-def _refuse_mixed_settings(config: SweepConfig, records) -> None:
-    """One table, one attention backward, one precision and one LoRA: cells are keyed by model,
-    seqlen and budgets, so a resumed sweep with the other setting would skip cells measured
-    with the first one."""
+def _refuse_mixed_settings(config: SweepConfig, records, by_precision: bool | None) -> None:
+    """One table, one attention backward, one set of precisions and one LoRA: cells are keyed by
+    model, seqlen, budgets and precision, so a resumed sweep with another setting would skip
+    cells measured with the first one. `by_precision`: whether the records on disk are named
+    as a precision grid's (None: no records)."""
     mine = lora_flags(config.lora)
     other = sorted({r.lora or "" for r in records} - {mine or ""})
     if other:
@@ -208,10 +213,7 @@ def _refuse_mixed_settings(config: SweepConfig, records) -> None:
         how = f"run with {other[0]}" if other[0] else "run without --lora-rank"
         raise ConfigError(f"{config.out} holds cells planned {held}; {how} to resume it, or "
                           "give another --out")
-    other = sorted({r.precision or "bf16" for r in records} - {config.precision})
-    if other:
-        raise ConfigError(f"{config.out} holds cells planned in {other[0]}; run with "
-                          f"--precision {other[0]} to resume it, or give another --out")
+    _refuse_other_precisions(config, {r.precision or "bf16" for r in records}, by_precision)
     other = sorted({r.attention_bwd or "deterministic" for r in records} -
                    {config.attention_bwd})
     if other:
@@ -219,6 +221,38 @@ def _refuse_mixed_settings(config: SweepConfig, records) -> None:
             "with --fast-attention"
         raise ConfigError(f"{config.out} holds cells planned with the {other[0]} attention "
                           f"backward; run {flag} to resume it, or give another --out")
+
+
+def _refuse_other_precisions(config: SweepConfig, held: set[str],
+                             by_precision: bool | None) -> None:
+    """A one-precision directory resumes with that precision alone (as before precision was a
+    grid axis); a precision grid's directory resumes with a list holding every precision it
+    has cells in."""
+    asked = config.precisions
+    if len(asked) == 1:
+        if by_precision:
+            grid = [p for p in PRECISIONS if p in held or p in asked]
+            grid = grid if len(grid) > 1 else list(PRECISIONS)
+            raise ConfigError(f"{config.out} holds a precision grid (cells in "
+                              f"{', '.join(p for p in PRECISIONS if p in held)} so far, named "
+                              f"by precision); run with --precision {','.join(grid)} to resume "
+                              f"it, or give another --out for --precision {asked[0]}")
+        other = sorted(held - set(asked))
+        if other:
+            raise ConfigError(f"{config.out} holds cells planned in {other[0]}; run with "
+                              f"--precision {other[0]} to resume it, or give another --out")
+        return
+    listed = ",".join(asked)
+    if by_precision is False:
+        one = min(held)  # records on disk, so at least one precision
+        raise ConfigError(f"{config.out} holds a one-precision sweep (cells in {one}); run with "
+                          f"--precision {one} to resume it, or give another --out for "
+                          f"--precision {listed}")
+    extra = [p for p in PRECISIONS if p in held and p not in asked]
+    if extra:
+        raise ConfigError(f"{config.out} holds cells planned in {extra[0]}, which --precision "
+                          f"{listed} leaves out; run with --precision {listed},"
+                          f"{','.join(extra)} to resume it, or give another --out")
 
 
 def _keep(store: SweepStore, records: dict, record: CellRecord) -> None:

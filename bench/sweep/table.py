@@ -17,6 +17,7 @@ from pathlib import Path
 from dataflow.bench.sweep.grid import Cell
 from dataflow.bench.sweep.record import COLUMNS, DERIVED, SCHEMA_VERSION, CellRecord, column_types
 from dataflow.models.errors import ConfigError
+from dataflow.precision import PRECISIONS
 
 PARQUET = "sweep.parquet"
 CSV = "sweep.csv"
@@ -50,16 +51,32 @@ def _locked(directory: Path):
 
 
 class SweepStore:
-    """A sweep directory: cells/<slug>.json, logs/, plans/, sweep.parquet, sweep.csv."""
+    """A sweep directory: cells/<slug>.json, logs/, plans/, sweep.parquet, sweep.csv. In a
+    precision grid's directory (by_precision: --precision bf16,fp8) every record and log name
+    ends in its precision, cells/<slug>-<precision>.json; a one-precision sweep's names do not,
+    as before precision was a grid axis."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, by_precision: bool = False):
         self.root = Path(root)
         self.cells_dir = self.root / "cells"
         self.logs_dir = self.root / "logs"
         self.plans_dir = self.root / "plans"
+        self.by_precision = by_precision
+
+    def name(self, cell: Cell) -> str:
+        """The file name stem of the cell's record and logs."""
+        return f"{cell.slug}-{cell.precision}" if self.by_precision else cell.slug
 
     def record_path(self, cell: Cell) -> Path:
-        return self.cells_dir / f"{cell.slug}.json"
+        return self.cells_dir / f"{self.name(cell)}.json"
+
+    def named_by_precision(self) -> bool | None:
+        """Whether the records on disk are a precision grid's (names ending in a precision);
+        None when there are none. A one-precision slug ends in '-d<budget>', never so."""
+        names = [p.stem for p in self.cells_dir.glob("*.json")]
+        if not names:
+            return None
+        return any(n.endswith(tuple(f"-{p}" for p in PRECISIONS)) for n in names)
 
     def save(self, record: CellRecord) -> None:
         """Persist one finished cell now (idempotent: a later save of the same cell replaces it)."""
@@ -92,7 +109,7 @@ class SweepStore:
     def write_table(self, records) -> None:
         """sweep.parquet and sweep.csv from exactly these records, in grid order (callers that
         share the directory use rebuild_table)."""
-        rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.key)]
+        rows = [r.to_row() for r in sorted(records, key=lambda r: r.cell.sort_key)]
         _atomic_write(self.root / PARQUET, lambda tmp: _write_parquet(tmp, rows))
         _atomic_write(self.root / CSV, lambda tmp: _write_csv(tmp, rows))
 

@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 
 from dataflow.bench.sweep.executors import SubmititExecutor
-from dataflow.bench.sweep.grid import expand, parse_ints, parse_names, parse_numbers
+from dataflow.bench.sweep.grid import (
+    expand,
+    parse_ints,
+    parse_names,
+    parse_numbers,
+    parse_precisions,
+)
 from dataflow.bench.sweep.planning import resolve_backend
 from dataflow.bench.sweep.sweep import SweepConfig, run_sweep
 from dataflow.cli.args import (
@@ -44,10 +50,13 @@ examples:
       --host 20:120:20 --dev 8:80:8 --out runs/predicted
   dataflow-sweep run --predict-only --gpu h200 --model 8b,32b --seqlen 8192 \\
       --host 24:80:8 --dev 24 --lora-rank 16 --out runs/lora
+  dataflow-sweep run --predict-only --gpu h200 --model 8b --seqlen 8192 \\
+      --host 64,80 --dev 24 --precision bf16,fp8 --out runs/8b-fp8
   dataflow-sweep plot runs/8b-8k
 
 GB means GiB (2^30 bytes). A range start:stop:step includes stop when the steps land on it.
 Run again to resume: cells with a record in the directory are skipped (--redo runs them again).
+--precision bf16,fp8 makes precision a grid axis: every cell in both, one table row each.
 """
 
 
@@ -82,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan every cell with cuDNN's faster non-deterministic attention "
                           "backward (as dataflow-demo --fast-attention); a sweep directory "
                           "holds one kind")
-    run.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                     help="plan and run every cell's linear layers in this precision (fp8: "
-                          "docs/fp8.md; not yet a grid axis: a sweep directory holds one)")
+    run.add_argument("--precision", default="bf16", metavar="LIST",
+                     help=f"the linear layers' precision, {' or '.join(PRECISIONS)} (fp8: "
+                          "docs/fp8.md), or a comma list (bf16,fp8: a grid axis, each cell "
+                          "planned and run in each, one row per cell and precision); a "
+                          "directory resumes only with its own precisions (default bf16)")
     add_lora_flags(run)
     prof = run.add_mutually_exclusive_group()
     prof.add_argument("--gpu", metavar="NAME",
@@ -116,18 +127,20 @@ def _config(args) -> SweepConfig:
         raise ConfigError(f"--seqlen {max(seqlens):,} is too large: the planner handles at most "
                           f"{MAX_SEQLEN:,} tokens per sequence")
     models = parse_names(args.model, "--model")
+    precisions = parse_precisions(args.precision)
     lora = lora_of(args)  # a bad --lora-* is refused before the sweep directory is made
     for model in models:  # so is a bad model, or LoRA on a model it is not built for
         cfg = model_config(model)
-        refuse_unsupported(cfg, lora, precision=args.precision,
-                           where="dataflow-sweep --lora-rank")
+        for precision in precisions:  # or on an FP8 base, also as one item of a list
+            refuse_unsupported(cfg, lora, precision=precision, where="dataflow-sweep --lora-rank")
     cells = expand(models, seqlens,
-                   parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"))
+                   parse_numbers(args.host, "--host"), parse_numbers(args.dev, "--dev"),
+                   precisions)
     return SweepConfig(cells=cells, out=args.out, steps=args.steps, backend=args.backend,
                        timeout_s=args.timeout, redo=args.redo, predict_only=args.predict_only,
                        gpu=args.gpu, profile_file=args.profile,
                        attention_bwd="fast" if args.fast_attention else "deterministic",
-                       precision=args.precision, lora=lora)
+                       precisions=precisions, lora=lora)
 
 
 def _run(args) -> int:
