@@ -41,7 +41,8 @@ def run_ring(args, parser, lr: float) -> int:
         transport=TransportKind.AUTO.resolve(backend), replicas=None,
         tokens_per_step=args.tokens_per_step, rounds=args.rounds,
         quiet=env is not None and env.rank != 0)
-    job = RingJob(gpus=n, replicas=replicas, constraints=constraints,model=args.model, seqlen=args.seqlen, host_gb=args.host_gb,
+    job = RingJob(gpus=n, replicas=replicas, constraints=constraints, model=args.model,
+                  seqlen=args.seqlen, host_gb=args.host_gb,
                   dev_gb=args.dev_gb, steps=args.steps, seed=args.seed, lr=lr,
                   max_grad_norm=args.max_grad_norm or None, backend=backend,
                   transport=TransportKind.AUTO, timeout_s=300.0, save_weights=False,

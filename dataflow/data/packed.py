@@ -215,7 +215,8 @@ class PackedCorpus:
             raise ConfigError(f"data position is for corpus {state.get('dataset')!r}, but "
                               f"{self.name} with this tokenizer, held-out split and --too-long "
                               f"is {self._fingerprint!r}; resume with the same --data, "
-                              "--tokenizer, --eval-every and --too-long as the saved run")
+                              "--tokenizer, --eval-every, --eval-seqs and --too-long as the "
+                              "saved run")
         values = [state.get(k) for k in ("epoch", "record", "offset")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values) \
                 or values[1] >= self._train.size or values[2] >= self._length_at(values):

@@ -104,7 +104,8 @@ class ArraySource:
         if state.get("dataset") != self._fingerprint:
             raise ConfigError(f"data position is for dataset {state.get('dataset')!r}, but "
                               f"{self.name} with this held-out split is {self._fingerprint!r}; "
-                              "resume with the same --data and --eval-every as the saved run")
+                              "resume with the same --data, --eval-every and --eval-seqs as the "
+                              "saved run")
         pos = state.get("position")
         if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self._train.size:
             raise ConfigError(f"data position {pos!r} is outside [0, {self._train.size})")
