@@ -42,7 +42,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
             grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
-            split_fetch=job.split_fetch,
+            split_fetch=job.split_fetch, split_update=job.split_update,
             **{"placement": job.placement, "precision": job.precision,
                "vocab_parallel": job.vocab_parallel_head, **dict(job.constraints)})
         rp = rank.rp
