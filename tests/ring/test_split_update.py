@@ -25,10 +25,12 @@ from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
 from dataflow.optimizer import AdamWConfig
+from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
 from dataflow.ring.job import RingJob
 from dataflow.ring.launch import launch
 from dataflow.ring.rank import RingRank
 from dataflow.ring.shm import SharedMemoryTransport
+from dataflow.ring.transport import Transport
 from tests.dataflow.plans import RESIDENT, forced_plan, streamed
 from tests.ring.threads import in_threads
 
@@ -131,3 +133,17 @@ def test_launched_split_replicas_equal_unsplit_replicas(tmp_path, rng):
     assert sorted(a_w) == sorted(b_w)
     for key in a_w:
         assert np.array_equal(a_w[key], b_w[key]), key
+
+
+def test_checkpoints_and_other_transports_are_refused_by_name(tmp_path):
+    """A split replica holds AdamW state for its half alone: saving and resuming are refused
+    before anything is written or read; a transport without a reduce-scatter names the flag."""
+    class Stand:  # the checkpoint reads the rank plan first
+        rp = _rank_plan("resident", split=True)
+
+    with pytest.raises(ConfigError, match="--split-update"):
+        save_ring_checkpoint(Stand(), None, CFG, tmp_path)
+    with pytest.raises(ConfigError, match="--split-update"):
+        load_ring_checkpoint(Stand(), None, CFG, tmp_path)
+    with pytest.raises(ConfigError, match="--transport shm"):
+        Transport.reduce_scatter(Stand(), None)
