@@ -192,6 +192,19 @@ class ReplicaCompiler(StepCompiler):
         em.add(GatherParts(f"gather.{key.name}", weights, self.rp.replicas))
         em.wait(stream, em.record(GATHER))
 
+    def round_begin(self, rnd: int) -> None:
+        """With split_update the last round's gradient releases write home this replica's
+        reduced part alone (the AdamW reads nothing else; earlier rounds keep the whole sums)."""
+        if self.split_update:
+            hook = self._part_writeback if rnd == self.last_round else None
+            for ring in (self.gring, self.hg_ring):
+                if ring is not None:
+                    ring.writeback = hook
+        super().round_begin(rnd)
+
+    def _part_writeback(self, home: Ref, slot: Ref) -> tuple[Ref, Ref]:
+        return self.part(home), self.part(slot)
+
     def fused(self, key: BlockKey) -> bool:
         """A split update is never fused into round 0's weight fetch: the whole block is
         updated (in parts) and gathered at home first, then fetched as usual."""

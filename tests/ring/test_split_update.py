@@ -18,7 +18,7 @@ import pytest
 from dataflow.backends import make_backend
 from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere
 from dataflow.memplan.plan.ranks import RankPlan
-from dataflow.memplan.step.compile import Update
+from dataflow.memplan.step.compile import Update, WriteBack
 from dataflow.memplan.step.ring_compile import (AllReduce, GatherParts, ReduceScatter,
                                                 compile_ring_schedule)
 from dataflow.models.config import load_config
@@ -97,6 +97,14 @@ def test_split_schedule_reduce_scatters_and_updates_its_half(where):
             assert lo == q * (hi - lo), (block, q, pieces)
         gathered = [e for e in events if type(e) is GatherParts and e.name.startswith("gather.")]
         assert len(gathered) == 3
+        grads_home = [e for e in events if type(e) is WriteBack
+                      and e.name.startswith(("g.d2h", "headg.d2h"))]
+        if where == "streamed":  # round 0 writes the whole sums home, the last round its half
+            half = len(grads_home) // 2
+            for first, last in zip(grads_home[:half], grads_home[half:]):
+                n = first.dst.nbytes // 2
+                assert (last.dst.offset, last.dst.nbytes) == (first.dst.offset + q * n, n)
+                assert (last.src.offset, last.src.nbytes) == (first.src.offset + q * n, n)
     plain = compile_ring_schedule(dataclasses.replace(rp, split_update=False)).events
     assert not any(type(e) is ReduceScatter for e in plain)
 
@@ -122,7 +130,9 @@ def test_launched_split_replicas_equal_unsplit_replicas(tmp_path, rng):
                                    ("rounds_per_step", 1)))
         res = launch(job)
         assert res.exit_codes == (0, 0), res
-        losses = [json.loads((out / f"rank{r}.json").read_text())["losses"] for r in range(2)]
+        info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(i["split_update"] is split for i in info)
+        losses = [i["losses"] for i in info]
         with np.load(out / "rank0.npz") as z:
             weights = {k: z[k].view(ml_dtypes.bfloat16).view(np.uint16) for k in z.files}
         return losses, weights
