@@ -157,3 +157,16 @@ def test_checkpoints_and_other_transports_are_refused_by_name(tmp_path):
         load_ring_checkpoint(Stand(), None, CFG, tmp_path)
     with pytest.raises(ConfigError, match="--transport shm"):
         Transport.reduce_scatter(Stand(), None)
+
+
+def test_two_halves_partial_sums_are_the_whole_blocks_sum(rng):
+    """What the split norm rests on (RingExecutor._split_norms): for a float64 array of n
+    elements, n a multiple of 16 and at least 512, NumPy's sum equals the sum of its two
+    halves' sums, bit for bit (its pairwise sum splits at n / 2 first). A NumPy that sums
+    otherwise fails here before the replicas' norms drift."""
+    for n in [512, 1024, 46336, 65792, 16 * 12345, 1 << 20]:
+        for _ in range(5):
+            a = np.square(rng.standard_normal(n).astype(np.float32).astype(np.float64))
+            whole = np.float32(float(np.sum(a)))
+            halves = float(np.sum(a[:n // 2])) + float(np.sum(a[n // 2:]))
+            assert float(np.sum(a)) == halves and whole == np.float32(halves), n
