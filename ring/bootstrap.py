@@ -6,6 +6,7 @@ passes replicas and constraints: dataflow.ring.layout) and never spawns processe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
@@ -65,13 +66,14 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
               seed: int = 0, optimizer=None, lr_schedule: Callable[[int], float] | None = None,
               grad_accum: GradAccum = GradAccum.BF16, profile=None,
               deferred_update: bool = True, trace: bool = False, split_fetch: bool = False,
-              **constraints):
+              split_update: bool = False, **constraints):
     """(RingRank, transport) of this process: its rank's plan under the per-device budgets,
     its backend, its transport and its blocks initialised as one device would.
     deferred_update: as the Engine's (each step's AdamW inside the next step's first round).
     trace: wrap the backend in a TracingBackend; each step's breakdown is then the rank's
     `last_breakdown`. split_fetch: with replicas, each fetches 1/R of every streamed weight use
-    and gathers the rest from the others (RankPlan.split_fetch). A 'precision' among the
+    and gathers the rest from the others (RankPlan.split_fetch); split_update: with replicas,
+    each updates its part of every block (RankPlan.split_update). A 'precision' among the
     constraints is the rank plan's and its backend's (dataflow.precision; a backend without it
     refuses, by name, before planning)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
@@ -89,6 +91,12 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=grad_accum, split_fetch=split_fetch,
                         **constraints)
+    if split_update and replicas > 1:
+        if kind.value != "shm":
+            raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
+                              "are not built yet; use --transport shm (NumPy backend) or leave "
+                              "--split-update off")
+        rp = dataclasses.replace(rp, split_update=True)
     tr = make_transport(kind, env, replicas, timeout_s)
     try:
         return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,

@@ -54,6 +54,11 @@ class Ring:
     gathers the rest from the other replicas over NVLink (RankPlan.split_fetch). Off by
     default: on 2 H200s at 60/24 it measured 2.5 % slower than each fetching everything (8b,
     16k chunks, copies already hidden; docs/ring.md)."""
+    split_update: bool = False
+    """With 2 replicas of a ring of 1 (shared memory, NumPy backend): each block's gradient is
+    reduce-scattered, each replica runs AdamW on its half alone and the updated halves are
+    gathered (RankPlan.split_update; the same bits as without; docs/ring.md "Split updates").
+    Off by default; other layouts are refused by name."""
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
     and loss over it, instead of the last layer's rank carrying the whole head
@@ -126,6 +131,7 @@ class RingEngine:
             backend=backend, transport=transport, timeout_s=ring.timeout_s, seed=seed,
             optimizer=opt, lr_schedule=lr_schedule, grad_accum=GradAccum(grad_accum),
             profile=profile, deferred_update=deferred_update, split_fetch=ring.split_fetch,
+            split_update=ring.split_update,
             **options)
         source = model_weights_dir(model)
         if source is not None:  # a Hugging Face or saved model brings its weights, as on one GPU

@@ -15,9 +15,9 @@ from dataflow.backend import Stream
 from dataflow.executor import Executor, RoundStats, StepStats
 from dataflow.memplan.plan.buffers import MAX_NORM_PARTS, NORM_PARTS_AT
 from dataflow.memplan.plan.ranks import RankPlan
-from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv, Send,
-                                            compile_ring_eval_schedule, compile_ring_schedule,
-                                            compile_ring_update_schedule)
+from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv,
+                                            ReduceScatter, Send, compile_ring_eval_schedule,
+                                            compile_ring_schedule, compile_ring_update_schedule)
 from dataflow.memplan.step.compile import Record, Schedule, Wait
 from dataflow.models.errors import ConfigError
 from dataflow.ring.transport import Transport
@@ -39,18 +39,24 @@ class RingExecutor(VocabHeadOps, Executor):
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
                                                                            replica=q),
-                         compile_update=lambda: compile_ring_update_schedule(rp),
+                         compile_update=lambda: compile_ring_update_schedule(rp, q),
                          compile_eval=lambda rounds: compile_ring_eval_schedule(rp, rounds, q))
         self.rp, self.transport = rp, transport
         self.aux_round_factor = rp.replicas
         self.aux_layers = rp.n_layers  # the routing totals a ring passes round are the model's
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                GatherParts: self._gather_parts, Record: self._ring_record,
-                               Wait: self._ring_wait})
+                               Wait: self._ring_wait, ReduceScatter: self._reduce_scatter})
+        if rp.split_update and rp.replicas > 1 and be.name != "numpy":
+            raise ConfigError(f"split updates (--split-update) on the {be.name} backend are not "
+                              "built yet (the partial norms are summed on the host); use "
+                              "--backend numpy or leave --split-update off")
+        self._partials: dict[int, float] = {}  # split blocks' float64 partial squared norms
         if rp.vocab_parallel:
             self._compute_ops.update(self._vocab_handlers())
         ch, cfg = rp.plan.chunking, rp.plan.model
-        reduced = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is AllReduce]
+        reduced = [ev.dst.nbytes for ev in self.schedule.events
+                   if type(ev) in (AllReduce, ReduceScatter)]
         gathered = [ev.dst.nbytes for ev in self.schedule.events if type(ev) is GatherParts]
         # Per neighbour at most one round's chunks travel each way (each chunk's residual is in
         # one place at a time), and a ring of 2 shares one mailbox for both directions.
@@ -85,6 +91,9 @@ class RingExecutor(VocabHeadOps, Executor):
 
     def _allreduce(self, ev: AllReduce) -> None:
         self.transport.allreduce(self._view(ev.dst, dtype=ev.dtype))
+
+    def _reduce_scatter(self, ev: ReduceScatter) -> None:
+        self.transport.reduce_scatter(self._view(ev.dst, dtype=ev.dtype))
 
     def _gather_parts(self, ev: GatherParts) -> None:
         self.transport.gather_parts(self._view(ev.dst))
@@ -121,8 +130,35 @@ class RingExecutor(VocabHeadOps, Executor):
         """A block's squared gradient norm into its own scalar (not added into scalar 0): the
         ranks add the blocks' norms in the single-device order once all are known."""
         at = NORM_PARTS_AT + self._norm_part[ev.name]
+        if self.rp.split_update and self.rp.replicas > 1 and ev.name != "gnorm.embed":
+            self._partial_sumsq(self._norm_part[ev.name], self._view(ev.grads, dtype=self.gdt))
+            return
         self.be.launch(Stream.COMPUTE, "sumsq", self._view(ev.grads, dtype=self.gdt),
                        self.tr["scalars"][at:at + 1], False, name=ev.name)
+
+    def _partial_sumsq(self, k: int, grads) -> None:
+        """A split block's part (RankPlan.split_update): its squared norm in float64, unrounded,
+        as the sumsq kernel sums it (dataflow.ops_numpy.sumsq), kept for _global_sumsq."""
+        def run() -> None:
+            self._partials[k] = float(np.sum(np.square(grads.reshape(-1).astype(np.float64))))
+        self.be.host_call(Stream.COMPUTE, run, reads=(grads,), name=f"gnorm.part{k}")
+
+    def _split_norms(self, everyone: list, rows: list, order: list[str]) -> None:
+        """The split blocks' squared norms in `rows` (this ring's; `everyone`: every process's
+        row, replica-major): the 2 replicas' float64
+        partial sums added as NumPy's pairwise sum of the whole block adds its two halves, then
+        rounded to fp32 once: the unsplit kernel's bits (2 replicas and blocks of a multiple of
+        16 elements, ring_compile.refuse_split_update)."""
+        n = self.rp.n_ranks
+        for name, k in self._norm_part.items():
+            if name == "gnorm.embed":
+                continue
+            i = order.index(name.removeprefix("gnorm."))
+            halves = [everyone[q * n + self.rp.rank][2 + 2 * i] for q in range(self.rp.replicas)]
+            total = float(np.float32(halves[0] + halves[1]))
+            for r in rows:
+                if r[1 + 2 * i]:
+                    r[2 + 2 * i] = total
 
     def _global_sumsq(self) -> None:
         """Before the clip scale: every rank holds the squared norm of each of its blocks'
@@ -138,8 +174,11 @@ class RingExecutor(VocabHeadOps, Executor):
         row[0] = host_part
         for name, k in self._norm_part.items():
             i = order.index(name.removeprefix("gnorm."))
-            row[1 + 2 * i:3 + 2 * i] = (1.0, parts[k])
-        rows = self._own_ring(self.transport.allgather(row))
+            row[1 + 2 * i:3 + 2 * i] = (1.0, self._partials.get(k, parts[k]))
+        everyone = self.transport.allgather(row)
+        rows = [np.array(r, np.float64) for r in self._own_ring(everyone)]
+        if self._partials:
+            self._split_norms(everyone, rows, order)
         total = np.float32(0.0)
         for i in range(len(order)):
             for r in rows:

@@ -61,6 +61,9 @@ class RingJob:
     split_fetch: bool = False
     """With replicas: each fetches 1/R of every streamed weight use and gathers the rest from
     the others (RankPlan.split_fetch); False: each fetches everything itself."""
+    split_update: bool = False
+    """With replicas: each block's gradient is reduce-scattered and each replica updates its
+    part alone (RankPlan.split_update); False: every replica updates the whole model."""
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the
     logits and loss over it (RankPlan.vocab_parallel; NumPy backend so far)."""

@@ -332,6 +332,22 @@ class SharedMemoryTransport(Transport):
         raw = arr.reshape(-1).view(np.uint8)
         self._exchange_now(raw, slice(0, raw.size), total, "all-reduce")
 
+    def _reduce_part_now(self, arr: np.ndarray) -> None:
+        """Part q of `arr` summed over the replicas (in replica order in fp32, rounded once: the
+        same bits as _reduce_now's part q) into this replica's part q; the rest is untouched."""
+        flat = arr.reshape(-1)
+        n = flat.size // self.replicas
+        mine = slice(self.replica * n, (self.replica + 1) * n)
+
+        def total(parts) -> None:
+            acc = parts[0].view(arr.dtype)[mine].astype(np.float32)
+            for part in parts[1:]:
+                acc += part.view(arr.dtype)[mine].astype(np.float32)
+            flat[mine] = acc.astype(arr.dtype)
+
+        raw = flat.view(np.uint8)
+        self._exchange_now(raw, slice(0, raw.size), total, "reduce-scatter")
+
     def _gather_now(self, raw: np.ndarray) -> None:
         """Replica q's part of `raw` (bytes [q n / R, (q + 1) n / R)) to every replica."""
         n = raw.size // self.replicas
@@ -385,6 +401,14 @@ class SharedMemoryTransport(Transport):
         dtype = view.dtype
         self._on_host(view, "reduce", lambda b: self._reduce_now(b.view(dtype)), to_host=True,
                       from_host=True, name="allreduce")
+
+    def reduce_scatter(self, view) -> None:
+        if view.size % self.replicas:
+            raise RingError(f"rank {self.rank}: {view.size} elements do not split into "
+                            f"{self.replicas} parts", rank=self.rank)
+        dtype = view.dtype
+        self._on_host(view, "reduce", lambda b: self._reduce_part_now(b.view(dtype)),
+                      to_host=True, from_host=True, name="reduce_scatter")
 
     def gather_parts(self, view) -> None:
         if view.nbytes % self.replicas:

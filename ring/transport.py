@@ -9,6 +9,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from dataflow.models.errors import ConfigError
+
 
 class RingError(RuntimeError):
     """A ring rank could not go on: a neighbour died, aborted, or never answered in time.
@@ -60,6 +62,14 @@ class Transport(abc.ABC):
         """Enqueue on the gather stream: `view`'s bytes split into R equal parts, replica q's
         part (bytes [q n / R, (q + 1) n / R)) written by replica q, given to every replica in
         place. Every replica passes a view of the same size. Never called with one replica."""
+
+    def reduce_scatter(self, view) -> None:
+        """Enqueue on the reduce stream: part q of `view` (bytes [q n / R, (q + 1) n / R))
+        summed over the replicas into replica q's view (RankPlan.split_update); only the
+        shared-memory transport has it."""
+        raise ConfigError(f"{type(self).__name__} has no reduce-scatter: split updates "
+                          "(--split-update) run on the shared-memory transport; use "
+                          "--transport shm or leave --split-update off")
 
     @abc.abstractmethod
     def record(self, stream: str) -> Any:

@@ -42,7 +42,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
             backend=job.backend, transport=job.transport, timeout_s=job.timeout_s,
             seed=job.seed, optimizer=AdamWConfig(lr=job.lr, max_grad_norm=job.max_grad_norm),
             grad_accum=job.grad_accum, deferred_update=not job.eager_update, trace=job.trace,
-            split_fetch=job.split_fetch,
+            split_fetch=job.split_fetch, split_update=job.split_update,
             **{"placement": job.placement, "precision": job.precision,
                "vocab_parallel": job.vocab_parallel_head, **dict(job.constraints)})
         rp = rank.rp
@@ -93,7 +93,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "rank": env.rank % ring_size, "replica": env.rank // ring_size,
                 "world_size": env.gpus,
                 "layers": list(rp.layers), "placement": rp.placement,
-                "split_fetch": rp.split_fetch,
+                "split_fetch": rp.split_fetch, "split_update": rp.split_update,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "step_times_s": times, "eval_loss": eval_loss, "breakdowns": breakdowns,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with replicas: each fetches 1/R of every streamed weight from its host "
                         "memory and the replicas gather the rest from each other (default: each "
                         "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
+    p.add_argument("--split-update", action="store_true",
+                   help="with 2 replicas of a ring of 1 (--transport shm, NumPy backend): "
+                        "reduce-scatter each block's gradient, each replica runs AdamW on its "
+                        "half alone and the updated halves are gathered; the same bits as "
+                        "without (default off; docs/ring.md \"Split updates\")")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                   timeout_s=args.timeout, out_dir=out, eager_update=args.eager_update,
                   precision=args.precision,
                   eval_seqs=args.eval_seqs, trace=args.trace,
-                  split_fetch=args.split_fetch, vocab_parallel_head=vocab_parallel,
+                  split_fetch=args.split_fetch, split_update=args.split_update,
+                  vocab_parallel_head=vocab_parallel,
                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                   keep=args.keep, resume=args.resume,
                   force_checkpoint_dir=args.force_checkpoint_dir,

@@ -207,6 +207,12 @@ class RankPlan:
     link and gathers the other parts from the other replicas (their weights are the same bits),
     so the replicas of one host share its copies instead of each moving the whole model
     (dataflow.memplan.step.ring_compile, docs/ring.md)."""
+    split_update: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """With replicas (shared memory, NumPy backend): each block's last-round gradient is
+    reduce-scattered, replica q keeps the reduced part q (elements [q n / R, (q + 1) n / R)),
+    runs AdamW on that part alone and the updated weight parts are gathered into every replica's
+    weights; the embedding stays all-reduced and updated whole (docs/ring.md "Split updates").
+    The planner does not count the saving yet: every replica's arenas keep whole-block m / v."""
     vocab_parallel: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
     """Every rank holds a shard of the lm_head rows (head_rows) and computes the logits and
     loss over it; the head's rank (has_head: the final norm, the loss sums) sends each chunk's

@@ -82,6 +82,10 @@ class _Ring:
         its slot in place of the one whole Fetch (data-parallel replicas each fetch a part and
         gather the rest from each other: dataflow.memplan.step.ring_compile). Called after the
         slot's waits on the H2D stream; the record is what the use's compute waits for."""
+        self.writeback = None
+        """Optional hook (home ref, slot ref) -> (home ref, slot ref): the bytes a release
+        writes home in place of the whole use (a replica splitting its update writes only its
+        reduced part: dataflow.memplan.step.ring_compile)."""
 
     def assign(self, uses: list[_Use]) -> list[tuple[int, bool]]:
         """For each use: (slot, needs a fetch). Evicts the block needed farthest ahead, never
@@ -211,8 +215,10 @@ class _Ring:
         if use.writeback is not None:
             em.wait(D2H, done)
             em.wait(D2H, self.host_ready.get(use.key))  # earlier readers of the home copy
-            em.add(WriteBack(f"{self.name}.d2h{use.key}", use.writeback,
-                             self._slot_part(slot, use.writeback.nbytes)))
+            home, part = use.writeback, self._slot_part(slot, use.writeback.nbytes)
+            if self.writeback is not None:
+                home, part = self.writeback(home, part)
+            em.add(WriteBack(f"{self.name}.d2h{use.key}", home, part))
             done = em.record(D2H)
             self.host_ready[use.key] = done
         self.free[slot] = done

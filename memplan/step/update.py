@@ -118,19 +118,40 @@ class OptimizerUpdate:
     def _numel(self, key: BlockKey) -> int:
         return self.numel[key.kind]
 
+    def update_range(self, key: BlockKey) -> tuple[int, int]:
+        """The elements [lo, hi) of `key` this compiler's AdamW updates: all of them on one
+        device (a replica splitting its update overrides it, dataflow.memplan.step.ring_compile)."""
+        return 0, self._numel(key)
+
+    def weights_updated(self, key: BlockKey, weights: Ref, stream: str) -> None:
+        """After `stream`'s AdamW of key's elements update_range(key) in `weights`: nothing on
+        one device (a replica splitting its update gathers the other parts there)."""
+
+    def _range_refs(self, key: BlockKey, home: bool) -> list[Ref]:
+        """key's weights, grads, m, v refs restricted to update_range(key)."""
+        lo, hi = self.update_range(key)
+        bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
+        refs = [self.block(key, p, home) for p in ("weights", "grads", "m", "v")]
+        if (lo, hi) == (0, self._numel(key)):
+            return refs
+        return [Ref(r.region, r.offset + lo * b, (hi - lo) * b) for r, b in zip(refs, bpe)]
+
     def update_device(self, key: BlockKey) -> None:
-        parts = [self.block(key, p, False) for p in ("weights", "grads", "m", "v")]
-        self.em.add(Update(f"adamw.{key.name}", key.name, 0, self._numel(key), *parts))
-        self.em.add(Fill(f"zero_grads.{key.name}", parts[1], self.gdt))
+        parts = self._range_refs(key, False)
+        lo, hi = self.update_range(key)
+        self.em.add(Update(f"adamw.{key.name}", key.name, lo, hi - lo, *parts))
+        self.weights_updated(key, self.block(key, "weights", False), COMPUTE)
+        self.em.add(Fill(f"zero_grads.{key.name}", self.block(key, "grads", False), self.gdt))
 
     def update_host(self, key: BlockKey) -> None:
         em = self.em
         self._grads_ready(key, HOST)
         em.wait(HOST, self.scale_on_host)
         em.wait(HOST, em.record(H2D))  # the device may still be reading the home weights
-        parts = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
-        em.add(Update(f"adamw.host.{key.name}", key.name, 0, self._numel(key), *parts,
-                      stream=HOST))
+        parts = self._range_refs(key, True)
+        lo, hi = self.update_range(key)
+        em.add(Update(f"adamw.host.{key.name}", key.name, lo, hi - lo, *parts, stream=HOST))
+        self.weights_updated(key, self.block(key, "weights", True), HOST)
         em.record(HOST)
 
     def zero_home_embed_grads(self) -> None:
@@ -164,8 +185,8 @@ class OptimizerUpdate:
             em.wait(H2D, em.record(COMPUTE))
         home = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
         bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
-        numel = self._numel(key)
-        for i, start in enumerate(range(0, numel, n_stage)):
+        lo, numel = self.update_range(key)
+        for i, start in enumerate(range(lo, numel, n_stage)):
             n = min(n_stage, numel - start)
             buf = i % 2
             dev = [self.ref("opt_stage", offs[f"{x}{buf}"], n * b) for x, b in zip("pgmv", bpe)]
@@ -191,6 +212,7 @@ class OptimizerUpdate:
             for j in (0, 2, 3):
                 em.add(WriteBack(f"opt.d2h.{key.name}", host[j], dev[j], stream=wst))
             self.stage_free[buf] = em.record(wst)
+        self.weights_updated(key, home[0], wst)
         return em.record(wst)
 
     # -- the previous step's update, deferred into round 0 (update='deferred') ---------------

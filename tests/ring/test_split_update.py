@@ -1,0 +1,172 @@
+"""Split updates (RankPlan.split_update): 2 replicas of a ring of 1 (plain data parallelism,
+two threads of this process, shared memory, NumPy backend) reduce-scatter each layer's and the
+head's last-round gradient, update only their own half and gather the halves of the updated
+weights. Their losses, gradient norms (clipping on) and final weights must equal the unsplit
+replicas' bit for bit, with streamed and with resident layers; what is not built is refused by
+name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dataflow.backends import make_backend
+from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere
+from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.step.compile import Update, WriteBack
+from dataflow.memplan.step.ring_compile import (AllReduce, GatherParts, ReduceScatter,
+                                                compile_ring_schedule)
+from dataflow.models.config import load_config
+from dataflow.models.errors import ConfigError
+from dataflow.models.serial import to_json
+from dataflow.optimizer import AdamWConfig
+from dataflow.ring.checkpoint import load_ring_checkpoint, save_ring_checkpoint
+from dataflow.ring.job import RingJob
+from dataflow.ring.launch import launch
+from dataflow.ring.rank import RingRank
+from dataflow.ring.shm import SharedMemoryTransport
+from dataflow.ring.transport import Transport
+from tests.dataflow.plans import RESIDENT, forced_plan, streamed
+from tests.ring.threads import in_threads
+
+CFG = load_config("tiny")
+HOST, STRM = streamed(OptimizerWhere.HOST), streamed(OptimizerWhere.STREAMED)
+PLACEMENTS = {
+    "streamed": dict(layers=(HOST, STRM), embed=HOST, head=STRM),
+    "resident": dict(layers=(RESIDENT, RESIDENT), embed=RESIDENT, head=RESIDENT),
+}
+
+
+def _rank_plan(where: str, *, split: bool, split_fetch: bool = False) -> RankPlan:
+    plan = forced_plan(CFG, 64, chunk_tokens=128, seqs_per_chunk=2, rounds=2,
+                       head_sub_tokens=128, grad_accum=GradAccum.FP32, **PLACEMENTS[where])
+    return RankPlan(rank=0, n_ranks=1, layers=(0, 1), has_embed=True, has_head=True,
+                    n_layers=2, plan=plan, replicas=2, split_fetch=split_fetch,
+                    split_update=split)
+
+
+def _train(rp: RankPlan, data, seed: int, deferred: bool):
+    def replica(q, run_id):
+        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
+        rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, deferred_update=deferred,
+                        optimizer=AdamWConfig(lr=1e-2, max_grad_norm=0.05))
+        try:
+            stats = [rank.train_step(b) for b in data]
+            return [s.loss for s in stats], [s.grad_norm for s in stats], rank.weights()
+        finally:
+            rank.close()
+    return in_threads(replica, 2)
+
+
+@pytest.mark.parametrize("where,deferred,split_fetch", [
+    ("streamed", True, False), ("streamed", False, True), ("resident", True, False)])
+def test_split_replicas_equal_unsplit_replicas_bit_for_bit(rng, where, deferred, split_fetch):
+    seed = int(rng.integers(0, 2**31))
+    data = [rng.integers(0, CFG.vocab_size, (8, 65), dtype=np.int32) for _ in range(3)]
+    want = _train(_rank_plan(where, split=False), data, seed, deferred)
+    got = _train(_rank_plan(where, split=True, split_fetch=split_fetch), data, seed, deferred)
+    for q in range(2):
+        (wl, wn, ww), (gl, gn, gw) = want[q], got[q]
+        assert gl == wl and gn == wn, (q, gl, wl, gn, wn)
+        assert min(gn) > 0.05  # clipping was on and active
+        for key in ww:
+            assert np.array_equal(np.asarray(gw[key]).view(np.uint16),
+                                  np.asarray(ww[key]).view(np.uint16)), (q, key)
+
+
+@pytest.mark.parametrize("where", sorted(PLACEMENTS))
+def test_split_schedule_reduce_scatters_and_updates_its_half(where):
+    rp = _rank_plan(where, split=True)
+    for q in range(2):
+        events = compile_ring_schedule(rp, replica=q).events
+        scattered = sorted(e.name for e in events if type(e) is ReduceScatter)
+        assert scattered == ["reducescatter.L0", "reducescatter.L1", "reducescatter.head"]
+        assert [e.name for e in events if type(e) is AllReduce] == ["allreduce.embed"]
+        updates = [e for e in events if type(e) is Update and "embed" not in e.block]
+        numel = {}
+        for e in updates:  # every piece inside this replica's half
+            numel.setdefault(e.block, []).append((e.start, e.count))
+        for block, pieces in numel.items():
+            lo = min(s for s, _ in pieces)
+            hi = max(s + n for s, n in pieces)
+            assert lo == q * (hi - lo), (block, q, pieces)
+        gathered = [e for e in events if type(e) is GatherParts and e.name.startswith("gather.")]
+        assert len(gathered) == 3
+        grads_home = [e for e in events if type(e) is WriteBack
+                      and e.name.startswith(("g.d2h", "headg.d2h"))]
+        if where == "streamed":  # round 0 writes the whole sums home, the last round its half
+            half = len(grads_home) // 2
+            for first, last in zip(grads_home[:half], grads_home[half:]):
+                n = first.dst.nbytes // 2
+                assert (last.dst.offset, last.dst.nbytes) == (first.dst.offset + q * n, n)
+                assert (last.src.offset, last.src.nbytes) == (first.src.offset + q * n, n)
+    plain = compile_ring_schedule(dataclasses.replace(rp, split_update=False)).events
+    assert not any(type(e) is ReduceScatter for e in plain)
+
+
+def test_split_update_refuses_what_is_not_built():
+    rp = _rank_plan("streamed", split=True)
+    with pytest.raises(ConfigError, match="replicas 2"):
+        compile_ring_schedule(dataclasses.replace(rp, replicas=4))
+    with pytest.raises(ConfigError, match="overlapped rounds"):
+        compile_ring_schedule(dataclasses.replace(rp, round_overlap=True))
+
+
+def test_launched_split_replicas_equal_unsplit_replicas(tmp_path, rng):
+    """The launcher's path (RingJob.split_update, two processes, --transport shm): the same
+    losses and final weights as the same job without the flag, bit for bit, clipping on."""
+    def run(split: bool, out: Path):
+        job = RingJob(gpus=2, model=to_json(dataclasses.replace(CFG, name="tiny2s", n_layers=2)),
+                      seqlen=64, host_gb=0.25, dev_gb=0.25, steps=2, seed=seed,
+                      data=f"random:{seed}", lr=1e-2, max_grad_norm=0.05, timeout_s=60,
+                      out_dir=str(out), grad_accum=GradAccum.FP32, replicas=2,
+                      split_update=split,
+                      constraints=(("chunk_tokens", 64), ("chunks_per_round", 1),
+                                   ("rounds_per_step", 1)))
+        res = launch(job)
+        assert res.exit_codes == (0, 0), res
+        info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(i["split_update"] is split for i in info)
+        losses = [i["losses"] for i in info]
+        with np.load(out / "rank0.npz") as z:
+            weights = {k: z[k].view(ml_dtypes.bfloat16).view(np.uint16) for k in z.files}
+        return losses, weights
+
+    seed = int(rng.integers(0, 2**31))
+    (a_losses, a_w), (b_losses, b_w) = run(False, tmp_path / "a"), run(True, tmp_path / "b")
+    assert a_losses == b_losses and a_losses[0] == a_losses[1]
+    assert sorted(a_w) == sorted(b_w)
+    for key in a_w:
+        assert np.array_equal(a_w[key], b_w[key]), key
+
+
+def test_checkpoints_and_other_transports_are_refused_by_name(tmp_path):
+    """A split replica holds AdamW state for its half alone: saving and resuming are refused
+    before anything is written or read; a transport without a reduce-scatter names the flag."""
+    class Stand:  # the checkpoint reads the rank plan first
+        rp = _rank_plan("resident", split=True)
+
+    with pytest.raises(ConfigError, match="--split-update"):
+        save_ring_checkpoint(Stand(), None, CFG, tmp_path)
+    with pytest.raises(ConfigError, match="--split-update"):
+        load_ring_checkpoint(Stand(), None, CFG, tmp_path)
+    with pytest.raises(ConfigError, match="--transport shm"):
+        Transport.reduce_scatter(Stand(), None)
+
+
+def test_two_halves_partial_sums_are_the_whole_blocks_sum(rng):
+    """What the split norm rests on (RingExecutor._split_norms): for a float64 array of n
+    elements, n a multiple of 16 and at least 512, NumPy's sum equals the sum of its two
+    halves' sums, bit for bit (its pairwise sum splits at n / 2 first). A NumPy that sums
+    otherwise fails here before the replicas' norms drift."""
+    for n in [512, 1024, 46336, 65792, 16 * 12345, 1 << 20]:
+        for _ in range(5):
+            a = np.square(rng.standard_normal(n).astype(np.float32).astype(np.float64))
+            whole = np.float32(float(np.sum(a)))
+            halves = float(np.sum(a[:n // 2])) + float(np.sum(a[n // 2:]))
+            assert float(np.sum(a)) == halves and whole == np.float32(halves), n
