@@ -21,7 +21,7 @@ from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import from_json
 from tests.ring.small_rings import BUDGET, CHUNKING, CPU, sends_pair_with_receives, tiny_with
-from tests.ring.threads import in_threads
+from tests.ring.threads import in_threads, sanitized_pair_trains_as_one_device
 
 def _cfg(n_layers: int):
     return tiny_with(n_layers, name=f"tiny{n_layers}")
@@ -162,33 +162,10 @@ def test_a_balanced_ring_runs_clean_under_the_schedule_sanitizer(rng):
     """A balanced ring of 2 (rank 0 runs layers 2-3 back to back) on the sanitizing NumPy
     backend, whose ops run in a random order that respects the events and which reports any
     two unordered accesses to the same bytes: no race, and one device's losses bit for bit."""
-    from dataflow.backends import make_backend
-    from dataflow.optimizer import AdamWConfig
-    from dataflow.ring.rank import RingRank
-    from dataflow.ring.shm import SharedMemoryTransport
-
     cfg = _cfg(5)
     plans = make_rank_plans(cfg, 64, BUDGET, CPU, 2, placement="balanced", **CHUNKING)
     assert plans[0].layers == (0, 2, 3)
-    seed, lr = int(rng.integers(0, 2**31)), 1e-2
-    with Engine(cfg, host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
-                max_grad_norm=None, plan_options=dict(CHUNKING)) as eng:
-        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
-                for _ in range(2)]
-        want = [eng.train_step(b).loss for b in data]
-
-    def rank(r, run_id):
-        tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
-        be = make_backend("numpy", sanitize=True, seed=int(rng.integers(0, 2**31)) + r)
-        rk = RingRank(plans[r], be, tr, seed=seed,
-                      optimizer=AdamWConfig(lr=lr, max_grad_norm=None))
-        try:
-            return [rk.train_step(b).loss for b in data]
-        finally:
-            rk.close()
-
-    for losses in in_threads(rank, 2):
-        assert losses == want
+    sanitized_pair_trains_as_one_device(cfg, plans, rng, CHUNKING)
 
 
 def test_a_balanced_ring_of_2_evens_the_ranks_own_predictions_for_8b():

@@ -20,7 +20,7 @@ from dataflow.memplan.step.events import Compute
 from dataflow.memplan.step.ring_compile import compile_ring_schedule
 from dataflow.models.errors import ConfigError
 from tests.ring.small_rings import BUDGET, CPU, tiny_with
-from tests.ring.threads import in_threads
+from tests.ring.threads import assert_same_blocks, in_threads, sanitized_pair_trains_as_one_device
 
 CHUNKING = dict(chunk_tokens=128, chunks_per_round=2, rounds_per_step=3)
 """Two chunks of two 64-token sequences a round, three rounds a step (two round boundaries to
@@ -176,32 +176,9 @@ def test_an_overlapped_ring_runs_clean_under_the_schedule_sanitizer(rng):
     """An overlapped ring of 2 (depth 1) on the sanitizing NumPy backend, whose ops run in a
     random order that respects the events and which reports any two unordered accesses to the
     same bytes: no race between the two rounds in flight, and one device's losses bit for bit."""
-    from dataflow.backends import make_backend
-    from dataflow.optimizer import AdamWConfig
-    from dataflow.ring.rank import RingRank
-    from dataflow.ring.shm import SharedMemoryTransport
-
     cfg = tiny_with(4)
     plans = overlap_rank_plans(cfg, 64, BUDGET, CPU, 2, 1, **CHUNKING)
-    seed, lr = int(rng.integers(0, 2**31)), 1e-2
-    with Engine(cfg, host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
-                max_grad_norm=None, plan_options=dict(CHUNKING)) as eng:
-        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
-                for _ in range(2)]
-        want = [eng.train_step(b).loss for b in data]
-
-    def rank(r, run_id):
-        tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
-        be = make_backend("numpy", sanitize=True, seed=int(rng.integers(0, 2**31)) + r)
-        rk = RingRank(plans[r], be, tr, seed=seed,
-                      optimizer=AdamWConfig(lr=lr, max_grad_norm=None))
-        try:
-            return [rk.train_step(b).loss for b in data]
-        finally:
-            rk.close()
-
-    for losses in in_threads(rank, 2):
-        assert losses == want
+    sanitized_pair_trains_as_one_device(cfg, plans, rng, CHUNKING)
 
 
 def test_simulate_ring_times_the_compiled_overlapped_step_shorter_than_rounds_in_turn():
@@ -334,6 +311,4 @@ def test_the_ring_engine_runs_overlapped_rounds_from_its_plan_options(rng):
     for losses, blocks in in_threads(rank, 2):
         assert losses == want_losses
         got.update(blocks)
-    assert sorted(got) == sorted(want)
-    for key in want:
-        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
+    assert_same_blocks(got, want)

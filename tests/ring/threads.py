@@ -35,3 +35,47 @@ def in_threads(fn, n: int) -> list:
         if isinstance(out[i], AssertionError):
             raise out[i]
     return [out[i] for i in range(n)]
+
+
+def sanitized_pair_trains_as_one_device(cfg, plans, rng, chunking: dict) -> None:
+    """Ranks 0 and 1 of `plans` (a ring of 2), as threads on the sanitizing NumPy backend (ops in
+    a random order that respects the events; any two unordered accesses to the same bytes are
+    reported), train two steps; each rank's losses must equal one device's under `chunking`
+    bit for bit."""
+    import numpy as np
+
+    # the engine and the ring's pieces: loaded by the ring tests that use them, not on import
+    from dataflow.backends import make_backend
+    from dataflow.engine import Engine
+    from dataflow.optimizer import AdamWConfig
+    from dataflow.ring.rank import RingRank
+    from dataflow.ring.shm import SharedMemoryTransport
+
+    seed, lr = int(rng.integers(0, 2**31)), 1e-2
+    with Engine(cfg, host_gb=0.25, dev_gb=0.25, seqlen=64, backend="numpy", seed=seed, lr=lr,
+                max_grad_norm=None, plan_options=dict(chunking)) as eng:
+        data = [rng.integers(0, cfg.vocab_size, (eng.seqs_per_step, 65), dtype=np.int32)
+                for _ in range(2)]
+        want = [eng.train_step(b).loss for b in data]
+
+    def rank(r, run_id):
+        tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
+        be = make_backend("numpy", sanitize=True, seed=int(rng.integers(0, 2**31)) + r)
+        rk = RingRank(plans[r], be, tr, seed=seed,
+                      optimizer=AdamWConfig(lr=lr, max_grad_norm=None))
+        try:
+            return [rk.train_step(b).loss for b in data]
+        finally:
+            rk.close()
+
+    for losses in in_threads(rank, 2):
+        assert losses == want
+
+
+def assert_same_blocks(got: dict, want: dict) -> None:
+    """The ranks' weights (gathered by block key) are exactly the reference's, bit for bit."""
+    import numpy as np
+
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert np.array_equal(got[key].view(np.uint16), want[key].view(np.uint16)), key
