@@ -130,11 +130,15 @@ class OptimizerUpdate:
     def _range_refs(self, key: BlockKey, home: bool) -> list[Ref]:
         """key's weights, grads, m, v refs restricted to update_range(key)."""
         lo, hi = self.update_range(key)
-        bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
         refs = [self.block(key, p, home) for p in ("weights", "grads", "m", "v")]
         if (lo, hi) == (0, self._numel(key)):
             return refs
-        return [Ref(r.region, r.offset + lo * b, (hi - lo) * b) for r, b in zip(refs, bpe)]
+        return [Ref(r.region, r.offset + lo * b, (hi - lo) * b)
+                for r, b in zip(refs, self._part_bytes())]
+
+    def _part_bytes(self) -> list[int]:
+        """Bytes per element of a block's weights, grads, m and v, in that order."""
+        return [2, 2 if self.gdt == "bf16" else 4, 2, 2]
 
     def update_device(self, key: BlockKey) -> None:
         parts = self._range_refs(key, False)
@@ -184,10 +188,10 @@ class OptimizerUpdate:
         if not self.deferring:  # the step's own update: after its last backward
             em.wait(H2D, em.record(COMPUTE))
         home = [self.block(key, p, True) for p in ("weights", "grads", "m", "v")]
-        bpe = [2, 2 if self.gdt == "bf16" else 4, 2, 2]
-        lo, numel = self.update_range(key)
-        for i, start in enumerate(range(lo, numel, n_stage)):
-            n = min(n_stage, numel - start)
+        bpe = self._part_bytes()
+        lo, hi = self.update_range(key)
+        for i, start in enumerate(range(lo, hi, n_stage)):
+            n = min(n_stage, hi - start)
             buf = i % 2
             dev = [self.ref("opt_stage", offs[f"{x}{buf}"], n * b) for x, b in zip("pgmv", bpe)]
             if params is not None:
@@ -207,7 +211,7 @@ class OptimizerUpdate:
             em.add(Update(f"adamw.{key.name}.{i}", key.name, start, n, *dev, stream=ust))
             if wst != ust:
                 em.wait(wst, em.record(ust))
-            elif start + n == numel:
+            elif start + n == hi:
                 self.params_ready = em.record(OPT)  # the last piece's kernel, before its copies
             for j in (0, 2, 3):
                 em.add(WriteBack(f"opt.d2h.{key.name}", host[j], dev[j], stream=wst))
