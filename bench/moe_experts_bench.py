@@ -96,7 +96,34 @@ def _print_table(record: dict, shape: dict) -> None:
         print(f"  {name:26s} {row['host_enqueue_ms']:16.2f} {row['gpu_ms']:9.2f} "
               f"{row['gpu_queued_ms']:15.2f}")
     print(f"  loop at {record['loop_tflop_per_s']:.0f} TFLOP/s of GPU time; launch bound: "
-          f"{record['launch_bound']}")
+          f"{record['launch_bound']}; dense at {record['dense_tflop_per_s']:.0f}")
+    if record.get("grouped_tflop_per_s"):
+        print(f"  grouped at {record['grouped_tflop_per_s']:.0f} TFLOP/s "
+              f"({record['grouped_tflop_per_s'] / record['dense_tflop_per_s']:.2f} of dense)")
+
+
+def _weights(ctx, cp, K, bf, shape, as_engine: bool):
+    """The experts' weights and their gradients: views of one layer block, an expert's three
+    matrices together, with bf16 gradients and the engine's cuBLAS workspace (models/layout), or
+    separate stacked arrays with fp32 gradients; last, the workspace (None without one)."""
+    import ml_dtypes
+    import numpy as np
+
+    n, f, d = shape
+    BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+    if as_engine:
+        block = bf(n, 3 * f * d, scale=d ** -0.5)
+        gblock = cp.zeros((n, 3 * f * d), BF16)
+        ws = [block[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
+              for i, s_ in enumerate(((f, d), (f, d), (d, f)))]
+        gs = [gblock[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
+              for i, s_ in enumerate(((f, d), (f, d), (d, f)))]
+        workspace = cp.empty(CUBLAS_WORKSPACE_BYTES, cp.uint8)
+        K.set_cublas_workspace(ctx, workspace)
+        return (*ws, *gs, workspace)
+    return (bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5),
+            bf(n, d, f, scale=f ** -0.5), cp.zeros((n, f, d), F32), cp.zeros((n, f, d), F32),
+            cp.zeros((n, d, f), F32), None)
 
 
 def main(argv=None) -> int:
@@ -109,6 +136,9 @@ def main(argv=None) -> int:
                    help="lay the weights and bf16 gradients out as the engine's layer block does "
                         "(each expert's gate, up and down together) and give cuBLAS the engine's "
                         "workspace (default: separate stacked arrays, fp32 gradients, none)")
+    p.add_argument("--grouped", action="store_true",
+                   help="also time the grouped kernels (kernels/cuda/moe_grouped.py: one launch "
+                        "per GEMM kind, offsets on the device); needs D and F multiples of 256")
     p.add_argument("--out", default="", help="JSON record path")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.repeat < 1:
@@ -118,6 +148,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import dataflow.kernels.cuda as K  # needs CuPy: imported where the GPU work starts
+    from dataflow.kernels.cuda import moe_grouped as KG  # likewise
     import ml_dtypes
 
     BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
@@ -137,7 +168,9 @@ def main(argv=None) -> int:
         return offsets.get()
 
     host_off = routing()
+    dev_off = offsets.copy()
     fresh = [routing() for _ in range(2 * args.repeat + 1)]  # one per call below
+    fresh_dev = [cp.asarray(o) for o in fresh]  # the same routings on the device (grouped)
 
     def bf(*s, scale=1.0):
         out = cp.empty(s, BF16)
@@ -145,20 +178,8 @@ def main(argv=None) -> int:
         return out
 
     xp, dyp = bf(r, d), bf(r, d)
-    if args.as_engine:  # views of one block, an expert's three matrices together (models/layout)
-        block = bf(n, 3 * f * d, scale=d ** -0.5)
-        gblock = cp.zeros((n, 3 * f * d), BF16)
-        wg, wu, wd = (block[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
-                      for i, s_ in enumerate(((f, d), (f, d), (d, f))))
-        dwg, dwu, dwd = (gblock[:, i * f * d:(i + 1) * f * d].reshape(n, *s_)
-                         for i, s_ in enumerate(((f, d), (f, d), (d, f))))
-        workspace = cp.empty(CUBLAS_WORKSPACE_BYTES, cp.uint8)
-        K.set_cublas_workspace(ctx, workspace)
-    else:
-        wg, wu, wd = (bf(n, f, d, scale=d ** -0.5), bf(n, f, d, scale=d ** -0.5),
-                      bf(n, d, f, scale=f ** -0.5))
-        dwg, dwu, dwd = (cp.zeros((n, f, d), F32), cp.zeros((n, f, d), F32),
-                         cp.zeros((n, d, f), F32))
+    # the workspace (engine layout only) is kept alive for as long as cuBLAS points at it
+    wg, wu, wd, dwg, dwu, dwd, _workspace = _weights(ctx, cp, K, bf, (n, f, d), args.as_engine)
     yp, dxp = cp.empty((r, d), BF16), cp.empty((r, d), BF16)
     gate, up, h, dgate, dup, act = (cp.empty((r, f), BF16) for _ in range(6))
     acc = cp.empty(t * d, F32)  # the engine lends (T, D) fp32
@@ -170,6 +191,13 @@ def main(argv=None) -> int:
                       dup=dup, h=h, dx_acc=acc)
 
     new_routing = iter(fresh)
+    new_routing_dev = iter(fresh_dev)
+
+    def grouped(off=None):  # the grouped kernels: offsets stay on the device
+        off = dev_off if off is None else off
+        KG.grouped_experts_fwd(ctx, xp, off, wg, wu, wd, yp, gate, up, h=act)
+        KG.grouped_experts_bwd(ctx, xp, off, wg, wu, wd, gate, up, dyp, dxp, dwg, dwu, dwd,
+                               dgate=dgate, dup=dup, h=h)
 
     a, b, c = bf(r, d), bf(f, d), cp.empty((r, f), BF16)
 
@@ -178,10 +206,13 @@ def main(argv=None) -> int:
             K.linear_fwd(ctx, a, b, c)
 
     stream = cp.cuda.get_current_stream()
-    rows = _time_cases(cp, stream, args.repeat,
-                       (("experts loop, new routing", lambda: layer(next(new_routing))),
-                        ("experts loop, same routing", layer),
-                        ("dense GEMMs, same FLOPs", dense)))
+    cases = (("experts loop, new routing", lambda: layer(next(new_routing))),
+             ("experts loop, same routing", layer),
+             ("dense GEMMs, same FLOPs", dense))
+    if args.grouped:
+        cases += (("experts grouped, new routing", lambda: grouped(next(new_routing_dev))),
+                  ("experts grouped, same routing", grouped))
+    rows = _time_cases(cp, stream, args.repeat, cases)
     prof = cProfile.Profile()
     prof.enable()
     layer()
@@ -196,6 +227,9 @@ def main(argv=None) -> int:
               "commit": git_commit(REPO_ROOT), "shape": shape, "as_engine": args.as_engine,
               "active_experts": int(np.count_nonzero(np.diff(host_off))), "rows": rows,
               "loop_tflop_per_s": flops / loop["gpu_ms"] / 1e9,
+              "dense_tflop_per_s": flops / rows["dense GEMMs, same FLOPs"]["gpu_ms"] / 1e9,
+              "grouped_tflop_per_s": (flops / rows["experts grouped, new routing"]["gpu_ms"]
+                                      / 1e9 if args.grouped else None),
               # a loop the host feeds slower than the GPU runs it ends on the GPU when the host
               # ends: GPU time about the host's (call E: 8.49 and 8.50 ms)
               "launch_bound": loop["host_enqueue_ms"] >= 0.9 * loop["gpu_ms"],

@@ -1,18 +1,24 @@
 """The mixture-of-experts ops of the CuPy op table (dataflow.ops_cuda.CudaOps inherits them): the
 names, signatures and semantics of dataflow.ops_numpy's MoE ops, composed of dataflow.kernels.cuda's
-router and expert kernels as tests/kernels/test_cuda_moe.py composes the block. Scratch comes from
+router, grouped-GEMM and expert kernels as tests/kernels/test_cuda_moe.py composes the block. Scratch comes from
 the chunk workspace the executor lends (dataflow.memplan.plan.buffers.MOE_OP_SCRATCH), the experts' row
 counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
 and never waits for anything but the one event below.
 
-The host wait. The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
+The experts' GEMMs run one of two ways (DATAFLOW_MOE_EXPERTS, read when the table is made):
+'grouped' (the default; kernels/cuda/moe_grouped.py) launches each GEMM kind once over all of a
+layer's experts, reading the row offsets in device memory, so no MoE op waits for the host; it
+needs D and F multiples of 256 and the stacked weight views the engine lends, and any other shape
+takes the loop below. 'loop' always takes the loop.
+
+The host wait (the loop only). The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
 expert and matrix (gate and up as one batch of two) with that expert's row count, so
 moe_experts_fwd and moe_experts_bwd store the chunk's offsets ((N + 1) int64) to the host on the
 compute stream (a one-block kernel through the region's device mapping, so no copy engine is
 involved), record an event after the store and wait for that event alone (with the GIL
 released: the backend's polling wait), not for the device. Only the compute stream's work up to the
 router is waited for, but the host enqueues nothing meanwhile, so the GPU idles for a poll and a
-launch after each wait. The backward copies the offsets again (they come from a saved region or a
+launch after each wait. The loop's backward copies the offsets again (they come from a saved region or a
 recompute, which the op cannot tell apart), so a layer and chunk waits twice; keeping the forward's
 host offsets per (layer, chunk) would save the second (docs/moe.md).
 
@@ -29,6 +35,7 @@ import cupy as cp
 import numpy as np
 
 import dataflow.kernels.cuda as K
+from dataflow.kernels.cuda import moe_grouped as KG
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
 MOE_BOUND = {"moe_permute": "permute_fwd", "moe_combine_bwd": "unpermute_bwd"}
@@ -44,6 +51,9 @@ class MoeOps:
 
     _offsets_event = None
     """The event recorded after each offsets copy (one, reused: every wait follows its record)."""
+    _moe_experts = "grouped"
+    """How the experts' GEMMs run (DATAFLOW_MOE_EXPERTS, settings.Settings.moe_experts): CudaOps
+    sets it from the environment when it is made."""
     _offsets_own: np.ndarray | None = None
     """Pinned host offsets when no arena region was lent (CudaOps used on its own, in tests)."""
 
@@ -79,8 +89,13 @@ class MoeOps:
         cp.add(sums, partial_sums, out=sums)
 
     def moe_experts_fwd(self, xp, offsets, w_gate, w_up, w_down, gate, up, act, yp):
-        """As ops_numpy.moe_experts_fwd (act = silu(gate) * up); waits for the offsets' copy to
+        """As ops_numpy.moe_experts_fwd (act = silu(gate) * up): the grouped kernels on the
+        device offsets where they take the shapes (_grouped), else wait for the offsets' copy to
         the host (module docstring), then the per-expert GEMM loop."""
+        if self._grouped(xp, gate, w_gate, w_up, w_down):
+            KG.grouped_experts_fwd(self.ctx, xp, offsets, w_gate, w_up, w_down, yp, gate, up,
+                                   h=act)
+            return
         K.experts_fwd(self.ctx, xp, self._offsets_on_host(offsets), w_gate, w_up, w_down, yp, gate,
                       up, h=act)
 
@@ -97,8 +112,15 @@ class MoeOps:
         expert's untouched: the reference adds exact zeros); waits for the offsets' copy. Scratch:
         the lent SwiGLU gradients, the activation re-formed into expert_act, and the fp32 input
         gradient sums of consecutive experts (T rows at a time) in moe_tokens_f32."""
-        host = self._offsets_on_host(offsets)
         r, f = gate.shape
+        if self._grouped(xp, gate, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+            KG.grouped_experts_bwd(self.ctx, xp, offsets, w_gate, w_up, w_down, gate, up, dyp, dxp,
+                                   dw_gate, dw_up, dw_down,
+                                   dgate=self._scratch("expert_dgate", (r, f), xp.dtype),
+                                   dup=self._scratch("expert_dup", (r, f), xp.dtype),
+                                   h=self._scratch("expert_act", (r, f), xp.dtype))
+            return
+        host = self._offsets_on_host(offsets)
         # All of the lent (T, D) fp32, not only the largest expert's rows: experts_bwd rounds the
         # input gradient of as many experts at a time as it holds (fewer cast launches).
         lent = self._lent.get("moe_tokens_f32")
@@ -137,6 +159,17 @@ class MoeOps:
                      scratch=work[n * d:])
         K.add_(self.ctx, dw_router, dw32)
         K.permute_bwd(self.ctx, dxp, self._inverse(order), topk_idx.shape[1], dx, residual=dx32)
+
+    def _grouped(self, xp, gate, *mats) -> bool:
+        """True when the grouped kernels run these experts: DATAFLOW_MOE_EXPERTS is 'grouped'
+        (read when the table was made) and moe_grouped.grouped_supported takes the shapes and
+        the stacked weights (and gradients, all of one dtype)."""
+        if self._moe_experts != "grouped":
+            return False
+        grads = mats[3:]
+        if grads and len({g.dtype for g in grads}) != 1:
+            return False
+        return KG.grouped_supported(xp.shape[1], gate.shape[1], xp.dtype, *mats)
 
     def _inverse(self, order):
         """inv (R,) int64 with inv[order[r]] = r, in the lent moe_inv."""

@@ -95,7 +95,8 @@ def _launcher_names(py: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("py, cu", [("moe_router.py", "moe_router.cu"),
-                                    ("moe_experts.py", "moe_experts.cu")])
+                                    ("moe_experts.py", "moe_experts.cu"),
+                                    ("moe_grouped.py", "moe_grouped.cu")])
 def test_moe_launchers_name_only_kernels_their_source_defines(py, cu):
     """Every instantiation a launcher hands NVRTC is a __global__ of its .cu, a template exactly
     when its name has arguments: a typo otherwise shows only on a GPU, at compile time."""
@@ -105,7 +106,7 @@ def test_moe_launchers_name_only_kernels_their_source_defines(py, cu):
     for name in names:
         base = name.split("<")[0]
         m = re.search(r"(template\s*<[^>]*>\s*)?__global__\s+void\s+"
-                      r"(?:__launch_bounds__\(\d+\)\s*)?" + re.escape(base) + r"\s*\(", src)
+                      r"(?:__launch_bounds__\([^)]*\)\s*)?" + re.escape(base) + r"\s*\(", src)
         assert m, f"{name} of {py} is not a __global__ in {cu}"
         assert bool(m.group(1)) == ("<" in name), f"{name}: template-ness differs from {cu}"
 
@@ -139,7 +140,8 @@ def test_reference_slot_and_token_sums_are_sequential_fp32_adds(rng):
 def test_cuda_moe_modules_need_no_registration_to_be_found_by_precompile():
     """Both launchers follow the _SRC / _NAMES convention, so _build.kernel_sources (and thus
     precompile and the pinning test) finds them without any op-table entry."""
-    for py, cu in (("moe_router.py", "moe_router.cu"), ("moe_experts.py", "moe_experts.cu")):
+    for py, cu in (("moe_router.py", "moe_router.cu"), ("moe_experts.py", "moe_experts.cu"),
+                   ("moe_grouped.py", "moe_grouped.cu")):
         tree = ast.parse((ROOT / "kernels" / "cuda" / py).read_text())
         srcs = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                 and any(getattr(t, "id", "") == "_SRC" for t in node.targets)]
