@@ -29,7 +29,7 @@ _FIXED_CATEGORY = {
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
     buffers.MOE_HOST_REGION: "buffers",
     "home.ctx_kv": "saved_activations",
-    "lora.work": "weights",
+    "lora.work": "weights", "lora.base_dequant": "weights",
 }
 TOKEN_ID_BYTES = 4
 TOKEN_STAGING_ROWS = 6
@@ -115,7 +115,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     lora.weights/.grads/.m/.v (a LoRA plan's), opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
-    elems = buffers.block_elems(cfg)
+    elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
     fz = d.frozen
@@ -179,7 +179,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     MoE model's: buffers.MOE_HOST_REGION)."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    elems = buffers.block_elems(cfg)
+    elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
     fz = d.frozen
