@@ -72,6 +72,12 @@ class Lora:
             raise ConfigError(f"LoRA targets {self.targets!r} must be in the order {TARGETS}; "
                               "build them with parse_lora")
 
+    def __repr__(self) -> str:
+        # a bf16 base is left out, as in the JSON: records name earlier Loras so
+        base = "" if self.base is LoraBase.BF16 else f", base='{self.base.value}'"
+        return (f"Lora(rank={self.rank!r}, alpha={self.alpha!r}, targets={self.targets!r}"
+                f"{base})")
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
