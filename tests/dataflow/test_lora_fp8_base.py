@@ -208,3 +208,23 @@ def test_lora_base_flag_needs_a_rank_and_is_spelt_bf16_or_fp8():
     assert parse_lora(None, base="bf16") is None
     assert parse_lora(8, base="fp8").base is LoraBase.FP8
     assert parse_lora(8).base is LoraBase.BF16
+
+
+def test_demo_trains_an_fp8_base_resumes_it_and_refuses_the_other_storage(tmp_path, capsys):
+    """dataflow-demo --lora-base fp8 trains and resumes; resuming with a bf16 base exits 2
+    naming the storage; --lora-base fp8 without --lora-rank exits 2 naming both."""
+    # Imported here: the demo's command line is only what this test drives.
+    from dataflow.cli.demo import main as demo_main
+
+    argv = ["1", "0.5", "64", "tiny", "--backend", "numpy", "--lora-rank", "4",
+            "--checkpoint-dir", str(tmp_path / "run"), "--save-every", "1"]
+    assert demo_main(argv + ["--steps", "1", "--lora-base", "fp8"]) == 0
+    meta = (tmp_path / "run" / "step_00000001" / "lora_checkpoint.json").read_text()
+    assert '"storage": "fp8"' in meta
+    assert demo_main(argv + ["--steps", "2", "--resume", "--lora-base", "fp8"]) == 0
+    capsys.readouterr()
+    assert demo_main(argv + ["--steps", "3", "--resume"]) == 2
+    assert "fp8 base storage" in capsys.readouterr().err
+    assert demo_main(["1", "0.5", "64", "tiny", "--backend", "numpy", "--lora-base",
+                      "fp8"]) == 2
+    assert "--lora-base fp8 needs --lora-rank" in capsys.readouterr().err
