@@ -112,7 +112,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     (saved activations kept on the device; with segments, the boundary layers' only, then
     act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, attn_workspace,
     library_scratch, kv_rebuild (a kv_rebuild plan's), context, transitions, head_buffers,
-    lora.weights/.grads/.m/.v (a LoRA plan's), opt_stage."""
+    lora.weights/.grads/.m/.v/.work (a LoRA plan's; lora.base_dequant too with an fp8 base,
+    whose layer blocks are then its codes and row scales: buffers.block_elems), opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
     elems = buffers.block_elems(cfg, d.lora)

@@ -9,7 +9,7 @@ import dataclasses
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import chunk_target_tokens
 from dataflow.memplan.plan.decisions import decisions_of
-from dataflow.memplan.plan.lora import adapter_bytes, adapter_params, region_sizes
+from dataflow.memplan.plan.lora import LoraBase, adapter_bytes, adapter_params, region_sizes
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN
 from dataflow.memplan.plan.memory import CATEGORIES, memory_map
 from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
@@ -249,7 +249,10 @@ def _frozen_lines(plan: Plan) -> list[str]:
     if not fz.anything:
         return []
     cfg, ch = plan.model, plan.chunking
-    whole = memory_map(dataclasses.replace(decisions_of(plan), frozen=NOTHING_FROZEN))
+    # trained whole, a base is bf16 (an fp8 base's codes exist only for a frozen LoRA base)
+    lora = plan.lora if plan.lora is None or not plan.lora.fp8_base else \
+        dataclasses.replace(plan.lora, base=LoraBase.BF16)
+    whole = memory_map(dataclasses.replace(decisions_of(plan), frozen=NOTHING_FROZEN, lora=lora))
     saved_host = whole.host_bytes - plan.memory.host_bytes
     saved_dev = whole.device_bytes - plan.memory.device_bytes
     flops = frozen_flops_per_seq(cfg, ch.seqlen, len(fz.layers), fz.head)
