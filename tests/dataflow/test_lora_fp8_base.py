@@ -165,19 +165,27 @@ def test_fp8_base_engine_matches_float64_lora_on_the_dequantised_base(where):
     eng.close()
 
 
-def test_fp8_base_differs_from_the_bf16_base_only_by_its_rounding():
-    """The same seed's bf16 and fp8 engines: the fp8 base is the bf16 one rounded per row."""
-    a, b = _engine(lora=dict(rank=4)), _engine(lora=dict(rank=4, base="fp8"))
-    wa, wb = a.weights(), b.weights()
-    lay = layer_layout(a.plan.model)
-    for la, lb in zip(wa.layers, wb.layers):
-        for name in FP8_TENSORS:
-            x, y = lay.view(la, name).astype(np.float32), lay.view(lb, name).astype(np.float32)
-            assert np.abs(y - x).max() <= 2 ** -4 * np.abs(x).max(axis=1).max()
-            assert not np.array_equal(x, y)
-    assert np.array_equal(wa.embed.view(np.uint16), wb.embed.view(np.uint16))
+def test_fp8_base_is_the_bf16_base_quantised_once_whether_initialised_or_loaded():
+    """The fp8 engine's base is exactly decode(encode(bf16 base)): from the seed's
+    initialisation and from weights= alike; a loaded row holding inf is refused by name."""
+    a = _engine(lora=dict(rank=4))
+    wa = a.weights()
     a.close()
-    b.close()
+    lay = fp8_layer_layout(wa.cfg)
+    want = [decode_block(lay, encode_block(lay, block)) for block in wa.layers]
+    b = _engine(lora=dict(rank=4, base="fp8"))
+    c = _engine(lora=dict(rank=4, base="fp8"), weights=wa)
+    for e in (b, c):
+        w = e.weights()
+        for got, exp in zip(w.layers, want):
+            assert np.array_equal(got.view(np.uint16), exp.view(np.uint16))
+        assert np.array_equal(w.embed.view(np.uint16), wa.embed.view(np.uint16))
+        e.close()
+    bad = wa.layers[1].copy()
+    layer_layout(wa.cfg).view(bad, "mlp.up_proj")[5, 3] = np.inf
+    wa.layers[1] = bad
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj.*row 5"):
+        _engine(lora=dict(rank=4, base="fp8"), weights=wa)
 
 
 def test_lora_checkpoint_records_the_base_storage_and_refuses_the_other(tmp_path):
