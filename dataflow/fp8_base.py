@@ -15,7 +15,7 @@ import numpy as np
 from dataflow.backend import Stream
 from dataflow.models.fp8_layout import Fp8LayerLayout, fp8_layer_layout
 from dataflow.models.fp8_quant import decode_block, encode_block
-from dataflow.models.layout import BlockKind, layer_layout
+from dataflow.models.layout import layer_layout
 
 REGION = "lora.base_dequant"
 """The device region (dataflow.memplan.plan.lora.region_sizes) one dequantised linear lives in."""
@@ -121,7 +121,3 @@ def init_fill(lay, fill, layer: int | None):
     def fp8_fill(out):
         return encode_block(lay, fill(None), out=out, layer=layer)
     return fp8_fill
-
-
-def is_fp8_layer(b) -> bool:
-    return b.kind is BlockKind.LAYER and isinstance(b.layout, Fp8LayerLayout)

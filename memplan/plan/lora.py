@@ -12,7 +12,7 @@ import enum
 
 from dataflow.memplan.plan.frozen import Frozen
 from dataflow.models.errors import ConfigError
-from dataflow.models.fp8_layout import FP8_TENSORS, largest_linear
+from dataflow.models.fp8_layout import largest_linear
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The adapted linears, in the order adapters are laid out in the adapter region."""
