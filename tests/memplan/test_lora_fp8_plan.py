@@ -110,3 +110,26 @@ def test_dataflow_plan_lora_base_flag(capsys):
     with pytest.raises(ConfigError, match="FP8 base"):
         make_plan(load_config("tiny"), 64, Budget(host_bytes=GIB, device_bytes=GIB),
                   get_profile("cpu"), lora=parse_lora(4, base="fp8"), precision="fp8")
+
+
+def test_the_same_decisions_with_an_fp8_base_move_half_the_weight_bytes():
+    """8b's 24/24 LoRA plan re-finished with an fp8 base: the step's H2D bytes fall by the
+    weight fetches' half (activations and everything else unchanged)."""
+    # Imported here: only this test re-finishes a plan's decisions.
+    import dataclasses
+
+    from dataflow.memplan.plan.decisions import decisions_of
+    from dataflow.memplan.search.build import finish_plan
+    from dataflow.memplan.search.predict import predict_schedule
+
+    cfg = load_config("8b")
+    budget = Budget.from_gib(64, 24)
+    bf = make_plan(cfg, 8192, budget, H200, lora=parse_lora(16))
+    f8 = finish_plan(dataclasses.replace(decisions_of(bf), lora=parse_lora(16, base="fp8")),
+                     budget, H200)
+    streamed = sum(p.weights.value == "home" for p in bf.layers)
+    assert streamed > 0
+    fetches = streamed * bf.chunking.rounds_per_step * 2  # forward and backward, each round
+    saved = fetches * (layer_layout(cfg).nbytes - fp8_layer_layout(cfg).nbytes)
+    got = predict_schedule(bf, H200).h2d_bytes - predict_schedule(f8, H200).h2d_bytes
+    assert got == pytest.approx(saved, rel=0.05), (got, saved)
