@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from dataflow.backend import Stream
+from dataflow.block_io import is_host_array
 from dataflow.models.fp8_layout import Fp8LayerLayout, fp8_layer_layout
 from dataflow.models.fp8_quant import decode_block, encode_block
 from dataflow.models.layout import layer_layout
@@ -100,6 +101,21 @@ def to_stored(b, array, part: str = "weights"):
             or np.asarray(array).size != lay.bf16.numel:
         return array
     return encode_block(lay, array, layer=b.layer)
+
+
+def write_weights(ex, be, b, array) -> bool:
+    """Quantise a bf16 layer block straight into block `b`'s pinned home copy (no packed
+    temporary beside the plan's host memory) and upload it when `b` is resident; True when
+    done so, False when `b` is no fp8-base layer with a host home (the caller writes it)."""
+    lay, home = b.layout, b.home("weights")
+    if not isinstance(lay, Fp8LayerLayout) or np.asarray(array).size != lay.bf16.numel \
+            or not is_host_array(home):
+        return False
+    be.synchronize()  # a queued copy may still read or write this home copy
+    encode_block(lay, array, out=home, layer=b.layer)
+    if b.resident and b.device("weights") is not None:
+        be.copy(b.device("weights"), home, Stream.H2D, name="upload")  # pinned: async
+    return True
 
 
 def from_stored(b, array, part: str = "weights"):

@@ -12,7 +12,7 @@ import numpy as np
 
 from dataflow.block_io import read_part, write_part, zero_state
 from dataflow.blocks import BLOCK_PARTS, Block, block_parts
-from dataflow.fp8_base import from_stored, to_stored, user_layout
+from dataflow.fp8_base import from_stored, to_stored, user_layout, write_weights
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import ModelWeights
 from dataflow.models.layout import BlockKind
@@ -60,8 +60,10 @@ class StateIO:
         self.zero_state()
 
     def write(self, b: Block, array: np.ndarray, part: str = "weights") -> None:
-        """Block `b`'s `part` = `array` (an fp8 base's bf16 layer block quantised once:
-        dataflow.fp8_base.to_stored)."""
+        """Block `b`'s `part` = `array` (an fp8 base's bf16 layer block quantised once, into
+        its home copy where it has one: dataflow.fp8_base)."""
+        if part == "weights" and write_weights(self.ex, self.be, b, array):
+            return
         write_part(self.ex, self.be, b, to_stored(b, array, part), part)
 
     def read(self, b: Block, part: str) -> np.ndarray:

@@ -167,7 +167,8 @@ def test_fp8_base_engine_matches_float64_lora_on_the_dequantised_base(where):
 
 def test_fp8_base_is_the_bf16_base_quantised_once_whether_initialised_or_loaded():
     """The fp8 engine's base is exactly decode(encode(bf16 base)): from the seed's
-    initialisation and from weights= alike; a loaded row holding inf is refused by name."""
+    initialisation and from weights= (resident, and streamed from its homes) alike; a loaded
+    row holding inf is refused by name."""
     a = _engine(lora=dict(rank=4))
     wa = a.weights()
     a.close()
@@ -175,7 +176,8 @@ def test_fp8_base_is_the_bf16_base_quantised_once_whether_initialised_or_loaded(
     want = [decode_block(lay, encode_block(lay, block)) for block in wa.layers]
     b = _engine(lora=dict(rank=4, base="fp8"))
     c = _engine(lora=dict(rank=4, base="fp8"), weights=wa)
-    for e in (b, c):
+    d = _engine(_streamed_plan(), weights=wa)  # quantised straight into the layers' homes
+    for e in (b, c, d):
         w = e.weights()
         for got, exp in zip(w.layers, want):
             assert np.array_equal(got.view(np.uint16), exp.view(np.uint16))
