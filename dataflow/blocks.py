@@ -10,6 +10,7 @@ from typing import Any
 
 from dataflow.arena import Arena
 from dataflow.memplan.plan.plan import LayerPlacement, Where
+from dataflow.models.fp8_layout import fp8_layer_layout
 from dataflow.models.layout import BlockKind, embed_layout, head_layout, layer_layout
 
 PARTS = ("weights", "grads", "m", "v")
@@ -87,7 +88,9 @@ def _bind(kind, layer, placement, layout, dev: Arena, host: Arena, gdt: str) -> 
 def bind_blocks(plan, dev: Arena, host: Arena, gdt: str) -> tuple[Block, tuple[Block, ...], Block]:
     """(embed, layers, head) bound to the arenas of `plan`."""
     cfg = plan.model
-    lay = layer_layout(cfg)
+    # an fp8 base's layer blocks hold E4M3 codes and row scales (dataflow.fp8_base)
+    lay = fp8_layer_layout(cfg) if plan.lora is not None and plan.lora.fp8_base \
+        else layer_layout(cfg)
     layers = tuple(_bind(BlockKind.LAYER, i, p, lay, dev, host, gdt)
                    for i, p in enumerate(plan.layers))
     return (_bind(BlockKind.EMBED, None, plan.embed, embed_layout(cfg), dev, host, gdt), layers,

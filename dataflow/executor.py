@@ -24,6 +24,8 @@ from dataflow.layer_ops import LayerCompute
 from dataflow.lora_adapters import DeviceAdapters
 from dataflow.moe_ffn import RoundRouting, stacked_experts
 from dataflow.executor_ops import OpHandlers
+from dataflow.fp8_base import base_decoder, stored_layer_layout
+from dataflow.fp8_base import block_views as fp8_block_views
 from dataflow.kernels.host import adamw as host_adamw
 from dataflow.kernels.host.memory import zero_fill
 from dataflow.memplan.plan import buffers
@@ -35,7 +37,8 @@ from dataflow.memplan.plan.segments import kv_less
 from dataflow.memplan.step.compile import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule,
                               compile_update_schedule)
-from dataflow.models.layout import embed_layout, head_layout, layer_layout
+from dataflow.models.fp8_layout import Fp8LayerLayout
+from dataflow.models.layout import embed_layout, head_layout
 
 STREAM = {s.value: s for s in Stream}
 DTYPE_BYTES = buffers.DTYPE_BYTES
@@ -132,7 +135,7 @@ class Executor(OpHandlers):
         self._arena = {r.name: self.dev for r in table.device}
         self._arena.update({r.name: self.host for r in table.host})
         self.gdt = "f32" if plan.grad_accum is GradAccum.FP32 else "bf16"
-        self.lay, self.emb_lay, self.head_lay = layer_layout(cfg), embed_layout(cfg), head_layout(cfg)
+        self.lay, self.emb_lay, self.head_lay = stored_layer_layout(plan), embed_layout(cfg), head_layout(cfg)
         self.T, self.C = ch.chunk_tokens, ch.chunks_per_round
         self.chunks = default_chunks(ch)
         self._round_chunks: list = []
@@ -146,7 +149,7 @@ class Executor(OpHandlers):
         self.tr, self._odd_rows = self._bind_rows()
         self.hb = self.dev.tensors("head_buffers", buffers.head_specs(
             cfg, self.T, plan.slots.head_sub_tokens)) if plan.holds_head else None
-        self.compute = LayerCompute(be, cfg, self.ws, self.ctx)
+        self.compute = LayerCompute(be, cfg, self.ws, self.ctx, base_decoder(plan, be, self.dev))
         self.lora = None if plan.lora is None else DeviceAdapters(be, self.dev, cfg, plan.lora,
                                                                   self.T)
         """A LoRA plan's adapters (dataflow.lora_adapters): set up by the Engine."""
@@ -416,6 +419,9 @@ class Executor(OpHandlers):
         key = (ref, "layout", dtype)
         v = self._views.get(key)
         if v is None:
+            if isinstance(layout, Fp8LayerLayout):  # codes and scales by byte offset
+                v = self._views[key] = fp8_block_views(self._view, ref, layout)
+                return v
             flat = self._view(ref, (layout.numel,), dtype)
             v = self._views[key] = layout.views(flat)
             if layout is self.lay and self.cfg.moe is not None:

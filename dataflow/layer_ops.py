@@ -71,10 +71,13 @@ class FrozenGrads(dict):
 
 
 class LayerCompute:
-    def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict):
+    def __init__(self, be: Backend, cfg: ModelConfig, ws: dict, ctx: dict, base=None):
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
         self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
         self.adapters = None
+        self.base = base
+        """An fp8 base's decoder (dataflow.fp8_base.BaseDequant): each base GEMM then reads its
+        weight decoded into lora.base_dequant; None reads w[name] itself."""
 
     def adapt(self, adapters) -> None:
         """The LoRA adapters (dataflow.lora_adapters.LayerAdapters) of the layer the next call
@@ -89,13 +92,17 @@ class LayerCompute:
         the base GEMM is compute-bound and reads `out` in its epilogue for nothing measurable."""
         ad = self._adapter(name)
         if ad is None:
-            self._op("linear_fwd", x, w[name], out, accumulate)
+            self._op("linear_fwd", x, self._w(w, name), out, accumulate)
             return
         t, u = x.shape[0], self.adapters.u[:x.shape[0]]
         self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
         self._op("scale_", u, self.adapters.scale, tag=".lora_s")
         self._op("linear_fwd", u, ad.b, out.reshape(t, -1), accumulate, tag=".lora_b")
-        self._op("linear_fwd", x, w[name], out, True)
+        self._op("linear_fwd", x, self._w(w, name), out, True)
+
+    def _w(self, w, name: str):
+        """The base weight `name` as its GEMM reads it (an fp8 base's decoded just now)."""
+        return w[name] if self.base is None else self.base.weight(w[name], f"{self.tag}.{name}")
 
     def _adapter(self, name: str):
         if self.adapters is None:
@@ -107,13 +114,13 @@ class LayerCompute:
         s (dy b) in u for _lin_bwd_w."""
         ad = self._adapter(name)
         if ad is None:
-            self._op("linear_bwd_x", dy, w[name], dx, accumulate)
+            self._op("linear_bwd_x", dy, self._w(w, name), dx, accumulate)
             return
         u = self.adapters.u[:dy.shape[0]]
         self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
         self._op("scale_", u, self.adapters.scale, tag=".lora_s")
         self._op("linear_bwd_x", u, ad.a, dx, accumulate, tag=".lora_dx")
-        self._op("linear_bwd_x", dy, w[name], dx, True)
+        self._op("linear_bwd_x", dy, self._w(w, name), dx, True)
 
     def _lin_bwd_w(self, name: str, dy, x, g) -> None:
         """The base weight's gradient (none when frozen) and the adapter's: da += u^T x with

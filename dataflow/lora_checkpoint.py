@@ -32,12 +32,14 @@ STATE = "lora_state.safetensors"
 
 
 def base_identity(eng) -> dict:
-    """What names the base model a LoRA run trains on: its config's hash (and the config) and
-    the directory it came from, when it came from one."""
+    """What names the base model a LoRA run trains on: its config's hash (and the config), the
+    directory it came from, when it came from one, and its storage ('bf16', or 'fp8': the
+    FP8-rounded base the adapters were trained against, Lora.base)."""
     cfg = eng.plan.model
     source = getattr(eng, "model_source", None)
     return {"config_hash": stable_hash(cfg), "model": cfg.name,
-            "source": None if source is None else str(source.path)}
+            "source": None if source is None else str(source.path),
+            "storage": eng.plan.lora.base.value}
 
 
 def save_lora_checkpoint(eng, root, *, data=None, rng=None, extra=None, keep=None,
@@ -92,8 +94,8 @@ class LoraCheckpointInfo:
 def load_lora_checkpoint(eng, path) -> LoraCheckpointInfo:
     """Restore adapters, their AdamW m and v, the step count and the schedule from a
     checkpoint written by save_lora_checkpoint (a step directory, or the newest under a root).
-    Refused by name, with nothing written: another base model (config hash), another Lora, a
-    damaged state file."""
+    Refused by name, with nothing written: another base model (config hash), another base
+    storage (bf16 / fp8), another Lora, a damaged state file."""
     path = ckpt.resolve_checkpoint(path) if not is_lora_checkpoint(path) else Path(path)
     meta_file = path / META
     if not meta_file.is_file():
@@ -110,6 +112,12 @@ def load_lora_checkpoint(eng, path) -> LoraCheckpointInfo:
                           f"from {meta['base']['source']}); this engine's base is "
                           f"'{ours['model']}' (config {ours['config_hash']}); build the engine "
                           "from that base")
+    theirs = meta["base"].get("storage", "bf16")  # written before fp8 bases: bf16
+    if theirs != ours["storage"]:
+        raise ConfigError(f"LoRA checkpoint {path} was trained on the {theirs} base storage; "
+                          f"this engine stores its base in {ours['storage']} (the FP8-rounded "
+                          "base is another model); build the engine with "
+                          f"lora=dict(..., base='{theirs}') or --lora-base {theirs}")
     saved = from_dict(Lora, meta["lora"], where="checkpoint lora")
     if saved != eng.plan.lora:
         raise ConfigError(f"LoRA checkpoint {path} holds adapters {saved}; this engine has "

@@ -12,6 +12,7 @@ from dataflow.kernels.reference import moe_experts as ref_experts
 from dataflow.kernels.reference import moe_router as ref_router
 from dataflow.kernels.reference import head_vocab as ref_vocab
 from dataflow.kernels.reference import lora as ref_lora
+from dataflow.kernels.reference import fp8_base as ref_fp8_base
 
 F32 = np.float32
 
@@ -183,6 +184,12 @@ def scale_(x, s):
     x[...] = ref_lora.scale(x, s)
 
 
+def fp8_base_dequant(codes, scales, out):
+    """out (O, I) bf16 = codes (O, I) E4M3 bits (uint8) * scales (O,) fp32 of their row: the
+    fp8-stored frozen base's copy the next base GEMM reads (docs/lora.md)."""
+    out[...] = ref_fp8_base.fp8_base_dequant(codes, scales)
+
+
 def zero_rows_where_(ids, x, value):
     """Zero the rows of x (T, D) whose token id is `value` (the others untouched): an
     embedding's padding row gets no gradient from its lookup."""
@@ -315,7 +322,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
     "zero_rows_where_": (1,), "scale_": (0,),
-    "clip_scale": (2,),
+    "fp8_base_dequant": (2,), "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),
     "moe_totals_add": (0, 1),
     "vocab_stats": (4, 5), "vocab_merge": (0,), "vocab_loss": (2,), "vocab_grad": (5, 7, 8),

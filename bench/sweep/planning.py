@@ -118,7 +118,7 @@ def lora_flags(lora: Lora | None) -> str | None:
     if lora is None:
         return None
     return (f"--lora-rank {lora.rank} --lora-alpha {lora.alpha:g} "
-            f"--lora-targets {lora.spec()}")
+            f"--lora-targets {lora.spec()}" + (" --lora-base fp8" if lora.fp8_base else ""))
 
 
 def plan_cell(cell: Cell, profile: HardwareProfile, *, attention_bwd: str = "deterministic",

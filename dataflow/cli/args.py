@@ -131,8 +131,8 @@ def _lora_alpha(text: str) -> float:
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """Add --lora-rank / --lora-alpha / --lora-targets (Plan.lora; docs/lora.md), one help text
-    for every command; lora_of(args) turns them into a Lora."""
+    """Add --lora-rank / --lora-alpha / --lora-targets / --lora-base (Plan.lora; docs/lora.md),
+    one help text for every command; lora_of(args) turns them into a Lora."""
     g = parser.add_argument_group("LoRA adapters (docs/lora.md; one device, dense models)")
     g.add_argument("--lora-rank", type=_lora_rank, default=None, metavar="R",
                    help="train LoRA adapters of rank R; the base model (every layer, the "
@@ -143,6 +143,11 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", default=None, metavar="LIST",
                    help="adapted linears, comma-separated from q,k,v,o,gate,up,down (default: "
                         "all seven)")
+    g.add_argument("--lora-base", default=None, metavar="{bf16,fp8}",
+                   help="storage of the frozen base's seven linears: bf16 (default) or fp8 "
+                        "(E4M3 codes with an fp32 scale per output row, about half the host "
+                        "memory and H2D bytes; the model trained is the FP8-rounded base plus "
+                        "the adapters); needs --lora-rank")
 
 
 def lora_of(args):
@@ -150,7 +155,7 @@ def lora_of(args):
     # imported here: the CLI helpers load no planner module until a command asks for LoRA
     from dataflow.memplan.plan.lora import parse_lora
     return parse_lora(getattr(args, "lora_rank", None), getattr(args, "lora_alpha", None),
-                      getattr(args, "lora_targets", None))
+                      getattr(args, "lora_targets", None), getattr(args, "lora_base", None))
 
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:

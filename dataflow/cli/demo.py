@@ -198,9 +198,9 @@ def _run(args, stop: checks.StopSignals) -> int:
             raise ConfigError(f"--freeze {args.freeze} differs from the --plan file's "
                               f"'{plan.frozen.spec()}'; plan again with --freeze, or drop it")
         if lora is not None and lora != plan.lora:
-            raise ConfigError(f"--lora-rank/--lora-alpha/--lora-targets ({lora}) differ from "
-                              f"the --plan file's ({plan.lora}); plan again with them, or drop "
-                              "them")
+            raise ConfigError(f"--lora-rank/--lora-alpha/--lora-targets/--lora-base ({lora}) "
+                              f"differ from the --plan file's ({plan.lora}); plan again with "
+                              "them, or drop them")
     precision = plan.precision.value if plan is not None else args.precision or "bf16"
     try:
         be_probe = make_backend(args.backend)

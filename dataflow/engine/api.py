@@ -121,9 +121,11 @@ class Engine:
             Plan.frozen): their weights stay as loaded, with no gradient, AdamW state, gradient
             copy or weight-gradient GEMM; the planner counts only what trains.
         lora: LoRA adapters (docs/lora.md): a dataflow.memplan.plan.lora.Lora, a rank, or
-            dict(rank=, alpha=, targets=) (alpha defaults to the rank, targets to all seven);
-            the base is frozen whole, the adapters start as PEFT's (seeded by `seed`) and
-            train in fp32 on the device. Read them with lora_state().
+            dict(rank=, alpha=, targets=, base=) (alpha defaults to the rank, targets to all
+            seven, base to 'bf16'; base='fp8' stores the base's seven linears as E4M3 codes with
+            row scales, quantised once at load: the model trained is the FP8-rounded base plus
+            the adapters); the base is frozen whole, the adapters start as PEFT's (seeded by
+            `seed`) and train in fp32 on the device. Read them with lora_state().
         backend: 'auto' (CuPy when a GPU is usable, else NumPy), 'numpy', 'cupy', or a Backend.
         seed: the initialisation's seed (unused when weights are loaded).
         weights: a dataflow.models.init.ModelWeights, or a saved model directory to load.

@@ -17,6 +17,7 @@ from dataflow.lora_checkpoint import is_lora_checkpoint
 from dataflow.backend import Backend
 from dataflow.backends import make_backend
 from dataflow.block_io import init_weights as init_block_weights
+from dataflow.fp8_base import init_fill
 from dataflow.checkpoint import read_checkpoint
 from dataflow.engine.state_io import StateIO
 from dataflow.engine.steps import StepRunner
@@ -178,7 +179,9 @@ def init_weights(state: StateIO, seed: int, progress) -> None:
             BlockKind.LAYER: lambda layer, out: init.init_layer_block(cfg, layer, seed, out=out),
             BlockKind.HEAD: lambda layer, out: init.init_head_block(cfg, seed, out=out)}
     for b in state.targets():
-        init_block_weights(state.ex, state.be, b, functools.partial(fill[b.kind], b.layer))
+        # an fp8 base's layer: initialised in bf16, then quantised once (dataflow.fp8_base)
+        init_block_weights(state.ex, state.be, b, init_fill(
+            b.layout, functools.partial(fill[b.kind], b.layer), b.layer))
         if progress is not None:
             progress.update()
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from dataflow.block_io import read_part, write_part, zero_state
 from dataflow.blocks import BLOCK_PARTS, Block, block_parts
+from dataflow.fp8_base import from_stored, to_stored, user_layout, write_weights
 from dataflow.models.errors import ConfigError
 from dataflow.models.init import ModelWeights
 from dataflow.models.layout import BlockKind
@@ -59,9 +60,18 @@ class StateIO:
         self.zero_state()
 
     def write(self, b: Block, array: np.ndarray, part: str = "weights") -> None:
-        write_part(self.ex, self.be, b, array, part)
+        """Block `b`'s `part` = `array` (an fp8 base's bf16 layer block quantised once, into
+        its home copy where it has one: dataflow.fp8_base)."""
+        if part == "weights" and write_weights(self.ex, self.be, b, array):
+            return
+        write_part(self.ex, self.be, b, to_stored(b, array, part), part)
 
     def read(self, b: Block, part: str) -> np.ndarray:
+        """A host copy of `part` in the block's user layout (an fp8 base's layer dequantised)."""
+        return from_stored(b, self.read_stored(b, part), part)
+
+    def read_stored(self, b: Block, part: str) -> np.ndarray:
+        """A host copy of `part` as stored (an fp8 base's layer: its codes and scales' bytes)."""
         self.steps.settle()
         return read_part(self.ex, self.be, b, part)
 
@@ -161,8 +171,8 @@ class StateIO:
     def layout_of(self, kind: BlockKind):
         """The layout every block of `kind` shares (tensors, numel, views)."""
         ex = self.ex
-        return {BlockKind.EMBED: ex.embed, BlockKind.LAYER: ex.layers[0],
-                BlockKind.HEAD: ex.head}[kind].layout
+        return user_layout({BlockKind.EMBED: ex.embed, BlockKind.LAYER: ex.layers[0],
+                            BlockKind.HEAD: ex.head}[kind].layout)
 
     def block(self, ref: BlockRef) -> Block:
         ex = self.ex

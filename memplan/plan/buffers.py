@@ -10,6 +10,7 @@ import dataclasses
 from dataflow.memplan.plan.plan import Precision
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
+from dataflow.models.fp8_layout import fp8_layer_layout
 from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1}
@@ -383,9 +384,13 @@ def vocab_round_specs(cfg: ModelConfig, round_tokens: int) -> tuple[TensorSpec, 
             TensorSpec("vocab_stats", (t, 3), "f32"), TensorSpec("vocab_stats_in", (t, 3), "f32"))
 
 
-def block_elems(cfg: ModelConfig) -> dict[str, int]:
-    """Elements of the embed, one layer and the head block (alignment padding included)."""
-    return {"embed": embed_layout(cfg).numel, "layer": layer_layout(cfg).numel,
+def block_elems(cfg: ModelConfig, lora=None) -> dict[str, int]:
+    """Elements (bf16, alignment padding included) of the embed, one layer and the head block;
+    a LoRA plan with an fp8 base (Plan.lora.base) counts its layer block as E4M3 codes and row
+    scales (dataflow.models.fp8_layout: its bytes / 2)."""
+    fp8 = lora is not None and lora.fp8_base
+    return {"embed": embed_layout(cfg).numel,
+            "layer": fp8_layer_layout(cfg).numel if fp8 else layer_layout(cfg).numel,
             "head": head_layout(cfg).numel}
 
 

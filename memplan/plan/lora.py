@@ -8,9 +8,11 @@ imports array libraries."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from dataflow.memplan.plan.frozen import Frozen
 from dataflow.models.errors import ConfigError
+from dataflow.models.fp8_layout import largest_linear
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The adapted linears, in the order adapters are laid out in the adapter region."""
@@ -26,6 +28,18 @@ and v in fp32, and the bf16 working copy the GEMMs read (cuBLAS takes both opera
 one dtype, and the activations are bf16)."""
 
 
+class LoraBase(enum.Enum):
+    """How the frozen base's seven adapted linears are stored (`--lora-base`): bf16 as trained,
+    or FP8 (E4M3 codes with an fp32 scale per output row: dataflow.models.fp8_layout), each base
+    GEMM then reading a bf16 copy dequantised into lora.base_dequant."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+BASE_SPELLING = "bf16, fp8"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Lora:
     rank: int
@@ -34,8 +48,14 @@ class Lora:
     """The scale is alpha / rank (PEFT's LoraLayer scaling; not rsLoRA's)."""
     targets: tuple[str, ...]
     """Adapted linears of every layer, a subset of TARGETS in TARGETS' order."""
+    base: LoraBase = dataclasses.field(default=LoraBase.BF16, metadata={"omit_if_default": True})
+    """The frozen base's storage; left out of the JSON and hash while bf16, so a bf16 plan is
+    unchanged."""
 
     def __post_init__(self):
+        if not isinstance(self.base, LoraBase):
+            raise ConfigError(f"LoRA base {self.base!r} is not a storage; spell "
+                              f"{BASE_SPELLING} (e.g. --lora-base fp8)")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}; "
                               "try --lora-rank 8")
@@ -52,9 +72,20 @@ class Lora:
             raise ConfigError(f"LoRA targets {self.targets!r} must be in the order {TARGETS}; "
                               "build them with parse_lora")
 
+    def __repr__(self) -> str:
+        # a bf16 base is left out, as in the JSON: records name earlier Loras so
+        base = "" if self.base is LoraBase.BF16 else f", base='{self.base.value}'"
+        return (f"Lora(rank={self.rank!r}, alpha={self.alpha!r}, targets={self.targets!r}"
+                f"{base})")
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def fp8_base(self) -> bool:
+        """The base's linears are stored as E4M3 codes with row scales (LoraBase.FP8)."""
+        return self.base is LoraBase.FP8
 
     def spec(self) -> str:
         return ",".join(self.targets)
@@ -89,18 +120,23 @@ def adapter_params(cfg, lora: Lora | None) -> int:
 def adapter_bytes(cfg, lora: Lora | None, chunk_tokens: int = 0) -> int:
     """Device bytes of the adapters' weights, gradients, AdamW state and working copy, and
     (chunk_tokens given) their two (T, r) bf16 intermediates (region_sizes' sum, unaligned)."""
-    return sum(region_sizes(cfg, lora, chunk_tokens).values())
+    return sum(n for name, n in region_sizes(cfg, lora, chunk_tokens).items()
+               if name != "lora.base_dequant")
 
 
 def region_sizes(cfg, lora: Lora | None, chunk_tokens: int) -> dict[str, int]:
     """Bytes of each LoRA device region: lora.weights, .grads, .m, .v (fp32, region order
     adapter_specs), lora.work (the bf16 working copy, then two (T, r) bf16 intermediates);
-    empty without LoRA."""
+    lora.base_dequant (an fp8 base's: the bf16 copy of its largest linear); empty without
+    LoRA."""
     if lora is None:
         return {}
     n = adapter_params(cfg, lora)
-    return {"lora.weights": 4 * n, "lora.grads": 4 * n, "lora.m": 4 * n, "lora.v": 4 * n,
-            "lora.work": 2 * n + 2 * 2 * chunk_tokens * lora.rank}
+    out = {"lora.weights": 4 * n, "lora.grads": 4 * n, "lora.m": 4 * n, "lora.v": 4 * n,
+           "lora.work": 2 * n + 2 * 2 * chunk_tokens * lora.rank}
+    if lora.fp8_base:  # the bf16 copy of one base linear, dequantised before each base GEMM
+        out["lora.base_dequant"] = 2 * largest_linear(cfg)
+    return out
 
 
 def adapter_flops_per_token(cfg, lora: Lora | None) -> tuple[int, int]:
@@ -136,6 +172,21 @@ def lora_seconds(cfg, t: int, lora: Lora | None, gemm_flop_per_s: float,
         bwd_b += 2 * t * (4 * n_in + 2 * n_out)
     return (max(fwd_f * t / gemm_flop_per_s, fwd_b / hbm_bytes_per_s) * overhead,
             max(bwd_f * t / gemm_flop_per_s, bwd_b / hbm_bytes_per_s) * overhead)
+
+
+def base_dequant_seconds(cfg, lora: Lora | None, hbm_bytes_per_s: float, targets=None) -> float:
+    """Seconds of an fp8 base's dequantisation passes for one use of each base linear in
+    `targets` (default all seven; 0 without LoRA or with a bf16 base): every base GEMM first
+    decodes its weight into lora.base_dequant, an HBM-rate pass reading 1 byte (plus the row
+    scales) and writing 2 per element. Per chunk: the forward, every recompute of a projection
+    and the backward's dx each pay it again (one shared region; nothing is kept)."""
+    if lora is None or not lora.fp8_base:
+        return 0.0
+    moved = 0
+    for t in TARGETS if targets is None else targets:
+        n_in, n_out = target_shape(cfg, t)
+        moved += 3 * n_in * n_out + 4 * n_out
+    return moved / hbm_bytes_per_s
 
 
 RECOMPUTED_TARGETS = ("q", "o", "gate", "up")
@@ -191,11 +242,25 @@ def refuse_unsupported(cfg, lora: Lora | None, *, precision=None, where: str = "
                           "use --precision bf16")
 
 
-def parse_lora(rank, alpha=None, targets: str | None = None) -> Lora | None:
-    """Lora from the CLI's --lora-rank / --lora-alpha / --lora-targets (rank None: no LoRA).
-    alpha defaults to the rank (scale 1); targets to all seven. Raises ConfigError naming the
-    bad value and the spelling."""
+def parse_base(value) -> LoraBase:
+    """LoraBase from 'bf16' / 'fp8' (or a LoraBase); ConfigError naming the value otherwise."""
+    if isinstance(value, LoraBase):
+        return value
+    try:
+        return LoraBase(value)
+    except ValueError:
+        raise ConfigError(f"--lora-base {value!r} is not a storage; spell {BASE_SPELLING} "
+                          "(e.g. --lora-base fp8)") from None
+
+
+def parse_lora(rank, alpha=None, targets: str | None = None, base=None) -> Lora | None:
+    """Lora from the CLI's --lora-rank / --lora-alpha / --lora-targets / --lora-base (rank
+    None: no LoRA). alpha defaults to the rank (scale 1); targets to all seven; base to bf16.
+    Raises ConfigError naming the bad value and the spelling."""
     if rank is None:
+        if base is not None and parse_base(base) is LoraBase.FP8:
+            raise ConfigError("--lora-base fp8 needs --lora-rank R (e.g. --lora-rank 16): the "
+                              "fp8 base is the frozen base of LoRA adapters")
         if alpha is not None or targets:
             raise ConfigError("--lora-alpha / --lora-targets need --lora-rank R (e.g. "
                               "--lora-rank 8)")
@@ -205,23 +270,24 @@ def parse_lora(rank, alpha=None, targets: str | None = None) -> Lora | None:
     if bad:
         raise ConfigError(f"--lora-targets item {bad[0]!r} is not a target; spell {SPELLING}")
     return Lora(rank=rank, alpha=float(rank if alpha is None else alpha),
-                targets=tuple(t for t in TARGETS if t in names))
+                targets=tuple(t for t in TARGETS if t in names),
+                base=LoraBase.BF16 if base is None else parse_base(base))
 
 
 def as_lora(value) -> Lora | None:
-    """A Lora from a Lora, None, a rank (int) or a dict of rank/alpha/targets (the Engine's and
-    make_plan's argument)."""
+    """A Lora from a Lora, None, a rank (int) or a dict of rank/alpha/targets/base (the Engine's
+    and make_plan's argument)."""
     if value is None or isinstance(value, Lora):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return parse_lora(value)
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"rank", "alpha", "targets"})
+        unknown = sorted(set(value) - {"rank", "alpha", "targets", "base"})
         if unknown:
             raise ConfigError(f"lora keys {unknown} are not understood; known: rank, alpha, "
-                              "targets")
+                              "targets, base")
         t = value.get("targets")
         return parse_lora(value.get("rank"), value.get("alpha"),
-                          ",".join(t) if isinstance(t, (list, tuple)) else t)
-    raise ConfigError(f"lora must be a Lora, a rank or a dict(rank=, alpha=, targets=), got "
+                          ",".join(t) if isinstance(t, (list, tuple)) else t, value.get("base"))
+    raise ConfigError(f"lora must be a Lora, a rank or a dict(rank=, alpha=, targets=, base=), got "
                       f"{type(value).__name__}")

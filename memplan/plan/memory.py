@@ -29,7 +29,7 @@ _FIXED_CATEGORY = {
     "tokens": "buffers", "embed_rows": "buffers", "norm_host": "buffers",
     buffers.MOE_HOST_REGION: "buffers",
     "home.ctx_kv": "saved_activations",
-    "lora.work": "weights",
+    "lora.work": "weights", "lora.base_dequant": "weights",
 }
 TOKEN_ID_BYTES = 4
 TOKEN_STAGING_ROWS = 6
@@ -112,10 +112,11 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     (saved activations kept on the device; with segments, the boundary layers' only, then
     act.seg{p}.{chunk} for the rebuilt inner ones), act_slots, workspace, attn_workspace,
     library_scratch, kv_rebuild (a kv_rebuild plan's), context, transitions, head_buffers,
-    lora.weights/.grads/.m/.v (a LoRA plan's), opt_stage."""
+    lora.weights/.grads/.m/.v/.work (a LoRA plan's; lora.base_dequant too with an fp8 base,
+    whose layer blocks are then its codes and row scales: buffers.block_elems), opt_stage."""
     d = decisions_of(plan)
     cfg, ch, s = d.model, d.chunking, d.slots
-    elems = buffers.block_elems(cfg)
+    elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
     fz = d.frozen
@@ -179,7 +180,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     MoE model's: buffers.MOE_HOST_REGION)."""
     d = decisions_of(plan)
     cfg, ch = d.model, d.chunking
-    elems = buffers.block_elems(cfg)
+    elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
     out: list[tuple[str, int]] = []
     fz = d.frozen

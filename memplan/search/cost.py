@@ -23,6 +23,7 @@ from dataflow.memplan.plan.lora import (
     adapter_fwd_flops_per_token,
     adapter_model_flops_per_seq,
     adapter_rebuild_flops_per_token,
+    base_dequant_seconds,
     lora_seconds,
 )
 from dataflow.memplan.plan.plan import (
@@ -299,6 +300,10 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
     f8_fwd_s, f8_bwd_s = fp8_extra_seconds(cfg, p, t) if precision is Precision.FP8 else (0, 0)
     lo_fwd_s, lo_bwd_s = lora_seconds(cfg, t, lora, gemm, hbm, over)
+    # an fp8 base decodes each base weight before its GEMM: the forward's seven, the
+    # backward's seven (dx), a recompute's and a kept re-run's projections again
+    dq_all, dq_rec, dq_kept = (base_dequant_seconds(cfg, lora, hbm, ts) * over for ts in (
+        None, RECOMPUTED, KEPT[ch.chunks_per_seq == 1]))
     lo_f, lo_rec = (t * adapter_fwd_flops_per_token(cfg, lora, ts) for ts in (None, RECOMPUTED))
     lo_kept = t * adapter_fwd_flops_per_token(cfg, lora, KEPT[ch.chunks_per_seq == 1])
     rebuild = t * adapter_rebuild_flops_per_token(cfg, lora)
@@ -315,21 +320,21 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         if ch.chunks_per_seq > 1 or not deterministic:
             bwd_eff *= ATTN_ATOMIC_BWD_SPEEDUP
         a_bwd_s = a_bwd / attn_flop_per_s(cfg, p, bwd_eff, keys)
-        fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s + lo_fwd_s
+        fwd_s = (mm / gemm + ew_s + f8_fwd_s) * over + a_fwd_s + exp_fwd_s + lo_fwd_s + dq_all
         bwd_s = (2 * mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s) * over + a_bwd_s \
             + exp_bwd_s
         bwd_frozen_s = (mm / gemm + ELEMENTWISE_BWD_FACTOR * ew_s + f8_bwd_s / 2) * over \
-            + a_bwd_s + exp_bwd_s + lo_bwd_s
+            + a_bwd_s + exp_bwd_s + lo_bwd_s + dq_all
         # A recompute re-runs its projections in FP8 too: the forward's difference in their share.
         rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s \
-            + lo_fwd_s
+            + lo_fwd_s + dq_rec
         rec_f = rec_full / gemm * over
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
                               rec_flops=(rec_full + rebuild, rec_attn + lo_rec + rebuild,
                                          rec_attn + lo_rec + rebuild + a_fwd),
                               flash_flops=flash, fwd_flops=mm + a_fwd + lo_f,
                               refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
-                              * over + exp_fwd_s + lo_fwd_s,
+                              * over + exp_fwd_s + lo_fwd_s + dq_kept,
                               refwd_kept_flops=mm_kept + lo_kept, bwd_frozen_s=bwd_frozen_s))
     return tuple(out)
 
@@ -372,7 +377,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
     cfg, ch = d.model, d.chunking
     costs = chunk_costs(cfg, ch, p, d.attention_bwd is AttentionBwd.DETERMINISTIC, d.precision,
                         d.lora)
-    elems = buffers.block_elems(cfg)
+    elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
     act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
                 for lv in SavedLevel for kv in (True, False) if kv or lv is not SavedLevel.FULL}

@@ -9,7 +9,7 @@ import dataclasses
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import chunk_target_tokens
 from dataflow.memplan.plan.decisions import decisions_of
-from dataflow.memplan.plan.lora import adapter_bytes, adapter_params
+from dataflow.memplan.plan.lora import LoraBase, adapter_bytes, adapter_params, region_sizes
 from dataflow.memplan.plan.frozen import NOTHING_FROZEN
 from dataflow.memplan.plan.memory import CATEGORIES, memory_map
 from dataflow.memplan.plan.plan import OptimizerWhere, Plan, Where
@@ -153,7 +153,7 @@ def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
     out.append(f"rounds per step: {ch.rounds_per_step} keep the optimizer ({_t(pr.optimizer_s)}) "
                f"at {share:.1%} of the step (target {DEFAULT_OPT_TARGET_FRAC:.0%})")
     resident = sum(p.weights is Where.DEVICE for p in plan.layers)
-    layer_b = buffers.block_elems(cfg)["layer"] * 2
+    layer_b = buffers.block_elems(cfg, plan.lora)["layer"] * 2
     if resident == cfg.n_layers:
         out.append("layers: all state fits on the device, so no weight or gradient crosses PCIe")
     else:
@@ -249,7 +249,10 @@ def _frozen_lines(plan: Plan) -> list[str]:
     if not fz.anything:
         return []
     cfg, ch = plan.model, plan.chunking
-    whole = memory_map(dataclasses.replace(decisions_of(plan), frozen=NOTHING_FROZEN))
+    # trained whole, a base is bf16 (an fp8 base's codes exist only for a frozen LoRA base)
+    lora = plan.lora if plan.lora is None or not plan.lora.fp8_base else \
+        dataclasses.replace(plan.lora, base=LoraBase.BF16)
+    whole = memory_map(dataclasses.replace(decisions_of(plan), frozen=NOTHING_FROZEN, lora=lora))
     saved_host = whole.host_bytes - plan.memory.host_bytes
     saved_dev = whole.device_bytes - plan.memory.device_bytes
     flops = frozen_flops_per_seq(cfg, ch.seqlen, len(fz.layers), fz.head)
@@ -270,7 +273,22 @@ def _lora_lines(plan: Plan) -> list[str]:
     return [f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scale:g}) on {lo.spec()} of "
             f"every layer (docs/lora.md): {n:,} adapter parameters, resident on the device in "
             f"fp32 with their gradients, AdamW state and a bf16 working copy ({_size(adapter_bytes(plan.model, lo, plan.chunking.chunk_tokens))}); "
-            "the base model is frozen whole"]
+            "the base model is frozen whole", *_fp8_base_lines(plan)]
+
+
+def _fp8_base_lines(plan: Plan) -> list[str]:
+    """An fp8 base's storage (Plan.lora.base; nothing for a bf16 base)."""
+    lo, cfg = plan.lora, plan.model
+    if lo is None or not lo.fp8_base:
+        return []
+    fp8_b = buffers.block_elems(cfg, lo)["layer"] * 2
+    bf16_b = buffers.block_elems(cfg)["layer"] * 2
+    dq = region_sizes(cfg, lo, plan.chunking.chunk_tokens)["lora.base_dequant"]
+    return [f"  base stored in fp8 (--lora-base fp8): q, k, v, o, gate, up, down as E4M3 codes "
+            f"with an fp32 scale per output row, {_size(fp8_b)} a layer against {_size(bf16_b)} "
+            f"in bf16 (host, slots and H2D alike); each base GEMM reads a bf16 copy decoded into "
+            f"lora.base_dequant ({_size(dq)}); the model trained is the FP8-rounded base plus "
+            "the adapters"]
 
 
 def explain(plan: Plan, update: str = "deferred") -> str:

@@ -146,7 +146,7 @@ class Space:
         self.n_inner = (self.L - self.n_kept) * self.C
         """Rebuilt activations per round; their storage is reused by every segment:"""
         self.n_inner_slots = (min(self.k, self.L) - 1) * self.C
-        self.elems = buffers.block_elems(cfg)
+        self.elems = buffers.block_elems(cfg, lora)
         self.gbpe = grad_bpe(grad_accum)
         e = self.elems
         self.layer_b, self.layer_g = e["layer"] * 2, e["layer"] * self.gbpe

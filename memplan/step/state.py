@@ -25,7 +25,6 @@ from dataflow.memplan.step.events import (
 )
 from dataflow.memplan.step.slot_ring import ZERO, _Emitter, _Ring, _Use
 from dataflow.models.flops import SavedLevel
-from dataflow.models.layout import embed_layout, head_layout, layer_layout
 
 
 def region_table(plan) -> RegionTable:
@@ -89,8 +88,8 @@ class CompilerState:
         self.table = region_table(plan)
         self.em = _Emitter()
         self.gdt = "bf16" if grad_bpe(d.grad_accum) == 2 else "f32"
-        self.numel = {"layer": layer_layout(self.cfg).numel,
-                      "embed": embed_layout(self.cfg).numel, "head": head_layout(self.cfg).numel}
+        self.numel = buffers.block_elems(self.cfg, d.lora)
+        """Elements of each kind of block (an fp8 base's layer: its codes and scales)."""
         self.L, self.C, self.T = self.cfg.n_layers, self.ch.chunks_per_round, self.ch.chunk_tokens
         self.k = d.segment_layers
         self.segments = segment_bounds(self.L, self.k)

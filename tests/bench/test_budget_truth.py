@@ -184,3 +184,14 @@ def test_lora_flags_plan_and_train_the_cell_with_adapters(tmp_path):
     with pytest.raises(SystemExit) as bad:  # argparse refuses a bad rank, naming it
         main(["--out", str(tmp_path), "--lora-rank", "0", "tiny:256:1:0.25"])
     assert bad.value.code == 2
+
+
+def test_lora_base_fp8_reaches_the_demo_through_the_plan_file(tmp_path):
+    """--lora-base fp8: the cell's plan file stores the base in fp8, its demo trains it, the
+    record's lora says base='fp8'."""
+    assert main(["--out", str(tmp_path), "--backend", "numpy", "--steps", "1",
+                 "--lora-rank", "4", "--lora-base", "fp8", "tiny:256:1:0.25"]) == 0
+    r = _record(tmp_path, "tiny-s256-h1-d0.25")
+    assert r.status == "ok" and "base='fp8'" in r.lora, r
+    assert json.loads((tmp_path / "tiny-s256-h1-d0.25.plan.json").read_text())["lora"]["base"] \
+        == "fp8"

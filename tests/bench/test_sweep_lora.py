@@ -60,3 +60,18 @@ def test_bad_lora_flags_exit_2_naming_the_value(tmp_path, capsys, extra, words):
     err = capsys.readouterr().err
     assert words in err, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_lora_sweep_with_an_fp8_base_predicts_more_host_room(tmp_path, capsys):
+    """dataflow-sweep run --lora-base fp8: 70b at 120/24 plans (its lora column says fp8), the
+    bf16 base does not fit there; a bf16 directory refuses the fp8 resume."""
+    base = ["run", "--model", "70b", "--seqlen", "8192", "--host", "120", "--dev", "24",
+            "--predict-only", "--gpu", "h200", "--lora-rank", "16"]
+    assert main([*base, "--lora-base", "fp8", "--out", str(tmp_path / "f8")]) == 0
+    (row,) = read_table(tmp_path / "f8")
+    assert row.lora.endswith("--lora-base fp8") and row.predicted_tok_per_s > 0, row
+    assert main([*base, "--out", str(tmp_path / "bf")]) == 0
+    (bf,) = read_table(tmp_path / "bf")
+    assert bf.status != "ok" and not bf.predicted_tok_per_s, bf
+    capsys.readouterr()
+    assert main([*base, "--lora-base", "fp8", "--out", str(tmp_path / "bf")]) == 2
