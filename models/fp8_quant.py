@@ -48,6 +48,7 @@ def encode_block(lay: Fp8LayerLayout, block, out: np.ndarray | None = None,
     if out is None:
         out = np.zeros(lay.numel, np.dtype(BF16))
     raw = out.view(np.uint8)
+    _zero_gaps(lay, raw)
     for t in lay.tensors:
         w = lay.bf16.view(block, t.name)
         if t.fp8:
@@ -58,6 +59,22 @@ def encode_block(lay: Fp8LayerLayout, block, out: np.ndarray | None = None,
             raw[t.codes_offset:t.codes_offset + 2 * t.numel] = \
                 np.ascontiguousarray(w.astype(BF16)).reshape(-1).view(np.uint8)
     return out
+
+
+def _zero_gaps(lay: Fp8LayerLayout, raw: np.ndarray) -> None:
+    """Zero the alignment bytes between a block's tensors (an `out` given may hold anything:
+    the stored bytes must be the same on every backend and every run)."""
+    spans = sorted([(t.codes_offset, t.codes_offset + t.numel) for t in lay.tensors if t.fp8]
+                   + [(t.scales_offset, t.scales_offset + 4 * t.shape[0])
+                      for t in lay.tensors if t.fp8]
+                   + [(t.codes_offset, t.codes_offset + 2 * t.numel)
+                      for t in lay.tensors if not t.fp8])
+    at = 0
+    for start, end in spans:
+        if start > at:
+            raw[at:start] = 0
+        at = max(at, end)
+    raw[at:] = 0
 
 
 def decode_block(lay: Fp8LayerLayout, packed) -> np.ndarray:

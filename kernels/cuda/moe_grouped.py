@@ -31,7 +31,6 @@ _NAMES = ("grouped_rows_kernel<true, false>", "grouped_rows_kernel<false, false>
 I64 = np.dtype(np.int64)
 _BM, _BN, _BK, _THREADS = 128, 256, 64, 256
 _SMEM = 3 * (_BM * _BK + _BN * _BK) * 2  # 3 stages of A and B tiles, bf16: 144 KiB
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def grouped_supported(model_dim: int, ffn_dim: int, dtype, *mats) -> bool:
@@ -51,10 +50,8 @@ def grouped_supported(model_dim: int, ffn_dim: int, dtype, *mats) -> bool:
 
 def _launch(ctx, name: str, grid, args) -> None:
     fn = _build.kernel(ctx, _SRC, _NAMES, name)
-    mark = (_SRC, name, "smem", cupy.cuda.runtime.getDevice())
-    if mark not in ctx.funcs:  # above 48 KiB of dynamic shared memory needs the opt-in, once
-        cupy.cuda.driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED, _SMEM)
-        ctx.funcs[mark] = True
+    if fn.max_dynamic_shared_size_bytes < _SMEM:  # above 48 KiB needs the opt-in, once
+        fn.max_dynamic_shared_size_bytes = _SMEM
     fn(grid, (_THREADS,), args, shared_mem=_SMEM)
 
 
