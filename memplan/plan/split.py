@@ -1,0 +1,37 @@
+"""The part arithmetic of a split update (RankPlan.split_update, docs/ring.md "Split updates"):
+every block is cut into fixed sub-blocks of SUB_BLOCK elements, and replica q of R owns a
+contiguous run of whole sub-blocks, balanced over the replicas. The same cut serves the squared
+gradient norm (dataflow.norm_parts sums each sub-block, then adds the sums exactly), so the norm
+does not depend on R. Pure Python integers: never imports array libraries, never decides
+whether an update is split."""
+
+from __future__ import annotations
+
+SUB_BLOCK = 1024
+"""Elements per sub-block: the unit of the exact squared norm and of every replica's part."""
+
+
+def sub_blocks(numel: int) -> int:
+    """How many sub-blocks a block of `numel` elements has (the last may be short)."""
+    return -(-numel // SUB_BLOCK)
+
+
+def part_bounds(numel: int, replicas: int) -> tuple[int, ...]:
+    """The R + 1 element offsets 0 = b_0 <= b_1 <= ... <= b_R = numel: replica q owns elements
+    [b_q, b_{q+1}), sub-blocks [q S // R, (q + 1) S // R) of the S = sub_blocks(numel)."""
+    if replicas < 1:
+        raise ValueError(f"{replicas} replicas: use 1 or more")
+    s = sub_blocks(numel)
+    return tuple(min(numel, (q * s // replicas) * SUB_BLOCK) for q in range(replicas + 1))
+
+
+def part_range(numel: int, replicas: int, q: int) -> tuple[int, int]:
+    """Replica q's elements [lo, hi) of a block of `numel` elements."""
+    b = part_bounds(numel, replicas)
+    return b[q], b[q + 1]
+
+
+def part_numel_max(numel: int, replicas: int) -> int:
+    """The most elements any replica's part holds (what one replica's AdamW state must fit)."""
+    b = part_bounds(numel, replicas)
+    return max(hi - lo for lo, hi in zip(b, b[1:]))
