@@ -35,3 +35,29 @@ def part_numel_max(numel: int, replicas: int) -> int:
     """The most elements any replica's part holds (what one replica's AdamW state must fit)."""
     b = part_bounds(numel, replicas)
     return max(hi - lo for lo, hi in zip(b, b[1:]))
+
+
+def part_byte_bounds(nbytes: int, bpe: int, replicas: int) -> tuple[int, ...]:
+    """part_bounds of a block of nbytes / bpe elements, in bytes (`bpe` bytes an element)."""
+    if nbytes % bpe:
+        raise ValueError(f"{nbytes} bytes are not whole elements of {bpe} bytes")
+    return tuple(b * bpe for b in part_bounds(nbytes // bpe, replicas))
+
+
+STATE_PARTS = (".m", ".v")
+"""The suffixes of the AdamW state regions a split replica holds for its part alone."""
+
+
+def state_part_regions(regions, numel: dict[str, int], replicas: int, align) -> tuple:
+    """`regions` ((name, bytes), dataflow.memplan.plan.memory's lists) with the m / v regions
+    of the blocks in `numel` (region prefix 'layer3' / 'head' -> elements) cut to the largest
+    replica part (bf16, `align`ed): what one replica of a split update allocates. The embedding
+    (not in `numel`) keeps its whole state."""
+    out = []
+    for name, nbytes in regions:
+        base = name.removeprefix("home.")
+        stem, dot, suffix = base.rpartition(".")
+        if dot and "." + suffix in STATE_PARTS and stem in numel:
+            nbytes = align(part_numel_max(numel[stem], replicas) * 2)
+        out.append((name, nbytes))
+    return tuple(out)
