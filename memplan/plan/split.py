@@ -7,6 +7,10 @@ whether an update is split."""
 
 from __future__ import annotations
 
+from dataflow.memplan.plan import buffers
+from dataflow.memplan.plan.memory import by_category, device_regions, host_regions
+from dataflow.memplan.plan.plan import MemoryMap
+
 SUB_BLOCK = 1024
 """Elements per sub-block: the unit of the exact squared norm and of every replica's part."""
 
@@ -61,3 +65,21 @@ def state_part_regions(regions, numel: dict[str, int], replicas: int, align) -> 
             nbytes = align(part_numel_max(numel[stem], replicas) * 2)
         out.append((name, nbytes))
     return tuple(out)
+
+
+def split_state_numel(plan) -> dict[str, int]:
+    """The region prefixes of the blocks a split update cuts ('layer0'.., 'head') -> elements:
+    every layer and the head of `plan` (a ring rank's own), not the embedding."""
+    elems = buffers.block_elems(plan.model)
+    out = {f"layer{i}": elems["layer"] for i in range(len(plan.layers))}
+    out["head"] = elems["head"]
+    return out
+
+
+def split_memory_map(plan, replicas: int) -> MemoryMap:
+    """The memory map of one replica of a split update over `replicas` (m / v of the layers and
+    the head for its part only): the bytes the planner counts for such a replica."""
+    numel = split_state_numel(plan)
+    dev = state_part_regions(device_regions(plan), numel, replicas, buffers.align)
+    host = state_part_regions(host_regions(plan), numel, replicas, buffers.align)
+    return MemoryMap(device=by_category(dev), host=by_category(host))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from dataflow.memplan.plan.buffers import align
-from dataflow.memplan.plan.split import (part_byte_bounds, part_range, state_part_regions,
-                                         sub_blocks)
+from dataflow.memplan.plan.split import (part_byte_bounds, part_range, split_state_numel,
+                                         state_part_regions, sub_blocks)
 from dataflow.memplan.step.compile import COMPUTE, Ref, StepCompiler
 from dataflow.memplan.step.events import Compute, Region, RegionTable
 from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
@@ -117,10 +117,7 @@ class SplitUpdate:
         if not self.split_update:
             return
         refuse_split_update(rp, {k: n for k, n in self.numel.items() if k != "embed"})
-        prefixes = {BlockKey.of_layer(j).name: self.numel["layer"]
-                    for j in range(len(rp.layers))}
-        prefixes["head"] = self.numel["head"]
-        self.table = split_state_table(self.table, prefixes, rp.replicas)
+        self.table = split_state_table(self.table, split_state_numel(self.plan), rp.replicas)
         self._regions = self.table.by_name()
 
     def splits(self, what: str) -> bool:
