@@ -23,7 +23,7 @@ from dataflow.memplan.step.compile import Update, WriteBack
 from dataflow.memplan.step.ring_compile import (AllReduce, GatherParts, ReduceScatter,
                                                 compile_ring_schedule)
 from dataflow.models.config import load_config
-from dataflow.models.layout import head_layout, layer_layout
+from dataflow.models.layout import BlockKind, head_layout, layer_layout
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
 from dataflow.optimizer import AdamWConfig
@@ -45,9 +45,9 @@ PLACEMENTS = {
 
 
 def _rank_plan(where: str, *, split: bool, split_fetch: bool = False,
-               replicas: int = 2) -> RankPlan:
+               replicas: int = 2, grad_accum: GradAccum = GradAccum.FP32) -> RankPlan:
     plan = forced_plan(CFG, 64, chunk_tokens=128, seqs_per_chunk=2, rounds=2,
-                       head_sub_tokens=128, grad_accum=GradAccum.FP32, **PLACEMENTS[where])
+                       head_sub_tokens=128, grad_accum=grad_accum, **PLACEMENTS[where])
     return RankPlan(rank=0, n_ranks=1, layers=(0, 1), has_embed=True, has_head=True,
                     n_layers=2, plan=plan, replicas=replicas, split_fetch=split_fetch,
                     split_update=split)
@@ -68,6 +68,10 @@ def _train(rp: RankPlan, data, seed: int, deferred: bool):
                     view = b.home(part) if b.home(part) is not None else b.device(part)
                     if view is not None:
                         state[(b.key.region, part)] = view.size
+            if rp.split_update:  # a part's m / v cannot be read as the block's
+                with pytest.raises(ConfigError, match="part only"):
+                    rank.read_block(next(r for r in rank.block_refs()
+                                         if r.kind is not BlockKind.EMBED), "m")
             return ([s.loss for s in stats], [s.grad_norm for s in stats], rank.weights(),
                     state)
         finally:
@@ -75,19 +79,26 @@ def _train(rp: RankPlan, data, seed: int, deferred: bool):
     return in_threads(replica, r)
 
 
-@pytest.mark.parametrize("where,deferred,split_fetch,replicas", [
-    ("streamed", True, False, 2), ("streamed", False, True, 2), ("resident", True, False, 2),
-    ("streamed", True, False, 3), ("resident", False, False, 3), ("streamed", True, True, 4)])
+BF16 = GradAccum.BF16
+
+
+@pytest.mark.parametrize("where,deferred,split_fetch,replicas,accum", [
+    ("streamed", True, False, 2, None), ("streamed", False, True, 2, None),
+    ("resident", True, False, 2, None), ("streamed", True, False, 3, None),
+    ("resident", False, False, 3, BF16), ("streamed", True, True, 4, None),
+    ("streamed", False, False, 4, BF16)])
 def test_split_replicas_equal_unsplit_replicas_bit_for_bit(rng, where, deferred, split_fetch,
-                                                           replicas):
+                                                           replicas, accum):
     """R split replicas: the unsplit replicas' losses, gradient norms (clipping active) and
-    final weights bit for bit over 3 steps, each holding m / v for its part alone."""
+    final weights bit for bit over 3 steps, each holding m / v for its part alone (fp32 or
+    bf16 gradient sums)."""
     seed = int(rng.integers(0, 2**31))
     rows = 4 * replicas  # two sequences a chunk, two rounds, on each replica
     data = [rng.integers(0, CFG.vocab_size, (rows, 65), dtype=np.int32) for _ in range(3)]
-    want = _train(_rank_plan(where, split=False, replicas=replicas), data, seed, deferred)
-    got = _train(_rank_plan(where, split=True, split_fetch=split_fetch, replicas=replicas),
-                 data, seed, deferred)
+    kw = dict(replicas=replicas, grad_accum=accum or GradAccum.FP32)
+    want = _train(_rank_plan(where, split=False, **kw), data, seed, deferred)
+    got = _train(_rank_plan(where, split=True, split_fetch=split_fetch, **kw), data, seed,
+                 deferred)
     for q in range(replicas):
         (wl, wn, ww, w_state), (gl, gn, gw, g_state) = want[q], got[q]
         assert gl == wl and gn == wn, (q, gl, wl, gn, wn)
