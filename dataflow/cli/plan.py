@@ -33,6 +33,7 @@ from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, size
 from dataflow.memplan.search.explain import explain
 from dataflow.memplan.search.layout import LayoutChoice, choose_layout, layout_text
 from dataflow.memplan.plan.plan import Budget, Precision
+from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.plan.profiles import get_profile, load_profile
 from dataflow.memplan.search.ring_plan import LINKS, scaling, scaling_text
 from dataflow.memplan.search.search import make_plan
@@ -275,8 +276,12 @@ def ring_report(cfg, args, budget, profile) -> str:
         extra = " + embedding" * rp.has_embed + " + head" * rp.has_head
         if rp.vocab_parallel:
             extra += f" + {rp.plan.model.head_rows:,} head rows"
+        mem = p.memory
+        if rp.split_update and rp.replicas > 1:  # m / v for its part: host bytes fall with R
+            extra += f", split update (1/{rp.replicas} of the AdamW state)"
+            mem = split_memory_map(p, rp.replicas)
         lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
-                     f"{p.memory.device_bytes / GIB:.2f} GiB, host {p.memory.host_bytes / GIB:.2f}"
+                     f"{mem.device_bytes / GIB:.2f} GiB, host {mem.host_bytes / GIB:.2f}"
                      f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")
     lines.append("  predicted over each link:")
     for p in choice.chosen.predictions:
