@@ -57,8 +57,8 @@ class Ring:
     split_update: bool = False
     """With R >= 2 replicas of a ring of 1 (shared memory, NumPy backend): each block's gradient
     is reduce-scattered, each replica runs AdamW on its part alone (AdamW state for that part
-    only) and the updated parts are gathered (RankPlan.split_update; the same bits as without; docs/ring.md "Split updates").
-    Off by default; other layouts are refused by name."""
+    only) and the updated parts are gathered (RankPlan.split_update; the same bits as without;
+    docs/ring.md "Split updates"). Off by default; other layouts are refused by name."""
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
     and loss over it, instead of the last layer's rank carrying the whole head

@@ -1,9 +1,9 @@
 """Split updates (RankPlan.split_update): R = 2, 3, 4 replicas of a ring of 1 (plain data
 parallelism, threads of this process, shared memory, NumPy backend) reduce-scatter each layer's
 and the head's last-round gradient, update only their own part (a run of whole 1,024-element
-sub-blocks, AdamW state for that part alone) and gather the parts of the updated weights. Their losses, gradient norms (clipping on) and final weights must equal the unsplit
-replicas' bit for bit, with streamed and with resident layers; what is not built is refused by
-name."""
+sub-blocks, AdamW state for that part alone) and gather the parts of the updated weights.
+Their losses, gradient norms (clipping on) and final weights must equal the unsplit replicas'
+bit for bit, with streamed and with resident layers; what is not built is refused by name."""
 
 from __future__ import annotations
 
