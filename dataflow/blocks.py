@@ -81,7 +81,11 @@ def _bind(kind, layer, placement, layout, dev: Arena, host: Arena, gdt: str) -> 
         for where, arena, name in (("device", dev, f"{key}.{part}"),
                                    ("home", host, f"home.{key}.{part}")):
             if arena.has(name):
-                views[(part, where)] = arena.view(name, (layout.numel,), dt)
+                # A split update's replica holds m / v for its part alone, in smaller regions
+                # (dataflow.memplan.step.ring_split): its views are as long as they are.
+                n = layout.numel if part in ("weights", "grads") else \
+                    min(layout.numel, arena.nbytes(name) // 2)
+                views[(part, where)] = arena.view(name, (n,), dt)
     return Block(kind, layer, placement, layout.numel, layout, views)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import dataflow.kernels.reference as ref
+from dataflow import norm_parts
 from dataflow.kernels.reference import moe_experts as ref_experts
 from dataflow.kernels.reference import moe_router as ref_router
 from dataflow.kernels.reference import head_vocab as ref_vocab
@@ -208,8 +209,10 @@ def clip_scale(sumsq_value, max_norm, out, scale=1.0):
 
 
 def sumsq(x, out, accumulate=True):
-    """out[0] (=|+=) sum(x^2) in fp32 (float64 partial sums, rounded once)."""
-    s = float(np.sum(np.square(x.astype(np.float64))))
+    """out[0] (=|+=) sum(x^2) in fp32: each 1,024-element sub-block's float64 sum, the sums
+    added exactly and rounded to float64 once, then to fp32 (dataflow.norm_parts: the bits a
+    split update's replicas get from their parts, whatever their number)."""
+    s = norm_parts.block_sumsq(x)
     out[0] = out[0] + F32(s) if accumulate else F32(s)
 
 

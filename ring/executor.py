@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from dataflow import norm_parts
 from dataflow.backend import Stream
 from dataflow.executor import Executor, RoundStats, StepStats
 from dataflow.memplan.plan.buffers import MAX_NORM_PARTS, NORM_PARTS_AT
@@ -20,6 +21,7 @@ from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherP
                                             compile_ring_schedule, compile_ring_update_schedule)
 from dataflow.memplan.step.compile import Record, Schedule, Wait
 from dataflow.models.errors import ConfigError
+from dataflow.ring.shm import GATHER_MAX
 from dataflow.ring.transport import Transport
 from dataflow.ring.vocab_ops import VocabHeadOps
 
@@ -51,7 +53,8 @@ class RingExecutor(VocabHeadOps, Executor):
             raise ConfigError(f"split updates (--split-update) on the {be.name} backend are not "
                               "built yet (the partial norms are summed on the host); use "
                               "--backend numpy or leave --split-update off")
-        self._partials: dict[int, float] = {}  # split blocks' float64 partial squared norms
+        self._partials: dict[int, tuple[int, float]] = {}
+        """Split blocks' exact partial squared norms (norm_parts.exact_units), by norm part."""
         if rp.vocab_parallel:
             self._compute_ops.update(self._vocab_handlers())
         ch, cfg = rp.plan.chunking, rp.plan.model
@@ -93,10 +96,13 @@ class RingExecutor(VocabHeadOps, Executor):
         self.transport.allreduce(self._view(ev.dst, dtype=ev.dtype))
 
     def _reduce_scatter(self, ev: ReduceScatter) -> None:
-        self.transport.reduce_scatter(self._view(ev.dst, dtype=ev.dtype))
+        self.transport.reduce_scatter(self._view(ev.dst, dtype=ev.dtype), ev.bounds)
 
     def _gather_parts(self, ev: GatherParts) -> None:
-        self.transport.gather_parts(self._view(ev.dst))
+        if ev.bounds:  # a split update's sub-block runs
+            self.transport.gather_parts(self._view(ev.dst), ev.bounds)
+        else:  # a split fetch's equal parts (every transport has them)
+            self.transport.gather_parts(self._view(ev.dst))
 
     def _ring_record(self, ev: Record) -> None:
         if ev.stream in COMM_STREAMS:
@@ -137,25 +143,29 @@ class RingExecutor(VocabHeadOps, Executor):
                        self.tr["scalars"][at:at + 1], False, name=ev.name)
 
     def _partial_sumsq(self, k: int, grads) -> None:
-        """A split block's part (RankPlan.split_update): its squared norm in float64, unrounded,
-        as the sumsq kernel sums it (dataflow.ops_numpy.sumsq), kept for _global_sumsq."""
+        """A split block's part (RankPlan.split_update, whole sub-blocks): its exact squared
+        norm (dataflow.norm_parts, an integer in units of 2^-1074), kept for _global_sumsq."""
         def run() -> None:
-            self._partials[k] = float(np.sum(np.square(grads.reshape(-1).astype(np.float64))))
+            self._partials[k] = norm_parts.exact_units(norm_parts.sub_block_sums(grads))
         self.be.host_call(Stream.COMPUTE, run, reads=(grads,), name=f"gnorm.part{k}")
 
-    def _split_norms(self, everyone: list, rows: list, order: list[str]) -> None:
-        """The split blocks' squared norms in `rows` (this ring's; `everyone`: every process's
-        row, replica-major): the 2 replicas' float64
-        partial sums added as NumPy's pairwise sum of the whole block adds its two halves, then
-        rounded to fp32 once: the unsplit kernel's bits (2 replicas and blocks of a multiple of
-        16 elements, ring_compile.refuse_split_update)."""
-        n = self.rp.n_ranks
-        for name, k in self._norm_part.items():
-            if name == "gnorm.embed":
-                continue
-            i = order.index(name.removeprefix("gnorm."))
-            halves = [everyone[q * n + self.rp.rank][2 + 2 * i] for q in range(self.rp.replicas)]
-            total = float(np.float32(halves[0] + halves[1]))
+    def _split_norms(self, rows: list, order: list[str]) -> None:
+        """The split blocks' squared norms into `rows` (this ring's): every replica's exact
+        partial sum as fixed-width limbs through all-gathers (every process has the same split
+        blocks, so every process makes the same calls), added exactly, rounded to float64 once
+        and to fp32: the unsplit sumsq kernel's bits (dataflow.ops_numpy.sumsq) for any R."""
+        split = sorted(self._partials)
+        flat = np.concatenate([norm_parts.encode(*self._partials[k]) for k in split])
+        pieces = [self.transport.allgather(flat[at:at + GATHER_MAX])  # rows are bounded
+                  for at in range(0, flat.size, GATHER_MAX)]
+        everyone = [np.concatenate([c[p] for c in pieces]) for p in range(len(pieces[0]))]
+        n, w = self.rp.n_ranks, norm_parts.WIDTH
+        name_of = {k: name for name, k in self._norm_part.items()}
+        for j, k in enumerate(split):
+            i = order.index(name_of[k].removeprefix("gnorm."))
+            partials = [everyone[q * n + self.rp.rank][j * w:(j + 1) * w]
+                        for q in range(self.rp.replicas)]
+            total = float(np.float32(norm_parts.add_partials(partials)))
             for r in rows:
                 if r[1 + 2 * i]:
                     r[2 + 2 * i] = total
@@ -174,11 +184,10 @@ class RingExecutor(VocabHeadOps, Executor):
         row[0] = host_part
         for name, k in self._norm_part.items():
             i = order.index(name.removeprefix("gnorm."))
-            row[1 + 2 * i:3 + 2 * i] = (1.0, self._partials.get(k, parts[k]))
-        everyone = self.transport.allgather(row)
-        rows = [np.array(r, np.float64) for r in self._own_ring(everyone)]
+            row[1 + 2 * i:3 + 2 * i] = (1.0, 0.0 if k in self._partials else parts[k])
+        rows = [np.array(r, np.float64) for r in self._own_ring(self.transport.allgather(row))]
         if self._partials:
-            self._split_norms(everyone, rows, order)
+            self._split_norms(rows, order)
         total = np.float32(0.0)
         for i in range(len(order)):
             for r in rows:

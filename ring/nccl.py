@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from dataflow.models.errors import ConfigError
 from dataflow.ring.rendezvous import share_from_rank0
 from dataflow.ring.shm import GATHER_MAX
 from dataflow.ring.transport import RingError, Transport
@@ -208,9 +209,13 @@ class NcclTransport(Transport):
                                  stream.ptr)
             dev.copy_to_host_async(host.ctypes.data + at, n, stream)
 
-    def gather_parts(self, view) -> None:
+    def gather_parts(self, view, bounds=()) -> None:
         """In place on the gather stream: NCCL's all-gather with each replica's send buffer
-        its own part of the receive buffer (in place, as NCCL allows)."""
+        its own part of the receive buffer (in place, as NCCL allows); equal parts only (the
+        split update's uneven bounds never reach NCCL: its reduce-scatter is refused)."""
+        if bounds:
+            raise ConfigError("split updates (--split-update) do not run on NCCL yet; use "
+                              "--transport shm --backend numpy or leave --split-update off")
         if isinstance(view, np.ndarray):
             raise RingError(f"rank {self.rank}: weight parts are gathered on the device, got a "
                             "host view", rank=self.rank)

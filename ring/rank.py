@@ -112,8 +112,18 @@ class RingRank:
         """A host copy of an owned block's weights, AdamW m or v, after the last step's update
         (a deferred one runs now; it moves no message, so no other rank takes part)."""
         _check_part(part)
+        self._refuse_split_state(ref, part)
         self.ex.flush()
         return read_part(self.ex, self.be, self._block(ref), part)
+
+    def _refuse_split_state(self, ref: BlockRef, part: str) -> None:
+        """A split update's replica holds a layer's or the head's m / v for its part only."""
+        rp = self.rp
+        if part in ("m", "v") and rp.split_update and rp.replicas > 1 and \
+                ref.kind is not BlockKind.EMBED:
+            raise ConfigError(f"block part '{part}' of a split update's replica holds its 1/"
+                              f"{rp.replicas} part only (--split-update); read or write "
+                              "'weights', or train without the flag")
 
     def load_weights(self, path) -> None:
         """Each owned block's weights from the model directory `path` (a Hugging Face
@@ -146,6 +156,7 @@ class RingRank:
     def write_block(self, ref: BlockRef, array: np.ndarray, part: str = "weights") -> None:
         """Overwrite an owned block's weights, AdamW m or v (numel bf16 elements)."""
         _check_part(part)
+        self._refuse_split_state(ref, part)
         self.ex.flush()  # else the pending update would land on top of the written bytes
         write_part(self.ex, self.be, self._block(ref), array, part)
         self.be.synchronize()

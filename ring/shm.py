@@ -332,12 +332,14 @@ class SharedMemoryTransport(Transport):
         raw = arr.reshape(-1).view(np.uint8)
         self._exchange_now(raw, slice(0, raw.size), total, "all-reduce")
 
-    def _reduce_part_now(self, arr: np.ndarray) -> None:
-        """Part q of `arr` summed over the replicas (in replica order in fp32, rounded once: the
-        same bits as _reduce_now's part q) into this replica's part q; the rest is untouched."""
+    def _reduce_part_now(self, arr: np.ndarray, bounds) -> None:
+        """Part q of `arr` (bytes [bounds[q], bounds[q + 1])) summed over the replicas (in
+        replica order in fp32, rounded once: the same bits as _reduce_now's part q) into this
+        replica's part q; the rest is untouched."""
         flat = arr.reshape(-1)
-        n = flat.size // self.replicas
-        mine = slice(self.replica * n, (self.replica + 1) * n)
+        size = flat.itemsize
+        q = self.replica
+        mine = slice(bounds[q] // size, bounds[q + 1] // size)
 
         def total(parts) -> None:
             acc = parts[0].view(arr.dtype)[mine].astype(np.float32)
@@ -348,10 +350,14 @@ class SharedMemoryTransport(Transport):
         raw = flat.view(np.uint8)
         self._exchange_now(raw, slice(0, raw.size), total, "reduce-scatter")
 
-    def _gather_now(self, raw: np.ndarray) -> None:
-        """Replica q's part of `raw` (bytes [q n / R, (q + 1) n / R)) to every replica."""
-        n = raw.size // self.replicas
-        part = [slice(q * n, (q + 1) * n) for q in range(self.replicas)]
+    def _gather_now(self, raw: np.ndarray, bounds=()) -> None:
+        """Replica q's part of `raw` (bytes [bounds[q], bounds[q + 1]), or with no bounds
+        [q n / R, (q + 1) n / R)) to every replica."""
+        r = self.replicas
+        if not bounds:
+            n = raw.size // r
+            bounds = tuple(q * n for q in range(r + 1))
+        part = [slice(bounds[q], bounds[q + 1]) for q in range(r)]
 
         def take(slots) -> None:
             for q, s in enumerate(slots):
@@ -402,20 +408,28 @@ class SharedMemoryTransport(Transport):
         self._on_host(view, "reduce", lambda b: self._reduce_now(b.view(dtype)), to_host=True,
                       from_host=True, name="allreduce")
 
-    def reduce_scatter(self, view) -> None:
-        if view.size % self.replicas:
-            raise RingError(f"rank {self.rank}: {view.size} elements do not split into "
-                            f"{self.replicas} parts", rank=self.rank)
+    def reduce_scatter(self, view, bounds) -> None:
+        self._check_bounds(view, bounds)
         dtype = view.dtype
-        self._on_host(view, "reduce", lambda b: self._reduce_part_now(b.view(dtype)),
+        self._on_host(view, "reduce", lambda b: self._reduce_part_now(b.view(dtype), bounds),
                       to_host=True, from_host=True, name="reduce_scatter")
 
-    def gather_parts(self, view) -> None:
-        if view.nbytes % self.replicas:
+    def gather_parts(self, view, bounds=()) -> None:
+        if bounds:
+            self._check_bounds(view, bounds)
+        elif view.nbytes % self.replicas:
             raise RingError(f"rank {self.rank}: {view.nbytes} bytes do not split into "
                             f"{self.replicas} parts", rank=self.rank)
-        self._on_host(view, "reduce", self._gather_now, to_host=True, from_host=True,
-                      name="gather_parts")
+        self._on_host(view, "reduce", lambda b: self._gather_now(b, bounds), to_host=True,
+                      from_host=True, name="gather_parts")
+
+    def _check_bounds(self, view, bounds) -> None:
+        b = tuple(bounds)
+        if len(b) != self.replicas + 1 or b[0] != 0 or b[-1] != view.nbytes or \
+                any(x > y or x % view.itemsize for x, y in zip(b, b[1:])):
+            raise RingError(f"rank {self.rank}: part bounds {b} do not cut {view.nbytes} bytes "
+                            f"of {view.itemsize}-byte elements into {self.replicas} parts",
+                            rank=self.rank)
 
     def record(self, stream: str):
         return self.be.record(Stream.HOST)  # sends and receives share the host stream: sends

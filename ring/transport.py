@@ -58,15 +58,16 @@ class Transport(abc.ABC):
         same bits. Never called when there is one replica."""
 
     @abc.abstractmethod
-    def gather_parts(self, view) -> None:
-        """Enqueue on the gather stream: `view`'s bytes split into R equal parts, replica q's
-        part (bytes [q n / R, (q + 1) n / R)) written by replica q, given to every replica in
-        place. Every replica passes a view of the same size. Never called with one replica."""
+    def gather_parts(self, view, bounds=()) -> None:
+        """Enqueue on the gather stream: `view`'s bytes split into R parts, replica q's part
+        (bytes [bounds[q], bounds[q + 1]); with no bounds the equal parts [q n / R, (q + 1) n /
+        R)) written by replica q, given to every replica in place. Every replica passes a view
+        of the same size. Never called with one replica."""
 
-    def reduce_scatter(self, view) -> None:
-        """Enqueue on the reduce stream: part q of `view` (bytes [q n / R, (q + 1) n / R))
-        summed over the replicas into replica q's view (RankPlan.split_update); only the
-        shared-memory transport has it."""
+    def reduce_scatter(self, view, bounds) -> None:
+        """Enqueue on the reduce stream: part q of `view` (bytes [bounds[q], bounds[q + 1]),
+        dataflow.memplan.plan.split's sub-block runs) summed over the replicas into replica q's
+        view (RankPlan.split_update); only the shared-memory transport has it."""
         raise ConfigError(f"{type(self).__name__} has no reduce-scatter: split updates "
                           "(--split-update) run on the shared-memory transport; use "
                           "--transport shm or leave --split-update off")

@@ -33,6 +33,7 @@ from dataflow.memplan.plan.errors import InfeasibleBudget, categories_text, size
 from dataflow.memplan.search.explain import explain
 from dataflow.memplan.search.layout import LayoutChoice, choose_layout, layout_text
 from dataflow.memplan.plan.plan import Budget, Precision
+from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.plan.profiles import get_profile, load_profile
 from dataflow.memplan.search.ring_plan import LINKS, scaling, scaling_text
 from dataflow.memplan.search.search import make_plan
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --gpus: weigh rings whose every device computes the logits and "
                         "loss over 1/N of the vocabulary beside rings whose last device "
                         "carries the whole head (docs/ring.md)")
+    p.add_argument("--split-update", action="store_true",
+                   help="with --gpus: weigh data-parallel replicas (rings of 1) that "
+                        "reduce-scatter their gradients and each update 1/R of the model with "
+                        "AdamW state for that part only (host bytes per replica fall with R) "
+                        "beside whole updates; the faster is kept (docs/ring.md \"Split "
+                        "updates\")")
     p.add_argument("--fast-attention", action="store_true",
                    help="cuDNN's faster non-deterministic attention backward for packed "
                         "sequences too: frees its 2*T*T*heads-byte workspace (4.1 GiB at 8k "
@@ -143,6 +150,9 @@ def _run(args) -> str:
         return ring_report(cfg, args, budget, profile)
     if args.vocab_parallel_head:
         raise ConfigError("--vocab-parallel-head splits a ring's head over its devices; give "
+                          "--gpus 2 or more, or drop the flag")
+    if args.split_update:
+        raise ConfigError("--split-update splits the update over data-parallel replicas; give "
                           "--gpus 2 or more, or drop the flag")
     batch = {k: v for k, v in (("seqs_per_step", args.seqs_per_step),
                                ("tokens_per_step", args.tokens_per_step)) if v is not None}
@@ -227,9 +237,10 @@ def ring_report(cfg, args, budget, profile) -> str:
     fixed = {"precision": args.precision} if args.precision != "bf16" else None
     vocab = bool(getattr(args, "vocab_parallel_head", False))
     overlap = not getattr(args, "no_round_overlap", False)
+    split = bool(getattr(args, "split_update", False))
     choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
                            memo=memo, constraints=fixed, vocab_parallel_head=vocab,
-                           round_overlap=overlap)
+                           round_overlap=overlap, split_update=split)
     single = choice.single_tok_per_s
     by_gpus = []
     for g in GPU_COUNTS:
@@ -237,7 +248,7 @@ def ring_report(cfg, args, budget, profile) -> str:
             c = choice if g == args.gpus else choose_layout(
                 cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
                 single_tok_per_s=single, memo=memo, quick=True, constraints=fixed,
-                vocab_parallel_head=vocab, round_overlap=overlap)
+                vocab_parallel_head=vocab, round_overlap=overlap, split_update=split)
             by_gpus.append((g, c, ""))
         except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
             by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
@@ -265,8 +276,12 @@ def ring_report(cfg, args, budget, profile) -> str:
         extra = " + embedding" * rp.has_embed + " + head" * rp.has_head
         if rp.vocab_parallel:
             extra += f" + {rp.plan.model.head_rows:,} head rows"
+        mem = p.memory
+        if rp.split_update and rp.replicas > 1:  # m / v for its part: host bytes fall with R
+            extra += f", split update (1/{rp.replicas} of the AdamW state)"
+            mem = split_memory_map(p, rp.replicas)
         lines.append(f"  device {rp.rank}: layers {_layers_text(rp.layers)}{extra}; device "
-                     f"{p.memory.device_bytes / GIB:.2f} GiB, host {p.memory.host_bytes / GIB:.2f}"
+                     f"{mem.device_bytes / GIB:.2f} GiB, host {mem.host_bytes / GIB:.2f}"
                      f" GiB; alone it would predict {p.prediction.tok_per_s:,.0f} tok/s")
     lines.append("  predicted over each link:")
     for p in choice.chosen.predictions:

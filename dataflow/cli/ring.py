@@ -128,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory and the replicas gather the rest from each other (default: each "
                         "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
     p.add_argument("--split-update", action="store_true",
-                   help="with 2 replicas of a ring of 1 (--transport shm, NumPy backend): "
+                   help="with R >= 2 replicas of a ring of 1 (--transport shm, NumPy backend): "
                         "reduce-scatter each block's gradient, each replica runs AdamW on its "
-                        "half alone and the updated halves are gathered; the same bits as "
-                        "without (default off; docs/ring.md \"Split updates\")")
+                        "1/R part alone (AdamW state for that part only) and the updated parts "
+                        "are gathered; the same bits as without (default off; no checkpoints; "
+                        "docs/ring.md \"Split updates\")")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "

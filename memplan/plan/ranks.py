@@ -208,11 +208,12 @@ class RankPlan:
     so the replicas of one host share its copies instead of each moving the whole model
     (dataflow.memplan.step.ring_compile, docs/ring.md)."""
     split_update: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
-    """With replicas (shared memory, NumPy backend): each block's last-round gradient is
-    reduce-scattered, replica q keeps the reduced part q (elements [q n / R, (q + 1) n / R)),
-    runs AdamW on that part alone and the updated weight parts are gathered into every replica's
-    weights; the embedding stays all-reduced and updated whole (docs/ring.md "Split updates").
-    The planner does not count the saving yet: every replica's arenas keep whole-block m / v."""
+    """With replicas of a ring of 1 (shared memory, NumPy backend): each block's last-round
+    gradient is reduce-scattered, replica q keeps the reduced part q (a run of whole 1,024-element
+    sub-blocks: dataflow.memplan.plan.split), runs AdamW on that part alone with m / v for that
+    part only, and the updated weight parts are gathered into every replica's weights; the
+    embedding stays all-reduced and updated whole (docs/ring.md "Split updates"). The planner
+    counts it (dataflow.memplan.search.layout, choose_layout(split_update=True))."""
     vocab_parallel: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
     """Every rank holds a shard of the lm_head rows (head_rows) and computes the logits and
     loss over it; the head's rank (has_head: the final norm, the loss sums) sends each chunk's

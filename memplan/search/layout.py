@@ -16,6 +16,7 @@ import math
 from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
+from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.search.predict import replica_prediction
 from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
                                                   overlap_bytes, overlap_rank_plans)
@@ -67,6 +68,10 @@ class Layout:
     split_fetch: bool = False
     """The replicas split every streamed weight use's host copy among them and gather the parts
     from each other over the link (RankPlan.split_fetch; dataflow-ring --split-fetch)."""
+    split_update: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
+    """The replicas (of rings of 1) reduce-scatter their gradients and each updates its part
+    alone, with AdamW state for that part only (RankPlan.split_update; dataflow-ring
+    --split-update)."""
     vocab_parallel_head: bool = dataclasses.field(default=False,
                                                   metadata={"omit_if_default": True})
     """Every rank of the ring holds a shard of the head's vocabulary (RankPlan.vocab_parallel;
@@ -127,8 +132,9 @@ class LayoutChoice:
             return json.loads(to_json(o))
 
         layout = dataclasses.asdict(self.chosen.layout)
-        if not layout["round_overlap"]:  # as before overlapped rounds: no key while off
-            del layout["round_overlap"]
+        for key in ("round_overlap", "split_update"):  # as before them: no key while off
+            if not layout[key]:
+                del layout[key]
         return {"layout": layout, "link": self.link,
                 "single_tok_per_s": self.single_tok_per_s,
                 "links": [dataclasses.asdict(p) for p in self.chosen.predictions],
@@ -160,20 +166,29 @@ def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
     prof = plan.profile
     staged = home / prof.h2d_bytes_per_s + home / prof.d2h_bytes_per_s
     wire = 2 * (replicas - 1) / replicas * total / link.bytes_per_s
+    if rp.split_update:  # every block but the embedding reduce-scattered: half an all-reduce,
+        # and a staged part comes back to the host alone
+        whole = cfg.embed_params * per * rp.has_embed
+        whole_home = whole if rp.has_embed and plan.embed.grads == Where.HOME else 0
+        wire = (replicas - 1) / replicas * (total + whole) / link.bytes_per_s
+        staged = home / prof.d2h_bytes_per_s + (
+            whole_home + (home - whole_home) / replicas) / prof.h2d_bytes_per_s
     return wire + staged + len(blocks) * link.latency_s
 
 
 def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
-                memo: dict | None = None) -> tuple[RankPlan, ...]:
-    """The ring's rank plans as replicas that split their weight fetches (RankPlan.split_fetch),
-    each plan's prediction its stand-alone step with its part copies and the gathers over
+                memo: dict | None = None, *, fetch: bool = True,
+                update: bool = False) -> tuple[RankPlan, ...]:
+    """The ring's rank plans as replicas that split their weight fetches (`fetch`:
+    RankPlan.split_fetch) and / or their update (`update`: RankPlan.split_update), each plan's
+    prediction its stand-alone step compiled so, with its part copies and the gathers over
     `link` (ring_schedule.replica_prediction). Ranks of one kind (layers, embedding, head) are
     predicted once per `memo`."""
     memo = {} if memo is None else memo
     out = []
     for rp in rps:
-        rp = dataclasses.replace(rp, replicas=replicas, split_fetch=True)
-        key = (len(rp.layers), rp.has_embed, rp.has_head, link.name)
+        rp = dataclasses.replace(rp, replicas=replicas, split_fetch=fetch, split_update=update)
+        key = (len(rp.layers), rp.has_embed, rp.has_head, link.name, fetch, update)
         if key not in memo:
             memo[key] = replica_prediction(rp, link.bytes_per_s, link.latency_s)
         out.append(dataclasses.replace(rp, plan=dataclasses.replace(rp.plan,
@@ -188,16 +203,20 @@ def _streams_weights(rps: tuple[RankPlan, ...]) -> bool:
 
 def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Link, ...],
             single: float | None, constraints: dict, split_fetch: bool = False,
-            overlap: bool = False) -> LayoutOption:
+            overlap: bool = False, split_update: bool = False) -> LayoutOption:
     """The layout's prediction over every link. split_fetch: replicas that stream weights
     split their fetches, the gathers crossing each link (over a slow link that costs more than
-    it saves). overlap: the ring's rounds overlap where its budgets allow (predict_ring)."""
+    it saves). overlap: the ring's rounds overlap where its budgets allow (predict_ring).
+    split_update: replicas of rings of 1 split their update (each its part's AdamW and state,
+    predicted from its compiled split schedule; its memory the split replica's)."""
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
     split = split_fetch and replicas > 1 and _streams_weights(rps)
+    su = split_update and replicas > 1 and len(rps) == 1
     preds, memo, depth = [], {}, 0
     for link in links:
-        ring_rps = split_plans(rps, replicas, link, memo) if split else rps
+        ring_rps = split_plans(rps, replicas, link, memo, fetch=split, update=su) \
+            if split or su else rps
         ring = predict_ring(ring_rps, link, overlap=overlap)
         depth = max(depth, ring.overlap_depth)
         reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
@@ -210,14 +229,21 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
     return LayoutOption(
         layout=Layout(gpus=gpus, ring_size=len(rps), replicas=replicas,
                       placement=rps[0].placement,
-                      tokens_per_step=tokens, split_fetch=split,
+                      tokens_per_step=tokens, split_fetch=split, split_update=su,
                       vocab_parallel_head=rps[0].vocab_parallel, round_overlap=depth),
         chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
         rounds_per_step=ch.rounds_per_step, predictions=tuple(preds),
         # with overlapped rounds the memory the overlap holds beside each rank's plan counts too
-        device_bytes=max(rp.plan.memory.device_bytes + overlap_bytes(rp, depth)[0] for rp in rps),
-        host_bytes=max(rp.plan.memory.host_bytes + overlap_bytes(rp, depth)[1] for rp in rps),
+        device_bytes=max(_memory(rp, replicas, su).device_bytes + overlap_bytes(rp, depth)[0]
+                         for rp in rps),
+        host_bytes=max(_memory(rp, replicas, su).host_bytes + overlap_bytes(rp, depth)[1]
+                       for rp in rps),
         constraints=tuple(sorted(constraints.items())))
+
+
+def _memory(rp: RankPlan, replicas: int, split_update: bool):
+    """The memory map of one of rp's replicas: with a split update its m / v for its part."""
+    return split_memory_map(rp.plan, replicas) if split_update else rp.plan.memory
 
 
 def _ring(memo: dict | None, cfg, seqlen, budget, profile, n: int, constraints: dict):
@@ -355,7 +381,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                   placements: tuple[str, ...] = WEIGHED_PLACEMENTS,
                   memo: dict | None = None, quick: bool = False,
                   split_fetch: bool = False, vocab_parallel_head: bool = False,
-                  round_overlap: bool = True) -> LayoutChoice:
+                  round_overlap: bool = True, split_update: bool = False) -> LayoutChoice:
     """The fastest predicted split of `gpus` devices into replicas of a ring, over `link`.
     tokens_per_step caps the global batch (each replica then takes at most its share, in whole
     sequences); ring_size fixes the ring (and so the replicas). `placements`: how rings of two
@@ -368,7 +394,9 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     of two or more are weighed with their head split over the vocabulary too (the option's
     constraints then carry vocab_parallel). round_overlap: rings overlap their rounds' drain
     with the next round's fill where the budgets allow (Layout.round_overlap; False: rounds in
-    turn). Raises ConfigError when no ring size fits, naming every refusal."""
+    turn). split_update: replicas of rings of 1 are weighed with their update split too
+    (Layout.split_update), the faster kept. Raises ConfigError when no ring size fits, naming
+    every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
     if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
@@ -428,6 +456,16 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                           round_overlap)
             options.append(opt)
             plans[id(opt)] = rps
+            if split_update and n == 1 and replicas > 1:  # the same replicas, update split
+                try:
+                    opt = _option(rps, gpus, replicas, links, single_tok_per_s, used,
+                                  split_fetch, round_overlap, split_update=True)
+                except ConfigError as exc:  # a model split updates refuse (MoE, say)
+                    refused.append(f"{replicas} split-update replicas: {str(exc)[:160]}")
+                    continue
+                options.append(opt)
+                plans[id(opt)] = tuple(dataclasses.replace(rp, replicas=replicas,
+                                                           split_update=True) for rp in rps)
     if not options:
         raise ConfigError(
             f"no split of {gpus} GPUs fits {budget.host_bytes / 2**30:g} GiB host and "
@@ -481,6 +519,7 @@ def layout_text(choice: LayoutChoice) -> str:
              else f"{c.replicas} data-parallel replicas (rings of 1)" if c.ring_size == 1
              else f"one ring of {c.ring_size}")
     head = ", vocabulary-parallel head" if c.vocab_parallel_head else ""
+    head += ", split update" if c.split_update else ""
     lines = [f"layout for {c.gpus} GPUs over {choice.link}: {shape}, {c.placement} layers{head}, "
              f"{c.tokens_per_step:,} tokens a step (one device at these budgets: {alone})",
              f"  {'ring':>4} {'replicas':>8} {'chunk':>6} {'C x rounds':>11} {'tokens/step':>12} "

@@ -85,17 +85,19 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, comp
 
 def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
     """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
-    (rp.split_fetch): its plan's prediction (the search's estimate, as every other rank's)
-    scaled by the ratio of two timings of its compiled schedule (dataflow.memplan.search.cost.
-    predict_schedule), with the split (its part copies over the host link, the gathers over a
-    link of `bytes_per_s` between replicas) and without; its H2D bytes the split schedule's.
-    The step's all-reduce is left out of both (dataflow.memplan.search.layout adds it); Send / Recv
-    are not compiled (the rank alone). rp.plan.prediction without the split."""
-    if not (rp.split_fetch and rp.replicas > 1):
+    (rp.split_fetch) or its update (rp.split_update: its part's AdamW, its part's last-round
+    gradient write-back, the gathers of the updated weights): its plan's prediction (the
+    search's estimate, as every other rank's) scaled by the ratio of two timings of its
+    compiled schedule (dataflow.memplan.search.cost.predict_schedule), with the split (its part
+    copies over the host link, the gathers over a link of `bytes_per_s` between replicas) and
+    without; its H2D bytes the split schedule's. The step's all-reduce (or reduce-scatter) is
+    left out of both (dataflow.memplan.search.layout adds it); Send / Recv are not compiled (the
+    rank alone). rp.plan.prediction without a split."""
+    if not ((rp.split_fetch or rp.split_update) and rp.replicas > 1):
         return rp.plan.prediction
     timed = []
-    for split in (False, True):
-        r = dataclasses.replace(rp, split_fetch=split)
+    for split in (False, True):  # the same plan, whole and as asked (split fetches / updates)
+        r = rp if split else dataclasses.replace(rp, split_fetch=False, split_update=False)
         comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
                         latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
                         reduce=False)

@@ -28,11 +28,13 @@ from dataflow.memplan.step.compile import (
 )
 from dataflow.memplan.step.events import Compute
 from dataflow.memplan.step.ring_rounds import OverlapRounds
+from dataflow.memplan.step.ring_split import (GATHER, REDUCE, GatherParts, ReduceScatter,
+                                              SplitUpdate)
 from dataflow.memplan.step.ring_vocab import VocabHead
 from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 from dataflow.models.errors import ConfigError
 
-SEND, RECV, REDUCE, GATHER = "send", "recv", "reduce", "gather"
+SEND, RECV = "send", "recv"
 COMM_STREAMS = (SEND, RECV, REDUCE, GATHER)
 """The streams of sends, of receives, of the replicas' gradient all-reduce and of their weight
 parts' gathers (a transport maps each to a CUDA stream of its own, or all to the backend's host
@@ -76,30 +78,6 @@ class AllReduce:
     stream: str = REDUCE
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class GatherParts:
-    """The R replicas of this ring rank each hold their own part of `dst` (replica q bytes
-    [q n / R, (q + 1) n / R)): give every replica every part, in place, on the gather stream."""
-
-    name: str
-    dst: Ref
-    parts: int
-    stream: str = GATHER
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReduceScatter:
-    """Sum part q of the gradient bytes `dst` (elements of `dtype`, bytes [q n / R, (q + 1) n
-    / R)) over the R replicas of this ring rank into replica q's `dst`, in place, on the reduce
-    stream (RankPlan.split_update); the other parts keep this replica's own contribution."""
-
-    name: str
-    dst: Ref
-    dtype: str
-    parts: int
-    stream: str = REDUCE
-
-
 def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
                 n_chunks: int) -> int:
     """A number unique within a step for the residual (or gradient) of `chunk` leaving global
@@ -107,7 +85,7 @@ def message_tag(rnd: int, backward: bool, layer: int, chunk: int, n_layers: int,
     return ((rnd * 2 + int(backward)) * n_layers + layer) * n_chunks + chunk
 
 
-class ReplicaCompiler(StepCompiler):
+class ReplicaCompiler(SplitUpdate, StepCompiler):
     """Rank r's compiler with data-parallel replicas: the single-device compiler of the rank's
     plan plus an all-reduce of each owned block's gradient where it is final. A ring of one rank
     (plain data parallelism) is this alone: the single-device round, nothing to send. With
@@ -123,9 +101,7 @@ class ReplicaCompiler(StepCompiler):
             for ring in (self.wring, self.hw_ring):
                 if ring is not None:
                     ring.fetch = self.fetch_part
-        self.split_update = bool(rp.split_update) and rp.replicas > 1
-        if self.split_update:
-            refuse_split_update(rp, {k: n for k, n in self.numel.items() if k != "embed"})
+        self._split_setup()  # RankPlan.split_update: the parts, the own-part m / v regions
 
     def fetch_part(self, use, slot: Ref, name: str) -> int | None:
         """A streamed weight use split over the replicas (the slot ring's fetch hook): this
@@ -150,65 +126,11 @@ class ReplicaCompiler(StepCompiler):
         em = self.em
         em.wait(REDUCE, em.record(stream))
         if self.splits(what):
-            em.add(ReduceScatter(f"reducescatter.{what}", grads, self.gdt, self.rp.replicas))
+            em.add(ReduceScatter(f"reducescatter.{what}", grads, self.gdt, self.rp.replicas,
+                                 self.byte_bounds(grads, self.gbpe)))
         else:
             em.add(AllReduce(f"allreduce.{what}", grads, self.gdt))
         em.wait(stream, em.record(REDUCE))
-
-    # -- split updates (RankPlan.split_update) ---------------------------------------------------
-    def splits(self, what: str) -> bool:
-        """Whether block `what` ('L3', 'head', 'embed') has its update split over the replicas:
-        every owned block but the embedding (all-reduced and updated whole)."""
-        return self.split_update and what != "embed"
-
-    def part(self, ref: Ref) -> Ref:
-        """This replica's part of `ref` (bytes [q n / R, (q + 1) n / R))."""
-        n = ref.nbytes // self.rp.replicas
-        return Ref(ref.region, ref.offset + self.replica * n, n)
-
-    def sumsq(self, rnd: int, what: str, grads: Ref) -> None:
-        """With split_update the last round's squared norm of a split block is taken over this
-        replica's reduced part alone (the executor combines the replicas' partial sums)."""
-        if not (self.splits(what) and rnd == self.last_round and grads is not None):
-            return super().sumsq(rnd, what, grads)
-        self.grads_final(what, grads, COMPUTE)
-        self.em.add(Compute(f"gnorm.{what}", "grad_sumsq", rnd, grads=self.part(grads)))
-
-    def update_range(self, key: BlockKey) -> tuple[int, int]:
-        lo, hi = super().update_range(key)
-        what = "embed" if key == EMBED else "head" if key == HEAD else f"L{key.layer}"
-        if not self.splits(what):
-            return lo, hi
-        n = (hi - lo) // self.rp.replicas
-        return lo + self.replica * n, lo + (self.replica + 1) * n
-
-    def weights_updated(self, key: BlockKey, weights: Ref, stream: str) -> None:
-        """A split update leaves only this replica's part of `weights` new: gather the others'
-        parts into it (on the gather stream, after `stream`'s update; `stream` waits for it)."""
-        if self.update_range(key) == StepCompiler.update_range(self, key):
-            return
-        em = self.em
-        em.wait(GATHER, em.record(stream))
-        em.add(GatherParts(f"gather.{key.name}", weights, self.rp.replicas))
-        em.wait(stream, em.record(GATHER))
-
-    def round_begin(self, rnd: int) -> None:
-        """With split_update the last round's gradient releases write home this replica's
-        reduced part alone (the AdamW reads nothing else; earlier rounds keep the whole sums)."""
-        if self.split_update:
-            hook = self._part_writeback if rnd == self.last_round else None
-            for ring in (self.gring, self.hg_ring):
-                if ring is not None:
-                    ring.writeback = hook
-        super().round_begin(rnd)
-
-    def _part_writeback(self, home: Ref, slot: Ref) -> tuple[Ref, Ref]:
-        return self.part(home), self.part(slot)
-
-    def fused(self, key: BlockKey) -> bool:
-        """A split update is never fused into round 0's weight fetch: the whole block is
-        updated (in parts) and gathered at home first, then fetched as usual."""
-        return False if self.split_update else super().fused(key)
 
     def grads_final(self, what: str, grads: Ref, stream: str) -> None:
         """In the last round a block's gradient is complete where its squared norm is taken: with
@@ -233,32 +155,6 @@ class ReplicaCompiler(StepCompiler):
         del events[at:]
         self.allreduce("embed", self.block(EMBED, "grads", True), HOST)
         events.extend(tail)
-
-
-def refuse_split_update(rp: RankPlan, numel: dict[str, int]) -> None:
-    """RankPlan.split_update's unbuilt combinations, refused by name (ConfigError)."""
-    if rp.replicas != 2:
-        raise ConfigError(f"split updates over {rp.replicas} replicas: the gradient norm is "
-                          "bit-exact (the replicas' partial sums meet as one device's pairwise "
-                          "sum) only for 2; use --replicas 2 or leave --split-update off")
-    if rp.n_ranks > 1:
-        raise ConfigError("split updates on a ring of more than 1 rank are not built yet; use "
-                          "rings of 1 (plain data parallelism) or leave --split-update off")
-    if rp.plan.model.moe is not None:
-        raise ConfigError("split updates of an MoE model are not built yet; leave "
-                          "--split-update off")
-    if rp.round_overlap:
-        raise ConfigError("split updates with overlapped rounds are not built yet; leave "
-                          "--round-overlap or --split-update off")
-    if rp.vocab_parallel:
-        raise ConfigError("split updates with --vocab-parallel-head are not built yet; leave "
-                          "one of them off")
-    for what, n in numel.items():
-        if n % 16 or n < 512:
-            raise ConfigError(f"split updates: the {what} block has {n} elements, not a multiple "
-                              "of 16 of at least 512 (where NumPy's pairwise sum of the block "
-                              "adds its two halves' sums); leave --split-update off for this "
-                              "model")
 
 
 class RingCompiler(OverlapRounds, VocabHead, ReplicaCompiler):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from dataflow.memplan.step.ring_compile import COMM_STREAMS, GatherParts, Recv, Send
+from dataflow.memplan.step.ring_compile import (COMM_STREAMS, GatherParts, Recv, ReduceScatter,
+                                              Send)
 
 
 class Arrivals:
@@ -40,8 +41,9 @@ class RingComm:
     Recv ends when its stream reaches it or when the matching message (peer, tag) arrived, whichever
     is later; an AllReduce of B bytes over R replicas takes a ring all-reduce's 2 (R - 1) / R * B /
     rate + latency, a GatherParts of B bytes an all-gather's (R - 1) / R * B / rate + latency (the
-    replicas run in step). `reduce` False: the all-reduce takes no time (a layout that adds it to
-    the step itself)."""
+    replicas run in step), a ReduceScatter half an all-reduce's: (R - 1) / R * B / rate + latency
+    (RankPlan.split_update). `reduce` False: the all-reduce and the reduce-scatter take no time (a
+    layout that adds them to the step itself)."""
 
     rank: int
     replicas: int
@@ -63,4 +65,6 @@ class RingComm:
             return start + (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
         if not self.reduce:
             return start
+        if type(ev) is ReduceScatter:
+            return start + (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s
         return start + 2 * (r - 1) / r * ev.dst.nbytes / self.bytes_per_s + self.latency_s

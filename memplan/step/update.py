@@ -127,14 +127,24 @@ class OptimizerUpdate:
         """After `stream`'s AdamW of key's elements update_range(key) in `weights`: nothing on
         one device (a replica splitting its update gathers the other parts there)."""
 
+    def state_origin(self, key: BlockKey) -> int:
+        """The element of `key` at the start of its m / v regions: 0 on one device, where they
+        hold the whole block (a split replica's hold its part alone and say where it starts)."""
+        return 0
+
+    def _origins(self, key: BlockKey) -> list[int]:
+        """The element at offset 0 of key's weights, grads, m and v, in that order."""
+        o = self.state_origin(key)
+        return [0, 0, o, o]
+
     def _range_refs(self, key: BlockKey, home: bool) -> list[Ref]:
         """key's weights, grads, m, v refs restricted to update_range(key)."""
         lo, hi = self.update_range(key)
         refs = [self.block(key, p, home) for p in ("weights", "grads", "m", "v")]
         if (lo, hi) == (0, self._numel(key)):
             return refs
-        return [Ref(r.region, r.offset + lo * b, (hi - lo) * b)
-                for r, b in zip(refs, self._part_bytes())]
+        return [Ref(r.region, r.offset + (lo - o) * b, (hi - lo) * b)
+                for r, b, o in zip(refs, self._part_bytes(), self._origins(key))]
 
     def _part_bytes(self) -> list[int]:
         """Bytes per element of a block's weights, grads, m and v, in that order."""
@@ -198,7 +208,8 @@ class OptimizerUpdate:
                 dev[0] = Ref(params.region, params.offset + start * 2, n * 2)
             if grads is not None:
                 dev[1] = Ref(grads.region, grads.offset + start * bpe[1], n * bpe[1])
-            host = [Ref(h.region, h.offset + start * b, n * b) for h, b in zip(home, bpe)]
+            host = [Ref(h.region, h.offset + (start - o) * b, n * b)
+                    for h, b, o in zip(home, bpe, self._origins(key))]
             em.wait(H2D, self.stage_free[buf])
             for j, (dst, src) in enumerate(zip(dev, host)):
                 if grads is None or j >= 2:  # in place: weights and gradient are on the device
