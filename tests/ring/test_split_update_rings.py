@@ -5,12 +5,15 @@ part (AdamW state for it alone) and gather the updated parts; the exact partial 
 every ring rank's split blocks reach every process, so the clip norm keeps its bits. Losses,
 gradient norms (clipping active) and final weights must equal the same replicas unsplit, bit for
 bit over 3 steps: streamed and resident layers, the vocabulary-parallel head, overlapped rounds,
-the sanitizing backend."""
+the sanitizing backend; and through the launcher (processes)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -22,7 +25,10 @@ from dataflow.memplan.search.ring_overlap import overlap_rank_plans
 from dataflow.memplan.search.ring_plan import make_rank_plans
 from dataflow.memplan.step.ring_compile import AllReduce, ReduceScatter, compile_ring_schedule
 from dataflow.models.config import load_config
+from dataflow.models.serial import to_json
 from dataflow.optimizer import AdamWConfig
+from dataflow.ring.job import RingJob
+from dataflow.ring.launch import launch
 from dataflow.ring.rank import RingRank
 from dataflow.ring.shm import SharedMemoryTransport
 from tests.ring.threads import in_threads
@@ -101,3 +107,34 @@ def test_split_rings_equal_unsplit_rings_bit_for_bit(rng, n_ranks, replicas, n_l
         for key in ww:
             assert np.array_equal(np.asarray(gw[key]).view(np.uint16),
                                   np.asarray(ww[key]).view(np.uint16)), (i, key)
+
+
+def test_launched_split_rings_equal_unsplit_rings(tmp_path, rng):
+    """The launcher's path (RingJob.split_update, 2 replicas x ring of 2: four processes,
+    --transport shm): every process's losses and every block's final weights are the same job's
+    without the flag, bit for bit, clipping on."""
+    def run(split: bool, out: Path):
+        cfg = dataclasses.replace(load_config("tiny"), name="tiny2r", n_layers=2)
+        job = RingJob(gpus=4, model=to_json(cfg), seqlen=64, host_gb=0.25, dev_gb=0.25,
+                      steps=2, seed=seed, data=f"random:{seed}", lr=1e-2, max_grad_norm=0.05,
+                      timeout_s=60, out_dir=str(out), grad_accum=GradAccum.FP32, replicas=2,
+                      split_update=split,
+                      constraints=(("chunk_tokens", 64), ("chunks_per_round", 2),
+                                   ("rounds_per_step", 1)))
+        res = launch(job)
+        assert res.exit_codes == (0,) * 4, res
+        info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        assert all(i["split_update"] is split for i in info)
+        weights = {}
+        for r in range(4):
+            with np.load(out / f"rank{r}.npz") as z:
+                weights.update({(r, k): z[k].view(ml_dtypes.bfloat16).view(np.uint16)
+                                for k in z.files})
+        return [i["losses"] for i in info], weights
+
+    seed = int(rng.integers(0, 2**31))
+    (a_losses, a_w), (b_losses, b_w) = run(False, tmp_path / "a"), run(True, tmp_path / "b")
+    assert a_losses == b_losses and all(row == a_losses[0] for row in a_losses)
+    assert sorted(a_w) == sorted(b_w) and len({k for _, k in a_w}) >= 4
+    for key in a_w:
+        assert np.array_equal(a_w[key], b_w[key]), key
