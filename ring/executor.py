@@ -26,6 +26,11 @@ from dataflow.ring.transport import Transport
 from dataflow.ring.vocab_ops import VocabHeadOps
 
 
+SPLIT = 2.0
+"""The flag of a split block's entry in the norms' all-gathered rows (an unsplit owned block's
+is 1.0, a block not owned 0.0): its value arrives as the replicas' exact partial sums."""
+
+
 class RingExecutor(VocabHeadOps, Executor):
     def __init__(self, rp: RankPlan, be, transport: Transport, schedule: Schedule | None = None,
                  *, deferred_update: bool = False):
@@ -150,25 +155,27 @@ class RingExecutor(VocabHeadOps, Executor):
         self.be.host_call(Stream.COMPUTE, run, reads=(grads,), name=f"gnorm.part{k}")
 
     def _split_norms(self, rows: list, order: list[str]) -> None:
-        """The split blocks' squared norms into `rows` (this ring's): every replica's exact
-        partial sum as fixed-width limbs through all-gathers (every process has the same split
-        blocks, so every process makes the same calls), added exactly, rounded to float64 once
-        and to fp32: the unsplit sumsq kernel's bits (dataflow.ops_numpy.sumsq) for any R."""
-        split = sorted(self._partials)
-        flat = np.concatenate([norm_parts.encode(*self._partials[k]) for k in split])
+        """The split blocks' squared norms into `rows` (this ring's, one per ring rank; a split
+        block's flag is SPLIT): every replica's exact partial sum as fixed-width limbs through
+        all-gathers, added exactly, rounded to float64 once and to fp32: the unsplit sumsq
+        kernel's bits (dataflow.ops_numpy.sumsq) for any R. Each rank sends its split blocks in
+        the single-device order, padded to the most any ring rank holds (every process then
+        makes the same calls with the same sizes), and fills every ring rank's row alike."""
+        w, n, r_count = norm_parts.WIDTH, self.rp.n_ranks, self.rp.replicas
+        split_of = [[i for i in range(len(order)) if r[1 + 2 * i] == SPLIT] for r in rows]
+        most = max(len(s) for s in split_of)
+        name_of = {k: name.removeprefix("gnorm.") for name, k in self._norm_part.items()}
+        mine = {order.index(name_of[k]): k for k in self._partials}
+        flat = np.zeros(most * w, np.float64)
+        for j, i in enumerate(sorted(mine)):
+            flat[j * w:(j + 1) * w] = norm_parts.encode(*self._partials[mine[i]])
         pieces = [self.transport.allgather(flat[at:at + GATHER_MAX])  # rows are bounded
                   for at in range(0, flat.size, GATHER_MAX)]
         everyone = [np.concatenate([c[p] for c in pieces]) for p in range(len(pieces[0]))]
-        n, w = self.rp.n_ranks, norm_parts.WIDTH
-        name_of = {k: name for name, k in self._norm_part.items()}
-        for j, k in enumerate(split):
-            i = order.index(name_of[k].removeprefix("gnorm."))
-            partials = [everyone[q * n + self.rp.rank][j * w:(j + 1) * w]
-                        for q in range(self.rp.replicas)]
-            total = float(np.float32(norm_parts.add_partials(partials)))
-            for r in rows:
-                if r[1 + 2 * i]:
-                    r[2 + 2 * i] = total
+        for r, row in enumerate(rows):
+            for j, i in enumerate(split_of[r]):
+                partials = [everyone[q * n + r][j * w:(j + 1) * w] for q in range(r_count)]
+                row[2 + 2 * i] = float(np.float32(norm_parts.add_partials(partials)))
 
     def _global_sumsq(self) -> None:
         """Before the clip scale: every rank holds the squared norm of each of its blocks'
@@ -184,9 +191,9 @@ class RingExecutor(VocabHeadOps, Executor):
         row[0] = host_part
         for name, k in self._norm_part.items():
             i = order.index(name.removeprefix("gnorm."))
-            row[1 + 2 * i:3 + 2 * i] = (1.0, 0.0 if k in self._partials else parts[k])
+            row[1 + 2 * i:3 + 2 * i] = (SPLIT, 0.0) if k in self._partials else (1.0, parts[k])
         rows = [np.array(r, np.float64) for r in self._own_ring(self.transport.allgather(row))]
-        if self._partials:
+        if any(r[1 + 2 * i] == SPLIT for r in rows for i in range(len(order))):
             self._split_norms(rows, order)
         total = np.float32(0.0)
         for i in range(len(order)):

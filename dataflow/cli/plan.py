@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "loss over 1/N of the vocabulary beside rings whose last device "
                         "carries the whole head (docs/ring.md)")
     p.add_argument("--split-update", action="store_true",
-                   help="with --gpus: weigh data-parallel replicas (rings of 1) that "
-                        "reduce-scatter their gradients and each update 1/R of the model with "
-                        "AdamW state for that part only (host bytes per replica fall with R) "
+                   help="with --gpus: weigh data-parallel replicas (rings of any size) "
+                        "that reduce-scatter their gradients and each update 1/R of every "
+                        "rank's blocks with AdamW state for that part only (host bytes per "
+                        "device fall with R) "
                         "beside whole updates; the faster is kept (docs/ring.md \"Split "
                         "updates\")")
     p.add_argument("--fast-attention", action="store_true",

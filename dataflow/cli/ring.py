@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory and the replicas gather the rest from each other (default: each "
                         "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
     p.add_argument("--split-update", action="store_true",
-                   help="with R >= 2 replicas of a ring of 1 (--transport shm, NumPy backend): "
-                        "reduce-scatter each block's gradient, each replica runs AdamW on its "
+                   help="with R >= 2 replicas (rings of any size; --transport shm, NumPy backend): "
+                        "reduce-scatter each block's gradient among the replicas' ranks that "
+                        "hold it, each runs AdamW on its "
                         "1/R part alone (AdamW state for that part only) and the updated parts "
                         "are gathered; the same bits as without (default off; no checkpoints; "
                         "docs/ring.md \"Split updates\")")

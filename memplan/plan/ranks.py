@@ -208,8 +208,9 @@ class RankPlan:
     so the replicas of one host share its copies instead of each moving the whole model
     (dataflow.memplan.step.ring_compile, docs/ring.md)."""
     split_update: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
-    """With replicas of a ring of 1 (shared memory, NumPy backend): each block's last-round
-    gradient is reduce-scattered, replica q keeps the reduced part q (a run of whole 1,024-element
+    """With replicas (rings of any size; shared memory, NumPy backend): each of this rank's
+    blocks' last-round gradient is reduce-scattered over the R replicas' rank `rank` (the
+    ranks that hold the block), replica q keeps the reduced part q (a run of whole 1,024-element
     sub-blocks: dataflow.memplan.plan.split), runs AdamW on that part alone with m / v for that
     part only, and the updated weight parts are gathered into every replica's weights; the
     embedding stays all-reduced and updated whole (docs/ring.md "Split updates"). The planner

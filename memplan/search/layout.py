@@ -69,7 +69,7 @@ class Layout:
     """The replicas split every streamed weight use's host copy among them and gather the parts
     from each other over the link (RankPlan.split_fetch; dataflow-ring --split-fetch)."""
     split_update: bool = dataclasses.field(default=False, metadata={"omit_if_default": True})
-    """The replicas (of rings of 1) reduce-scatter their gradients and each updates its part
+    """The replicas (rings of any size) reduce-scatter their gradients and each updates its part
     alone, with AdamW state for that part only (RankPlan.split_update; dataflow-ring
     --split-update)."""
     vocab_parallel_head: bool = dataclasses.field(default=False,
@@ -207,12 +207,13 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
     """The layout's prediction over every link. split_fetch: replicas that stream weights
     split their fetches, the gathers crossing each link (over a slow link that costs more than
     it saves). overlap: the ring's rounds overlap where its budgets allow (predict_ring).
-    split_update: replicas of rings of 1 split their update (each its part's AdamW and state,
-    predicted from its compiled split schedule; its memory the split replica's)."""
+    split_update: replicas split their update (rank k of every replica its part of rank k's
+    blocks: its part's AdamW and state, each rank predicted from its compiled split schedule;
+    its memory the split replica's)."""
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
     split = split_fetch and replicas > 1 and _streams_weights(rps)
-    su = split_update and replicas > 1 and len(rps) == 1
+    su = split_update and replicas > 1
     preds, memo, depth = [], {}, 0
     for link in links:
         ring_rps = split_plans(rps, replicas, link, memo, fetch=split, update=su) \
@@ -394,8 +395,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
     of two or more are weighed with their head split over the vocabulary too (the option's
     constraints then carry vocab_parallel). round_overlap: rings overlap their rounds' drain
     with the next round's fill where the budgets allow (Layout.round_overlap; False: rounds in
-    turn). split_update: replicas of rings of 1 are weighed with their update split too
-    (Layout.split_update), the faster kept. Raises ConfigError when no ring size fits, naming
+    turn). split_update: replicas (of rings of any size) are weighed with their update split
+    too (Layout.split_update), the faster kept. Raises ConfigError when no ring size fits, naming
     every refusal."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_RANKS:
         raise ConfigError(f"--gpus {gpus!r} is not a whole number in 1..{MAX_RANKS}")
@@ -456,7 +457,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                           round_overlap)
             options.append(opt)
             plans[id(opt)] = rps
-            if split_update and n == 1 and replicas > 1:  # the same replicas, update split
+            if split_update and replicas > 1:  # the same replicas, update split
                 try:
                     opt = _option(rps, gpus, replicas, links, single_tok_per_s, used,
                                   split_fetch, round_overlap, split_update=True)

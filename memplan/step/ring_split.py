@@ -67,20 +67,9 @@ class ReduceScatter:
 def refuse_split_update(rp, numel: dict[str, int]) -> None:
     """RankPlan.split_update's unbuilt combinations, refused by name (ConfigError). `numel`:
     the split blocks' elements ('layer', 'head')."""
-    if rp.n_ranks > 1:
-        raise ConfigError(f"split updates on a ring of {rp.n_ranks} ranks are not built yet; "
-                          "use rings of 1 (plain data parallelism, --gpus R --replicas R) or "
-                          "leave --split-update off")
     if rp.plan.model.moe is not None:
         raise ConfigError(f"split updates of the MoE model {rp.plan.model.name} are not built "
                           "yet; leave --split-update off")
-    if rp.round_overlap:
-        raise ConfigError("split updates with overlapped rounds are not built yet; leave "
-                          "--round-overlap or --split-update off")
-    if rp.vocab_parallel:
-        raise ConfigError("split updates with --vocab-parallel-head are not built yet (the "
-                          "head is sharded by rows on a ring of 2+, split updates run on rings "
-                          "of 1); leave one of them off")
     for what, n in numel.items():
         if sub_blocks(n) < rp.replicas:
             raise ConfigError(f"split updates: the {what} block has {n} elements, "

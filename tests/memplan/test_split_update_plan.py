@@ -1,7 +1,7 @@
 """The planner's split updates (dataflow-plan --split-update, choose_layout(split_update=True)):
-replicas of rings of 1 are weighed with their update split, each predicted from its compiled
-split schedule, the reduce-scatter timed as half an all-reduce, and the host bytes a replica
-holds fall with R; what is not built is refused by name."""
+replicas of rings of any size are weighed with their update split, each rank predicted from its
+compiled split schedule, the reduce-scatter timed as half an all-reduce, and the host bytes a
+replica's rank holds fall with R; what is not built is refused by name."""
 
 from __future__ import annotations
 
@@ -65,6 +65,23 @@ def test_choose_layout_weighs_split_updates_and_counts_them(gpus):
     assert all(rp.split_update and rp.replicas == gpus for rp in split.rank_plans)
     assert split.to_json_dict()["layout"]["split_update"] is True
     assert "split_update" not in whole.to_json_dict()["layout"]
+
+
+def test_split_rings_are_weighed_and_hold_fewer_host_bytes():
+    """8b at 30 / 24 a GPU (one device does not fit; rings are the only layouts): 4 replicas of a
+    ring of 2 with split updates are predicted faster than unsplit, each rank with fewer host
+    bytes (m / v for its part of its layers), and the rank plans handed on say so."""
+    cfg, budget = load_config("8b"), Budget.from_gib(30, 24)
+    whole = choose_layout(cfg, 8192, budget, H100, 8, tokens_per_step=CAP, ring_size=2,
+                          quick=True)
+    split = choose_layout(cfg, 8192, budget, H100, 8, tokens_per_step=CAP, ring_size=2,
+                          quick=True, split_update=True)
+    assert whole.single_tok_per_s is None
+    assert split.chosen.layout.split_update and split.chosen.layout.ring_size == 2
+    assert split.chosen.on("nvlink").tok_per_s > whole.chosen.on("nvlink").tok_per_s
+    assert split.chosen.host_bytes < 0.75 * whole.chosen.host_bytes
+    assert all(rp.split_update and rp.replicas == 4 and rp.n_ranks == 2
+               for rp in split.rank_plans)
 
 
 def test_the_reduce_scatter_is_timed_as_half_an_all_reduce():

@@ -3,7 +3,8 @@ parallelism, threads of this process, shared memory, NumPy backend) reduce-scatt
 and the head's last-round gradient, update only their own part (a run of whole 1,024-element
 sub-blocks, AdamW state for that part alone) and gather the parts of the updated weights.
 Their losses, gradient norms (clipping on) and final weights must equal the unsplit replicas'
-bit for bit, with streamed and with resident layers; what is not built is refused by name."""
+bit for bit, with streamed and with resident layers; what is not built is refused by name.
+Replicas of rings of 2+: tests/ring/test_split_update_rings.py."""
 
 from __future__ import annotations
 
@@ -149,13 +150,9 @@ def test_split_schedule_reduce_scatters_and_updates_its_part(where, replicas):
 
 
 def test_split_update_refuses_what_is_not_built():
-    """Rings of 2+, overlapped rounds, the vocabulary-parallel head and more replicas than a
-    block has sub-blocks are refused by name."""
+    """More replicas than a block has sub-blocks are refused by name (rings of 2+, overlapped
+    rounds and the vocabulary-parallel head run: tests/ring/test_split_update_rings.py)."""
     rp = _rank_plan("streamed", split=True)
-    with pytest.raises(ConfigError, match="overlapped rounds"):
-        compile_ring_schedule(dataclasses.replace(rp, round_overlap=True))
-    with pytest.raises(ConfigError, match="ring of 2 ranks"):
-        compile_ring_schedule(dataclasses.replace(rp, n_ranks=2), replica=0)
     with pytest.raises(ConfigError, match="fewer than the 64 replicas"):
         compile_ring_schedule(dataclasses.replace(rp, replicas=64))
 
