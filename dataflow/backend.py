@@ -115,6 +115,11 @@ class Backend(abc.ABC):
         workspace), 'dk16' / 'dv16' (bf16 dK/dV of a context). Backends whose ops need no
         scratch ignore it."""
 
+    def set_moe_experts(self, path: str) -> None:
+        """Run the routed experts' GEMMs on `path` ('loop' or 'grouped', the planner's
+        memplan.search.expert_cost.expert_path) from now on. Backends with one way to run them ignore
+        it."""
+
     def memory_used_bytes(self, place: Place) -> int:
         return sum(s.nbytes for s in self._slabs if s.place is place)
 

@@ -34,6 +34,7 @@ from dataflow.memplan.plan.memory import (ODD_ROWS, OVERLAP_ROWS_REGION, overlap
                                           round_row_name)
 from dataflow.memplan.plan.plan import AttentionBwd, GradAccum, Plan
 from dataflow.memplan.plan.segments import kv_less
+from dataflow.memplan.search.expert_cost import expert_path
 from dataflow.memplan.step.compile import (Compute, Fetch, Fill, HostTask, Record, Ref, Schedule, Update,
                               Wait, WriteBack, compile_eval_schedule, compile_schedule,
                               compile_update_schedule)
@@ -186,6 +187,11 @@ class Executor(OpHandlers):
         self._kv_less = kv_less(plan)
         """(layer, chunk)s whose saved activation keeps no K/V (dataflow.memplan.plan.segments.kv_less)."""
         self.step_index = 0
+        self._lend_scratch(plan, be, cfg)
+
+    def _lend_scratch(self, plan: Plan, be: Backend, cfg) -> None:
+        """The backend's library scratch from the arena (below), and an MoE model's expert GEMM
+        path, the one the cost model charged (memplan.search.expert_cost.expert_path)."""
         # Library scratch comes from the arena, not from outside it: cuDNN's attention
         # workspace (the planner's region, or the budgeted bytes no region uses, whichever is
         # larger) and the bf16 dK/dV of a context. A plan that chose the fast attention
@@ -199,6 +205,7 @@ class Executor(OpHandlers):
         if "fp8_a" in self.ws:  # an FP8 plan's operand scratch (memplan.plan.buffers)
             scratch.update({n: self.ws[n] for n in ("fp8_a", "fp8_b", "fp8_scales", "fp8_amax")})
         if cfg.moe is not None:  # the CUDA MoE ops' scratch and their offsets' pinned host copy
+            be.set_moe_experts(expert_path(cfg, plan.profile, plan.chunking.chunk_tokens))
             scratch.update({n: self.ws[n] for n in buffers.MOE_OP_SCRATCH})
             scratch["moe_offsets_host"] = self.host.view(
                 buffers.MOE_HOST_REGION, (cfg.moe.n_experts + 1,), "i64")

@@ -62,10 +62,11 @@ class CudaOps(MoeOps):
         without one (tests, benchmarks) makes its own, whose handles stay until ctx.close()."""
         for name, kernel in _BOUND.items():  # partials, not methods: no extra Python frame
             setattr(self, name, functools.partial(getattr(K, kernel), self.ctx))
-        self._moe_experts = settings_from_env().moe_experts
-        if self._moe_experts not in ("grouped", "loop"):
-            raise ValueError(f"DATAFLOW_MOE_EXPERTS={self._moe_experts!r}: use 'grouped' (the "
-                             "default) or 'loop'")
+        self._moe_forced = settings_from_env().moe_experts
+        if self._moe_forced not in ("auto", "grouped", "loop"):
+            raise ValueError(f"DATAFLOW_MOE_EXPERTS={self._moe_forced!r}: use 'auto' (the "
+                             "default: the plan's choice), 'loop' or 'grouped'")
+        self._moe_experts = "loop" if self._moe_forced == "auto" else self._moe_forced
         self._quiesce = quiesce
         """Waits, GIL released, until no Python host function is queued (see
         dataflow.kernels.cuda.attention)."""

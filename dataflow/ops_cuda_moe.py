@@ -5,11 +5,15 @@ the chunk workspace the executor lends (dataflow.memplan.plan.buffers.MOE_OP_SCR
 counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
 and never waits for anything but the one event below.
 
-The experts' GEMMs run one of two ways (DATAFLOW_MOE_EXPERTS, read when the table is made):
-'grouped' (the default; kernels/cuda/moe_grouped.py) launches each GEMM kind once over all of a
-layer's experts, reading the row offsets in device memory, so no MoE op waits for the host; it
-needs D and F multiples of 256 and the stacked weight views the engine lends, and any other shape
-takes the loop below. 'loop' always takes the loop.
+The experts' GEMMs run one of two ways, the plan's (memplan.search.expert_cost.expert_path, which the
+executor hands to set_moe_experts; DATAFLOW_MOE_EXPERTS=loop|grouped overrides it): the loop
+below, or 'grouped' (kernels/cuda/moe_grouped.py), which launches each GEMM kind once over all of
+a layer's experts, reading the row offsets in device memory, so no MoE op waits for the host; it
+needs D and F multiples of 256 and the stacked weight views the engine lends (any other shape
+takes the loop). The grouped kernels run at 0.30-0.36 of the dense GEMM rate against 0.50-0.60
+for the loop's cuBLASLt calls on the GPU, so olmoe-1b-7b keeps the loop (26,335 tok/s grouped
+against 32,286, bench/records/s30-grouped/call1/); where the loop is launch bound (many small
+experts: qwen3-30b-a3b's 128 at 8k tokens) the planner picks grouped (docs/moe.md).
 
 The host wait (the loop only). The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
 expert and matrix (gate and up as one batch of two) with that expert's row count, so
@@ -51,9 +55,10 @@ class MoeOps:
 
     _offsets_event = None
     """The event recorded after each offsets copy (one, reused: every wait follows its record)."""
-    _moe_experts = "grouped"
-    """How the experts' GEMMs run (DATAFLOW_MOE_EXPERTS, settings.Settings.moe_experts): CudaOps
-    sets it from the environment when it is made."""
+    _moe_experts = "loop"
+    """How the experts' GEMMs run: the plan's path (set_moe_experts), or the one
+    DATAFLOW_MOE_EXPERTS forces (settings.Settings.moe_experts; CudaOps reads it when made)."""
+    _moe_forced = "auto"
     _offsets_own: np.ndarray | None = None
     """Pinned host offsets when no arena region was lent (CudaOps used on its own, in tests)."""
 
@@ -160,10 +165,18 @@ class MoeOps:
         K.add_(self.ctx, dw_router, dw32)
         K.permute_bwd(self.ctx, dxp, self._inverse(order), topk_idx.shape[1], dx, residual=dx32)
 
+    def set_moe_experts(self, path: str) -> None:
+        """The expert GEMMs on `path` ('loop' or 'grouped': the plan's,
+        memplan.search.expert_cost.expert_path) unless DATAFLOW_MOE_EXPERTS forced one."""
+        if path not in ("loop", "grouped"):
+            raise ValueError(f"expert path {path!r}: 'loop' or 'grouped'")
+        if self._moe_forced == "auto":
+            self._moe_experts = path
+
     def _grouped(self, xp, gate, *mats) -> bool:
-        """True when the grouped kernels run these experts: DATAFLOW_MOE_EXPERTS is 'grouped'
-        (read when the table was made) and moe_grouped.grouped_supported takes the shapes and
-        the stacked weights (and gradients, all of one dtype)."""
+        """True when the grouped kernels run these experts: the path is 'grouped' (the plan's,
+        or DATAFLOW_MOE_EXPERTS) and moe_grouped.grouped_supported takes the shapes and the
+        stacked weights (and gradients, all of one dtype)."""
         if self._moe_experts != "grouped":
             return False
         grads = mats[3:]

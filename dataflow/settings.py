@@ -34,11 +34,12 @@ class Settings:
     """DATAFLOW_HOST_CHECK: 'off' (any case) skips the dataflow-demo's refusal of a host budget
     above the machine's available memory (bench/demo_checks.py), for machines whose memory grows
     as it is used."""
-    moe_experts: str = "grouped"
-    """DATAFLOW_MOE_EXPERTS: how the CuPy backend runs the routed experts' GEMMs: 'grouped' (one
-    launch per GEMM kind over all experts, offsets read on the device, no host wait; where the
-    shapes allow, else the loop) or 'loop' (a cuBLASLt call per expert, after the host waits for
-    the offsets); dataflow.ops_cuda_moe; any case."""
+    moe_experts: str = "auto"
+    """DATAFLOW_MOE_EXPERTS: how the CuPy backend runs the routed experts' GEMMs: 'auto' (the
+    plan's choice, memplan.search.expert_cost.expert_path), or forced: 'loop' (a cuBLASLt call per
+    expert, after the host waits for the offsets) or 'grouped' (one launch per GEMM kind over all
+    experts, offsets read on the device, no host wait; where the shapes allow, else the loop);
+    dataflow.ops_cuda_moe; any case."""
     pin: str = "register"
     """DATAFLOW_PIN: how the CuPy backend pins the host slab: 'register' (mmap, parallel first
     touch, cudaHostRegister) or 'alloc' (cudaHostAlloc); read at each host alloc."""
@@ -71,7 +72,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         commit=env.get("DATAFLOW_COMMIT") or None,
         cudnn_cache_dir=env.get("DATAFLOW_CUDNN_CACHE_DIR") or None,
         host_check=env.get("DATAFLOW_HOST_CHECK", "").strip().lower() != "off",
-        moe_experts=(env.get("DATAFLOW_MOE_EXPERTS") or "grouped").strip().lower(),
+        moe_experts=(env.get("DATAFLOW_MOE_EXPERTS") or "auto").strip().lower(),
         pin=env.get("DATAFLOW_PIN") or "register",
         pin_pieces=env.get("DATAFLOW_PIN_PIECES") or "1",
         prebuild=env.get("DATAFLOW_PREBUILD", "1") != "0",

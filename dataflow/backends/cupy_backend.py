@@ -431,6 +431,11 @@ class CupyBackend(Backend):
             self._fp8 = None
         self.precision = precision
 
+    def set_moe_experts(self, path: str) -> None:
+        """The op table's expert GEMMs on `path` (the plan's), unless DATAFLOW_MOE_EXPERTS forces
+        'loop' or 'grouped' (dataflow.ops_cuda_moe)."""
+        self.ops.set_moe_experts(path)
+
     def lend_scratch(self, scratch: dict) -> None:
         """Library scratch (cuDNN workspace, bf16 dK/dV) comes from these arena views."""
         self.ops.lend_scratch(scratch)

@@ -63,34 +63,6 @@ MOE_ELEMENTWISE_FWD_WIDTHS = (3, 3, 4)
 of (k F_e, k D, N): SwiGLU over its k routed rows; the permutation's gather written and the
 combine's k rows read (plus the residual); the router's fp32 logits and softmax (4 bf16-sized
 values per expert). Not measured yet (no CUDA MoE ops): a count, like the dense widths."""
-EXPERT_GEMM_HALF_ROWS = 1000
-"""A routed expert's GEMMs run at the dense GEMM rate (gemm_flop_per_s at the chunk's tokens)
-times rows / (rows + this), rows being the expert's share of the chunk's routed rows (T k / N):
-each is a small GEMM (OLMoE: ~2,000 x 1,024 x 2,048) that fills the GPU's SMs less well.
-Fitted in the twenty-second session, with EXPERT_GEMM_HOST_S, to two whole steps measured on an
-H200 (bench/records/s22-h200-offsets/: olmoe-1b-7b at 120/24 8k, 2,048 rows, the planner's
-layout; qwen3-30b-a3b at 180/90 8k, 1,024 rows, 4 rounds): both predicted within 2 %, from 6 %
-and 22 % too slow with 1450 and 22 us. The loop alone (bench.moe_experts_bench, queued behind a
-spinning kernel) ran at 0.56-0.60 of the dense rate at 2,048 rows and 0.42-0.43 at 1,024 (s21,
-s22), i.e. 1,340-1,630 rows; inside the engine the expert ops ran faster than that (olmoe
-forward 3.75 ms a layer and chunk, qwen3 3.03 ms: 0.63-0.69 of the dense rate), so the fit is
-to the engine, not to the bench. Two models on one GPU: not yet checked on a third."""
-EXPERT_GEMM_HOST_S = 12e-6
-"""Host time of one expert GEMM launch (kernels/cuda/_cublaslt.py: a dict lookup and a ctypes
-call into cublasLtMatmul) once a step's row counts have been seen. Bounded by the engine's own
-op times: qwen3-30b-a3b's forward launches 256 calls in the 3.03 ms its op takes on the GPU
-(<= 11.8 us a call), its backward 640 in 6.59 ms (<= 10.3 us). The bench measured 17-22 us a
-call, 13 us unbatched, with cold call caches and, in s22, beside another process's heavy host
-work (bench/records/s21-h200-lt/f, s22-h200-offsets/c). The loop takes the longer of the GPU's
-time and this times its calls: a chunk small enough that its GEMMs take less than this is
-launch bound."""
-EXPERT_CALLS_FWD, EXPERT_CALLS_BWD = 2, 5
-"""cuBLASLt calls per expert with rows: forward gate+up (one strided batch of 2) and down;
-backward dh, dW_down, dW_gate+dW_up (one batch), and dx's two."""
-EXPERT_SYNC_S = 1.5e-4
-"""Each MoE layer and chunk's forward, recompute and backward copy the expert offsets to the
-host and wait for them (dataflow/ops_cuda_moe.py): the stream drains, then the GPU idles for the
-host's poll (0.1 ms) and first launches. Not measured on its own; a poll and a few launches."""
 ELEMENTWISE_BWD_FACTOR = 2.0
 """The backward moves about twice the forward's elementwise bytes; a recompute, once."""
 CROSS_ENTROPY_PASSES = 4
@@ -183,30 +155,6 @@ def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, key
             * _scale(cfg.head_dim, ATTN_REF_HEAD_DIM, ATTN_HALF_HEAD_DIM))
 
 
-def expert_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> tuple[float, float]:
-    """(forward, backward) seconds the routed experts' GEMMs of one layer over `tokens` take
-    beyond their FLOPs at the dense rate (which layer_matmul_flops / gemm_flop_per_s already
-    count): the small-GEMM rate (EXPERT_GEMM_HALF_ROWS) or the launches (EXPERT_GEMM_HOST_S),
-    whichever is slower, plus the offsets' wait (EXPERT_SYNC_S). (0, 0) for a dense model.
-    A recompute below FULL re-runs the forward, so it costs the forward's extra again."""
-    m = cfg.moe
-    if m is None or tokens <= 0:
-        return 0.0, 0.0
-    routed = tokens * m.top_k
-    rows = routed / m.n_experts
-    active = min(m.n_experts, routed)
-    flops = 2.0 * routed * cfg.model_dim * 3 * m.expert_ffn_dim  # one forward pass
-    dense = gemm_flop_per_s(cfg, p, tokens)  # what layer_matmul_flops was charged at
-    # The rows factor replaces the dense rate's own small-token one (both at the reference
-    # size where it was fitted: 8k and 16k tokens are at GEMM_REF_TOKENS' cap).
-    slow = gemm_flop_per_s(cfg, p, GEMM_REF_TOKENS) * rows / (rows + EXPERT_GEMM_HALF_ROWS)
-    out = []
-    for passes, calls in ((1, EXPERT_CALLS_FWD), (2, EXPERT_CALLS_BWD)):
-        took = max(passes * flops / slow, calls * active * EXPERT_GEMM_HOST_S)
-        out.append(took - passes * flops / dense + EXPERT_SYNC_S)
-    return out[0], out[1]
-
-
 def elementwise_fwd_bytes(cfg: ModelConfig, tokens: int) -> int:
     """HBM bytes of one layer's memory-bound forward ops over `tokens` tokens; with
     attention_bias the biased projections' outputs are written once more (the bias fill) and
@@ -297,6 +245,9 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
     mm_kept = mm - 2 * t * cfg.model_dim * (cfg.q_dim + 2 * cfg.kv_dim * (ch.chunks_per_seq == 1))
     rec_attn = level_recompute_flops(cfg, SavedLevel.INP_ATTN, t)
     rec_full = level_recompute_flops(cfg, SavedLevel.FULL, t)  # 0 unless QK-norm re-projects
+    # Not at the top: expert_cost reads this module's GEMM rate (an import circle otherwise).
+    from dataflow.memplan.search.expert_cost import expert_extra_seconds
+
     exp_fwd_s, exp_bwd_s = expert_extra_seconds(cfg, p, t)
     f8_fwd_s, f8_bwd_s = fp8_extra_seconds(cfg, p, t) if precision is Precision.FP8 else (0, 0)
     lo_fwd_s, lo_bwd_s = lora_seconds(cfg, t, lora, gemm, hbm, over)

@@ -135,14 +135,14 @@ def test_random_forced_plans_predict_consistent_steps(prng, h100):
 
 
 def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
-    """cost.expert_extra_seconds: nothing for a dense model; for OLMoE's experts the time beyond
+    """expert_cost.expert_extra_seconds: nothing for a dense model; for OLMoE's experts the time beyond
     the dense rate is the small-GEMM rate's (rows / (rows + EXPERT_GEMM_HALF_ROWS)) plus one
     offsets wait, the backward's twice the forward's GEMM part; at a chunk so small that the
     launches take longer than the GEMMs, the launches are the time."""
-    from dataflow.memplan.search import cost
+    from dataflow.memplan.search import cost, expert_cost
     from dataflow.models.hf_config import model_config
 
-    assert cost.expert_extra_seconds(model_config("1b"), h100, 8192) == (0.0, 0.0)
+    assert expert_cost.expert_extra_seconds(model_config("1b"), h100, 8192) == (0.0, 0.0)
     cfg = model_config("olmoe-1b-7b")
     m = cfg.moe
     t = 16384
@@ -150,15 +150,42 @@ def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
     dense = cost.gemm_flop_per_s(cfg, h100, t)
     flops = 2.0 * t * m.top_k * cfg.model_dim * 3 * m.expert_ffn_dim
     assert dense == cost.gemm_flop_per_s(cfg, h100, cost.GEMM_REF_TOKENS)  # at the cap
-    gemm_extra = flops / dense * cost.EXPERT_GEMM_HALF_ROWS / rows  # 1/slow - 1/dense
-    fwd, bwd = cost.expert_extra_seconds(cfg, h100, t)
-    assert fwd == pytest.approx(gemm_extra + cost.EXPERT_SYNC_S)
-    assert bwd == pytest.approx(2 * gemm_extra + cost.EXPERT_SYNC_S)
+    gemm_extra = flops / dense * expert_cost.EXPERT_GEMM_HALF_ROWS / rows  # 1/slow - 1/dense
+    assert expert_cost.expert_path(cfg, h100, t) == "loop"  # olmoe's 2,048 rows an expert
+    fwd, bwd = expert_cost.expert_extra_seconds(cfg, h100, t)
+    assert fwd == pytest.approx(gemm_extra + expert_cost.EXPERT_SYNC_S)
+    assert bwd == pytest.approx(2 * gemm_extra + expert_cost.EXPERT_SYNC_S)
     # 64 tokens: 8 rows an expert, every expert active; the launches bind (the rows factor
     # is not applied on top of the dense rate's own small-token factor)
     t = 64
-    fwd, _ = cost.expert_extra_seconds(cfg, h100, t)
-    launches = cost.EXPERT_CALLS_FWD * m.n_experts * cost.EXPERT_GEMM_HOST_S
+    fwd, _ = expert_cost.expert_extra_seconds(cfg, h100, t, path="loop")
+    launches = expert_cost.EXPERT_CALLS_FWD * m.n_experts * expert_cost.EXPERT_GEMM_HOST_S
     dense_s = 2.0 * t * m.top_k * cfg.model_dim * 3 * m.expert_ffn_dim / \
         cost.gemm_flop_per_s(cfg, h100, t)
-    assert fwd == pytest.approx(launches - dense_s + cost.EXPERT_SYNC_S)
+    assert fwd == pytest.approx(launches - dense_s + expert_cost.EXPERT_SYNC_S)
+
+
+def test_expert_path_is_grouped_where_the_loop_is_launch_bound_and_the_shapes_fit(h100):
+    """expert_cost.expert_path: the loop for olmoe-1b-7b's 64 experts at 8k and 16k-token chunks (its
+    GEMMs outrun the grouped kernels), grouped for qwen3-30b-a3b's 128 small experts at 8k (the
+    loop's launches bind) and for olmoe at 2k; never for a dense model or shapes the grouped
+    kernels do not take; the grouped path is charged its rate alone (no launches, no wait)."""
+    import dataclasses
+
+    from dataflow.memplan.search import cost, expert_cost
+    from dataflow.models.hf_config import model_config
+
+    olmoe, qwen = model_config("olmoe-1b-7b"), model_config("qwen3-30b-a3b")
+    assert expert_cost.expert_path(olmoe, h100, 8192) == expert_cost.expert_path(olmoe, h100, 16384) == "loop"
+    assert expert_cost.expert_path(olmoe, h100, 2048) == "grouped"
+    assert expert_cost.expert_path(qwen, h100, 8192) == "grouped"
+    assert expert_cost.expert_path(model_config("1b"), h100, 8192) == "loop"
+    odd = dataclasses.replace(qwen, moe=dataclasses.replace(qwen.moe, expert_ffn_dim=704))
+    assert expert_cost.expert_path(odd, h100, 8192) == "loop"
+    m, t = qwen.moe, 8192
+    flops = 2.0 * t * m.top_k * qwen.model_dim * 3 * m.expert_ffn_dim
+    ref = cost.gemm_flop_per_s(qwen, h100, cost.GEMM_REF_TOKENS)
+    dense_s = flops / cost.gemm_flop_per_s(qwen, h100, t)
+    fwd, bwd = expert_cost.expert_extra_seconds(qwen, h100, t)
+    assert fwd == pytest.approx(flops / (ref * expert_cost.EXPERT_GROUPED_DENSE_FRACTION) - dense_s)
+    assert bwd == pytest.approx(2 * (fwd + dense_s) - 2 * dense_s)
