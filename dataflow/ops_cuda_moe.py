@@ -1,37 +1,38 @@
 """The mixture-of-experts ops of the CuPy op table (dataflow.ops_cuda.CudaOps inherits them): the
 names, signatures and semantics of dataflow.ops_numpy's MoE ops, composed of dataflow.kernels.cuda's
-router, grouped-GEMM and expert kernels as tests/kernels/test_cuda_moe.py composes the block. Scratch comes from
-the chunk workspace the executor lends (dataflow.memplan.plan.buffers.MOE_OP_SCRATCH), the experts' row
-counts reach the host through the pinned region buffers.MOE_HOST_REGION. Never decides placement
-and never waits for anything but the one event below.
+router, grouped-GEMM and expert kernels as tests/kernels/test_cuda_moe.py composes the block.
+Scratch comes from the chunk workspace the executor lends
+(dataflow.memplan.plan.buffers.MOE_OP_SCRATCH), the experts' row counts reach the host through the
+pinned region buffers.MOE_HOST_REGION. Never decides placement and never waits for anything but the
+one event below.
 
-The experts' GEMMs run one of two ways, the plan's (memplan.search.expert_cost.expert_path, which the
-executor hands to set_moe_experts; DATAFLOW_MOE_EXPERTS=loop|grouped overrides it): the loop
-below, or 'grouped' (kernels/cuda/moe_grouped.py), which launches each GEMM kind once over all of
-a layer's experts, reading the row offsets in device memory, so no MoE op waits for the host; it
-needs D and F multiples of 256 and the stacked weight views the engine lends (any other shape
-takes the loop). The grouped kernels run at 0.30-0.36 of the dense GEMM rate against 0.50-0.60
-for the loop's cuBLASLt calls on the GPU, so olmoe-1b-7b keeps the loop (26,335 tok/s grouped
-against 32,286, bench/records/s30-grouped/call1/); where the loop is launch bound (many small
-experts: qwen3-30b-a3b's 128 at 8k tokens) the planner picks grouped (docs/moe.md).
+The experts' GEMMs run one of two ways, the plan's (memplan.search.expert_cost.expert_path, which
+the executor hands to set_moe_experts; DATAFLOW_MOE_EXPERTS=loop|grouped overrides it): the loop
+below, or 'grouped' (kernels/cuda/moe_grouped.py), which launches each GEMM kind once over all of a
+layer's experts, reading the row offsets in device memory, so no MoE op waits for the host; it needs
+D and F multiples of 256 and the stacked weight views the engine lends (any other shape takes the
+loop). The grouped kernels run at 0.30-0.36 of the dense GEMM rate against 0.50-0.60 for the loop's
+cuBLASLt calls on the GPU, so olmoe-1b-7b keeps the loop (26,335 tok/s grouped against 32,286,
+bench/records/s30-grouped/call1/); where the loop is launch bound (many small experts:
+qwen3-30b-a3b's 128 at 8k tokens) the planner picks grouped (docs/moe.md).
 
-The host wait (the loop only). The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a cuBLASLt call per
-expert and matrix (gate and up as one batch of two) with that expert's row count, so
-moe_experts_fwd and moe_experts_bwd store the chunk's offsets ((N + 1) int64) to the host on the
+The host wait (the loop only). The experts' GEMM loop (kernels/cuda/moe_experts.py) launches a
+cuBLASLt call per expert and matrix (gate and up as one batch of two) with that expert's row count,
+so moe_experts_fwd and moe_experts_bwd store the chunk's offsets ((N + 1) int64) to the host on the
 compute stream (a one-block kernel through the region's device mapping, so no copy engine is
-involved), record an event after the store and wait for that event alone (with the GIL
-released: the backend's polling wait), not for the device. Only the compute stream's work up to the
-router is waited for, but the host enqueues nothing meanwhile, so the GPU idles for a poll and a
-launch after each wait. The loop's backward copies the offsets again (they come from a saved region or a
+involved), record an event after the store and wait for that event alone (with the GIL released: the
+backend's polling wait), not for the device. Only the compute stream's work up to the router is
+waited for, but the host enqueues nothing meanwhile, so the GPU idles for a poll and a launch after
+each wait. The loop's backward copies the offsets again (they come from a saved region or a
 recompute, which the op cannot tell apart), so a layer and chunk waits twice; keeping the forward's
 host offsets per (layer, chunk) would save the second (docs/moe.md).
 
-Where the kernels' conventions differ from the NumPy table's: the gathers that sum a token's k
-rows (the combine, the input gradient) read the inverse permutation, which each op forms from
-`order` in the lent `moe_inv` (one small launch); the combine's fp32 sum goes to a lent fp32
-(T, D) and is then added onto the residual with one rounding (ops_numpy.moe_combine); the
-router's weight gradient is formed in fp32 and then added into the gradient of either dtype
-(add_: one rounding, as ops_numpy's _store)."""
+Where the kernels' conventions differ from the NumPy table's: the gathers that sum a token's k rows
+(the combine, the input gradient) read the inverse permutation, which each op forms from `order` in
+the lent `moe_inv` (one small launch); the combine's fp32 sum goes to a lent fp32 (T, D) and is then
+added onto the residual with one rounding (ops_numpy.moe_combine); the router's weight gradient is
+formed in fp32 and then added into the gradient of either dtype (add_: one rounding, as ops_numpy's
+_store)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The NumPy reference of the FP8-stored frozen base (models.fp8_layout, docs/lora.md): per
-output row, scale = amax / 448 in fp32 (1 for a zero row), codes = E4M3(w / scale) rounded to
-nearest even; a row holding inf or NaN is refused by name. Encodes a bf16 layer block into the
-fp8-base block (through models.fp8_quant_fast, the same bits compiled) and decodes it back (codes * row scale, one rounding to bf16: the base the engine
-trains against). Host-side maths only: never touches a device, never decides placement."""
+"""The NumPy reference of the FP8-stored frozen base (models.fp8_layout, docs/lora.md): per output
+row, scale = amax / 448 in fp32 (1 for a zero row), codes = E4M3(w / scale) rounded to nearest even;
+a row holding inf or NaN is refused by name. Encodes a bf16 layer block into the fp8-base block
+(through models.fp8_quant_fast, the same bits compiled) and decodes it back (codes * row scale, one
+rounding to bf16: the base the engine trains against). Host-side maths only: never touches a device,
+never decides placement."""
 
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ def _row_f32(x, i, out, bits16):
 
 @numba.njit(parallel=True, cache=True)
 def _encode_rows(x, codes, scales, bad, bits16):
-    """Row i of `x` (O, I: bf16 bits as uint16 when `bits16`, else fp32) -> codes[i] (uint8), scales[i]
-    (fp32); bad[i] = True for a row holding inf or NaN (its codes and scale are then left as
+    """Row i of `x` (O, I: bf16 bits as uint16 when `bits16`, else fp32) -> codes[i] (uint8),
+    scales[i] (fp32); bad[i] = True for a row holding inf or NaN (its codes and scale are then left as
     they were)."""
     rows, cols = x.shape
     for i in numba.prange(rows):

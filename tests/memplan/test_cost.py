@@ -135,8 +135,8 @@ def test_random_forced_plans_predict_consistent_steps(prng, h100):
 
 
 def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
-    """expert_cost.expert_extra_seconds: nothing for a dense model; for OLMoE's experts the time beyond
-    the dense rate is the small-GEMM rate's (rows / (rows + EXPERT_GEMM_HALF_ROWS)) plus one
+    """expert_cost.expert_extra_seconds: nothing for a dense model; for OLMoE's experts the time
+    beyond the dense rate is the small-GEMM rate's (rows / (rows + EXPERT_GEMM_HALF_ROWS)) plus one
     offsets wait, the backward's twice the forward's GEMM part; at a chunk so small that the
     launches take longer than the GEMMs, the launches are the time."""
     from dataflow.memplan.search import cost, expert_cost
@@ -166,8 +166,8 @@ def test_routed_experts_cost_their_small_gemm_rate_or_their_launches(h100):
 
 
 def test_expert_path_is_grouped_where_the_loop_is_launch_bound_and_the_shapes_fit(h100):
-    """expert_cost.expert_path: the loop for olmoe-1b-7b's 64 experts at 8k and 16k-token chunks (its
-    GEMMs outrun the grouped kernels), grouped for qwen3-30b-a3b's 128 small experts at 8k (the
+    """expert_cost.expert_path: the loop for olmoe-1b-7b's 64 experts at 8k and 16k-token chunks
+    (its GEMMs outrun the grouped kernels), grouped for qwen3-30b-a3b's 128 small experts at 8k (the
     loop's launches bind) and for olmoe at 2k; never for a dense model or shapes the grouped
     kernels do not take; the grouped path is charged its rate alone (no launches, no wait)."""
     import dataclasses
@@ -176,7 +176,8 @@ def test_expert_path_is_grouped_where_the_loop_is_launch_bound_and_the_shapes_fi
     from dataflow.models.hf_config import model_config
 
     olmoe, qwen = model_config("olmoe-1b-7b"), model_config("qwen3-30b-a3b")
-    assert expert_cost.expert_path(olmoe, h100, 8192) == expert_cost.expert_path(olmoe, h100, 16384) == "loop"
+    assert expert_cost.expert_path(olmoe, h100, 8192) == "loop"
+    assert expert_cost.expert_path(olmoe, h100, 16384) == "loop"
     assert expert_cost.expert_path(olmoe, h100, 2048) == "grouped"
     assert expert_cost.expert_path(qwen, h100, 8192) == "grouped"
     assert expert_cost.expert_path(model_config("1b"), h100, 8192) == "loop"
