@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from dataflow.memplan import get_profile, make_plan
-from dataflow.memplan.plan.plan import Budget
+from dataflow.memplan.plan.plan import Budget, Plan
 from dataflow.memplan.plan.split import part_numel_max, split_memory_map
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.search.layout import choose_layout
@@ -105,3 +105,11 @@ def test_unsplit_plans_their_json_and_hashes_are_unchanged():
     assert make_plan(cfg, 8192, Budget.from_gib(80, 24), H100, state_parts=1) == plan
     with pytest.raises(ConfigError, match="state_parts"):
         make_plan(cfg, 8192, Budget.from_gib(80, 24), H100, state_parts=0)
+
+
+def test_a_parted_plan_round_trips_through_json_with_its_part_count():
+    """Plan.state_parts is written (and hashed) where it is not 1 and read back."""
+    plan = make_plan(load_config("tiny"), 256, Budget.from_gib(4, 2), H100, state_parts=3)
+    assert '"state_parts": 3' in plan.to_json()
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.hash != dataclasses.replace(plan, state_parts=1).hash
