@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 
 from dataflow.memplan import get_profile, make_plan
+from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.plan import Budget, Plan
 from dataflow.memplan.plan.split import part_numel_max, split_memory_map
-from dataflow.memplan.plan import buffers
 from dataflow.memplan.search.layout import choose_layout
 from dataflow.memplan.step.compile import compile_schedule
 from dataflow.memplan.step.ring_compile import ReplicaCompiler
