@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-update", action="store_true",
                    help="with --gpus: weigh data-parallel replicas (rings of any size) "
                         "that reduce-scatter their gradients and each update 1/R of every "
-                        "rank's blocks with AdamW state for that part only (host bytes per "
-                        "device fall with R) "
+                        "rank's blocks with AdamW state for that part only (each rank "
+                        "planned so: what that frees goes to the plan, and layouts that "
+                        "fit only split are found) "
                         "beside whole updates; the faster is kept (docs/ring.md \"Split "
                         "updates\")")
     p.add_argument("--fast-attention", action="store_true",

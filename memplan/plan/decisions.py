@@ -64,6 +64,8 @@ class Decisions:
     """See Plan.frozen."""
     lora: Lora | None = None
     """See Plan.lora."""
+    state_parts: int = 1
+    """See Plan.state_parts."""
 
 
 def decisions_of(obj) -> Decisions:
@@ -75,7 +77,8 @@ def decisions_of(obj) -> Decisions:
                      grad_accum=obj.grad_accum, segment_layers=obj.segment_layers,
                      attention_bwd=obj.attention_bwd, holds_embed=obj.holds_embed,
                      holds_head=obj.holds_head, kv_rebuild=obj.kv_rebuild,
-                     precision=obj.precision, frozen=obj.frozen, lora=obj.lora)
+                     precision=obj.precision, frozen=obj.frozen, lora=obj.lora,
+                     state_parts=obj.state_parts)
 
 
 def _positive(where: str, value) -> None:

@@ -75,10 +75,20 @@ def grad_bpe(grad_accum: GradAccum) -> int:
     return buffers.grad_bytes_per_elem(grad_accum.value)
 
 
+def state_elems(elems: int, state_parts: int) -> int:
+    """Elements of a block's m (and of its v) a plan holds: the whole block's, or with
+    Plan.state_parts R > 1 the largest of the R replica parts (a split update's)."""
+    if state_parts == 1:
+        return elems
+    # function-local: split imports this module (its memory maps are cut from ours)
+    from dataflow.memplan.plan.split import part_numel_max
+    return part_numel_max(elems, state_parts)
+
+
 def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where,
-                   frozen: bool = False):
+                   frozen: bool = False, state_parts: int = 1):
     """weights/grads/m/v regions of one block that live at `where`; a frozen block's weights
-    only (Plan.frozen)."""
+    only (Plan.frozen); m / v of one part of `state_parts` (Plan.state_parts)."""
     out = []
     if placement.weights is where:
         out.append((f"{prefix}.weights", elems * 2))
@@ -88,7 +98,8 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where,
         out.append((f"{prefix}.grads", elems * gbpe))
     opt_here = (placement.optimizer is OptimizerWhere.DEVICE) == (where is Where.DEVICE)
     if opt_here:
-        out += [(f"{prefix}.m", elems * 2), (f"{prefix}.v", elems * 2)]
+        part = state_elems(elems, state_parts)
+        out += [(f"{prefix}.m", part * 2), (f"{prefix}.v", part * 2)]
     return out
 
 
@@ -121,7 +132,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
     out: list[tuple[str, int]] = []
     fz = d.frozen
     for i, p in enumerate(d.layers):
-        out += _state_regions(f"layer{i}", p, elems["layer"], gbpe, Where.DEVICE, fz.layer(i))
+        out += _state_regions(f"layer{i}", p, elems["layer"], gbpe, Where.DEVICE, fz.layer(i),
+                              d.state_parts)
     if any(p.weights is Where.HOME for p in d.layers):
         out.append(("weight_slots", s.weight_slots * elems["layer"] * 2))
     if home_layer_grads(d):
@@ -133,7 +145,8 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
         if not fz.head:
             out.append(("head.grads", elems["head"] * gbpe))
         if d.head.optimizer is OptimizerWhere.DEVICE and not fz.head:
-            out += [("head.m", elems["head"] * 2), ("head.v", elems["head"] * 2)]
+            part = state_elems(elems["head"], d.state_parts)
+            out += [("head.m", part * 2), ("head.v", part * 2)]
     t = ch.chunk_tokens
     act_bytes = _act_sizes(cfg, t)
     # Slots are sized with a segment boundary's K/V although it sends them to home.ctx_kv (the
@@ -186,11 +199,12 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     fz = d.frozen
     for i, p in enumerate(d.layers):
         out += _state_regions(f"home.layer{i}", p, elems["layer"], gbpe, Where.HOME,
-                              fz.layer(i))
+                              fz.layer(i), d.state_parts)
     if d.holds_embed:
         out += _state_regions("home.embed", d.embed, elems["embed"], gbpe, Where.HOME, fz.embed)
     if d.holds_head:
-        out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME, fz.head)
+        out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME, fz.head,
+                              d.state_parts)
     act_bytes = _act_sizes(cfg, ch.chunk_tokens)
     no_kv = kv_less(d)
     for layer, row in enumerate(d.activations):

@@ -283,6 +283,12 @@ class Plan:
     """LoRA adapters (dataflow.memplan.plan.lora): the base is frozen whole (`frozen`), the
     adapters and their fp32 gradients and AdamW state are the device regions lora.weights /
     .grads / .m / .v. Left out of the JSON (and hash) without LoRA."""
+    state_parts: int = dataclasses.field(default=1, metadata={"omit_if_default": True})
+    """R > 1: planned as one replica of a split update over R replicas (RankPlan.split_update,
+    docs/ring.md "Split updates"): the m / v regions of every layer and the head hold the
+    largest replica part alone (dataflow.memplan.plan.split.part_numel_max), so the search
+    spends what that frees; such a plan runs only as a split replica of R. The embedding's state
+    stays whole. Left out of the JSON (and hash) while 1."""
 
     def to_json(self) -> str:
         return to_json(self)

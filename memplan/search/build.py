@@ -65,7 +65,8 @@ def finish_plan(d: Decisions, budget: Budget, profile: HardwareProfile) -> Plan:
                 planner_version=PLANNER_VERSION, attention_bwd=d.attention_bwd,
                 precision=d.precision,
                 holds_embed=d.holds_embed, holds_head=d.holds_head, segment_layers=d.segment_layers,
-                kv_rebuild=d.kv_rebuild, frozen=d.frozen, lora=d.lora)
+                kv_rebuild=d.kv_rebuild, frozen=d.frozen, lora=d.lora,
+                state_parts=d.state_parts)
 
 
 def build_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile, *,

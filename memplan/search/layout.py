@@ -373,6 +373,27 @@ def _full_ring_chunkings(ch, n: int, constraints: dict, *, few: bool = False) ->
     return shapes
 
 
+def _ring_candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
+                     vocab_parallel_head: bool, placements, memo, quick: bool,
+                     round_overlap: bool, link: Link) -> tuple[list, list]:
+    """(candidates, refusals) of a ring of n under `constraints` (`profile` the ring's): the
+    planner's and full rings' chunkings (_candidates), with the vocabulary-parallel head too
+    where asked, and the overlapped rounds' (_overlap_candidates) where asked."""
+    variants = [constraints] + ([dict(constraints, vocab_parallel=True)]
+                                if vocab_parallel_head and n > 1 else [])
+    candidates, errors = [], []
+    for asked in variants:
+        try:
+            candidates += _candidates(cfg, seqlen, budget, profile, n, asked, placements,
+                                      memo=memo, quick=quick)
+        except ConfigError as exc:  # InfeasibleBudget included
+            errors.append(exc)
+    if round_overlap and candidates:
+        candidates += _overlap_candidates(cfg, seqlen, budget, profile, n, candidates, link,
+                                          memo, quick)
+    return candidates, errors
+
+
 def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                   gpus: int, *, tokens_per_step: int | None = None, link: Link = LINKS[0],
                   links: tuple[Link, ...] = LINKS, transport: str = "nccl",
@@ -434,39 +455,34 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                                f"{tokens_per_step:,} tokens a step is under one sequence each")
                 continue
             constraints["tokens_per_step"] = seqs * seqlen
-        variants = [constraints] + ([dict(constraints, vocab_parallel=True)]
-                                    if vocab_parallel_head and n > 1 else [])
-        candidates, errors = [], []
-        for asked in variants:
-            try:
-                candidates += _candidates(cfg, seqlen, budget,
-                                          ring_profile(profile, gpus, transport, replicas), n,
-                                          asked, placements, memo=memo, quick=quick)
-            except ConfigError as exc:  # InfeasibleBudget included
-                errors.append(exc)
-        if round_overlap and candidates:
-            candidates += _overlap_candidates(cfg, seqlen, budget,
-                                              ring_profile(profile, gpus, transport, replicas),
-                                              n, candidates, link, memo, quick)
-        if not candidates:
+        ring_prof = ring_profile(profile, gpus, transport, replicas)
+        candidates, errors = _ring_candidates(
+            cfg, seqlen, budget, ring_prof, n, constraints, vocab_parallel_head, placements,
+            memo, quick, round_overlap, link)
+        # Split-update replicas planned with m / v for their part from the start
+        # (Plan.state_parts): what that frees goes to resident layers, activations and slots,
+        # and layouts that fit only so are found.
+        parted = _ring_candidates(
+            cfg, seqlen, budget, ring_prof, n, dict(constraints, state_parts=replicas),
+            vocab_parallel_head, placements, memo, quick, round_overlap,
+            link)[0] if split_update and replicas > 1 else []
+        if not candidates and not parted:
             refused.append(f"{replicas} replicas of a ring of {n}: "
                            f"{str(errors[0]).split(';')[0][:160]}")
             continue
-        for used, rps in candidates:
-            opt = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch,
-                          round_overlap)
+        weighed = [(used, rps, False) for used, rps in candidates]
+        if split_update and replicas > 1:  # the same replicas, update split
+            weighed += [(used, rps, True) for used, rps in candidates + parted]
+        for used, rps, su in weighed:
+            try:
+                opt = _option(rps, gpus, replicas, links, single_tok_per_s, used,
+                              split_fetch, round_overlap, split_update=su)
+            except ConfigError as exc:  # a model split updates refuse (MoE, say)
+                refused.append(f"{replicas} split-update replicas: {str(exc)[:160]}")
+                continue
             options.append(opt)
-            plans[id(opt)] = rps
-            if split_update and replicas > 1:  # the same replicas, update split
-                try:
-                    opt = _option(rps, gpus, replicas, links, single_tok_per_s, used,
-                                  split_fetch, round_overlap, split_update=True)
-                except ConfigError as exc:  # a model split updates refuse (MoE, say)
-                    refused.append(f"{replicas} split-update replicas: {str(exc)[:160]}")
-                    continue
-                options.append(opt)
-                plans[id(opt)] = tuple(dataclasses.replace(rp, replicas=replicas,
-                                                           split_update=True) for rp in rps)
+            plans[id(opt)] = tuple(dataclasses.replace(rp, replicas=replicas, split_update=True)
+                                   for rp in rps) if su else rps
     if not options:
         raise ConfigError(
             f"no split of {gpus} GPUs fits {budget.host_bytes / 2**30:g} GiB host and "

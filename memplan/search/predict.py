@@ -97,7 +97,10 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
         return rp.plan.prediction
     timed = []
     for split in (False, True):  # the same plan, whole and as asked (split fetches / updates)
-        r = rp if split else dataclasses.replace(rp, split_fetch=False, split_update=False)
+        # the whole reference: the same decisions with whole m / v (Plan.state_parts 1)
+        r = rp if split else dataclasses.replace(
+            rp, split_fetch=False, split_update=False,
+            plan=dataclasses.replace(rp.plan, state_parts=1))
         comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
                         latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
                         reduce=False)

@@ -57,7 +57,8 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
-               "holds_head", "kv_rebuild", "segments", "precision", "freeze", "lora")
+               "holds_head", "kv_rebuild", "segments", "precision", "freeze", "lora",
+               "state_parts")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -120,6 +121,11 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
         if not isinstance(v, bool):
             raise ConfigError(f"constraint {key} must be True or False, got {v!r}")
         opts[key] = v
+    parts = opts.get("state_parts", 1)  # Plan.state_parts: a split-update replica's
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ConfigError(f"constraint state_parts must be a whole number of replicas, 1 or "
+                          f"more, got {parts!r}")
+    opts["state_parts"] = parts
     rebuild = opts.get("kv_rebuild")
     if rebuild is not None and not isinstance(rebuild, bool):
         raise ConfigError(f"constraint kv_rebuild must be True, False or None (the search "
@@ -214,7 +220,8 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     plan = _best_plan(cfg, seqlen, budget, profile, grad_accum, constraints)
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
     shaping = {k: v for k, v in constraints.items()
-               if k not in ("attention_bwd", "segments", "precision", "freeze", "lora")}
+               if k not in ("attention_bwd", "segments", "precision", "freeze", "lora",
+                            "state_parts")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan

@@ -20,6 +20,7 @@ from dataflow.memplan.plan.memory import (
     TOKEN_STAGING_ROWS,
     grad_bpe,
     row_parts,
+    state_elems,
 )
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
@@ -112,7 +113,7 @@ class Space:
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
                  holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
                  precision: Precision = Precision.BF16, frozen: Frozen = NOTHING_FROZEN,
-                 lora=None):
+                 lora=None, state_parts: int = 1):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.precision = precision
@@ -120,6 +121,8 @@ class Space:
         """Plan.frozen: blocks with weights only (no gradients, AdamW state or their work)."""
         self.lora = lora
         """Plan.lora: the adapters' device regions and work (dataflow.memplan.plan.lora)."""
+        self.state_parts = state_parts
+        """Plan.state_parts: a split-update replica's layers and head hold m / v for a part."""
         self.kv_rebuild = kv_rebuild
         """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
@@ -150,7 +153,12 @@ class Space:
         self.gbpe = grad_bpe(grad_accum)
         e = self.elems
         self.layer_b, self.layer_g = e["layer"] * 2, e["layer"] * self.gbpe
-        self.block_state = {k: 3 * n * 2 + n * self.gbpe for k, n in e.items()}
+        self.mv_b = {k: 2 * n * 2 for k, n in e.items()}
+        """Bytes of a block's m and v (bf16): a split replica's layers and head hold a part."""
+        if state_parts > 1:
+            for k in ("layer", "head"):
+                self.mv_b[k] = 2 * buffers.align(state_elems(e[k], state_parts) * 2)
+        self.block_state = {k: n * 2 + n * self.gbpe + self.mv_b[k] for k, n in e.items()}
         t = ch.chunk_tokens
         self.act_size = tuple(buffers.saved_activation_bytes(
             cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
@@ -302,7 +310,7 @@ class Space:
         if not self.holds_head:
             pass
         elif s.head_dev:
-            dev += 2 * e["head"] * 2 * (not fz.head)
+            dev += self.mv_b["head"] * (not fz.head)
         else:
             host += self.block_state["head"] - fz.head * less["head"]
         dev += sum(n * b for n, b in zip(s.acts[:3], self.act_size[:3]))
@@ -443,7 +451,7 @@ class Space:
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
                          holds_embed=self.holds_embed, holds_head=self.holds_head,
                          kv_rebuild=self.kv_rebuild, precision=self.precision,
-                         frozen=self.frozen, lora=self.lora)
+                         frozen=self.frozen, lora=self.lora, state_parts=self.state_parts)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

@@ -48,6 +48,7 @@ from dataflow.memplan.step.state import (
     region_table,
 )
 from dataflow.memplan.step.update import OptimizerUpdate
+from dataflow.models.errors import ConfigError
 from dataflow.models.flops import SavedLevel
 
 # The data (Region, Ref, the events, Schedule) lives in memplan/step/events.py, the slot rings
@@ -70,10 +71,21 @@ class StepCompiler(Rounds, ModelEnds, SplitContext, OptimizerUpdate, CompilerSta
 
 
 
+def refuse_state_parts(plan) -> None:
+    """A plan made for one replica of a split update (Plan.state_parts > 1) holds m / v for a
+    part only: run alone or unsplit, its whole update would overrun them. ConfigError."""
+    parts = decisions_of(plan).state_parts
+    if parts != 1:
+        raise ConfigError(f"this plan holds AdamW state for one part of {parts} (planned as a "
+                          f"split-update replica, Plan.state_parts); run it as one of {parts} "
+                          f"replicas with --split-update, or plan without split updates")
+
+
 def compile_schedule(plan, *, rounds: int | None = None, update: str = "end") -> Schedule:
     """The event list of one step of `plan` (a Plan or Decisions). `rounds` overrides the
     plan's rounds per step (the search times a first and a later round this way); `update`
     says where AdamW runs (UPDATE_MODES; 'end' unless the trainer defers it)."""
+    refuse_state_parts(plan)
     return StepCompiler(plan).compile(rounds, update)
 
 
@@ -81,6 +93,7 @@ def compile_update_schedule(plan) -> Schedule:
     """The AdamW over every block alone, reading the clip scale a step compiled with
     update='none' or 'deferred' left on the device: the pending update, run before state is
     read, saved or evaluated between steps."""
+    refuse_state_parts(plan)
     return StepCompiler(plan).compile_update()
 
 
@@ -90,6 +103,7 @@ def compile_eval_schedule(plan, rounds: int = 1) -> Schedule:
     `optimizer_start` is the end of the list)."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"an evaluation needs a whole number of rounds >= 1, got {rounds!r}")
+    refuse_state_parts(plan)
     return StepCompiler(plan).compile_eval(rounds)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataflow.memplan.plan.buffers import align
 from dataflow.memplan.plan.split import (part_byte_bounds, part_range, split_state_numel,
                                          state_part_regions, sub_blocks)
-from dataflow.memplan.step.compile import COMPUTE, Ref, StepCompiler
+from dataflow.memplan.step.compile import COMPUTE, Ref, StepCompiler, refuse_state_parts
 from dataflow.memplan.step.events import Compute, Region, RegionTable
 from dataflow.memplan.step.state import EMBED, HEAD, BlockKey
 from dataflow.models.errors import ConfigError
@@ -103,6 +103,9 @@ class SplitUpdate:
         rp = self.rp
         self.split_update = bool(rp.split_update) and rp.replicas > 1
         self.gbpe = 2 if self.gdt == "bf16" else 4
+        if self.plan.state_parts != 1 and (not self.split_update
+                                           or rp.replicas != self.plan.state_parts):
+            refuse_state_parts(self.plan)  # planned for a split it is not run with
         if not self.split_update:
             return
         refuse_split_update(rp, {k: n for k, n in self.numel.items() if k != "embed"})

@@ -9,6 +9,7 @@ from dataflow.memplan.plan.chunking import chunking_candidates
 from dataflow.memplan.search.cost import workload_of
 from dataflow.memplan.plan.memory import memory_map
 from dataflow.memplan.plan.plan import GradAccum
+from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.search.space import Space, State, spread_order
 from dataflow.models.config import load_config
 
@@ -47,6 +48,27 @@ def test_state_memory_and_work_match_the_materialised_plan(prng, h100, model, se
                     a, b = getattr(fast, f.name), getattr(full, f.name)
                     assert a == pytest.approx(b, rel=1e-12), (f.name, s)
                 assert sp.round_lower_bound_s(s) <= full.compute_s + full.recompute_s + 1e-12
+
+
+@pytest.mark.parametrize("model,seqlen,parts", [("tiny", 256, 3), ("small", 2048, 2),
+                                                ("8b", 8192, 8)])
+def test_a_split_replicas_state_memory_matches_its_materialised_plan(prng, h100, model, seqlen,
+                                                                      parts):
+    """With m / v of the layers and the head for one part (Space(state_parts=R), a split-update
+    replica's), Space.memory equals memory_map of the decisions, and both equal the whole
+    decisions' memory map cut afterwards (split.split_memory_map)."""
+    cfg = load_config(model)
+    for ch in chunking_candidates(cfg, seqlen)[:3]:
+        sp = Space(cfg, ch, h100, GradAccum.FP32, state_parts=parts)
+        whole = Space(cfg, ch, h100, GradAccum.FP32)
+        for _ in range(4):
+            s = _random_state(prng, sp)
+            d = sp.decisions(s, rounds_per_step=2)
+            mm = memory_map(d)
+            assert d.state_parts == parts
+            assert sp.memory(s, 2) == (mm.device_bytes + sp.p.library_reserve_bytes,
+                                       mm.host_bytes), s
+            assert split_memory_map(whole.decisions(s, rounds_per_step=2), parts) == mm, s
 
 
 def test_spread_order_prefixes_are_even():

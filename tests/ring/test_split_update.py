@@ -19,7 +19,7 @@ import pytest
 from dataflow.backends import make_backend
 from dataflow.memplan.plan.plan import GradAccum, OptimizerWhere
 from dataflow.memplan.plan.ranks import RankPlan
-from dataflow.memplan.plan.split import SUB_BLOCK, part_range
+from dataflow.memplan.plan.split import SUB_BLOCK, part_range, split_memory_map
 from dataflow.memplan.step.compile import Update, WriteBack
 from dataflow.memplan.step.ring_compile import (AllReduce, GatherParts, ReduceScatter,
                                                 compile_ring_schedule)
@@ -110,6 +110,26 @@ def test_split_replicas_equal_unsplit_replicas_bit_for_bit(rng, where, deferred,
         for key in ww:
             assert np.array_equal(np.asarray(gw[key]).view(np.uint16),
                                   np.asarray(ww[key]).view(np.uint16)), (q, key)
+
+
+@pytest.mark.parametrize("where,replicas", [("streamed", 3), ("resident", 2)])
+def test_replicas_of_a_plan_parted_from_the_start_equal_unsplit_replicas(rng, where, replicas):
+    """The same decisions planned with m / v for one part (Plan.state_parts, as the planner's
+    split layouts are): the split replicas train the unsplit replicas' bits over 3 steps
+    (their tables are the parted plan's memory map: tests/memplan/test_split_update_memory)."""
+    seed = int(rng.integers(0, 2**31))
+    data = [rng.integers(0, CFG.vocab_size, (4 * replicas, 65), dtype=np.int32)
+            for _ in range(3)]
+    whole = _rank_plan(where, split=False, replicas=replicas)
+    parted = dataclasses.replace(whole.plan, state_parts=replicas,
+                                 memory=split_memory_map(whole.plan, replicas))
+    want = _train(whole, data, seed, True)
+    got = _train(dataclasses.replace(whole, plan=parted, split_update=True), data, seed, True)
+    for q in range(replicas):
+        assert got[q][:2] == want[q][:2], q
+        for key in want[q][2]:
+            assert np.array_equal(np.asarray(got[q][2][key]).view(np.uint16),
+                                  np.asarray(want[q][2][key]).view(np.uint16)), (q, key)
 
 
 @pytest.mark.parametrize("where,replicas", [("streamed", 2), ("resident", 3), ("streamed", 4)])
