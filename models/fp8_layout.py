@@ -12,6 +12,7 @@ moves bytes); this layout says which bytes are codes, scales or bf16 values."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataflow.models.config import ModelConfig
 from dataflow.models.layout import BlockKind, BlockLayout, layer_layout
@@ -46,10 +47,7 @@ class Fp8Slot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,6 +23,7 @@ from dataflow.models.fp8_quant import (E4M3, decode_block, dequantise_rows, enco
 from dataflow.models.flops import SavedLevel
 from dataflow.models.layout import layer_layout
 from tests.dataflow.plans import forced_plan, streamed
+from tests.dataflow.test_lora import _batch, _random_b  # the same adapters and batches
 
 LORA = Lora(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
             base=LoraBase.FP8)
@@ -109,19 +110,6 @@ def _engine(plan=None, lora=LORA, **kw):
     if plan is not None:
         return Engine.from_plan(plan, **common)
     return Engine("tiny", seqlen=32, host_gb=1, dev_gb=0.5, lora=lora, **common)
-
-
-def _random_b(eng, rng):
-    st = {k: v for k, v in eng.lora_state().items() if k.endswith((".a", ".b"))}
-    st = {k: (rng.standard_normal(v.shape).astype(np.float32) * 0.05 if k.endswith(".b") else v)
-          for k, v in st.items()}
-    eng.load_lora_state(st)
-    return st
-
-
-def _batch(eng, rng):
-    ch = eng.plan.chunking
-    return rng.integers(0, eng.plan.model.vocab_size, (ch.seqs_per_step, ch.seqlen + 1))
 
 
 def _stored(eng):
