@@ -484,6 +484,9 @@ def _infeasible(cfg, seqlen, budget: Budget, tables: tuple[Table, Table],
     if dev_at_host is not None and dev_at_host <= table.spaces[0].p.device_mem_bytes \
             and f"dev_gb {gib_up(dev_at_host)}" != way.removeprefix("try "):  # not twice
         way += f", or dev_gb {gib_up(dev_at_host)} with your host budget"
+    lora = table.spaces[0].lora
+    if lora is not None and not lora.fp8_base:
+        way += ", or --lora-base fp8 (the frozen base as E4M3 codes: about half its host bytes)"
     request = f"{cfg.name} at seqlen {seqlen}" + (
         f" with {seqs} sequences per step" if seqs is not None else "")
     msg = (f"{request} does not fit {have}: {why}. The smallest budgets that "

@@ -86,10 +86,10 @@ def test_fp8_base_costs_a_dequant_pass_per_base_gemm():
 
 def test_70b_lora_fits_120_gib_host_with_an_fp8_base_and_not_with_bf16():
     """70b at 8192, r 16, 120/24 GiB on the H200 profile: refused with a bf16 base (it needs
-    over 130 GiB of host), planned with an fp8 one inside both budgets."""
+    over 130 GiB of host; the refusal suggests the fp8 base), planned with an fp8 one inside both budgets."""
     cfg = load_config("70b")
     budget = Budget.from_gib(120, 24)
-    with pytest.raises(InfeasibleBudget):
+    with pytest.raises(InfeasibleBudget, match="or --lora-base fp8"):  # the way out named
         make_plan(cfg, 8192, budget, H200, lora=parse_lora(16))
     plan = make_plan(cfg, 8192, budget, H200, lora=parse_lora(16, base="fp8"))
     assert plan.memory.host_bytes <= budget.host_bytes
