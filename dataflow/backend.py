@@ -115,6 +115,11 @@ class Backend(abc.ABC):
         workspace), 'dk16' / 'dv16' (bf16 dK/dV of a context). Backends whose ops need no
         scratch ignore it."""
 
+    def written(self, arrays) -> None:
+        """`arrays` (views) were written by something other than this backend's copies, ops and
+        host calls (a ring transport's receive, all-reduce or gather): drop anything derived
+        from them (the CuPy backend's FP8 operand copies). Backends that keep nothing ignore it."""
+
     def set_moe_experts(self, path: str) -> None:
         """Run the routed experts' GEMMs on `path` ('loop' or 'grouped', the planner's
         memplan.search.expert_cost.expert_path) from now on. Backends with one way to run them ignore

@@ -412,8 +412,10 @@ class LayerCompute:
         op("rope_bwd", dk, pos, rope_table(cfg), dk)
         for name, d in (("q", dq), ("k", dk), ("v", dv)):
             self._proj_bwd(w, g, name, d)
-        if self.adapters is None:  # the base's own order (and so its bits) without LoRA
-            for name, d in (("q", dq), ("k", dk), ("v", dv)):
+        if self.adapters is None:  # the base's own order without LoRA
+            # v, k, q: in FP8, dq's scale is then still in its region for dq @ w_q just below
+            # (dataflow.ops_cuda_fp8); each gradient is its own sum, so the bits do not move.
+            for name, d in (("v", dv), ("k", dk), ("q", dq)):
                 op("linear_bwd_w", d.reshape(t, -1), xn, g[f"self_attn.{name}_proj"], True)
         for i, (name, d) in enumerate((("q", dq), ("k", dk), ("v", dv))):
             self._lin_bwd_x(f"self_attn.{name}_proj", d.reshape(t, -1), w, dxn, i > 0)
@@ -432,10 +434,9 @@ class LayerCompute:
         self._lin_bwd_x("mlp.down_proj", dy, w, dact)
         op("swiglu_bwd", gate, up, dact, dgate, dup, act)
         self._lin_bwd_w("mlp.down_proj", dy, act, g)  # act: formed by swiglu_bwd just now
-        if self.adapters is None:  # the base's own order (and so its bits) without LoRA
-            op("linear_bwd_w", dgate, xn2, g["mlp.gate_proj"], True)
-            op("linear_bwd_w", dup, xn2, g["mlp.up_proj"], True)
+        # Each projection's dx and then its dw, with and without LoRA: in FP8 the second reads
+        # the same dy's scale and only casts it again (dataflow.ops_cuda_fp8), which saves more
+        # than quantising xn2^T once for both weight gradients would.
         for i, (name, d) in enumerate((("mlp.gate_proj", dgate), ("mlp.up_proj", dup))):
             self._lin_bwd_x(name, d, w, dxn, i > 0)
-            if self.adapters is not None:
-                self._lin_bwd_w(name, d, xn2, g)
+            self._lin_bwd_w(name, d, xn2, g)

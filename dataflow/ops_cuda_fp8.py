@@ -19,18 +19,21 @@ class Fp8Linears:
     CudaContext, its lent scratch, and its bf16 ops for the shapes FP8 cannot take.
 
     An operand already in its region is not quantised again: q, k and v read the same x, as do
-    gate and up, and their weight gradients the same x^T. The backend calls forget() before any
-    other op, copy or host call (any of them may write what a region was made from), and an op's
-    own output drops a region made from the memory it writes. This holds because every tensor
-    of a run is an arena view written only through the backend; a caller passing temporaries
-    must keep them alive (a freed block can come back at the same address with other values)."""
+    gate and up, and their weight gradients the same x^T. A region asked for the same tensor in
+    its other layout (dy for dx, then dy^T for dw, or the reverse) keeps its scale and only
+    casts again: the amax pass is the same tensor's. The backend tells wrote() what every other
+    op, copy and host call writes (forget() where it cannot say), and an op's own output drops a
+    region made from the memory it writes. This holds because every tensor of a run is an arena
+    view written only through the backend; a caller passing temporaries must keep them alive (a
+    freed block can come back at the same address with other values)."""
 
     def __init__(self, ops):
         self.ops, self.ctx = ops, ops.ctx
         self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
         self._held: list[tuple | None] = [None, None]
-        """Per region (first operand, second): (source pointer, bytes, shape, strides, format,
-        layout) of the tensor whose FP8 copy it holds, or None."""
+        """Per region (first operand, second): ((source pointer, bytes, shape, strides, format),
+        transposed) of the tensor whose FP8 copy it holds, or None. The region's scale triple
+        is that tensor's while its source matches, in either layout."""
 
     def install(self) -> None:
         """Put the FP8 ops in the table's place (instance attributes, as its bound kernels)."""
@@ -40,17 +43,29 @@ class Fp8Linears:
     def forget(self) -> None:
         self._held = [None, None]
 
+    def wrote(self, arrays) -> None:
+        """Drop the regions made from memory any of `arrays` (device or host arrays, None
+        skipped) covers: they are being written."""
+        for y in arrays:
+            span = _span(y)
+            if span is not None:
+                lo, hi = span
+                self._held = [h if h is None or h[0][0] >= hi or h[0][0] + h[0][1] <= lo
+                              else None for h in self._held]
+
     def _quantise(self, region: int, x, fmt: str, scales, out, out_t=None) -> None:
-        key = (x.data.ptr, x.nbytes, x.shape, x.strides, fmt, out is None)
-        if self._held[region] == key:
-            return
-        K.fp8_quantise(self.ctx, x, fmt, scales, out, out_t, scratch=self.amax)
-        self._held[region] = key
+        src, transposed = (x.data.ptr, x.nbytes, x.shape, x.strides, fmt), out is None
+        held = self._held[region]
+        if held is not None and held[0] == src:
+            if held[1] == transposed:
+                return
+            K.fp8_cast(self.ctx, x, fmt, scales, out, out_t)  # scales: this tensor's already
+        else:
+            K.fp8_quantise(self.ctx, x, fmt, scales, out, out_t, scratch=self.amax)
+        self._held[region] = (src, transposed)
 
     def _wrote(self, y) -> None:
-        lo, hi = y.data.ptr, y.data.ptr + y.nbytes
-        self._held = [h if h is None or h[0] >= hi or h[0] + h[1] <= lo else None
-                      for h in self._held]
+        self.wrote((y,))
 
     def _scratch(self, m: int, k: int, n: int):
         """(first operand (m, k), second (n, k), their two scale triples) in the lent scratch."""
@@ -65,24 +80,24 @@ class Fp8Linears:
         self.amax = lent["fp8_amax"]
         return a, b, sc[0, :3], sc[1, :3]
 
-    def linear_fwd(self, x, w, y, accumulate=False):
+    def linear_fwd(self, x, w, y, accumulate=False, alpha=1.0):
         t, i = x.shape
         o = w.shape[0]
-        if not fp8_shapes_fit(t, o, i):
+        if alpha != 1.0 or not fp8_shapes_fit(t, o, i):  # alpha: LoRA's, never a projection
             self.forget()  # the bf16 op writes y unseen
-            return self.bf16["linear_fwd"](x, w, y, accumulate)
+            return self.bf16["linear_fwd"](x, w, y, accumulate, *_alpha(alpha))
         a, b, sa, sb = self._scratch(t, i, o)
         self._quantise(0, x, "e4m3", sa, a)
         self._quantise(1, w, "e4m3", sb, b)
         K.fp8_gemm(self.ctx, a, "e4m3", sa, b, "e4m3", sb, y, accumulate)
         self._wrote(y)
 
-    def linear_bwd_x(self, dy, w, dx, accumulate=False):
+    def linear_bwd_x(self, dy, w, dx, accumulate=False, alpha=1.0):
         t, o = dy.shape
         i = w.shape[1]
-        if not fp8_shapes_fit(t, o, i):
+        if alpha != 1.0 or not fp8_shapes_fit(t, o, i):
             self.forget()  # the bf16 op writes dx unseen
-            return self.bf16["linear_bwd_x"](dy, w, dx, accumulate)
+            return self.bf16["linear_bwd_x"](dy, w, dx, accumulate, *_alpha(alpha))
         a, bt, sa, sb = self._scratch(t, o, i)  # dy (T, O); w^T (I, O)
         self._quantise(0, dy, "e5m2", sa, a)
         self._quantise(1, w, "e4m3", sb, None, bt)
@@ -100,3 +115,20 @@ class Fp8Linears:
         self._quantise(1, x, "e4m3", sb, None, bt)
         K.fp8_gemm(self.ctx, at, "e5m2", sa, bt, "e4m3", sb, dw, accumulate)
         self._wrote(dw)
+
+
+def _alpha(alpha: float) -> tuple:
+    """The bf16 op's trailing alpha argument: none at 1 (the call as it always was)."""
+    return () if alpha == 1.0 else (alpha,)
+
+
+def _span(a) -> tuple[int, int] | None:
+    """[start, end) bytes of a CuPy or NumPy array's memory; None for anything else."""
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is None:
+        ctypes_ = getattr(a, "ctypes", None)
+        if ctypes_ is None or not hasattr(a, "nbytes"):
+            return None
+        ptr = ctypes_.data
+    return ptr, ptr + a.nbytes

@@ -46,15 +46,20 @@ def fp8_shapes_fit(*sizes: int) -> bool:
     return all(s > 0 and s % 16 == 0 for s in sizes)
 
 
-def linear_fwd(x, w, y, accumulate=False):
-    """y (=|+=) x @ w.T with x and w in E4M3."""
+def linear_fwd(x, w, y, accumulate=False, alpha=1.0):
+    """y (=|+=) x @ w.T with x and w in E4M3; a scaled product (alpha: LoRA's adapters, never
+    a projection) runs the bf16 op."""
+    if alpha != 1.0:
+        return ops_numpy.linear_fwd(x, w, y, accumulate, alpha)
     if not fp8_shapes_fit(*x.shape, w.shape[0]):
         return ops_numpy.linear_fwd(x, w, y, accumulate)
     _gemm(y, _q(x, ref_fp8.E4M3), _q(w, ref_fp8.E4M3), accumulate)
 
 
-def linear_bwd_x(dy, w, dx, accumulate=False):
-    """dx (=|+=) dy @ w with dy in E5M2 and w in E4M3."""
+def linear_bwd_x(dy, w, dx, accumulate=False, alpha=1.0):
+    """dx (=|+=) dy @ w with dy in E5M2 and w in E4M3 (alpha != 1: the bf16 op, as above)."""
+    if alpha != 1.0:
+        return ops_numpy.linear_bwd_x(dy, w, dx, accumulate, alpha)
     if not fp8_shapes_fit(*dy.shape, w.shape[1]):
         return ops_numpy.linear_bwd_x(dy, w, dx, accumulate)
     qw = _q(w, ref_fp8.E4M3)

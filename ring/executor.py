@@ -94,20 +94,30 @@ class RingExecutor(VocabHeadOps, Executor):
     def _send(self, ev: Send) -> None:
         self.transport.send(self._view(ev.src), ev.peer, ev.tag)
 
+    # A transport writes its destination behind the backend's back: the backend is told, so
+    # that nothing it derived from the old bytes (an FP8 copy of a weight) outlives them.
     def _recv(self, ev: Recv) -> None:
-        self.transport.recv(self._view(ev.dst), ev.peer, ev.tag)
+        dst = self._view(ev.dst)
+        self.transport.recv(dst, ev.peer, ev.tag)
+        self.be.written((dst,))
 
     def _allreduce(self, ev: AllReduce) -> None:
-        self.transport.allreduce(self._view(ev.dst, dtype=ev.dtype))
+        dst = self._view(ev.dst, dtype=ev.dtype)
+        self.transport.allreduce(dst)
+        self.be.written((dst,))
 
     def _reduce_scatter(self, ev: ReduceScatter) -> None:
-        self.transport.reduce_scatter(self._view(ev.dst, dtype=ev.dtype), ev.bounds)
+        dst = self._view(ev.dst, dtype=ev.dtype)
+        self.transport.reduce_scatter(dst, ev.bounds)
+        self.be.written((dst,))
 
     def _gather_parts(self, ev: GatherParts) -> None:
+        dst = self._view(ev.dst)
         if ev.bounds:  # a split update's sub-block runs
-            self.transport.gather_parts(self._view(ev.dst), ev.bounds)
+            self.transport.gather_parts(dst, ev.bounds)
         else:  # a split fetch's equal parts (every transport has them)
-            self.transport.gather_parts(self._view(ev.dst))
+            self.transport.gather_parts(dst)
+        self.be.written((dst,))
 
     def _ring_record(self, ev: Record) -> None:
         if ev.stream in COMM_STREAMS:

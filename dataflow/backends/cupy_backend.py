@@ -341,7 +341,7 @@ class CupyBackend(Backend):
 
     def copy(self, dst, src, stream: Stream, name: str = "copy") -> None:
         if self._fp8 is not None:  # it may write an FP8 op's source
-            self._fp8.forget()
+            self._fp8.wrote((dst,))
         if dst.nbytes != src.nbytes:
             raise BackendError(f"copy '{name}': {src.nbytes} bytes into {dst.nbytes}")
         s = self.streams[stream]
@@ -359,12 +359,21 @@ class CupyBackend(Backend):
     def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
         self._op = name or op
         if self._fp8 is not None and op not in FP8_OPS:  # it may write an FP8 op's source
-            self._fp8.forget()
+            self._fp8_wrote(op, args)
         with self.streams[stream]:
             getattr(self.ops, op)(*args)
         self._op = ""
         if stream is Stream.COMPUTE:
             self._bound_run_ahead()
+
+    def _fp8_wrote(self, op: str, args) -> None:
+        """Tell the FP8 ops what `op` writes (its WRITES positions); all of it for an op
+        WRITES does not name."""
+        at = self.writes.get(op)
+        if at is None:
+            self._fp8.forget()
+        else:
+            self._fp8.wrote(args[i] for i in at if i < len(args))
 
     def _bound_run_ahead(self) -> None:
         """Mark the compute stream every run_ahead_ops() / 4 ops; past four marks, wait for the
@@ -382,7 +391,7 @@ class CupyBackend(Backend):
 
     def host_call(self, stream: Stream, fn, *, reads=(), writes=(), name: str = "host") -> None:
         if self._fp8 is not None and writes:  # it may write an FP8 op's source
-            self._fp8.forget()
+            self._fp8.wrote(writes)
         self.streams[stream].launch_host_func(lambda _arg: fn(), None)
 
     def record(self, stream: Stream):
@@ -430,6 +439,10 @@ class CupyBackend(Backend):
                 setattr(self.ops, name, fn)
             self._fp8 = None
         self.precision = precision
+
+    def written(self, arrays) -> None:
+        if self._fp8 is not None:
+            self._fp8.wrote(arrays)
 
     def set_moe_experts(self, path: str) -> None:
         """The op table's expert GEMMs on `path` (the plan's), unless DATAFLOW_MOE_EXPERTS forces

@@ -54,6 +54,13 @@ class TracingBackend(Backend):
     def lend_scratch(self, scratch: dict) -> None:
         self.inner.lend_scratch(scratch)
 
+    # Methods the Backend base defines as no-ops are not reached by __getattr__: pass them on.
+    def set_moe_experts(self, path: str) -> None:
+        self.inner.set_moe_experts(path)
+
+    def written(self, arrays) -> None:
+        self.inner.written(arrays)
+
     def seal(self) -> None:
         self.inner.seal()
 

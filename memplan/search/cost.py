@@ -105,6 +105,14 @@ FP8_QUANT_BYTES_PER_ELEM = 5
 """HBM bytes per element of one FP8 operand copy (kernels/cuda/fp8.py on a bf16 input): the amax
 pass reads 2, the cast reads 2 and writes 1."""
 
+FP8_RECAST_BYTES_PER_ELEM = 3
+"""HBM bytes per element of a tensor's second layout when its scale is still in the region (the
+cast alone: dataflow.ops_cuda_fp8)."""
+
+_FP8_DY_RECAST = frozenset({"q", "o", "gate", "up", "down"})
+"""Projections whose output gradient the backward quantises once and only casts again for its
+other GEMM (dx and dw next to each other: layer_ops' order); k's and v's are quantised twice."""
+
 
 def fp8_gemm_flop_per_s(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> float:
     """The FP8 GEMM rate: the profile's measured one, scaled by size as the bf16 rate is; the
@@ -135,18 +143,23 @@ def fp8_extra_seconds(cfg: ModelConfig, p: HardwareProfile, tokens: int) -> tupl
     """(forward, backward) seconds an FP8 plan's layer over `tokens` takes beyond the bf16 one:
     the FP8 projections' (buffers.fp8_projections) GEMMs at the FP8 rate instead of the bf16
     rate, plus their quantise passes as the linear ops run them (forward x once per distinct
-    input and every w; backward dy and w^T for dx, dy^T for dw and x^T once per distinct input)
-    and FP8_OP_FIXED_S an op. Negative when FP8 is faster."""
+    input and every w; backward w^T for dx, dy in both layouts (quantised once and cast again
+    where _FP8_DY_RECAST says, twice for k and v), x^T once per distinct input but twice for
+    gate and up, whose dw ops are no longer next to each other) and FP8_OP_FIXED_S an op.
+    Negative when FP8 is faster."""
     t, gemm, fp8 = tokens, gemm_flop_per_s(cfg, p, tokens), fp8_gemm_flop_per_s(cfg, p, tokens)
     hbm = p.device_mem_bytes_per_s
     proj = buffers.fp8_projections(cfg)
     flops = sum(2.0 * t * o * i for _, o, i in proj)
     weights, inputs = sum(o * i for _, o, i in proj), t * _fp8_inputs(cfg)
-    fwd_q = weights + inputs
-    bwd_q = sum(2 * t * o for _, o, _ in proj) + weights + inputs
-    q = FP8_QUANT_BYTES_PER_ELEM / hbm
-    return (flops / fp8 - flops / gemm + fwd_q * q + len(proj) * FP8_OP_FIXED_S,
-            2 * flops / fp8 - 2 * flops / gemm + bwd_q * q + 2 * len(proj) * FP8_OP_FIXED_S)
+    quant, recast = FP8_QUANT_BYTES_PER_ELEM, FP8_RECAST_BYTES_PER_ELEM
+    dy_bytes = sum(t * o * (quant + (recast if name in _FP8_DY_RECAST else quant))
+                   for name, o, _ in proj)
+    xt_again = sum(t * i for name, _, i in proj if name == "up")  # xn2^T for up's dw again
+    fwd_s = (weights + inputs) * quant / hbm
+    bwd_s = (dy_bytes + (weights + inputs + xt_again) * quant) / hbm
+    return (flops / fp8 - flops / gemm + fwd_s + len(proj) * FP8_OP_FIXED_S,
+            2 * flops / fp8 - 2 * flops / gemm + bwd_s + 2 * len(proj) * FP8_OP_FIXED_S)
 
 
 def attn_flop_per_s(cfg: ModelConfig, p: HardwareProfile, efficiency: float, keys: int) -> float:

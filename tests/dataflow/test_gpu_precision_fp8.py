@@ -128,3 +128,68 @@ def test_a_tiny_engine_trains_in_fp8_as_the_numpy_one():
                      precision="fp8")
     gpu, cpu = _losses(plan, "cupy"), _losses(plan, "numpy")
     assert all(abs(a - b) < 1e-3 * b for a, b in zip(gpu, cpu)), (gpu, cpu)
+
+
+def test_a_tensor_asked_for_in_its_other_layout_keeps_its_scale(rng, monkeypatch):
+    """dx = dy w, an op that writes something else, then dw = dy^T x: dy's amax runs once and
+    the second op only casts it again (its scale is still in the region), with the NumPy
+    table's results; an op that writes dy in between makes the next op quantise it anew."""
+    from dataflow import ops_cuda_fp8
+
+    counts = {"fp8_quantise": 0, "fp8_cast": 0}
+    for name in counts:
+        real = getattr(ops_cuda_fp8.K, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(ops_cuda_fp8.K, name, counted)
+    be = make_backend("cupy")
+    try:
+        be.set_precision("fp8")
+        t, i, o = 128, 256, 128
+        be.lend_scratch({"fp8_a": cp.empty(t * o, np.uint8), "fp8_b": cp.empty(o * i, np.uint8),
+                         "fp8_scales": cp.empty((2, 4), np.float32),
+                         "fp8_amax": cp.empty(1024, np.float32)})
+        dy, w, x = _bf(rng, (t, o)), _bf(rng, (o, i), 0.05), _bf(rng, (t, i))
+        dyd, wd, xd, other = dev(dy), dev(w), dev(x), cp.empty(64, np.float32)
+        dx, dw, dw2 = cp.empty((t, i), BF16), cp.zeros((o, i), np.float32), \
+            cp.zeros((o, i), np.float32)
+        be.launch(Stream.COMPUTE, "linear_bwd_x", dyd, wd, dx)
+        be.launch(Stream.COMPUTE, "fill_", other, 0.0)  # writes neither dy nor x
+        be.launch(Stream.COMPUTE, "linear_bwd_w", dyd, xd, dw)
+        assert counts == {"fp8_quantise": 3, "fp8_cast": 1}  # dy, w^T, x^T; dy^T cast again
+        be.launch(Stream.COMPUTE, "scale_", dyd, 1.0)  # writes dy (same values, new tensor)
+        be.launch(Stream.COMPUTE, "linear_bwd_w", dyd, xd, dw2)
+        assert counts == {"fp8_quantise": 4, "fp8_cast": 1}  # dy^T anew; x^T still held
+        be.synchronize()
+        want_dx = np.empty((t, i), BF16)
+        ops_fp8_numpy.linear_bwd_x(dy, w, want_dx)
+        want_dw = np.zeros((o, i), np.float32)
+        ops_fp8_numpy.linear_bwd_w(dy, x, want_dw)
+        assert np.array_equal(host(dw), host(dw2))
+        for got, want, mag in ((dx, want_dx, np.abs(dy.astype(np.float64)) @ np.abs(
+                w.astype(np.float64))), (dw, want_dw, np.abs(dy.astype(np.float64)).T @ np.abs(
+                x.astype(np.float64)))):
+            g, wv = host(got).astype(np.float64), want.astype(np.float64)
+            assert (np.abs(g - wv) <= 2 ** -7 * np.abs(wv) + 2.0 ** -10 * mag).all()
+    finally:
+        be.close()
+
+
+def test_reusing_fp8_operands_gives_the_bits_of_quantising_every_one(monkeypatch):
+    """A tiny fp8 engine with the operand reuse (the same tensor's copy or scale kept while
+    nothing writes it) trains to the same losses, bit for bit, as with every operand
+    quantised anew: the reuse changes which passes run, never a byte."""
+    from dataflow.ops_cuda_fp8 import Fp8Linears
+
+    plan = make_plan(load_config("tiny"), 128, Budget.from_gib(1, 0.5), get_profile("cpu"),
+                     precision="fp8")
+    reused = _losses(plan, "cupy")
+    real = Fp8Linears._quantise
+
+    def always(self, region, *a, **kw):
+        self._held = [None, None]
+        return real(self, region, *a, **kw)
+    monkeypatch.setattr(Fp8Linears, "_quantise", always)
+    assert _losses(plan, "cupy") == reused

@@ -399,3 +399,23 @@ def test_gpu_engine_step_traces_and_adds_up(plan):
     assert trace.clock is Clock.CUDA_EVENTS
     assert abs(sum(bd.parts().values()) - bd.wall_s) <= 0.05 * bd.wall_s
     assert (bd.h2d_bytes, bd.d2h_bytes) == (result.h2d_bytes, result.d2h_bytes)
+
+
+def test_tracing_passes_on_the_calls_the_backend_base_makes_no_ops():
+    """set_moe_experts (the plan's expert path) and written (a ring transport's writes) reach
+    the traced backend: the Backend base's no-ops would otherwise shadow them (__getattr__ only
+    sees what the class lacks), and a traced run would silently take another MoE path or keep
+    an FP8 copy of bytes a transport replaced."""
+    calls = []
+
+    class Noting(NumpyBackend):
+        def set_moe_experts(self, path):
+            calls.append(("set_moe_experts", path))
+
+        def written(self, arrays):
+            calls.append(("written", len(tuple(arrays))))
+
+    tb = TracingBackend(Noting(), nvtx=False)
+    tb.set_moe_experts("grouped")
+    tb.written([object(), object()])
+    assert calls == [("set_moe_experts", "grouped"), ("written", 2)]
