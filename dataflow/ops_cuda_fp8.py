@@ -10,6 +10,8 @@ one scratch serves them all. See docs/fp8.md. Never allocates, never synchronise
 
 from __future__ import annotations
 
+import numpy as np
+
 import dataflow.kernels.cuda as K
 from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
 
@@ -123,12 +125,12 @@ def _alpha(alpha: float) -> tuple:
 
 
 def _span(a) -> tuple[int, int] | None:
-    """[start, end) bytes of a CuPy or NumPy array's memory; None for anything else."""
-    data = getattr(a, "data", None)
-    ptr = getattr(data, "ptr", None)
-    if ptr is None:
-        ctypes_ = getattr(a, "ctypes", None)
-        if ctypes_ is None or not hasattr(a, "nbytes"):
+    """[start, end) bytes of a CuPy or NumPy array's memory; None for anything else. A NumPy
+    array's `.data` is a memoryview, which bf16 arrays cannot even form: use its ctypes."""
+    if isinstance(a, np.ndarray):
+        ptr = a.ctypes.data
+    else:
+        ptr = getattr(getattr(a, "data", None), "ptr", None)
+        if ptr is None:
             return None
-        ptr = ctypes_.data
     return ptr, ptr + a.nbytes

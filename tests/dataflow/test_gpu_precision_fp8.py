@@ -159,9 +159,13 @@ def test_a_tensor_asked_for_in_its_other_layout_keeps_its_scale(rng, monkeypatch
         be.launch(Stream.COMPUTE, "fill_", other, 0.0)  # writes neither dy nor x
         be.launch(Stream.COMPUTE, "linear_bwd_w", dyd, xd, dw)
         assert counts == {"fp8_quantise": 3, "fp8_cast": 1}  # dy, w^T, x^T; dy^T cast again
+        staged = np.empty((t, o), BF16)  # a bf16 host array (no memoryview of it exists)
+        be.copy(staged, dyd, Stream.COMPUTE)  # reads dy, writes host memory: nothing dropped
+        be.launch(Stream.COMPUTE, "linear_bwd_x", dyd, wd, dx)
+        assert counts == {"fp8_quantise": 4, "fp8_cast": 2}  # dy cast back; w^T anew (x^T)
         be.launch(Stream.COMPUTE, "scale_", dyd, 1.0)  # writes dy (same values, new tensor)
         be.launch(Stream.COMPUTE, "linear_bwd_w", dyd, xd, dw2)
-        assert counts == {"fp8_quantise": 4, "fp8_cast": 1}  # dy^T anew; x^T still held
+        assert counts == {"fp8_quantise": 6, "fp8_cast": 2}  # dy^T anew, x^T anew (w^T held)
         be.synchronize()
         want_dx = np.empty((t, i), BF16)
         ops_fp8_numpy.linear_bwd_x(dy, w, want_dx)
