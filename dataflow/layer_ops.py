@@ -95,8 +95,8 @@ class LayerCompute:
             self._op("linear_fwd", x, self._w(w, name), out, accumulate)
             return
         t, u = x.shape[0], self.adapters.u[:x.shape[0]]
-        self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
-        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        # s folded into the GEMM's alpha: u = s (x a^T), rounded once
+        self._op("linear_fwd", x, ad.a, u, False, self.adapters.scale, tag=".lora_a")
         self._op("linear_fwd", u, ad.b, out.reshape(t, -1), accumulate, tag=".lora_b")
         self._op("linear_fwd", x, self._w(w, name), out, True)
 
@@ -117,8 +117,7 @@ class LayerCompute:
             self._op("linear_bwd_x", dy, self._w(w, name), dx, accumulate)
             return
         u = self.adapters.u[:dy.shape[0]]
-        self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
-        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        self._op("linear_bwd_x", dy, ad.b, u, False, self.adapters.scale, tag=".lora_u")
         self._op("linear_bwd_x", u, ad.a, dx, accumulate, tag=".lora_dx")
         self._op("linear_bwd_x", dy, self._w(w, name), dx, True)
 
@@ -131,8 +130,7 @@ class LayerCompute:
             t = dy.shape[0]
             u, xa = self.adapters.u[:t], self.adapters.xa[:t]
             self._op("linear_bwd_w", u, x, ad.da, True, tag=".lora_da")
-            self._op("linear_fwd", x, ad.a, xa, tag=".lora_xa")
-            self._op("scale_", xa, self.adapters.scale, tag=".lora_s")
+            self._op("linear_fwd", x, ad.a, xa, False, self.adapters.scale, tag=".lora_xa")
             self._op("linear_bwd_w", dy, xa, ad.db, True, tag=".lora_db")
 
     def _op(self, op: str, *args, tag: str = "") -> None:
