@@ -75,6 +75,10 @@ class LayerCompute:
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
         self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
         self.adapters = None
+        self.formed: dict = {}
+        """LoRA target -> its (T, r) product s (x a^T) formed since this visit began (the
+        forward's, or the backward's recompute): _lin_bwd_w reads it for db instead of
+        re-forming it (the same op on the same x, so the same bits)."""
         self.base = base
         """An fp8 base's decoder (dataflow.fp8_base.BaseDequant): each base GEMM then reads its
         weight decoded into lora.base_dequant; None reads w[name] itself."""
@@ -94,9 +98,12 @@ class LayerCompute:
         if ad is None:
             self._op("linear_fwd", x, self._w(w, name), out, accumulate)
             return
-        t, u = x.shape[0], self.adapters.u[:x.shape[0]]
-        # s folded into the GEMM's alpha: u = s (x a^T), rounded once
+        target = LORA_TARGET_OF[name]
+        t, u = x.shape[0], self.adapters.xa[target][:x.shape[0]]
+        # s folded into the GEMM's alpha: u = s (x a^T), rounded once, in the target's own
+        # buffer, where the backward's db finds it (formed)
         self._op("linear_fwd", x, ad.a, u, False, self.adapters.scale, tag=".lora_a")
+        self.formed[target] = u
         self._op("linear_fwd", u, ad.b, out.reshape(t, -1), accumulate, tag=".lora_b")
         self._op("linear_fwd", x, self._w(w, name), out, True)
 
@@ -123,14 +130,18 @@ class LayerCompute:
 
     def _lin_bwd_w(self, name: str, dy, x, g) -> None:
         """The base weight's gradient (none when frozen) and the adapter's: da += u^T x with
-        the u _lin_bwd_x left, db += dy^T s (x a^T)."""
+        the u _lin_bwd_x left, db += dy^T s (x a^T), the product this visit's recompute formed
+        from the same x (`formed`), else re-formed here (lora_xa)."""
         self._op("linear_bwd_w", dy, x, g[name], True)
         ad = self._adapter(name)
         if ad is not None:
-            t = dy.shape[0]
-            u, xa = self.adapters.u[:t], self.adapters.xa[:t]
-            self._op("linear_bwd_w", u, x, ad.da, True, tag=".lora_da")
-            self._op("linear_fwd", x, ad.a, xa, False, self.adapters.scale, tag=".lora_xa")
+            t, target = dy.shape[0], LORA_TARGET_OF[name]
+            self._op("linear_bwd_w", self.adapters.u[:t], x, ad.da, True, tag=".lora_da")
+            xa = self.formed.get(target)
+            if xa is None:
+                xa = self.adapters.xa[target][:t]
+                self._op("linear_fwd", x, ad.a, xa, False, self.adapters.scale,
+                         tag=".lora_xa")
             self._op("linear_bwd_w", dy, xa, ad.db, True, tag=".lora_db")
 
     def _op(self, op: str, *args, tag: str = "") -> None:
@@ -168,7 +179,7 @@ class LayerCompute:
         boundary's saved "o", with `save` None): Q and the attention are skipped (K/V too
         unless the chunk is one of a split sequence, whose later chunks attend to them); the
         rest is the same kernels on the same values, so the same bits."""
-        self.tag = tag
+        self.tag, self.formed = tag, {}
         cfg, op = self.cfg, self._op
         t, h, e = x.shape[0], cfg.n_heads, cfg.head_dim
         if attn_out is not None:
@@ -225,7 +236,7 @@ class LayerCompute:
         """A split chunk's K/V re-formed from its saved input x into its context rows k, v
         (Plan.kv_rebuild): the forward's RMSNorm, K and V projections and RoPE, the same
         kernels on the same shapes into the same rows, so the same bits."""
-        self.tag = tag
+        self.tag, self.formed = tag, {}
         cfg, op = self.cfg, self._op
         t = x.shape[0]
         xn = self.ws["xn"][:t]
@@ -329,7 +340,9 @@ class LayerCompute:
         or none are formed when g is None (a frozen layer: Plan.frozen). For split chunks the
         caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
         `routing`: an MoE layer's round totals and auxiliary-loss scale (required with moe)."""
-        self.tag = tag
+        # Only the products this backward's own recompute forms are kept (`formed`): the
+        # forward's were overwritten by later layers' (one buffer per target).
+        self.tag, self.formed = tag, {}
         cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
         g = FrozenGrads() if g is None else g
