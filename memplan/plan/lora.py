@@ -180,12 +180,13 @@ def lora_seconds(cfg, t: int, lora: Lora | None, gemm_flop_per_s: float,
 
 def rebuild_targets(cfg, lora: Lora | None, full: bool) -> tuple[str, ...]:
     """The adapted linears whose s (x a^T) a backward re-forms for db (lora_xa) at FULL
-    (`full`) or below: those its own recompute does not form (dataflow.layer_ops keeps each
-    target's product in its own buffer for the visit). Below FULL the recompute forms Q, O,
-    gate and up (RECOMPUTED_TARGETS); QK-norm re-projects K at every level and Q at FULL."""
-    if lora is None:
+    (`full`) or below: none at FULL, whose saved activation keeps every target's product
+    (dataflow.memplan.plan.buffers.saved_activation_specs); below it those its own recompute
+    does not form (dataflow.layer_ops keeps each target's product in its own buffer for the
+    visit): the recompute forms Q, O, gate and up (RECOMPUTED_TARGETS), QK-norm K too."""
+    if lora is None or full:
         return ()
-    formed = set(() if full else RECOMPUTED_TARGETS) | ({"q", "k"} if cfg.qk_norm else set())
+    formed = set(RECOMPUTED_TARGETS) | ({"k"} if cfg.qk_norm else set())
     return tuple(t for t in lora.targets if t not in formed)
 
 

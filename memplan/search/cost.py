@@ -184,8 +184,8 @@ class ChunkCosts:
     """Extra seconds by level: (FULL, INP_ATTN, INP_ONLY)."""
     rec_flops: tuple[float, float, float]
     """Extra hardware FLOPs by level; with LoRA the adapters' re-runs and the x a^T re-formed
-    for db where the backward's own recompute did not form it (adapter_rebuild_flops_per_token:
-    every target at FULL, K, V and down below it)."""
+    for db where neither the saved activation (FULL keeps them) nor the backward's own
+    recompute formed it (adapter_rebuild_flops_per_token: K, V and down below FULL)."""
     flash_flops: float
     fwd_flops: float = 0.0
     """Forward FLOPs (GEMMs, adapters, attention): what a segment recompute repeats per layer."""
@@ -259,7 +259,7 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         None, RECOMPUTED, KEPT[ch.chunks_per_seq == 1]))
     lo_f, lo_rec = (t * adapter_fwd_flops_per_token(cfg, lora, ts) for ts in (None, RECOMPUTED))
     lo_kept = t * adapter_fwd_flops_per_token(cfg, lora, KEPT[ch.chunks_per_seq == 1])
-    # db's s (x a^T) where the backward's own recompute did not form it: all at FULL
+    # db's s (x a^T) where the backward's own recompute did not form it (none at FULL)
     rb_full, rb_below = (t * adapter_rebuild_flops_per_token(cfg, lora, f) for f in (True, False))
     rb_full_s, rb_below_s = (rebuild_seconds(cfg, t, lora, f, gemm, hbm, over)
                              for f in (True, False))
@@ -335,7 +335,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
                         d.lora)
     elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
-    act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
+    act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv, d.lora)
                 for lv in SavedLevel for kv in (True, False) if kv or lv is not SavedLevel.FULL}
     fwd_s = sum(c.fwd_s for c in costs)
     bwd_by_frozen = (sum(c.bwd_s for c in costs), sum(c.bwd_frozen_s for c in costs))
