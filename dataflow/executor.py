@@ -442,7 +442,7 @@ class Executor(OpHandlers):
         key = (ref, "save", level, kv)
         v = self._views.get(key)
         if v is None:
-            specs = buffers.saved_activation_specs(self.cfg, self.T, level, kv)
+            specs = buffers.saved_activation_specs(self.cfg, self.T, level, kv, self.plan.lora)
             offs = buffers.offsets(specs)
             v = self._views[key] = {s.name: self._view(ref, s.shape, s.dtype, offs[s.name])
                                     for s in specs}

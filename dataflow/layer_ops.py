@@ -22,6 +22,7 @@ import types
 from dataflow.backend import Backend, Stream
 from dataflow.moe_ffn import MoeFfn, RoundRouting
 from dataflow.rope import rope_table
+from dataflow.memplan.plan.buffers import lora_saved_name
 from dataflow.memplan.plan.lora import HF_NAMES
 from dataflow.models.config import ModelConfig
 from dataflow.models.flops import SavedLevel
@@ -75,6 +76,13 @@ class LayerCompute:
         self.be, self.cfg, self.ws, self.ctx = be, cfg, ws, ctx
         self.moe = MoeFfn(cfg, ws) if cfg.moe is not None else None
         self.adapters = None
+        self.formed: dict = {}
+        """LoRA target -> its (T, r) product s (x a^T) formed since this visit began (the
+        forward's, or the backward's recompute): _lin_bwd_w reads it for db instead of
+        re-forming it (the same op on the same x, so the same bits)."""
+        self.keep: dict = {}
+        """The forward's saved activation when it keeps the adapters' products (FULL with
+        LoRA: dataflow.memplan.plan.buffers.lora_saved_name), else empty."""
         self.base = base
         """An fp8 base's decoder (dataflow.fp8_base.BaseDequant): each base GEMM then reads its
         weight decoded into lora.base_dequant; None reads w[name] itself."""
@@ -94,9 +102,14 @@ class LayerCompute:
         if ad is None:
             self._op("linear_fwd", x, self._w(w, name), out, accumulate)
             return
-        t, u = x.shape[0], self.adapters.u[:x.shape[0]]
-        self._op("linear_fwd", x, ad.a, u, tag=".lora_a")
-        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        target, t = LORA_TARGET_OF[name], x.shape[0]
+        u = self.keep.get(lora_saved_name(target))
+        if u is None or u.shape[0] != t:
+            u = self.adapters.xa[target][:t]
+        # s folded into the GEMM's alpha: u = s (x a^T), rounded once, in the target's own
+        # buffer (or a FULL activation's, `keep`), where the backward's db finds it (formed)
+        self._op("linear_fwd", x, ad.a, u, False, self.adapters.scale, tag=".lora_a")
+        self.formed[target] = u
         self._op("linear_fwd", u, ad.b, out.reshape(t, -1), accumulate, tag=".lora_b")
         self._op("linear_fwd", x, self._w(w, name), out, True)
 
@@ -117,22 +130,24 @@ class LayerCompute:
             self._op("linear_bwd_x", dy, self._w(w, name), dx, accumulate)
             return
         u = self.adapters.u[:dy.shape[0]]
-        self._op("linear_bwd_x", dy, ad.b, u, False, tag=".lora_u")
-        self._op("scale_", u, self.adapters.scale, tag=".lora_s")
+        self._op("linear_bwd_x", dy, ad.b, u, False, self.adapters.scale, tag=".lora_u")
         self._op("linear_bwd_x", u, ad.a, dx, accumulate, tag=".lora_dx")
         self._op("linear_bwd_x", dy, self._w(w, name), dx, True)
 
     def _lin_bwd_w(self, name: str, dy, x, g) -> None:
         """The base weight's gradient (none when frozen) and the adapter's: da += u^T x with
-        the u _lin_bwd_x left, db += dy^T s (x a^T)."""
+        the u _lin_bwd_x left, db += dy^T s (x a^T), the product this visit's recompute formed
+        from the same x (`formed`), else re-formed here (lora_xa)."""
         self._op("linear_bwd_w", dy, x, g[name], True)
         ad = self._adapter(name)
         if ad is not None:
-            t = dy.shape[0]
-            u, xa = self.adapters.u[:t], self.adapters.xa[:t]
-            self._op("linear_bwd_w", u, x, ad.da, True, tag=".lora_da")
-            self._op("linear_fwd", x, ad.a, xa, tag=".lora_xa")
-            self._op("scale_", xa, self.adapters.scale, tag=".lora_s")
+            t, target = dy.shape[0], LORA_TARGET_OF[name]
+            self._op("linear_bwd_w", self.adapters.u[:t], x, ad.da, True, tag=".lora_da")
+            xa = self.formed.get(target)
+            if xa is None:
+                xa = self.adapters.xa[target][:t]
+                self._op("linear_fwd", x, ad.a, xa, False, self.adapters.scale,
+                         tag=".lora_xa")
             self._op("linear_bwd_w", dy, xa, ad.db, True, tag=".lora_db")
 
     def _op(self, op: str, *args, tag: str = "") -> None:
@@ -170,7 +185,7 @@ class LayerCompute:
         boundary's saved "o", with `save` None): Q and the attention are skipped (K/V too
         unless the chunk is one of a split sequence, whose later chunks attend to them); the
         rest is the same kernels on the same values, so the same bits."""
-        self.tag = tag
+        self.tag, self.formed, self.keep = tag, {}, save if save is not None else {}
         cfg, op = self.cfg, self._op
         t, h, e = x.shape[0], cfg.n_heads, cfg.head_dim
         if attn_out is not None:
@@ -227,7 +242,7 @@ class LayerCompute:
         """A split chunk's K/V re-formed from its saved input x into its context rows k, v
         (Plan.kv_rebuild): the forward's RMSNorm, K and V projections and RoPE, the same
         kernels on the same shapes into the same rows, so the same bits."""
-        self.tag = tag
+        self.tag, self.formed, self.keep = tag, {}, {}
         cfg, op = self.cfg, self._op
         t = x.shape[0]
         xn = self.ws["xn"][:t]
@@ -331,7 +346,13 @@ class LayerCompute:
         or none are formed when g is None (a frozen layer: Plan.frozen). For split chunks the
         caller has filled k_ctx/v_ctx with the sequence's K/V up to here.
         `routing`: an MoE layer's round totals and auxiliary-loss scale (required with moe)."""
-        self.tag = tag
+        # db reads the adapters' products a FULL activation kept, or those this backward's own
+        # recompute forms (`formed`); the forward's buffers were since overwritten by later
+        # layers' (one buffer per target).
+        self.tag, self.keep = tag, {}
+        self.formed = {} if self.adapters is None else {
+            target: save[lora_saved_name(target)] for target in self.adapters.by_target
+            if lora_saved_name(target) in save}
         cfg, ws, ctx, op = self.cfg, self.ws, self.ctx, self._op
         t, h, e = dy.shape[0], cfg.n_heads, cfg.head_dim
         g = FrozenGrads() if g is None else g

@@ -1,6 +1,7 @@
 """The LoRA adapters of a plan on the device (Plan.lora; docs/lora.md): binds the planner's
 lora.* regions to named views (fp32 master a and b, their fp32 gradients and AdamW m / v, the
-bf16 working copy the GEMMs read, two (T, r) bf16 intermediates), and enqueues the adapters'
+bf16 working copy the GEMMs read, the (T, r) bf16 intermediates: u = s (dy b) and one
+s (x a^T) per target), and enqueues the adapters'
 own step work on the compute stream: their share of the gradient norm, their AdamW, the
 working copy's refresh and the gradients' zeroing. Never decides placement and never calls
 CuPy or NumPy kernels directly (everything goes through the backend's op table)."""
@@ -30,13 +31,14 @@ class Adapter:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerAdapters:
     """What LayerCompute reads for one layer: its adapters by target ('q', ..., 'down'), the
-    scale alpha / r, and the (T, r) bf16 intermediates u and xa (shared by all layers: the
-    compute stream runs one adapter at a time)."""
+    scale alpha / r, and the (T, r) bf16 intermediates (shared by all layers: the compute
+    stream runs one layer at a time): u, the backward's s (dy b), and xa, by target, each
+    target's s (x a^T), so a backward's recompute leaves every one for its db."""
 
     by_target: dict
     scale: float
     u: object
-    xa: object
+    xa: dict
 
 
 class DeviceAdapters:
@@ -53,7 +55,11 @@ class DeviceAdapters:
         self.work = arena.view("lora.work", (n,), "bf16")
         r, t = lora.rank, chunk_tokens
         self.u = arena.view("lora.work", (t, r), "bf16", byte_offset=2 * n)
-        self.xa = arena.view("lora.work", (t, r), "bf16", byte_offset=2 * n + 2 * t * r)
+        self.xa = {target: arena.view("lora.work", (t, r), "bf16",
+                                      byte_offset=2 * n + 2 * t * r * (1 + i))
+                   for i, target in enumerate(lora.targets)}
+        """target -> its (T, r) s (x a^T), after u, in lora.targets' order
+        (dataflow.memplan.plan.lora.region_sizes counts them)."""
         self.offsets = []
         """(layer, target, 'a'|'b', shape, start) of each matrix in the flat regions."""
         at = 0

@@ -44,9 +44,13 @@ def rms_norm_bwd(x, w, rstd, dy, dx, dw, residual=None):
         _store(dw, dw_, True)
 
 
-def linear_fwd(x, w, y, accumulate=False):
-    """y (=|+=) x @ w.T; with accumulate the sum is formed in fp32 (cuBLAS beta=1)."""
-    if accumulate:
+def linear_fwd(x, w, y, accumulate=False, alpha=1.0):
+    """y (=|+=) alpha * (x @ w.T); with accumulate the sum is formed in fp32 (cuBLAS beta=1).
+    alpha (cuBLAS's alpha; LoRA's s = alpha / r) multiplies the fp32 product before the one
+    rounding to y's dtype; alpha 1 is the path without it, bit for bit."""
+    if alpha != 1.0:
+        _store(y, (x.astype(F32) @ w.astype(F32).T) * F32(alpha), accumulate)
+    elif accumulate:
         _store(y, x.astype(F32) @ w.astype(F32).T, True)
     else:
         y[...] = ref.linear_fwd(x, w)
@@ -63,8 +67,11 @@ def bias_bwd(dy, db):
     _store(db, ref.bias_bwd(dy), True)
 
 
-def linear_bwd_x(dy, w, dx, accumulate=False):
-    _store(dx, dy.astype(F32) @ w.astype(F32), accumulate)
+def linear_bwd_x(dy, w, dx, accumulate=False, alpha=1.0):
+    """dx (=|+=) alpha * (dy @ w), the fp32 product scaled before the one rounding (as
+    linear_fwd's alpha)."""
+    p = dy.astype(F32) @ w.astype(F32)
+    _store(dx, p * F32(alpha) if alpha != 1.0 else p, accumulate)
 
 
 def linear_bwd_w(dy, x, dw, accumulate=True):

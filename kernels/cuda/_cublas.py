@@ -107,9 +107,10 @@ def _dtype_code(dtype, what: str) -> int:
 def gemm(ctx, m: int, n: int, k: int,
          a: int, a_dtype, lda: int, trans_a: bool,
          b: int, b_dtype, ldb: int, trans_b: bool,
-         c: int, c_dtype, ldc: int, accumulate: bool) -> None:
-    """Row-major C (m, n) [+]= op(A) (m, k) @ op(B) (k, n), on the current CuPy stream, through
-    the handle of the CudaContext `ctx`.
+         c: int, c_dtype, ldc: int, accumulate: bool, alpha: float = 1.0) -> None:
+    """Row-major C (m, n) [+]= alpha * op(A) (m, k) @ op(B) (k, n), on the current CuPy stream,
+    through the handle of the CudaContext `ctx` (alpha is cuBLAS's: it scales the fp32 product
+    before the one rounding to C's dtype; alpha 1 passes the context's `one` as always).
 
     a, b, c are device pointers; lda/ldb/ldc are row strides in elements of the stored
     matrices (A is stored (m, k), or (k, m) when trans_a; B (k, n), or (n, k) when trans_b).
@@ -124,6 +125,7 @@ def gemm(ctx, m: int, n: int, k: int,
     if ta == _CUDA_R_32F and tc != _CUDA_R_32F:
         raise TypeError("fp32 GEMM operands need an fp32 output")
     one = ctx.one_ptr
+    scale = one if alpha == 1.0 else ctx.scalar_ptr(alpha)
     cublas.gemmEx(handle(ctx), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
-                  n, m, k, one, b, tb, ldb, a, ta, lda,
+                  n, m, k, scale, b, tb, ldb, a, ta, lda,
                   one if accumulate else ctx.zero_ptr, c, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)

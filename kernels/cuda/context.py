@@ -63,6 +63,16 @@ class CudaContext:
         self.one = np.ones(1, dtype=np.float32)
         self.zero = np.zeros(1, dtype=np.float32)
         self.one_ptr, self.zero_ptr = self.one.ctypes.data, self.zero.ctypes.data
+        self.scalars: dict[float, np.ndarray] = {}
+        """GEMM alpha value -> its fp32 in host memory (scalar_ptr): LoRA's alpha / r."""
+
+    def scalar_ptr(self, value: float) -> int:
+        """Host address of `value` as an fp32 (1,) array kept for the context's life, for a GEMM's
+        alpha: the few values a run meets (one LoRA scale) are made once each."""
+        arr = self.scalars.get(value)
+        if arr is None:
+            arr = self.scalars[value] = np.full(1, value, dtype=np.float32)
+        return arr.ctypes.data
 
     def graph_sources(self) -> dict[str, int]:
         """How this context's cached graphs came to be: {"built": n, "cache": m} (loaded from

@@ -62,11 +62,18 @@ def offsets(specs) -> dict[str, int]:
     return out
 
 
+def lora_saved_name(target: str) -> str:
+    """The saved-activation tensor of LoRA target `target`'s s (x a^T) at FULL."""
+    return f"lora_xa.{target}"
+
+
 def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
-                           kv: bool = True) -> tuple[TensorSpec, ...]:
+                           kv: bool = True, lora=None) -> tuple[TensorSpec, ...]:
     """What the forward keeps of one (layer, chunk) at `level` (see SavedLevel). kv=False (at
     INP_ONLY and INP_ATTN; x and rstd come first, so their offsets stay): no K and V, for a
-    split sequence's activation whose K/V the backward re-forms (dataflow.memplan.plan.segments.kv_less)."""
+    split sequence's activation whose K/V the backward re-forms (dataflow.memplan.plan.segments.kv_less).
+    lora (Plan.lora): FULL also keeps each target's (T, r) bf16 s (x a^T), last, which the
+    backward's db reads instead of re-forming it (no recompute at FULL forms it)."""
     t, d, h, k, e, f = tokens, cfg.model_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("x", (t, d), "bf16"), TensorSpec("rstd", (t,), "f32")]
     if not kv and level is SavedLevel.FULL:
@@ -81,6 +88,9 @@ def saved_activation_specs(cfg: ModelConfig, tokens: int, level: SavedLevel,
                   TensorSpec("rstd2", (t,), "f32")]
         specs += (moe_saved_specs(cfg, t) if cfg.moe is not None else
                   [TensorSpec("gate", (t, f), "bf16"), TensorSpec("up", (t, f), "bf16")])
+        if lora is not None:
+            specs += [TensorSpec(lora_saved_name(x), (t, lora.rank), "bf16")
+                      for x in lora.targets]
     return tuple(specs)
 
 
@@ -145,8 +155,8 @@ def moe_workspace_specs(cfg: ModelConfig, tokens: int) -> list[TensorSpec]:
 
 
 def saved_activation_bytes(cfg: ModelConfig, tokens: int, level: SavedLevel,
-                           kv: bool = True) -> int:
-    return packed_bytes(saved_activation_specs(cfg, tokens, level, kv))
+                           kv: bool = True, lora=None) -> int:
+    return packed_bytes(saved_activation_specs(cfg, tokens, level, kv, lora))
 
 
 KV_REBUILD_STAGES = 2

@@ -119,21 +119,23 @@ def adapter_params(cfg, lora: Lora | None) -> int:
 
 def adapter_bytes(cfg, lora: Lora | None, chunk_tokens: int = 0) -> int:
     """Device bytes of the adapters' weights, gradients, AdamW state and working copy, and
-    (chunk_tokens given) their two (T, r) bf16 intermediates (region_sizes' sum, unaligned)."""
+    (chunk_tokens given) their (T, r) bf16 intermediates (region_sizes' sum, unaligned)."""
     return sum(n for name, n in region_sizes(cfg, lora, chunk_tokens).items()
                if name != "lora.base_dequant")
 
 
 def region_sizes(cfg, lora: Lora | None, chunk_tokens: int) -> dict[str, int]:
     """Bytes of each LoRA device region: lora.weights, .grads, .m, .v (fp32, region order
-    adapter_specs), lora.work (the bf16 working copy, then two (T, r) bf16 intermediates);
-    lora.base_dequant (an fp8 base's: the bf16 copy of its largest linear); empty without
-    LoRA."""
+    adapter_specs), lora.work (the bf16 working copy, then the (T, r) bf16 intermediates: the
+    backward's u = s (dy b) and one s (x a^T) per target, which a backward's recompute leaves
+    for db: dataflow.lora_adapters); lora.base_dequant (an fp8 base's: the bf16 copy of its
+    largest linear); empty without LoRA."""
     if lora is None:
         return {}
     n = adapter_params(cfg, lora)
+    products = 1 + len(lora.targets)
     out = {"lora.weights": 4 * n, "lora.grads": 4 * n, "lora.m": 4 * n, "lora.v": 4 * n,
-           "lora.work": 2 * n + 2 * 2 * chunk_tokens * lora.rank}
+           "lora.work": 2 * n + 2 * products * chunk_tokens * lora.rank}
     if lora.fp8_base:  # the bf16 copy of one base linear, dequantised before each base GEMM
         out["lora.base_dequant"] = 2 * largest_linear(cfg)
     return out
@@ -141,15 +143,16 @@ def region_sizes(cfg, lora: Lora | None, chunk_tokens: int) -> dict[str, int]:
 
 def adapter_flops_per_token(cfg, lora: Lora | None) -> tuple[int, int]:
     """(forward, backward) FLOPs per token of one layer's adapters: forward x a^T, then . b^T
-    (2 r (in + out)); backward dy b and its dx contribution, da and the re-formed x a^T with db
-    (2 r (in + out) twice, and the x a^T again: 2 r in)."""
+    (2 r (in + out)); backward dy b and its dx contribution, da and db (2 r (in + out) twice).
+    The s (x a^T) that db reads where no recompute of the backward left it is re-formed:
+    adapter_rebuild_flops_per_token, by level."""
     if lora is None:
         return 0, 0
     fwd = bwd = 0
     for t in lora.targets:
         n_in, n_out = target_shape(cfg, t)
         fwd += 2 * lora.rank * (n_in + n_out)
-        bwd += 4 * lora.rank * (n_in + n_out) + 2 * lora.rank * n_in
+        bwd += 4 * lora.rank * (n_in + n_out)
     return fwd, bwd
 
 
@@ -160,8 +163,9 @@ def lora_seconds(cfg, t: int, lora: Lora | None, gemm_flop_per_s: float,
     rate and its launch overhead factor): rank-r GEMMs are bound by memory, not FLOPs (x a^T
     reads all of x for 2 r FLOPs per element), so each is the longer of its FLOPs at the GEMM
     rate and its bytes at HBM rate: the forward reads x and reads and writes the output it adds
-    into (2 t (in + 2 out) bytes in bf16), the backward reads dy twice, x twice and reads and
-    writes dx (2 t (4 in + 2 out))."""
+    into (2 t (in + 2 out) bytes in bf16), the backward reads dy twice, x once (da) and reads
+    and writes dx (2 t (3 in + 2 out)). The scale s is the GEMMs' alpha: no pass of its own.
+    The re-formed s (x a^T) of db is rebuild_seconds', by level."""
     if lora is None:
         return 0.0, 0.0
     fwd_f, bwd_f = adapter_flops_per_token(cfg, lora)
@@ -169,9 +173,31 @@ def lora_seconds(cfg, t: int, lora: Lora | None, gemm_flop_per_s: float,
     for target in lora.targets:
         n_in, n_out = target_shape(cfg, target)
         fwd_b += 2 * t * (n_in + 2 * n_out)
-        bwd_b += 2 * t * (4 * n_in + 2 * n_out)
+        bwd_b += 2 * t * (3 * n_in + 2 * n_out)
     return (max(fwd_f * t / gemm_flop_per_s, fwd_b / hbm_bytes_per_s) * overhead,
             max(bwd_f * t / gemm_flop_per_s, bwd_b / hbm_bytes_per_s) * overhead)
+
+
+def rebuild_targets(cfg, lora: Lora | None, full: bool) -> tuple[str, ...]:
+    """The adapted linears whose s (x a^T) a backward re-forms for db (lora_xa) at FULL
+    (`full`) or below: none at FULL, whose saved activation keeps every target's product
+    (dataflow.memplan.plan.buffers.saved_activation_specs); below it those its own recompute
+    does not form (dataflow.layer_ops keeps each target's product in its own buffer for the
+    visit): the recompute forms Q, O, gate and up (RECOMPUTED_TARGETS), QK-norm K too."""
+    if lora is None or full:
+        return ()
+    formed = set(RECOMPUTED_TARGETS) | ({"k"} if cfg.qk_norm else set())
+    return tuple(t for t in lora.targets if t not in formed)
+
+
+def rebuild_seconds(cfg, t: int, lora: Lora | None, full: bool, gemm_flop_per_s: float,
+                    hbm_bytes_per_s: float, overhead: float) -> float:
+    """Seconds of the s (x a^T) one layer's backward re-forms on a chunk of t tokens at FULL
+    (`full`) or below (rebuild_targets): 2 r in FLOPs per token each, or its read of x
+    (2 t in bytes) at HBM rate, whichever is longer (as lora_seconds)."""
+    flops = t * adapter_rebuild_flops_per_token(cfg, lora, full)
+    moved = sum(2 * t * target_shape(cfg, x)[0] for x in rebuild_targets(cfg, lora, full))
+    return max(flops / gemm_flop_per_s, moved / hbm_bytes_per_s) * overhead
 
 
 def base_dequant_seconds(cfg, lora: Lora | None, hbm_bytes_per_s: float, targets=None) -> float:
@@ -216,12 +242,13 @@ def adapter_model_flops_per_seq(cfg, lora: Lora | None, seqlen: int) -> float:
     return 3 * cfg.n_layers * seqlen * adapter_fwd_flops_per_token(cfg, lora)
 
 
-def adapter_rebuild_flops_per_token(cfg, lora: Lora | None) -> int:
-    """Hardware FLOPs per token of one layer's backward beyond the model's: the x a^T it
-    re-forms for db (2 r in per adapted linear)."""
+def adapter_rebuild_flops_per_token(cfg, lora: Lora | None, full: bool) -> int:
+    """Hardware FLOPs per token of one layer's backward beyond the model's, at FULL (`full`)
+    or below: the x a^T it re-forms for db (2 r in per linear of rebuild_targets)."""
     if lora is None:
         return 0
-    return sum(2 * lora.rank * target_shape(cfg, t)[0] for t in lora.targets)
+    return sum(2 * lora.rank * target_shape(cfg, t)[0]
+               for t in rebuild_targets(cfg, lora, full))
 
 
 def base_frozen(cfg) -> Frozen:

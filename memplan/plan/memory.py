@@ -103,14 +103,15 @@ def _state_regions(prefix: str, placement, elems: int, gbpe: int, where: Where,
     return out
 
 
-def _act_sizes(cfg, tokens: int):
+def _act_sizes(cfg, tokens: int, lora=None):
     """(level, kv) -> bytes of one saved activation of a chunk of `tokens`, with or without its
-    K/V (dataflow.memplan.plan.segments.kv_less says which); cached per call site."""
+    K/V (dataflow.memplan.plan.segments.kv_less says which), with Plan.lora's products at FULL;
+    cached per call site."""
     sizes = {}
 
     def size(level, kv: bool = True) -> int:
         if (level, kv) not in sizes:
-            sizes[(level, kv)] = buffers.saved_activation_bytes(cfg, tokens, level, kv)
+            sizes[(level, kv)] = buffers.saved_activation_bytes(cfg, tokens, level, kv, lora)
         return sizes[(level, kv)]
     return size
 
@@ -148,7 +149,7 @@ def device_regions(plan) -> tuple[tuple[str, int], ...]:
             part = state_elems(elems["head"], d.state_parts)
             out += [("head.m", part * 2), ("head.v", part * 2)]
     t = ch.chunk_tokens
-    act_bytes = _act_sizes(cfg, t)
+    act_bytes = _act_sizes(cfg, t, d.lora)
     # Slots are sized with a segment boundary's K/V although it sends them to home.ctx_kv (the
     # schedule's slots need less): kept so, plans and their hashes stay as they were.
     rebuilt = kv_rebuilt(d)
@@ -205,7 +206,7 @@ def host_regions(plan) -> tuple[tuple[str, int], ...]:
     if d.holds_head:
         out += _state_regions("home.head", d.head, elems["head"], gbpe, Where.HOME, fz.head,
                               d.state_parts)
-    act_bytes = _act_sizes(cfg, ch.chunk_tokens)
+    act_bytes = _act_sizes(cfg, ch.chunk_tokens, d.lora)
     no_kv = kv_less(d)
     for layer, row in enumerate(d.activations):
         for chunk, a in enumerate(row):

@@ -25,6 +25,7 @@ from dataflow.memplan.plan.lora import (
     adapter_rebuild_flops_per_token,
     base_dequant_seconds,
     lora_seconds,
+    rebuild_seconds,
 )
 from dataflow.memplan.plan.plan import (
     AttentionBwd,
@@ -196,7 +197,8 @@ class ChunkCosts:
     """Extra seconds by level: (FULL, INP_ATTN, INP_ONLY)."""
     rec_flops: tuple[float, float, float]
     """Extra hardware FLOPs by level; with LoRA the adapters' re-runs and the x a^T re-formed
-    for db (adapter_rebuild_flops_per_token) at every level."""
+    for db where neither the saved activation (FULL keeps them) nor the backward's own
+    recompute formed it (adapter_rebuild_flops_per_token: K, V and down below FULL)."""
     flash_flops: float
     fwd_flops: float = 0.0
     """Forward FLOPs (GEMMs, adapters, attention): what a segment recompute repeats per layer."""
@@ -270,7 +272,10 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
         None, RECOMPUTED, KEPT[ch.chunks_per_seq == 1]))
     lo_f, lo_rec = (t * adapter_fwd_flops_per_token(cfg, lora, ts) for ts in (None, RECOMPUTED))
     lo_kept = t * adapter_fwd_flops_per_token(cfg, lora, KEPT[ch.chunks_per_seq == 1])
-    rebuild = t * adapter_rebuild_flops_per_token(cfg, lora)
+    # db's s (x a^T) where the backward's own recompute did not form it (none at FULL)
+    rb_full, rb_below = (t * adapter_rebuild_flops_per_token(cfg, lora, f) for f in (True, False))
+    rb_full_s, rb_below_s = (rebuild_seconds(cfg, t, lora, f, gemm, hbm, over)
+                             for f in (True, False))
     out = []
     for c in range(ch.chunks_per_round):
         ctx = ch.chunk_context(c)
@@ -291,11 +296,11 @@ def chunk_costs(cfg: ModelConfig, ch: Chunking, p: HardwareProfile,
             + a_bwd_s + exp_bwd_s + lo_bwd_s + dq_all
         # A recompute re-runs its projections in FP8 too: the forward's difference in their share.
         rec_a = (rec_attn / gemm + ew_s + f8_fwd_s * rec_attn / mm) * over + exp_fwd_s \
-            + lo_fwd_s + dq_rec
-        rec_f = rec_full / gemm * over
+            + lo_fwd_s + dq_rec + rb_below_s
+        rec_f = rec_full / gemm * over + rb_full_s
         out.append(ChunkCosts(fwd_s=fwd_s, bwd_s=bwd_s, rec_s=(rec_f, rec_a, rec_a + a_fwd_s),
-                              rec_flops=(rec_full + rebuild, rec_attn + lo_rec + rebuild,
-                                         rec_attn + lo_rec + rebuild + a_fwd),
+                              rec_flops=(rec_full + rb_full, rec_attn + lo_rec + rb_below,
+                                         rec_attn + lo_rec + rb_below + a_fwd),
                               flash_flops=flash, fwd_flops=mm + a_fwd + lo_f,
                               refwd_kept_s=(mm_kept / gemm + ew_s + f8_fwd_s * mm_kept / mm)
                               * over + exp_fwd_s + lo_fwd_s + dq_kept,
@@ -343,7 +348,7 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
                         d.lora)
     elems = buffers.block_elems(cfg, d.lora)
     gbpe = grad_bpe(d.grad_accum)
-    act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv)
+    act_size = {(lv, kv): buffers.saved_activation_bytes(cfg, ch.chunk_tokens, lv, kv, d.lora)
                 for lv in SavedLevel for kv in (True, False) if kv or lv is not SavedLevel.FULL}
     fwd_s = sum(c.fwd_s for c in costs)
     bwd_by_frozen = (sum(c.bwd_s for c in costs), sum(c.bwd_frozen_s for c in costs))

@@ -161,7 +161,8 @@ class Space:
         self.block_state = {k: n * 2 + n * self.gbpe + self.mv_b[k] for k, n in e.items()}
         t = ch.chunk_tokens
         self.act_size = tuple(buffers.saved_activation_bytes(
-            cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS)) for _, lv in ACT_CLASSES)
+            cfg, t, lv, kv=not (kv_rebuild and lv in REBUILT_KV_LEVELS), lora=lora)
+            for _, lv in ACT_CLASSES)
         self.head_sub = head_sub_tokens(t)
         self.fixed_device = self._fixed_device_bytes(t)
         part = ch.tokens_per_round * cfg.model_dim * 2

@@ -132,7 +132,7 @@ class CompilerState:
         self._ctx_offsets = buffers.offsets(buffers.context_specs(
             self.cfg, self.ch.seqlen, self.T, self.ch.chunks_per_seq))
         self._act_offsets = {lv: buffers.offsets(buffers.saved_activation_specs(
-            self.cfg, self.T, lv)) for lv in SavedLevel}
+            self.cfg, self.T, lv, lora=self.d.lora)) for lv in SavedLevel}
         self._tr_specs = {sp.name: sp for sp in buffers.transition_specs(
             self.cfg, self.ch.tokens_per_round)}
         self._tr_offsets = buffers.offsets(tuple(self._tr_specs.values()))
@@ -213,7 +213,7 @@ class CompilerState:
             for c in range(self.C):
                 a = d.activations[layer][c]
                 nb = self.act_bytes[(layer, c)] = buffers.saved_activation_bytes(
-                    self.cfg, self.T, a.level, kv=(layer, c) not in no_kv)
+                    self.cfg, self.T, a.level, kv=(layer, c) not in no_kv, lora=d.lora)
                 name = inner_region(layer, c, k, a.home) if is_inner(layer, k) else \
                     f"{'home.' if a.home is Where.HOME else ''}act.{layer}.{c}"
                 (self.act_home if a.home is Where.HOME else self.act_dev)[(layer, c)] = \

@@ -150,6 +150,33 @@ def test_linear_cuda_matches_reference_forward_and_both_gradients(rng, out_dtype
     check_close(f"linear_bwd_w = {out_dtype}", host(dw), dw_t, dw_r.astype(out_dtype))
 
 
+def test_linear_alpha_scales_the_fp32_product_before_the_one_rounding(rng):
+    """linear_fwd / linear_bwd_x with alpha (LoRA's s = alpha / r folded into the GEMM), plain
+    and accumulating, against alpha x the fp32 product rounded once; alpha 1 is the default's
+    bits."""
+    t, i, o, s = 160, 64, 16, 0.37
+    x, a = bf(rng.standard_normal((t, i))), bf(rng.standard_normal((o, i)) / math.sqrt(i))
+    dy = bf(rng.standard_normal((t, o)))
+    y_t = s * (f64(x) @ f64(a).T)
+    y = poisoned((t, o), BF16)
+    kc.linear_fwd(CTX, dev(x), dev(a), y, False, s)
+    check_close("linear_fwd alpha", host(y), y_t,
+                ((x.astype(F32) @ a.astype(F32).T) * F32(s)).astype(BF16))
+    resid = bf(rng.standard_normal((t, o)))
+    y = dev(resid)
+    kc.linear_fwd(CTX, dev(x), dev(a), y, True, s)
+    check_close("linear_fwd alpha +=", host(y), f64(resid) + y_t,
+                (resid.astype(F32) + (x.astype(F32) @ a.astype(F32).T) * F32(s)).astype(BF16))
+    dx = poisoned((t, i), BF16)
+    kc.linear_bwd_x(CTX, dev(dy), dev(a), dx, False, s)
+    check_close("linear_bwd_x alpha", host(dx), s * (f64(dy) @ f64(a)),
+                ((dy.astype(F32) @ a.astype(F32)) * F32(s)).astype(BF16))
+    y0, y1 = poisoned((t, o), BF16), poisoned((t, o), BF16)
+    kc.linear_fwd(CTX, dev(x), dev(a), y0)
+    kc.linear_fwd(CTX, dev(x), dev(a), y1, False, 1.0)
+    assert np.array_equal(host(y0).view(np.uint16), host(y1).view(np.uint16))
+
+
 # --------------------------------------------------------------------------------------- rope
 
 @pytest.mark.parametrize("n_heads, head_dim", [(4, 64), (2, 128), (3, 16)])

@@ -65,9 +65,10 @@ def test_a_lora_plans_predicted_mfu_counts_the_adapters_and_not_the_frozen_dw():
 
 
 def test_a_lora_plans_hfu_adds_the_rebuilt_x_a_and_the_adapters_its_recomputes_rerun():
-    """Per round, the hardware FLOPs beyond the model's grow with LoRA by the x a^T every
-    (layer, chunk) re-forms for db and by the q, o, gate and up adapters of every (layer, chunk)
-    saved below FULL."""
+    """Per round, the hardware FLOPs beyond the model's grow with LoRA by the x a^T the backward
+    re-forms for db (none at FULL, whose activation keeps them; below FULL k, v and down,
+    whose products no recompute forms) and by the q, o, gate and up adapters of every
+    (layer, chunk) saved below FULL."""
     plan = Plan.from_json((RECORDS / "lora-8b-24.plan.json").read_text())
     d = decisions_of(plan)
     cfg, ch, lora, prof = d.model, d.chunking, d.lora, BUILTIN_PROFILES["h200"]
@@ -75,9 +76,9 @@ def test_a_lora_plans_hfu_adds_the_rebuilt_x_a_and_the_adapters_its_recomputes_r
     with_lora = workload_of(d, prof).extra_flops
     without = workload_of(dataclasses.replace(d, lora=None), prof).extra_flops
     t = ch.chunk_tokens
-    rebuild = sum(2 * lora.rank * target_shape(cfg, x)[0] for x in lora.targets)
+    rebuild_below = sum(2 * lora.rank * target_shape(cfg, x)[0] for x in ("k", "v", "down"))
     below_full = sum(a.level is not SavedLevel.FULL for row in d.activations for a in row)
     assert 0 < below_full < cfg.n_layers * ch.chunks_per_round  # both kinds occur
-    expected = cfg.n_layers * ch.chunks_per_round * t * rebuild \
+    expected = below_full * t * rebuild_below \
         + below_full * t * _by_hand(cfg, lora, RECOMPUTED_TARGETS)
     assert with_lora - without == pytest.approx(expected, rel=1e-12)

@@ -58,8 +58,8 @@ def test_plan_without_lora_keeps_its_json_and_hash():
 
 
 def test_lora_regions_are_in_the_memory_map_and_the_budget():
-    """The five lora.* device regions hold 18 bytes per adapter parameter (plus the (T, r)
-    intermediates), and a plan with them still fits its device budget."""
+    """The five lora.* device regions hold 18 bytes per adapter parameter plus the (T, r) bf16
+    intermediates (u and one per target), and a plan with them still fits its device budget."""
     cfg = load_config("tiny")
     lo = parse_lora(4)
     budget = Budget(host_bytes=GIB, device_bytes=GIB // 2)
@@ -68,7 +68,8 @@ def test_lora_regions_are_in_the_memory_map_and_the_budget():
     sizes = region_sizes(cfg, lo, plan.chunking.chunk_tokens)
     assert set(sizes) <= set(regions)
     n = adapter_params(cfg, lo)
-    assert sum(sizes.values()) == n * ADAPTER_BPE + 4 * plan.chunking.chunk_tokens * 4
+    products = 1 + len(lo.targets)  # u, then each target's s (x a^T)
+    assert sum(sizes.values()) == n * ADAPTER_BPE + 2 * products * plan.chunking.chunk_tokens * 4
     assert plan.memory.device_bytes + plan.profile.library_reserve_bytes <= budget.device_bytes
 
 
