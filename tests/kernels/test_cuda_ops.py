@@ -161,16 +161,17 @@ def test_linear_alpha_scales_the_fp32_product_before_the_one_rounding(rng):
     y = poisoned((t, o), BF16)
     kc.linear_fwd(CTX, dev(x), dev(a), y, False, s)
     check_close("linear_fwd alpha", host(y), y_t,
-                ((x.astype(F32) @ a.astype(F32).T) * F32(s)).astype(BF16))
+                ((x.astype(F32) @ a.astype(F32).T) * np.float32(s)).astype(BF16))
     resid = bf(rng.standard_normal((t, o)))
     y = dev(resid)
     kc.linear_fwd(CTX, dev(x), dev(a), y, True, s)
     check_close("linear_fwd alpha +=", host(y), f64(resid) + y_t,
-                (resid.astype(F32) + (x.astype(F32) @ a.astype(F32).T) * F32(s)).astype(BF16))
+                (resid.astype(F32) + (x.astype(F32) @ a.astype(F32).T)
+                 * np.float32(s)).astype(BF16))
     dx = poisoned((t, i), BF16)
     kc.linear_bwd_x(CTX, dev(dy), dev(a), dx, False, s)
     check_close("linear_bwd_x alpha", host(dx), s * (f64(dy) @ f64(a)),
-                ((dy.astype(F32) @ a.astype(F32)) * F32(s)).astype(BF16))
+                ((dy.astype(F32) @ a.astype(F32)) * np.float32(s)).astype(BF16))
     y0, y1 = poisoned((t, o), BF16), poisoned((t, o), BF16)
     kc.linear_fwd(CTX, dev(x), dev(a), y0)
     kc.linear_fwd(CTX, dev(x), dev(a), y1, False, 1.0)
