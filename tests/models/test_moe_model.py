@@ -68,6 +68,20 @@ def _objective(cfg, w, batch):
     return moe_causal_lm_loss_float64(cfg, w, batch)[0]
 
 
+def _directional_difference(cfg, w, batch, blocks, dirs, h: float) -> float:
+    """The objective's central difference along `dirs` (one array per block) at step h; the
+    blocks are put back by the same additions undone (to within their rounding)."""
+    for b, d in zip(blocks, dirs):
+        b += h * d
+    up = _objective(cfg, w, batch)
+    for b, d in zip(blocks, dirs):
+        b -= 2 * h * d
+    down = _objective(cfg, w, batch)
+    for b, d in zip(blocks, dirs):
+        b += h * d
+    return (up - down) / (2 * h)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_reference_trainer_is_the_float64_transcription_loss_aux_and_gradients(family, rng):
     """float64: the reference trainer's mean loss is the transcription's cross-entropy (1e-10),
@@ -88,19 +102,21 @@ def test_reference_trainer_is_the_float64_transcription_loss_aux_and_gradients(f
     assert tr.last_router.rows == 2 * 8 * cfg.n_layers
     blocks = tr.blocks
     scale = max(float(np.max(np.abs(g))) for g in grads)
-    for _ in range(2):
+    checked = 0
+    for _ in range(8):  # two smooth directions wanted; a few may cross a routing flip
         dirs = [rng.standard_normal(b.shape) for b in blocks]
         want = sum(float(np.dot(g, d)) for g, d in zip(grads, dirs))
-        for b, d in zip(blocks, dirs):
-            b += FD_STEP * d
-        up = _objective(cfg, w, batch)
-        for b, d in zip(blocks, dirs):
-            b -= 2 * FD_STEP * d
-        down = _objective(cfg, w, batch)
-        for b, d in zip(blocks, dirs):
-            b += FD_STEP * d
-        fd = (up - down) / (2 * FD_STEP)
+        fd, fd_half = (_directional_difference(cfg, w, batch, blocks, dirs, h)
+                       for h in (FD_STEP, FD_STEP / 2))
+        if abs(fd - fd_half) > 1e-7 * max(abs(fd), 1.0):
+            # A top-k choice flips within the step (the objective jumps there): the central
+            # difference then scales as 1 / step, and the gradient is not what it measures.
+            continue
         assert abs(fd - want) <= 1e-6 * max(abs(want), 1.0), (fd, want)
+        checked += 1
+        if checked == 2:
+            break
+    assert checked == 2, "the directions crossed routing flips; the routers' margins are too small"
     lay = layer_layout(cfg)
     names = [ROUTER_TENSOR, *expert_names(1), "self_attn.q_norm", "self_attn.k_norm"]
     if cfg.moe.n_shared_experts:
