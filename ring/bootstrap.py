@@ -87,15 +87,20 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         be = TracingBackend(be)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     split_fetch = bool(split_fetch) and replicas > 1
+    split_update = bool(split_update) and replicas > 1
+    if split_update and kind.value != "shm":
+        raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
+                          "are not built yet; use --transport shm (NumPy backend) or leave "
+                          "--split-update off")
     profile = ring_profile(profile, env.gpus, kind.value, replicas)  # NCCL's own memory
+    # A split replica is planned with m / v for one part of R from the start (Plan.state_parts),
+    # so a layout that fits only split launches and the arena allocates the parts it plans.
+    if _state_parts(constraints, replicas, split_update) > 1:
+        constraints["state_parts"] = replicas
     rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                         replicas=replicas, grad_accum=grad_accum, split_fetch=split_fetch,
                         **constraints)
-    if split_update and replicas > 1:
-        if kind.value != "shm":
-            raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
-                              "are not built yet; use --transport shm (NumPy backend) or leave "
-                              "--split-update off")
+    if split_update:
         rp = dataclasses.replace(rp, split_update=True)
     tr = make_transport(kind, env, replicas, timeout_s)
     try:
@@ -105,3 +110,16 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         tr.abort("setup failed")
         tr.close()
         raise
+
+
+def _state_parts(constraints: dict, replicas: int, split_update: bool) -> int:
+    """The rank plan's Plan.state_parts: R for a split update's replica of R, else 1; a
+    'state_parts' among the constraints (a layout's choice) must say the same."""
+    parts = replicas if split_update else 1
+    given = constraints.get("state_parts", parts)
+    if given != parts:
+        raise ConfigError(f"plan constraint state_parts {given!r} does not match "
+                          f"{replicas} replica(s) {'with' if split_update else 'without'} "
+                          f"--split-update (it must be {parts}); leave it out, or "
+                          f"{'drop' if split_update else 'add'} --split-update")
+    return parts

@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with R >= 2 replicas (rings of any size; --transport shm, NumPy backend): "
                         "reduce-scatter each block's gradient among the replicas' ranks that "
                         "hold it, each runs AdamW on its "
-                        "1/R part alone (AdamW state for that part only) and the updated parts "
-                        "are gathered; the same bits as without (default off; no checkpoints; "
-                        "docs/ring.md \"Split updates\")")
+                        "1/R part alone (every rank planned with AdamW state for that part "
+                        "only, so layouts that fit only so are weighed and launch) and the "
+                        "updated parts are gathered; the same bits as without (default off; no "
+                        "checkpoints; docs/ring.md \"Split updates\")")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
             rounds=args.rounds, quiet=env is not None and env.rank != 0,
             placement=args.placement, split_fetch=args.split_fetch,
-            vocab_parallel=args.vocab_parallel_head, round_overlap=args.round_overlap)
+            vocab_parallel=args.vocab_parallel_head, round_overlap=args.round_overlap,
+            split_update=args.split_update)
         constraints = dict(constraints)
         placement = constraints.pop("placement", "cyclic")
         vocab_parallel = bool(constraints.pop("vocab_parallel", False))
