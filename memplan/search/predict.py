@@ -11,7 +11,13 @@ import threading
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.plan import HardwareProfile, Prediction
 from dataflow.memplan.plan.ranks import RankPlan
-from dataflow.memplan.search.cost import BOTTLENECK_FRAC, event_seconds, optimizer_cost, workload_of
+from dataflow.memplan.search.cost import (
+    BOTTLENECK_FRAC,
+    event_seconds,
+    optimizer_cost,
+    predict,
+    workload_of,
+)
 from dataflow.memplan.step.compile import compile_schedule
 from dataflow.memplan.step.ring_compile import (
     GATHER,
@@ -92,7 +98,9 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
     copies over the host link, the gathers over a link of `bytes_per_s` between replicas) and
     without; its H2D bytes the split schedule's. The step's all-reduce (or reduce-scatter) is
     left out of both (dataflow.memplan.search.layout adds it); Send / Recv are not compiled (the
-    rank alone). rp.plan.prediction without a split."""
+    rank alone). rp.plan.prediction without a split. A plan parted from the start
+    (Plan.state_parts R) is scaled from the search's estimate of its decisions with whole m / v
+    (the search estimates it with its part's AdamW, which the ratio holds already)."""
     if not ((rp.split_fetch or rp.split_update) and rp.replicas > 1):
         return rp.plan.prediction
     timed = []
@@ -108,7 +116,10 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
                                       rounds, update, r=r: ReplicaCompiler(r).compile(rounds,
                                                                                        update)))
     k = timed[1].step_time_s / timed[0].step_time_s
-    p = rp.plan.prediction
+    # the ratio scales the search's estimate of the whole update: a plan parted from the start
+    # (Plan.state_parts) is estimated with its part's AdamW already, so take its whole one
+    p = rp.plan.prediction if rp.plan.state_parts == 1 else \
+        predict(dataclasses.replace(rp.plan, state_parts=1), rp.plan.profile)
     return dataclasses.replace(
         p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
         model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,

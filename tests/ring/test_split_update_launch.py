@@ -21,7 +21,10 @@ from dataflow.memplan.search.ring_plan import make_rank_plans, ring_profile
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
 from dataflow.models.serial import to_json
-from dataflow.ring.bootstrap import _state_parts
+from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.split import split_memory_map
+from dataflow.memplan.search.layout import choose_layout
+from dataflow.ring.bootstrap import _rank_plan, _state_parts
 from tests.ring.threads import in_threads
 
 CFG = dataclasses.replace(load_config("tiny"), name="tiny2s", n_layers=2)
@@ -128,3 +131,25 @@ def test_a_state_parts_constraint_that_does_not_match_the_replicas_is_refused_by
         _state_parts({"state_parts": 2}, 4, True)
     with pytest.raises(ConfigError, match="state_parts 2 .* add --split-update"):
         _state_parts({"state_parts": 2}, 2, False)
+
+
+def test_a_launched_split_rank_runs_the_decisions_its_layout_predicted():
+    """8 split replicas of 1b at 40 / 10 (H100 profile): whichever option the layout chooses
+    (a whole plan run split, or one searched parted, its AdamW scored by the part or the
+    whole), a rank launched with its constraints plans the same decisions, with m / v for
+    one part of 8 in its plan."""
+    cfg, budget, h100 = load_config("1b"), Budget.from_gib(40, 10), get_profile("h100")
+    prof = ring_profile(h100, 8, "nccl", 8)
+    c = choose_layout(cfg, 8192, budget, h100, 8, tokens_per_step=8 * 16 * 8192, ring_size=1,
+                      quick=True, split_update=True)
+    asked = [dict(c.chosen.constraints)] + [
+        {"tokens_per_step": 16 * 8192, "state_parts": 8, **extra}
+        for extra in ({}, {"whole_update_cost": True})] + [{"tokens_per_step": 16 * 8192}]
+    for cons in asked:
+        want = make_rank_plans(cfg, 8192, budget, prof, 1, replicas=8, **cons)[0].plan
+        got = _rank_plan(cfg, 8192, budget, prof, 1, 0, 8, True, **cons)
+        assert got.split_update and got.plan.state_parts == 8, cons
+        assert dataclasses.replace(decisions_of(got.plan), state_parts=1) == \
+            dataclasses.replace(decisions_of(want), state_parts=1), cons
+        assert got.plan.memory == (want.memory if want.state_parts == 8
+                                   else split_memory_map(want, 8)), cons
