@@ -188,9 +188,11 @@ def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
     out = []
     for rp in rps:
         rp = dataclasses.replace(rp, replicas=replicas, split_fetch=fetch, split_update=update)
-        key = (len(rp.layers), rp.has_embed, rp.has_head, link.name, fetch, update)
-        if key not in memo:
-            memo[key] = replica_prediction(rp, link.bytes_per_s, link.latency_s)
+        kind = (len(rp.layers), rp.has_embed, rp.has_head, fetch, update)
+        key = (*kind, link.name)
+        if key not in memo:  # the compiled schedules and the whole timing: once for all links
+            memo[key] = replica_prediction(rp, link.bytes_per_s, link.latency_s,
+                                           memo.setdefault(kind, {}))
         out.append(dataclasses.replace(rp, plan=dataclasses.replace(rp.plan,
                                                                     prediction=memo[key])))
     return tuple(out)
