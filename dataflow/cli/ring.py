@@ -175,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
             raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
                               "--checkpoint-dir so far; drop those or the flag")
+        if args.split_update and (args.checkpoint_dir or args.backend != "numpy"):
+            raise ConfigError("--split-update runs on the NumPy backend (shared memory; the "
+                              "partial norms are summed on the host) without --checkpoint-dir "
+                              "so far (a replica holds AdamW state for its part only); drop "
+                              "those or the flag")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)

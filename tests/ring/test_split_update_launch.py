@@ -153,3 +153,15 @@ def test_a_launched_split_rank_runs_the_decisions_its_layout_predicted():
             dataclasses.replace(decisions_of(want), state_parts=1), cons
         assert got.plan.memory == (want.memory if want.state_parts == 8
                                    else split_memory_map(want, 8)), cons
+
+
+@pytest.mark.parametrize("flags", [("--backend", "cupy"), ("--checkpoint-dir", "ckpt")])
+def test_dataflow_ring_refuses_split_updates_it_cannot_run_before_spawning(tmp_path, capsys,
+                                                                          flags):
+    """--split-update with the CuPy backend or with checkpoints exits 2 with one line naming
+    what to drop, before any rank is spawned."""
+    flags = tuple(str(tmp_path / f) if f == "ckpt" else f for f in flags)
+    assert main(["--gpus", "2", *BOTH, "64", MODEL, "--replicas", "2", "--split-update",
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--split-update runs on the NumPy backend" in err and "drop those" in err
