@@ -17,7 +17,8 @@ from dataflow.memplan.plan.plan import Budget, OptimizerWhere
 from dataflow.memplan.plan.split import part_numel_max, split_memory_map
 from dataflow.memplan.search.cost import predict, workload_of
 from dataflow.memplan.search.predict import replica_prediction
-from dataflow.memplan.search.ring_plan import make_rank_plans
+from dataflow.memplan.search.layout import _option, choose_layout
+from dataflow.memplan.search.ring_plan import LINKS, make_rank_plans, ring_profile
 from dataflow.models.config import load_config
 
 H100 = get_profile("h100")
@@ -80,3 +81,17 @@ def test_a_parted_plans_replica_prediction_counts_the_part_once(whole):
     got = replica_prediction(dataclasses.replace(split, plan=plan), 150e9, 10e-6)
     want = replica_prediction(split, 150e9, 10e-6)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+
+
+def test_choose_layout_keeps_the_faster_of_the_part_and_the_whole_scoring():
+    """8 split replicas of 1b at 40 / 10: the chosen layout predicts at least the tok/s of the
+    replicas planned parted with either scoring (the part's AdamW, or the whole's)."""
+    prof = ring_profile(H100, 8, "nccl", 8)
+    c = choose_layout(CFG, 8192, BUDGET, H100, 8, tokens_per_step=8 * SEQS, ring_size=1,
+                      quick=True, split_update=True)
+    got = c.chosen.on(c.link).tok_per_s
+    for extra in ({}, {"whole_update_cost": True}):
+        asked = {"tokens_per_step": SEQS, "state_parts": 8, **extra}
+        rps = make_rank_plans(CFG, 8192, BUDGET, prof, 1, replicas=8, **asked)
+        alone = _option(rps, 8, 8, LINKS, None, asked, split_update=True)
+        assert got >= alone.on(c.link).tok_per_s * (1 - 1e-12), extra
