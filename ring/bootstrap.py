@@ -7,13 +7,17 @@ passes replicas and constraints: dataflow.ring.layout) and never spawns processe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable
 
 from dataflow.backends import make_backend
 from dataflow.engine import default_profile
 from dataflow.instrument import TracingBackend
+from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum
+from dataflow.memplan.plan.split import split_memory_map
+from dataflow.memplan.search.cost import predict
 from dataflow.memplan.search.ring_plan import make_rank_plan, ring_profile
 from dataflow.models.errors import ConfigError
 from dataflow.ring.env import RankEnv
@@ -87,16 +91,16 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         be = TracingBackend(be)
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     split_fetch = bool(split_fetch) and replicas > 1
+    split_update = bool(split_update) and replicas > 1
+    if split_update and kind.value != "shm":
+        raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
+                          "are not built yet; use --transport shm (NumPy backend) or leave "
+                          "--split-update off")
     profile = ring_profile(profile, env.gpus, kind.value, replicas)  # NCCL's own memory
-    rp = make_rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
-                        replicas=replicas, grad_accum=grad_accum, split_fetch=split_fetch,
-                        **constraints)
-    if split_update and replicas > 1:
-        if kind.value != "shm":
-            raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
-                              "are not built yet; use --transport shm (NumPy backend) or leave "
-                              "--split-update off")
-        rp = dataclasses.replace(rp, split_update=True)
+    _state_parts(constraints, replicas, split_update)
+    rp = _rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
+                    replicas, split_update, grad_accum=grad_accum, split_fetch=split_fetch,
+                    **constraints)
     tr = make_transport(kind, env, replicas, timeout_s)
     try:
         return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,
@@ -105,3 +109,46 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
         tr.abort("setup failed")
         tr.close()
         raise
+
+
+def _rank_plan(cfg, seqlen: int, budget: Budget, profile, n: int, rank: int, replicas: int,
+               split_update: bool, **constraints):
+    """This rank's plan (make_rank_plan). A split update's replica of R holds m / v for one
+    part of R in its plan (Plan.state_parts R), so its arena allocates the parts it planned:
+    searched so where the constraints say (a layout's parted option) or where the whole plan
+    does not fit; else the whole plan's decisions (what a layout's whole option was predicted
+    with) with its m / v cut to the part (parted_plan)."""
+    plan = functools.partial(make_rank_plan, cfg, seqlen, budget, profile, n, rank,
+                             replicas=replicas)
+    if not split_update:
+        return plan(**constraints)
+    if constraints.get("state_parts", 1) == 1:
+        try:
+            return parted_plan(plan(**constraints), replicas)
+        except InfeasibleBudget:  # fits only with m / v for the part: plan it so
+            pass
+    return dataclasses.replace(plan(**dict(constraints, state_parts=replicas)),
+                               split_update=True)
+
+
+def parted_plan(rp, replicas: int):
+    """Rank plan `rp` (planned whole) as a split update's replica of `replicas`: the same
+    decisions with m / v of its layers and head for one part (Plan.state_parts, the memory map
+    split.split_memory_map, its estimate the cost model's of the part's AdamW)."""
+    plan = dataclasses.replace(rp.plan, state_parts=replicas,
+                               memory=split_memory_map(rp.plan, replicas))
+    plan = dataclasses.replace(plan, prediction=predict(plan, plan.profile))
+    return dataclasses.replace(rp, plan=plan, split_update=True)
+
+
+def _state_parts(constraints: dict, replicas: int, split_update: bool) -> int:
+    """The rank plan's Plan.state_parts: R for a split update's replica of R, else 1; a
+    'state_parts' among the constraints (a layout's choice) must say the same."""
+    parts = replicas if split_update else 1
+    given = constraints.get("state_parts", parts)
+    if given != parts:
+        raise ConfigError(f"plan constraint state_parts {given!r} does not match "
+                          f"{replicas} replica(s) {'with' if split_update else 'without'} "
+                          f"--split-update (it must be {parts}); leave it out, or "
+                          f"{'drop' if split_update else 'add'} --split-update")
+    return parts

@@ -121,7 +121,7 @@ class RingEngine:
                 self.cfg, seqlen, host_gb, dev_gb, profile or launch_profile(kind),
                 self.env.gpus, transport=transport.resolve(kind), constraints=options,
                 seqs_per_step=seqs_per_step, split_fetch=ring.split_fetch,
-                single_tok_per_s=None)
+                split_update=ring.split_update, single_tok_per_s=None)
             replicas = choice.chosen.layout.replicas
             options.update(choice.chosen.constraints)
         elif seqs_per_step is not None:  # the global batch: each replica plans its share

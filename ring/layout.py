@@ -66,7 +66,7 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
                        constraints: dict | None = None, tokens_per_step: int | None = None,
                        seqs_per_step: int | None = None, split_fetch: bool = False,
                        single_tok_per_s: float | None = ...,
-                       round_overlap: bool = False) -> LayoutChoice:
+                       round_overlap: bool = False, split_update: bool = False) -> LayoutChoice:
     """The layout of `gpus` processes the planner predicts fastest under per-device budgets of
     host_gb / dev_gb GiB (choose_layout over WEIGHED_PLACEMENTS, unless a 'placement' among
     `constraints` fixes one), planned as the ranks will plan (`profile`, `transport`'s
@@ -75,14 +75,17 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
     whose replicas divide it are weighed, each replica planning its share. single_tok_per_s: as
     choose_layout's (None skips planning one device for the comparison). round_overlap: weigh
     overlapped rounds as choose_layout does (False: rounds in turn, unless a 'round_overlap'
-    depth among `constraints` fixes one). Raises ConfigError naming what does not fit."""
+    depth among `constraints` fixes one). split_update: replicas are weighed with their update
+    split too, planned with m / v for their part (choose_layout's; the chosen option's
+    constraints then carry 'state_parts' where it was planned so). Raises ConfigError naming
+    what does not fit."""
     budget = Budget.from_gib(host_gb, dev_gb)
     if seqs_per_step is None:
         return choose_layout(cfg, seqlen, budget, profile, gpus, tokens_per_step=tokens_per_step,
                              transport=transport.value, ring_size=ring_size,
                              single_tok_per_s=single_tok_per_s, constraints=constraints or None,
                              placements=WEIGHED_PLACEMENTS, split_fetch=split_fetch,
-                             round_overlap=round_overlap)
+                             round_overlap=round_overlap, split_update=split_update)
     best = None
     sizes = [ring_size] if ring_size is not None else range(1, min(gpus, cfg.n_layers) + 1)
     for size in sizes:
@@ -94,7 +97,8 @@ def choose_ring_layout(cfg, seqlen: int, host_gb: float, dev_gb: float, profile,
             c = choose_layout(cfg, seqlen, budget, profile, gpus, transport=transport.value,
                               ring_size=size, constraints=share,
                               single_tok_per_s=single_tok_per_s, placements=WEIGHED_PLACEMENTS,
-                              split_fetch=split_fetch, round_overlap=round_overlap)
+                              split_fetch=split_fetch, round_overlap=round_overlap,
+                              split_update=split_update)
         except ConfigError:  # this split does not fit (InfeasibleBudget included)
             continue
         if best is None or c.chosen.on(c.link).tok_per_s > best.chosen.on(best.link).tok_per_s:
@@ -110,7 +114,8 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus:
                    backend: str, transport: TransportKind, replicas: int | None,
                    tokens_per_step: int | None, rounds: int | None, quiet: bool = False,
                    placement: PlacementChoice = "cyclic", split_fetch: bool = False,
-                   vocab_parallel: bool = False, round_overlap: int | None = None):
+                   vocab_parallel: bool = False, round_overlap: int | None = None,
+                   split_update: bool = False):
     """(replicas, plan constraints for every rank) of a launch of `gpus` processes, the
     command lines' layout (choose_ring_layout), printed to stderr with the alternatives it
     weighed unless quiet; with replicas given, the chunking of that split that predicts fastest
@@ -122,7 +127,9 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus:
     rank planned with room for D local layers of overlapped rounds (the constraints carry it);
     AUTO_OVERLAP, the depth the planner predicts fastest, perhaps none (rounds in turn, said
     on stderr, where its overlapped ranks are ones the ring does not run overlapped yet:
-    overlap_unsupported). Raises ConfigError naming what does not fit."""
+    overlap_unsupported). split_update: replicas split their update (choose_ring_layout's), so a
+    layout that fits only with m / v for one part of R is found. Raises ConfigError naming what
+    does not fit."""
     if rounds and tokens_per_step:
         raise ConfigError("give --rounds or --tokens-per-step, not both (the global batch is "
                           "rounds x chunks per round x replicas)")
@@ -130,7 +137,7 @@ def resolve_layout(model: str, seqlen: int, host_gb: float, dev_gb: float, gpus:
         return choose_ring_layout(
             model_config(model), seqlen, host_gb, dev_gb, launch_profile(backend), gpus,
             transport=transport, ring_size=None if replicas is None else gpus // replicas,
-            tokens_per_step=tokens_per_step, split_fetch=split_fetch,
+            tokens_per_step=tokens_per_step, split_fetch=split_fetch, split_update=split_update,
             constraints={**({"rounds_per_step": rounds} if rounds else {}),
                          **({} if placement == "auto" else {"placement": placement}),
                          **({"vocab_parallel": True} if vocab_parallel else {}),

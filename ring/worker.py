@@ -94,6 +94,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "world_size": env.gpus,
                 "layers": list(rp.layers), "placement": rp.placement,
                 "split_fetch": rp.split_fetch, "split_update": rp.split_update,
+                "state_parts": rp.plan.state_parts,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "step_times_s": times, "eval_loss": eval_loss, "breakdowns": breakdowns,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,

@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with R >= 2 replicas (rings of any size; --transport shm, NumPy backend): "
                         "reduce-scatter each block's gradient among the replicas' ranks that "
                         "hold it, each runs AdamW on its "
-                        "1/R part alone (AdamW state for that part only) and the updated parts "
-                        "are gathered; the same bits as without (default off; no checkpoints; "
-                        "docs/ring.md \"Split updates\")")
+                        "1/R part alone (every rank planned with AdamW state for that part "
+                        "only, so layouts that fit only so are weighed and launch) and the "
+                        "updated parts are gathered; the same bits as without (default off; no "
+                        "checkpoints; docs/ring.md \"Split updates\")")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
             raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
                               "--checkpoint-dir so far; drop those or the flag")
+        if args.split_update and (args.checkpoint_dir or args.backend != "numpy"):
+            raise ConfigError("--split-update runs on the NumPy backend (shared memory; the "
+                              "partial norms are summed on the host) without --checkpoint-dir "
+                              "so far (a replica holds AdamW state for its part only); drop "
+                              "those or the flag")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
             rounds=args.rounds, quiet=env is not None and env.rank != 0,
             placement=args.placement, split_fetch=args.split_fetch,
-            vocab_parallel=args.vocab_parallel_head, round_overlap=args.round_overlap)
+            vocab_parallel=args.vocab_parallel_head, round_overlap=args.round_overlap,
+            split_update=args.split_update)
         constraints = dict(constraints)
         placement = constraints.pop("placement", "cyclic")
         vocab_parallel = bool(constraints.pop("vocab_parallel", False))

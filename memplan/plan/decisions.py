@@ -66,6 +66,10 @@ class Decisions:
     """See Plan.lora."""
     state_parts: int = 1
     """See Plan.state_parts."""
+    whole_update_cost: bool = False
+    """With state_parts R > 1: the cost model charges AdamW for the whole layers and head, as
+    if unsplit (the search's scoring before it charged the part; dataflow.memplan.search.layout
+    weighs both). Not a Plan field: only its prediction depends on it."""
 
 
 def decisions_of(obj) -> Decisions:

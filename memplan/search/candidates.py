@@ -170,7 +170,8 @@ def candidate_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accu
             sp = Space(cfg, ch, p, grad_accum, attention_bwd=opts["attention_bwd"],
                        holds=(opts["holds_embed"], opts["holds_head"]), kv_rebuild=rebuild,
                        precision=opts["precision"], frozen=opts["freeze"],
-                       lora=opts["lora"], state_parts=opts["state_parts"])
+                       lora=opts["lora"], state_parts=opts["state_parts"],
+                       whole_update_cost=opts["whole_update_cost"])
             states, chain = _space_states(sp, opts)
             cands += _candidates(sp, opts, len(spaces), states)
             spaces.append(sp)
@@ -205,7 +206,8 @@ def segment_table(cfg: ModelConfig, seqlen: int, p: HardwareProfile, grad_accum:
             for inner in SEGMENT_INNER_CLASSES:
                 sp = Space(cfg, base.ch, p, grad_accum, k, inner, base.attention_bwd,
                            holds=base.holds, precision=base.precision, frozen=base.frozen,
-                           lora=base.lora, state_parts=base.state_parts)
+                           lora=base.lora, state_parts=base.state_parts,
+                           whole_update_cost=base.whole_update_cost)
                 states = {_carried(s, base.N, sp) for s in chain}
                 cands += _candidates(sp, plain.opts, len(spaces), states)
                 spaces.append(sp)

@@ -16,7 +16,7 @@ import math
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.chunking import head_sub_tokens
 from dataflow.memplan.plan.decisions import decisions_of
-from dataflow.memplan.plan.memory import grad_bpe
+from dataflow.memplan.plan.memory import grad_bpe, state_elems
 from dataflow.memplan.plan.lora import (
     KEPT_TARGETS as KEPT,
     RECOMPUTED_TARGETS as RECOMPUTED,
@@ -381,17 +381,23 @@ def workload_of(plan, p: HardwareProfile) -> Workload:
 def make_workload(d, p, *, fwd_s, bwd_s, act_count, act_bytes, rec_s, rec_flops, costs, elems,
                   gbpe) -> Workload:
     """Assemble a Workload; `d` needs model, chunking, slots, layers, embed, head, frozen (a
-    frozen block has no gradient traffic and no optimizer work)."""
+    frozen block has no gradient traffic and no optimizer work) and state_parts (a split
+    update's replica runs AdamW on its part of the layers and the head, unless
+    whole_update_cost)."""
     cfg, ch, L, fz = d.model, d.chunking, d.model.n_layers, d.frozen
     emb, head = d.holds_embed, d.holds_head  # a ring rank runs only the blocks it owns
     head_s = ch.chunks_per_round * head_seconds(cfg, ch.chunk_tokens, d.slots.head_sub_tokens,
                                                 gbpe, p, fz.head) if head else 0.0
     rows = ch.tokens_per_round * cfg.model_dim * 2
     opt = {OptimizerWhere.DEVICE: 0, OptimizerWhere.STREAMED: 0, OptimizerWhere.HOST: 0}
+    # a split update's replica (Decisions.state_parts R) updates its part of every layer and
+    # of the head, the largest of the R parts; the embedding whole
+    parts = 1 if d.whole_update_cost else d.state_parts
+    updated = {k: state_elems(elems[k], parts) for k in ("layer", "head")}
     for i, q in enumerate(d.layers):
-        opt[q.optimizer] += elems["layer"] * (not fz.layer(i))
+        opt[q.optimizer] += updated["layer"] * (not fz.layer(i))
     opt[d.embed.optimizer] += elems["embed"] * emb * (not fz.embed)
-    opt[d.head.optimizer] += elems["head"] * head * (not fz.head)
+    opt[d.head.optimizer] += updated["head"] * head * (not fz.head)
     bwd_base = (sum(c.bwd_s for c in costs), sum(c.bwd_frozen_s for c in costs))
     return Workload(
         n_layers=L, fwd_s=fwd_s, bwd_s=bwd_s, head_s=head_s,

@@ -11,7 +11,13 @@ import threading
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.plan import HardwareProfile, Prediction
 from dataflow.memplan.plan.ranks import RankPlan
-from dataflow.memplan.search.cost import BOTTLENECK_FRAC, event_seconds, optimizer_cost, workload_of
+from dataflow.memplan.search.cost import (
+    BOTTLENECK_FRAC,
+    event_seconds,
+    optimizer_cost,
+    predict,
+    workload_of,
+)
 from dataflow.memplan.step.compile import compile_schedule
 from dataflow.memplan.step.ring_compile import (
     GATHER,
@@ -83,7 +89,8 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, comp
         bottleneck=name if worst >= BOTTLENECK_FRAC * step else "compute")
 
 
-def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0):
+def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0,
+                       memo: dict | None = None):
     """The stand-alone prediction of rank rp's plan as a replica that splits its weight fetches
     (rp.split_fetch) or its update (rp.split_update: its part's AdamW, its part's last-round
     gradient write-back, the gathers of the updated weights): its plan's prediction (the
@@ -92,23 +99,42 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0)
     copies over the host link, the gathers over a link of `bytes_per_s` between replicas) and
     without; its H2D bytes the split schedule's. The step's all-reduce (or reduce-scatter) is
     left out of both (dataflow.memplan.search.layout adds it); Send / Recv are not compiled (the
-    rank alone). rp.plan.prediction without a split."""
+    rank alone). rp.plan.prediction without a split. A plan parted from the start
+    (Plan.state_parts R) is scaled from the search's estimate of its decisions with whole m / v
+    (the search estimates it with its part's AdamW, which the ratio holds already). `memo`
+    (one per rank plan, kept by the caller over links): the compiled schedules and the whole
+    timing, which do not depend on the link (the whole schedule moves nothing between
+    replicas but the all-reduce, which is left out)."""
     if not ((rp.split_fetch or rp.split_update) and rp.replicas > 1):
         return rp.plan.prediction
+    memo = {} if memo is None else memo
     timed = []
     for split in (False, True):  # the same plan, whole and as asked (split fetches / updates)
+        if not split and "whole" in memo:
+            timed.append(memo["whole"])
+            continue
         # the whole reference: the same decisions with whole m / v (Plan.state_parts 1)
         r = rp if split else dataclasses.replace(
             rp, split_fetch=False, split_update=False,
             plan=dataclasses.replace(rp.plan, state_parts=1))
+
+        def compiled(rounds: int, update: str, r=r, split=split):
+            key = (split, rounds, update)
+            if key not in memo:
+                memo[key] = ReplicaCompiler(r).compile(rounds, update)
+            return memo[key]
+
         comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
                         latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
                         reduce=False)
-        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=lambda
-                                      rounds, update, r=r: ReplicaCompiler(r).compile(rounds,
-                                                                                       update)))
+        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=compiled))
+        if not split:
+            memo["whole"] = timed[-1]
     k = timed[1].step_time_s / timed[0].step_time_s
-    p = rp.plan.prediction
+    # the ratio scales the search's estimate of the whole update: a plan parted from the start
+    # (Plan.state_parts) is estimated with its part's AdamW already, so take its whole one
+    p = rp.plan.prediction if rp.plan.state_parts == 1 else \
+        predict(dataclasses.replace(rp.plan, state_parts=1), rp.plan.profile)
     return dataclasses.replace(
         p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
         model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,

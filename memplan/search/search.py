@@ -58,7 +58,7 @@ __all__ = ["build_plan", "make_plan", "minimum_budgets", "MinimumBudgets", "CONS
 CONSTRAINTS = ("chunk_tokens", "chunks_per_round", "rounds_per_step", "target_optimizer_frac",
                "home_optimizer", "max_resident_layers", "attention_bwd", "holds_embed",
                "holds_head", "kv_rebuild", "segments", "precision", "freeze", "lora",
-               "state_parts")
+               "state_parts", "whole_update_cost")
 BATCH_CONSTRAINTS = ("seqs_per_step", "tokens_per_step")
 """The trainer's global batch: the planner keeps it and chooses chunks and rounds around it."""
 TIE_REL = 1e-9
@@ -126,6 +126,10 @@ def _options(cfg: ModelConfig, constraints: dict) -> tuple:
         raise ConfigError(f"constraint state_parts must be a whole number of replicas, 1 or "
                           f"more, got {parts!r}")
     opts["state_parts"] = parts
+    whole = opts.get("whole_update_cost", False)  # Decisions.whole_update_cost
+    if not isinstance(whole, bool):
+        raise ConfigError(f"constraint whole_update_cost must be True or False, got {whole!r}")
+    opts["whole_update_cost"] = whole
     rebuild = opts.get("kv_rebuild")
     if rebuild is not None and not isinstance(rebuild, bool):
         raise ConfigError(f"constraint kv_rebuild must be True, False or None (the search "
@@ -221,7 +225,7 @@ def make_plan(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwarePr
     chunk = ML_DATAFLOW_LIKE["chunk_tokens"]
     shaping = {k: v for k, v in constraints.items()
                if k not in ("attention_bwd", "segments", "precision", "freeze", "lora",
-                            "state_parts")}
+                            "state_parts", "whole_update_cost")}
     if (shaping or cfg.model_dim < 2048 or (seqlen % chunk and chunk % seqlen)
             or plan.prediction.h2d_bytes == 0):
         return plan

@@ -113,7 +113,7 @@ class Space:
                  attention_bwd: AttentionBwd = AttentionBwd.DETERMINISTIC,
                  holds: tuple[bool, bool] = (True, True), kv_rebuild: bool = False,
                  precision: Precision = Precision.BF16, frozen: Frozen = NOTHING_FROZEN,
-                 lora=None, state_parts: int = 1):
+                 lora=None, state_parts: int = 1, whole_update_cost: bool = False):
         self.cfg, self.ch, self.p, self.grad_accum = cfg, ch, p, grad_accum
         self.attention_bwd = attention_bwd
         self.precision = precision
@@ -123,6 +123,8 @@ class Space:
         """Plan.lora: the adapters' device regions and work (dataflow.memplan.plan.lora)."""
         self.state_parts = state_parts
         """Plan.state_parts: a split-update replica's layers and head hold m / v for a part."""
+        self.whole_update_cost = whole_update_cost
+        """Decisions.whole_update_cost: its AdamW scored as if whole (else for its part)."""
         self.kv_rebuild = kv_rebuild
         """Plan.kv_rebuild: INP_ONLY/INP_ATTN activations keep no K/V; each costs a re-forming."""
         self.holds = holds
@@ -337,13 +339,17 @@ class Space:
         return dev, host
 
     def optimizer(self, s: State) -> OptimizerCost:
-        e, L = self.elems, self.L
-        fz = self.frozen
+        """The AdamW of `s` (cost.adamw_cost): a split update's replica (state_parts R) updates
+        its part of every layer and of the head (make_workload counts the same), unless
+        whole_update_cost."""
+        e, fz = self.elems, self.frozen
+        parts = 1 if self.whole_update_cost else self.state_parts
+        layer = state_elems(e["layer"], parts)
         emb = e["embed"] * self.holds_embed * (not fz.embed)
-        head = e["head"] * self.holds_head * (not fz.head)
+        head = state_elems(e["head"], parts) * self.holds_head * (not fz.head)
         trained_res = s.resident - self.frozen_res[s.resident]
-        dev = trained_res * e["layer"] + s.embed_dev * emb + s.head_dev * head
-        home = self._trained_home_layers(s) * e["layer"] + (not s.embed_dev) * emb \
+        dev = trained_res * layer + s.embed_dev * emb + s.head_dev * head
+        home = self._trained_home_layers(s) * layer + (not s.embed_dev) * emb \
             + (not s.head_dev) * head
         return adamw_cost(dev, home * s.opt_streamed, home * (not s.opt_streamed), self.gbpe,
                           self.p)
@@ -452,7 +458,8 @@ class Space:
                          segment_layers=self.k, attention_bwd=self.attention_bwd,
                          holds_embed=self.holds_embed, holds_head=self.holds_head,
                          kv_rebuild=self.kv_rebuild, precision=self.precision,
-                         frozen=self.frozen, lora=self.lora, state_parts=self.state_parts)
+                         frozen=self.frozen, lora=self.lora, state_parts=self.state_parts,
+                         whole_update_cost=self.whole_update_cost)
 
     def decisions(self, s: State, rounds_per_step: int) -> Decisions:
         """The full Decisions a State stands for."""

@@ -109,7 +109,14 @@ class SplitUpdate:
         if not self.split_update:
             return
         refuse_split_update(rp, {k: n for k, n in self.numel.items() if k != "embed"})
-        self.table = split_state_table(self.table, split_state_numel(self.plan), rp.replicas)
+        cut = split_state_table(self.table, split_state_numel(self.plan), rp.replicas)
+        if self.plan.state_parts == rp.replicas:  # planned parted (what the launchers run):
+            # its memory map holds the parts already, so the cut must change nothing
+            assert cut == self.table, "a parted plan's m / v regions are not its parts"
+            return
+        # a whole plan run split (the planner's whole candidates, hand-made rank plans): m / v
+        # cut to this replica's part here, after planning
+        self.table = cut
         self._regions = self.table.by_name()
 
     def splits(self, what: str) -> bool:
