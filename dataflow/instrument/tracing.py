@@ -61,6 +61,13 @@ class TracingBackend(Backend):
     def written(self, arrays) -> None:
         self.inner.written(arrays)
 
+    def set_precision(self, precision: str) -> None:
+        self.inner.set_precision(precision)
+
+    @property
+    def precision(self) -> str:
+        return self.inner.precision
+
     def seal(self) -> None:
         self.inner.seal()
 

@@ -419,3 +419,20 @@ def test_tracing_passes_on_the_calls_the_backend_base_makes_no_ops():
     tb.set_moe_experts("grouped")
     tb.written([object(), object()])
     assert calls == [("set_moe_experts", "grouped"), ("written", 2)]
+
+
+def test_tracing_defines_every_public_method_of_the_backend_interface():
+    """Every public method of Backend is TracingBackend's own (timed or passed on), so none
+    falls back to the base's default behind the traced backend's back; its precision is the
+    inner backend's."""
+    import inspect
+
+    from dataflow.backend import Backend
+
+    missing = [name for name, _ in inspect.getmembers(Backend, inspect.isfunction)
+               if not name.startswith("_") and name not in TracingBackend.__dict__]
+    assert missing == []
+    inner = NumpyBackend()
+    tb = TracingBackend(inner, nvtx=False)
+    tb.set_precision("fp8")
+    assert inner.precision == tb.precision == "fp8"
