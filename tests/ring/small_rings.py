@@ -59,7 +59,7 @@ def lone_rank(cfg, be, *, seed: int = 0):
                   has_head=True, n_layers=cfg.n_layers, plan=plan)
     run_id = uuid.uuid4().hex[:12]
     try:
-        tr = SharedMemoryTransport(0, 1, run_id, replica=0, replicas=1, timeout_s=30)
+        tr = SharedMemoryTransport(0, 1, run_id, replica=0, replicas=1, timeout_s=120)
         return RingRank(rp, be, tr, seed=seed)
     finally:
         cleanup(run_id)

@@ -234,7 +234,7 @@ def test_replicas_all_reduce_gradients_kept_at_home(rng, split):
         gathered = {e.dst.nbytes for e in events if type(e) is GatherParts}
         assert gathered == (set(whole.values()) if split else set())
     def replica(q, run_id):
-        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
+        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=120)
         rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, optimizer=AdamWConfig(lr=lr))
         try:
             return [rank.train_step(b).loss for b in data], rank.weights()

@@ -60,7 +60,7 @@ def test_moe_replicas_reproduce_one_device_bit_for_bit(rng, split):
                   plan=_plan(1), replicas=2, split_fetch=split)
 
     def replica(q, run_id):
-        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=30)
+        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=2, timeout_s=120)
         rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, optimizer=AdamWConfig(lr=lr))
         try:
             return [rank.train_step(b) for b in data], rank.weights()

@@ -43,7 +43,7 @@ def _run_ring(plans, data, seed, lr, clip):
     from dataflow.ring.shm import SharedMemoryTransport
 
     def rank(r, run_id):
-        tr = SharedMemoryTransport(r, len(plans), run_id, timeout_s=30)
+        tr = SharedMemoryTransport(r, len(plans), run_id, timeout_s=120)
         rk = RingRank(plans[r], make_backend("numpy"), tr, seed=seed,
                       optimizer=AdamWConfig(lr=lr, max_grad_norm=clip))
         try:
@@ -211,7 +211,7 @@ def test_replicas_of_an_overlapped_ring_give_the_plain_replicas_bits():
     def run(plans):
         def proc(i, run_id):
             q, r = divmod(i, 2)
-            tr = SharedMemoryTransport(r, 2, run_id, replica=q, replicas=2, timeout_s=30)
+            tr = SharedMemoryTransport(r, 2, run_id, replica=q, replicas=2, timeout_s=120)
             rk = RingRank(plans[r], make_backend("numpy"), tr, seed=seed,
                           optimizer=AdamWConfig(lr=lr))
             try:
@@ -248,7 +248,7 @@ def test_an_overlapped_ring_evaluates_as_the_plain_ring():
 
     def run(plans):
         def rank(r, run_id):
-            tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
+            tr = SharedMemoryTransport(r, 2, run_id, timeout_s=120)
             rk = RingRank(plans[r], make_backend("numpy"), tr, seed=5,
                           optimizer=AdamWConfig(lr=1e-2))
             try:

@@ -52,7 +52,7 @@ def _ring(plans, seed, lr, data, sanitize=False):
     n = len(plans)
 
     def rank(r, run_id):
-        tr = SharedMemoryTransport(r, n, run_id, timeout_s=30)
+        tr = SharedMemoryTransport(r, n, run_id, timeout_s=120)
         be = make_backend("numpy", sanitize=sanitize, seed=seed + r) if sanitize else \
             make_backend("numpy")
         rk = RingRank(plans[r], be, tr, seed=seed,

@@ -58,7 +58,9 @@ def _train(rp: RankPlan, data, seed: int, deferred: bool):
     r = rp.replicas
 
     def replica(q, run_id):
-        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=r, timeout_s=30)
+        # 120 s: a replica still warming up (a cold numba cache on a loaded 2-core CI machine)
+        # must not look hung to the peers waiting at the first gather
+        tr = SharedMemoryTransport(0, 1, run_id, replica=q, replicas=r, timeout_s=120)
         rank = RingRank(rp, make_backend("numpy"), tr, seed=seed, deferred_update=deferred,
                         optimizer=AdamWConfig(lr=1e-2, max_grad_norm=0.05))
         try:

@@ -51,7 +51,7 @@ def _train(rps, data, seed: int, *, split: bool, sanitize: bool):
     def process(i, run_id):
         q, k = divmod(i, n)  # replica-major, as the launcher numbers processes
         rp = dataclasses.replace(rps[k], split_update=split)
-        tr = SharedMemoryTransport(k, n, run_id, replica=q, replicas=r, timeout_s=30)
+        tr = SharedMemoryTransport(k, n, run_id, replica=q, replicas=r, timeout_s=120)
         be = make_backend("numpy", sanitize=True, seed=seed + i) if sanitize else \
             make_backend("numpy")
         rank = RingRank(rp, be, tr, seed=seed, deferred_update=True,

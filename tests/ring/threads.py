@@ -7,19 +7,22 @@ from __future__ import annotations
 def in_threads(fn, n: int) -> list:
     """fn(i, run_id) for i < n, each in a thread of this process (ring processes without the
     start-up cost; the shared-memory transport works between threads alike): their results,
-    or the first failure's traceback as an AssertionError."""
+    or the earliest failure's traceback as an AssertionError (a thread that fails first makes
+    its peers time out waiting for it: their tracebacks say only that), naming the others."""
     import threading
+    import time
     import traceback
     import uuid
 
     from dataflow.ring.shm import cleanup
 
-    run_id, out = uuid.uuid4().hex[:12], {}
+    run_id, out, failed_at = uuid.uuid4().hex[:12], {}, {}
 
     def run(i):
         try:
             out[i] = fn(i, run_id)
         except Exception:  # noqa: BLE001 - reported below
+            failed_at[i] = time.monotonic()
             out[i] = AssertionError(traceback.format_exc())
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -27,13 +30,17 @@ def in_threads(fn, n: int) -> list:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(90)
+            t.join(150)  # past the transports' 120 s: their own timeout reports first
     finally:
         cleanup(run_id)
     for i in range(n):
         assert i in out, f"thread {i} did not finish"
-        if isinstance(out[i], AssertionError):
-            raise out[i]
+    if failed_at:
+        first = min(failed_at, key=failed_at.get)
+        others = ", ".join(f"thread {i}: {str(out[i]).strip().splitlines()[-1]}"
+                           for i in sorted(failed_at) if i != first)
+        raise AssertionError(f"thread {first} failed first"
+                             + (f" (then {others})" if others else "") + f":\n{out[first]}")
     return [out[i] for i in range(n)]
 
 
@@ -59,7 +66,7 @@ def sanitized_pair_trains_as_one_device(cfg, plans, rng, chunking: dict) -> None
         want = [eng.train_step(b).loss for b in data]
 
     def rank(r, run_id):
-        tr = SharedMemoryTransport(r, 2, run_id, timeout_s=30)
+        tr = SharedMemoryTransport(r, 2, run_id, timeout_s=120)
         be = make_backend("numpy", sanitize=True, seed=int(rng.integers(0, 2**31)) + r)
         rk = RingRank(plans[r], be, tr, seed=seed,
                       optimizer=AdamWConfig(lr=lr, max_grad_norm=None))
