@@ -85,16 +85,22 @@ def test_the_fp8_linear_ops_equal_the_numpy_table(rng):
         be.close()
 
 
+def _fp8_backend(a_bytes: int, b_bytes: int):
+    """A CuPy backend in fp8 with FP8 operand scratch of these sizes lent (as a plan lends it)."""
+    be = make_backend("cupy")
+    be.set_precision("fp8")
+    be.lend_scratch({"fp8_a": cp.empty(a_bytes, np.uint8), "fp8_b": cp.empty(b_bytes, np.uint8),
+                     "fp8_scales": cp.empty((2, 4), np.float32),
+                     "fp8_amax": cp.empty(1024, np.float32)})
+    return be
+
+
 def test_an_operand_quantised_once_is_reused_until_something_writes_it(rng):
     """q, k and v from one x (x quantised once), then x rewritten by a copy: the next op
     quantises the new x (the backend forgot the old copy)."""
-    be = make_backend("cupy")
+    t, i, o = 128, 256, 128
+    be = _fp8_backend(t * i, o * i)
     try:
-        be.set_precision("fp8")
-        t, i, o = 128, 256, 128
-        be.lend_scratch({"fp8_a": cp.empty(t * i, np.uint8), "fp8_b": cp.empty(o * i, np.uint8),
-                         "fp8_scales": cp.empty((2, 4), np.float32),
-                         "fp8_amax": cp.empty(1024, np.float32)})
         x, x2 = _bf(rng, (t, i)), _bf(rng, (t, i), 3.0)
         ws = [_bf(rng, (o, i), 0.05) for _ in range(3)]
         # Every device array lives to the end: a freed one's memory could come back as another
@@ -144,13 +150,9 @@ def test_a_tensor_asked_for_in_its_other_layout_keeps_its_scale(rng, monkeypatch
             counts[_name] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(ops_cuda_fp8.K, name, counted)
-    be = make_backend("cupy")
+    t, i, o = 128, 256, 128
+    be = _fp8_backend(t * o, o * i)
     try:
-        be.set_precision("fp8")
-        t, i, o = 128, 256, 128
-        be.lend_scratch({"fp8_a": cp.empty(t * o, np.uint8), "fp8_b": cp.empty(o * i, np.uint8),
-                         "fp8_scales": cp.empty((2, 4), np.float32),
-                         "fp8_amax": cp.empty(1024, np.float32)})
         dy, w, x = _bf(rng, (t, o)), _bf(rng, (o, i), 0.05), _bf(rng, (t, i))
         dyd, wd, xd, other = dev(dy), dev(w), dev(x), cp.empty(64, np.float32)
         dx, dw, dw2 = cp.empty((t, i), BF16), cp.zeros((o, i), np.float32), \
