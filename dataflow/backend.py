@@ -120,6 +120,11 @@ class Backend(abc.ABC):
         host calls (a ring transport's receive, all-reduce or gather): drop anything derived
         from them (the CuPy backend's FP8 operand copies). Backends that keep nothing ignore it."""
 
+    def precision_counts(self) -> dict | None:
+        """What the precision's kernels counted (the CuPy backend's fp8: its guessed scales and
+        their misses), for a run's record; None where nothing is counted. May synchronise."""
+        return None
+
     def set_moe_experts(self, path: str) -> None:
         """Run the routed experts' GEMMs on `path` ('loop' or 'grouped', the planner's
         memplan.search.expert_cost.expert_path) from now on. Backends with one way to run them ignore

@@ -203,7 +203,8 @@ class Executor(OpHandlers):
         scratch = {n: self.ctx[n] for n in ("dk16", "dv16", "dq32") if n in self.ctx}
         scratch.update(self.dev.tensors("library_scratch", buffers.library_scratch_specs(cfg)))
         if "fp8_a" in self.ws:  # an FP8 plan's operand scratch (memplan.plan.buffers)
-            scratch.update({n: self.ws[n] for n in ("fp8_a", "fp8_b", "fp8_scales", "fp8_amax")})
+            scratch.update({n: self.ws[n] for n in ("fp8_a", "fp8_b", "fp8_scales", "fp8_amax",
+                                                     "fp8_guess")})
         if cfg.moe is not None:  # the CUDA MoE ops' scratch and their offsets' pinned host copy
             be.set_moe_experts(expert_path(cfg, plan.profile, plan.chunking.chunk_tokens))
             scratch.update({n: self.ws[n] for n in buffers.MOE_OP_SCRATCH})

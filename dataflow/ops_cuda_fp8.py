@@ -6,9 +6,19 @@ dataflow.kernels.reference.fp8, as the NumPy table (dataflow.ops_fp8_numpy) runs
 are K-contiguous, so the backward's ops quantise into the transposed layouts: dx = dy w takes
 (dy, w^T), dw = dy^T x takes (dy^T, x^T). A shape the FP8 GEMM cannot take (a size not a
 multiple of 16) runs the bf16 op instead, as the NumPy table does. Ops run in stream order, so
-one scratch serves them all. See docs/fp8.md. Never allocates, never synchronises."""
+one scratch serves them all.
+
+Guessed scales: where the executor lends 'fp8_guess' too and the backend names each op's site
+(at()), a tensor's quantisation casts with the scale its site had last time and takes the amax
+in the same pass, casting again only where the true scale differs (kernels/cuda/fp8.py
+quantise_guessed): the bytes of current scaling, one pass over the tensor instead of two where
+the guess holds. A site is the layer visit without its chunk ("f.L3.c0" -> "f.L3"), the op,
+its call within the visit, the operand and its layout: the same layer's same operand a round
+or a chunk earlier. See docs/fp8.md. Never allocates, never synchronises."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -32,6 +42,14 @@ class Fp8Linears:
     def __init__(self, ops):
         self.ops, self.ctx = ops, ops.ctx
         self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
+        self._visit, self._calls = "", {}
+        """The layer visit of the op now running (its site's name up to the chunk) and each
+        op's calls in it so far; _site is its key, None where at() was never told."""
+        self._site: tuple | None = None
+        self._slots: dict[tuple, int] = {}
+        """Guess slot by (site, region, transposed): the state's slots, given out in order."""
+        self._guess = None
+        """The lent 'fp8_guess' state while its slots are this object's (zeroed at first use)."""
         self._held: list[tuple | None] = [None, None]
         """Per region (first operand, second): ((source pointer, bytes, shape, strides, format),
         transposed) of the tensor whose FP8 copy it holds, or None. The region's scale triple
@@ -55,6 +73,37 @@ class Fp8Linears:
                 self._held = [h if h is None or h[0][0] >= hi or h[0][0] + h[0][1] <= lo
                               else None for h in self._held]
 
+    def at(self, name: str) -> None:
+        """The next op runs at site `name` (the backend's op name, e.g. 'b.L3.c1.linear_bwd_x':
+        dataflow.layer_ops' tags)."""
+        m = _VISIT.match(name)
+        visit, op = (m.group(1), name[m.end():]) if m else (name, "")
+        if visit != self._visit:
+            self._visit, self._calls = visit, {}
+        call = self._calls[op] = self._calls.get(op, -1) + 1
+        self._site = (_CHUNK.sub("", visit), op, call)
+
+    def guess_counts(self) -> tuple[int, int] | None:
+        """(quantisations that guessed, guesses that missed) so far; None where none guessed.
+        Synchronises (a diagnostic for the end of a run)."""
+        return None if self._guess is None else K.fp8_guess_counts(self._guess)
+
+    def _slot(self, region: int, transposed: bool) -> int | None:
+        """The guess slot of this op's operand, or None (no state lent, no site, or no slot
+        left: quantise as always)."""
+        state = self.ops._lent.get("fp8_guess")
+        if state is None or self._site is None:
+            return None
+        if self._guess is None or self._guess.data.ptr != state.data.ptr:
+            # every guess 0: a slot's first use always misses, so casts again
+            K.fill_(self.ctx, state, 0.0)
+            self._guess, self._slots = state, {}
+        key = (self._site, region, transposed)
+        slot = self._slots.get(key)
+        if slot is None and len(self._slots) < state.size - K.FP8_GUESS_HEADER:
+            slot = self._slots[key] = len(self._slots)
+        return slot
+
     def _quantise(self, region: int, x, fmt: str, scales, out, out_t=None) -> None:
         src, transposed = (x.data.ptr, x.nbytes, x.shape, x.strides, fmt), out is None
         held = self._held[region]
@@ -63,7 +112,11 @@ class Fp8Linears:
                 return
             K.fp8_cast(self.ctx, x, fmt, scales, out, out_t)  # scales: this tensor's already
         else:
-            K.fp8_quantise(self.ctx, x, fmt, scales, out, out_t, scratch=self.amax)
+            slot = self._slot(region, transposed)
+            if slot is None:
+                K.fp8_quantise(self.ctx, x, fmt, scales, out, out_t, scratch=self.amax)
+            else:
+                K.fp8_quantise_guessed(self.ctx, x, fmt, scales, out, out_t, self._guess, slot)
         self._held[region] = (src, transposed)
 
     def _wrote(self, y) -> None:
@@ -117,6 +170,11 @@ class Fp8Linears:
         self._quantise(1, x, "e4m3", sb, None, bt)
         K.fp8_gemm(self.ctx, at, "e5m2", sa, bt, "e4m3", sb, dw, accumulate)
         self._wrote(dw)
+
+
+_VISIT = re.compile(r"^(.*?\.c\d+)\.")
+"""A site name's layer visit: up to its chunk ('f.L3.c0' of 'f.L3.c0.linear_fwd')."""
+_CHUNK = re.compile(r"\.c\d+$")
 
 
 def _alpha(alpha: float) -> tuple:

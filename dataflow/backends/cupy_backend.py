@@ -358,7 +358,11 @@ class CupyBackend(Backend):
 
     def launch(self, stream: Stream, op: str, *args, name: str = "") -> None:
         self._op = name or op
-        if self._fp8 is not None and op not in FP8_OPS:  # it may write an FP8 op's source
+        if self._fp8 is None:
+            pass
+        elif op in FP8_OPS:  # its site: where its operands' scales are guessed from
+            self._fp8.at(self._op)
+        else:  # it may write an FP8 op's source
             self._fp8_wrote(op, args)
         with self.streams[stream]:
             getattr(self.ops, op)(*args)
@@ -443,6 +447,12 @@ class CupyBackend(Backend):
     def written(self, arrays) -> None:
         if self._fp8 is not None:
             self._fp8.wrote(arrays)
+
+    def precision_counts(self) -> dict | None:
+        """fp8: {'guessed': quantisations that cast with their site's last scale, 'missed':
+        those cast again} (synchronises); None in bf16 or where nothing guessed."""
+        counts = None if self._fp8 is None else self._fp8.guess_counts()
+        return None if counts is None else {"guessed": counts[0], "missed": counts[1]}
 
     def set_moe_experts(self, path: str) -> None:
         """The op table's expert GEMMs on `path` (the plan's), unless DATAFLOW_MOE_EXPERTS forces

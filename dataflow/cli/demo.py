@@ -316,6 +316,8 @@ class _Run:
         self.last_trace = None
         """The last finished step's StepTrace (read after the engine is closed)."""
         self.mem = None
+        self.precision_counts = None
+        """The backend's precision counts at the end (fp8: its guessed scales and misses)."""
         self.setup = None
         """Engine setup: {'init_s': wall seconds, 'phases_s': Engine.setup_seconds, 'warm_up':
         Engine.warm_up_parts, 'prebuild': Engine.prebuild_parts, 'pin': the CuPy backend's
@@ -370,6 +372,7 @@ class _Run:
                 bar.update(info=f"loss {r.loss:.3f}")
                 self.training.after_step(eng, r)  # validation loss, checkpoint
             self.mem = self._memory()
+            self.precision_counts = eng.be.precision_counts()
         self.status = f"interrupted at step {args.steps_done}" if stop.signum else "done"
         if stop.signum:
             args.stop_status = self.status
@@ -456,12 +459,18 @@ class _Run:
                      "(regions %.3f GiB)", mem["device_arena"] / 2**30,
                      mem["device_regions"] / 2**30, mem["host_arena"] / 2**30,
                      mem["host_regions"] / 2**30)
+        if self.precision_counts:
+            c = self.precision_counts
+            log.info("fp8 scales: %d quantisations guessed their site's last scale, %d of them "
+                     "missed and cast again", c["guessed"], c["missed"])
         # the run's one-line result: stdout for people, stderr under --json (stdout is the doc)
         print(self.summary(), file=sys.stderr if args.json else sys.stdout, flush=True)
         if args.json:
             json.dump({"status": self.status, "plan_hash": self.plan.hash,
                        "backend": self.backend, "precision": self.plan.precision.value,
                        "memory": mem, "setup": self.setup,
+                       **({"fp8_scales": self.precision_counts} if self.precision_counts
+                          else {}),
                        "device": getattr(self.be_probe, "device_name", self.backend),
                        "plan": json.loads(self.plan.to_json()),
                        "steps": [to_dict(r) for r in self.results],

@@ -61,6 +61,9 @@ class TracingBackend(Backend):
     def written(self, arrays) -> None:
         self.inner.written(arrays)
 
+    def precision_counts(self) -> dict | None:
+        return self.inner.precision_counts()
+
     def set_precision(self, precision: str) -> None:
         self.inner.set_precision(precision)
 

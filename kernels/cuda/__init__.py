@@ -26,7 +26,10 @@ from dataflow.kernels.cuda.context import CudaContext
 from dataflow.kernels.cuda.embedding import embedding_bwd, embedding_fwd
 from dataflow.kernels.cuda.fp8 import amax_scale as fp8_amax_scale
 from dataflow.kernels.cuda.fp8 import cast as fp8_cast
+from dataflow.kernels.cuda.fp8 import GUESS_HEADER as FP8_GUESS_HEADER
+from dataflow.kernels.cuda.fp8 import guess_counts as fp8_guess_counts
 from dataflow.kernels.cuda.fp8 import quantise as fp8_quantise
+from dataflow.kernels.cuda.fp8 import quantise_guessed as fp8_quantise_guessed
 from dataflow.kernels.cuda.fp8_base import fp8_base_dequant
 from dataflow.kernels.cuda.fp8_gemm import fp8_gemm
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
@@ -50,7 +53,7 @@ __all__ = [
     "bias_bwd", "bias_fill", "cast", "cublas_workspace", "CudaContext",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
     "experts_bwd_acc_elems", "experts_fwd", "fill_", "scale_", "fp8_amax_scale", "fp8_base_dequant", "fp8_cast", "fp8_gemm",
-    "fp8_quantise", "head_loss_fwd_bwd",
+    "FP8_GUESS_HEADER", "fp8_guess_counts", "fp8_quantise", "fp8_quantise_guessed", "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
     "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",

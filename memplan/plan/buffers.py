@@ -183,6 +183,10 @@ def fp8_projections(cfg: ModelConfig) -> tuple[tuple[str, int, int], ...]:
 
 FP8_AMAX_PARTS = 1024
 """Partial maxima of kernels/cuda/fp8.py's two-stage amax (its AMAX_PARTS)."""
+FP8_GUESS_VALUES = 4 + 16_380
+"""The guessed scales' state (kernels/cuda/fp8.py quantise_guessed: a 4-word header, then one
+slot per site and operand: at most 56 a layer, 1,792 for 8b's 32 layers, 4,480 for 80); 64 KiB.
+A run with more quantises the rest as before, amax pass and all."""
 
 
 def fp8_scratch_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
@@ -190,12 +194,14 @@ def fp8_scratch_specs(cfg: ModelConfig, tokens: int) -> tuple[TensorSpec, ...]:
     first operand in FP8 (x (T, I), dy (T, O) or dy^T (O, T)), 'fp8_b' its second (w (O, I),
     w^T (I, O) or x^T (I, T)), 'fp8_scales' each operand's (1 / scale, scale, amax), padded to
     16 bytes, 'fp8_amax' the amax kernel's partial maxima (FP8_AMAX_PARTS: kernels/cuda/fp8.py's
-    AMAX_PARTS, which refuses a smaller one by name)."""
+    AMAX_PARTS, which refuses a smaller one by name), 'fp8_guess' the guessed scales' state
+    (FP8_GUESS_VALUES)."""
     a = max(tokens * max(o, i) for _, o, i in fp8_projections(cfg))
     b = max(max(o * i, tokens * i) for _, o, i in fp8_projections(cfg))
     return (TensorSpec("fp8_a", (a,), "u8"), TensorSpec("fp8_b", (b,), "u8"),
             TensorSpec("fp8_scales", (2, 4), "f32"),
-            TensorSpec("fp8_amax", (FP8_AMAX_PARTS,), "f32"))
+            TensorSpec("fp8_amax", (FP8_AMAX_PARTS,), "f32"),
+            TensorSpec("fp8_guess", (FP8_GUESS_VALUES,), "f32"))
 
 
 def chunk_workspace_specs(cfg: ModelConfig, tokens: int,

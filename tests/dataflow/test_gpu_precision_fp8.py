@@ -199,3 +199,27 @@ def test_reusing_fp8_operands_gives_the_bits_of_quantising_every_one(monkeypatch
         return real(self, region, *a, **kw)
     monkeypatch.setattr(Fp8Linears, "_quantise", always)
     assert _losses(plan, "cupy") == reused
+
+
+def test_guessed_scales_give_the_bits_of_current_scaling(monkeypatch):
+    """A tiny fp8 engine whose quantisations guess their scales from their sites (the plan lends
+    'fp8_guess' and the backend names each op's site) trains to the same losses, bit for bit,
+    as with every scale from its own amax pass first: a guess changes which passes run, never a
+    byte. Most guesses hold after the first round (the counts the backend reports)."""
+    from dataflow.ops_cuda_fp8 import Fp8Linears
+
+    plan = make_plan(load_config("tiny"), 128, Budget.from_gib(1, 0.5), get_profile("cpu"),
+                     precision="fp8")
+    counts = []
+    real_close = Engine.close
+
+    def close(self):
+        counts.append(self.be.precision_counts())
+        return real_close(self)
+    monkeypatch.setattr(Engine, "close", close)
+    guessed = _losses(plan, "cupy")
+    assert counts[0] is not None and counts[0]["guessed"] > 0, counts
+    assert counts[0]["missed"] < counts[0]["guessed"] / 2, counts
+    monkeypatch.setattr(Fp8Linears, "_slot", lambda self, region, transposed: None)
+    assert _losses(plan, "cupy") == guessed
+    assert counts[1] is None

@@ -75,6 +75,54 @@ def test_quantise_edge_cases(rng):
     assert np.array_equal(cp.asnumpy(out), ref.quantise(x, ref.E4M3).values.view(np.uint8))
 
 
+def _guessed(x, fmt, state, slot, transpose=True):
+    xd = dev(x)
+    scales = cp.full(3, np.nan, F32)
+    out = cp.full(x.shape, 0xAB, np.uint8)
+    out_t = cp.full(x.shape[::-1], 0xAB, np.uint8) if transpose else None
+    kc.fp8_quantise_guessed(CTX, xd, fmt, scales, out, out_t, state, slot)
+    return scales, out, out_t
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_a_guessed_quantisation_gives_the_bytes_of_current_scaling(rng, dtype, fmt):
+    """The same x quantised with its slot's guess unset (0), then right (the scale it learnt),
+    then wrong both ways (one binade high and low), off the 64-wide tile and with the
+    transpose or without: the scales and both layouts' bytes are quantise's every time; the
+    header's amax word is back to 0 and the checks and misses are counted; the slot holds the
+    true scale. A tensor with an inf gives quantise's NaN scales and NaN bytes and leaves the
+    slot's finite guess."""
+    h = kc.FP8_GUESS_HEADER
+    state = cp.zeros(h + 3, F32)
+    x = (rng.standard_normal((80, 208)) * np.exp(rng.uniform(-5, 2, (80, 208)))).astype(dtype)
+    want_s, want, want_t = (cp.asnumpy(a) for a in _quantise(x, fmt))
+    scale = want_s[1]
+    misses = 0
+    for guess, transpose in ((None, True), (scale, True), (2 * scale, False), (scale / 2, True),
+                             (scale, False)):
+        if guess is not None:
+            state[h + 1] = guess
+        misses += guess != scale
+        scales, out, out_t = _guessed(x, fmt, state, 1, transpose)
+        assert np.array_equal(cp.asnumpy(scales), want_s)
+        assert np.array_equal(cp.asnumpy(out), want)
+        if transpose:
+            assert np.array_equal(cp.asnumpy(out_t), want_t)
+        words = cp.asnumpy(state[:h].view(np.uint32))
+        assert words[0] == 0 and words[3] == misses and cp.asnumpy(state)[h + 1] == scale
+    assert cp.asnumpy(state[:h].view(np.uint32))[2] == 5
+    bad = x.copy()
+    bad[7, 9] = np.inf
+    scales, out, _ = _guessed(bad, fmt, state, 1, transpose=False)
+    assert np.isnan(cp.asnumpy(scales)[:2]).all() and cp.asnumpy(state)[h + 1] == scale
+    f8 = ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2
+    assert np.isnan(cp.asnumpy(out).view(f8).astype(F32)).all()
+    assert cp.asnumpy(state)[h] == 0 and cp.asnumpy(state)[h + 2] == 0  # other slots untouched
+    with pytest.raises(ValueError, match="guess slot 3 outside"):
+        _guessed(x, fmt, state, 3)
+
+
 def test_bad_shapes_and_formats_are_refused(rng):
     x = dev(bf(rng.standard_normal((40, 64))))
     with pytest.raises(ValueError, match="multiples of 16"):
