@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Thirty-second session, call 2 (one H200): guessed FP8 scales (717eb5b+). The FP8 GPU tests;
+# then the 112M shape of the twenty-eighth session's convergence run, 150 steps of real text in
+# fp8 (its losses against that run's recorded fp8 losses: guessing must not move a bit; and
+# the share of guesses that held); then the 8b pair at 8192 in 80/24 through bench.budget_truth
+# (NVML and RSS sampled), fp8 beside its bf16 twin.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
+T0=$SECONDS
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs tests/kernels/test_fp8_cuda.py tests/dataflow/test_gpu_precision_fp8.py > $OUT/gpu-tests.log 2>&1
+rc=$?
+echo "pytest rc $rc at $((SECONDS-T0)) s: $(tail -1 $OUT/gpu-tests.log)"
+grep -E "^FAILED|^ERROR|Error" $OUT/gpu-tests.log | head -12 | cut -c1-300
+[ $rc -eq 0 ] || { tail -60 $OUT/gpu-tests.log | cut -c1-240; exit 1; }
+STD=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+mkdir -p /tmp/stdlib
+i=0; for f in $(find $STD -name "*.py" -not -path "*/test/*" -not -path "*/tests/*" -not -path "*/site-packages/*" | sort); do
+  i=$((i+1)); cp "$f" /tmp/stdlib/$(printf %05d $i).txt; done
+echo "text: $i files, $(cat /tmp/stdlib/*.txt | wc -c) bytes from $STD"
+M=$PWD/bench/records/s28-fp8/m112.json
+(cd /tmp && timeout 120 dataflow-demo 16 16 1024 $M --tokens-per-step 16384 --steps 150 --data /tmp/stdlib --precision fp8 --json > $OUT/m112-fp8.json 2> /tmp/m112.log)
+echo "m112 fp8 rc $? at $((SECONDS-T0)) s"; grep -E "^summary|rror|fp8 scales" /tmp/m112.log | head -4 | cut -c1-200
+python3 - <<'PY'
+import json, os
+out = os.environ["OUT"]
+try:
+    d = json.load(open(f"{out}/m112-fp8.json"))
+    old = json.load(open("bench/records/s28-fp8/call2/fp8_convergence.json"))["fp8_losses"]
+    new = [s["loss"] for s in d["steps"]]
+    same = sum(a == b for a, b in zip(new, old))
+    first = next((i + 1 for i, (a, b) in enumerate(zip(new, old)) if a != b), None)
+    print(f"m112 fp8: {len(new)} steps, {same} losses equal to s28's bit for bit, first "
+          f"differing step {first}; fp8_scales {d.get('fp8_scales')}; plan hash {d['plan_hash']}")
+    if first:
+        print("  new", new[first - 1:first + 2], "old", old[first - 1:first + 2])
+except Exception as e:  # noqa: BLE001
+    print(f"m112 summary failed: {e!r}"[:300])
+PY
+for pr in fp8 bf16; do
+  left=$((575 - (SECONDS - T0)))
+  [ $left -gt 100 ] || break
+  timeout $((left - 5)) python3 -m dataflow.bench.budget_truth --steps 2 --timeout $((left - 15)) --precision $pr --out $OUT/$pr 8b:8192:80:24 2>&1 | tail -2 | tee -a $OUT/bt.log
+  rm -f $OUT/$pr/*.log
+done
+python3 - <<'PY'
+import glob, json, os
+out = os.environ["OUT"]
+for f in sorted(glob.glob(f"{out}/*/*.demo.json")):
+    try:
+        d = json.load(open(f))
+        s = d["steps"][-1]
+        print(f"{f.split('/')[-2]:<5} step {s['step']} {s['tok_per_s']:>9,.0f} tok/s pred "
+              f"{d['plan']['prediction']['tok_per_s']:>9,.0f} fp8_scales {d.get('fp8_scales')}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{f}: {e!r}"[:200])
+PY
