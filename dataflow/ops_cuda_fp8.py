@@ -8,13 +8,14 @@ are K-contiguous, so the backward's ops quantise into the transposed layouts: dx
 multiple of 16) runs the bf16 op instead, as the NumPy table does. Ops run in stream order, so
 one scratch serves them all.
 
-Guessed scales: where the executor lends 'fp8_guess' too and the backend names each op's site
-(at()), a tensor's quantisation casts with the scale its site had last time and takes the amax
-in the same pass, casting again only where the true scale differs (kernels/cuda/fp8.py
-quantise_guessed): the bytes of current scaling, one pass over the tensor instead of two where
-the guess holds. A site is the layer visit without its chunk ("f.L3.c0" -> "f.L3"), the op,
-its call within the visit, the operand and its layout: the same layer's same operand a round
-or a chunk earlier. See docs/fp8.md. Never allocates, never synchronises."""
+Guessed scales (DATAFLOW_FP8_SCALES=guessed; not the default until it has run on a GPU): where
+the executor lends 'fp8_guess' too and the backend names each op's site (at()), a tensor's
+quantisation casts with the scale its site had last time and takes the amax in the same pass,
+casting again only where the true scale differs (kernels/cuda/fp8.py quantise_guessed): the
+bytes of current scaling, one pass over the tensor instead of two where the guess holds. A site
+is the layer visit without its chunk ("f.L3.c0" -> "f.L3"), the op, its call within the visit,
+the operand and its layout: the same layer's same operand a round or a chunk earlier.
+See docs/fp8.md. Never allocates, never synchronises."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ import numpy as np
 
 import dataflow.kernels.cuda as K
 from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
+from dataflow.settings import settings_from_env
+
+SCALINGS = ("current", "guessed")
+"""DATAFLOW_FP8_SCALES' values (dataflow.settings)."""
 
 
 class Fp8Linears:
@@ -41,6 +46,12 @@ class Fp8Linears:
 
     def __init__(self, ops):
         self.ops, self.ctx = ops, ops.ctx
+        scaling = settings_from_env().fp8_scales
+        if scaling not in SCALINGS:
+            raise ValueError(f"DATAFLOW_FP8_SCALES={scaling!r}: use 'current' (the default: "
+                             "each operand's amax pass, then its cast) or 'guessed' (its site's "
+                             "last scale, cast again where it missed)")
+        self.guessing = scaling == "guessed"
         self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
         self._visit, self._calls = "", {}
         """The layer visit of the op now running (its site's name up to the chunk) and each
@@ -92,7 +103,7 @@ class Fp8Linears:
         """The guess slot of this op's operand, or None (no state lent, no site, or no slot
         left: quantise as always)."""
         state = self.ops._lent.get("fp8_guess")
-        if state is None or self._site is None:
+        if not self.guessing or state is None or self._site is None:
             return None
         if self._guess is None or self._guess.data.ptr != state.data.ptr:
             # every guess 0: a slot's first use always misses, so casts again

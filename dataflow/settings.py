@@ -30,6 +30,12 @@ class Settings:
     """DATAFLOW_CUDNN_CACHE_DIR: the directory of serialised cuDNN graphs
     (dataflow.kernels.cuda.graph_cache); unset or empty: ~/.cache/dataflow/cudnn; 'off' (any
     case): no disk cache, every graph is built."""
+    fp8_scales: str = "current"
+    """DATAFLOW_FP8_SCALES: how the CuPy backend's FP8 linear ops scale an operand: 'current'
+    (an amax pass, then the cast) or 'guessed' (the cast with the scale the operand's site had
+    last time, the amax taken in the same pass, a second cast where the guess missed: the same
+    bytes, one pass fewer where it holds; dataflow.ops_cuda_fp8; any case). 'guessed' becomes
+    the default once it has run on a GPU (docs/fp8.md)."""
     host_check: bool = True
     """DATAFLOW_HOST_CHECK: 'off' (any case) skips the dataflow-demo's refusal of a host budget
     above the machine's available memory (bench/demo_checks.py), for machines whose memory grows
@@ -71,6 +77,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         alloc_guard=env.get("DATAFLOW_ALLOC_GUARD") or "error",
         commit=env.get("DATAFLOW_COMMIT") or None,
         cudnn_cache_dir=env.get("DATAFLOW_CUDNN_CACHE_DIR") or None,
+        fp8_scales=(env.get("DATAFLOW_FP8_SCALES") or "current").strip().lower(),
         host_check=env.get("DATAFLOW_HOST_CHECK", "").strip().lower() != "off",
         moe_experts=(env.get("DATAFLOW_MOE_EXPERTS") or "auto").strip().lower(),
         pin=env.get("DATAFLOW_PIN") or "register",

@@ -202,12 +202,14 @@ def test_reusing_fp8_operands_gives_the_bits_of_quantising_every_one(monkeypatch
 
 
 def test_guessed_scales_give_the_bits_of_current_scaling(monkeypatch):
-    """A tiny fp8 engine whose quantisations guess their scales from their sites (the plan lends
-    'fp8_guess' and the backend names each op's site) trains to the same losses, bit for bit,
-    as with every scale from its own amax pass first: a guess changes which passes run, never a
-    byte. Most guesses hold after the first round (the counts the backend reports)."""
+    """A tiny fp8 engine whose quantisations guess their scales from their sites
+    (DATAFLOW_FP8_SCALES=guessed; the plan lends 'fp8_guess', the backend names each op's
+    site) trains to the same losses, bit for bit, as with every scale from its own amax pass
+    first: a guess changes which passes run, never a byte. Most guesses hold after the first
+    round (the counts the backend reports). A bad DATAFLOW_FP8_SCALES is refused by name."""
     from dataflow.ops_cuda_fp8 import Fp8Linears
 
+    monkeypatch.setenv("DATAFLOW_FP8_SCALES", "guessed")
     plan = make_plan(load_config("tiny"), 128, Budget.from_gib(1, 0.5), get_profile("cpu"),
                      precision="fp8")
     counts = []
@@ -223,3 +225,10 @@ def test_guessed_scales_give_the_bits_of_current_scaling(monkeypatch):
     monkeypatch.setattr(Fp8Linears, "_slot", lambda self, region, transposed: None)
     assert _losses(plan, "cupy") == guessed
     assert counts[1] is None
+    monkeypatch.setenv("DATAFLOW_FP8_SCALES", "sometimes")
+    be = make_backend("cupy")
+    try:
+        with pytest.raises(ValueError, match="DATAFLOW_FP8_SCALES='sometimes'"):
+            be.set_precision("fp8")
+    finally:
+        be.close()

@@ -13,11 +13,12 @@ from dataflow.settings import Settings, settings_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 _READ = re.compile(r"""environ\.get\(\s*["']DATAFLOW_|getenv\(\s*["']DATAFLOW_"""
-                   r"""|environ\[\s*["']DATAFLOW_[A-Z_]+["']\s*\](?!\s*=)""")
+                   r"""|environ\[\s*["']DATAFLOW_[A-Z0-9_]+["']\s*\](?!\s*=)""")
 
 
 def _variables() -> set[str]:
-    return set(re.findall(r'"(DATAFLOW_[A-Z_]+)"', (ROOT / "dataflow" / "settings.py").read_text()))
+    source = (ROOT / "dataflow" / "settings.py").read_text()
+    return set(re.findall(r'"(DATAFLOW_[A-Z0-9_]+)"', source))
 
 
 def test_an_empty_environment_gives_the_defaults():
@@ -35,11 +36,11 @@ def test_each_variable_reaches_its_field_as_its_reader_parsed_it():
         "DATAFLOW_HOST_CHECK": " Off ", "DATAFLOW_PIN": "alloc", "DATAFLOW_PIN_PIECES": "2",
         "DATAFLOW_PREBUILD": "0", "DATAFLOW_RING_DEBUG": "1", "DATAFLOW_RING_ID": "job7",
         "DATAFLOW_RING_PORT": "29600", "DATAFLOW_RUN_AHEAD_OPS": " 64 ",
-        "DATAFLOW_MOE_EXPERTS": " Loop "})
+        "DATAFLOW_MOE_EXPERTS": " Loop ", "DATAFLOW_FP8_SCALES": "Guessed"})
     assert s == Settings(alloc_guard="WARN", commit="abc", cudnn_cache_dir="off", host_check=False,
                          pin="alloc", pin_pieces="2", prebuild=False, ring_debug=True,
                          ring_id="job7", ring_port="29600", run_ahead_ops="64",
-                         moe_experts="loop")
+                         moe_experts="loop", fp8_scales="guessed")
     assert settings_from_env({"DATAFLOW_PREBUILD": "1", "DATAFLOW_HOST_CHECK": "on"}).prebuild
     assert settings_from_env({"DATAFLOW_HOST_CHECK": "on"}).host_check
 
@@ -47,7 +48,7 @@ def test_each_variable_reaches_its_field_as_its_reader_parsed_it():
 def test_every_variable_has_a_field_a_docstring_and_a_row_in_docs():
     """One field per variable, its docstring naming it, and docs/settings.md listing it."""
     variables = _variables()
-    assert len(variables) == len(dataclasses.fields(Settings)) == 12
+    assert len(variables) == len(dataclasses.fields(Settings)) == 13
     source = (ROOT / "dataflow" / "settings.py").read_text()
     doc = (ROOT / "docs" / "settings.md").read_text()
     for name in variables:
