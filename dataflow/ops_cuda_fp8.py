@@ -19,11 +19,10 @@ See docs/fp8.md. Never allocates, never synchronises."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 import dataflow.kernels.cuda as K
+from dataflow.fp8_sites import Fp8Sites
 from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
 from dataflow.settings import settings_from_env
 
@@ -53,12 +52,8 @@ class Fp8Linears:
                              "last scale, cast again where it missed)")
         self.guessing = scaling == "guessed"
         self.bf16 = {name: getattr(ops, name) for name in FP8_LINEAR_OPS}
-        self._visit, self._calls = "", {}
-        """The layer visit of the op now running (its site's name up to the chunk) and each
-        op's calls in it so far; _site is its key, None where at() was never told."""
-        self._site: tuple | None = None
-        self._slots: dict[tuple, int] = {}
-        """Guess slot by (site, region, transposed): the state's slots, given out in order."""
+        self.sites: Fp8Sites | None = None
+        """The sites the backend names (at()) and their guess slots, once a state is lent."""
         self._guess = None
         """The lent 'fp8_guess' state while its slots are this object's (zeroed at first use)."""
         self._held: list[tuple | None] = [None, None]
@@ -87,12 +82,10 @@ class Fp8Linears:
     def at(self, name: str) -> None:
         """The next op runs at site `name` (the backend's op name, e.g. 'b.L3.c1.linear_bwd_x':
         dataflow.layer_ops' tags)."""
-        m = _VISIT.match(name)
-        visit, op = (m.group(1), name[m.end():]) if m else (name, "")
-        if visit != self._visit:
-            self._visit, self._calls = visit, {}
-        call = self._calls[op] = self._calls.get(op, -1) + 1
-        self._site = (_CHUNK.sub("", visit), op, call)
+        if self.guessing:
+            if self.sites is None:
+                self.sites = Fp8Sites(0)
+            self.sites.at(name)
 
     def guess_counts(self) -> tuple[int, int] | None:
         """(quantisations that guessed, guesses that missed) so far; None where none guessed.
@@ -100,20 +93,18 @@ class Fp8Linears:
         return None if self._guess is None else K.fp8_guess_counts(self._guess)
 
     def _slot(self, region: int, transposed: bool) -> int | None:
-        """The guess slot of this op's operand, or None (no state lent, no site, or no slot
-        left: quantise as always)."""
+        """The guess slot of this op's operand, or None (not guessing, no state lent, no site,
+        or no slot left: quantise as always)."""
         state = self.ops._lent.get("fp8_guess")
-        if not self.guessing or state is None or self._site is None:
+        if not self.guessing or state is None or self.sites is None:
             return None
         if self._guess is None or self._guess.data.ptr != state.data.ptr:
             # every guess 0: a slot's first use always misses, so casts again
             K.fill_(self.ctx, state, 0.0)
-            self._guess, self._slots = state, {}
-        key = (self._site, region, transposed)
-        slot = self._slots.get(key)
-        if slot is None and len(self._slots) < state.size - K.FP8_GUESS_HEADER:
-            slot = self._slots[key] = len(self._slots)
-        return slot
+            self._guess = state
+            self.sites.clear()
+            self.sites.capacity = state.size - K.FP8_GUESS_HEADER
+        return self.sites.slot(region, transposed)
 
     def _quantise(self, region: int, x, fmt: str, scales, out, out_t=None) -> None:
         src, transposed = (x.data.ptr, x.nbytes, x.shape, x.strides, fmt), out is None
@@ -181,11 +172,6 @@ class Fp8Linears:
         self._quantise(1, x, "e4m3", sb, None, bt)
         K.fp8_gemm(self.ctx, at, "e5m2", sa, bt, "e4m3", sb, dw, accumulate)
         self._wrote(dw)
-
-
-_VISIT = re.compile(r"^(.*?\.c\d+)\.")
-"""A site name's layer visit: up to its chunk ('f.L3.c0' of 'f.L3.c0.linear_fwd')."""
-_CHUNK = re.compile(r"\.c\d+$")
 
 
 def _alpha(alpha: float) -> tuple:
