@@ -33,7 +33,8 @@ _ZERO_ROWS = cp.ElementwiseKernel(
 _BOUND = {name: name for name in (
     "rms_norm_fwd", "linear_fwd", "linear_bwd_x", "linear_bwd_w", "bias_fill", "bias_bwd",
     "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "embedding_fwd", "embedding_bwd",
-    "head_loss_fwd_bwd", "add_", "cast", "clip_scale", "scale_", "fp8_base_dequant")} | MOE_BOUND
+    "head_loss_fwd_bwd", "add_", "cast", "clip_scale", "scale_", "fp8_base_dequant",
+    "vocab_stats", "vocab_merge", "vocab_loss", "vocab_grad")} | MOE_BOUND
 """Op name -> the kernel it is, with the table's CudaContext bound first."""
 
 

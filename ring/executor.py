@@ -43,8 +43,8 @@ class RingExecutor(VocabHeadOps, Executor):
         ops = getattr(be, "ops", None)  # the null backend has no table and runs nothing
         if rp.vocab_parallel and ops is not None and getattr(ops, "vocab_stats", None) is None:
             raise ConfigError(f"--vocab-parallel-head on the {be.name} backend: its op table has "
-                              "no vocabulary-parallel head kernels yet (the NumPy backend has "
-                              "them); use --backend numpy, or leave the flag off")
+                              "no vocabulary-parallel head kernels (the NumPy and CuPy backends "
+                              "have them); use one of those, or leave the flag off")
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
                                                                            replica=q),

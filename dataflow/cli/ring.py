@@ -172,15 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--round-overlap runs on the NumPy backend so far (the NCCL "
                               "transport takes a link's messages in the order sent); drop the "
                               "flag or use --backend numpy")
-        if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
-            raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
-                              "--checkpoint-dir so far; drop those or the flag")
+        if args.vocab_parallel_head and args.checkpoint_dir:
+            raise ConfigError("--vocab-parallel-head runs without --checkpoint-dir so far (the "
+                              "checkpoint format keeps the head block whole); drop one of them")
         if args.split_update and args.checkpoint_dir:
             raise ConfigError("--split-update runs without --checkpoint-dir so far (a replica "
                               "holds AdamW state for its part only); drop one of them")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
+        if args.vocab_parallel_head and transport is not TransportKind.SHM:
+            raise ConfigError(f"--vocab-parallel-head over the {transport.value} transport is "
+                              "not built yet; add --transport shm (ranks of one host; on CuPy "
+                              "written but not yet run on a GPU) or drop the flag")
         if args.split_update and transport is not TransportKind.SHM:
             raise ConfigError(f"--split-update over the {transport.value} transport is not "
                               "built yet; add --transport shm (ranks of one host; on CuPy "
