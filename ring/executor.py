@@ -60,7 +60,7 @@ class RingExecutor(VocabHeadOps, Executor):
         """Split blocks' exact partial squared norms (norm_parts.exact_units), by norm part."""
         self._whole: dict[int, tuple[int, float]] = {}
         """With device sub-block sums (self._sums), the unsplit blocks' exact squared norms."""
-        self._sums = self._bind_sums() if device_norm_sums(be, rp) else None
+        self._sums = self._bind_sums() if device_norm_sums(be, rp, transport) else None
         """(device, pinned host) float64 views for one block's sub-block sums, or None where
         the backend's own sumsq is used (device_norm_sums)."""
         if rp.vocab_parallel:
@@ -312,15 +312,17 @@ class RingExecutor(VocabHeadOps, Executor):
                                    tokens=stats.tokens * self.rp.replicas)
 
 
-def device_norm_sums(be, rp: RankPlan) -> bool:
+def device_norm_sums(be, rp: RankPlan, transport) -> bool:
     """Whether a rank's block norms are each sub-block's float64 sum on the device
-    (sumsq_blocks), added exactly on the host (dataflow.norm_parts): with replicas, on a
-    backend whose device memory the host cannot read (CuPy), whose own sumsq sums a tree of
-    its own, so that split (RankPlan.split_update) and unsplit replicas add the same values.
-    The NumPy backend's sumsq is exact already; one device and rings without replicas keep
-    the backend's sumsq (its bits and speed). The null backend runs nothing."""
-    return (rp.replicas > 1 and not be.device_is_host_memory
-            and getattr(be, "ops", None) is not None)
+    (sumsq_blocks), added exactly on the host (dataflow.norm_parts): with replicas over a
+    transport that splits updates (shared memory), on a backend whose device memory the host
+    cannot read (CuPy), whose own sumsq sums a tree of its own, so that split
+    (RankPlan.split_update) and unsplit replicas add the same values. The NumPy backend's
+    sumsq is exact already; one device, rings without replicas and NCCL replicas (which
+    cannot split; the exact sum costs a host function per block in the last round) keep the
+    backend's sumsq, its bits and speed. The null backend runs nothing."""
+    return (rp.replicas > 1 and getattr(transport, "splits_updates", False)
+            and not be.device_is_host_memory and getattr(be, "ops", None) is not None)
 
 
 def single_device_norm_order(n_layers: int) -> list[str]:

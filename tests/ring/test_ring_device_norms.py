@@ -19,6 +19,8 @@ from dataflow.memplan.plan.plan import GradAccum
 from dataflow.memplan.plan.split import SUB_BLOCK
 from dataflow.norm_parts import sub_block_sums
 from dataflow.ring import executor as ring_executor
+from dataflow.ring.nccl import NcclTransport
+from dataflow.ring.shm import SharedMemoryTransport
 from tests.ring import test_split_update as one_ring
 from tests.ring import test_split_update_rings as rings
 
@@ -39,7 +41,7 @@ def forced(monkeypatch):
     """Every rank with replicas takes the device-sums path, as on CuPy."""
     calls = []
 
-    def force(be, rp):
+    def force(be, rp, transport):
         calls.append(rp.replicas)
         return rp.replicas > 1
     monkeypatch.setattr(ring_executor, "device_norm_sums", force)
@@ -78,7 +80,7 @@ def test_device_norm_sums_equal_the_host_path(rng, monkeypatch):
             for _ in range(3)]
     rp = one_ring._rank_plan("resident", split=False, replicas=2)
     plain = one_ring._train(rp, data, seed, True)
-    monkeypatch.setattr(ring_executor, "device_norm_sums", lambda be, rp: rp.replicas > 1)
+    monkeypatch.setattr(ring_executor, "device_norm_sums", lambda be, rp, tr: rp.replicas > 1)
     _same(one_ring._train(rp, data, seed, True), plain)
 
 
@@ -95,16 +97,21 @@ def test_device_norm_sums_of_split_rings_are_race_free(rng, forced):
     _same(want, got)
 
 
-def test_backends_take_the_device_path_only_with_replicas():
-    """CuPy-like backends (device memory the host cannot read) with replicas; never NumPy,
-    never without replicas, never the null backend (no op table)."""
+def test_backends_take_the_device_path_only_with_replicas_over_shared_memory():
+    """CuPy-like backends (device memory the host cannot read) with replicas over a transport
+    that splits updates (shared memory); never NumPy, never without replicas, never over a
+    transport without reduce-scatter (NCCL), never the null backend (no op table)."""
     rp = one_ring._rank_plan("resident", split=False, replicas=2)
     one = dataclasses.replace(rp, replicas=1)
+    shm, nccl = SharedMemoryTransport, NcclTransport
 
     class Device:
         device_is_host_memory = False
         ops = object()
-    assert ring_executor.device_norm_sums(Device(), rp)
-    assert not ring_executor.device_norm_sums(Device(), one)
-    assert not ring_executor.device_norm_sums(make_backend("numpy"), rp)
-    assert not ring_executor.device_norm_sums(make_backend("null"), rp)
+    assert shm.splits_updates and not nccl.splits_updates
+    assert ring_executor.device_norm_sums(Device(), rp, shm)
+    assert not ring_executor.device_norm_sums(Device(), one, shm)
+    assert not ring_executor.device_norm_sums(Device(), rp, nccl)
+    assert not ring_executor.device_norm_sums(Device(), rp, None)
+    assert not ring_executor.device_norm_sums(make_backend("numpy"), rp, shm)
+    assert not ring_executor.device_norm_sums(make_backend("null"), rp, shm)
