@@ -64,7 +64,8 @@ class Ring:
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
     and loss over it, instead of the last layer's rank carrying the whole head
-    (RankPlan.vocab_parallel, docs/ring.md; NumPy backend so far, untied dense models)."""
+    (RankPlan.vocab_parallel, docs/ring.md; shared memory: NumPy, or CuPy not yet run on a GPU;
+    untied dense models)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
                         "the vocabulary, instead of the last layer's rank carrying the whole "
-                        "head (NumPy backend, untied dense models; no checkpoints yet; "
-                        "docs/ring.md)")
+                        "head (--transport shm, CuPy not yet run on a GPU; untied dense "
+                        "models; no checkpoints yet; docs/ring.md)")
     ovl = p.add_mutually_exclusive_group()
     ovl.add_argument("--no-round-overlap", action="store_true",
                      help="run a step's rounds in turn (the default, the same as leaving both "
