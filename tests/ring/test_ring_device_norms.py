@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dataflow.backends import make_backend
+from dataflow import ops_numpy
 from dataflow.ops_numpy import sumsq_blocks
 from dataflow.memplan.plan.plan import GradAccum
 from dataflow.memplan.plan.split import SUB_BLOCK
@@ -38,13 +39,19 @@ def _same(a, b) -> None:
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Every rank with replicas takes the device-sums path, as on CuPy."""
+    """Every rank with replicas takes the device-sums path, as on CuPy; the list of the
+    replica counts it was asked for, then the sizes the sumsq_blocks op was launched on."""
     calls = []
 
     def force(be, rp, transport):
         calls.append(rp.replicas)
         return rp.replicas > 1
+
+    def counted(x, out):
+        calls.append(("sumsq_blocks", x.size))
+        sumsq_blocks(x, out)  # the op itself (imported before the patch)
     monkeypatch.setattr(ring_executor, "device_norm_sums", force)
+    monkeypatch.setattr(ops_numpy, "sumsq_blocks", counted)  # the NumPy backend's table
     return calls
 
 
@@ -59,15 +66,20 @@ def test_numpy_sumsq_blocks_is_norm_parts_sub_block_sums(rng):
 @pytest.mark.parametrize("where,replicas", [("resident", 2), ("streamed", 3)])
 def test_device_norm_sums_give_the_exact_sumsq_bits_split_and_unsplit(rng, forced, where,
                                                                       replicas):
-    """R replicas of a ring of 1 on the device-sums path, split and unsplit, give the bits of
-    unsplit replicas on the NumPy backend's own sumsq (3 steps, clipping active)."""
+    """R replicas of a ring of 1 on the device-sums path (the op launched on every layer's
+    and the head's gradient, or its part), split and unsplit: the same losses, gradient
+    norms (clipping active) and weights over 3 steps."""
     seed = int(rng.integers(0, 2**31))
     data = [rng.integers(0, one_ring.CFG.vocab_size, (4 * replicas, 65), dtype=np.int32)
             for _ in range(3)]
     kw = dict(replicas=replicas, grad_accum=GradAccum.FP32)
     unsplit = one_ring._train(one_ring._rank_plan(where, split=False, **kw), data, seed, True)
     split = one_ring._train(one_ring._rank_plan(where, split=True, **kw), data, seed, True)
-    assert forced and all(r == replicas for r in forced)
+    asked = [c for c in forced if not isinstance(c, tuple)]
+    sizes = [c[1] for c in forced if isinstance(c, tuple)]
+    assert asked and all(r == replicas for r in asked)
+    whole = max(sizes)  # a part of the largest block is about 1 / R of it
+    assert any(n <= -(-whole // (SUB_BLOCK * replicas)) * SUB_BLOCK for n in sizes)
     _same(unsplit, split)
     assert min(unsplit[0][1]) > 0.05  # clipping was on and active
 
