@@ -20,6 +20,7 @@ import dataflow.kernels.cuda as K
 from dataflow.ops_cuda_moe import MOE_BOUND, MoeOps
 from dataflow.ops_numpy import WRITES
 from dataflow.memplan.plan.buffers import key_block_spans
+from dataflow.memplan.plan.split import SUB_BLOCK
 from dataflow.settings import settings_from_env
 
 
@@ -32,7 +33,8 @@ _ZERO_ROWS = cp.ElementwiseKernel(
 _BOUND = {name: name for name in (
     "rms_norm_fwd", "linear_fwd", "linear_bwd_x", "linear_bwd_w", "bias_fill", "bias_bwd",
     "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "embedding_fwd", "embedding_bwd",
-    "head_loss_fwd_bwd", "add_", "cast", "clip_scale", "scale_", "fp8_base_dequant")} | MOE_BOUND
+    "head_loss_fwd_bwd", "add_", "cast", "clip_scale", "scale_", "fp8_base_dequant",
+    "vocab_stats", "vocab_merge", "vocab_loss", "vocab_grad")} | MOE_BOUND
 """Op name -> the kernel it is, with the table's CudaContext bound first."""
 
 
@@ -104,6 +106,12 @@ class CudaOps(MoeOps):
     def sumsq(self, x, out, accumulate: bool = True):
         K.sumsq(self.ctx, x, out, accumulate,
                 scratch=self._scratch("sumsq_scratch", (1024,), cp.float32))
+
+    def sumsq_blocks(self, x, out):
+        """out (ceil(x.size / SUB_BLOCK),) f64 = each sub-block's float64 sum of squares
+        (dataflow.norm_parts' sub-blocks), no scratch: a ring with replicas adds them exactly
+        on the host (dataflow.ring.executor), so split and unsplit replicas agree bit for bit."""
+        K.sumsq_blocks(self.ctx, x.reshape(-1), out, SUB_BLOCK)
 
     def _scratch(self, name: str, shape, dtype) -> cp.ndarray:
         n = 1

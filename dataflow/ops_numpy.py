@@ -223,6 +223,12 @@ def sumsq(x, out, accumulate=True):
     out[0] = out[0] + F32(s) if accumulate else F32(s)
 
 
+def sumsq_blocks(x, out):
+    """out (ceil(x.size / 1024),) f64 = each 1,024-element sub-block's float64 sum of squares
+    (dataflow.norm_parts.sub_block_sums), the CUDA kernel's truth up to float64 rounding."""
+    out[...] = norm_parts.sub_block_sums(x)
+
+
 # -- mixture of experts (kernels.reference.moe_router / moe_experts; docs/moe.md) -------------
 # Index arrays and counts are int64 arena views (dataflow.memplan.plan.buffers.moe_saved_specs), the
 # reference's dtype and the CUDA kernels'.
@@ -331,6 +337,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "attention_fwd": (4, 5), "attention_bwd": (7, 8, 9),
     "attention_bwd_own": (6, 7, 8), "head_loss_fwd_bwd": (3, 5, 6, 7),
     "adamw_step": (0, 2, 3), "add_": (0,), "cast": (1,), "fill_": (0,), "sumsq": (1,),
+    "sumsq_blocks": (1,),
     "zero_rows_where_": (1,), "scale_": (0,),
     "fp8_base_dequant": (2,), "clip_scale": (2,),
     "moe_route": (4, 5, 6, 7, 8, 9), "moe_route_stats": (3, 4), "moe_round_losses": (3,),

@@ -94,8 +94,8 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     split_update = bool(split_update) and replicas > 1
     if split_update and kind.value != "shm":
         raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
-                          "are not built yet; use --transport shm (NumPy backend) or leave "
-                          "--split-update off")
+                          "are not built yet; use --transport shm (ranks of one host; on "
+                          "CuPy written but not yet run on a GPU) or leave --split-update off")
     profile = ring_profile(profile, env.gpus, kind.value, replicas)  # NCCL's own memory
     _state_parts(constraints, replicas, split_update)
     rp = _rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,

@@ -12,14 +12,16 @@ import dataclasses
 import numpy as np
 
 from dataflow import norm_parts
-from dataflow.backend import Stream
+from dataflow.backend import BackendError, Place, Stream
 from dataflow.executor import Executor, RoundStats, StepStats
 from dataflow.memplan.plan.buffers import MAX_NORM_PARTS, NORM_PARTS_AT
 from dataflow.memplan.plan.ranks import RankPlan
+from dataflow.memplan.plan.split import SUB_BLOCK
 from dataflow.memplan.step.ring_compile import (COMM_STREAMS, AllReduce, GatherParts, Recv,
                                             ReduceScatter, Send, compile_ring_eval_schedule,
                                             compile_ring_schedule, compile_ring_update_schedule)
-from dataflow.memplan.step.compile import Record, Schedule, Wait
+from dataflow.memplan.step.compile import Compute, Record, Schedule, Wait
+from dataflow.memplan.step.events import ComputeOp
 from dataflow.models.errors import ConfigError
 from dataflow.ring.shm import GATHER_MAX
 from dataflow.ring.transport import Transport
@@ -41,8 +43,8 @@ class RingExecutor(VocabHeadOps, Executor):
         ops = getattr(be, "ops", None)  # the null backend has no table and runs nothing
         if rp.vocab_parallel and ops is not None and getattr(ops, "vocab_stats", None) is None:
             raise ConfigError(f"--vocab-parallel-head on the {be.name} backend: its op table has "
-                              "no vocabulary-parallel head kernels yet (the NumPy backend has "
-                              "them); use --backend numpy, or leave the flag off")
+                              "no vocabulary-parallel head kernels (the NumPy and CuPy backends "
+                              "have them); use one of those, or leave the flag off")
         super().__init__(rp.plan, be, schedule, deferred_update=deferred_update,
                          compile_step=lambda update: compile_ring_schedule(rp, update=update,
                                                                            replica=q),
@@ -54,12 +56,13 @@ class RingExecutor(VocabHeadOps, Executor):
         self._dispatch.update({Send: self._send, Recv: self._recv, AllReduce: self._allreduce,
                                GatherParts: self._gather_parts, Record: self._ring_record,
                                Wait: self._ring_wait, ReduceScatter: self._reduce_scatter})
-        if rp.split_update and rp.replicas > 1 and be.name != "numpy":
-            raise ConfigError(f"split updates (--split-update) on the {be.name} backend are not "
-                              "built yet (the partial norms are summed on the host); use "
-                              "--backend numpy or leave --split-update off")
         self._partials: dict[int, tuple[int, float]] = {}
         """Split blocks' exact partial squared norms (norm_parts.exact_units), by norm part."""
+        self._whole: dict[int, tuple[int, float]] = {}
+        """With device sub-block sums (self._sums), the unsplit blocks' exact squared norms."""
+        self._sums = self._bind_sums() if device_norm_sums(be, rp, transport) else None
+        """(device, pinned host) float64 views for one block's sub-block sums, or None where
+        the backend's own sumsq is used (device_norm_sums)."""
         if rp.vocab_parallel:
             self._compute_ops.update(self._vocab_handlers())
         ch, cfg = rp.plan.chunking, rp.plan.model
@@ -149,13 +152,58 @@ class RingExecutor(VocabHeadOps, Executor):
 
     def _grad_sumsq(self, ev) -> None:
         """A block's squared gradient norm into its own scalar (not added into scalar 0): the
-        ranks add the blocks' norms in the single-device order once all are known."""
-        at = NORM_PARTS_AT + self._norm_part[ev.name]
-        if self.rp.split_update and self.rp.replicas > 1 and ev.name != "gnorm.embed":
-            self._partial_sumsq(self._norm_part[ev.name], self._view(ev.grads, dtype=self.gdt))
+        ranks add the blocks' norms in the single-device order once all are known. A split
+        block's part, and with device sums every block but the embedding (updated whole on
+        every path), is summed exactly instead (dataflow.norm_parts)."""
+        k = self._norm_part[ev.name]
+        grads = self._view(ev.grads, dtype=self.gdt)
+        split = self.rp.split_update and self.rp.replicas > 1 and ev.name != "gnorm.embed"
+        if self._sums is not None and ev.name != "gnorm.embed":
+            self._device_sumsq(k, grads, self._partials if split else self._whole, ev.name)
+        elif split:
+            self._partial_sumsq(k, grads)
+        else:
+            at = NORM_PARTS_AT + k
+            self.be.launch(Stream.COMPUTE, "sumsq", grads, self.tr["scalars"][at:at + 1], False,
+                           name=ev.name)
+
+    def _bind_sums(self) -> tuple:
+        """(device, host) float64 views of the most sub-blocks any gradient norm of this
+        rank's schedules sums: two small slabs beside the arenas, outside the plan's budget
+        (a block's gradient bytes / 256 at bf16, / 512 at fp32, each side), allocated at
+        setup, before the backend seals. The host one is pinned (the backend's host slab)."""
+        size = 4 if self.gdt == "f32" else 2
+        schedules = [self.schedule, getattr(self, "_first_schedule", None)]
+        most = max((ev.grads.nbytes // size for sch in schedules if sch is not None
+                    for ev in sch.events
+                    if type(ev) is Compute and ev.op == ComputeOp.GRAD_SUMSQ), default=0)
+        n = max(1, -(-most // SUB_BLOCK))
+        return tuple(self.be.view(self.be.alloc(8 * n, place), 0, (8 * n,), "u8").view(
+            np.float64) for place in (Place.DEVICE, Place.HOST))
+
+    def _device_sumsq(self, k: int, grads, into: dict, name: str) -> None:
+        """`grads`' sub-block sums on the device (sumsq_blocks), copied into the pinned
+        buffer and added exactly there by a host function (norm_parts.exact_units), all on the
+        compute stream, kept in `into` under norm part k. A host function holds its stream
+        until it returns, so the next block's sums may reuse both buffers; _global_sumsq's
+        download waits for all of them. A part's sub-blocks are the whole block's, so split
+        and unsplit replicas add the same float64 values: the same bits."""
+        dev, host = self._sums
+        n = -(-grads.size // SUB_BLOCK)
+        if n > dev.size:
+            raise BackendError(f"{name}: {n} sub-blocks of gradient, but the norm buffers were "
+                               f"bound for {dev.size} at setup (RingExecutor._bind_sums); a "
+                               "schedule compiled later holds a larger block")
+        if n == 0:  # an empty part (a block of fewer sub-blocks than replicas)
+            into[k] = (0, 0.0)
             return
-        self.be.launch(Stream.COMPUTE, "sumsq", self._view(ev.grads, dtype=self.gdt),
-                       self.tr["scalars"][at:at + 1], False, name=ev.name)
+        d, h = dev[:n], host[:n]
+        self.be.launch(Stream.COMPUTE, "sumsq_blocks", grads, d, name=f"{name}.sums")
+        self.be.copy(h, d, Stream.COMPUTE, name=f"{name}.sums.d2h")
+
+        def run() -> None:
+            into[k] = norm_parts.exact_units(h)
+        self.be.host_call(Stream.COMPUTE, run, reads=(h,), name=f"{name}.exact")
 
     def _partial_sumsq(self, k: int, grads) -> None:
         """A split block's part (RankPlan.split_update, whole sub-blocks): its exact squared
@@ -201,7 +249,13 @@ class RingExecutor(VocabHeadOps, Executor):
         row[0] = host_part
         for name, k in self._norm_part.items():
             i = order.index(name.removeprefix("gnorm."))
-            row[1 + 2 * i:3 + 2 * i] = (SPLIT, 0.0) if k in self._partials else (1.0, parts[k])
+            if k in self._partials:
+                row[1 + 2 * i:3 + 2 * i] = (SPLIT, 0.0)
+            elif k in self._whole:  # rounded as a split block's sum is (_split_norms)
+                whole = np.float32(norm_parts.to_float(*self._whole[k]))
+                row[1 + 2 * i:3 + 2 * i] = (1.0, float(whole))
+            else:
+                row[1 + 2 * i:3 + 2 * i] = (1.0, parts[k])
         rows = [np.array(r, np.float64) for r in self._own_ring(self.transport.allgather(row))]
         if any(r[1 + 2 * i] == SPLIT for r in rows for i in range(len(order))):
             self._split_norms(rows, order)
@@ -256,6 +310,19 @@ class RingExecutor(VocabHeadOps, Executor):
         total = float(loss_pairs[:, 0].sum()) / max(1.0, float(loss_pairs[:, 1].sum()))
         return dataclasses.replace(stats, loss=total, rounds=rounds,
                                    tokens=stats.tokens * self.rp.replicas)
+
+
+def device_norm_sums(be, rp: RankPlan, transport) -> bool:
+    """Whether a rank's block norms are each sub-block's float64 sum on the device
+    (sumsq_blocks), added exactly on the host (dataflow.norm_parts): with replicas over a
+    transport that splits updates (shared memory), on a backend whose device memory the host
+    cannot read (CuPy), whose own sumsq sums a tree of its own, so that split
+    (RankPlan.split_update) and unsplit replicas add the same values. The NumPy backend's
+    sumsq is exact already; one device, rings without replicas and NCCL replicas (which
+    cannot split; the exact sum costs a host function per block in the last round) keep the
+    backend's sumsq, its bits and speed. The null backend runs nothing."""
+    return (rp.replicas > 1 and getattr(transport, "splits_updates", False)
+            and not be.device_is_host_memory and getattr(be, "ops", None) is not None)
 
 
 def single_device_norm_order(n_layers: int) -> list[str]:

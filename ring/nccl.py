@@ -215,7 +215,7 @@ class NcclTransport(Transport):
         split update's uneven bounds never reach NCCL: its reduce-scatter is refused)."""
         if bounds:
             raise ConfigError("split updates (--split-update) do not run on NCCL yet; use "
-                              "--transport shm --backend numpy or leave --split-update off")
+                              "--transport shm or leave --split-update off")
         if isinstance(view, np.ndarray):
             raise RingError(f"rank {self.rank}: weight parts are gathered on the device, got a "
                             "host view", rank=self.rank)

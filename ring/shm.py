@@ -92,6 +92,8 @@ class SharedMemoryTransport(Transport):
     found by `run_id` (the launcher's DATAFLOW_RING_ID, else MASTER_PORT). `timeout_s` bounds
     every wait for another process."""
 
+    splits_updates = True
+
     def __init__(self, rank: int, ring_size: int, run_id: str, *, replica: int = 0,
                  replicas: int = 1, timeout_s: float = 60.0):
         gpus = ring_size * replicas

@@ -29,6 +29,8 @@ class Transport(abc.ABC):
     replica: int = 0
     """Which of the R data-parallel rings this process belongs to."""
     replicas: int = 1
+    splits_updates: bool = False
+    """Whether reduce_scatter is built (split updates run over this transport)."""
 
     @abc.abstractmethod
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,

@@ -47,7 +47,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                "vocab_parallel": job.vocab_parallel_head, **dict(job.constraints)})
         rp = rank.rp
         ring_size = rp.n_ranks
-        losses, times, breakdowns = [], [], []
+        losses, norms, times, breakdowns = [], [], [], []
         kill = job.fault.split(":") if job.fault.startswith("kill:") else None
         seqs = rp.plan.chunking.seqs_per_step * job.replicas
         start = _resume(job, rank, transport, cfg, tag)
@@ -59,6 +59,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             stats = rank.train_step(batch)
             losses.append(stats.loss)
+            norms.append(stats.grad_norm)
             times.append(stats.step_time_s)
             print(f"{tag} step {step + 1}/{job.steps} loss {stats.loss:.6f} "
                   f"{stats.tokens / max(stats.step_time_s, 1e-12):,.0f} tok/s "
@@ -96,6 +97,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "split_fetch": rp.split_fetch, "split_update": rp.split_update,
                 "state_parts": rp.plan.state_parts,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
+                "grad_norms": norms,
                 "step_times_s": times, "eval_loss": eval_loss, "breakdowns": breakdowns,
                 "tokens_per_step": rp.plan.chunking.tokens_per_step * job.replicas,
                 "chunking": {"chunk_tokens": rp.plan.chunking.chunk_tokens,

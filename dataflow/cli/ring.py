@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
                         "the vocabulary, instead of the last layer's rank carrying the whole "
-                        "head (NumPy backend, untied dense models; no checkpoints yet; "
-                        "docs/ring.md)")
+                        "head (--transport shm, CuPy not yet run on a GPU; untied dense "
+                        "models; no checkpoints yet; docs/ring.md)")
     ovl = p.add_mutually_exclusive_group()
     ovl.add_argument("--no-round-overlap", action="store_true",
                      help="run a step's rounds in turn (the default, the same as leaving both "
@@ -128,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory and the replicas gather the rest from each other (default: each "
                         "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
     p.add_argument("--split-update", action="store_true",
-                   help="with R >= 2 replicas (rings of any size; --transport shm, NumPy backend): "
-                        "reduce-scatter each block's gradient among the replicas' ranks that "
-                        "hold it, each runs AdamW on its "
-                        "1/R part alone (every rank planned with AdamW state for that part "
+                   help="with R >= 2 replicas (rings of any size; --transport shm; CuPy not "
+                        "yet run on a GPU): reduce-scatter each block's gradient among the "
+                        "replicas' ranks that hold it, each runs AdamW on its 1/R part "
+                        "alone (every rank planned with AdamW state for that part "
                         "only, so layouts that fit only so are weighed and launch) and the "
                         "updated parts are gathered; the same bits as without (default off; no "
                         "checkpoints; docs/ring.md \"Split updates\")")
@@ -172,17 +172,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--round-overlap runs on the NumPy backend so far (the NCCL "
                               "transport takes a link's messages in the order sent); drop the "
                               "flag or use --backend numpy")
-        if args.vocab_parallel_head and (args.checkpoint_dir or args.backend != "numpy"):
-            raise ConfigError("--vocab-parallel-head runs on the NumPy backend without "
-                              "--checkpoint-dir so far; drop those or the flag")
-        if args.split_update and (args.checkpoint_dir or args.backend != "numpy"):
-            raise ConfigError("--split-update runs on the NumPy backend (shared memory; the "
-                              "partial norms are summed on the host) without --checkpoint-dir "
-                              "so far (a replica holds AdamW state for its part only); drop "
-                              "those or the flag")
+        if args.vocab_parallel_head and args.checkpoint_dir:
+            raise ConfigError("--vocab-parallel-head runs without --checkpoint-dir so far (the "
+                              "checkpoint format keeps the head block whole); drop one of them")
+        if args.split_update and args.checkpoint_dir:
+            raise ConfigError("--split-update runs without --checkpoint-dir so far (a replica "
+                              "holds AdamW state for its part only); drop one of them")
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
+        if args.vocab_parallel_head and transport is not TransportKind.SHM:
+            raise ConfigError(f"--vocab-parallel-head over the {transport.value} transport is "
+                              "not built yet; add --transport shm (ranks of one host; on CuPy "
+                              "written but not yet run on a GPU) or drop the flag")
+        if args.split_update and transport is not TransportKind.SHM:
+            raise ConfigError(f"--split-update over the {transport.value} transport is not "
+                              "built yet; add --transport shm (ranks of one host; on CuPy "
+                              "written but not yet run on a GPU) or drop the flag")
         replicas, constraints = resolve_layout(
             args.model, args.seqlen, args.host_gb, args.dev_gb, gpus, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,

@@ -33,6 +33,7 @@ from dataflow.kernels.cuda.fp8 import quantise_guessed as fp8_quantise_guessed
 from dataflow.kernels.cuda.fp8_base import fp8_base_dequant
 from dataflow.kernels.cuda.fp8_gemm import fp8_gemm
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
+from dataflow.kernels.cuda.head_vocab import vocab_grad, vocab_loss, vocab_merge, vocab_stats
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
 from dataflow.kernels.cuda.moe_experts import (expert_order, experts_bwd, experts_bwd_acc_elems,
                                              experts_fwd, inverse_order, mapped_address,
@@ -46,7 +47,7 @@ from dataflow.kernels.cuda.rms_norm import rms_norm_bwd, rms_norm_bwd_scratch_sh
 from dataflow.kernels.cuda.rope import rope_bwd, rope_fwd
 from dataflow.kernels.cuda.swiglu import swiglu_bwd, swiglu_fwd
 from dataflow.kernels.cuda.utils import (add_, bias_bwd, bias_fill, cast, clip_scale, fill_, scale_,
-                                         sumsq)
+                                         sumsq, sumsq_blocks)
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
@@ -59,6 +60,7 @@ __all__ = [
     "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",
     "rms_norm_bwd", "rms_norm_bwd_scratch_shape", "rms_norm_fwd", "rope_bwd", "rope_fwd",
     "router_bwd", "router_bwd_scratch_elems", "router_fwd", "router_logits_bwd", "router_z_loss",
-    "router_z_loss_bwd", "set_cublas_workspace", "sumsq", "swiglu_bwd", "swiglu_fwd",
-    "unpermute_bwd", "unpermute_fwd",
+    "router_z_loss_bwd", "set_cublas_workspace", "sumsq", "sumsq_blocks", "swiglu_bwd",
+    "swiglu_fwd",
+    "unpermute_bwd", "unpermute_fwd", "vocab_grad", "vocab_loss", "vocab_merge", "vocab_stats",
 ]

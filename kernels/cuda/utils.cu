@@ -13,6 +13,13 @@
 //   its grid-stride share in fp32 into part[b];
 // sumsq_finish:          one block adds part[0..P) in a fixed tree order into out[0]
 //   (out = s, or out += s when accumulate): deterministic, no atomics.
+// sumsq_blocks<S>:       out[b] (double) = sum of x^2 over sub-block b, elements
+//   [b * sub, min(n, (b + 1) * sub)): one block of 256 threads per sub-block, thread t sums
+//   elements t, t + 256, ... in double (each square is exact: at most 24 significant bits), then
+//   a fixed shared-memory tree. The value depends on the sub-block's elements only, never on
+//   where it lies or how many there are, so a split replica's part gives the whole block's
+//   sums (dataflow.norm_parts adds them exactly on the host; truth norm_parts.sub_block_sums,
+//   equal up to float64 rounding of the order).
 // clip_scale_kernel:     out[0] = scale * min(1, max_norm / (sqrt(sumsq[0]) + 1e-6)), the
 //   clip-by-global-norm factor (torch.nn.utils.clip_grad_norm_), computed on the device so
 //   AdamW can read it without a host sync.
@@ -112,6 +119,28 @@ __global__ void __launch_bounds__(1024) sumsq_finish(const float* __restrict__ p
     for (int i = threadIdx.x; i < n_parts; i += blockDim.x) s += part[i];
     s = block_sum(s, red);
     if (threadIdx.x == 0) out[0] = accumulate ? out[0] + s : s;
+}
+
+template <typename S>
+__global__ void __launch_bounds__(256) sumsq_blocks(const S* __restrict__ x, i64 n, int sub,
+                                                   double* __restrict__ out) {
+    __shared__ double red[256];
+    const i64 start = (i64)blockIdx.x * sub;
+    double s = 0.0;
+    for (int k = threadIdx.x; k < sub; k += 256) {
+        const i64 i = start + k;
+        if (i < n) {
+            const double v = (double)to_f(x[i]);
+            s += v * v;
+        }
+    }
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = 128; w > 0; w >>= 1) {
+        if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = red[0];
 }
 
 __global__ void clip_scale_kernel(const float* __restrict__ sumsq, float max_norm, float scale,

@@ -1,9 +1,10 @@
 """Elementwise and reduction utilities on the GPU (kernels/cuda/utils.cu): add_ (gradient
 accumulation in any bf16/f32 combination), cast, fill_, sumsq (deterministic global grad-norm
-piece), clip_scale (clip-by-global-norm factor on the device), and bias_fill / bias_bwd (the
-forward start and the gradient of a projection's bias, Qwen2's q/k/v). Enqueued on the current CuPy
-stream; never synchronises; sumsq allocates only its tiny per-stream scratch on first use when
-the caller passes none (kept in the CudaContext)."""
+piece), sumsq_blocks (each sub-block's float64 sum of squares, for the exact norm of
+dataflow.norm_parts), clip_scale (clip-by-global-norm factor on the device), and bias_fill /
+bias_bwd (the forward start and the gradient of a projection's bias, Qwen2's q/k/v). Enqueued on
+the current CuPy stream; never synchronises; sumsq allocates only its tiny per-stream scratch on
+first use when the caller passes none (kept in the CudaContext)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import numpy as np
 from dataflow.kernels.cuda import _build
 from dataflow.kernels.cuda._build import F32
 
+F64 = np.dtype(np.float64)
+
 _SRC = "utils.cu"
 _TYPES = ("bf16", "float")
 _NAMES = tuple(
@@ -21,6 +24,7 @@ _NAMES = tuple(
     + [f"fill_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
     + [f"scale_kernel<{d}, {v}>" for d in _TYPES for v in (1, 8)]
     + [f"sumsq_partial<{s}, {v}>" for s in _TYPES for v in (1, 8)]
+    + [f"sumsq_blocks<{s}>" for s in _TYPES]
     + ["sumsq_finish", "clip_scale_kernel"]
     + [f"bias_fill_kernel<{t}>" for t in _TYPES]
     + [f"bias_bwd_kernel<{s}, {w}>" for s in _TYPES for w in _TYPES]
@@ -114,6 +118,22 @@ def sumsq(ctx, x, out, accumulate: bool = False, scratch=None) -> None:
         (parts,), (_THREADS,), (x, np.int64(n), scratch))
     _build.kernel(ctx, _SRC, _NAMES, "sumsq_finish")(
         (1,), (1024,), (scratch, np.int32(parts), out, np.int32(bool(accumulate))))
+
+
+def sumsq_blocks(ctx, x, out, sub: int = 1024) -> None:
+    """out (ceil(n / sub),) f64 device = each sub-block's sum of x^2 over the flat bf16|f32 x
+    (sub-block b: elements [b sub, min(n, (b + 1) sub))), summed in float64 in a fixed order
+    that depends on the sub-block's elements only (utils.cu); no scratch, no atomics."""
+    _build.check("x", x)
+    _build.check("out", out, None, (F64,))
+    n = x.size
+    blocks = -(-n // sub)
+    if out.size != blocks:
+        raise ValueError(f"sumsq_blocks writes {blocks} values (n {n}, sub-blocks of {sub}); "
+                         f"out has shape {out.shape}")
+    if blocks:
+        _build.kernel(ctx, _SRC, _NAMES, f"sumsq_blocks<{_build.ctype(x.dtype, 'x')}>")(
+            (blocks,), (_THREADS,), (x, np.int64(n), np.int32(sub), out))
 
 
 def clip_scale(ctx, sumsq_value, max_norm: float, out, scale: float = 1.0) -> None:

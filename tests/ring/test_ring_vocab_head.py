@@ -188,13 +188,18 @@ def test_ring_job_processes_train_with_the_vocab_parallel_head_and_clip(tmp_path
 
 
 def test_ring_cli_takes_the_flag_and_refuses_what_it_does_not_run(capsys):
-    """dataflow-ring --vocab-parallel-head with --checkpoint-dir exits 2 naming the flag."""
+    """dataflow-ring --vocab-parallel-head with --checkpoint-dir, or over NCCL (CuPy's default
+    transport), exits 2 naming the flag and what to change."""
     from dataflow.cli.ring import main
 
     args = ["0.25", "0.25", "64", "tiny", "--gpus", "2", "--replicas", "1", "--steps", "1",
-            "--vocab-parallel-head", "--checkpoint-dir", "/nonexistent/ckpt"]
-    assert main(args) == 2
-    assert "--vocab-parallel-head" in capsys.readouterr().err
+            "--vocab-parallel-head"]
+    assert main(args + ["--checkpoint-dir", "/nonexistent/ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert "--vocab-parallel-head runs without --checkpoint-dir" in err
+    assert main(args + ["--backend", "cupy"]) == 2
+    err = capsys.readouterr().err
+    assert "--vocab-parallel-head over the nccl transport" in err and "--transport shm" in err
 
 
 def test_engine_with_ring_vocab_parallel_head_trains_as_one_device(rng):
@@ -299,9 +304,9 @@ def test_a_vocab_parallel_ring_on_a_saved_model_starts_from_its_weights(tmp_path
 
 
 def test_a_backend_without_the_vocab_ops_is_refused_by_name():
-    """A rank on a backend whose op table lacks the vocab_* kernels (the CuPy table today;
-    here a NumPy backend with a table stripped of them) is refused before any step, naming the
-    flag and the backend that has them."""
+    """A rank on a backend whose op table lacks the vocab_* kernels (here a NumPy backend with
+    a table stripped of them) is refused before any step, naming the flag and the backends
+    that have them."""
     import types
 
     import dataflow.ops_numpy as ops_numpy
@@ -314,5 +319,5 @@ def test_a_backend_without_the_vocab_ops_is_refused_by_name():
     be.ops = types.SimpleNamespace(**{k: getattr(ops_numpy, k) for k in ops_numpy.WRITES
                                       if not k.startswith("vocab_")})
     with pytest.raises(ConfigError, match="--vocab-parallel-head on the numpy backend.*"
-                                          "NumPy backend has them"):
+                                          "NumPy and CuPy backends have them"):
         RingExecutor(rp, be, None)

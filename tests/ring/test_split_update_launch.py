@@ -155,13 +155,16 @@ def test_a_launched_split_rank_runs_the_decisions_its_layout_predicted():
                                    else split_memory_map(want, 8)), cons
 
 
-@pytest.mark.parametrize("flags", [("--backend", "cupy"), ("--checkpoint-dir", "ckpt")])
+@pytest.mark.parametrize("flags,says", [
+    (("--backend", "cupy"), "over the nccl transport is not built yet; add --transport shm"),
+    (("--backend", "cupy", "--transport", "nccl"), "add --transport shm"),
+    (("--checkpoint-dir", "ckpt"), "runs without --checkpoint-dir so far")])
 def test_dataflow_ring_refuses_split_updates_it_cannot_run_before_spawning(tmp_path, capsys,
-                                                                          flags):
-    """--split-update with the CuPy backend or with checkpoints exits 2 with one line naming
-    what to drop, before any rank is spawned."""
+                                                                          flags, says):
+    """--split-update over NCCL (CuPy's default transport) or with checkpoints exits 2 with
+    one line naming what to change, before any rank is spawned."""
     flags = tuple(str(tmp_path / f) if f == "ckpt" else f for f in flags)
     assert main(["--gpus", "2", *BOTH, "64", MODEL, "--replicas", "2", "--split-update",
                  *flags]) == 2
     err = capsys.readouterr().err
-    assert "--split-update runs on the NumPy backend" in err and "drop those" in err
+    assert says in err and err.count("\n") == 1, err
