@@ -84,9 +84,8 @@ def run(model, seqlen: int, tokens_per_step: int, steps: int, data, host_gb: flo
         dev_gb: float) -> tuple[ScaleRecorder, list[float], object]:
     """Train `steps` steps in fp8 on the recorder; (recorder, losses, plan)."""
     # Here, not at the top: the engine and the data path are heavy imports for --help.
-    from dataflow.cli.demo_training import step_args
     from dataflow.data.open_data import open_data
-    from dataflow.engine import Engine
+    from dataflow.engine import Engine  # (as the line above)
 
     be = ScaleRecorder()
     losses = []
@@ -96,7 +95,8 @@ def run(model, seqlen: int, tokens_per_step: int, steps: int, data, host_gb: flo
                            model=model, progress=False)
         for i in range(steps):
             be.step = i + 1
-            a, kw = step_args(source.next_batch(eng.seqs_per_step))
+            batch = source.next_batch(eng.seqs_per_step)  # token rows, or a TokenBatch
+            a, kw = batch.step_args() if hasattr(batch, "step_args") else ((batch,), {})
             losses.append(eng.train_step(*a, **kw).loss)
             print(f"step {i + 1}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
         plan = eng.plan

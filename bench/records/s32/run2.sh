@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Written in the thirty-second session (no GPU was lent after its call 1; for the next session):
-# guessed FP8 scales (DATAFLOW_FP8_SCALES=guessed, 717eb5b+). The FP8 GPU tests;
+# guessed FP8 scales (DATAFLOW_FP8_SCALES=guessed, 717eb5b+). The FP8 GPU tests, the ring's
+# CuPy tests (split updates, vocabulary-parallel head);
 # then the 112M shape of the twenty-eighth session's convergence run, 150 steps of real text in
 # fp8 (its losses against that run's recorded fp8 losses: guessing must not move a bit; and
 # the share of guesses that held); then the 8b pair at 8192 in 80/24 through bench.budget_truth
@@ -17,6 +18,11 @@ rc=$?
 echo "pytest rc $rc at $((SECONDS-T0)) s: $(tail -1 $OUT/gpu-tests.log)"
 grep -E "^FAILED|^ERROR|Error" $OUT/gpu-tests.log | head -12 | cut -c1-300
 [ $rc -eq 0 ] || { tail -60 $OUT/gpu-tests.log | cut -c1-240; exit 1; }
+# the ring's CuPy paths of the same session (split updates and the vocabulary-parallel head on
+# one GPU over shared memory), also written without a GPU: their own log, not a stop
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs tests/kernels/test_cuda_sumsq_blocks.py tests/kernels/test_cuda_vocab_head.py tests/ring/test_ring_gpu_split.py tests/ring/test_ring_gpu_vocab.py > $OUT/gpu-tests-ring.log 2>&1
+echo "ring pytest rc $? at $((SECONDS-T0)) s: $(tail -1 $OUT/gpu-tests-ring.log)"
+grep -E "^FAILED|^ERROR" $OUT/gpu-tests-ring.log | head -8 | cut -c1-240
 STD=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 mkdir -p /tmp/stdlib
 i=0; for f in $(find $STD -name "*.py" -not -path "*/test/*" -not -path "*/tests/*" -not -path "*/site-packages/*" | sort); do
