@@ -17,7 +17,8 @@ from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.plan.split import split_memory_map
-from dataflow.memplan.search.predict import replica_prediction
+from dataflow.memplan.search.layout_final import best_of_each, compiled_tok_per_s
+from dataflow.memplan.search.predict import compiled_rank_plans, replica_prediction
 from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
                                                   overlap_bytes, overlap_rank_plans)
 from dataflow.memplan.search.ring_plan import (
@@ -178,12 +179,12 @@ def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
 
 def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
                 memo: dict | None = None, *, fetch: bool = True,
-                update: bool = False) -> tuple[RankPlan, ...]:
+                update: bool = False, compiled: bool = False) -> tuple[RankPlan, ...]:
     """The ring's rank plans as replicas that split their weight fetches (`fetch`:
     RankPlan.split_fetch) and / or their update (`update`: RankPlan.split_update), each plan's
     prediction its stand-alone step compiled so, with its part copies and the gathers over
-    `link` (ring_schedule.replica_prediction). Ranks of one kind (layers, embedding, head) are
-    predicted once per `memo`."""
+    `link` (ring_schedule.replica_prediction; compiled: scaling the compiled whole step's).
+    Ranks of one kind (layers, embedding, head) are predicted once per `memo`."""
     memo = {} if memo is None else memo
     out = []
     for rp in rps:
@@ -192,7 +193,7 @@ def split_plans(rps: tuple[RankPlan, ...], replicas: int, link: Link,
         key = (*kind, link.name)
         if key not in memo:  # the compiled schedules and the whole timing: once for all links
             memo[key] = replica_prediction(rp, link.bytes_per_s, link.latency_s,
-                                           memo.setdefault(kind, {}))
+                                           memo.setdefault(kind, {}), from_schedule=compiled)
         out.append(dataclasses.replace(rp, plan=dataclasses.replace(rp.plan,
                                                                     prediction=memo[key])))
     return tuple(out)
@@ -205,21 +206,25 @@ def _streams_weights(rps: tuple[RankPlan, ...]) -> bool:
 
 def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Link, ...],
             single: float | None, constraints: dict, split_fetch: bool = False,
-            overlap: bool = False, split_update: bool = False) -> LayoutOption:
+            overlap: bool = False, split_update: bool = False,
+            compiled: dict | None = None) -> LayoutOption:
     """The layout's prediction over every link. split_fetch: replicas that stream weights
     split their fetches, the gathers crossing each link (over a slow link that costs more than
     it saves). overlap: the ring's rounds overlap where its budgets allow (predict_ring).
     split_update: replicas split their update (rank k of every replica its part of rank k's
     blocks: its part's AdamW and state, each rank predicted from its compiled split schedule;
-    its memory the split replica's)."""
+    its memory the split replica's). compiled (a memo): every rank predicted from its compiled
+    schedule (compiled_rank_plans), the final figures; None: the search's estimates."""
+    if compiled is not None:
+        rps = compiled_rank_plans(rps, compiled)
     ch = rps[0].plan.chunking
     tokens = ch.tokens_per_step * replicas
     split = split_fetch and replicas > 1 and _streams_weights(rps)
     su = split_update and replicas > 1
     preds, memo, depth = [], {}, 0
     for link in links:
-        ring_rps = split_plans(rps, replicas, link, memo, fetch=split, update=su) \
-            if split or su else rps
+        ring_rps = split_plans(rps, replicas, link, memo, fetch=split, update=su,
+                               compiled=compiled is not None) if split or su else rps
         ring = predict_ring(ring_rps, link, overlap=overlap)
         depth = max(depth, ring.overlap_depth)
         reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
@@ -434,8 +439,8 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
         try:
             # one device in the ring's precision: the speedup compares like with like
             precision = (constraints or {}).get("precision", "bf16")
-            single_tok_per_s = make_plan(cfg, seqlen, budget, profile,
-                                         precision=precision).prediction.tok_per_s
+            single_tok_per_s = compiled_tok_per_s(make_plan(cfg, seqlen, budget, profile,
+                                                             precision=precision))
         except InfeasibleBudget:  # a ring may fit where one device does not
             single_tok_per_s = None
     sizes = ring_sizes(gpus, cfg.n_layers)
@@ -445,7 +450,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                               f"{cfg.name} ({cfg.n_layers} layers); ring sizes that work: "
                               f"{', '.join(map(str, sizes))}")
         sizes = [ring_size]
-    options, refused, plans = [], [], {}
+    options, refused, plans, made = [], [], {}, {}
     fixed = constraints
     for n in sizes:
         replicas = gpus // n
@@ -488,6 +493,7 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
                 refused.append(f"{replicas} split-update replicas: {str(exc)[:160]}")
                 continue
             options.append(opt)
+            made[id(opt)] = (rps, replicas, used, su)
             plans[id(opt)] = tuple(dataclasses.replace(rp, replicas=replicas, split_update=True)
                                    for rp in rps) if su else rps
     if not options:
@@ -496,16 +502,19 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
             f"{budget.device_bytes / 2**30:g} GiB device each for {cfg.name} at seqlen "
             f"{seqlen}:\n  " + "\n  ".join(refused))
     # One option per layout (the faster chunking and placement of a ring size), fastest first;
-    # a placement other than cyclic must be predicted PLACEMENT_MARGIN ahead to be kept.
+    # another placement than cyclic must be PLACEMENT_MARGIN ahead; replicas of one device
+    # are chosen by their compiled figures (layout_final)
     def merit(o: LayoutOption) -> float:
         tok = o.on(link.name).tok_per_s
         return tok if o.layout.placement == PLACEMENT else tok / (1.0 + PLACEMENT_MARGIN)
 
-    best: dict[tuple[int, int], LayoutOption] = {}
-    for o in options:
-        key = (o.layout.ring_size, o.layout.replicas)
-        if key not in best or merit(o) > merit(best[key]):
-            best[key] = o
+    def again(o: LayoutOption, timed={}) -> LayoutOption:  # noqa: B006 - one memo a choice
+        rps, replicas, used, su = made[id(o)]
+        new = _option(rps, gpus, replicas, links, single_tok_per_s, used, split_fetch,
+                      round_overlap, split_update=su, compiled=timed)
+        plans[id(new)] = plans[id(o)]
+        return new
+    best = best_of_each(options, merit, again)
     ranked = sorted(best.values(), key=lambda o: -o.on(link.name).tok_per_s)
     chosen = ranked[0]
     return LayoutChoice(chosen=chosen, options=tuple(ranked), refused=tuple(refused),
@@ -527,11 +536,11 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
                           ring_profile(profile, gpus, transport, replicas), ring_size,
                           **constraints)
     try:
-        single = make_plan(cfg, seqlen, budget, profile).prediction.tok_per_s
+        single = compiled_tok_per_s(make_plan(cfg, seqlen, budget, profile))
     except InfeasibleBudget:
         single = None
     return _option(rps, gpus, gpus // ring_size, links, single, constraints, split_fetch,
-                   round_overlap)
+                   round_overlap, compiled={} if ring_size == 1 else None)
 
 
 def layout_text(choice: LayoutChoice) -> str:
