@@ -3,8 +3,8 @@
 # guessed FP8 scales (DATAFLOW_FP8_SCALES=guessed, 717eb5b+). The FP8 GPU tests, the ring's
 # CuPy tests (split updates, vocabulary-parallel head);
 # then the 112M shape of the twenty-eighth session's convergence run, 150 steps of real text in
-# fp8 (its losses against that run's recorded fp8 losses: guessing must not move a bit; and
-# the share of guesses that held); then the 8b pair at 8192 in 80/24 through bench.budget_truth
+# fp8 with guessed and with current scales (their losses bit for bit: guessing must not move a
+# bit; and the share of guesses that held); then the 8b pair at 8192 in 80/24 through bench.budget_truth
 # (NVML and RSS sampled), fp8 guessed beside its bf16 twin, then fp8 current where time is left.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -29,21 +29,23 @@ i=0; for f in $(find $STD -name "*.py" -not -path "*/test/*" -not -path "*/tests
   i=$((i+1)); cp "$f" /tmp/stdlib/$(printf %05d $i).txt; done
 echo "text: $i files, $(cat /tmp/stdlib/*.txt | wc -c) bytes from $STD"
 M=$PWD/bench/records/s28-fp8/m112.json
-(cd /tmp && timeout 120 dataflow-demo 16 16 1024 $M --tokens-per-step 16384 --steps 150 --data /tmp/stdlib --precision fp8 --json > $OUT/m112-fp8.json 2> /tmp/m112.log)
-echo "m112 fp8 rc $? at $((SECONDS-T0)) s"; grep -E "^summary|rror|fp8 scales" /tmp/m112.log | head -4 | cut -c1-200
+for scales in guessed current; do  # the same run both ways: guessing must not move a bit
+  (cd /tmp && DATAFLOW_FP8_SCALES=$scales timeout 120 dataflow-demo 16 16 1024 $M --tokens-per-step 16384 --steps 150 --data /tmp/stdlib --precision fp8 --json > $OUT/m112-$scales.json 2> /tmp/m112-$scales.log)
+  echo "m112 fp8 $scales rc $? at $((SECONDS-T0)) s"; grep -E "^summary|rror|fp8 scales" /tmp/m112-$scales.log | head -4 | cut -c1-200
+done
 python3 - <<'PY'
 import json, os
 out = os.environ["OUT"]
 try:
-    d = json.load(open(f"{out}/m112-fp8.json"))
+    g, c = (json.load(open(f"{out}/m112-{k}.json")) for k in ("guessed", "current"))
     old = json.load(open("bench/records/s28-fp8/call2/fp8_convergence.json"))["fp8_losses"]
-    new = [s["loss"] for s in d["steps"]]
-    same = sum(a == b for a, b in zip(new, old))
-    first = next((i + 1 for i, (a, b) in enumerate(zip(new, old)) if a != b), None)
-    print(f"m112 fp8: {len(new)} steps, {same} losses equal to s28's bit for bit, first "
-          f"differing step {first}; fp8_scales {d.get('fp8_scales')}; plan hash {d['plan_hash']}")
-    if first:
-        print("  new", new[first - 1:first + 2], "old", old[first - 1:first + 2])
+    lg, lc = ([s["loss"] for s in d["steps"]] for d in (g, c))
+    first = next((i + 1 for i, (a, b) in enumerate(zip(lg, lc)) if a != b), None)
+    print(f"m112 fp8: {len(lg)} / {len(lc)} steps guessed / current; first step where they "
+          f"differ: {first} (None: bit for bit); fp8_scales {g.get('fp8_scales')}; "
+          f"current's fp8_scales {c.get('fp8_scales')} (None expected)")
+    print(f"  against s28's curve: {sum(a == b for a, b in zip(lc, old))} of {len(lc)} equal "
+          f"(plan hash now {c['plan_hash']})")
 except Exception as e:  # noqa: BLE001
     print(f"m112 summary failed: {e!r}"[:300])
 PY
