@@ -23,6 +23,7 @@ import numpy as np
 
 import dataflow.kernels.cuda as K
 from dataflow.fp8_sites import Fp8Sites
+from dataflow.models.errors import ConfigError
 from dataflow.ops_fp8_numpy import FP8_LINEAR_OPS, fp8_shapes_fit
 from dataflow.settings import settings_from_env
 
@@ -47,7 +48,7 @@ class Fp8Linears:
         self.ops, self.ctx = ops, ops.ctx
         scaling = settings_from_env().fp8_scales
         if scaling not in SCALINGS:
-            raise ValueError(f"DATAFLOW_FP8_SCALES={scaling!r}: use 'current' (the default: "
+            raise ConfigError(f"DATAFLOW_FP8_SCALES={scaling!r}: use 'current' (the default: "
                              "each operand's amax pass, then its cast) or 'guessed' (its site's "
                              "last scale, cast again where it missed)")
         self.guessing = scaling == "guessed"
