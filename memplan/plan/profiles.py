@@ -65,8 +65,14 @@ to weigh a host optimizer against one streamed through the GPU."""
 H200_FP8_GEMM_FLOP_PER_S = 989e12 * 780 / 989 * SUSTAINED_POWER_FACTOR * 15.03 / 8.14
 """The bf16 GEMM rate times FP8's speedup over bf16 on the GEMMs of Llama3-8B's block at 8,192
 tokens on the lent H200 (bench.fp8_gemm: 15.03 ms bf16, 8.14 ms FP8 for the three GEMMs of every
-projection, bench/records/s26-fp8/call1/fp8_gemm.json): ~1,256 TFLOP/s sustained. The H100 (the
-same die) is not yet measured, so its plans claim no FP8 speedup."""
+projection, bench/records/s26-fp8/call1/fp8_gemm.json): ~1,256 TFLOP/s sustained."""
+
+H100_FP8_GEMM_FLOP_PER_S = 989e12 * 780 / 989 * SUSTAINED_POWER_FACTOR * 14.54 / 7.90
+"""The same on the lent H100 (bench.fp8_gemm: 14.54 ms bf16, 7.90 ms FP8,
+bench/records/s34/call2/fp8_gemm-h100.json): ~1,251 TFLOP/s sustained. Before it the H100 profile
+had no FP8 rate and planned fp8 as if its GEMMs ran at the bf16 rate: 8b at 8k in 80/24 was
+predicted at 8,315 tok/s and ran 11,106 on that plan; planned with this rate, 12,097
+(bench/records/s34/call1, call2)."""
 
 HOST_GATHER_BYTES_PER_S = 11e9
 """The embedding-row gather as the executor runs it (np.take(table, ids, axis=0, out=rows,
@@ -85,7 +91,7 @@ _BUILTIN = (
     # together, HBM copy 3.0 TB/s (read + write counted).
     _p("h100", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
        444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 3.0e12, 5,
-       80),
+       80, fp8_gemm=H100_FP8_GEMM_FLOP_PER_S),
     # H200: same compute die and 700 W cap as the H100; faster HBM (4.8 TB/s datasheet);
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,

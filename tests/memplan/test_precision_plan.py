@@ -14,6 +14,7 @@ from dataflow.memplan import get_profile, make_plan, predict_schedule
 from dataflow.memplan.plan import buffers
 from dataflow.memplan.plan.decisions import decisions_of
 from dataflow.memplan.plan.plan import Budget, Plan, Precision
+from dataflow.memplan.plan.profiles import BUILTIN_PROFILES
 from dataflow.memplan.search.build import finish_plan
 from dataflow.models.config import load_config
 from dataflow.models.errors import ConfigError
@@ -45,7 +46,7 @@ def test_json_names_fp8_and_leaves_bf16_as_it_was():
 
 
 def test_fp8_is_predicted_faster_only_at_a_measured_rate():
-    h100 = get_profile("h100")
+    h100 = dataclasses.replace(get_profile("h100"), fp8_gemm_flop_per_s=None)
     bf16, fp8 = _plans(h100)
     assert fp8.prediction.tok_per_s < bf16.prediction.tok_per_s  # quantise passes, no rate
     measured = dataclasses.replace(h100, fp8_gemm_flop_per_s=2 * h100.peak_bf16_flop_per_s
@@ -53,6 +54,12 @@ def test_fp8_is_predicted_faster_only_at_a_measured_rate():
     bf16m, fp8m = _plans(measured)
     assert bf16m.prediction.tok_per_s == bf16.prediction.tok_per_s
     assert fp8m.prediction.tok_per_s > 1.1 * bf16m.prediction.tok_per_s
+
+
+def test_the_built_in_h100_and_h200_profiles_carry_their_measured_fp8_rates():
+    for name in ("h100", "h200"):
+        p = BUILTIN_PROFILES[name]
+        assert 1.8 < p.fp8_gemm_flop_per_s / (p.peak_bf16_flop_per_s * p.gemm_efficiency) < 1.9
 
 
 def test_a_bad_precision_is_refused_by_name():
