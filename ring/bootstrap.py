@@ -92,10 +92,6 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     profile = profile or default_profile(be)  # as the Engine: this GPU's (or a probed) profile
     split_fetch = bool(split_fetch) and replicas > 1
     split_update = bool(split_update) and replicas > 1
-    if split_update and kind.value != "shm":
-        raise ConfigError(f"split updates (--split-update) over the {kind.value} transport "
-                          "are not built yet; use --transport shm (ranks of one host; on "
-                          "CuPy written but not yet run on a GPU) or leave --split-update off")
     profile = ring_profile(profile, env.gpus, kind.value, replicas)  # NCCL's own memory
     _state_parts(constraints, replicas, split_update)
     rp = _rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,

@@ -55,16 +55,16 @@ class Ring:
     default: on 2 H200s at 60/24 it measured 2.5 % slower than each fetching everything (8b,
     16k chunks, copies already hidden; docs/ring.md)."""
     split_update: bool = False
-    """With R >= 2 replicas (rings of any size; shared memory; NumPy, or CuPy, not yet run on
-    a GPU): each block's gradient is reduce-scattered over the replicas' ranks that hold it,
+    """With R >= 2 replicas (rings of any size; shared memory: NumPy, or CuPy; NCCL written, not
+    yet run on two GPUs): each block's gradient is reduce-scattered over the replicas' ranks that hold it,
     each runs AdamW on its part alone (AdamW state for that part only) and the updated parts
     are gathered
-    (RankPlan.split_update; the same bits as without; docs/ring.md "Split updates"). Off by
-    default; what is not built (MoE, NCCL, checkpoints) is refused by name."""
+    (RankPlan.split_update; the same bits as without over shared memory; docs/ring.md "Split
+    updates"). Off by default; what is not built (MoE, checkpoints) is refused by name."""
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
     and loss over it, instead of the last layer's rank carrying the whole head
-    (RankPlan.vocab_parallel, docs/ring.md; shared memory: NumPy, or CuPy not yet run on a GPU;
+    (RankPlan.vocab_parallel, docs/ring.md; shared memory: NumPy, or CuPy ranks sharing a GPU;
     untied dense models)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /

@@ -314,14 +314,16 @@ class RingExecutor(VocabHeadOps, Executor):
 
 def device_norm_sums(be, rp: RankPlan, transport) -> bool:
     """Whether a rank's block norms are each sub-block's float64 sum on the device
-    (sumsq_blocks), added exactly on the host (dataflow.norm_parts): with replicas over a
-    transport that splits updates (shared memory), on a backend whose device memory the host
-    cannot read (CuPy), whose own sumsq sums a tree of its own, so that split
-    (RankPlan.split_update) and unsplit replicas add the same values. The NumPy backend's
-    sumsq is exact already; one device, rings without replicas and NCCL replicas (which
-    cannot split; the exact sum costs a host function per block in the last round) keep the
-    backend's sumsq, its bits and speed. The null backend runs nothing."""
-    return (rp.replicas > 1 and getattr(transport, "splits_updates", False)
+    (sumsq_blocks), added exactly on the host (dataflow.norm_parts), on a backend whose device
+    memory the host cannot read (CuPy), whose own sumsq sums a tree of its own: with replicas
+    over a transport that splits updates, for a split update (RankPlan.split_update: a part's
+    exact sum is what the replicas add) and, over a transport whose split and unsplit replicas
+    promise the same bits (shared memory), for unsplit replicas too, so both add the same
+    values. The NumPy backend's sumsq is exact already; one device, rings without replicas and
+    unsplit NCCL replicas (the exact sum costs a host function per block in the last round)
+    keep the backend's sumsq, its bits and speed. The null backend runs nothing."""
+    split = rp.split_update or getattr(transport, "split_bits_promised", False)
+    return (rp.replicas > 1 and getattr(transport, "splits_updates", False) and split
             and not be.device_is_host_memory and getattr(be, "ops", None) is not None)
 
 

@@ -66,8 +66,8 @@ class RingJob:
     part alone (RankPlan.split_update); False: every replica updates the whole model."""
     vocab_parallel_head: bool = False
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the
-    logits and loss over it (RankPlan.vocab_parallel; shared memory: NumPy, or CuPy not yet
-    run on a GPU)."""
+    logits and loss over it (RankPlan.vocab_parallel; shared memory: NumPy, or CuPy ranks
+    sharing a GPU)."""
     backend: str = "numpy"
     transport: TransportKind = TransportKind.SHM
     """SHM (one host: NumPy backend, or ranks sharing GPUs through pinned staging), NCCL (CuPy

@@ -5,8 +5,9 @@ neighbour pair of each ring, so a send waiting for its receiver never blocks a r
 calls around each); one communicator per ring rank across the replicas for the gradient
 all-reduce (bf16 or f32 sums, in place); one world communicator for the all-gather. Activations
 travel as bytes (NCCL_UINT8). The unique ids travel over the TCP rendezvous (ring/rendezvous.py).
-Written against the CuPy 14 / NCCL 2.28 API seen on the H100 image; the multi-GPU paths have NOT
-run yet (tests/ring/test_ring_gpu.py checks what one GPU allows). Never imports cupyx.distributed
+Split updates (RankPlan.split_update) reduce-scatter by one ncclReduce per part and gather
+uneven parts by one broadcast per part. Written against the CuPy 14 / NCCL 2.28 API seen on the
+H100 image; the multi-GPU paths have NOT run yet (tests/ring/test_ring_gpu.py checks what one GPU allows). Never imports cupyx.distributed
 (hangs at exit, no bf16, single-use barrier; DESIGN.md §8)."""
 
 from __future__ import annotations
@@ -18,10 +19,21 @@ import numpy as np
 from dataflow.models.errors import ConfigError
 from dataflow.ring.rendezvous import share_from_rank0
 from dataflow.ring.shm import GATHER_MAX
-from dataflow.ring.transport import RingError, Transport
+from dataflow.ring.transport import RingError, Transport, check_part_bounds
 
 REDUCE_STAGE_BYTES = 64 << 20
 """Device staging (outside the budget) for all-reducing a gradient kept in pinned host memory."""
+
+
+def part_pieces(bounds, step: int) -> list[tuple[int, int, int]]:
+    """(q, start, stop): byte ranges covering part q = 0, 1, .. of `bounds` in turn, each at most
+    `step` bytes (a multiple of the element size) and inside one part: how a pinned host view's
+    reduce-scatter passes the device staging buffer. Every replica cuts the same pieces in the
+    same order, as NCCL matches collectives by the order they are issued in."""
+    out = []
+    for q, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        out += [(q, at, min(hi, at + step)) for at in range(lo, hi, step)]
+    return out
 
 
 def directed_pairs(ring_size: int) -> list[tuple[int, int]]:
@@ -67,6 +79,9 @@ class NcclTransport(Transport):
     env.rank // ring_size. With a ring of 1 (tests on one GPU) a send to and a receive from
     itself share a 1-rank communicator (issue both inside one nccl.groupStart/groupEnd), and an
     all-reduce with one replica runs on a 1-rank communicator (a copy)."""
+
+    splits_updates = True
+    """reduce_scatter and uneven part gathers are built (written; not yet run on two GPUs)."""
 
     def __init__(self, env, *, ring_size: int | None = None, timeout_s: float = 60.0):
         import cupy as cp  # optional: only a GPU ring imports it
@@ -184,46 +199,87 @@ class NcclTransport(Transport):
         comm.recv(buf.data.ptr, buf.size, nccl.NCCL_UINT8, src, self.streams["recv"].ptr)
         nccl.groupEnd()
 
-    def allreduce(self, view) -> None:
-        """In place on the reduce stream: a device view directly; a pinned host view in pieces
-        through the device staging buffer (H2D, all-reduce, D2H, all on the reduce stream)."""
-        cp, nccl = self.cp, self.nccl
+    def _reduce_group(self, view) -> tuple:
+        """(communicator across the replicas, NCCL element type, element size) of gradient
+        `view` (bf16 or f32)."""
         if self.group is None:
             self.group = self._self_comm()
         itemsize = np.dtype(view.dtype).itemsize
-        dtype = nccl.NCCL_FLOAT32 if itemsize == 4 else nccl.NCCL_BFLOAT16
-        stream = self.streams["reduce"]
+        return (self.group, self.nccl.NCCL_FLOAT32 if itemsize == 4 else self.nccl.NCCL_BFLOAT16,
+                itemsize)
+
+    def _staging(self, nbytes: int, itemsize: int) -> tuple:
+        """(device staging memory, bytes a piece may take) for a pinned host view."""
+        if self._stage is None:
+            self._stage = self.cp.empty(min(nbytes, REDUCE_STAGE_BYTES), self.cp.uint8)
+        return self._stage.data, self._stage.nbytes - self._stage.nbytes % itemsize
+
+    def allreduce(self, view) -> None:
+        """In place on the reduce stream: a device view directly; a pinned host view in pieces
+        through the device staging buffer (H2D, all-reduce, D2H, all on the reduce stream)."""
+        group, dtype, itemsize = self._reduce_group(view)
+        stream, op = self.streams["reduce"], self.nccl.NCCL_SUM
         if not isinstance(view, np.ndarray):
             ptr = view.data.ptr
-            self.group.allReduce(ptr, ptr, view.size, dtype, nccl.NCCL_SUM, stream.ptr)
+            group.allReduce(ptr, ptr, view.size, dtype, op, stream.ptr)
             return
-        if self._stage is None:
-            self._stage = cp.empty(min(view.nbytes, REDUCE_STAGE_BYTES), cp.uint8)
         host = view.reshape(-1).view(np.uint8)
-        step = self._stage.nbytes - self._stage.nbytes % itemsize
-        dev = self._stage.data
+        dev, step = self._staging(view.nbytes, itemsize)
         for at in range(0, host.size, step):
             n = min(step, host.size - at)
             dev.copy_from_host_async(host.ctypes.data + at, n, stream)
-            self.group.allReduce(dev.ptr, dev.ptr, n // itemsize, dtype, nccl.NCCL_SUM,
-                                 stream.ptr)
+            group.allReduce(dev.ptr, dev.ptr, n // itemsize, dtype, op, stream.ptr)
             dev.copy_to_host_async(host.ctypes.data + at, n, stream)
 
+    def reduce_scatter(self, view, bounds) -> None:
+        """In place on the reduce stream: part q summed into replica q by one ncclReduce (root
+        q) per part, grouped; a pinned host view in pieces through the device staging buffer,
+        each piece copied up on every replica, reduced to its part's replica and copied back
+        there only (elsewhere the host bytes of the piece stay as they were). The sums are
+        NCCL's: over two replicas one rounding of a + b, as the all-reduce; over more its
+        order, which the unsplit all-reduce need not share (shared memory promises the bits)."""
+        b = check_part_bounds(view, bounds, self.replicas, self.rank)
+        group, dtype, itemsize = self._reduce_group(view)
+        stream, op, nccl = self.streams["reduce"], self.nccl.NCCL_SUM, self.nccl
+        if not isinstance(view, np.ndarray):
+            ptr = view.data.ptr
+            nccl.groupStart()
+            for q, (lo, hi) in enumerate(zip(b, b[1:])):
+                if hi > lo:  # every replica skips the same empty parts
+                    group.reduce(ptr + lo, ptr + lo, (hi - lo) // itemsize, dtype, op, q,
+                                 stream.ptr)
+            nccl.groupEnd()
+            return
+        host = view.reshape(-1).view(np.uint8)
+        dev, step = self._staging(view.nbytes, itemsize)
+        for q, lo, hi in part_pieces(b, step):
+            dev.copy_from_host_async(host.ctypes.data + lo, hi - lo, stream)
+            group.reduce(dev.ptr, dev.ptr, (hi - lo) // itemsize, dtype, op, q, stream.ptr)
+            if q == self.replica:
+                dev.copy_to_host_async(host.ctypes.data + lo, hi - lo, stream)
+
     def gather_parts(self, view, bounds=()) -> None:
-        """In place on the gather stream: NCCL's all-gather with each replica's send buffer
-        its own part of the receive buffer (in place, as NCCL allows); equal parts only (the
-        split update's uneven bounds never reach NCCL: its reduce-scatter is refused)."""
-        if bounds:
-            raise ConfigError("split updates (--split-update) do not run on NCCL yet; use "
-                              "--transport shm or leave --split-update off")
+        """In place on the gather stream: equal parts through NCCL's all-gather with each
+        replica's send buffer its own part of the receive buffer (in place, as NCCL allows);
+        a split update's uneven `bounds` by one broadcast per part from its replica, grouped."""
         if isinstance(view, np.ndarray):
             raise RingError(f"rank {self.rank}: weight parts are gathered on the device, got a "
                             "host view", rank=self.rank)
-        buf = self._bytes(view)
-        n = buf.size // self.replicas
+        if self.group is None:  # one replica (tests on one GPU): a 1-rank communicator
+            self.group = self._self_comm()
+        buf, stream, nccl = self._bytes(view), self.streams["gather"], self.nccl
         ptr = buf.data.ptr
-        self.group.allGather(ptr + self.replica * n, ptr, n, self.nccl.NCCL_UINT8,
-                             self.streams["gather"].ptr)
+        if bounds:
+            b = check_part_bounds(view, bounds, self.replicas, self.rank)
+            nccl.groupStart()
+            for q, (lo, hi) in enumerate(zip(b, b[1:])):
+                if hi > lo:
+                    self.group.broadcast(ptr + lo, ptr + lo, hi - lo, nccl.NCCL_UINT8, q,
+                                         stream.ptr)
+            nccl.groupEnd()
+            return
+        n = buf.size // self.replicas
+        self.group.allGather(ptr + self.replica * n, ptr, n, nccl.NCCL_UINT8, stream.ptr)
 
     def record(self, stream: str):
         ev = self.cp.cuda.Event(disable_timing=True)

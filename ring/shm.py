@@ -20,7 +20,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from dataflow.backend import Place, Stream
-from dataflow.ring.transport import RingError, Transport
+from dataflow.ring.transport import RingError, Transport, check_part_bounds
 
 GATHER_MAX = 4096
 """Most float64 values one all-gather carries per process (loss pairs of 512 rounds)."""
@@ -92,7 +92,7 @@ class SharedMemoryTransport(Transport):
     found by `run_id` (the launcher's DATAFLOW_RING_ID, else MASTER_PORT). `timeout_s` bounds
     every wait for another process."""
 
-    splits_updates = True
+    splits_updates = split_bits_promised = True
 
     def __init__(self, rank: int, ring_size: int, run_id: str, *, replica: int = 0,
                  replicas: int = 1, timeout_s: float = 60.0):
@@ -411,27 +411,19 @@ class SharedMemoryTransport(Transport):
                       from_host=True, name="allreduce")
 
     def reduce_scatter(self, view, bounds) -> None:
-        self._check_bounds(view, bounds)
+        check_part_bounds(view, bounds, self.replicas, self.rank)
         dtype = view.dtype
         self._on_host(view, "reduce", lambda b: self._reduce_part_now(b.view(dtype), bounds),
                       to_host=True, from_host=True, name="reduce_scatter")
 
     def gather_parts(self, view, bounds=()) -> None:
         if bounds:
-            self._check_bounds(view, bounds)
+            check_part_bounds(view, bounds, self.replicas, self.rank)
         elif view.nbytes % self.replicas:
             raise RingError(f"rank {self.rank}: {view.nbytes} bytes do not split into "
                             f"{self.replicas} parts", rank=self.rank)
         self._on_host(view, "reduce", lambda b: self._gather_now(b, bounds), to_host=True,
                       from_host=True, name="gather_parts")
-
-    def _check_bounds(self, view, bounds) -> None:
-        b = tuple(bounds)
-        if len(b) != self.replicas + 1 or b[0] != 0 or b[-1] != view.nbytes or \
-                any(x > y or x % view.itemsize for x, y in zip(b, b[1:])):
-            raise RingError(f"rank {self.rank}: part bounds {b} do not cut {view.nbytes} bytes "
-                            f"of {view.itemsize}-byte elements into {self.replicas} parts",
-                            rank=self.rank)
 
     def record(self, stream: str):
         return self.be.record(Stream.HOST)  # sends and receives share the host stream: sends

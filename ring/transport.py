@@ -9,6 +9,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import numpy as np
+
 from dataflow.models.errors import ConfigError
 
 
@@ -31,6 +33,10 @@ class Transport(abc.ABC):
     replicas: int = 1
     splits_updates: bool = False
     """Whether reduce_scatter is built (split updates run over this transport)."""
+    split_bits_promised: bool = False
+    """Whether split replicas train the unsplit replicas' bits over this transport (its sums
+    keep one order either way), so unsplit replicas take the split ones' exact norms too
+    (ring.executor.device_norm_sums)."""
 
     @abc.abstractmethod
     def bind(self, be, max_message_bytes: int, depth: int, max_reduce_bytes: int = 0,
@@ -69,10 +75,11 @@ class Transport(abc.ABC):
     def reduce_scatter(self, view, bounds) -> None:
         """Enqueue on the reduce stream: part q of `view` (bytes [bounds[q], bounds[q + 1]),
         dataflow.memplan.plan.split's sub-block runs) summed over the replicas into replica q's
-        view (RankPlan.split_update); only the shared-memory transport has it."""
+        view (RankPlan.split_update); the rest of the view may hold anything afterwards. Only
+        transports with splits_updates have it."""
         raise ConfigError(f"{type(self).__name__} has no reduce-scatter: split updates "
-                          "(--split-update) run on the shared-memory transport; use "
-                          "--transport shm or leave --split-update off")
+                          "(--split-update) run on the shared-memory and NCCL transports; use "
+                          "one of them or leave --split-update off")
 
     @abc.abstractmethod
     def record(self, stream: str) -> Any:
@@ -95,3 +102,15 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release what bind allocated."""
+
+
+def check_part_bounds(view, bounds, replicas: int, rank: int) -> tuple[int, ...]:
+    """`bounds` as a tuple, checked to cut `view`'s bytes into `replicas` parts of whole
+    elements (0 first, the view's size last, never decreasing); a RingError naming them if not."""
+    b = tuple(int(x) for x in bounds)
+    size = np.dtype(view.dtype).itemsize
+    if len(b) != replicas + 1 or b[0] != 0 or b[-1] != view.nbytes or \
+            any(x > y or x % size for x, y in zip(b, b[1:])):
+        raise RingError(f"rank {rank}: part bounds {b} do not cut {view.nbytes} bytes of "
+                        f"{size}-byte elements into {replicas} parts", rank=rank)
+    return b

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
                         "the vocabulary, instead of the last layer's rank carrying the whole "
-                        "head (--transport shm, CuPy not yet run on a GPU; untied dense "
+                        "head (--transport shm, NumPy or CuPy ranks sharing a GPU; untied dense "
                         "models; no checkpoints yet; docs/ring.md)")
     ovl = p.add_mutually_exclusive_group()
     ovl.add_argument("--no-round-overlap", action="store_true",
@@ -128,13 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory and the replicas gather the rest from each other (default: each "
                         "fetches everything; measured no faster on 2 H200s, docs/ring.md)")
     p.add_argument("--split-update", action="store_true",
-                   help="with R >= 2 replicas (rings of any size; --transport shm; CuPy not "
-                        "yet run on a GPU): reduce-scatter each block's gradient among the "
+                   help="with R >= 2 replicas (rings of any size; shared memory, or NCCL not yet "
+                        "run on two GPUs): reduce-scatter each block's gradient among the "
                         "replicas' ranks that hold it, each runs AdamW on its 1/R part "
                         "alone (every rank planned with AdamW state for that part "
                         "only, so layouts that fit only so are weighed and launch) and the "
-                        "updated parts are gathered; the same bits as without (default off; no "
-                        "checkpoints; docs/ring.md \"Split updates\")")
+                        "updated parts are gathered; the same bits as without (NCCL: with 2 "
+                        "replicas); off by default; no checkpoints; docs/ring.md \"Split updates\"")
     p.add_argument("--trace", action="store_true",
                    help="every rank times its backend's streams (dataflow.instrument) and prints "
                         "each step's breakdown (compute, exposed copy, host, idle: waiting on a "
@@ -183,12 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         transport = requested.resolve(args.backend)
         if args.vocab_parallel_head and transport is not TransportKind.SHM:
             raise ConfigError(f"--vocab-parallel-head over the {transport.value} transport is "
-                              "not built yet; add --transport shm (ranks of one host; on CuPy "
-                              "written but not yet run on a GPU) or drop the flag")
-        if args.split_update and transport is not TransportKind.SHM:
-            raise ConfigError(f"--split-update over the {transport.value} transport is not "
-                              "built yet; add --transport shm (ranks of one host; on CuPy "
-                              "written but not yet run on a GPU) or drop the flag")
+                              "not built yet; add --transport shm (ranks of one host) or drop "
+                              "the flag")
         replicas, constraints = resolve_layout(
             args.model, args.seqlen, args.host_gb, args.dev_gb, gpus, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,

@@ -172,8 +172,8 @@ def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
         whole = cfg.embed_params * per * rp.has_embed
         whole_home = whole if rp.has_embed and plan.embed.grads == Where.HOME else 0
         wire = (replicas - 1) / replicas * (total + whole) / link.bytes_per_s
-        staged = home / prof.d2h_bytes_per_s + (
-            whole_home + (home - whole_home) / replicas) / prof.h2d_bytes_per_s
+        staged = home / prof.h2d_bytes_per_s + (  # every replica's whole gradient goes up,
+            whole_home + (home - whole_home) / replicas) / prof.d2h_bytes_per_s  # a part back
     return wire + staged + len(blocks) * link.latency_s
 
 

@@ -111,8 +111,9 @@ def test_device_norm_sums_of_split_rings_are_race_free(rng, forced):
 
 def test_backends_take_the_device_path_only_with_replicas_over_shared_memory():
     """CuPy-like backends (device memory the host cannot read) with replicas over a transport
-    that splits updates (shared memory); never NumPy, never without replicas, never over a
-    transport without reduce-scatter (NCCL), never the null backend (no op table)."""
+    that splits updates: shared memory always, NCCL for split updates only (its unsplit
+    replicas keep the kernel); never NumPy, never without replicas, never over a transport
+    without reduce-scatter, never the null backend (no op table)."""
     rp = one_ring._rank_plan("resident", split=False, replicas=2)
     one = dataclasses.replace(rp, replicas=1)
     shm, nccl = SharedMemoryTransport, NcclTransport
@@ -120,10 +121,17 @@ def test_backends_take_the_device_path_only_with_replicas_over_shared_memory():
     class Device:
         device_is_host_memory = False
         ops = object()
-    assert shm.splits_updates and not nccl.splits_updates
+    class NoSplit:
+        splits_updates = False
+    assert shm.splits_updates and nccl.splits_updates
+    assert shm.split_bits_promised and not nccl.split_bits_promised
     assert ring_executor.device_norm_sums(Device(), rp, shm)
-    assert not ring_executor.device_norm_sums(Device(), one, shm)
+    # NCCL: a split update needs the exact part sums; unsplit replicas keep the kernel
+    assert ring_executor.device_norm_sums(Device(), dataclasses.replace(rp, split_update=True),
+                                          nccl)
     assert not ring_executor.device_norm_sums(Device(), rp, nccl)
+    assert not ring_executor.device_norm_sums(Device(), one, shm)
+    assert not ring_executor.device_norm_sums(Device(), rp, NoSplit)
     assert not ring_executor.device_norm_sums(Device(), rp, None)
     assert not ring_executor.device_norm_sums(make_backend("numpy"), rp, shm)
     assert not ring_executor.device_norm_sums(make_backend("null"), rp, shm)

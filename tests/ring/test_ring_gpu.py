@@ -184,6 +184,78 @@ def test_nccl_transport_moves_bf16_bytes_exactly(rng):
         be.close()
 
 
+def test_nccl_split_update_calls_keep_bytes_over_one_rank(rng, monkeypatch):
+    """The split update's NCCL calls as far as one GPU allows (written in the thirty-fifth
+    session, not yet run): over a 1-rank communicator the reduce-scatter (grouped ncclReduce
+    to root 0) of device bf16 / f32 views and of a pinned host bf16 view in pieces through a
+    4 KiB staging buffer, and the uneven part gather (grouped broadcast), leave every byte as
+    it was; bounds that do not cut the view into one part of whole elements are refused."""
+    import ml_dtypes
+
+    from dataflow.backend import Place, Stream
+    from dataflow.backends import make_backend
+    from dataflow.ring import nccl as ring_nccl
+    from dataflow.ring.transport import RingError
+
+    monkeypatch.setattr(ring_nccl, "REDUCE_STAGE_BYTES", 1 << 12)
+    env = RankEnv(rank=0, gpus=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+                  run_id="nccl-split-unit")
+    be = make_backend("cupy")
+    tr = ring_nccl.NcclTransport(env, timeout_s=30)
+    try:
+        n = 50_001  # odd: pieces end mid-staging-buffer
+        dev = be.alloc(2 * n + 4 * n + 8, Place.DEVICE)
+        z, f = be.view(dev, 0, (n,), "bf16"), be.view(dev, 2 * n + 2, (n,), "f32")
+        finite = (rng.standard_normal(n) * 3).astype(np.float32)
+        want16 = finite.astype(ml_dtypes.bfloat16).view(np.uint16)
+        z.view(cp.uint16).set(want16)
+        f.set(finite)
+        host = be.view(be.alloc(2 * n, Place.HOST), 0, (n,), "bf16")
+        host[...] = finite.astype(ml_dtypes.bfloat16)
+        be.synchronize()
+        tr.bind(be, 2 * n, 2, 4 * n)
+        assert tr.splits_updates
+        tr.reduce_scatter(z, (0, z.nbytes))
+        tr.reduce_scatter(f, (0, f.nbytes))
+        tr.reduce_scatter(host, (0, host.nbytes))
+        tr.gather_parts(z, (0, z.nbytes))
+        be.wait(Stream.COMPUTE, tr.record("reduce"))
+        be.synchronize()
+        assert tr._stage.nbytes == 1 << 12  # the host view went through in 25 pieces
+        assert np.array_equal(z.view(cp.uint16).get(), want16)
+        assert np.array_equal(f.get().view(np.uint32), finite.view(np.uint32))
+        assert np.array_equal(host.view(np.uint16), want16)
+        with pytest.raises(RingError, match="part bounds"):
+            tr.reduce_scatter(z, (0, 3))
+    finally:
+        tr.close()
+        be.close()
+
+
+def test_nccl_split_replicas_match_unsplit_replicas_on_two_gpus(tmp_path):
+    """Two data-parallel replicas over NCCL on two GPUs, every layer streamed, clipping off
+    (unsplit NCCL replicas keep the sumsq kernel, split ones the exact part sums): with split
+    updates (each block's gradient reduce-scattered by ncclReduce per part, each replica's
+    AdamW on its part, the parts broadcast back) the losses and weights equal those of replicas
+    that each update everything, bit for bit (over two replicas NCCL's sum is one rounding of
+    a + b either way). Written in the thirty-fifth session; not yet run."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    runs = []
+    for split in (False, True):
+        out = tmp_path / f"split{int(split)}"
+        job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2,
+                      seed=5, data="random:13", lr=1e-3, max_grad_norm=None, backend="cupy",
+                      transport=TransportKind.NCCL, timeout_s=60, out_dir=str(out), replicas=2,
+                      split_update=split, constraints=CHUNKING + (("max_resident_layers", 0),))
+        runs.append(_launched(job))
+    (l0, w0), (l1, w1) = runs
+    assert l0[0] == l0[1] == l1[0] == l1[1], (l0, l1)
+    assert sorted(w0) == sorted(w1)
+    for key in w0:
+        assert np.array_equal(w0[key], w1[key]), key
+
+
 def test_nccl_ring_on_two_gpus_reproduces_one_gpu_and_exits(tmp_path):
     """Issue 18 in small, on a machine with two GPUs: a ring of 2 over NCCL (one GPU each, the
     NCCL reserve in their plans) trains the Engine's losses and weights bit for bit, and both

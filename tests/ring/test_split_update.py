@@ -217,5 +217,5 @@ def test_checkpoints_and_other_transports_are_refused_by_name(tmp_path):
         save_ring_checkpoint(Stand(), None, CFG, tmp_path)
     with pytest.raises(ConfigError, match="--split-update"):
         load_ring_checkpoint(Stand(), None, CFG, tmp_path)
-    with pytest.raises(ConfigError, match="--transport shm"):
+    with pytest.raises(ConfigError, match="run on the shared-memory and NCCL transports"):
         Transport.reduce_scatter(Stand(), None, ())
