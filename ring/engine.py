@@ -56,9 +56,9 @@ class Ring:
     16k chunks, copies already hidden; docs/ring.md)."""
     split_update: bool = False
     """With R >= 2 replicas (rings of any size; shared memory: NumPy, or CuPy; NCCL written, not
-    yet run on two GPUs): each block's gradient is reduce-scattered over the replicas' ranks that hold it,
-    each runs AdamW on its part alone (AdamW state for that part only) and the updated parts
-    are gathered
+    yet run on two GPUs): each block's gradient is reduce-scattered over the replicas' ranks
+    that hold it, each runs AdamW on its part alone (AdamW state for that part only) and the
+    updated parts are gathered
     (RankPlan.split_update; the same bits as without over shared memory; docs/ring.md "Split
     updates"). Off by default; what is not built (MoE, checkpoints) is refused by name."""
     vocab_parallel_head: bool = False

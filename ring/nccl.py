@@ -7,8 +7,9 @@ all-reduce (bf16 or f32 sums, in place); one world communicator for the all-gath
 travel as bytes (NCCL_UINT8). The unique ids travel over the TCP rendezvous (ring/rendezvous.py).
 Split updates (RankPlan.split_update) reduce-scatter by one ncclReduce per part and gather
 uneven parts by one broadcast per part. Written against the CuPy 14 / NCCL 2.28 API seen on the
-H100 image; the multi-GPU paths have NOT run yet (tests/ring/test_ring_gpu.py checks what one GPU allows). Never imports cupyx.distributed
-(hangs at exit, no bf16, single-use barrier; DESIGN.md §8)."""
+H100 image; rings and replicas ran on 2 H200s (docs/ring.md), the split update's calls have NOT
+run on two GPUs yet (tests/ring/test_ring_gpu.py checks what one GPU allows). Never imports
+cupyx.distributed (hangs at exit, no bf16, single-use barrier; DESIGN.md §8)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import os
 
 import numpy as np
 
-from dataflow.models.errors import ConfigError
 from dataflow.ring.rendezvous import share_from_rank0
 from dataflow.ring.shm import GATHER_MAX
 from dataflow.ring.transport import RingError, Transport, check_part_bounds
