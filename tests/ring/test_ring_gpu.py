@@ -239,16 +239,22 @@ def test_nccl_split_replicas_match_unsplit_replicas_on_two_gpus(tmp_path):
     AdamW on its part, the parts broadcast back) the losses and weights equal those of replicas
     that each update everything, bit for bit (over two replicas NCCL's sum is one rounding of
     a + b either way). Written in the thirty-fifth session; not yet run."""
+    _two_replicas_same_bits(tmp_path, "split_update", max_grad_norm=None)
+
+
+def _two_replicas_same_bits(tmp_path, flag: str, **job) -> None:
+    """Two streamed NCCL replicas on two GPUs without and with RingJob field `flag`: the same
+    losses on both replicas and runs, the same weights bit for bit."""
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
     runs = []
     for split in (False, True):
         out = tmp_path / f"split{int(split)}"
-        job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2,
-                      seed=5, data="random:13", lr=1e-3, max_grad_norm=None, backend="cupy",
-                      transport=TransportKind.NCCL, timeout_s=60, out_dir=str(out), replicas=2,
-                      split_update=split, constraints=CHUNKING + (("max_resident_layers", 0),))
-        runs.append(_launched(job))
+        runs.append(_launched(RingJob(
+            gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2, seed=5,
+            data="random:13", lr=1e-3, backend="cupy", transport=TransportKind.NCCL,
+            timeout_s=60, out_dir=str(out), replicas=2,
+            constraints=CHUNKING + (("max_resident_layers", 0),), **{flag: split}, **job)))
     (l0, w0), (l1, w1) = runs
     assert l0[0] == l0[1] == l1[0] == l1[1], (l0, l1)
     assert sorted(w0) == sorted(w1)
@@ -283,22 +289,7 @@ def test_nccl_replicas_splitting_their_fetches_match_replicas_that_do_not(tmp_pa
     all-reduce, the weight-part gathers and the control plane), every layer streamed: with split
     fetches (each replica fetches half of every weight use, the halves gathered in place) the
     losses and weights are those of the replicas that each fetch everything, bit for bit."""
-    if cp.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip("needs two GPUs (nvidia-h200-x2)")
-    runs = []
-    for split in (False, True):
-        out = tmp_path / f"split{int(split)}"
-        job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=3.0, steps=2,
-                      seed=5,
-                      data="random:13", lr=1e-3, backend="cupy", transport=TransportKind.NCCL,
-                      timeout_s=60, out_dir=str(out), replicas=2, split_fetch=split,
-                      constraints=CHUNKING + (("max_resident_layers", 0),))
-        runs.append(_launched(job))
-    (l0, w0), (l1, w1) = runs
-    assert l0[0] == l0[1] == l1[0] == l1[1], (l0, l1)
-    assert sorted(w0) == sorted(w1)
-    for key in w0:
-        assert np.array_equal(w0[key], w1[key]), key
+    _two_replicas_same_bits(tmp_path, "split_fetch")
 
 
 @pytest.mark.parametrize("transport", [TransportKind.SHM, TransportKind.NCCL],
