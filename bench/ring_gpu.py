@@ -1,7 +1,9 @@
 """The ring on a machine with several GPUs against one GPU (issue 18). Runs, each in fresh
 processes and one after the other:
 
-  ring     N ranks, one GPU each (NCCL), per-device budgets --ring-budget, launched by
+  ring     N ranks, one GPU each (NCCL; --transport shm: ranks sharing the GPUs there are),
+           with the schedules asked for (--split-fetch, --split-update, --vocab-parallel-head),
+           per-device budgets --ring-budget, launched by
            `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m dataflow.cli.ring` (--launcher);
            every rank's losses and step times come back through dataflow.cli.ring's --out files.
   single   unless --no-single: one GPU (dataflow.engine.Engine) at --single-budget with the
@@ -25,6 +27,10 @@ NCCL_P2P_USE_CUDA_MEMCPY=1 to take NCCL's copies off the SMs).
     python -m dataflow.bench.ring_gpu --out runs/ring8b 8b 8192 --ring-budget 60:24 --single-budget 120:24
     python -m dataflow.bench.ring_gpu --out runs/ring32b 32b 8192 --ring-budget 125:40 --no-single \\
         --launcher torchrun --steps 2
+    python -m dataflow.bench.ring_gpu --out runs/su8 8b 8192 --gpus 8 --replicas 8 --split-update \\
+        --ring-budget 80:24 --single-budget 120:24 --single-timeout 1200
+    python -m dataflow.bench.ring_gpu --out runs/vocab 1b 4096 --gpus 2 --vocab-parallel-head \\
+        --transport shm --ring-budget 30:8 --single-budget 30:8      # one GPU: the bits
 
 Never trains in its own process and never creates a CUDA context in it."""
 
@@ -32,15 +38,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from dataflow.backends import make_backend
+from dataflow.bench.process_peaks import ProcessPeaks, child_env, context_bytes, run_sampled
 from dataflow.bench.sweep.sweep import git_commit
 from dataflow.engine import Engine, default_profile
 from dataflow.memplan import make_plan
@@ -55,7 +59,6 @@ from dataflow.ring.job import RingJob, batches, model_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-INTERVAL_S = 0.5
 LAUNCHERS = ("dataflow-ring", "torchrun")
 
 
@@ -96,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=LAUNCHERS, default="dataflow-ring")
     p.add_argument("--split-fetch", action="store_true",
                    help="replicas split their weight fetches (dataflow-ring --split-fetch)")
+    p.add_argument("--split-update", action="store_true",
+                   help="replicas split their update (dataflow-ring --split-update): each "
+                        "reduce-scatters, updates and gathers 1/R of every block")
+    p.add_argument("--vocab-parallel-head", action="store_true",
+                   help="every ring rank takes 1/N of the head's vocabulary (dataflow-ring "
+                        "--vocab-parallel-head; shared-memory transport only, so with --backend "
+                        "cupy give --transport shm: the ranks then share this host's GPUs)")
+    p.add_argument("--transport", choices=("auto", "nccl", "shm"), default="auto",
+                   help="auto: NCCL with cupy, shared memory with numpy; shm with cupy runs "
+                        "the ranks on the GPUs there are, several to a GPU where fewer (a "
+                        "proof of the bits on one GPU, not a speed measurement)")
     p.add_argument("--trace", action="store_true",
                    help="the ring's ranks trace their streams (dataflow-ring --trace): each "
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
@@ -128,115 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- sampling ------------------------------------------------------------------------------------
-class ProcessPeaks:
-    """Peak RSS and NVML device memory of every process in the tree under a pid, per pid."""
-
-    def __init__(self):
-        import psutil
-
-        self.psutil = psutil
-        self.rss: dict[int, int] = {}
-        self.dev: dict[int, int] = {}
-        self.gpu_of: dict[int, int] = {}
-        self.names: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                            for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:  # noqa: BLE001 - no NVML: RSS only
-            self.nvml, self.handles = None, []
-
-    def device_names(self) -> list[str]:
-        out = []
-        for h in self.handles:
-            name = self.nvml.nvmlDeviceGetName(h)
-            out.append(name.decode() if isinstance(name, bytes) else str(name))
-        return out
-
-    def watch(self, pid: int) -> "ProcessPeaks":
-        self._thread = threading.Thread(target=self._loop, args=(pid,), daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self, pid: int) -> None:
-        while not self._stop.is_set():
-            self._sample(pid)
-            self._stop.wait(INTERVAL_S)
-
-    def _sample(self, pid: int) -> None:
-        try:
-            root = self.psutil.Process(pid)
-            procs = [root] + root.children(recursive=True)
-        except self.psutil.Error:
-            return
-        for proc in procs:
-            try:
-                rss = proc.memory_info().rss
-                if proc.pid not in self.names:
-                    self.names[proc.pid] = " ".join(proc.cmdline()[:6])[:120]
-            except self.psutil.Error:
-                continue
-            self.rss[proc.pid] = max(self.rss.get(proc.pid, 0), rss)
-        for gpu, h in enumerate(self.handles):
-            try:
-                listed = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
-            except Exception:  # noqa: BLE001
-                continue
-            for p in listed:
-                used = int(p.usedGpuMemory or 0)
-                if p.pid in self.rss and used > self.dev.get(p.pid, -1):
-                    self.dev[p.pid], self.gpu_of[p.pid] = used, gpu
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def report(self) -> list[dict]:
-        """One row per process that held GPU memory (the ranks), then the largest other RSS."""
-        rows = [{"pid": pid, "gpu": self.gpu_of[pid], "device_used_bytes": self.dev[pid],
-                 "rss_bytes": self.rss.get(pid), "cmd": self.names.get(pid, "")}
-                for pid in sorted(self.dev, key=lambda q: self.gpu_of[q])]
-        return rows
-
-
-def _run(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> tuple[int, float, list]:
-    """(exit code or 'timeout' as -9, wall seconds, per-process peaks) of one sampled run."""
-    peaks = ProcessPeaks()
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env=env, start_new_session=True)
-        peaks.watch(proc.pid)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            rc = proc.wait()
-        finally:
-            peaks.stop()
-    return rc, time.monotonic() - t0, peaks.report()
-
-
-def _env() -> dict:
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "NCCL_NVLS_ENABLE": "0"}
-
-
-def context_bytes(out: Path) -> int | None:
-    """NVML's per-process device memory of a process that only made a CuPy context on GPU 0."""
-    code = ("import cupy, time, sys; cupy.zeros(1); cupy.cuda.Device().synchronize(); "
-            "print('ready', flush=True); time.sleep(3)")
-    rc, _, rows = _run([sys.executable, "-c", code], out / "context.log", 60, _env())
-    return max((r["device_used_bytes"] for r in rows), default=None) if rc == 0 else None
-
-
 # -- the two runs -------------------------------------------------------------------------------
 def ring_command(args) -> list[str]:
     host, dev = args.ring_budget
@@ -252,14 +157,22 @@ def ring_command(args) -> list[str]:
         common += ["--replicas", str(args.replicas)]
     if getattr(args, "trace", False):
         common += ["--trace"]
-    if getattr(args, "split_fetch", False):
-        common += ["--split-fetch"]
+    for flag in ("split_fetch", "split_update", "vocab_parallel_head"):
+        if getattr(args, flag, False):
+            common += ["--" + flag.replace("_", "-")]
     if args.launcher == "torchrun":
+        given = [] if args.transport == "auto" else ["--transport", args.transport]
         return [shutil.which("torchrun") or "torchrun", "--standalone",
-                f"--nproc-per-node={args.gpus}", "-m", "dataflow.cli.ring", *common]
-    transport = "nccl" if args.backend == "cupy" else "shm"
+                f"--nproc-per-node={args.gpus}", "-m", "dataflow.cli.ring", *given, *common]
+    transport = _transport(args)
     return [sys.executable, "-m", "dataflow.cli.ring", "--gpus", str(args.gpus), "--transport", transport,
             *common]
+
+
+def _transport(args) -> str:
+    """The ring's transport: --transport, or auto's (NCCL with cupy, shared memory with numpy)."""
+    kind = getattr(args, "transport", "auto")
+    return kind if kind != "auto" else "nccl" if args.backend == "cupy" else "shm"
 
 
 def single_child(spec_json: str) -> int:
@@ -336,21 +249,33 @@ def _earlier_ring(args) -> dict:
     want = {"model": args.model, "seqlen": args.seqlen, "gpus": args.gpus,
             "ring_budget_gib": list(args.ring_budget), "steps": args.steps, "lr": args.lr,
             "rounds": args.rounds, "replicas": args.replicas, "split_fetch": args.split_fetch,
-            "max_grad_norm": args.max_grad_norm}
-    differ = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+            "max_grad_norm": args.max_grad_norm, **_schedule(args)}
+    # records written before a key existed ran without it: its default
+    had = {"split_update": False, "vocab_parallel_head": False, "transport": "nccl"}
+    differ = {k: (cfg.get(k, had.get(k)), v) for k, v in want.items()
+              if cfg.get(k, had.get(k)) != v}
     if differ:
         raise SystemExit(f"--ring-from {args.ring_from}: its run differs from this call's "
                          f"(earlier, now): {differ}; pass the same arguments")
     return earlier
 
 
+def _schedule(args) -> dict:
+    """The record's keys of the schedule flags and the transport that ran."""
+    return {"split_update": args.split_update, "vocab_parallel_head": args.vocab_parallel_head,
+            "transport": _transport(args)}
+
+
 def _enough_gpus(args, devices: list[str]) -> None:
-    """Refuse before anything runs where this machine shows fewer GPUs than the ring needs."""
-    if args.backend == "cupy" and len(devices) < args.gpus:
+    """Refuse before anything runs where this machine shows fewer GPUs than the ring needs
+    (NCCL: one a rank; shared memory lets ranks share one)."""
+    need = args.gpus if _transport(args) == "nccl" else 1
+    if args.backend == "cupy" and len(devices) < need:
         raise SystemExit(f"--gpus {args.gpus}: this machine shows {len(devices)} GPU(s) "
                          f"({', '.join(devices) or 'none through NVML'}); run on a machine "
-                         f"with {args.gpus}, or give --gpus {max(1, len(devices))} (or "
-                         "--backend numpy for the CPU ring)")
+                         f"with {args.gpus}, or give --gpus {max(1, len(devices))}, "
+                         "--transport shm (ranks sharing GPUs: bits, not speed) or "
+                         "--backend numpy (the CPU ring)")
 
 
 def collect(args) -> dict:
@@ -364,10 +289,10 @@ def collect(args) -> dict:
                          "single_budget_gib": None if args.no_single else list(args.single_budget),
                          "launcher": args.launcher, "steps": args.steps, "lr": args.lr,
                          "rounds": args.rounds, "replicas": args.replicas,
-                         "split_fetch": args.split_fetch,
+                         "split_fetch": args.split_fetch, **_schedule(args),
                          "max_grad_norm": args.max_grad_norm},
               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "nccl_env": {k: v for k, v in sorted(_env().items()) if k.startswith("NCCL_")}}
+              "nccl_env": {k: v for k, v in sorted(child_env().items()) if k.startswith("NCCL_")}}
     if args.ring_from:
         earlier = _earlier_ring(args)
         ring = earlier["ring"]
@@ -380,7 +305,7 @@ def collect(args) -> dict:
         print(f"CUDA context: {None if ctx is None else round(ctx / GIB, 3)} GiB", flush=True)
         cmd = ring_command(args)
         print("ring:", " ".join(cmd), flush=True)
-        rc, wall, rows = _run(cmd, out / "ring.log", args.timeout, _env())
+        rc, wall, rows = run_sampled(cmd, out / "ring.log", args.timeout, child_env())
         ring = {"exit_code": rc, "wall_s": wall, "processes": rows}
         for r in range(args.gpus):
             try:
@@ -406,16 +331,16 @@ def collect(args) -> dict:
                 "head_sub_tokens": head and head["head_sub_tokens"]}
         cmd = [sys.executable, "-m", "dataflow.bench.ring_gpu", args.model, str(args.seqlen), "--out",
                str(out), "--single-child", json.dumps(spec)]
-        env = {**_env(), "CUDA_VISIBLE_DEVICES": "0"}
+        env = {**child_env(), "CUDA_VISIBLE_DEVICES": "0"}
         single_s = args.single_timeout or args.timeout
-        rc, wall, rows = _run(cmd, out / "single.log", single_s, env)
+        rc, wall, rows = run_sampled(cmd, out / "single.log", single_s, env)
         record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                             **(_last_json(out / "single.log") or {})}
         if args.single_own:
             own = dict(spec, chunking={"tokens_per_step": rank0["tokens_per_step"]},
                        head_sub_tokens=None)
             cmd = cmd[:-1] + [json.dumps(own)]
-            rc, wall, rows = _run(cmd, out / "single_own.log", single_s, env)
+            rc, wall, rows = run_sampled(cmd, out / "single_own.log", single_s, env)
             record["single_own"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
                                     **(_last_json(out / "single_own.log") or {})}
     record["predicted"] = predicted(args, probe.device_names(), rank0)
@@ -437,24 +362,33 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
     replicas = max(1, rank0["tokens_per_step"] // per_replica)
     link = LINKS[0] if not args.link_bytes_per_s else \
         Link(name="measured", bytes_per_s=args.link_bytes_per_s, latency_s=100e-6)
-    opt = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
-                         args.gpus // replicas, links=(link,),
-                         split_fetch=bool(rank0.get("split_fetch", False)),
-                         chunk_tokens=ch["chunk_tokens"],
-                         chunks_per_round=ch["chunks_per_round"],
-                         rounds_per_step=ch["rounds_per_step"],
-                         **({"placement": rank0["placement"]}
-                            if rank0.get("placement", "cyclic") != "cyclic" else {}))
+    ran = {"chunk_tokens": ch["chunk_tokens"], "chunks_per_round": ch["chunks_per_round"],
+           "rounds_per_step": ch["rounds_per_step"],
+           **({"vocab_parallel": True} if rank0.get("vocab_parallel") else {}),
+           **({"state_parts": rank0["state_parts"]} if rank0.get("state_parts", 1) > 1 else {})}
+
+    def predict(**kw):
+        """The fastest prediction of what ran: a split update's ranks may have been searched
+        with the part's AdamW charged or the whole one's (choose_layout weighs both)."""
+        costs = ({}, {"whole_update_cost": True}) if "state_parts" in ran else ({},)
+        return max((predict_layout(
+            cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
+            args.gpus // replicas, links=(link,), transport=_transport(args),
+            split_fetch=bool(rank0.get("split_fetch", False)),
+            split_update=bool(rank0.get("split_update", False)), **ran, **cost, **kw)
+            for cost in costs), key=lambda o: o.on(link.name).tok_per_s)
+
+    opt = predict(**({"placement": rank0["placement"]}
+                     if rank0.get("placement", "cyclic") != "cyclic" else {}))
     on = opt.on(link.name)
-    over = predict_layout(cfg, args.seqlen, Budget.from_gib(*args.ring_budget), prof, args.gpus,
-                          args.gpus // replicas, links=(link,), round_overlap=True,
-                          split_fetch=bool(rank0.get("split_fetch", False)),
-                          chunk_tokens=ch["chunk_tokens"], chunks_per_round=ch["chunks_per_round"],
-                          rounds_per_step=ch["rounds_per_step"])
+    over = predict(round_overlap=True)
     out = {"overlapped": {"tok_per_s": over.on(link.name).tok_per_s,
-                          "round_overlap": over.layout.round_overlap},"profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
+                          "round_overlap": over.layout.round_overlap},
+           "profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
            "link_bytes_per_s": link.bytes_per_s,
            "replicas": opt.layout.replicas, "split_fetch": opt.layout.split_fetch,
+           "split_update": opt.layout.split_update,
+           "vocab_parallel_head": opt.layout.vocab_parallel_head,
            "tok_per_s": on.tok_per_s,
            "allreduce_s": on.allreduce_s, "bubble_frac": on.bubble_frac}
     if not args.no_single:
@@ -512,7 +446,10 @@ def table(record: dict) -> str:
     c, ring = record["comparison"], record["ring"]
     lines = [f"devices {record['devices']}  commit {record['commit']}",
              f"{record['config']['gpus']} GPUs, replicas {record['config'].get('replicas')} "
-             f"({record['config']['launcher']}) exit "
+             f"({record['config']['launcher']}, {record['config'].get('transport', 'nccl')}"
+             + "".join(f", {k.replace('_', ' ')}" for k in ("split_fetch", "split_update",
+                                                          "vocab_parallel_head")
+                       if record["config"].get(k)) + ") exit "
              f"{ring['exit_code']} in {ring['wall_s']:.0f} s; losses "
              f"{ring.get('rank0') and ring['rank0']['losses']}"]
     lines += _check_lines(ring)
@@ -569,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
                      "NCCL transport takes a link's messages in the order sent); drop the flag: "
                      "the record's predicted.overlapped gives the planner's overlapped "
                      "prediction")
+    if args.backend == "numpy" and args.transport == "nccl":
+        parser.error("--transport nccl needs --backend cupy (NCCL carries device arrays); the "
+                     "numpy ring runs over shared memory (--transport shm or auto)")
+    if args.vocab_parallel_head and _transport(args) != "shm":
+        parser.error("--vocab-parallel-head runs over the shared-memory transport only so far "
+                     "(dataflow-ring refuses it over NCCL); add --transport shm")
     if args.gpus < 1 or args.steps < 1:
         parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)

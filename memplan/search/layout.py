@@ -525,10 +525,13 @@ def choose_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardwa
 def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: HardwareProfile,
                    gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
                    transport: str = "nccl", split_fetch: bool = False,
-                   round_overlap: bool = False, **constraints) -> LayoutOption:
+                   round_overlap: bool = False, split_update: bool = False,
+                   **constraints) -> LayoutOption:
     """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
-    its ranks planned under `constraints` (a run's chunking, say): what a benchmark compares
-    its measurement with."""
+    its ranks planned under `constraints` (a run's chunking, say; vocab_parallel, state_parts
+    and whole_update_cost among them as make_rank_plans takes them), the replicas splitting
+    their fetches and / or their update as asked: what a benchmark compares its measurement
+    with."""
     if gpus % ring_size:
         raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
     replicas = gpus // ring_size
@@ -540,7 +543,8 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
     except InfeasibleBudget:
         single = None
     return _option(rps, gpus, gpus // ring_size, links, single, constraints, split_fetch,
-                   round_overlap, compiled={} if ring_size == 1 else None)
+                   round_overlap, split_update=split_update,
+                   compiled={} if ring_size == 1 else None)
 
 
 def layout_text(choice: LayoutChoice) -> str:

@@ -91,3 +91,40 @@ def test_ring_gpu_refuses_without_enough_gpus_and_refuses_round_overlap(tmp_path
     assert not (tmp_path / "a" / "ring_gpu.json").exists()
     with pytest.raises(SystemExit):
         ring_gpu.main(["tiny", "64", "--out", str(tmp_path / "b"), "--round-overlap"])
+
+
+def test_split_update_replicas_run_and_the_record_and_prediction_say_so(tmp_path, capsys):
+    """--split-update reaches every rank (their records say split_update), the record's config
+    and the table name it, and the prediction is of split-update replicas."""
+    out = tmp_path / "su"
+    assert ring_gpu.main(["tiny", "64", "--out", str(out), "--ring-budget", "1:0.25",
+                          "--backend", "numpy", "--steps", "2", "--rounds", "3", "--gpus", "2",
+                          "--replicas", "2", "--split-update", "--no-single"]) == 0
+    rec = json.loads((out / "ring_gpu.json").read_text())
+    assert rec["config"]["split_update"] is True and rec["config"]["transport"] == "shm"
+    assert all(rec["ring"][f"rank{r}"]["split_update"] for r in range(2))
+    assert rec["predicted"]["split_update"] is True and rec["predicted"]["replicas"] == 2
+    assert "shm, split update) exit 0" in capsys.readouterr().out
+
+
+def test_schedule_flags_that_cannot_run_are_refused_by_name(tmp_path, capsys):
+    """The vocabulary-parallel head over NCCL (auto's transport with cupy) and NCCL with the
+    numpy backend: exit 2 before anything runs, naming what would work; a CuPy ring over
+    shared memory needs one GPU, not one a rank."""
+    import pytest
+
+    out = tmp_path / "never"
+    for extra in (["--backend", "cupy", "--vocab-parallel-head"],
+                  ["--backend", "numpy", "--transport", "nccl"]):
+        with pytest.raises(SystemExit) as exc:
+            ring_gpu.main(["tiny", "64", "--out", str(out), *extra])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "add --transport shm" in err and "needs --backend cupy" in err
+    assert not out.exists()
+    args = ring_gpu.build_parser().parse_args(["tiny", "64", "--out", "x", "--gpus", "4",
+                                               "--transport", "shm"])
+    ring_gpu._enough_gpus(args, ["GPU-A"])  # four ranks share the one GPU: no refusal
+    with pytest.raises(SystemExit, match="--transport shm"):
+        ring_gpu._enough_gpus(ring_gpu.build_parser().parse_args(
+            ["tiny", "64", "--out", "x", "--gpus", "4"]), ["GPU-A"])
