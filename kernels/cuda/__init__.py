@@ -18,8 +18,10 @@ count on the host, so offsets_to_host is the one copy whose event a caller waits
 experts_fwd / experts_bwd (moe_experts says what that costs).
 """
 
+from dataflow.kernels.cuda._cublas import handle as cublas_handle
 from dataflow.kernels.cuda._cublas import set_workspace as set_cublas_workspace
 from dataflow.kernels.cuda._cublas import workspace as cublas_workspace
+from dataflow.kernels.cuda._cublaslt import gemm_loop as cublaslt_gemm_loop
 from dataflow.kernels.cuda.adamw import adamw_step
 from dataflow.kernels.cuda.attention import attention_bwd, attention_fwd, attention_workspace_bytes
 from dataflow.kernels.cuda.context import CudaContext
@@ -32,6 +34,7 @@ from dataflow.kernels.cuda.fp8 import quantise as fp8_quantise
 from dataflow.kernels.cuda.fp8 import quantise_guessed as fp8_quantise_guessed
 from dataflow.kernels.cuda.fp8_base import fp8_base_dequant
 from dataflow.kernels.cuda.fp8_gemm import fp8_gemm
+from dataflow.kernels.cuda import grouped_gemm
 from dataflow.kernels.cuda.head_loss import IGNORE, head_loss_fwd_bwd
 from dataflow.kernels.cuda.head_vocab import vocab_grad, vocab_loss, vocab_merge, vocab_stats
 from dataflow.kernels.cuda.linear import linear_bwd_w, linear_bwd_x, linear_fwd
@@ -51,10 +54,11 @@ from dataflow.kernels.cuda.utils import (add_, bias_bwd, bias_fill, cast, clip_s
 
 __all__ = [
     "adamw_step", "add_", "attention_bwd", "attention_fwd", "attention_workspace_bytes",
-    "bias_bwd", "bias_fill", "cast", "cublas_workspace", "CudaContext",
+    "bias_bwd", "bias_fill", "cast", "cublas_handle", "cublas_workspace", "cublaslt_gemm_loop", "CudaContext",
     "clip_scale", "embedding_bwd", "embedding_fwd", "expert_order", "experts_bwd",
     "experts_bwd_acc_elems", "experts_fwd", "fill_", "scale_", "fp8_amax_scale", "fp8_base_dequant", "fp8_cast", "fp8_gemm",
-    "FP8_GUESS_HEADER", "fp8_guess_counts", "fp8_quantise", "fp8_quantise_guessed", "head_loss_fwd_bwd",
+    "FP8_GUESS_HEADER", "fp8_guess_counts", "fp8_quantise", "fp8_quantise_guessed", "grouped_gemm",
+    "head_loss_fwd_bwd",
     "IGNORE", "inverse_order",
     "linear_bwd_w", "linear_bwd_x", "linear_fwd", "load_balancing_loss", "load_balancing_loss_bwd",
     "load_balancing_stats", "mapped_address", "offsets_to_host", "permute_bwd", "permute_fwd",

@@ -191,3 +191,43 @@ def test_a_strided_batch_of_two_is_the_two_products(rng, shared):
                  .astype(F64) + c0[i].astype(F64))
         bound = max(2 * _rel(truth.astype(F32), truth), 1e-5)
         assert _rel(got[i], truth) <= bound, i
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("ab, c", [(BF16, BF16), (BF16, F32)], ids=["bf16", "bf16-f32out"])
+def test_grouped_gemm_matches_float64_per_problem(rng, ab, c):
+    """kernels/cuda/grouped_gemm: one cuBLAS call over problems of different sizes, both
+    transposes and accumulation mixed (the experts' three GEMM kinds), each problem within the
+    same bound as the loop above; an empty problem is refused by name."""
+    from dataflow.kernels.cuda import grouped_gemm as G
+
+    if not G.available(CTX):
+        pytest.skip("this cuBLAS has no cublasGemmGroupedBatchedEx (cuBLAS < 12.5)")
+    shapes = [(1, 48, 64, False, True, False), (300, 64, 136, False, False, False),
+              (64, 40, 7, True, False, True), (1025, 96, 64, False, True, True),
+              (17, 200, 8, True, False, False)]
+    problems, checks = [], []
+    for m, n, k, trans_a, trans_b, accumulate in shapes:
+        a_store = _stored(rng, (k, m) if trans_a else (m, k), ab)
+        b_store = _stored(rng, (n, k) if trans_b else (k, n), ab)
+        c0 = _stored(rng, (m, n), c)
+        a_op = a_store.astype(F64).T if trans_a else a_store.astype(F64)
+        b_op = b_store.astype(F64).T if trans_b else b_store.astype(F64)
+        truth = a_op @ b_op + (c0.astype(F64) if accumulate else 0.0)
+        (da, pa), (db, pb), (dc, pc) = _dev(a_store), _dev(b_store), _dev(c0)
+        problems.append((m, n, k, pa, a_store.shape[1], trans_a, pb, b_store.shape[1], trans_b,
+                         pc, n, accumulate))
+        checks.append((m, n, k, accumulate, truth, (da, db, dc), a_op, b_op, c0))
+    G.launch(CTX, G.prepare(problems, ab, c))
+    cupy.cuda.get_current_stream().synchronize()
+    for m, n, k, accumulate, truth, (da, db, dc), a_op, b_op, c0 in checks:
+        got = _host(dc, m * n, 0, c).reshape(m, n)
+        bound = max(2 * _rel(truth.astype(c), truth), 1e-5)
+        if accumulate and c != F32:  # product rounded to C's dtype before the add: see above
+            twice = ((a_op @ b_op).astype(c).astype(F64) + c0.astype(F64)).astype(c)
+            bound = max(bound, 2 * _rel(twice, truth))
+        err = _rel(got, truth)
+        assert err <= bound, f"({m}, {n}, {k}) acc {accumulate}: rel err {err:.3g} > {bound:.3g}"
+    with pytest.raises(ValueError, match="m, n, k >= 1"):
+        G.prepare([(0, 8, 8, *problems[0][3:])], ab, c)
