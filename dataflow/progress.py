@@ -140,7 +140,8 @@ class SlowNotice(_Ticker):
     """While a long call runs, every `interval_s` write `say(line)` saying it is still running:
     `with SlowNotice("planning 8b", log.info, hint="Ctrl-C stops it"): make_plan(...)`. A call
     shorter than the interval writes nothing (the planner's search has no cheap fraction done,
-    so this says only the time)."""
+    so this says only the time). `label` may be reassigned while it runs (the next line says
+    the new one: dataflow-plan names the GPU count it is weighing)."""
 
     def __init__(self, label: str, say, *, interval_s: float = 5.0, hint: str = ""):
         super().__init__("dataflow-slow-notice")

@@ -162,6 +162,12 @@ def test_slow_notice_says_a_long_call_is_still_running_and_a_short_one_nothing()
     with SlowNotice("planning y", quiet.append, interval_s=5):
         pass
     assert quiet == []
+    moved = []  # dataflow-plan --gpus renames it for each GPU count of its table
+    with SlowNotice("weighing 64 GPUs", moved.append, interval_s=0.05) as notice:
+        time.sleep(0.15)
+        notice.label = "weighing 2 GPUs for the table (1 of 6)"
+        time.sleep(0.2)
+    assert moved[0].startswith("weighing 64 GPUs") and moved[-1].startswith("weighing 2 GPUs")
 
 
 def test_demo_refuses_a_saved_model_whose_config_disagrees_with_its_manifest(tmp_path, capsys):

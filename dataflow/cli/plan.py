@@ -40,6 +40,7 @@ from dataflow.memplan.search.search import make_plan
 from dataflow.models.errors import ConfigError
 from dataflow.models.hf_config import MODEL_FORMS, model_config
 from dataflow.models.serial import to_json
+from dataflow.progress import SlowNotice
 
 PROG = "dataflow-plan"
 GPU_COUNTS = (2, 4, 8, 16, 32, 64)
@@ -240,20 +241,27 @@ def ring_report(cfg, args, budget, profile) -> str:
     vocab = bool(getattr(args, "vocab_parallel_head", False))
     overlap = not getattr(args, "no_round_overlap", False)
     split = bool(getattr(args, "split_update", False))
-    choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus, tokens_per_step=cap,
-                           memo=memo, constraints=fixed, vocab_parallel_head=vocab,
-                           round_overlap=overlap, split_update=split)
-    single = choice.single_tok_per_s
-    by_gpus = []
-    for g in GPU_COUNTS:
-        try:
-            c = choice if g == args.gpus else choose_layout(
-                cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
-                single_tok_per_s=single, memo=memo, quick=True, constraints=fixed,
-                vocab_parallel_head=vocab, round_overlap=overlap, split_update=split)
-            by_gpus.append((g, c, ""))
-        except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
-            by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
+    # 64 GPUs with both schedules take minutes on one core: say what is being weighed
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    with SlowNotice(f"weighing layouts of {args.gpus} GPUs", say, interval_s=15.0,
+                    hint="Ctrl-C stops it") as notice:
+        choice = choose_layout(cfg, args.seqlen, budget, profile, args.gpus,
+                               tokens_per_step=cap, memo=memo, constraints=fixed,
+                               vocab_parallel_head=vocab, round_overlap=overlap,
+                               split_update=split)
+        single = choice.single_tok_per_s
+        by_gpus = []
+        for i, g in enumerate(GPU_COUNTS):
+            notice.label = f"weighing layouts of {g} GPUs for the table ({i + 1} of " \
+                           f"{len(GPU_COUNTS)})"
+            try:
+                c = choice if g == args.gpus else choose_layout(
+                    cfg, args.seqlen, budget, profile, g, tokens_per_step=cap,
+                    single_tok_per_s=single, memo=memo, quick=True, constraints=fixed,
+                    vocab_parallel_head=vocab, round_overlap=overlap, split_update=split)
+                by_gpus.append((g, c, ""))
+            except ConfigError as exc:  # InfeasibleBudget included: say so, go on with other N
+                by_gpus.append((g, None, str(exc).split("\n")[0][:160]))
     preds, _, note = scaling(cfg, args.seqlen, budget, profile, precision=args.precision)
     if args.json:
         return json.dumps({
