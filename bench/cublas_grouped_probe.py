@@ -33,7 +33,7 @@ def _problems(kind: str, counts, starts, d: int, f: int, ptr):
     """Row-major (m, n, k, a, lda, trans_a, b, ldb, trans_b, c, ldc, accumulate) of each active
     expert's GEMM of `kind`; `ptr` maps buffer name and element offset to a device address."""
     out = []
-    for e, (n_e, s) in enumerate(zip(counts, starts)):
+    for e, (n_e, s) in enumerate(zip(counts.tolist(), starts.tolist())):  # Python ints
         if n_e == 0:
             continue
         if kind == "fwd":        # Y_e (n_e, F) = X_e (n_e, D) @ W_e^T, W_e stored (F, D)

@@ -237,6 +237,15 @@ def _last_json(path: Path) -> dict | None:
         return None
 
 
+def _failure(path: Path) -> dict:
+    """{'error': the last line of a failed run's log} (its exception, say), or {}."""
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    except OSError:
+        return {}
+    return {"error": lines[-1][:400]} if lines else {}
+
+
 def _earlier_ring(args) -> dict:
     """The ring run of --ring-from, refused unless it ran what this call would have run."""
     path = Path(args.ring_from) / "ring_gpu.json"
@@ -335,7 +344,7 @@ def collect(args) -> dict:
         single_s = args.single_timeout or args.timeout
         rc, wall, rows = run_sampled(cmd, out / "single.log", single_s, env)
         record["single"] = {"exit_code": rc, "wall_s": wall, "processes": rows,
-                            **(_last_json(out / "single.log") or {})}
+                            **(_last_json(out / "single.log") or _failure(out / "single.log"))}
         if args.single_own:
             own = dict(spec, chunking={"tokens_per_step": rank0["tokens_per_step"]},
                        head_sub_tokens=None)
@@ -456,7 +465,7 @@ def table(record: dict) -> str:
     s = record.get("single")
     if s:
         lines.append(f"single GPU exit {s['exit_code']} in {s['wall_s']:.0f} s; losses "
-                     f"{s.get('losses')}")
+                     f"{s.get('losses')}" + (f"; {s['error']}" if s.get("error") else ""))
         lines += _check_lines(s)
     o = record.get("single_own")
     if o:

@@ -1,6 +1,7 @@
 """Many row-major GEMMs of different sizes in one cuBLAS call (cublasGemmGroupedBatchedEx, cuBLAS
 12.5 and later), one group per problem, each as _cublas.gemm: C (m, n) [+]= op(A) (m, k) @ op(B)
-(k, n), bf16 or fp32 operands, fp32 compute, pointers and leading dimensions in elements. cuBLAS
+(k, n), bf16 or fp32 operands and the same output dtype (bf16 in, fp32 out is refused: cuBLAS
+13.0 answers it NOT_SUPPORTED), fp32 compute, pointers and leading dimensions in elements. cuBLAS
 reads the sizes from host arrays and the pointers from device arrays, so the caller must know
 the sizes on the host: it does not remove the MoE block's wait for its routing offsets
 (kernels/cuda/moe_experts.py), only the loop of launches. A probe for issue 55 so far: the
@@ -65,8 +66,12 @@ def prepare(problems, ab_dtype, c_dtype) -> GroupedCall:
     writes itself)."""
     ta = _cublas._dtype_code(ab_dtype, "A and B")
     tc = _cublas._dtype_code(c_dtype, "C")
-    if ta == _cublas._CUDA_R_32F and tc != _cublas._CUDA_R_32F:
-        raise TypeError("fp32 GEMM operands need an fp32 output")
+    if ta != tc:
+        # cuBLAS 13.0 on an H100 returned CUBLAS_STATUS_NOT_SUPPORTED (15) for bf16 operands
+        # with an fp32 output (s36): the loop (_cublaslt.gemm_loop) takes that mix
+        raise TypeError(f"the grouped GEMM takes one dtype for A, B and C; got "
+                        f"{np.dtype(ab_dtype)} operands and {np.dtype(c_dtype)} output (use "
+                        "_cublaslt.gemm_loop)")
     empty = [q[:3] for q in problems if not (q[0] and q[1] and q[2])]
     if empty or not problems:
         raise ValueError(f"grouped GEMM problems need m, n, k >= 1 and at least one problem; "
