@@ -15,7 +15,7 @@ timeout 120 python3 -m dataflow.bench.ring_gpu 1b 4096 --out $OUT/ring-su --gpus
   --transport shm --ring-budget 30:8 --single-budget 40:12 --steps 2 --timeout 110 2>&1 | tail -7
 M=$PWD/bench/records/s28-fp8/m112.json
 for scales in current guessed; do
-  left=$((280 - SECONDS)); [ $left -gt 40 ] || { echo "no time for m112 $scales"; continue; }
+  left=$((190 - SECONDS)); [ $left -gt 40 ] || { echo "no time for m112 $scales"; continue; }
   (cd /tmp && DATAFLOW_FP8_SCALES=$scales timeout $left dataflow-demo 16 16 1024 $M --tokens-per-step 16384 --steps 12 --precision fp8 --trace /tmp/m112-$scales.trace.json --json > $OUT/m112-$scales.json 2> $OUT/m112-$scales.log)
   echo "m112 $scales rc $? at $SECONDS s: $(grep -E '^summary' $OUT/m112-$scales.log | cut -c1-150)"
   python3 -m dataflow.bench.trace_ops /tmp/m112-$scales.trace.json --top 14 --out $OUT/m112-$scales.ops.json > $OUT/m112-$scales.ops.txt 2>&1
