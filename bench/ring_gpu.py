@@ -49,6 +49,7 @@ from dataflow.bench.sweep.sweep import git_commit
 from dataflow.engine import Engine, default_profile
 from dataflow.memplan import make_plan
 from dataflow.memplan.plan.decisions import decisions_of
+from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget
 from dataflow.memplan.plan.profiles import get_profile, profile_for_device
 from dataflow.memplan.search.build import finish_plan
@@ -192,7 +193,8 @@ def single_child(spec_json: str) -> int:
            "tokens_per_step": ch.tokens_per_step,
            "chunking": {"chunk_tokens": ch.chunk_tokens, "chunks_per_round": ch.chunks_per_round,
                         "rounds_per_step": ch.rounds_per_step},
-           "device_bytes": eng.plan.memory.device_bytes, "host_bytes": eng.plan.memory.host_bytes}
+           "device_bytes": eng.plan.memory.device_bytes, "host_bytes": eng.plan.memory.host_bytes,
+           "head_sub_tokens": eng.plan.slots.head_sub_tokens}
     for batch in batches(job, cfg, eng.seqs_per_step):
         r = eng.train_step(batch)
         out["losses"].append(r.loss)
@@ -217,8 +219,15 @@ def _single_plan(cfg, spec: dict, be):
     sub = spec.get("head_sub_tokens")
     if sub and sub != plan.slots.head_sub_tokens:
         d = decisions_of(plan)
-        plan = finish_plan(dataclasses.replace(d, slots=dataclasses.replace(
-            d.slots, head_sub_tokens=sub)), plan.budget, plan.profile)
+        try:
+            plan = finish_plan(dataclasses.replace(d, slots=dataclasses.replace(
+                d.slots, head_sub_tokens=sub)), plan.budget, plan.profile)
+        except InfeasibleBudget as exc:  # the ring's longer sub-chunk does not fit beside
+            # what this plan spends its room on: keep the planner's (losses then agree within
+            # the head's bf16 bound, not bit for bit)
+            print(f"single: the ring's head sub-chunk of {sub} tokens does not fit this plan "
+                  f"({exc}); keeping the planner's {plan.slots.head_sub_tokens}",
+                  file=sys.stderr, flush=True)
     return plan
 
 
@@ -487,6 +496,10 @@ def table(record: dict) -> str:
                      f"{fmt(pred.get('single_tok_per_s'))}; measured/predicted ring "
                      f"{c.get('ring_measured_over_predicted', float('nan')):.3f}, single "
                      f"{c.get('single_measured_over_predicted', float('nan')):.3f}")
+        ranks, gpus = record["config"]["gpus"], len(record.get("devices") or ())
+        if gpus and gpus < ranks:  # the prediction is of one GPU a rank
+            lines.append(f"  ({ranks} ranks shared {gpus} GPU{'s' * (gpus > 1)}: the ring's "
+                         "tok/s is not its speed on one GPU a rank; bits and memory only)")
     return "\n".join(lines)
 
 

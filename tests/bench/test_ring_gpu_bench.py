@@ -128,3 +128,25 @@ def test_schedule_flags_that_cannot_run_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--transport shm"):
         ring_gpu._enough_gpus(ring_gpu.build_parser().parse_args(
             ["tiny", "64", "--out", "x", "--gpus", "4"]), ["GPU-A"])
+
+
+def test_the_single_run_keeps_its_own_head_sub_chunk_where_the_rings_does_not_fit(capsys):
+    """s37, one H100: split-update ranks (half the AdamW state each) planned a 2,048-token head
+    sub-chunk for 1b at 4096; one device at 40/16 spends its room on saved activations, and with
+    the ring's sub-chunk forced on it needed 16.3 GiB of 16 and did not run. It now keeps the
+    planner's sub-chunk and says so."""
+    from types import SimpleNamespace
+
+    from dataflow.bench.ring_gpu import _single_plan
+    from dataflow.models.config import load_config
+
+    chunking = {"chunk_tokens": 8192, "chunks_per_round": 2, "rounds_per_step": 35}
+    spec = {"seqlen": 4096, "budget": [40, 16], "chunking": chunking}
+    be = SimpleNamespace(name="cupy", device_name="NVIDIA H100 80GB HBM3")
+    cfg = load_config("1b")
+    own = _single_plan(cfg, spec, be)
+    assert own.slots.head_sub_tokens != 2048
+    plan = _single_plan(cfg, {**spec, "head_sub_tokens": 2048}, be)
+    assert plan.slots.head_sub_tokens == own.slots.head_sub_tokens
+    assert plan.memory.device_bytes <= plan.budget.device_bytes
+    assert "head sub-chunk of 2048 tokens does not fit" in capsys.readouterr().err
