@@ -18,7 +18,8 @@ from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.search.layout_final import best_of_each, compiled_tok_per_s
-from dataflow.memplan.search.predict import compiled_rank_plans, replica_prediction
+from dataflow.memplan.search.predict import (compiled_rank_plans, reduce_exposure_seconds,
+                                            replica_prediction)
 from dataflow.memplan.search.ring_overlap import (OVERLAP_DEPTHS, QUICK_OVERLAP_DEPTHS,
                                                   overlap_bytes, overlap_rank_plans)
 from dataflow.memplan.search.ring_plan import (
@@ -150,30 +151,29 @@ def ring_sizes(gpus: int, n_layers: int) -> list[int]:
 
 def allreduce_seconds(rp: RankPlan, replicas: int, link: Link) -> float:
     """One step's all-reduce of rank rp's owned gradients over `replicas` copies: a ring
-    all-reduce moves 2 (R - 1) / R of the bytes each way over the link; a gradient kept at home
-    goes through a device staging buffer, so it also crosses PCIe once each way (D2H after the
-    sum, H2D before it). Zero for one replica."""
+    all-reduce moves 2 (R - 1) / R of the bytes each way over the link (a split update's
+    reduce-scatter half that). The compiled step reduces a layer's and the head's gradient where
+    its last round leaves the finished sum, in device memory (a slot that fetched the earlier
+    rounds' sums, or the resident block: the copies are the schedule's own), so only an
+    embedding gradient kept at home is reduced in host memory: NCCL takes it through a device
+    staging buffer, across PCIe once each way. Zero for one replica."""
     if replicas == 1:
         return 0.0
     plan, cfg = rp.plan, rp.plan.model
     per = 4 if plan.grad_accum == GradAccum.FP32 else 2
-    blocks = [(cfg.layer_params, lp.grads) for lp in plan.layers]
+    blocks = [cfg.layer_params for _ in plan.layers]
     if rp.has_embed:
-        blocks.append((cfg.embed_params, plan.embed.grads))
+        blocks.append(cfg.embed_params)
     if rp.has_head:
-        blocks.append((cfg.head_params, plan.head.grads))
-    total = sum(n for n, _ in blocks) * per
-    home = sum(n for n, where in blocks if where == Where.HOME) * per
+        blocks.append(cfg.head_params)
+    total = sum(blocks) * per
+    embed = cfg.embed_params * per * rp.has_embed  # all-reduced whole, even by a split update
+    home = embed if rp.has_embed and plan.embed.grads == Where.HOME else 0
     prof = plan.profile
     staged = home / prof.h2d_bytes_per_s + home / prof.d2h_bytes_per_s
     wire = 2 * (replicas - 1) / replicas * total / link.bytes_per_s
-    if rp.split_update:  # every block but the embedding reduce-scattered: half an all-reduce,
-        # and a staged part comes back to the host alone
-        whole = cfg.embed_params * per * rp.has_embed
-        whole_home = whole if rp.has_embed and plan.embed.grads == Where.HOME else 0
-        wire = (replicas - 1) / replicas * (total + whole) / link.bytes_per_s
-        staged = home / prof.h2d_bytes_per_s + (  # every replica's whole gradient goes up,
-            whole_home + (home - whole_home) / replicas) / prof.d2h_bytes_per_s  # a part back
+    if rp.split_update:  # every block but the embedding reduce-scattered: half an all-reduce
+        wire = (replicas - 1) / replicas * (total + embed) / link.bytes_per_s
     return wire + staged + len(blocks) * link.latency_s
 
 
@@ -214,7 +214,9 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
     split_update: replicas split their update (rank k of every replica its part of rank k's
     blocks: its part's AdamW and state, each rank predicted from its compiled split schedule;
     its memory the split replica's). compiled (a memo): every rank predicted from its compiled
-    schedule (compiled_rank_plans), the final figures; None: the search's estimates."""
+    schedule (compiled_rank_plans), the final figures, a ring of one's gradient reduces timed
+    in that schedule (reduce_exposure_seconds); None: the search's estimates, and the reduces
+    charged whole after the step (allreduce_seconds)."""
     if compiled is not None:
         rps = compiled_rank_plans(rps, compiled)
     ch = rps[0].plan.chunking
@@ -227,7 +229,13 @@ def _option(rps: tuple[RankPlan, ...], gpus: int, replicas: int, links: tuple[Li
                                compiled=compiled is not None) if split or su else rps
         ring = predict_ring(ring_rps, link, overlap=overlap)
         depth = max(depth, ring.overlap_depth)
-        reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
+        if compiled is not None and len(rps) == 1 and replicas > 1:
+            # a ring of one's final figure: its reduces timed in its compiled step
+            reduce_s = reduce_exposure_seconds(
+                dataclasses.replace(ring_rps[0], replicas=replicas), link.bytes_per_s,
+                link.latency_s, compiled)
+        else:
+            reduce_s = max(allreduce_seconds(rp, replicas, link) for rp in ring_rps)
         step = ring.step_time_s + reduce_s
         tok = tokens / step
         idle = (ring.step_time_s - ring.rank_step_time_s) / step if len(rps) > 1 else 0.0

@@ -46,9 +46,10 @@ def predict_schedule(plan, p: HardwareProfile, update: str = "deferred", *, comp
     cfg, ch = d.model, d.chunking
     w = workload_of(d, p)
     R = ch.rounds_per_step
-    # update='backward' makes the last round unlike the middle ones: simulate first, middle
-    # and last; otherwise the rounds from 1 on are alike: first and one later.
-    n = min(R, 3 if update == "backward" else 2)
+    # update='backward' makes the last round unlike the middle ones, as does a replica's
+    # compiler (its last round reduces the gradients, a split one's writes home its part
+    # alone): simulate first, middle and last; otherwise the rounds from 1 on are alike.
+    n = min(R, 3 if update == "backward" or compiler is not None else 2)
     sch = compile_schedule(d, rounds=n, update=update) if compiler is None else \
         compiler(n, update)
     tl = simulate_schedule(sch, event_seconds(d, p), p, comm=comm)
@@ -144,6 +145,35 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0,
         p, step_time_s=p.step_time_s * k, tok_per_s=p.tok_per_s / k,
         model_tflop_per_s=p.model_tflop_per_s / k, mfu=p.mfu / k, hfu=p.hfu / k,
         h2d_bytes=timed[1].h2d_bytes)
+
+
+def reduce_exposure_seconds(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0,
+                            memo: dict | None = None) -> float:
+    """The seconds the replicas' gradient reduces (RankPlan.replicas, all-reduced or with
+    split_update reduce-scattered) add to rank rp's compiled step, timed where the schedule runs
+    them: each on the reduce stream after the block's last backward, the compute waiting for it
+    there, over a link of `bytes_per_s`; what copy waits already hide is not counted. Send / Recv
+    are not compiled (the rank alone), so it is a ring of one's whole reduce and a ring rank's
+    estimate. `memo`: by plan, replicas, splits and link. 0 for one replica."""
+    if rp.replicas == 1:
+        return 0.0
+    memo = {} if memo is None else memo
+    key = ("reduce_exposure", rp.plan.hash, rp.rank, rp.replicas, rp.split_fetch,
+           rp.split_update, bytes_per_s, latency_s)
+    if key not in memo:
+        schedules = {}
+
+        def compiled(rounds: int, update: str):
+            if (rounds, update) not in schedules:
+                schedules[rounds, update] = ReplicaCompiler(rp).compile(rounds, update)
+            return schedules[rounds, update]
+
+        steps = [predict_schedule(rp.plan, rp.plan.profile, compiler=compiled, comm=RingComm(
+            rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s, latency_s=latency_s,
+            arrivals=None, streams=(REDUCE, GATHER), reduce=reduce)).step_time_s
+            for reduce in (False, True)]
+        memo[key] = max(0.0, steps[1] - steps[0])
+    return memo[key]
 
 
 def compiled_rank_plans(rps: tuple[RankPlan, ...], memo: dict) -> tuple[RankPlan, ...]:
