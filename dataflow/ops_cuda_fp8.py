@@ -8,7 +8,7 @@ are K-contiguous, so the backward's ops quantise into the transposed layouts: dx
 multiple of 16) runs the bf16 op instead, as the NumPy table does. Ops run in stream order, so
 one scratch serves them all.
 
-Guessed scales (DATAFLOW_FP8_SCALES=guessed; measured slower than current, not the default):
+Guessed scales (DATAFLOW_FP8_SCALES=guessed; level with current within noise, not the default):
 where the executor lends 'fp8_guess' too and the backend names each op's site (at()), a tensor's
 quantisation casts with the scale its site had last time and takes the amax in the same pass,
 casting again only where the true scale differs (kernels/cuda/fp8.py quantise_guessed): the

@@ -35,8 +35,8 @@ class Settings:
     (an amax pass, then the cast) or 'guessed' (the cast with the scale the operand's site had
     last time, the amax taken in the same pass, a second cast where the guess missed: the same
     bytes, one pass fewer where it holds; dataflow.ops_cuda_fp8; any case). 'guessed' gives
-    current's bits but measured slower (H100: 8b at 8k -1.8 %, 112M -7 %; docs/fp8.md), so
-    'current' stays the default."""
+    current's bits and measured level with it within the steps' noise (H100, 8b at 8k: -1.8 %
+    in s34, +2.2 % in s37; 112M -7 %, -1.3 %; docs/fp8.md), so 'current' stays the default."""
     host_check: bool = True
     """DATAFLOW_HOST_CHECK: 'off' (any case) skips the dataflow-demo's refusal of a host budget
     above the machine's available memory (bench/demo_checks.py), for machines whose memory grows
