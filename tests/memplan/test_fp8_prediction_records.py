@@ -1,7 +1,7 @@
 """The cost model against the FP8 runs measured on an H200 (bench/records/s26-fp8/, s33/) and an
 H100 (s34/call2/, s37/, planned with the H100's measured FP8 rate): each run's own plan (its
 decisions and profile, re-predicted by today's model) is predicted within 5 % of the tok/s its
-step 2 measured, fp8 and bf16 alike, so a change to the model that breaks the fit shows here."""
+last step measured, fp8 and bf16 alike, so a change to the model that breaks the fit shows here."""
 
 from __future__ import annotations
 
