@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Thirty-seventh session, call 3 -- NOT RUN (no machine could start; 577 s of budget left). For the next session:
+# Thirty-seventh session, call 3, NOT RUN (no machine could start; 577 s of budget left): issue 53's
 # 65,536-token pair, bf16 and fp8 in 100/24, 2 sequences a step, on one GPU in one call. Everything the call writes is tarred into one file (only 8 files come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
