@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.plan.split import split_memory_map
+from dataflow.memplan.search.layout_chunkings import fewer_rounds_shapes, full_ring_chunkings
 from dataflow.memplan.search.layout_final import best_of_each, compiled_tok_per_s
 from dataflow.memplan.search.predict import (compiled_rank_plans, reduce_exposure_seconds,
                                             replica_prediction)
@@ -44,14 +44,6 @@ follows the round's critical path, on which nothing runs beside the head (every 
 its gradient), so the balanced walk's extra layers on the other ranks usually cost more than
 the head's rank saves (8b at 8k on H100s: rings of 2 and 4 predict 2 % and 19 % behind cyclic;
 simulate_ring agrees). 'contiguous' is never weighed: one visit per rank serialises the ring."""
-
-FULL_RING_SPLITS = (2, 4)
-"""The planner's chunk is also weighed cut into this many pieces for a full ring."""
-MIN_RING_CHUNK_TOKENS = 1024
-"""No ring chunk shorter: below it the layers' GEMMs lose their arithmetic intensity (the cost
-model charges it, but the search need not spend time there)."""
-FULL_RING_MULTIPLES = (1, 2)
-"""Chunks a round weighed for a full ring, as multiples of the ring size."""
 
 PLACEMENT_MARGIN = 0.02
 """How far ahead of the cyclic ring another placement must be predicted to be chosen: 32b at
@@ -342,8 +334,8 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
     base = _ring(memo, cfg, seqlen, budget, profile, n, constraints)
     out = [(constraints, base)]
     if n == 1:
-        return out
-    for shape in _full_ring_chunkings(base[0].plan.chunking, n, constraints,
+        return out + _fewer_rounds(cfg, seqlen, budget, profile, constraints, base, memo)
+    for shape in full_ring_chunkings(base[0].plan.chunking, n, constraints,
                                       few=quick or "placement" in constraints):
         full = dict(constraints, **shape)
         try:
@@ -353,39 +345,17 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
     return out
 
 
-def _full_ring_chunkings(ch, n: int, constraints: dict, *, few: bool = False) -> list[dict]:
-    """The chunk shapes weighed beside the planner's own `ch` for a ring of n: at least n chunks
-    a round (a full ring: every rank has a chunk to work on while the others pass theirs on), at
-    the planner's chunk size and at FULL_RING_SPLITS of it (down to MIN_RING_CHUNK_TOKENS and not
-    where the caller fixed chunk_tokens), with FULL_RING_MULTIPLES of n chunks a round (more
-    chunks shorten the pipeline's fill and drain against the round's work, smaller ones fill a
-    ring whose memory holds few chunks: 32b at 8k on 2 GPUs at 120 / 40 holds one chunk of 8k
-    a round but two of 4k). A shape equal to the planner's is left out. `few` (a placement
-    other than cyclic, never predicted ahead of it where a full ring fits) weighs only the
-    planner's chunk size with its chunks a round rounded up to a multiple of n, if that is a
-    change: each shape is a plan of every rank (0.5 s for 8b)."""
-    fixed_c = "chunks_per_round" in constraints
-    if few:
-        c = math.lcm(ch.chunks_per_round, n)
-        return [] if fixed_c or c == ch.chunks_per_round else [{"chunks_per_round": c}]
-    sizes = [ch.chunk_tokens]
-    if "chunk_tokens" not in constraints:
-        sizes += [ch.chunk_tokens // k for k in FULL_RING_SPLITS
-                  if ch.chunk_tokens % k == 0 and ch.chunk_tokens // k >= MIN_RING_CHUNK_TOKENS]
-    shapes = []
-    for tokens in sizes:
-        per_seq = max(1, ch.seqlen // tokens) if tokens < ch.seqlen else 1
-        counts = ({constraints["chunks_per_round"]} if fixed_c else
-                  {math.lcm(m * n, per_seq) for m in FULL_RING_MULTIPLES}
-                  | {math.lcm(ch.chunks_per_round, n, per_seq)})
-        for c in sorted(counts):
-            if (tokens, c) == (ch.chunk_tokens, ch.chunks_per_round) or (fixed_c and c < n):
-                continue
-            shape = {"chunks_per_round": c}
-            if tokens != ch.chunk_tokens:
-                shape["chunk_tokens"] = tokens
-            shapes.append(shape)
-    return shapes
+def _fewer_rounds(cfg, seqlen, budget, profile, constraints: dict, base, memo) -> list:
+    """(constraints, rank plans) of one device's replica planned with its sequences in fewer,
+    fuller rounds (layout_chunkings.fewer_rounds_shapes), where they fit."""
+    out = []
+    for shape in fewer_rounds_shapes(base[0].plan.chunking, constraints):
+        asked = dict(constraints, **shape)
+        try:
+            out.append((asked, _ring(memo, cfg, seqlen, budget, profile, 1, asked)))
+        except (ConfigError, ValueError):  # InfeasibleBudget included: fuller rounds do not fit
+            pass
+    return out
 
 
 def _ring_candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,

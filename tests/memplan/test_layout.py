@@ -129,22 +129,22 @@ def test_a_full_ring_is_also_weighed_in_smaller_chunks_and_longer_rounds():
     """Beside the planner's chunking a ring of n weighs n and 2n chunks a round at the planner's
     chunk size and at half and a quarter of it (never below MIN_RING_CHUNK_TOKENS, never a
     shape the caller fixed): 32b at 120/40 on 2 GPUs holds one 8k chunk a round but two of 4k."""
-    from dataflow.memplan.search.layout import MIN_RING_CHUNK_TOKENS, _full_ring_chunkings
+    from dataflow.memplan.search.layout_chunkings import MIN_RING_CHUNK_TOKENS, full_ring_chunkings
     from dataflow.memplan.plan.plan import Chunking
 
     one = Chunking(seqlen=8192, chunk_tokens=8192, seqs_per_chunk=1, chunks_per_seq=1,
                    chunks_per_round=1, rounds_per_step=72)
-    shapes = _full_ring_chunkings(one, 2, {})
+    shapes = full_ring_chunkings(one, 2, {})
     assert {"chunks_per_round": 2} in shapes and {"chunks_per_round": 4} in shapes
     assert {"chunk_tokens": 4096, "chunks_per_round": 2} in shapes
     assert {"chunk_tokens": 2048, "chunks_per_round": 4} in shapes
     assert all(s.get("chunk_tokens", 8192) >= MIN_RING_CHUNK_TOKENS for s in shapes)
     # chunks of a split sequence come whole: 2k chunks of an 8k sequence, 4 (or 8) a round
     assert all(s["chunks_per_round"] % (8192 // s.get("chunk_tokens", 8192)) == 0 for s in shapes)
-    assert _full_ring_chunkings(one, 2, {"chunk_tokens": 8192}) == [{"chunks_per_round": 2},
+    assert full_ring_chunkings(one, 2, {"chunk_tokens": 8192}) == [{"chunks_per_round": 2},
                                                                    {"chunks_per_round": 4}]
-    assert _full_ring_chunkings(one, 2, {"chunks_per_round": 1}) == []  # fixed and under-full
-    assert _full_ring_chunkings(one, 2, {}, few=True) == [{"chunks_per_round": 2}]
+    assert full_ring_chunkings(one, 2, {"chunks_per_round": 1}) == []  # fixed and under-full
+    assert full_ring_chunkings(one, 2, {}, few=True) == [{"chunks_per_round": 2}]
 
 
 def test_rings_with_more_chunks_than_ranks_are_predicted_at_their_measured_efficiency():
