@@ -87,8 +87,10 @@ class LinkPrediction:
     fill and drain, over the step (0 for plain data parallelism)."""
     step_time_s: float
     allreduce_s: float
-    """The replicas' gradient all-reduce per step, not overlapped with compute (it runs in the
-    last round where each block's gradient is final, and the compute stream waits for it)."""
+    """What the replicas' gradient all-reduce (or reduce-scatter) adds to a step: it runs in the
+    last round where each block's gradient is final, and the compute stream waits for it. For
+    replicas of one device, the time it adds to the compiled step (copy waits hide some); for
+    rings of two or more, its whole wire time."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
