@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "reduce-scatters, updates and gathers 1/R of every block")
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every ring rank takes 1/N of the head's vocabulary (dataflow-ring "
-                        "--vocab-parallel-head; shared-memory transport only, so with --backend "
-                        "cupy give --transport shm: the ranks then share this host's GPUs)")
+                        "--vocab-parallel-head; over NCCL its schedule is checked for "
+                        "rendezvous deadlocks before the communicators are made, and has not "
+                        "run on two GPUs yet; --transport shm runs it on one GPU)")
     p.add_argument("--transport", choices=("auto", "nccl", "shm"), default="auto",
                    help="auto: NCCL with cupy, shared memory with numpy; shm with cupy runs "
                         "the ranks on the GPUs there are, several to a GPU where fewer (a "
@@ -531,9 +532,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "numpy" and args.transport == "nccl":
         parser.error("--transport nccl needs --backend cupy (NCCL carries device arrays); the "
                      "numpy ring runs over shared memory (--transport shm or auto)")
-    if args.vocab_parallel_head and _transport(args) != "shm":
-        parser.error("--vocab-parallel-head runs over the shared-memory transport only so far "
-                     "(dataflow-ring refuses it over NCCL); add --transport shm")
     if args.gpus < 1 or args.steps < 1:
         parser.error(f"--gpus {args.gpus} and --steps {args.steps} must be at least 1")
     record = collect(args)

@@ -19,6 +19,7 @@ from dataflow.memplan.plan.plan import Budget, GradAccum
 from dataflow.memplan.plan.split import split_memory_map
 from dataflow.memplan.search.cost import predict
 from dataflow.memplan.search.ring_plan import make_rank_plan, ring_profile
+from dataflow.memplan.step.ring_rendezvous import refuse_rendezvous_deadlock
 from dataflow.models.errors import ConfigError
 from dataflow.ring.env import RankEnv
 from dataflow.ring.kinds import TransportKind
@@ -97,6 +98,14 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     rp = _rank_plan(cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, env.rank % n,
                     replicas, split_update, grad_accum=grad_accum, split_fetch=split_fetch,
                     **constraints)
+    if kind is TransportKind.NCCL and n > 1 and rp.vocab_parallel:
+        # its sends go both ways round the ring on one send stream: refuse, before any
+        # communicator is made, a schedule whose rendezvous sends could wait on each other
+        others = [rp if r == rp.rank else make_rank_plan(
+            cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, r, replicas=replicas,
+            grad_accum=grad_accum, split_fetch=split_fetch, **constraints) for r in range(n)]
+        for update in ("end", "deferred") if deferred_update else ("end",):  # step 1, then on
+            refuse_rendezvous_deadlock(others, update, what="the vocabulary-parallel head")
     tr = make_transport(kind, env, replicas, timeout_s)
     try:
         return RingRank(rp, be, tr, seed=seed, optimizer=optimizer, lr_schedule=lr_schedule,

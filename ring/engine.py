@@ -65,7 +65,7 @@ class Ring:
     """Every rank of a ring of 2+ holds a shard of the head's vocabulary and computes the logits
     and loss over it, instead of the last layer's rank carrying the whole head
     (RankPlan.vocab_parallel, docs/ring.md; shared memory: NumPy, or CuPy ranks sharing a GPU;
-    untied dense models)."""
+    NCCL: checked for rendezvous deadlocks, not yet run on two GPUs; untied dense models)."""
     env: RankEnv | None = None
     """This process's place; default: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT (or SLURM_*) from the environment."""

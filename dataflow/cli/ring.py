@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-parallel-head", action="store_true",
                    help="every rank of a ring of 2+ computes the logits and loss over 1/N of "
                         "the vocabulary, instead of the last layer's rank carrying the whole "
-                        "head (--transport shm, NumPy or CuPy ranks sharing a GPU; untied dense "
-                        "models; no checkpoints yet; docs/ring.md)")
+                        "head (untied dense models; no checkpoints yet; over NCCL checked for "
+                        "deadlocks first, not yet run on two GPUs; docs/ring.md)")
     ovl = p.add_mutually_exclusive_group()
     ovl.add_argument("--no-round-overlap", action="store_true",
                      help="run a step's rounds in turn (the default, the same as leaving both "
@@ -181,10 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
-        if args.vocab_parallel_head and transport is not TransportKind.SHM:
-            raise ConfigError(f"--vocab-parallel-head over the {transport.value} transport is "
-                              "not built yet; add --transport shm (ranks of one host) or drop "
-                              "the flag")
         replicas, constraints = resolve_layout(
             args.model, args.seqlen, args.host_gb, args.dev_gb, gpus, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,
