@@ -95,7 +95,7 @@ def run_rank(job: RingJob, env: RankEnv) -> int:
                 "world_size": env.gpus,
                 "layers": list(rp.layers), "placement": rp.placement,
                 "split_fetch": rp.split_fetch, "split_update": rp.split_update,
-                "vocab_parallel": rp.vocab_parallel,
+                "vocab_parallel": rp.vocab_parallel, "round_overlap": rp.round_overlap,
                 "state_parts": rp.plan.state_parts,
                 "has_embed": rp.has_embed, "has_head": rp.has_head, "losses": losses,
                 "grad_norms": norms,

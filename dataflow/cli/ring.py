@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "same losses and weights bit for bit. D given: that depth; no D: the "
                           "planner weighs depths 1, 2, 4, 8 and keeps the fastest predicted "
                           "(perhaps none; rounds in turn where its ranks are ones this does "
-                          "not run, said on stderr). NumPy backend (shared memory), ranks whose "
-                          "layers stay on the device, dense models (docs/ring.md)")
+                          "not run, said on stderr). Shared-memory transport (CuPy: not yet run on "
+                          "a GPU), ranks whose layers stay on the device, dense models")
     p.add_argument("--steps", type=positive(int), default=3)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--lr", type=positive(float), default=1e-3)
@@ -168,10 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                               "chunks per round)")
         check_checkpoint_flags(args.checkpoint_dir, args.save_every, args.keep, args.resume,
                                args.force_checkpoint_dir)
-        if args.round_overlap is not None and args.backend != "numpy":
-            raise ConfigError("--round-overlap runs on the NumPy backend so far (the NCCL "
-                              "transport takes a link's messages in the order sent); drop the "
-                              "flag or use --backend numpy")
         if args.vocab_parallel_head and args.checkpoint_dir:
             raise ConfigError("--vocab-parallel-head runs without --checkpoint-dir so far (the "
                               "checkpoint format keeps the head block whole); drop one of them")
@@ -181,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         data, data_options = _job_data(args)
         env, gpus = ring_processes(args.model, args.gpus, args.replicas or 1)
         transport = requested.resolve(args.backend)
+        if args.round_overlap is not None and transport is not TransportKind.SHM:
+            raise ConfigError("--round-overlap runs over the shared-memory transport so far "
+                              "(NCCL takes a link's messages in the order sent, and overlapped "
+                              "rounds would deadlock on its sends); add --transport shm (ranks "
+                              "of one host) or drop the flag")
         replicas, constraints = resolve_layout(
             args.model, args.seqlen, args.host_gb, args.dev_gb, gpus, backend=args.backend,
             transport=transport, replicas=args.replicas, tokens_per_step=args.tokens_per_step,

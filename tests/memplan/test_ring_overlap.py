@@ -152,7 +152,7 @@ def test_the_command_lines_turn_it_off_and_dataflow_ring_takes_a_depth(capsys):
     """dataflow-plan takes --no-round-overlap; dataflow-ring takes --no-round-overlap (its
     default: rounds in turn) and --round-overlap with a depth or without one (the planner's),
     and refuses with exit 2, naming the flag before any process starts, a depth of 0 and
-    --round-overlap on the CuPy backend (whose NCCL transport does not run it)."""
+    --round-overlap over NCCL (CuPy's default transport, which does not run it)."""
     from dataflow.cli import plan as plan_cli  # the console scripts sit above every package
     from dataflow.cli import ring as ring_cli  # the console scripts sit above every package
     from dataflow.ring.layout import AUTO_OVERLAP
