@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Thirty-seventh session, call 4 (a fresh machine with ~180 s of budget after its start): the
+# new GPU test of overlapped rounds on the CuPy backend (two ranks sharing the GPU over shared
+# memory, overlapped against plain, bit for bit), then the split-update ring with the fixed
+# one-device baseline if time is left. Everything in one tar (only 8 files come back).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
+R=/tmp/s37c4; mkdir -p $R
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/gpu.txt
+timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ring/test_ring_gpu_overlap.py > $R/overlap-test.log 2>&1
+echo "overlap test rc $? at $SECONDS s: $(tail -1 $R/overlap-test.log)"
+left=$((165 - SECONDS))
+if [ $left -gt 60 ]; then
+  timeout $left python3 -m dataflow.bench.ring_gpu 1b 4096 --out $R/ring-su --gpus 2 --replicas 2 --split-update \
+    --transport shm --ring-budget 30:8 --single-budget 40:16 --steps 2 --timeout $((left - 5)) 2>&1 | tail -9 | tee $R/ring-su-table.txt
+else echo "no time for ring-su"; fi
+tar czf $OUT/call4.tgz -C /tmp s37c4
