@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Thirty-seventh session, call 4 (a fresh machine with ~180 s of budget after its start): the
+# Thirty-seventh session, call 4, NOT RUN (no machine could start; 397 s of budget left after the try): the
 # new GPU test of overlapped rounds on the CuPy backend (two ranks sharing the GPU over shared
 # memory, overlapped against plain, bit for bit), then the split-update ring with the fixed
 # one-device baseline if time is left. Everything in one tar (only 8 files come back).
