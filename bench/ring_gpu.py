@@ -2,7 +2,8 @@
 processes and one after the other:
 
   ring     N ranks, one GPU each (NCCL; --transport shm: ranks sharing the GPUs there are),
-           with the schedules asked for (--split-fetch, --split-update, --vocab-parallel-head),
+           with the schedules asked for (--split-fetch, --split-update, --vocab-parallel-head,
+           --round-overlap: shared memory only),
            per-device budgets --ring-budget, launched by
            `dataflow-ring --gpus N` or `torchrun --nproc-per-node N -m dataflow.cli.ring` (--launcher);
            every rank's losses and step times come back through dataflow.cli.ring's --out files.
@@ -117,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "step's compute / exposed copy / host / idle per rank in ring.log and "
                         "ring/rank<r>.json")
     p.add_argument("--round-overlap", action="store_true",
-                   help="refused for now: overlapped rounds run on the NumPy backend only "
-                        "(dataflow-ring --round-overlap), not over NCCL (the record's "
-                        "prediction shows them beside what ran: predicted.overlapped)")
+                   help="overlapped rounds (dataflow-ring --round-overlap, the depth the "
+                        "planner predicts fastest, perhaps none): over the shared-memory "
+                        "transport only (NCCL would deadlock on them); without it the record "
+                        "still shows them beside what ran (predicted.overlapped)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--placement", choices=("cyclic", "balanced", "contiguous", "auto"),
                    default="cyclic", help="dataflow-ring --placement: how the ring deals layers")
@@ -159,6 +161,8 @@ def ring_command(args) -> list[str]:
         common += ["--replicas", str(args.replicas)]
     if getattr(args, "trace", False):
         common += ["--trace"]
+    if getattr(args, "round_overlap", False):
+        common += ["--round-overlap"]
     for flag in ("split_fetch", "split_update", "vocab_parallel_head"):
         if getattr(args, flag, False):
             common += ["--" + flag.replace("_", "-")]
@@ -270,7 +274,8 @@ def _earlier_ring(args) -> dict:
             "rounds": args.rounds, "replicas": args.replicas, "split_fetch": args.split_fetch,
             "max_grad_norm": args.max_grad_norm, **_schedule(args)}
     # records written before a key existed ran without it: its default
-    had = {"split_update": False, "vocab_parallel_head": False, "transport": "nccl"}
+    had = {"split_update": False, "vocab_parallel_head": False, "transport": "nccl",
+           "round_overlap": False}
     differ = {k: (cfg.get(k, had.get(k)), v) for k, v in want.items()
               if cfg.get(k, had.get(k)) != v}
     if differ:
@@ -282,7 +287,7 @@ def _earlier_ring(args) -> dict:
 def _schedule(args) -> dict:
     """The record's keys of the schedule flags and the transport that ran."""
     return {"split_update": args.split_update, "vocab_parallel_head": args.vocab_parallel_head,
-            "transport": _transport(args)}
+            "transport": _transport(args), "round_overlap": bool(args.round_overlap)}
 
 
 def _enough_gpus(args, devices: list[str]) -> None:
@@ -397,10 +402,12 @@ def predicted(args, devices: list[str], rank0: dict | None) -> dict | None:
             split_update=bool(rank0.get("split_update", False)), **ran, **cost, **kw)
             for cost in costs), key=lambda o: o.on(link.name).tok_per_s)
 
-    opt = predict(**({"placement": rank0["placement"]}
-                     if rank0.get("placement", "cyclic") != "cyclic" else {}))
-    on = opt.on(link.name)
+    placed = {"placement": rank0["placement"]} if rank0.get("placement", "cyclic") != "cyclic" \
+        else {}
+    depth = rank0.get("round_overlap") or 0  # the ranks ran overlapped: predict that depth
+    opt = predict(**placed, overlap_depth=depth) if depth else predict(**placed)
     over = predict(round_overlap=True)
+    on = opt.on(link.name)
     out = {"overlapped": {"tok_per_s": over.on(link.name).tok_per_s,
                           "round_overlap": over.layout.round_overlap},
            "profile": prof.name, "ring_size": opt.layout.ring_size, "link": link.name,
@@ -467,7 +474,7 @@ def table(record: dict) -> str:
              f"{record['config']['gpus']} GPUs, replicas {record['config'].get('replicas')} "
              f"({record['config']['launcher']}, {record['config'].get('transport', 'nccl')}"
              + "".join(f", {k.replace('_', ' ')}" for k in ("split_fetch", "split_update",
-                                                          "vocab_parallel_head")
+                                                          "vocab_parallel_head", "round_overlap")
                        if record["config"].get(k)) + ") exit "
              f"{ring['exit_code']} in {ring['wall_s']:.0f} s; losses "
              f"{ring.get('rank0') and ring['rank0']['losses']}"]
@@ -524,11 +531,11 @@ def main(argv: list[str] | None = None) -> int:
                      "--launcher dataflow-ring")
     if args.ring_from and args.no_single:
         parser.error("--ring-from runs only the one-GPU baseline; drop --no-single")
-    if args.round_overlap:
-        parser.error("--round-overlap: overlapped rounds run on the NumPy backend so far (the "
-                     "NCCL transport takes a link's messages in the order sent); drop the flag: "
-                     "the record's predicted.overlapped gives the planner's overlapped "
-                     "prediction")
+    if args.round_overlap and _transport(args) != "shm":
+        parser.error("--round-overlap runs over the shared-memory transport only (NCCL takes a "
+                     "link's messages in the order sent and would deadlock on them); add "
+                     "--transport shm, or drop the flag: the record's predicted.overlapped "
+                     "gives the planner's overlapped prediction")
     if args.backend == "numpy" and args.transport == "nccl":
         parser.error("--transport nccl needs --backend cupy (NCCL carries device arrays); the "
                      "numpy ring runs over shared memory (--transport shm or auto)")

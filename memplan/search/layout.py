@@ -506,18 +506,22 @@ def predict_layout(cfg: ModelConfig, seqlen: int, budget: Budget, profile: Hardw
                    gpus: int, ring_size: int, *, links: tuple[Link, ...] = LINKS,
                    transport: str = "nccl", split_fetch: bool = False,
                    round_overlap: bool = False, split_update: bool = False,
-                   **constraints) -> LayoutOption:
+                   overlap_depth: int = 0, **constraints) -> LayoutOption:
     """The prediction of one given layout (gpus / ring_size replicas of a ring of ring_size),
     its ranks planned under `constraints` (a run's chunking, say; vocab_parallel, state_parts
     and whole_update_cost among them as make_rank_plans takes them), the replicas splitting
     their fetches and / or their update as asked: what a benchmark compares its measurement
-    with."""
+    with. overlap_depth: the ranks planned with room for that many local layers of overlapped
+    rounds (overlap_rank_plans, as dataflow-ring --round-overlap D plans them) and predicted
+    overlapped; round_overlap alone: the given plans' rounds overlapped where they allow."""
     if gpus % ring_size:
         raise ConfigError(f"{gpus} GPUs do not split into rings of {ring_size}")
     replicas = gpus // ring_size
-    rps = make_rank_plans(cfg, seqlen, budget,
-                          ring_profile(profile, gpus, transport, replicas), ring_size,
-                          **constraints)
+    if overlap_depth:
+        constraints = dict(constraints, round_overlap=overlap_depth)
+        round_overlap = True
+    rps = _plans(cfg, seqlen, budget, ring_profile(profile, gpus, transport, replicas),
+                 ring_size, constraints)
     try:
         single = compiled_tok_per_s(make_plan(cfg, seqlen, budget, profile))
     except InfeasibleBudget:

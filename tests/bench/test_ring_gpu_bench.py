@@ -81,8 +81,8 @@ def test_the_single_run_takes_the_ring_head_ranks_head_sub_chunk():
 
 def test_ring_gpu_refuses_without_enough_gpus_and_refuses_round_overlap(tmp_path, monkeypatch):
     """The CuPy ring needs one GPU a rank: with fewer visible it stops before running anything,
-    naming how many it sees and what would work; --round-overlap is refused by name (it runs on
-    the NumPy backend, not over NCCL, yet)."""
+    naming how many it sees and what would work; --round-overlap over NCCL (CuPy's default
+    transport) is refused by name (it runs over shared memory only)."""
     import pytest
 
     monkeypatch.setattr(ring_gpu.ProcessPeaks, "device_names", lambda self: ["GPU-A"])
@@ -149,3 +149,21 @@ def test_the_single_run_keeps_its_own_head_sub_chunk_where_the_rings_does_not_fi
     assert plan.slots.head_sub_tokens == own.slots.head_sub_tokens
     assert plan.memory.device_bytes <= plan.budget.device_bytes
     assert "head sub-chunk of 2048 tokens does not fit" in capsys.readouterr().err
+
+
+def test_round_overlap_runs_over_shared_memory_and_is_predicted_as_it_ran(tmp_path, capsys):
+    """--round-overlap reaches dataflow-ring over shared memory (NumPy here; CuPy ranks sharing
+    a GPU alike): the record's config says so, every rank's record gives the depth it ran, and
+    the prediction is of that depth, and the table names it."""
+    out = tmp_path / "ov"
+    assert ring_gpu.main(["tiny", "64", "--out", str(out), "--ring-budget", "1:0.25",
+                          "--backend", "numpy", "--steps", "2", "--rounds", "3", "--gpus", "2",
+                          "--replicas", "1", "--round-overlap", "--no-single"]) == 0
+    rec = json.loads((out / "ring_gpu.json").read_text())
+    assert rec["config"]["round_overlap"] is True and rec["config"]["transport"] == "shm"
+    depths = {rec["ring"][f"rank{r}"]["round_overlap"] for r in range(2)}
+    assert len(depths) == 1
+    assert depths == {1}  # tiny's 4 layers over 2 ranks at 1 / 0.25 GiB: depth 1 predicted
+    assert rec["predicted"]["overlapped"]["round_overlap"] == 1
+    assert rec["predicted"]["tok_per_s"] == rec["predicted"]["overlapped"]["tok_per_s"]
+    assert "shm, round overlap) exit 0" in capsys.readouterr().out
