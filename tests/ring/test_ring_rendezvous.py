@@ -93,3 +93,18 @@ def test_an_nccl_rank_with_the_vocabulary_head_checks_the_ring_before_any_commun
         bootstrap.open_rank(tiny_with(6), 64, 0.25, 0.25, **common)
     with pytest.raises(ConfigError, match="the vocabulary-parallel head over NCCL"):
         bootstrap.open_rank(tiny_with(6), 64, 0.25, 0.25, round_overlap=1, **common)
+
+
+def test_8b_as_a_vocabulary_parallel_ring_of_4_passes_at_its_planned_shape():
+    """The shape a 4-GPU machine would run (8b at 8k, 30 / 24 per GPU on the h100 profile, 1M
+    tokens a step: 32 rounds): thousands of messages, no cycle, in both update modes."""
+    from dataflow.memplan import get_profile
+    from dataflow.memplan.plan.plan import Budget
+    from dataflow.memplan.search.ring_plan import make_rank_plan, ring_profile
+    from dataflow.models.config import load_config
+
+    cfg, prof = load_config("8b"), ring_profile(get_profile("h100"), 4, "nccl", 1)
+    plans = [make_rank_plan(cfg, 8192, Budget.from_gib(30, 24), prof, 4, r, vocab_parallel=True,
+                            tokens_per_step=1_048_576) for r in range(4)]
+    for update in ("end", "deferred"):
+        assert refuse_rendezvous_deadlock(plans, update) > 4000
