@@ -101,9 +101,11 @@ def open_rank(cfg, seqlen: int, host_gb: float, dev_gb: float, *, env: RankEnv,
     if kind is TransportKind.NCCL and n > 1 and rp.vocab_parallel:
         # its sends go both ways round the ring on one send stream: refuse, before any
         # communicator is made, a schedule whose rendezvous sends could wait on each other
-        others = [rp if r == rp.rank else make_rank_plan(
-            cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, r, replicas=replicas,
-            grad_accum=grad_accum, split_fetch=split_fetch, **constraints) for r in range(n)]
+        # (every rank planned as its own process plans it)
+        others = [rp if r == rp.rank else _rank_plan(
+            cfg, seqlen, Budget.from_gib(host_gb, dev_gb), profile, n, r, replicas,
+            split_update, grad_accum=grad_accum, split_fetch=split_fetch, **constraints)
+            for r in range(n)]
         for update in ("end", "deferred") if deferred_update else ("end",):  # step 1, then on
             refuse_rendezvous_deadlock(others, update, what="the vocabulary-parallel head")
     tr = make_transport(kind, env, replicas, timeout_s)

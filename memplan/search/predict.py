@@ -127,10 +127,7 @@ def replica_prediction(rp: RankPlan, bytes_per_s: float, latency_s: float = 0.0,
                 memo[key] = ReplicaCompiler(r).compile(rounds, update)
             return memo[key]
 
-        comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
-                        latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER),
-                        reduce=False)
-        timed.append(predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=compiled))
+        timed.append(_replica_timed(rp, compiled, bytes_per_s, latency_s, reduce=False))
         if not split:
             memo["whole"] = timed[-1]
     k = timed[1].step_time_s / timed[0].step_time_s
@@ -158,22 +155,30 @@ def reduce_exposure_seconds(rp: RankPlan, bytes_per_s: float, latency_s: float =
     if rp.replicas == 1:
         return 0.0
     memo = {} if memo is None else memo
-    key = ("reduce_exposure", rp.plan.hash, rp.rank, rp.replicas, rp.split_fetch,
-           rp.split_update, bytes_per_s, latency_s)
+    kind = (rp.plan.hash, rp.rank, rp.replicas, rp.split_fetch, rp.split_update)
+    key = ("reduce_exposure", *kind, bytes_per_s, latency_s)
     if key not in memo:
-        schedules = {}
+        schedules = memo.setdefault(("replica_schedules", *kind), {})  # the same on every link
 
         def compiled(rounds: int, update: str):
             if (rounds, update) not in schedules:
                 schedules[rounds, update] = ReplicaCompiler(rp).compile(rounds, update)
             return schedules[rounds, update]
 
-        steps = [predict_schedule(rp.plan, rp.plan.profile, compiler=compiled, comm=RingComm(
-            rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s, latency_s=latency_s,
-            arrivals=None, streams=(REDUCE, GATHER), reduce=reduce)).step_time_s
-            for reduce in (False, True)]
+        steps = [_replica_timed(rp, compiled, bytes_per_s, latency_s, reduce=reduce).step_time_s
+                 for reduce in (False, True)]
         memo[key] = max(0.0, steps[1] - steps[0])
     return memo[key]
+
+
+def _replica_timed(rp: RankPlan, compiled, bytes_per_s: float, latency_s: float, *,
+                   reduce: bool) -> Prediction:
+    """predict_schedule of rank rp's replica schedules (`compiled(rounds, update)`), its reduce
+    and gather streams timed over a link of `bytes_per_s` (the reduces taking no time unless
+    `reduce`)."""
+    comm = RingComm(rank=rp.rank, replicas=rp.replicas, bytes_per_s=bytes_per_s,
+                    latency_s=latency_s, arrivals=None, streams=(REDUCE, GATHER), reduce=reduce)
+    return predict_schedule(rp.plan, rp.plan.profile, comm=comm, compiler=compiled)
 
 
 def compiled_rank_plans(rps: tuple[RankPlan, ...], memo: dict) -> tuple[RankPlan, ...]:

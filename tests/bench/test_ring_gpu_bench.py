@@ -93,14 +93,19 @@ def test_ring_gpu_refuses_without_enough_gpus_and_refuses_round_overlap(tmp_path
         ring_gpu.main(["tiny", "64", "--out", str(tmp_path / "b"), "--round-overlap"])
 
 
+def _numpy_ring(out, *flags: str) -> dict:
+    """bench.ring_gpu's record of a 2-process NumPy ring of tiny (1 / 0.25 GiB, 3 rounds, 2
+    steps, no one-device run) with `flags`."""
+    assert ring_gpu.main(["tiny", "64", "--out", str(out), "--ring-budget", "1:0.25",
+                          "--backend", "numpy", "--steps", "2", "--rounds", "3", "--gpus", "2",
+                          *flags, "--no-single"]) == 0
+    return json.loads((out / "ring_gpu.json").read_text())
+
+
 def test_split_update_replicas_run_and_the_record_and_prediction_say_so(tmp_path, capsys):
     """--split-update reaches every rank (their records say split_update), the record's config
     and the table name it, and the prediction is of split-update replicas."""
-    out = tmp_path / "su"
-    assert ring_gpu.main(["tiny", "64", "--out", str(out), "--ring-budget", "1:0.25",
-                          "--backend", "numpy", "--steps", "2", "--rounds", "3", "--gpus", "2",
-                          "--replicas", "2", "--split-update", "--no-single"]) == 0
-    rec = json.loads((out / "ring_gpu.json").read_text())
+    rec = _numpy_ring(tmp_path / "su", "--replicas", "2", "--split-update")
     assert rec["config"]["split_update"] is True and rec["config"]["transport"] == "shm"
     assert all(rec["ring"][f"rank{r}"]["split_update"] for r in range(2))
     assert rec["predicted"]["split_update"] is True and rec["predicted"]["replicas"] == 2
@@ -155,11 +160,7 @@ def test_round_overlap_runs_over_shared_memory_and_is_predicted_as_it_ran(tmp_pa
     """--round-overlap reaches dataflow-ring over shared memory (NumPy here; CuPy ranks sharing
     a GPU alike): the record's config says so, every rank's record gives the depth it ran, and
     the prediction is of that depth, and the table names it."""
-    out = tmp_path / "ov"
-    assert ring_gpu.main(["tiny", "64", "--out", str(out), "--ring-budget", "1:0.25",
-                          "--backend", "numpy", "--steps", "2", "--rounds", "3", "--gpus", "2",
-                          "--replicas", "1", "--round-overlap", "--no-single"]) == 0
-    rec = json.loads((out / "ring_gpu.json").read_text())
+    rec = _numpy_ring(tmp_path / "ov", "--replicas", "1", "--round-overlap")
     assert rec["config"]["round_overlap"] is True and rec["config"]["transport"] == "shm"
     depths = {rec["ring"][f"rank{r}"]["round_overlap"] for r in range(2)}
     assert len(depths) == 1
