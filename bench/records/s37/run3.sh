@@ -2,10 +2,7 @@
 # Thirty-seventh session, call 3, NOT RUN (no machine could start; 577 s of budget left): issue 53's
 # 65,536-token pair, bf16 and fp8 in 100/24, 2 sequences a step, on one GPU in one call. Everything the call writes is tarred into one file (only 8 files come back).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
+source bench/records/device_setup.sh
 R=/tmp/s37c3; mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $R/gpu.txt
 for prec in bf16 fp8; do

@@ -4,10 +4,7 @@
 # memory, overlapped against plain, bit for bit), then the split-update ring with the fixed
 # one-device baseline if time is left. Everything in one tar (only 8 files come back).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
+source bench/records/device_setup.sh
 R=/tmp/s37c4; mkdir -p $R
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/gpu.txt
 timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ring/test_ring_gpu_overlap.py > $R/overlap-test.log 2>&1
