@@ -16,7 +16,8 @@ from dataflow.memplan.plan.errors import InfeasibleBudget
 from dataflow.memplan.plan.plan import Budget, GradAccum, HardwareProfile, Where
 from dataflow.memplan.plan.ranks import MAX_RANKS, PLACEMENTS, RankPlan
 from dataflow.memplan.plan.split import split_memory_map
-from dataflow.memplan.search.layout_chunkings import fewer_rounds_shapes, full_ring_chunkings
+from dataflow.memplan.search.layout_chunkings import (fewer_resident_shapes, fewer_rounds_shapes,
+                                                      full_ring_chunkings)
 from dataflow.memplan.search.layout_final import best_of_each, compiled_tok_per_s
 from dataflow.memplan.search.predict import (compiled_rank_plans, reduce_exposure_seconds,
                                             replica_prediction)
@@ -349,14 +350,23 @@ def _candidates(cfg, seqlen, budget, profile, n: int, constraints: dict,
 
 def _fewer_rounds(cfg, seqlen, budget, profile, constraints: dict, base, memo) -> list:
     """(constraints, rank plans) of one device's replica planned with its sequences in fewer,
-    fuller rounds (layout_chunkings.fewer_rounds_shapes), where they fit."""
-    out = []
-    for shape in fewer_rounds_shapes(base[0].plan.chunking, constraints):
-        asked = dict(constraints, **shape)
+    fuller rounds (layout_chunkings.fewer_rounds_shapes), and each of those and `base` with
+    fewer resident layers (fewer_resident_shapes), where they fit."""
+    def planned(asked):
         try:
-            out.append((asked, _ring(memo, cfg, seqlen, budget, profile, 1, asked)))
-        except (ConfigError, ValueError):  # InfeasibleBudget included: fuller rounds do not fit
-            pass
+            return [(asked, _ring(memo, cfg, seqlen, budget, profile, 1, asked))]
+        except (ConfigError, ValueError):  # InfeasibleBudget included: the shape does not fit
+            return []
+    shaped = [(constraints, base)]
+    for shape in fewer_rounds_shapes(base[0].plan.chunking, constraints):
+        shaped += planned(dict(constraints, **shape))
+    out = shaped[1:]
+    for used, rps in shaped:
+        plan = rps[0].plan
+        resident = sum(lp.weights is Where.DEVICE for lp in plan.layers)
+        for shape in fewer_resident_shapes(plan.chunking, resident, used):
+            # the chunking kept: the cap is weighed against the same rounds
+            out += planned(dict(used, chunks_per_round=plan.chunking.chunks_per_round, **shape))
     return out
 
 

@@ -1,7 +1,7 @@
 """The chunk shapes memplan.search.layout weighs beside the planner's own for a layout: full
 rings (at least as many chunks a round as ranks, at the planner's chunk size and smaller) and,
-for replicas of one device of a capped batch, fewer and fuller rounds. Shapes only, as
-constraint dicts: never plans, never predicts."""
+for replicas of one device of a capped batch, fewer and fuller rounds and fewer resident
+layers. Shapes only, as constraint dicts: never plans, never predicts."""
 
 from __future__ import annotations
 
@@ -70,3 +70,19 @@ def fewer_rounds_shapes(ch, constraints: dict) -> list[dict]:
         return []
     return [{"chunks_per_round": ch.chunks_per_round * k}
             for k in range(2, ch.rounds_per_step + 1) if ch.rounds_per_step % k == 0]
+
+
+def fewer_resident_shapes(ch, resident: int, constraints: dict) -> list[dict]:
+    """The resident-layer caps a replica of one device (a ring of one) of a capped global batch
+    with 1 to FEWER_ROUNDS_FROM rounds a step is weighed with beside its plan, which keeps
+    `resident` layers on the device: none, and half as many, unless the caller fixed the cap.
+    The search's per-round estimate rates a resident layer's saved fetches as if every round
+    paid them; with a round or two a step the compiled step hides most of those fetches behind
+    compute, and the memory is worth more as saved activations (8b at 80 / 24 on the h100
+    profile as one of 64 split replicas, one round of two 8k chunks: 8 resident layers and every
+    activation recomputed 2.049 s compiled, none resident and 21 layers' activations kept
+    1.967 s)."""
+    if "max_resident_layers" in constraints or "tokens_per_step" not in constraints or \
+            resident < 1 or not 1 <= ch.rounds_per_step <= FEWER_ROUNDS_FROM:
+        return []
+    return [{"max_resident_layers": k} for k in sorted({0, resident // 2})]
