@@ -1,6 +1,6 @@
-"""Split updates on the CuPy backend (issue 56, "one GPU"): 2 data-parallel replicas of a ring of
-1 sharing one GPU through the shared-memory transport, each updating its half of every layer and
-the head (RankPlan.split_update), against the same replicas unsplit. Both runs take the device
+"""Split updates on the CuPy backend (issue 56, "one GPU"): 2, 3 and 4 data-parallel replicas of a
+ring of 1 sharing one GPU through the shared-memory transport, each updating its part of every
+layer and the head (RankPlan.split_update), against the same replicas unsplit. Both runs take the device
 sub-block norms (dataflow.ring.executor.device_norm_sums: sumsq_blocks on the GPU, added exactly
 on the host), so the clip norm, and with it every bit, must agree. GPU only; the same job on the
 NumPy backend: tests/ring/test_split_update_launch.py."""
@@ -47,13 +47,14 @@ def _run(job: RingJob):
     return runs, blocks
 
 
-def test_split_replicas_sharing_one_gpu_equal_unsplit_replicas_bit_for_bit(tmp_path):
-    """`small` at seqlen 256, 3 steps, clipping active: both replicas' losses and gradient
+@pytest.mark.parametrize("gpus", [2, 3, 4])
+def test_split_replicas_sharing_one_gpu_equal_unsplit_replicas_bit_for_bit(tmp_path, gpus):
+    """`small` at seqlen 256, 3 steps, clipping active: every replica's losses and gradient
     norms and the final weights of every block are the unsplit replicas' bit for bit, and the
-    split run holds AdamW state for one part of 2."""
-    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=2.0, dev_gb=1.0, steps=3, seed=6,
+    split run holds AdamW state for one part of `gpus`."""
+    job = RingJob(gpus=gpus, model="small", seqlen=256, host_gb=2.0, dev_gb=1.0, steps=3, seed=6,
                   data="random:14", lr=1e-3, max_grad_norm=MAX_NORM, backend="cupy",
-                  transport=TransportKind.SHM, grad_accum=GradAccum.FP32, replicas=2,
+                  transport=TransportKind.SHM, grad_accum=GradAccum.FP32, replicas=gpus,
                   timeout_s=120, out_dir=str(tmp_path / "whole"),
                   constraints=(("chunk_tokens", 256), ("chunks_per_round", 1),
                                ("rounds_per_step", 2)))
@@ -63,7 +64,7 @@ def test_split_replicas_sharing_one_gpu_equal_unsplit_replicas_bit_for_bit(tmp_p
     for (wl, wn, wi), (gl, gn, gi) in zip(want, got):
         assert gl == wl and gn == wn, (gl, wl, gn, wn)
         assert min(gn) > MAX_NORM, gn  # clipping was on and active
-        assert gi["split_update"] is True and gi["state_parts"] == 2
+        assert gi["split_update"] is True and gi["state_parts"] == gpus
         assert wi["split_update"] is False
     assert sorted(got_w) == sorted(want_w)
     for key in want_w:

@@ -1,5 +1,5 @@
-"""The vocabulary-parallel head on the CuPy backend (issue 56, "one GPU"): a ring of 2 ranks
-sharing one GPU through the shared-memory transport, each holding half the lm_head rows
+"""The vocabulary-parallel head on the CuPy backend (issue 56, "one GPU"): rings of 2, 3 and 4
+ranks sharing one GPU through the shared-memory transport, each holding its share of the lm_head rows
 (RankPlan.vocab_parallel, the CUDA vocab_* ops of kernels/cuda/head_vocab), against the Engine
 on the same GPU, within the bound the NumPy rings state (tests/ring/test_ring_vocab_head.py,
 docs/ring.md): the first loss within 1e-6 relative, later ones within 3e-4, every block's
@@ -51,10 +51,11 @@ def _ring(job: RingJob):
     return losses, blocks
 
 
-def test_vocab_parallel_ring_sharing_one_gpu_matches_one_device(tmp_path):
-    """`small` at seqlen 256, 3 steps, clipping on: both ranks' losses and every block's
-    weights within the bound against the Engine on one GPU."""
-    job = RingJob(gpus=2, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
+@pytest.mark.parametrize("gpus", [2, 3, 4])
+def test_vocab_parallel_ring_sharing_one_gpu_matches_one_device(tmp_path, gpus):
+    """`small` (4 layers) at seqlen 256, 3 steps, clipping on: every rank's losses and every
+    block's weights within the bound against the Engine on one GPU."""
+    job = RingJob(gpus=gpus, model="small", seqlen=256, host_gb=HOST_GB, dev_gb=DEV_GB / 2, steps=3,
                   seed=7, data="random:15", lr=1e-3, backend="cupy", transport=TransportKind.SHM,
                   timeout_s=120, out_dir=str(tmp_path), constraints=CHUNKING,
                   vocab_parallel_head=True)
