@@ -1,11 +1,11 @@
-"""Overlapped rounds on the CuPy backend (issue 56, "one GPU"): rings of 2, 3 and 4 ranks sharing one GPU
-through the shared-memory transport (the NCCL transport refuses them: a link's messages come out
-of the order sent), three rounds a step, against the same ring with its rounds in turn: the
-same schedule's ops in another order, each rank's sums in the same order, so the losses and
-every block's weights bit for bit, as on the NumPy backend (tests/ring/test_ring_overlap_cpu.py).
-GPU only; the ring of 2 first ran (and passed) on an H100 in the thirty-eighth session.
-Rings of 3 and 4 were added then and have not yet run on a GPU (the same jobs ran on the
-NumPy backend through the same RingJob path)."""
+"""Overlapped rounds on the CuPy backend (issue 56, "one GPU"): rings of 2, 3 and 4 ranks sharing
+one GPU through the shared-memory transport (the NCCL transport refuses them: a link's messages come
+out of the order sent), three rounds a step, against the same ring with its rounds in turn: the same
+schedule's ops in another order, each rank's sums in the same order, so the losses and every block's
+weights bit for bit, as on the NumPy backend (tests/ring/test_ring_overlap_cpu.py). GPU only; the
+ring of 2 first ran (and passed) on an H100 in the thirty-eighth session. Rings of 3 and 4 were
+added then and have not yet run on a GPU (the same jobs ran on the NumPy backend through the same
+RingJob path)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Split updates on the CuPy backend (issue 56, "one GPU"): 2, 3 and 4 data-parallel replicas of a
-ring of 1 sharing one GPU through the shared-memory transport, each updating its part of every
-layer and the head (RankPlan.split_update), against the same replicas unsplit. Both runs take the device
-sub-block norms (dataflow.ring.executor.device_norm_sums: sumsq_blocks on the GPU, added exactly
-on the host), so the clip norm, and with it every bit, must agree. GPU only; the same job on the
-NumPy backend: tests/ring/test_split_update_launch.py.
-Rings of 3 and 4 were added in the thirty-eighth session and have not yet run on a GPU (the
-same jobs ran on the NumPy backend through the same RingJob path)."""
+ring of 1 sharing one GPU through the shared-memory transport, each updating its part of every layer
+and the head (RankPlan.split_update), against the same replicas unsplit. Both runs take the device
+sub-block norms (dataflow.ring.executor.device_norm_sums: sumsq_blocks on the GPU, added exactly on
+the host), so the clip norm, and with it every bit, must agree. GPU only; the same job on the NumPy
+backend: tests/ring/test_split_update_launch.py. Rings of 3 and 4 were added in the thirty-eighth
+session and have not yet run on a GPU (the same jobs ran on the NumPy backend through the same
+RingJob path)."""
 
 from __future__ import annotations
 

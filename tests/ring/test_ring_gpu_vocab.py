@@ -1,11 +1,11 @@
-"""The vocabulary-parallel head on the CuPy backend (issue 56, "one GPU"): rings of 2, 3 and 4
-ranks sharing one GPU through the shared-memory transport, each holding its share of the lm_head rows
-(RankPlan.vocab_parallel, the CUDA vocab_* ops of kernels/cuda/head_vocab), against the Engine
-on the same GPU, within the bound the NumPy rings state (tests/ring/test_ring_vocab_head.py,
-docs/ring.md): the first loss within 1e-6 relative, later ones within 3e-4, every block's
-weights within relative L2 steps * 2^-8 (the head assembled from the shards). GPU only.
-Rings of 3 and 4 were added in the thirty-eighth session and have not yet run on a GPU (the
-same jobs ran on the NumPy backend through the same RingJob path)."""
+"""The vocabulary-parallel head on the CuPy backend (issue 56, "one GPU"): rings of 2, 3 and 4 ranks
+sharing one GPU through the shared-memory transport, each holding its share of the lm_head rows
+(RankPlan.vocab_parallel, the CUDA vocab_* ops of kernels/cuda/head_vocab), against the Engine on
+the same GPU, within the bound the NumPy rings state (tests/ring/test_ring_vocab_head.py,
+docs/ring.md): the first loss within 1e-6 relative, later ones within 3e-4, every block's weights
+within relative L2 steps * 2^-8 (the head assembled from the shards). GPU only. Rings of 3 and 4
+were added in the thirty-eighth session and have not yet run on a GPU (the same jobs ran on the
+NumPy backend through the same RingJob path)."""
 
 from __future__ import annotations
 
