@@ -300,3 +300,8 @@ class Plan:
     @property
     def hash(self) -> str:
         return stable_hash(self)
+
+    @property
+    def resident_layers(self) -> int:
+        """How many layers keep their weights on the device (Where.DEVICE)."""
+        return sum(p.weights is Where.DEVICE for p in self.layers)

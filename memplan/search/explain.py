@@ -70,7 +70,7 @@ def _activation_line(plan: Plan) -> str:
 
 
 def _placement_line(plan: Plan) -> str:
-    resident = sum(p.weights is Where.DEVICE for p in plan.layers)
+    resident = plan.resident_layers
     home_opts = {p.optimizer.value for p in plan.layers if p.weights is Where.HOME}
     layers = f"{resident}/{len(plan.layers)} layers resident"
     if home_opts:
@@ -152,7 +152,7 @@ def _reasons(plan: Plan, pr, update: str = "deferred") -> list[str]:
     share = pr.optimizer_s / pr.step_time_s if pr.step_time_s else 0.0
     out.append(f"rounds per step: {ch.rounds_per_step} keep the optimizer ({_t(pr.optimizer_s)}) "
                f"at {share:.1%} of the step (target {DEFAULT_OPT_TARGET_FRAC:.0%})")
-    resident = sum(p.weights is Where.DEVICE for p in plan.layers)
+    resident = plan.resident_layers
     layer_b = buffers.block_elems(cfg, plan.lora)["layer"] * 2
     if resident == cfg.n_layers:
         out.append("layers: all state fits on the device, so no weight or gradient crosses PCIe")

@@ -363,8 +363,7 @@ def _fewer_rounds(cfg, seqlen, budget, profile, constraints: dict, base, memo) -
     out = shaped[1:]
     for used, rps in shaped:
         plan = rps[0].plan
-        resident = sum(lp.weights is Where.DEVICE for lp in plan.layers)
-        for shape in fewer_resident_shapes(plan.chunking, resident, used):
+        for shape in fewer_resident_shapes(plan.chunking, plan.resident_layers, used):
             # the chunking kept: the cap is weighed against the same rounds
             out += planned(dict(used, chunks_per_round=plan.chunking.chunks_per_round, **shape))
     return out

@@ -43,7 +43,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "planner-sanity.md"
 
 def _summary(plan) -> str:
     ch = plan.chunking
-    resident = sum(p.weights is Where.DEVICE for p in plan.layers)
+    resident = plan.resident_layers
     acts = [a for row in plan.activations for a in row]
     dev_acts = sum(a.home is Where.DEVICE for a in acts)
     return (f"{ch.chunk_tokens // 1024}k x{ch.chunks_per_round}, R {ch.rounds_per_step}, "
