@@ -280,3 +280,22 @@ def test_a_misspelt_flag_is_refused_with_the_flag_it_was_meant_to_be(capsys):
     assert len(err) == 1 and "did you mean --steps for --stpes?" in err[0], err
     assert demo_main(["2", "0.25", "64", "tiny", "--zzz", "2"]) == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cli", ["demo", "plan", "sweep", "ring", "probe", "data", "export"])
+def test_every_cli_takes_flags_only_as_spelled_in_full(cli):
+    """argparse's prefix matching is off (args.OneLineParser): a shortened flag such as
+    --eval-seq is not taken for --eval-seqs, so a flag added later cannot change what a script's
+    abbreviation means; the demo's refusal names the full flag."""
+    import importlib
+
+    parser = importlib.import_module(f"dataflow.cli.{cli}").build_parser()
+    assert parser.allow_abbrev is False
+
+
+def test_a_shortened_flag_is_refused_with_its_full_spelling(capsys):
+    from dataflow.cli.demo import main as demo_main
+
+    assert demo_main(["2", "0.25", "64", "tiny", "--eval-seq", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean --eval-seqs for --eval-seq?" in err[0], err

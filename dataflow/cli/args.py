@@ -28,6 +28,15 @@ class UsageError(Exception):
 
 
 class OneLineParser(argparse.ArgumentParser):
+    """The CLIs' parser: a mistake is one line with a did-you-mean (UsageError), and flags are
+    taken only as spelled in full. argparse's prefix matching would take --eval-seq for
+    --eval-seqs silently, and a flag added later would turn a script's working abbreviation into
+    an 'ambiguous option' error; a misspelt or shortened flag now gets the hint instead."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         raise UsageError(message + self._close_flags(message))
 

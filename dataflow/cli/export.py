@@ -21,9 +21,10 @@ OVERWRITE = "--overwrite"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # a plain ArgumentParser: a mistake prints the usage before its error line, as it always has
+    # a plain ArgumentParser: a mistake prints the usage before its error line, as it always has;
+    # flags only as spelled in full, as the other CLIs take them (args.OneLineParser)
     p = argparse.ArgumentParser(
-        prog=PROG,
+        prog=PROG, allow_abbrev=False,
         description="Export a checkpoint or saved model as a Hugging Face directory of its "
                     "family (config.json + bf16 safetensors, sharded at 5 GiB with an index; "
                     "a model imported from a Hugging Face directory keeps its config values, "
