@@ -345,14 +345,15 @@ def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs)
                  key=lambda plan: -plan.prediction.tok_per_s)[:RESCORED_CHUNKINGS]
     again = [best, *(p for p in few if p is not best)]
     for plan in few:
-        for cap in fewer_resident_shapes(plan.chunking, plan.resident_layers,
-                                         dict(constraints, tokens_per_step=True)):
-            ch = plan.chunking
+        ch = plan.chunking
+        # the batch is capped (popped from `constraints` by make_plan): say so to the shapes
+        for cap in fewer_resident_shapes(ch, plan.resident_layers,
+                                         dict(constraints, tokens_per_step=seqs * seqlen)):
             try:
                 again.append(_best_plan(cfg, seqlen, budget, profile, grad_accum, dict(
                     constraints, chunk_tokens=ch.chunk_tokens, chunks_per_round=ch.chunks_per_round,
                     rounds_per_step=ch.rounds_per_step, **cap)))
-            except InfeasibleBudget:  # cannot happen (a cap only narrows the memory), but cheap
+            except InfeasibleBudget:  # fewer resident layers keep more state on the host
                 pass
     if len(again) == 1:
         return best
@@ -368,7 +369,8 @@ from their compiled schedules, which choose. The per-round estimate charges ever
 middle one (its first fetches and the deferred update whole) and a resident layer's saved fetches
 as if each round paid them, so at a few rounds a step it misranks plans (8b at 8k, 80 / 24, h100
 profile, 16,384 tokens a step: its pick, 2 rounds of one chunk with 4 resident layers, 5,932 tok/s
-compiled; one round of two chunks with 2 resident, 6,389). The compiled figures are the
+compiled; one round of two chunks with 3 resident, half of what the estimate keeps there, 6,627;
+not yet measured). The compiled figures are the
 prediction a run is measured against (memplan.search.predict). Outside the exact ranking, as
 _longer_head_sub is: a larger budget's pick is not compared with a smaller one's here."""
 

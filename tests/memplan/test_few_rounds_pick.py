@@ -50,3 +50,13 @@ def test_a_ring_rank_keeps_the_estimates_pick():
     cfg = load_config("8b")
     new = make_plan(cfg, 8192, B8, H100, tokens_per_step=TOKENS, holds_head=False)
     assert new == _estimates_pick(cfg, holds_head=False)
+
+
+def test_a_cap_the_host_budget_cannot_hold_is_passed_over():
+    """8b at 8k in 40 / 40: with no resident layer its state needs more host memory than 40 GiB
+    (weights, grads and AdamW state all at home), so that cap does not fit; make_plan still
+    returns a plan within both budgets."""
+    cfg, budget = load_config("8b"), Budget.from_gib(40, 40)
+    plan = make_plan(cfg, 8192, budget, H100, tokens_per_step=TOKENS)
+    assert plan.resident_layers > 0 and plan.memory.host_bytes <= budget.host_bytes
+    assert plan.memory.device_bytes + H100.library_reserve_bytes <= budget.device_bytes
