@@ -85,6 +85,11 @@ chunks use under Plan.attention_bwd = fast, ran at 518-520 TFLOP/s against 444 a
 H100 (bench/records/kernels-nvidia-h100-80gb-hbm3.json)."""
 ADAMW_STATE_BYTES_PER_ELEM = 12
 """AdamW reads and writes bf16 param, m and v (2 B each, both ways); plus the grad read."""
+HOST_SUMSQ_BYTES_PER_S = 18.9e9
+"""The host's squared norm of a HOME embedding gradient (kernels.host.norms, numba over 16
+cores) on the lent H100's host: 8b's fp32 gradient, 2.10 GB, in 111 ms (traced,
+bench/records/s40/call3/). It ends the last round on the critical path (the clip scale waits
+for it); charged before as two round-row copies at the host AdamW rate (32 ms)."""
 DEFAULT_OPT_TARGET_FRAC = 0.02
 """Rounds per step: the fewest that keep the optimizer under this share of the step."""
 BOTTLENECK_FRAC = 0.05
@@ -558,6 +563,8 @@ def event_seconds(plan, p: HardwareProfile):
         if kind == "HostTask":  # copies at the host's copy rate; a scatter adds (host rate)
             if ev.op == "tokens_stage":
                 return 3 * ch.tokens_per_round * 4 / copy
+            if ev.op == "grad_sumsq":
+                return ev.dst.nbytes / HOST_SUMSQ_BYTES_PER_S
             return 2 * rows / (copy if ev.op == "embed_gather" else host)
         return 0.0
 

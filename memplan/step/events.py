@@ -126,6 +126,9 @@ class Fetch:
     dst: Ref
     src: Ref
     stream: str = H2D
+    duplex: bool = False
+    """The copy runs beside copies the other way by construction (a streamed update's pieces:
+    each fetch beside the write-back of the piece before), so it is timed at the duplex rate."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,6 +139,8 @@ class WriteBack:
     dst: Ref
     src: Ref
     stream: str = D2H
+    duplex: bool = False
+    """As Fetch.duplex (a streamed update's write-backs, beside the next piece's fetches)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ caller (dataflow.memplan.search.cost.event_seconds)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from dataflow.memplan.plan.plan import HardwareProfile
@@ -49,11 +50,55 @@ def copy_seconds(nbytes: int, both_s: float, duplex_bytes_per_s: float,
     return both_s + (nbytes - shared) / one_way_bytes_per_s
 
 
+class LinkTime:
+    """When one direction of the host link is taken: merged busy intervals, in time order. Two
+    streams copy over the D2H link (the round's write-backs and a deferred update's), and the
+    link carries their bytes once: a copy fills the link's free time from when its stream
+    reaches it, so a stream's copies can not run at the link's rate beside another's (the
+    double count that predicted 8b at one round a step 16 % fast: bench/records/s40/)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def busy_until(self, at: float) -> float:
+        """The end of the busy interval `at` falls in; `at` itself if the link is free then."""
+        i = bisect.bisect_right(self.ends, at)
+        return self.ends[i] if i < len(self.starts) and self.starts[i] <= at else at
+
+    def occupy(self, at: float, seconds: float) -> tuple[float, float]:
+        """Take `seconds` of the link's free time from `at` on; (first free moment, end)."""
+        i = bisect.bisect_right(self.ends, at)
+        first = at if i == len(self.starts) or self.starts[i] > at else self.ends[i]
+        t, left, j = first, seconds, i
+        while j < len(self.starts):
+            if self.starts[j] > t:
+                if self.starts[j] - t >= left:
+                    break
+                left -= self.starts[j] - t
+            t = max(t, self.ends[j])
+            j += 1
+        end = t + left
+        # [first, end] is busy now, the intervals i..j-1 inside it, one that touches it too
+        lo = min(first, self.starts[i]) if i < j else first
+        if i and self.ends[i - 1] >= lo:  # it starts as the one before ends
+            i, lo = i - 1, self.starts[i - 1]
+        if j < len(self.starts) and self.starts[j] <= end:
+            end_merged, j = self.ends[j], j + 1
+        else:
+            end_merged = end
+        self.starts[i:j], self.ends[i:j] = [lo], [end_merged]
+        return first, end
+
+
 def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
                       spans: bool = False) -> Timeline:
     """Time `schedule.events` in order, as the streams would run them: an event starts when its
     stream is free (a wait moves the stream's clock to the waited record); copies run at the
-    duplex rate while the other direction is busy, else at the one-way rate. `seconds(event)`
+    duplex rate while the other direction is busy, else at the one-way rate, and each direction
+    of the link carries one copy at a time, whichever stream issued it (LinkTime). `seconds(event)`
     gives the compute / host / fill durations (dataflow.memplan.search.cost.event_seconds).
     `comm` (a ring rank's: dataflow.memplan.step.ring_sim.RingComm) times the events on its
     `streams` (Send, Recv, AllReduce): `comm.finish(event, start)` is when one ends."""
@@ -72,6 +117,7 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
     other = {"h2d": "d2h", "d2h": "h2d"}
     link = {"h2d": "h2d", "d2h": "d2h", "opt": "d2h"}
     """A deferred update's write-backs (the 'opt' stream) cross the D2H link."""
+    links = {"h2d": LinkTime(), "d2h": LinkTime()}
     for i, ev in enumerate(schedule.events):
         if boundaries and i in boundaries:
             round_end.append(clock["compute"])
@@ -94,15 +140,10 @@ def simulate_schedule(schedule, seconds, p: HardwareProfile, *, comm=None,
                 timed.append((s, ev.name, start, clock[s], 0))
         elif kind in ("Fetch", "WriteBack"):
             d = link[s]
-            start = clock[s]
-            if s == "opt":
-                rate = duplex[d] if clock[other[d]] > start else one_way[d]
-                if clock["d2h"] > start:
-                    rate /= 2  # sharing the D2H link with the round's own write-backs
-                clock[s] += ev.dst.nbytes / rate
-            else:
-                clock[s] += copy_seconds(ev.dst.nbytes, clock[other[d]] - start, duplex[d],
-                                         one_way[d])
+            at = clock[s]
+            both_s = float("inf") if ev.duplex else links[other[d]].busy_until(at) - at
+            on_link = copy_seconds(ev.dst.nbytes, both_s, duplex[d], one_way[d])
+            start, clock[s] = links[d].occupy(at, on_link)
             if spans:
                 timed.append((s, ev.name, start, clock[s], ev.dst.nbytes))
         else:

@@ -213,7 +213,7 @@ class OptimizerUpdate:
             em.wait(H2D, self.stage_free[buf])
             for j, (dst, src) in enumerate(zip(dev, host)):
                 if grads is None or j >= 2:  # in place: weights and gradient are on the device
-                    em.add(Fetch(f"opt.h2d.{key.name}", dst, src))
+                    em.add(Fetch(f"opt.h2d.{key.name}", dst, src, duplex=True))
             # A deferred update's kernel and write-backs run on their own stream: the compute
             # stream never queues behind its fetches, nor the activations' write-backs behind
             # its copies.
@@ -225,7 +225,8 @@ class OptimizerUpdate:
             elif start + n == hi:
                 self.params_ready = em.record(OPT)  # the last piece's kernel, before its copies
             for j in (0, 2, 3):
-                em.add(WriteBack(f"opt.d2h.{key.name}", host[j], dev[j], stream=wst))
+                em.add(WriteBack(f"opt.d2h.{key.name}", host[j], dev[j], stream=wst,
+                                 duplex=True))
             self.stage_free[buf] = em.record(wst)
         self.weights_updated(key, home[0], wst)
         return em.record(wst)

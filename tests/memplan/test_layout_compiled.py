@@ -22,8 +22,10 @@ B8 = Budget.from_gib(80, 24)
 
 
 def test_the_search_estimate_is_slow_at_a_few_rounds_a_step():
-    """8b at 80 / 24: at 4 rounds a step the compiled schedule predicts > 3 % more tok/s than
-    the search's estimate (the update hidden in the next step's first round); at 64, < 1 %.
+    """8b at 80 / 24: at 4 rounds a step the compiled schedule predicts > 1 % more tok/s than
+    the search's estimate (the update partly hidden in the next step's first round: 1.7 % since
+    the simulated host link carries each direction once, bench/records/s40/; 3-4 % before); at
+    64, < 1 %.
     (8k chunks in 4 rounds fixed: at 65,536 tokens make_plan's own compiled figures prefer
     other shapes, search.RESCORED_CHUNKINGS.)"""
     cfg = load_config("8b")
@@ -33,7 +35,7 @@ def test_the_search_estimate_is_slow_at_a_few_rounds_a_step():
     assert few.chunking.rounds_per_step == 4 and many.chunking.rounds_per_step == 64
     ratio = [predict_schedule(p, H100).tok_per_s / predict(p, H100).tok_per_s
              for p in (few, many)]
-    assert ratio[0] > 1.03 and abs(ratio[1] - 1) < 0.01, ratio
+    assert ratio[0] > 1.01 and abs(ratio[1] - 1) < 0.01, ratio
 
 
 def test_a_replica_layout_and_its_single_device_are_predicted_compiled():

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Fortieth session, call 4: the compiled model after its link fix, checked on the plans it now
+# picks. 8b at 8k and at 4k, 80/24, 16,384 tokens a step: the estimate's pick ("estimate"), the
+# thirty-ninth session's pick ("s39", measured in call2/) and today's ("compiled", from
+# bench/records/s40/plans/), each 5 steps in the same call; NVML memory used and the demo's RSS
+# sampled every 0.5 s. One tar comes back.
+set -uo pipefail
+source bench/records/device_setup.sh
+R=/tmp/s40c4; mkdir -p $R; P40=$PWD/bench/records/s40/plans; P39=$PWD/bench/records/s39/plans
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $R/gpu.txt
+for seq in 8192 4096; do for pick in estimate s39 compiled; do
+  left=$((560 - SECONDS)); [ $left -gt 100 ] && left=100; [ $left -gt 50 ] || { echo "no time for $seq $pick"; continue; }
+  name=8b-$seq-16384-$pick; plan=$P40/$name.json
+  [ $pick = s39 ] && plan=$P39/8b-$seq-16384-compiled.json
+  (cd /tmp && timeout $left dataflow-demo 80 24 $seq 8b --plan $plan --steps 5 --json > $R/$name.json 2> $R/$name.log) &
+  pid=$!
+  while kill -0 $pid 2>/dev/null; do
+    echo "$(date +%s.%N) $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits) $(ps -eo rss=,comm= | awk '$2 ~ /python|dataflow/ {s+=$1} END {print s}')" >> $R/$name.mem
+    sleep 0.5
+  done
+  wait $pid; rc=$?
+  echo "$name rc $rc at $SECONDS s: $(grep -E '^summary' $R/$name.log | cut -c40-110) | $(grep -E '^Prediction' $R/$name.log | cut -c50-70) | peak MiB/RSS KiB: $(sort -k2 -n $R/$name.mem | tail -1 | cut -d' ' -f2) $(sort -k3 -n $R/$name.mem | tail -1 | cut -d' ' -f3)"
+done; done
+tar czf $OUT/call4.tgz -C /tmp s40c4
