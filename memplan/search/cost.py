@@ -89,7 +89,9 @@ HOST_SUMSQ_BYTES_PER_S = 18.9e9
 """The host's squared norm of a HOME embedding gradient (kernels.host.norms, numba over 16
 cores) on the lent H100's host: 8b's fp32 gradient, 2.10 GB, in 111 ms (traced,
 bench/records/s40/call3/). It ends the last round on the critical path (the clip scale waits
-for it); charged before as two round-row copies at the host AdamW rate (32 ms)."""
+for it); charged before as two round-row copies at the host AdamW rate (32 ms). Measured with
+the kernel's single float64 add chain; its four-accumulator loop since (2.8x on this machine's
+two cores, 7.7 -> 21.8 GB/s) is not measured on the GPU machine's host yet."""
 DEFAULT_OPT_TARGET_FRAC = 0.02
 """Rounds per step: the fewest that keep the optimizer under this share of the step."""
 BOTTLENECK_FRAC = 0.05
