@@ -44,7 +44,7 @@ from dataflow.memplan.search.candidates import (
     segment_table,
 )
 from dataflow.memplan.search.layout_chunkings import FEWER_ROUNDS_FROM, fewer_resident_shapes
-from dataflow.memplan.search.predict import predict_schedule
+from dataflow.memplan.search.layout_final import compiled_tok_per_s
 from dataflow.memplan.search.cost import (
     DEFAULT_OPT_TARGET_FRAC,
     MAX_ROUNDS_PER_STEP,
@@ -357,7 +357,7 @@ def _plan_for_batch(cfg, seqlen, budget, profile, grad_accum, constraints, seqs)
                 pass
     if len(again) == 1:
         return best
-    compiled = [predict_schedule(plan, profile).tok_per_s for plan in again]
+    compiled = [compiled_tok_per_s(plan) for plan in again]
     top = max(range(len(again)), key=compiled.__getitem__)
     return again[top] if compiled[top] > compiled[0] * (1 + RESCORE_MIN_GAIN) else best
 
