@@ -85,13 +85,14 @@ chunks use under Plan.attention_bwd = fast, ran at 518-520 TFLOP/s against 444 a
 H100 (bench/records/kernels-nvidia-h100-80gb-hbm3.json)."""
 ADAMW_STATE_BYTES_PER_ELEM = 12
 """AdamW reads and writes bf16 param, m and v (2 B each, both ways); plus the grad read."""
-HOST_SUMSQ_BYTES_PER_S = 18.9e9
-"""The host's squared norm of a HOME embedding gradient (kernels.host.norms, numba over 16
-cores) on the lent H100's host: 8b's fp32 gradient, 2.10 GB, in 111 ms (traced,
+HOST_SUMSQ_BYTES_PER_S = 9.5e9
+"""The host's squared norm of a HOME embedding gradient (kernels.host.norms over 16 cores) on the
+lent H100's host: 8b's bf16 gradient (the default accumulation), 1.05 GB, in 111 ms (traced,
 bench/records/s40/call3/). It ends the last round on the critical path (the clip scale waits
-for it); charged before as two round-row copies at the host AdamW rate (32 ms). Measured with
-the kernel's single float64 add chain; its four-accumulator loop since (2.8x on this machine's
-two cores, 7.7 -> 21.8 GB/s) is not measured on the GPU machine's host yet."""
+for it); charged before as two round-row copies at the host AdamW rate (32 ms). Measured with the
+kernel's unpack-then-square loop; its bf16 square table since ran 11x that on this machine's
+two cores (0.56 -> 6.4 GB/s) and is not measured on the GPU machine's host yet, so this rate
+may charge that wait up to ~100 ms too much a step."""
 DEFAULT_OPT_TARGET_FRAC = 0.02
 """Rounds per step: the fewest that keep the optimizer under this share of the step."""
 BOTTLENECK_FRAC = 0.05
