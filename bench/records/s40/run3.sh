@@ -4,7 +4,7 @@
 # thirty-ninth session's pick ("s39", measured in call2/) and today's ("compiled", from
 # bench/records/s40/plans/), each 5 steps in the same call; NVML memory used and the demo's RSS
 # sampled every 0.5 s; first the host's embedding-gradient norm (kernels.host.norms) timed. One
-# tar comes back.
+# tar comes back. PICKS (default "estimate s39 compiled") and LIMIT (seconds, default 560) trim it.
 set -uo pipefail
 source bench/records/device_setup.sh
 R=/tmp/s40c4; mkdir -p $R; P40=$PWD/bench/records/s40/plans; P39=$PWD/bench/records/s39/plans
@@ -12,14 +12,16 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,
 python3 -c "
 import time, numpy as np
 from dataflow.kernels.host.norms import sumsq
-x = np.random.default_rng(0).standard_normal(128256 * 4096, dtype=np.float32)
-sumsq(x); t = time.perf_counter()
-for _ in range(5): sumsq(x)
-dt = (time.perf_counter() - t) / 5
-print(f'host sumsq of 8b embedding grad fp32 {x.nbytes / 1e9:.2f} GB: {dt * 1e3:.1f} ms, {x.nbytes / dt / 1e9:.1f} GB/s')
+import ml_dtypes
+for dt in (ml_dtypes.bfloat16, np.float32):
+    x = np.random.default_rng(0).standard_normal(128256 * 4096, dtype=np.float32).astype(dt)
+    sumsq(x); t = time.perf_counter()
+    for _ in range(5): sumsq(x)
+    s = (time.perf_counter() - t) / 5
+    print(f'host sumsq of 8b embedding grad {x.dtype} {x.nbytes / 1e9:.2f} GB: {s * 1e3:.1f} ms, {x.nbytes / s / 1e9:.1f} GB/s')
 " 2>&1 | tee $R/host-sumsq.txt
-for seq in 8192 4096; do for pick in estimate s39 compiled; do
-  left=$((560 - SECONDS)); [ $left -gt 100 ] && left=100; [ $left -gt 50 ] || { echo "no time for $seq $pick"; continue; }
+for seq in 8192 4096; do for pick in ${PICKS:-estimate s39 compiled}; do
+  left=$((${LIMIT:-560} - SECONDS)); [ $left -gt 100 ] && left=100; [ $left -gt 50 ] || { echo "no time for $seq $pick"; continue; }
   name=8b-$seq-16384-$pick; plan=$P40/$name.json
   [ $pick = s39 ] && plan=$P39/8b-$seq-16384-compiled.json
   (cd /tmp && timeout $left dataflow-demo 80 24 $seq 8b --plan $plan --steps 5 --json > $R/$name.json 2> $R/$name.log) &
