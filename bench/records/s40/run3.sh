@@ -4,7 +4,8 @@
 # thirty-ninth session's pick ("s39", measured in call2/) and today's ("compiled", from
 # bench/records/s40/plans/), each 5 steps in the same call; NVML memory used and the demo's RSS
 # sampled every 0.5 s; first the host's embedding-gradient norm (kernels.host.norms) timed. One
-# tar comes back. PICKS (default "estimate s39 compiled") and LIMIT (seconds, default 560) trim it.
+# tar comes back. PICKS (default "estimate s39 compiled"), SEQS ("8192 4096") and LIMIT (seconds,
+# default 560) trim it.
 set -uo pipefail
 source bench/records/device_setup.sh
 R=/tmp/s40c4; mkdir -p $R; P40=$PWD/bench/records/s40/plans; P39=$PWD/bench/records/s39/plans
@@ -20,7 +21,7 @@ for dt in (ml_dtypes.bfloat16, np.float32):
     s = (time.perf_counter() - t) / 5
     print(f'host sumsq of 8b embedding grad {x.dtype} {x.nbytes / 1e9:.2f} GB: {s * 1e3:.1f} ms, {x.nbytes / s / 1e9:.1f} GB/s')
 " 2>&1 | tee $R/host-sumsq.txt
-for seq in 8192 4096; do for pick in ${PICKS:-estimate s39 compiled}; do
+for seq in ${SEQS:-8192 4096}; do for pick in ${PICKS:-estimate s39 compiled}; do
   left=$((${LIMIT:-560} - SECONDS)); [ $left -gt 100 ] && left=100; [ $left -gt 50 ] || { echo "no time for $seq $pick"; continue; }
   name=8b-$seq-16384-$pick; plan=$P40/$name.json
   [ $pick = s39 ] && plan=$P39/8b-$seq-16384-compiled.json
