@@ -60,7 +60,10 @@ HOST_ADAMW_BYTES_PER_S = 4.2e9
 """What the host optimizer really achieves on the lent H100 host (16 cores, numba AdamW over
 pinned memory, 14 bytes moved per parameter): 8b's 8.0e9 parameters took 27 s (instrumented
 run, 2026-11-22). The machines' DRAM is far faster, but this is the rate the planner must use
-to weigh a host optimizer against one streamed through the GPU."""
+to weigh a host optimizer against one streamed through the GPU. Measured with the kernel's array
+conversions; its scalar unpack and pack since (kernels.host.adamw, bit-identical) ran 2x on this
+machine's two cores (77 -> 152 M parameters/s) and is not measured on the GPU machine's host yet,
+so this rate likely charges a host update too much."""
 
 H200_FP8_GEMM_FLOP_PER_S = 989e12 * 780 / 989 * SUSTAINED_POWER_FACTOR * 15.03 / 8.14
 """The bf16 GEMM rate times FP8's speedup over bf16 on the GEMMs of Llama3-8B's block at 8,192

@@ -20,6 +20,14 @@ for dt in (ml_dtypes.bfloat16, np.float32):
     for _ in range(5): sumsq(x)
     s = (time.perf_counter() - t) / 5
     print(f'host sumsq of 8b embedding grad {x.dtype} {x.nbytes / 1e9:.2f} GB: {s * 1e3:.1f} ms, {x.nbytes / s / 1e9:.1f} GB/s')
+from dataflow.kernels.host.adamw import adamw_step
+n = 218_112_000  # one 8b layer
+p, m, v = (x.astype(ml_dtypes.bfloat16) for x in np.random.default_rng(1).standard_normal((3, n), dtype=np.float32) * 0.01)
+g = np.random.default_rng(2).standard_normal(n, dtype=np.float32).astype(ml_dtypes.bfloat16)
+adamw_step(p, g, m, v, 1, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0); t = time.perf_counter()
+for k in range(2, 5): adamw_step(p, g, m, v, k, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0)
+s = (time.perf_counter() - t) / 3
+print(f'host AdamW of one 8b layer ({n / 1e6:.0f} M bf16 params, bf16 grads): {s * 1e3:.0f} ms, {n / s / 1e6:.0f} M params/s, {14 * n / s / 1e9:.1f} GB/s at 14 B a parameter')
 " 2>&1 | tee $R/host-sumsq.txt
 for seq in ${SEQS:-8192 4096}; do for pick in ${PICKS:-estimate s39 compiled}; do
   left=$((${LIMIT:-560} - SECONDS)); [ $left -gt 100 ] && left=100; [ $left -gt 50 ] || { echo "no time for $seq $pick"; continue; }
