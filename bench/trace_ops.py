@@ -16,6 +16,7 @@ never touches a device."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -23,9 +24,11 @@ from pathlib import Path
 
 from dataflow.instrument.breakdown import op_key
 
-def _events(path: Path) -> tuple[list[dict], dict[int, str]]:
-    try:
-        doc = json.loads(path.read_text())
+def read_trace(path: Path) -> tuple[list[dict], dict[int, str]]:
+    """(complete spans, thread id -> stream name) of a dataflow-demo trace, plain or .gz."""
+    try:  # a gzipped trace too, as bench/records keeps them
+        raw = path.read_bytes()
+        doc = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"{path}: not a readable Chrome trace ({exc}); write one with "
                          "dataflow-demo --trace FILE.json")
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.top < 1:
         p.error(f"--top {args.top}: give at least 1")
-    events, names = _events(Path(args.trace))
+    events, names = read_trace(Path(args.trace))
     summary = summarize(events, names, args.step)
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")

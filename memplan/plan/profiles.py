@@ -83,8 +83,9 @@ mode="clip") into pinned memory, bf16 rows), read + write counted, on the lent H
 (16 cores, one thread gathers): 12.3 GB/s for 8b's 8,192 rows, 10.3 for 16,384, 11.2 for 32b's
 16,384 (median of 9, bench/records/s28-host-gather/host-gather-h200.json). The H200 profile
 charged these gathers at HOST_ADAMW_BYTES_PER_S before, 2.7x too slow: 8b LoRA at one round a
-step waited 32 ms a step on a gather that takes 11. Not measured on the H100's host, so its
-profile keeps the AdamW rate."""
+step waited 32 ms a step on a gather that takes 11. The H100's host, traced in the fortieth
+session (bench/records/s40/call3/, 8b's 8,192 rows): 11.9 ms a gather, 11.3 GB/s, so its profile
+takes the same rate."""
 
 _BUILTIN = (
     # H100 SXM: measured on the lent machine (DESIGN.md section 6): GEMM 780, cuDNN attention
@@ -94,7 +95,7 @@ _BUILTIN = (
     # together, HBM copy 3.0 TB/s (read + write counted).
     _p("h100", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,
        444 / 989 * SUSTAINED_POWER_FACTOR, 55 * GB, 47 * GB, HOST_ADAMW_BYTES_PER_S, 3.0e12, 5,
-       80, fp8_gemm=H100_FP8_GEMM_FLOP_PER_S),
+       80, fp8_gemm=H100_FP8_GEMM_FLOP_PER_S, host_copy=HOST_GATHER_BYTES_PER_S),
     # H200: same compute die and 700 W cap as the H100; faster HBM (4.8 TB/s datasheet);
     # PCIe 5 as measured on the H100 host.
     _p("h200", 989e12, 780 / 989 * SUSTAINED_POWER_FACTOR, 620 / 989 * SUSTAINED_POWER_FACTOR,

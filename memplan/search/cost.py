@@ -93,6 +93,14 @@ for it); charged before as two round-row copies at the host AdamW rate (32 ms). 
 kernel's unpack-then-square loop; its bf16 square table since ran 11x that on this machine's
 two cores (0.56 -> 6.4 GB/s) and is not measured on the GPU machine's host yet, so this rate
 may charge that wait up to ~100 ms too much a step."""
+HOST_FILL_BYTES_PER_S = 57e9
+"""Zeroing a HOME gradient on the host (a memset of pinned memory): 8b's bf16 embedding gradient,
+1.05 GB, in 18.3 ms on the lent H100's host (bench/records/s40/call3/); charged before at the
+host AdamW rate, 250 ms."""
+HOST_SCATTER_BYTES_PER_S = 24e9
+"""The embedding gradient's scatter-add on the host (kernels.host.embedding), as the rows' bf16
+bytes read + written: 8b's 8,192 rows in 5.5 ms on the lent H100's host
+(bench/records/s40/call3/); charged before at the host AdamW rate, 32 ms."""
 DEFAULT_OPT_TARGET_FRAC = 0.02
 """Rounds per step: the fewest that keep the optimizer under this share of the step."""
 BOTTLENECK_FRAC = 0.05
@@ -562,13 +570,13 @@ def event_seconds(plan, p: HardwareProfile):
         if kind == "Update":
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)
         if kind == "Fill":
-            return ev.dst.nbytes / (host if ev.stream == "host" else hbm)
+            return ev.dst.nbytes / (HOST_FILL_BYTES_PER_S if ev.stream == "host" else hbm)
         if kind == "HostTask":  # copies at the host's copy rate; a scatter adds (host rate)
             if ev.op == "tokens_stage":
                 return 3 * ch.tokens_per_round * 4 / copy
             if ev.op == "grad_sumsq":
                 return ev.dst.nbytes / HOST_SUMSQ_BYTES_PER_S
-            return 2 * rows / (copy if ev.op == "embed_gather" else host)
+            return 2 * rows / (copy if ev.op == "embed_gather" else HOST_SCATTER_BYTES_PER_S)
         return 0.0
 
     return seconds

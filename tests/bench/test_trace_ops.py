@@ -25,7 +25,7 @@ def _trace(path):
 
 def test_the_last_step_is_summed_by_op_kind_per_stream(tmp_path, capsys):
     _trace(tmp_path / "t.json")
-    events, names = trace_ops._events(tmp_path / "t.json")
+    events, names = trace_ops.read_trace(tmp_path / "t.json")
     s = trace_ops.summarize(events, names)
     assert s["step"] == 2 and s["wall_ms"] == pytest.approx(1.0)
     compute = {r["op"]: r for r in s["streams"]["compute"]}

@@ -32,16 +32,17 @@ def _compiled(plan) -> float:
 
 def test_one_device_at_two_sequences_a_step_takes_the_compiled_best():
     """8b at 8k, 80 / 24, 16,384 tokens a step: the estimate's pick (2 rounds of one chunk, 4
-    resident layers) is 5,438 tok/s compiled (measured 5,545 on an H100, bench/records/s40/);
-    make_plan's keeps fewer layers resident and is more than 4 % faster within the same budgets.
+    resident layers) is 5,486 tok/s compiled (measured 5,545 on an H100, bench/records/s40/);
+    make_plan's (one round of two chunks, 6 resident) is more than 4 % faster within the same
+    budgets.
     (5,932 and 6,627 before the host link carried each direction once: the 1-round plan of
     3 resident layers chosen then measured 5,592.)"""
     cfg = load_config("8b")
     old, new = _estimates_pick(cfg), make_plan(cfg, 8192, B8, H100, tokens_per_step=TOKENS)
     assert (old.chunking.rounds_per_step, old.resident_layers) == (2, 4)
-    assert abs(_compiled(old) - 5438) < 5, _compiled(old)
+    assert abs(_compiled(old) - 5486) < 5, _compiled(old)
     assert _compiled(new) > 1.04 * _compiled(old), (_compiled(new), _compiled(old))
-    assert new.resident_layers < old.resident_layers
+    assert (new.chunking.rounds_per_step, new.resident_layers) != (2, 4)
     assert new.chunking.tokens_per_step == TOKENS
     assert new.memory.device_bytes + H100.library_reserve_bytes <= B8.device_bytes
     assert new.memory.host_bytes <= B8.host_bytes

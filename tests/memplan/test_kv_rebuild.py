@@ -104,7 +104,9 @@ def test_search_takes_it_where_the_schedule_is_faster(h100, model, seqlen, host,
     """Where the re-forming pays, the search takes it and the compiled schedule agrees; where
     the two choices are close, the one taken is within 1.5 % of the other's schedule (the
     search ranks by its per-round estimate, which cannot split a near tie and does not model
-    the deferred update the schedule is timed with: 8b at 32k lands 1.2 % apart)."""
+    the deferred update the schedule is timed with: 8b at 32k lands 1.2 % apart). 8b at 128k
+    gains 4.2 % (5.1 % before the H100 profile took its host's traced gather and scatter rates,
+    bench/records/s40/: the host-bound round it relieves got shorter)."""
     cfg = load_config(model)
     budget = Budget.from_gib(host, dev)
     plan = make_plan(cfg, seqlen, budget, h100)
@@ -112,7 +114,7 @@ def test_search_takes_it_where_the_schedule_is_faster(h100, model, seqlen, host,
         assert plan.kv_rebuild is want
     other = make_plan(cfg, seqlen, budget, h100, kv_rebuild=not plan.kv_rebuild)
     taken, not_taken = (predict_schedule(q, h100).tok_per_s for q in (plan, other))
-    assert taken > not_taken * (1.05 if want else 0.985)
+    assert taken > not_taken * (1.03 if want else 0.985)
 
 
 def test_a_ring_rank_chooses_it_on_its_own_and_its_schedule_reforms_kv(h100):

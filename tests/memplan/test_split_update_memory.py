@@ -97,16 +97,20 @@ def test_unsplit_plans_their_json_and_hashes_are_unchanged():
     """state_parts 1 (the default) leaves plans as they were: no key in the JSON, the hashes
     recorded before Plan.state_parts existed, the same plan when asked for explicitly.
 
-    Those hashes were recorded on an H100 profile without an FP8 GEMM rate; the rate it carries
-    now is part of every H100 plan's profile, so the old hashes are checked with it taken out and
-    today's with it in."""
+    Those hashes were recorded on an H100 profile without an FP8 GEMM rate or a host copy rate;
+    the rates it carries now are part of every H100 plan's profile, so the old hashes are checked
+    with them taken out and today's with them in (the same decisions)."""
     cfg = load_config("8b")
     plan = make_plan(cfg, 8192, Budget.from_gib(80, 24), H100)
     assert "state_parts" not in plan.to_json()
-    assert plan.hash == "af2ee1b5c273c246"
+    assert plan.hash == "d1d707f1142d9ddc"
     assert make_plan(load_config("1b"), 4096, Budget.from_gib(40, 16), H100).hash \
+        == "6abc45ee48d9e18c"
+    before_copy = dataclasses.replace(H100, host_copy_bytes_per_s=None)
+    assert make_plan(cfg, 8192, Budget.from_gib(80, 24), before_copy).hash == "af2ee1b5c273c246"
+    assert make_plan(load_config("1b"), 4096, Budget.from_gib(40, 16), before_copy).hash \
         == "3276b120c167fa81"
-    before_fp8 = dataclasses.replace(H100, fp8_gemm_flop_per_s=None)
+    before_fp8 = dataclasses.replace(before_copy, fp8_gemm_flop_per_s=None)
     assert make_plan(cfg, 8192, Budget.from_gib(80, 24), before_fp8).hash == "93b22ba2d67ce4fb"
     assert make_plan(load_config("1b"), 4096, Budget.from_gib(40, 16), before_fp8).hash \
         == "2811064bd9d6d30d"
