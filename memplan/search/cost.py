@@ -571,7 +571,7 @@ def event_seconds(plan, p: HardwareProfile):
             return ev.count * per_elem / (host if ev.stream == "host" else hbm)
         if kind == "Fill":
             return ev.dst.nbytes / (HOST_FILL_BYTES_PER_S if ev.stream == "host" else hbm)
-        if kind == "HostTask":  # copies at the host's copy rate; a scatter adds (host rate)
+        if kind == "HostTask":  # row copies at the host's copy rate; the others at traced rates
             if ev.op == "tokens_stage":
                 return 3 * ch.tokens_per_round * 4 / copy
             if ev.op == "grad_sumsq":
